@@ -243,6 +243,7 @@ type AgentCreateArgs struct {
 	Params     unsafe.Pointer `c:"params"`
 	NumParams  uintptr        `c:"num_params"`
 	Agent      Agent          `c:"agent"`
+	Caps       Caps           `c:"caps"`
 }
 
 // AgentDestroyArgs is kvp_agent_destroy_args.
@@ -557,7 +558,7 @@ var (
 	ErrorMessageArgsSize        = unsafe.Offsetof(ErrorMessageArgs{}.MessageLen) + unsafe.Sizeof(ErrorMessageArgs{}.MessageLen)
 	ErrorCodeArgsSize           = unsafe.Offsetof(ErrorCodeArgs{}.Code) + unsafe.Sizeof(ErrorCodeArgs{}.Code)
 	PluginInfoArgsSize          = unsafe.Offsetof(PluginInfoArgs{}.MemKinds) + unsafe.Sizeof(PluginInfoArgs{}.MemKinds)
-	AgentCreateArgsSize         = unsafe.Offsetof(AgentCreateArgs{}.Agent) + unsafe.Sizeof(AgentCreateArgs{}.Agent)
+	AgentCreateArgsSize         = unsafe.Offsetof(AgentCreateArgs{}.Caps) + unsafe.Sizeof(AgentCreateArgs{}.Caps)
 	AgentDestroyArgsSize        = unsafe.Offsetof(AgentDestroyArgs{}.Agent) + unsafe.Sizeof(AgentDestroyArgs{}.Agent)
 	RegisterMemArgsSize         = unsafe.Offsetof(RegisterMemArgs{}.Regions) + unsafe.Sizeof(RegisterMemArgs{}.Regions)
 	DeregisterMemArgsSize       = unsafe.Offsetof(DeregisterMemArgs{}.NumRegions) + unsafe.Sizeof(DeregisterMemArgs{}.NumRegions)

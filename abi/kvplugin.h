@@ -248,8 +248,12 @@ typedef struct kvp_agent_create_args {
   const kvp_param *params;
   size_t num_params;
   kvp_agent agent; /* out */
+  uint64_t caps;   /* out: the KVP_CAP_* bits this agent offers: the plugin's
+                      caps, less any that agent parameters switched off (the
+                      fake plugin's caps_off). The host decides emulation per
+                      agent from these, not from plugin_info. */
 } kvp_agent_create_args;
-#define KVP_AGENT_CREATE_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_agent_create_args, agent)
+#define KVP_AGENT_CREATE_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_agent_create_args, caps)
 #define KVP_MAX_NAME_LEN 255
 
 /* Cancels the agent's active transfers, releases every handle the agent owns
