@@ -79,6 +79,12 @@ type Copy struct {
 func (c Copy) Bytes() uint64 { return c.Len * c.Count }
 
 // Plan is a list of copies between two region tables.
+//
+// Plans are built to be reused: a per-peer planner fills one Plan per chunk
+// with Reset and Add, so Copies and Parts keep their capacity and planning a
+// chunk allocates nothing once they have grown. Src and Dst are borrowed
+// from the planner that filled the plan (never modified through the plan)
+// and stay valid as long as that planner.
 type Plan struct {
 	// Path names the reference code path the plan reproduces, e.g.
 	// "nixl-prepped-equal-tp" or "mori-tp-slice".
@@ -86,6 +92,142 @@ type Plan struct {
 	Src    []Region
 	Dst    []Region
 	Copies []Copy
+	// Parts splits Copies into transfers that the backend must post
+	// separately, each with its own notification (SGLang NIXL mixed memory
+	// kinds: one part per run of (source kind, destination kind)). Empty
+	// means one transfer holding every copy. When set, the parts cover
+	// Copies in order without gaps.
+	Parts []Part
+	// ReferenceDescriptors is how many descriptors the reference connector
+	// hands its backend for the same bytes (0 when not computed). Reported
+	// by `kvhost plan` to show what strided descriptors save.
+	ReferenceDescriptors uint64
+
+	// mergeFloor is the first copy Add may merge into; copies before it
+	// belong to a closed part.
+	mergeFloor int
+}
+
+// Part is one backend transfer of a plan: Copies[Start:End], all moving from
+// SrcKind memory to DstKind memory.
+type Part struct {
+	Start, End int
+	SrcKind    MemKind
+	DstKind    MemKind
+}
+
+// Reset empties the plan for reuse, keeping the capacity of Copies and
+// Parts. Src, Dst and Path are set by the caller afterwards.
+func (p *Plan) Reset() {
+	p.Path = ""
+	p.Src, p.Dst = nil, nil
+	p.Copies = p.Copies[:0]
+	p.Parts = p.Parts[:0]
+	p.ReferenceDescriptors = 0
+	p.mergeFloor = 0
+}
+
+// Add appends c, merging it into the last copy when c continues it:
+//   - two plain blocks that are adjacent on both sides become one block;
+//   - two equal-length blocks (or a strided run and a block or run that
+//     continues it with the same strides) become one strided copy, provided
+//     the strides are at least the block length on both sides so blocks of
+//     one copy never overlap.
+//
+// A strided run whose strides both equal its block length is stored as one
+// plain block. Merging never changes which bytes move where. Add allocates
+// only when Copies has to grow.
+func (p *Plan) Add(c Copy) {
+	if n := len(p.Copies); n > p.mergeFloor && p.Copies[n-1].absorb(c) {
+		return
+	}
+	p.Copies = append(p.Copies, c)
+}
+
+// ClosePart ends the current part: copies added so far that are not in a
+// part yet become Part{..., srcKind, dstKind}, and later copies are never
+// merged into them. A plan with parts must close its last part too.
+func (p *Plan) ClosePart(srcKind, dstKind MemKind) {
+	start := 0
+	if n := len(p.Parts); n > 0 {
+		start = p.Parts[n-1].End
+	}
+	p.Parts = append(p.Parts, Part{Start: start, End: len(p.Copies), SrcKind: srcKind, DstKind: dstKind})
+	p.mergeFloor = len(p.Copies)
+}
+
+// absorb merges next into c when next continues c (see Plan.Add) and
+// reports whether it did.
+func (c *Copy) absorb(next Copy) bool {
+	if c.SrcRegion != next.SrcRegion || c.DstRegion != next.DstRegion ||
+		c.Count == 0 || next.Count == 0 || c.Len == 0 || next.Len == 0 {
+		return false
+	}
+	if c.Count == 1 && next.Count == 1 {
+		srcEnd, ok1 := add64(c.SrcOff, c.Len)
+		dstEnd, ok2 := add64(c.DstOff, c.Len)
+		if ok1 && ok2 && next.SrcOff == srcEnd && next.DstOff == dstEnd {
+			if l, ok := add64(c.Len, next.Len); ok {
+				c.Len = l
+				return true
+			}
+			return false
+		}
+	}
+	if c.Len != next.Len {
+		return false
+	}
+	srcStride, dstStride := c.SrcStride, c.DstStride
+	if c.Count == 1 {
+		if next.SrcOff <= c.SrcOff || next.DstOff <= c.DstOff {
+			return false
+		}
+		srcStride, dstStride = next.SrcOff-c.SrcOff, next.DstOff-c.DstOff
+		if srcStride < c.Len || dstStride < c.Len {
+			return false
+		}
+	} else {
+		srcNext, ok1 := mulAdd64(c.SrcOff, c.Count, c.SrcStride)
+		dstNext, ok2 := mulAdd64(c.DstOff, c.Count, c.DstStride)
+		if !ok1 || !ok2 || next.SrcOff != srcNext || next.DstOff != dstNext {
+			return false
+		}
+	}
+	if next.Count > 1 && (next.SrcStride != srcStride || next.DstStride != dstStride) {
+		return false
+	}
+	count, ok := add64(c.Count, next.Count)
+	if !ok {
+		return false
+	}
+	c.SrcStride, c.DstStride, c.Count = srcStride, dstStride, count
+	if c.SrcStride == c.Len && c.DstStride == c.Len {
+		if l, ok := mul64(c.Len, c.Count); ok {
+			c.Len, c.Count, c.SrcStride, c.DstStride = l, 1, 0, 0
+		}
+	}
+	return true
+}
+
+// add64 returns a+b and false on overflow.
+func add64(a, b uint64) (uint64, bool) {
+	s, carry := bits.Add64(a, b, 0)
+	return s, carry == 0
+}
+
+// mul64 returns a*b and false on overflow.
+func mul64(a, b uint64) (uint64, bool) {
+	hi, lo := bits.Mul64(a, b)
+	return lo, hi == 0
+}
+
+// mulAdd64 returns base + n*stride and false on overflow.
+func mulAdd64(base, n, stride uint64) (uint64, bool) {
+	m, ok := mul64(n, stride)
+	if !ok {
+		return 0, false
+	}
+	return add64(base, m)
 }
 
 // Bytes returns the bytes the plan moves.
@@ -113,7 +255,13 @@ func (p *Plan) ExpandedDescriptors() uint64 {
 // Validate checks that every block of every copy lies inside its regions,
 // with no arithmetic overflow. A plan that fails Validate must never reach a
 // backend.
+//
+// When the plan has parts, they must cover Copies in order, and every copy
+// of a part must move between regions of the part's memory kinds.
 func (p *Plan) Validate() error {
+	if err := p.validateParts(); err != nil {
+		return err
+	}
 	for i, c := range p.Copies {
 		if c.Len == 0 || c.Count == 0 {
 			return fmt.Errorf("copy %d: empty (len %d, count %d)", i, c.Len, c.Count)
@@ -124,6 +272,32 @@ func (p *Plan) Validate() error {
 		if err := checkSide(p.Dst, c.DstRegion, c.DstOff, c.Len, c.DstStride, c.Count); err != nil {
 			return fmt.Errorf("copy %d: destination: %w", i, err)
 		}
+	}
+	return nil
+}
+
+func (p *Plan) validateParts() error {
+	if len(p.Parts) == 0 {
+		return nil
+	}
+	next := 0
+	for i, pt := range p.Parts {
+		if pt.Start != next || pt.End < pt.Start || pt.End > len(p.Copies) {
+			return fmt.Errorf("part %d: copies [%d, %d) do not continue at %d within %d copies", i, pt.Start, pt.End, next, len(p.Copies))
+		}
+		for j := pt.Start; j < pt.End; j++ {
+			c := p.Copies[j]
+			if int(c.SrcRegion) < len(p.Src) && c.SrcRegion >= 0 && p.Src[c.SrcRegion].Kind != pt.SrcKind {
+				return fmt.Errorf("part %d: copy %d reads %v region %d, part is %v", i, j, p.Src[c.SrcRegion].Kind, c.SrcRegion, pt.SrcKind)
+			}
+			if int(c.DstRegion) < len(p.Dst) && c.DstRegion >= 0 && p.Dst[c.DstRegion].Kind != pt.DstKind {
+				return fmt.Errorf("part %d: copy %d writes %v region %d, part is %v", i, j, p.Dst[c.DstRegion].Kind, c.DstRegion, pt.DstKind)
+			}
+		}
+		next = pt.End
+	}
+	if next != len(p.Copies) {
+		return fmt.Errorf("parts end at copy %d of %d", next, len(p.Copies))
 	}
 	return nil
 }

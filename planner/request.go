@@ -1,0 +1,231 @@
+package planner
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+)
+
+// This file is the JSON request layer behind `kvhost plan`: an envelope
+// that names the style and kind, a registry of handlers (one per
+// (style, kind), each living in its owner's file), the KV request shape the
+// issue fixes, and strict decoding whose errors name the offending field.
+
+// Styles of plan requests.
+const (
+	StyleSGLangNIXL = "sglang-nixl"
+	StyleSGLangMORI = "sglang-mori"
+	StyleVLLM       = "vllm"
+)
+
+// Kinds of plan requests.
+const (
+	KindKV    = "kv"
+	KindAux   = "aux"
+	KindState = "state"
+)
+
+// Envelope is the part of every request that selects a handler.
+type Envelope struct {
+	Style string `json:"style"`
+	Kind  string `json:"kind,omitempty"` // default "kv"
+}
+
+// Handler plans one request of its (style, kind). raw is the whole request
+// object; the handler decodes it with DecodeStrict into its own type, which
+// must declare the envelope fields too. Errors should be *Error naming the
+// JSON field (dotted path, e.g. "prefill.kv_item_lens[3]").
+type Handler func(raw json.RawMessage) (*Plan, error)
+
+type handlerKey struct{ style, kind string }
+
+// handlers is filled by registerHandler from init functions only and read
+// afterwards; it is never modified once main starts.
+var handlers = map[handlerKey]Handler{}
+
+// registerHandler adds the handler of (style, kind). Call it from init in
+// the file that owns the plan. Registering a pair twice panics: that is a
+// programming error caught by any test run.
+func registerHandler(style, kind string, h Handler) {
+	k := handlerKey{style, kind}
+	if _, dup := handlers[k]; dup {
+		panic(fmt.Sprintf("planner: handler for style %q kind %q registered twice", style, kind))
+	}
+	handlers[k] = h
+}
+
+// Handled lists the registered (style, kind) pairs as "style/kind", sorted.
+func Handled() []string {
+	out := make([]string, 0, len(handlers))
+	for k := range handlers {
+		out = append(out, k.style+"/"+k.kind)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// PlanRequest decodes one JSON request, plans it with the handler of its
+// style and kind, and validates the plan against its regions. The envelope
+// is returned with Kind defaulted to "kv".
+func PlanRequest(raw []byte) (*Plan, Envelope, error) {
+	var env Envelope
+	if err := json.Unmarshal(raw, &env); err != nil {
+		return nil, env, jsonError(err)
+	}
+	if env.Kind == "" {
+		env.Kind = KindKV
+	}
+	switch env.Style {
+	case StyleSGLangNIXL, StyleSGLangMORI, StyleVLLM:
+	case "":
+		return nil, env, errorf("style", "missing (want %q, %q or %q)", StyleSGLangNIXL, StyleSGLangMORI, StyleVLLM)
+	default:
+		return nil, env, errorf("style", "unknown style %q (want %q, %q or %q)", env.Style, StyleSGLangNIXL, StyleSGLangMORI, StyleVLLM)
+	}
+	h, ok := handlers[handlerKey{env.Style, env.Kind}]
+	if !ok {
+		return nil, env, errorf("kind", "style %q has no %q plans (have: %s)", env.Style, env.Kind, strings.Join(Handled(), ", "))
+	}
+	p, err := h(raw)
+	if err != nil {
+		return nil, env, err
+	}
+	if err := p.Validate(); err != nil {
+		// A planner bug, never bad input: planners check geometry first.
+		return nil, env, fmt.Errorf("internal error: plan %s addresses bytes outside its regions: %w", p.Path, err)
+	}
+	return p, env, nil
+}
+
+// DecodeStrict decodes raw into v, rejecting unknown fields and trailing
+// data, and turns decoding errors into one-line *Error values naming the
+// field.
+func DecodeStrict(raw []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return jsonError(err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return errorf("", "request: unexpected data after the JSON object")
+	}
+	return nil
+}
+
+// jsonError turns an encoding/json error into a one-line *Error naming the
+// field where one is known.
+func jsonError(err error) error {
+	var typeErr *json.UnmarshalTypeError
+	var syntaxErr *json.SyntaxError
+	switch {
+	case errors.As(err, &typeErr):
+		field := typeErr.Field
+		if field == "" {
+			field = "request"
+		}
+		return errorf(field, "want %s, got JSON %s", typeErr.Type, typeErr.Value)
+	case errors.As(err, &syntaxErr):
+		return errorf("request", "invalid JSON at byte %d: %v", syntaxErr.Offset, syntaxErr)
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return errorf("request", "empty or truncated JSON")
+	}
+	msg := err.Error()
+	if rest, ok := strings.CutPrefix(msg, "json: unknown field "); ok {
+		return errorf(strings.Trim(rest, `"`), "unknown field")
+	}
+	return errorf("request", "%s", strings.TrimPrefix(msg, "json: "))
+}
+
+// KVRequest is the KV plan request of every style (the issue's fixed
+// contract). Style-specific extras are marked.
+type KVRequest struct {
+	Style     string `json:"style"`
+	Kind      string `json:"kind,omitempty"`
+	Attention string `json:"attention"` // "mha" or "mla"
+	// PageSize is tokens per page (SGLang) or per block (vLLM default).
+	PageSize int `json:"page_size"`
+	// TotalKVHeads defaults to prefill kv_head_num * prefill tp_size.
+	TotalKVHeads int         `json:"total_kv_heads,omitempty"`
+	Prefill      KVSideJSON  `json:"prefill"`
+	Decode       KVSideJSON  `json:"decode"`
+	PrefillPages []int64     `json:"prefill_pages"`
+	DecodePages  []int64     `json:"decode_pages"`
+	// Prepped (sglang-nixl only) selects the prepped-dlist paths (default
+	// true, what SGLang runs) or, false, the non-prepped path
+	// (_send_kvcache_generic's group_concurrent_contiguous runs).
+	Prepped *bool `json:"prepped,omitempty"`
+}
+
+// KVSideJSON is one side of a KV request.
+type KVSideJSON struct {
+	TPSize     int      `json:"tp_size"`
+	TPRank     int      `json:"tp_rank"`
+	KVHeadNum  int      `json:"kv_head_num"`
+	KVPtrs     []uint64 `json:"kv_ptrs"`
+	KVItemLens []uint64 `json:"kv_item_lens"`
+	NumPages   uint64   `json:"num_pages"`
+	MemKinds   []string `json:"mem_kinds,omitempty"`
+	StartLayer int      `json:"start_layer,omitempty"`
+	// vLLM only.
+	BlockSize   int  `json:"block_size,omitempty"`
+	BlocksFirst bool `json:"blocks_first,omitempty"`
+}
+
+// Side converts the JSON side into a KVSide; name ("prefill" or "decode")
+// prefixes error fields.
+func (s *KVSideJSON) Side(name string) (KVSide, error) {
+	out := KVSide{
+		TPSize:     s.TPSize,
+		TPRank:     s.TPRank,
+		KVHeadNum:  s.KVHeadNum,
+		Ptrs:       s.KVPtrs,
+		ItemLens:   s.KVItemLens,
+		NumPages:   s.NumPages,
+		StartLayer: s.StartLayer,
+	}
+	if s.MemKinds != nil {
+		out.Kinds = make([]MemKind, len(s.MemKinds))
+		for i, k := range s.MemKinds {
+			mk, err := ParseMemKind(k)
+			if err != nil {
+				return out, errorf(fmt.Sprintf("%s.mem_kinds[%d]", name, i), "unsupported NIXL KV memory kind %q (want VRAM or DRAM)", k)
+			}
+			out.Kinds[i] = mk
+		}
+	}
+	if err := out.check(name); err != nil {
+		return out, err
+	}
+	return out, nil
+}
+
+// MLA reports whether the request is for MLA attention ("mha" or "mla";
+// anything else is an error naming "attention").
+func (r *KVRequest) MLA() (bool, error) {
+	switch r.Attention {
+	case "mha":
+		return false, nil
+	case "mla":
+		return true, nil
+	case "":
+		return false, errorf("attention", `missing (want "mha" or "mla")`)
+	}
+	return false, errorf("attention", `unknown attention %q (want "mha" or "mla")`, r.Attention)
+}
+
+// Pages converts a JSON page list into int32 indices (the reference's and
+// the ABI's index type).
+func Pages(field string, in []int64) ([]int32, error) {
+	out := make([]int32, len(in))
+	for i, p := range in {
+		if p < 0 || p > 1<<31-1 {
+			return nil, errorf(fmt.Sprintf("%s[%d]", field, i), "page %d outside [0, 2^31)", p)
+		}
+		out[i] = int32(p)
+	}
+	return out, nil
+}
