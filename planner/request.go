@@ -149,11 +149,11 @@ type KVRequest struct {
 	// PageSize is tokens per page (SGLang) or per block (vLLM default).
 	PageSize int `json:"page_size"`
 	// TotalKVHeads defaults to prefill kv_head_num * prefill tp_size.
-	TotalKVHeads int         `json:"total_kv_heads,omitempty"`
-	Prefill      KVSideJSON  `json:"prefill"`
-	Decode       KVSideJSON  `json:"decode"`
-	PrefillPages []int64     `json:"prefill_pages"`
-	DecodePages  []int64     `json:"decode_pages"`
+	TotalKVHeads int        `json:"total_kv_heads,omitempty"`
+	Prefill      KVSideJSON `json:"prefill"`
+	Decode       KVSideJSON `json:"decode"`
+	PrefillPages []int64    `json:"prefill_pages"`
+	DecodePages  []int64    `json:"decode_pages"`
 	// Prepped (sglang-nixl only) selects the prepped-dlist paths (default
 	// true, what SGLang runs) or, false, the non-prepped path
 	// (_send_kvcache_generic's group_concurrent_contiguous runs).
