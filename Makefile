@@ -28,6 +28,35 @@ $(PLUGIN_DIR)/libkvhost_fake.so: plugins/fake/fake.c $(COMMON_SRC) $(COMMON_HDR)
 	@mkdir -p $(PLUGIN_DIR)
 	$(CC) $(CFLAGS_PLUGIN) -Iabi -Iplugins/common -shared -o $@ plugins/fake/fake.c $(COMMON_SRC)
 
+# --- C tests of the plugins' shared code and of the fake plugin -------------
+# `make plugin-test` builds and runs them under AddressSanitizer+UBSan and,
+# separately, ThreadSanitizer; it also checks that kvp_util compiles as C++17
+# (the nixl and mori shims include it).
+PLUGIN_TEST_DIR := build/plugintest
+CFLAGS_PTEST := -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -fno-omit-frame-pointer -Iabi -Iplugins/common
+SAN_ASAN := -fsanitize=address,undefined -fno-sanitize-recover=all
+SAN_TSAN := -fsanitize=thread
+
+.PHONY: plugin-test plugin-test-util
+
+plugin-test: plugin-test-util
+
+plugin-test-util: $(PLUGIN_TEST_DIR)/test_kvp_util_asan $(PLUGIN_TEST_DIR)/test_kvp_util_tsan $(PLUGIN_TEST_DIR)/kvp_util_cxx.o
+	$(PLUGIN_TEST_DIR)/test_kvp_util_asan
+	$(PLUGIN_TEST_DIR)/test_kvp_util_tsan
+
+$(PLUGIN_TEST_DIR)/test_kvp_util_asan: plugins/common/test_kvp_util.c $(COMMON_SRC) $(COMMON_HDR)
+	@mkdir -p $(PLUGIN_TEST_DIR)
+	$(CC) $(CFLAGS_PTEST) $(SAN_ASAN) -o $@ plugins/common/test_kvp_util.c $(COMMON_SRC)
+
+$(PLUGIN_TEST_DIR)/test_kvp_util_tsan: plugins/common/test_kvp_util.c $(COMMON_SRC) $(COMMON_HDR)
+	@mkdir -p $(PLUGIN_TEST_DIR)
+	$(CC) $(CFLAGS_PTEST) $(SAN_TSAN) -o $@ plugins/common/test_kvp_util.c $(COMMON_SRC)
+
+$(PLUGIN_TEST_DIR)/kvp_util_cxx.o: $(COMMON_SRC) $(COMMON_HDR)
+	@mkdir -p $(PLUGIN_TEST_DIR)
+	$(CXX) -std=c++17 -Wall -Wextra -Werror -Wpedantic -Iabi -Iplugins/common -x c++ -c -o $@ $(COMMON_SRC)
+
 plugin-nixl:
 	@if [ -z "$(NIXL_PREFIX)" ]; then \
 	  echo "plugin-nixl: set NIXL_PREFIX to an installed NIXL (headers in \$$NIXL_PREFIX/include, libraries in \$$NIXL_PREFIX/lib or lib/x86_64-linux-gnu), e.g. make plugin-nixl NIXL_PREFIX=/opt/nixl" >&2; \
