@@ -138,6 +138,7 @@ func (p *Plan) Reset() {
 // plain block. Merging never changes which bytes move where. Add allocates
 // only when Copies has to grow.
 func (p *Plan) Add(c Copy) {
+	c.normalize()
 	if n := len(p.Copies); n > p.mergeFloor && p.Copies[n-1].absorb(c) {
 		return
 	}
@@ -201,12 +202,21 @@ func (c *Copy) absorb(next Copy) bool {
 		return false
 	}
 	c.SrcStride, c.DstStride, c.Count = srcStride, dstStride, count
-	if c.SrcStride == c.Len && c.DstStride == c.Len {
+	c.normalize()
+	return true
+}
+
+// normalize stores a run of blocks that are adjacent on both sides as one
+// plain block, and clears the strides of a plain block.
+func (c *Copy) normalize() {
+	if c.Count > 1 && c.SrcStride == c.Len && c.DstStride == c.Len {
 		if l, ok := mul64(c.Len, c.Count); ok {
-			c.Len, c.Count, c.SrcStride, c.DstStride = l, 1, 0, 0
+			c.Len, c.Count = l, 1
 		}
 	}
-	return true
+	if c.Count == 1 {
+		c.SrcStride, c.DstStride = 0, 0
+	}
 }
 
 // add64 returns a+b and false on overflow.

@@ -1,0 +1,234 @@
+package planner
+
+import "fmt"
+
+// SGLangKV is the KV geometry of one prefill rank and one decode peer of an
+// SGLang deployment: what the prefill side knows once the peer has
+// registered (KVArgs plus KVArgsRegisterInfo).
+type SGLangKV struct {
+	// MLA selects MLA attention (one region per layer, no head slicing).
+	MLA bool
+	// PageSize is tokens per page; used by the heterogeneous-TP slice paths.
+	PageSize int
+	// TotalKVHeads is total_kv_head_num; 0 means Prefill.KVHeadNum *
+	// Prefill.TPSize, as the reference defaults it.
+	TotalKVHeads int
+	Prefill      KVSide
+	Decode       KVSide
+}
+
+// pagePair is how one prefill region pairs with a decode region when whole
+// pages move: page s of the source at s*srcStride, page t of the
+// destination at t*dstStride, xfer bytes each.
+type pagePair struct {
+	src, dst             int32
+	srcStride, dstStride uint64
+	xfer                 uint64
+}
+
+// headSlice is the per-token head slice of heterogeneous TP, identical for
+// every region pair: token k of page s starts at s*srcItem + k*srcToken +
+// srcOff on the prefill side and t*dstItem + k*dstToken + dstOff on the
+// decode side, length bytes each.
+type headSlice struct {
+	pageSize           uint64
+	srcItem, dstItem   uint64
+	srcToken, dstToken uint64
+	srcOff, dstOff     uint64
+	length             uint64
+	// NIXL prepped dlist interleave: the source dlist holds groups slices
+	// per token, this peer reads group groupIdx.
+	groups, groupIdx uint64
+}
+
+// tokensAligned reports whether consecutive pages continue the per-token
+// stride on both sides, so a run of pages is one strided copy.
+func (h *headSlice) tokensAligned() bool {
+	return h.srcItem == h.pageSize*h.srcToken && h.dstItem == h.pageSize*h.dstToken
+}
+
+// sglangPair holds what NIXL and MORI planners share: checked geometry,
+// region tables and layer pairing.
+type sglangPair struct {
+	g      SGLangKV
+	src    []Region
+	dst    []Region
+	pairOf []int32 // decode region of every prefill region
+}
+
+func newSGLangPair(g SGLangKV) (sglangPair, error) {
+	sp := sglangPair{g: g}
+	if err := g.Prefill.check("prefill"); err != nil {
+		return sp, err
+	}
+	if err := g.Decode.check("decode"); err != nil {
+		return sp, err
+	}
+	if g.PageSize < 0 {
+		return sp, errorf("page_size", "must not be negative, got %d", g.PageSize)
+	}
+	if g.TotalKVHeads < 0 {
+		return sp, errorf("total_kv_heads", "must not be negative, got %d", g.TotalKVHeads)
+	}
+	var err error
+	sp.pairOf, err = PairKVRegions(nil, g.MLA, len(g.Prefill.Ptrs), len(g.Decode.Ptrs), g.Prefill.StartLayer)
+	if err != nil {
+		return sp, err
+	}
+	sp.src = g.Prefill.appendRegions(nil)
+	sp.dst = g.Decode.appendRegions(nil)
+	return sp, nil
+}
+
+// equalTP reports whether whole pages move (MLA, or equal attention TP).
+func (sp *sglangPair) equalTP() bool {
+	return sp.g.MLA || sp.g.Prefill.TPSize == sp.g.Decode.TPSize
+}
+
+// totalKVHeads resolves total_kv_head_num as the reference does.
+func (sp *sglangPair) totalKVHeads() int {
+	if sp.g.TotalKVHeads > 0 {
+		return sp.g.TotalKVHeads
+	}
+	return sp.g.Prefill.KVHeadNum * sp.g.Prefill.TPSize
+}
+
+// uniformItemLens checks that every region of a side has the item length
+// the reference's slice paths assume for all of them (kv_item_lens[0]).
+func (sp *sglangPair) uniformItemLens() error {
+	for i, l := range sp.g.Prefill.ItemLens {
+		if l != sp.g.Prefill.ItemLens[0] {
+			return errorf(fmt.Sprintf("prefill.kv_item_lens[%d]", i), "heterogeneous TP slices every region with kv_item_lens[0] = %d; got %d", sp.g.Prefill.ItemLens[0], l)
+		}
+	}
+	for _, d := range sp.pairOf {
+		if l := sp.g.Decode.ItemLens[d]; l != sp.g.Decode.ItemLens[0] {
+			return errorf(fmt.Sprintf("decode.kv_item_lens[%d]", d), "heterogeneous TP slices every region with kv_item_lens[0] = %d; got %d", sp.g.Decode.ItemLens[0], l)
+		}
+	}
+	return nil
+}
+
+// sliceStyle selects the reference's variant of the head-slice geometry.
+type sliceStyle int
+
+const (
+	sliceNIXL sliceStyle = iota // NixlKVManager._init_hetero_tp_prep_handle
+	sliceMORI                   // MoriKVManager._build_tp_slice_config
+)
+
+// headSlice computes the heterogeneous-TP slice of this (prefill rank,
+// decode rank) pair with the reference's formulas, and rejects geometries
+// whose slice would be empty or leave the token on either side.
+func (sp *sglangPair) headSlice(style sliceStyle) (headSlice, error) {
+	g := &sp.g
+	if g.PageSize < 1 {
+		return headSlice{}, errorf("page_size", "heterogeneous TP needs page_size >= 1, got %d", g.PageSize)
+	}
+	if err := sp.uniformItemLens(); err != nil {
+		return headSlice{}, err
+	}
+	total := sp.totalKVHeads()
+	if total <= 0 {
+		return headSlice{}, errorf("total_kv_heads", "heterogeneous TP needs the KV head count: set total_kv_heads or prefill.kv_head_num")
+	}
+	p, d := g.Prefill.TPSize, g.Decode.TPSize
+	srcHeads := max(1, total/p)
+	dstHeads := max(1, total/d)
+	page := uint64(g.PageSize)
+	h := headSlice{
+		pageSize: page,
+		srcItem:  g.Prefill.ItemLens[0],
+		dstItem:  g.Decode.ItemLens[0],
+		groups:   1,
+	}
+	h.srcToken = h.srcItem / page
+	h.dstToken = h.dstItem / page
+	headBytes := h.dstToken / uint64(dstHeads) // bytes_per_head_slice
+	if headBytes == 0 {
+		return h, errorf("decode.kv_item_lens", "head slice size evaluates to zero (%d bytes per page / %d tokens / %d heads)", h.dstItem, page, dstHeads)
+	}
+	localRank := g.Prefill.TPRank % p
+	dstRank := g.Decode.TPRank % d
+	var heads int
+	if p > d {
+		// Several prefill ranks feed one decode rank: this rank sends all
+		// its heads into its head range of the decode token.
+		replication := max(1, p/total)
+		unique := localRank / replication
+		heads = srcHeads
+		h.dstOff = uint64((unique*srcHeads)%dstHeads) * headBytes
+	} else {
+		// One prefill rank feeds several decode ranks: each takes its
+		// head group out of the prefill token.
+		srcStart := (dstRank * dstHeads) % srcHeads
+		heads = dstHeads
+		switch style {
+		case sliceNIXL:
+			h.groups = uint64(d / p)
+			h.groupIdx = uint64(srcStart / dstHeads)
+			h.srcOff = h.groupIdx * uint64(heads) * headBytes
+		case sliceMORI:
+			h.srcOff = uint64(srcStart) * headBytes
+		}
+	}
+	h.length = uint64(heads) * headBytes
+	if h.length > h.dstToken || h.dstOff > h.dstToken-h.length {
+		return h, errorf("decode.kv_item_lens", "slice size exceeds destination token capacity: heads bytes [%d, %d) of a %d-byte decode token", h.dstOff, h.dstOff+h.length, h.dstToken)
+	}
+	if h.length > h.srcToken || h.srcOff > h.srcToken-h.length {
+		return h, errorf("prefill.kv_item_lens", "head slice [%d, %d) lies outside the %d-byte prefill token (check kv_head_num, total_kv_heads and kv_item_lens)", h.srcOff, h.srcOff+h.length, h.srcToken)
+	}
+	return h, nil
+}
+
+// addPages adds whole-page copies of one region pair for every run of the
+// chunk.
+func addPages(p *Plan, pp pagePair, src, dst []int32) {
+	for i, n := 0, 0; i < len(src); i += n {
+		n = NextRun(src, dst, i)
+		p.Add(Copy{
+			SrcRegion: pp.src, DstRegion: pp.dst,
+			SrcOff: uint64(src[i]) * pp.srcStride, DstOff: uint64(dst[i]) * pp.dstStride,
+			Len: pp.xfer, SrcStride: pp.srcStride, DstStride: pp.dstStride, Count: uint64(n),
+		})
+	}
+}
+
+// addSlices adds the head-slice copies of one region pair: one strided copy
+// per run of pages (per page when page strides do not continue the token
+// stride).
+func addSlices(p *Plan, h *headSlice, srcReg, dstReg int32, src, dst []int32) {
+	aligned := h.tokensAligned()
+	for i, n := 0, 0; i < len(src); i += n {
+		n = 1
+		if aligned {
+			n = NextRun(src, dst, i)
+		}
+		p.Add(Copy{
+			SrcRegion: srcReg, DstRegion: dstReg,
+			SrcOff: uint64(src[i])*h.srcItem + h.srcOff, DstOff: uint64(dst[i])*h.dstItem + h.dstOff,
+			Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * uint64(n),
+		})
+	}
+}
+
+// checkPagesFit checks that page maxPage at stride bytes, plus xfer bytes,
+// ends inside region r; the reference addresses some regions with another
+// region's item length, which can run past a shorter region.
+func checkPagesFit(field string, maxPage int32, stride, xfer uint64, r Region, reg int32) error {
+	end, ok := mulAdd64(xfer, uint64(maxPage), stride)
+	if !ok || end > r.Len {
+		return errorf(field, "page %d at %d bytes per page ends past region %d (%d bytes)", maxPage, stride, reg, r.Len)
+	}
+	return nil
+}
+
+// maxPage returns the largest index of pages (-1 when empty).
+func maxPage(pages []int32) int32 {
+	m := int32(-1)
+	for _, p := range pages {
+		m = max(m, p)
+	}
+	return m
+}

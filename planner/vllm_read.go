@@ -1,0 +1,274 @@
+package planner
+
+import (
+	"fmt"
+	"math"
+)
+
+// Per-request planning of vLLM pull reads (_read_blocks_for_req,
+// _read_blocks, get_mapped_blocks, _get_block_descs_ids).
+//
+// A request names its decode blocks (local_block_ids, logical) and the
+// prefill's blocks (remote_block_ids). In order:
+//  1. both lists expand by PhysicalBlocksPerLogical
+//     (_logical_to_kernel_block_ids);
+//  2. with decode blocks BlockSizeRatio times larger than prefill blocks,
+//     every decode block becomes BlockSizeRatio sub-blocks of prefill size
+//     (get_mapped_blocks), and the local list is clipped to the remote
+//     list's length;
+//  3. an empty local list is a full prefix hit: nothing is read and the
+//     prefill is only notified;
+//  4. a shorter local list is a partial prefix hit: only the last
+//     len(local) remote blocks are read;
+//  5. descriptor ids are virtual region × blocks per region + block, every
+//     region in turn; a layer with a block window reads only the last
+//     window blocks of both lists.
+//
+// Ids are computed on the fly from the inputs: nothing is allocated per
+// block or per descriptor.
+
+// vllmSeq is a block id list after expansion: element k is
+// ids[k/factor]*factor + k%factor, for k < n (n may clip the expansion).
+type vllmSeq struct {
+	ids    []int32
+	factor int
+	n      int
+}
+
+func (s *vllmSeq) at(k int) int {
+	return int(s.ids[k/s.factor])*s.factor + k%s.factor
+}
+
+// vllmReq is one request resolved against a reader: the expanded lists and
+// where reading starts in the remote one.
+type vllmReq struct {
+	local, remote vllmSeq
+	// remoteStart is the index in remote of the block read with local[0].
+	remoteStart int
+}
+
+// resolve applies steps 1 to 4 and checks every block id that will be read.
+// It returns notifyOnly for a full prefix hit.
+func (r *VLLMReader) resolve(local, remote []int32) (q vllmReq, notifyOnly bool, err error) {
+	kf := r.kernelFactor
+	q.remote = vllmSeq{ids: remote, factor: kf, n: len(remote) * kf}
+	q.local = vllmSeq{ids: local, factor: kf * r.blockSizeRatio, n: len(local) * kf * r.blockSizeRatio}
+	if r.blockSizeRatio > 1 && q.local.n > q.remote.n {
+		q.local.n = q.remote.n
+	}
+	if q.local.n == 0 {
+		return q, true, nil
+	}
+	if q.local.n > q.remote.n {
+		return q, false, errorf("local_block_ids", "%d decode blocks to read but the prefill sent only %d blocks", q.local.n, q.remote.n)
+	}
+	q.remoteStart = q.remote.n - q.local.n
+
+	// Only blocks some region reads need to exist: the widest window.
+	first := 0
+	if r.windows != nil {
+		first = q.local.n
+		for _, w := range r.windows {
+			first = min(first, windowStart(q.local.n, w))
+		}
+	}
+	if err := checkSeq("local_block_ids", &q.local, first, q.local.n, r.local.Blocks); err != nil {
+		return q, false, err
+	}
+	if err := checkSeq("remote_block_ids", &q.remote, q.remoteStart+first, q.remote.n, r.remote.Blocks); err != nil {
+		return q, false, err
+	}
+	return q, false, nil
+}
+
+// windowStart is the first index of the last w of n blocks (Python's
+// ids[-w:], where w == 0 keeps everything).
+func windowStart(n, w int) int {
+	if w == 0 || w >= n {
+		return 0
+	}
+	return n - w
+}
+
+// checkSeq checks that elements [from, to) of s name one of blocks blocks.
+// It checks per input id, so it runs in O(len(ids)) and cannot overflow.
+func checkSeq(field string, s *vllmSeq, from, to, blocks int) error {
+	if from >= to {
+		return nil
+	}
+	for i := from / s.factor; i <= (to-1)/s.factor; i++ {
+		id := int(s.ids[i])
+		// The expanded ids of this input id are id*factor ... +factor-1;
+		// only those in [from, to) are read.
+		lo := max(from, i*s.factor) - i*s.factor
+		hi := min(to, (i+1)*s.factor) - 1 - i*s.factor
+		if id < 0 || id > (blocks-1-hi)/s.factor || id*s.factor+hi >= blocks {
+			return errorf(fmt.Sprintf("%s[%d]", field, i), "block %d outside [0, %d)", id, vllmBlocksOf(blocks, s.factor, lo, hi))
+		}
+	}
+	return nil
+}
+
+// vllmBlocksOf reports the valid input id range for an error message: how
+// many input ids fit blocks expanded blocks.
+func vllmBlocksOf(blocks, factor, lo, hi int) int {
+	_ = lo
+	return (blocks - hi + factor - 1) / factor
+}
+
+// VLLMRead is the prepped form of one request's READ.
+type VLLMRead struct {
+	// NotifyOnly is a full prefix hit: nothing to read; send only the
+	// notification to the prefill rank.
+	NotifyOnly bool
+	// LocalIDs index the reader's LocalList and RemoteIDs its RemoteList;
+	// descriptor LocalIDs[k] receives descriptor RemoteIDs[k]. Both have the
+	// same length.
+	LocalIDs  []int32
+	RemoteIDs []int32
+}
+
+// Read returns the descriptor ids of one request (local ids are the decode
+// blocks, logical; remote ids the prefill's remote_block_ids). It allocates
+// the two id arrays and nothing else; AppendRead reuses caller buffers.
+func (r *VLLMReader) Read(localBlockIDs, remoteBlockIDs []int32) (VLLMRead, error) {
+	n, notify, err := r.ReadLen(localBlockIDs, remoteBlockIDs)
+	if err != nil || notify {
+		return VLLMRead{NotifyOnly: notify}, err
+	}
+	l, rm, _, err := r.AppendRead(make([]int32, 0, n), make([]int32, 0, n), localBlockIDs, remoteBlockIDs)
+	return VLLMRead{LocalIDs: l, RemoteIDs: rm}, err
+}
+
+// ReadLen returns how many descriptor ids (per side) the request needs, and
+// whether it is a full prefix hit.
+func (r *VLLMReader) ReadLen(localBlockIDs, remoteBlockIDs []int32) (n int, notifyOnly bool, err error) {
+	q, notify, err := r.resolve(localBlockIDs, remoteBlockIDs)
+	if err != nil || notify {
+		return 0, notify, err
+	}
+	for j := range r.local.Regions {
+		n += q.local.n - r.windowStartOf(j, q.local.n)
+	}
+	return n, false, nil
+}
+
+func (r *VLLMReader) windowStartOf(j, n int) int {
+	if r.windows == nil {
+		return 0
+	}
+	return windowStart(n, r.windows[j])
+}
+
+// AppendRead appends the request's local and remote descriptor ids to
+// localDst and remoteDst and returns the extended slices. It allocates only
+// if the slices lack capacity. On error both are returned at their original
+// lengths.
+func (r *VLLMReader) AppendRead(localDst, remoteDst []int32, localBlockIDs, remoteBlockIDs []int32) (localIDs, remoteIDs []int32, notifyOnly bool, err error) {
+	q, notify, err := r.resolve(localBlockIDs, remoteBlockIDs)
+	if err != nil || notify {
+		return localDst, remoteDst, notify, err
+	}
+	lb, rb := r.local.Blocks, r.remote.Blocks
+	for j := range r.local.Regions {
+		// Ids fit int32: NewVLLMReader bounds both list lengths.
+		lBase, rBase := j*lb, j*rb
+		for k := r.windowStartOf(j, q.local.n); k < q.local.n; k++ {
+			localDst = append(localDst, int32(lBase+q.local.at(k)))
+			remoteDst = append(remoteDst, int32(rBase+q.remote.at(q.remoteStart+k)))
+		}
+	}
+	return localDst, remoteDst, false, nil
+}
+
+// Plan returns the request's READ as a strided copy plan: Src are the
+// prefill rank's regions, Dst this decode rank's. Runs of consecutive blocks
+// become one copy per region (one plain block when the slices are
+// contiguous, else a strided copy over the blocks' head slices), and the K
+// and V halves of a blocks-first block merge when they are adjacent on both
+// sides. A full prefix hit gives a plan without copies (Path
+// "vllm-notify-only").
+func (r *VLLMReader) Plan(localBlockIDs, remoteBlockIDs []int32) (*Plan, error) {
+	p := &Plan{}
+	if err := r.FillPlan(p, localBlockIDs, remoteBlockIDs); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Plan paths of vLLM pull plans.
+const (
+	PathVLLMRead       = "vllm-read"
+	PathVLLMNotifyOnly = "vllm-notify-only"
+)
+
+// FillPlan is Plan into a caller's plan: p is Reset and refilled, keeping its
+// capacity, so planning allocates nothing once p has grown. p.Src and p.Dst
+// are borrowed from the reader.
+func (r *VLLMReader) FillPlan(p *Plan, localBlockIDs, remoteBlockIDs []int32) error {
+	p.Reset()
+	q, notify, err := r.resolve(localBlockIDs, remoteBlockIDs)
+	if err != nil {
+		return err
+	}
+	p.Src, p.Dst = r.src, r.dst
+	if notify {
+		p.Path = PathVLLMNotifyOnly
+		return nil
+	}
+	p.Path = PathVLLMRead
+	nv := len(r.local.Regions)
+	for j := 0; j < nv; j++ {
+		lr, rr := &r.local.Regions[j], &r.remote.Regions[j]
+		segLen := lr.Len
+		from := r.windowStartOf(j, q.local.n)
+		p.ReferenceDescriptors += uint64(q.local.n - from)
+		// Blocks-first: K (region j) and V (region j+1) of one tensor are
+		// adjacent on both sides when this rank reads whole halves.
+		if j+1 < nv && r.mergeable(j, from, q.local.n) {
+			segLen *= 2
+			p.ReferenceDescriptors += uint64(q.local.n - from)
+			j++
+		}
+		r.addRuns(p, &q, lr, rr, segLen, from)
+	}
+	return nil
+}
+
+// mergeable reports whether virtual regions j and j+1 are the K and V
+// halves of one blocks-first tensor whose slices touch on both sides.
+func (r *VLLMReader) mergeable(j, from, n int) bool {
+	l0, l1 := &r.local.Regions[j], &r.local.Regions[j+1]
+	r0, r1 := &r.remote.Regions[j], &r.remote.Regions[j+1]
+	return l0.Region == l1.Region && r0.Region == r1.Region &&
+		l1.Off == l0.Off+l0.Len && r1.Off == r0.Off+r0.Len &&
+		r.windowStartOf(j+1, n) == from
+}
+
+// addRuns adds the copies of one (possibly merged) region: one per run of
+// blocks consecutive on both sides.
+func (r *VLLMReader) addRuns(p *Plan, q *vllmReq, lr, rr *VLLMListRegion, segLen uint64, from int) {
+	n := q.local.n
+	for k := from; k < n; {
+		lid, rid := q.local.at(k), q.remote.at(q.remoteStart+k)
+		m := 1
+		for k+m < n && q.local.at(k+m) == lid+m && q.remote.at(q.remoteStart+k+m) == rid+m {
+			m++
+		}
+		p.Add(Copy{
+			SrcRegion: int32(rr.Region),
+			DstRegion: int32(lr.Region),
+			SrcOff:    rr.Off + uint64(rid)*rr.Stride,
+			DstOff:    lr.Off + uint64(lid)*lr.Stride,
+			Len:       segLen,
+			SrcStride: rr.Stride,
+			DstStride: lr.Stride,
+			Count:     uint64(m),
+		})
+		k += m
+	}
+}
+
+// vllmMaxFactor bounds PhysicalBlocksPerLogical × BlockSizeRatio so that
+// expanded lengths and ids never overflow an int.
+const vllmMaxFactor = math.MaxInt32
