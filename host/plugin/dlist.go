@@ -1,0 +1,309 @@
+package plugin
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// DList is a prepared descriptor list (kvp_dlist): descriptors checked once
+// and named by index in later transfers (MakePreppedXfer). A local list
+// describes memory registered on the agent, a remote list memory of a peer.
+//
+// On an agent without native prepped lists the list lives in Go: each
+// descriptor is resolved at prep time to (region, offset) (remote ones to
+// imported regions of the peer), so a transfer is one make_batch_xfer built
+// without allocation. On an agent without native strides, strided
+// descriptors are expanded into plain ones and indices are mapped at
+// transfer time.
+type DList struct {
+	a      *Agent
+	peer   string // "" for a local list
+	kind   abi.MemKind
+	n      int  // descriptors as given; transfer indices refer to these
+	closed bool // guarded by a.mu
+
+	h     abi.DList // the plugin's list; 0 when emulated
+	first []int32   // native list with expanded strides: descriptor i is plugin descriptors first[i]..first[i+1]-1; nil if not expanded
+	emu   *emuList  // the emulated list, or nil
+}
+
+// Len returns the number of descriptors (valid indices are 0..Len()-1).
+func (d *DList) Len() int { return d.n }
+
+// Peer returns the peer of a remote list, "" for a local one.
+func (d *DList) Peer() string { return d.peer }
+
+// Kind returns the memory kind of the list's descriptors.
+func (d *DList) Kind() abi.MemKind { return d.kind }
+
+// Emulated reports whether the host emulates the list (no native prepped
+// lists on the agent).
+func (d *DList) Emulated() bool { return d.emu != nil }
+
+// Handle returns the plugin's handle of the list, 0 for an emulated one.
+func (d *DList) Handle() abi.DList { return d.h }
+
+// PrepLocal prepares a list of descriptors of memory registered on this
+// agent. Every block must lie inside one registered region (else
+// ErrNotFound).
+func (a *Agent) PrepLocal(kind abi.MemKind, descs []abi.XferDesc) (*DList, error) {
+	return a.prep("", kind, descs)
+}
+
+// PrepRemote prepares a list of descriptors of memory the loaded peer
+// advertised. On an agent without native prepped lists, the host covers the
+// descriptors with the peer's regions this agent imported (ImportRegion,
+// ImportRange) and, if the agent has CapRemoteAddr, imports by address the
+// merged ranges nothing covers; those imports belong to the list.
+func (a *Agent) PrepRemote(peerName string, kind abi.MemKind, descs []abi.XferDesc) (*DList, error) {
+	if peerName == "" {
+		return nil, a.hostErr("prep_dlist", abi.ErrInvalidParam, "PrepRemote needs a peer name")
+	}
+	return a.prep(peerName, kind, descs)
+}
+
+func (a *Agent) prep(peerName string, kind abi.MemKind, descs []abi.XferDesc) (*DList, error) {
+	if err := a.use(); err != nil {
+		return nil, err
+	}
+	defer a.mu.RUnlock()
+	d := &DList{a: a, peer: peerName, kind: kind, n: len(descs)}
+	var err error
+	switch {
+	case !a.caps.Has(abi.CapPrepped) && peerName == "":
+		err = a.prepEmulatedLocal(d, descs)
+	case !a.caps.Has(abi.CapPrepped):
+		err = a.prepEmulatedRemote(d, descs)
+	default:
+		err = a.prepNative(d, descs)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if peerName != "" {
+		a.book.Lock()
+		pr := a.peerLocked(peerName)
+		pr.dlists = append(pr.dlists, d)
+		a.book.Unlock()
+	}
+	return d, nil
+}
+
+func (a *Agent) prepNative(d *DList, descs []abi.XferDesc) error {
+	plain := descs
+	if !a.caps.Has(abi.CapStrided) {
+		var cerr *codedError
+		if plain, d.first, cerr = expandDescs(descs); cerr != nil {
+			return a.wrap("prep_dlist", cerr)
+		}
+	}
+	args := &abi.PrepDListArgs{
+		StructSize: abi.PrepDListArgsSize, Agent: a.h,
+		PeerName: stringData(d.peer), PeerNameLen: uintptr(len(d.peer)),
+		MemKind: d.kind, Descs: sliceData(plain), NumDescs: uintptr(len(plain)),
+	}
+	if err := a.check("prep_dlist", callC(a.p.api.PrepDList, unsafe.Pointer(args))); err != nil {
+		return err
+	}
+	d.h = args.DList
+	return nil
+}
+
+// prepEmulatedLocal resolves each descriptor to a region registered on the
+// agent. Needs a.mu held (shared).
+func (a *Agent) prepEmulatedLocal(d *DList, descs []abi.XferDesc) error {
+	a.book.Lock()
+	regions := slices.Clone(a.regions) // sorted by Addr
+	a.book.Unlock()
+	sorted := make([]memRange, len(regions))
+	for i, r := range regions {
+		sorted[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+	}
+	emu := &emuList{}
+	var missing []int
+	var cerr *codedError
+	if emu.descs, missing, cerr = resolveDescs(descs, d.kind, sorted, make([]emuDesc, 0, len(descs))); cerr != nil {
+		return a.wrap("prep_dlist", cerr)
+	}
+	if len(missing) > 0 {
+		x := descs[missing[0]]
+		return a.hostErr("prep_dlist", abi.ErrNotFound, "%d descriptors lie outside memory registered on agent %s, the first is %d (%v addr %#x len %d stride %d count %d dev %d)",
+			len(missing), a.name, missing[0], d.kind, x.Addr, x.Len, x.Stride, x.Count, x.DevID)
+	}
+	for _, old := range compactRefs(emu.descs) {
+		r := regions[old]
+		emu.handles = append(emu.handles, uint64(r.h))
+		emu.locals = append(emu.locals, r)
+		r.users.Add(1)
+	}
+	d.emu = emu
+	return nil
+}
+
+// prepEmulatedRemote resolves each descriptor to a remote region of the
+// peer, importing what is missing. Needs a.mu held (shared).
+func (a *Agent) prepEmulatedRemote(d *DList, descs []abi.XferDesc) (err error) {
+	a.book.Lock()
+	var existing []*RemoteRegion
+	if pr := a.peers[d.peer]; pr != nil {
+		for _, rr := range pr.rregions {
+			if !rr.closed {
+				existing = append(existing, rr)
+			}
+		}
+	}
+	a.book.Unlock()
+	slices.SortFunc(existing, func(x, y *RemoteRegion) int { return cmpU64(x.desc.Addr, y.desc.Addr) })
+	ranges := make([]memRange, len(existing))
+	for i, r := range existing {
+		ranges[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+	}
+	emu := &emuList{}
+	var missing []int
+	var cerr *codedError
+	if emu.descs, missing, cerr = resolveDescs(descs, d.kind, ranges, make([]emuDesc, 0, len(descs))); cerr != nil {
+		return a.wrap("prep_dlist", cerr)
+	}
+	all := existing // index space of emu.descs[].ref: existing, then imports
+	if len(missing) > 0 {
+		if !a.caps.Has(abi.CapRemoteAddr) {
+			x := descs[missing[0]]
+			return a.hostErr("prep_dlist", abi.ErrNotFound, "%d descriptors of peer %s lie outside the regions agent %s imported from it, the first is %d (addr %#x len %d dev %d); "+
+				"the agent cannot import by address (no remote_addr capability): import the peer's regions with ImportRegion first",
+				len(missing), d.peer, a.name, missing[0], x.Addr, x.Len, x.DevID)
+		}
+		defer func() {
+			if err != nil {
+				a.releaseOwned(emu)
+			}
+		}()
+		imported, ierr := a.importCovering(d, descs, missing, emu)
+		if ierr != nil {
+			return ierr
+		}
+		all = append(slices.Clip(all), imported...)
+		sortedNew := make([]memRange, len(imported))
+		for i, r := range imported {
+			sortedNew[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+		}
+		for _, i := range missing {
+			x := descs[i]
+			end, _ := extent(x.Addr, x.Len, x.Stride, x.Count)
+			j := coverIndex(sortedNew, memRange{addr: x.Addr, end: end, dev: x.DevID, kind: d.kind})
+			if j < 0 { // the plugin imported less than asked
+				return a.hostErr("prep_dlist", abi.ErrBackend, "descriptor %d of peer %s is not covered by the ranges the plugin imported", i, d.peer)
+			}
+			emu.descs[i].ref, emu.descs[i].off = int32(len(existing)+j), x.Addr-sortedNew[j].addr
+		}
+	}
+	for _, old := range compactRefs(emu.descs) {
+		r := all[old]
+		emu.handles = append(emu.handles, uint64(r.h))
+		if r.owner == nil {
+			emu.remotes = append(emu.remotes, r)
+			r.users.Add(1)
+		}
+	}
+	d.emu = emu
+	return nil
+}
+
+// importCovering imports by address the ranges covering descs[missing],
+// merged, and records them in emu.owned (sorted by address). Touching
+// ranges are merged too, which may cross two of the peer's registrations; if
+// such an import fails, the overlapping-only pieces are imported one by one.
+func (a *Agent) importCovering(d *DList, descs []abi.XferDesc, missing []int, emu *emuList) ([]*RemoteRegion, error) {
+	spans := make([]memRange, len(missing))
+	for k, i := range missing {
+		x := descs[i]
+		end, _ := extent(x.Addr, x.Len, x.Stride, x.Count)
+		spans[k] = memRange{addr: x.Addr, end: end, dev: x.DevID, kind: d.kind}
+	}
+	pieces := mergeRanges(spans, false)
+	for _, span := range mergeRanges(slices.Clone(pieces), true) {
+		rr, err := a.importLocked(d.peer, nil, abi.MemDesc{Addr: span.addr, Len: span.end - span.addr, DevID: span.dev, MemKind: span.kind})
+		if err == nil {
+			rr.owner = d
+			emu.owned = append(emu.owned, rr)
+			continue
+		}
+		if !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrInvalidParam) {
+			return nil, err
+		}
+		for _, p := range pieces {
+			if p.kind != span.kind || p.dev != span.dev || p.addr < span.addr || p.end > span.end {
+				continue
+			}
+			rr, perr := a.importLocked(d.peer, nil, abi.MemDesc{Addr: p.addr, Len: p.end - p.addr, DevID: p.dev, MemKind: p.kind})
+			if perr != nil {
+				return nil, perr
+			}
+			rr.owner = d
+			emu.owned = append(emu.owned, rr)
+		}
+	}
+	slices.SortFunc(emu.owned, func(x, y *RemoteRegion) int { return cmpU64(x.desc.Addr, y.desc.Addr) })
+	return emu.owned, nil
+}
+
+// releaseOwned releases the remote regions an emulated list imported, and
+// drops its claims on the others. Needs a.mu held; the owned regions are
+// used by no one else, so shared is enough.
+func (a *Agent) releaseOwned(emu *emuList) error {
+	var errs []error
+	for _, rr := range emu.owned {
+		if !rr.closed {
+			errs = append(errs, a.releaseRRegionLocked(rr))
+		}
+	}
+	emu.unref()
+	return errors.Join(errs...)
+}
+
+// Close releases the list (and, for an emulated remote list, the remote
+// regions imported for it). Close the transfers made from it first; the
+// plugin may refuse with ErrNotAllowed.
+func (d *DList) Close() error {
+	a := d.a
+	if err := a.useExclusive(); err != nil {
+		return err
+	}
+	defer a.mu.Unlock()
+	if d.closed {
+		return closedError(d.describe())
+	}
+	var err error
+	if d.emu != nil {
+		err = a.releaseOwned(d.emu)
+	} else {
+		args := &abi.ReleaseDListArgs{StructSize: abi.ReleaseDListArgsSize, Agent: a.h, DList: d.h}
+		if err = a.check("release_dlist", callC(a.p.api.ReleaseDList, unsafe.Pointer(args))); err != nil {
+			return err
+		}
+	}
+	d.closed = true
+	if d.peer != "" {
+		a.book.Lock()
+		if pr := a.peers[d.peer]; pr != nil {
+			pr.dlists = slices.DeleteFunc(pr.dlists, func(x *DList) bool { return x == d })
+		}
+		a.book.Unlock()
+	}
+	return err
+}
+
+func (d *DList) describe() string {
+	if d.peer == "" {
+		return fmt.Sprintf("local list of %d descriptors", d.n)
+	}
+	return fmt.Sprintf("list of %d descriptors of peer %s", d.n, d.peer)
+}
+
+// wrap turns an emulation error into an *Error of operation op.
+func (a *Agent) wrap(op string, e *codedError) error {
+	return hostError(a.p.info.Name, op, e.code, "%s", e.msg)
+}

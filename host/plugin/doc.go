@@ -1,0 +1,43 @@
+// Package plugin loads kvhost transfer plugins (C shared libraries speaking
+// abi/kvplugin.h) with purego, without cgo, and wraps them in Go types that
+// own their handles.
+//
+// Finding and loading: SearchDirs gives the folders searched (the
+// --plugin-path flag or $KVHOST_PLUGIN_PATH, the binary's folder,
+// ../lib/kvhost beside it, the build tree); Find and Load locate
+// libkvhost_<name>.so; Discover lists every candidate with its Info or the
+// reason it was rejected (*LoadError: not a library, no entry symbol, ABI
+// major mismatch, invalid table).
+//
+// Handles: Plugin -> Agent -> Region, RemoteRegion, DList, Xfer. Close
+// releases a handle; a second Close or any use after Close returns an error
+// wrapping ErrClosed, and the plugin never sees the stale handle. Closing an
+// Agent closes everything it owns. All types are safe for concurrent use;
+// the host serialises what the ABI asks callers to serialise (releasing a
+// handle while a call uses it; calls on one transfer).
+//
+// Errors: every kvp_error becomes an *Error carrying the plugin name, the
+// operation, the status code and the plugin's message, and is freed.
+// errors.Is(err, ErrNotFound) and the other code sentinels test the code.
+// Checks the host makes while emulating a capability return *Error values
+// with the same codes a native plugin would use.
+//
+// Capabilities are decided per agent (Agent.Caps, from agent_create).
+// What an agent lacks the host emulates (Agent.Emulated):
+//
+//   - prepped lists (CapPrepped, e.g. MORI-IO): a DList lives in Go, each
+//     descriptor resolved at prep time to (region, offset); remote
+//     descriptors to the peer's regions the agent imported, or, with
+//     CapRemoteAddr, to merged address ranges imported for the list. A
+//     prepped transfer is then one make_batch_xfer, built in reused buffers.
+//   - batch transfers (CapBatch): a temporary local and remote list and a
+//     prepped transfer with identity indices: 3 plugin calls per transfer
+//     made, plus 2 to release the lists with it.
+//   - strided descriptors (CapStrided): expanded into plain descriptors (at
+//     prep time for lists, keeping prefix offsets so indices expand; per
+//     transfer for batch entries, into reused buffers).
+//
+// Hot paths make one plugin call per transfer on native paths and pass the
+// caller's index and entry slices to C unchanged; Post and Poll allocate
+// nothing.
+package plugin

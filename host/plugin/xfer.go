@@ -1,0 +1,425 @@
+package plugin
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Xfer is a transfer request (kvp_xfer): made once, posted one or more times
+// (a completed transfer may be posted again), polled, and closed. Its
+// methods are safe for concurrent use; the host serialises them, as the
+// header requires for one transfer handle.
+type Xfer struct {
+	a      *Agent
+	op     abi.Op
+	descs  int  // descriptors or entries as the caller gave them
+	shaped bool // the host reshaped the descriptors (emulation, expansion)
+
+	mu     sync.Mutex
+	h      abi.Xfer
+	closed bool
+	tmp    [2]abi.DList // lists made by batch emulation, released with the transfer
+
+	// Args of the hot calls, kept in the (heap) Xfer so that posting and
+	// polling allocate nothing.
+	post abi.PostXferArgs
+	poll abi.PollXferArgs
+}
+
+// Pair is a (local region, remote region) pair of a batch transfer; batch
+// entries name pairs by index. All remote regions of one transfer belong to
+// one peer.
+type Pair struct {
+	Local  *Region
+	Remote *RemoteRegion
+}
+
+// Telemetry of the last completed post of a transfer (kvp_xfer_telemetry).
+type Telemetry struct {
+	Start time.Time     // when the transfer was posted
+	Post  time.Duration // time spent inside post_xfer (µs resolution)
+	Xfer  time.Duration // post to completion (µs resolution)
+	Bytes uint64        // bytes moved
+	// Descs is the number of descriptors (prepped) or entries (batch) as
+	// the caller gave them, strided ones counting once, also when the host
+	// reshaped them for the plugin.
+	Descs uint64
+}
+
+// cNotif builds the optional notification of a transfer: nil means none,
+// an empty non-nil slice an empty notification.
+func cNotif(msg []byte) abi.Notif {
+	if msg == nil {
+		return abi.Notif{}
+	}
+	return abi.Notif{Msg: sliceData(msg), MsgLen: uintptr(len(msg)), HasNotif: 1}
+}
+
+func (a *Agent) getScratch() *scratch  { return a.scratch.Get().(*scratch) }
+func (a *Agent) putScratch(s *scratch) { a.scratch.Put(s) }
+
+func (a *Agent) newXfer(h abi.Xfer, op abi.Op, descs int, shaped bool) *Xfer {
+	x := &Xfer{a: a, op: op, h: h, descs: descs, shaped: shaped}
+	x.post = abi.PostXferArgs{StructSize: abi.PostXferArgsSize, Agent: a.h, Xfer: h}
+	x.poll = abi.PollXferArgs{StructSize: abi.PollXferArgsSize, Agent: a.h, Xfer: h}
+	return x
+}
+
+// MakePreppedXfer builds a transfer that moves local descriptor localIdx[k]
+// to or from remote descriptor remoteIdx[k] (op Write: local to remote; Read:
+// remote to local). notif, when not nil, is delivered to the peer after every
+// byte landed (an empty non-nil slice sends an empty notification; needs
+// CapNotif). The index slices are passed to the plugin as they are, or, on
+// an agent without native prepped lists, become one batch transfer built in
+// reused buffers. Index out of range is ErrInvalidParam, paired descriptors
+// of different length or count ErrMismatch. The transfer is not started:
+// call Post.
+func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+	const opName = "make_prepped_xfer"
+	switch {
+	case local == nil || remote == nil || local.a != a || remote.a != a:
+		return nil, a.hostErr(opName, abi.ErrInvalidParam, "both lists must be prepared on agent %s", a.name)
+	case local.peer != "":
+		return nil, a.hostErr(opName, abi.ErrInvalidParam, "the local list is a list of peer %s", local.peer)
+	case remote.peer == "":
+		return nil, a.hostErr(opName, abi.ErrInvalidParam, "the remote list is a local list")
+	case len(localIdx) != len(remoteIdx):
+		return nil, a.hostErr(opName, abi.ErrInvalidParam, "%d local indices but %d remote indices", len(localIdx), len(remoteIdx))
+	case notif != nil && !a.caps.Has(abi.CapNotif):
+		return nil, a.needCaps(opName, abi.CapNotif)
+	}
+	if err := a.use(); err != nil {
+		return nil, err
+	}
+	defer a.mu.RUnlock()
+	if local.closed {
+		return nil, closedError(local.describe())
+	}
+	if remote.closed {
+		return nil, closedError(remote.describe())
+	}
+	if local.emu != nil {
+		s := a.getScratch()
+		defer a.putScratch(s)
+		if cerr := s.buildPreppedBatch(local.emu, remote.emu, localIdx, remoteIdx, !a.caps.Has(abi.CapStrided)); cerr != nil {
+			return nil, a.wrap(opName, cerr)
+		}
+		h, err := a.callMakeBatch(op, s.pairs, s.entries, cNotif(notif))
+		if err != nil {
+			return nil, err
+		}
+		return a.newXfer(h, op, len(localIdx), true), nil
+	}
+	li, ri := localIdx, remoteIdx
+	shaped := local.first != nil || remote.first != nil
+	if shaped {
+		s := a.getScratch()
+		defer a.putScratch(s)
+		if cerr := s.expandIndices(local.first, local.n, localIdx, remote.first, remote.n, remoteIdx); cerr != nil {
+			return nil, a.wrap(opName, cerr)
+		}
+		li, ri = s.local, s.remote
+	}
+	h, err := a.callMakePrepped(op, local.h, li, remote.h, ri, cNotif(notif))
+	if err != nil {
+		return nil, err
+	}
+	return a.newXfer(h, op, len(localIdx), shaped), nil
+}
+
+// MakeBatchXfer builds one transfer out of many region-relative copies
+// (MORI-IO BatchWrite/BatchRead): entries[k] moves its blocks between the
+// regions of pairs[entries[k].Pair]. Entries go to the plugin as they are on
+// an agent with native batch and strides. Without native strides they are
+// expanded into reused buffers. Without native batch the host builds a
+// local and a remote list and a prepped transfer over them: 3 plugin calls
+// to make the transfer and 2 more to release the lists with it. The
+// transfer is not started: call Post.
+func (a *Agent) MakeBatchXfer(op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, error) {
+	const opName = "make_batch_xfer"
+	if notif != nil && !a.caps.Has(abi.CapNotif) {
+		return nil, a.needCaps(opName, abi.CapNotif)
+	}
+	if err := a.use(); err != nil {
+		return nil, err
+	}
+	defer a.mu.RUnlock()
+	s := a.getScratch()
+	defer a.putScratch(s)
+	s.pairs = s.pairs[:0]
+	for i, p := range pairs {
+		if p.Local == nil || p.Remote == nil || p.Local.a != a || p.Remote.a != a {
+			return nil, a.hostErr(opName, abi.ErrInvalidParam, "pair %d: both regions must belong to agent %s", i, a.name)
+		}
+		if p.Local.closed {
+			return nil, closedError("pair " + itoa(uint32(i)) + ": local region")
+		}
+		if p.Remote.closed {
+			return nil, closedError("pair " + itoa(uint32(i)) + ": remote region")
+		}
+		s.pairs = append(s.pairs, abi.RegionPair{Local: p.Local.h, Remote: p.Remote.h})
+	}
+	if !a.caps.Has(abi.CapBatch) {
+		return a.batchViaPrepped(s, op, pairs, entries, notif)
+	}
+	e, shaped := entries, false
+	if !a.caps.Has(abi.CapStrided) && hasStrided(entries) {
+		e, shaped = s.expandEntries(entries), true
+	}
+	h, err := a.callMakeBatch(op, s.pairs, e, cNotif(notif))
+	if err != nil {
+		return nil, err
+	}
+	return a.newXfer(h, op, len(entries), shaped), nil
+}
+
+// batchViaPrepped emulates make_batch_xfer with two temporary lists and
+// make_prepped_xfer over identity indices. Needs a.mu held (shared).
+func (a *Agent) batchViaPrepped(s *scratch, op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, error) {
+	const opName = "make_batch_xfer"
+	if len(pairs) == 0 {
+		return nil, a.hostErr(opName, abi.ErrInvalidParam, "no region pairs")
+	}
+	peerName := pairs[0].Remote.peer
+	lsides := make([]batchSide, len(pairs))
+	rsides := make([]batchSide, len(pairs))
+	for i, p := range pairs {
+		if p.Remote.peer != peerName {
+			return nil, a.hostErr(opName, abi.ErrMismatch, "pair %d is a region of peer %s, pair 0 of %s: one transfer reaches one peer", i, p.Remote.peer, peerName)
+		}
+		lsides[i] = batchSide{addr: p.Local.desc.Addr, len: p.Local.desc.Len, dev: p.Local.desc.DevID, kind: p.Local.desc.MemKind}
+		rsides[i] = batchSide{addr: p.Remote.desc.Addr, len: p.Remote.desc.Len, dev: p.Remote.desc.DevID, kind: p.Remote.desc.MemKind}
+	}
+	lkind, rkind, cerr := s.buildBatchDescs(lsides, rsides, entries, !a.caps.Has(abi.CapStrided))
+	if cerr != nil {
+		return nil, a.wrap(opName, cerr)
+	}
+	if len(entries) == 0 {
+		lkind, rkind = lsides[0].kind, rsides[0].kind
+	}
+	ld, err := a.callPrep("", lkind, s.ldescs)
+	if err != nil {
+		return nil, err
+	}
+	rd, err := a.callPrep(peerName, rkind, s.rdescs)
+	if err != nil {
+		return nil, errors.Join(err, a.callReleaseDList(ld))
+	}
+	idx := s.identity(len(s.ldescs))
+	h, err := a.callMakePrepped(op, ld, idx, rd, idx, cNotif(notif))
+	if err != nil {
+		return nil, errors.Join(err, a.callReleaseDList(ld), a.callReleaseDList(rd))
+	}
+	x := a.newXfer(h, op, len(entries), true)
+	x.tmp = [2]abi.DList{ld, rd}
+	return x, nil
+}
+
+func (a *Agent) callPrep(peerName string, kind abi.MemKind, descs []abi.XferDesc) (abi.DList, error) {
+	args := &abi.PrepDListArgs{
+		StructSize: abi.PrepDListArgsSize, Agent: a.h,
+		PeerName: stringData(peerName), PeerNameLen: uintptr(len(peerName)),
+		MemKind: kind, Descs: sliceData(descs), NumDescs: uintptr(len(descs)),
+	}
+	err := a.check("prep_dlist", callC(a.p.api.PrepDList, unsafe.Pointer(args)))
+	return args.DList, err
+}
+
+func (a *Agent) callReleaseDList(h abi.DList) error {
+	args := &abi.ReleaseDListArgs{StructSize: abi.ReleaseDListArgsSize, Agent: a.h, DList: h}
+	return a.check("release_dlist", callC(a.p.api.ReleaseDList, unsafe.Pointer(args)))
+}
+
+func (a *Agent) callMakePrepped(op abi.Op, ld abi.DList, li []int32, rd abi.DList, ri []int32, n abi.Notif) (abi.Xfer, error) {
+	args := &abi.MakePreppedXferArgs{
+		StructSize: abi.MakePreppedXferArgsSize, Agent: a.h, Op: op,
+		LocalDList: ld, LocalIndices: sliceData(li), NumLocalIndices: uintptr(len(li)),
+		RemoteDList: rd, RemoteIndices: sliceData(ri), NumRemoteIndices: uintptr(len(ri)),
+		Notif: n,
+	}
+	err := a.check("make_prepped_xfer", callC(a.p.api.MakePreppedXfer, unsafe.Pointer(args)))
+	return args.Xfer, err
+}
+
+func (a *Agent) callMakeBatch(op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry, n abi.Notif) (abi.Xfer, error) {
+	args := &abi.MakeBatchXferArgs{
+		StructSize: abi.MakeBatchXferArgsSize, Agent: a.h, Op: op,
+		Pairs: sliceData(pairs), NumPairs: uintptr(len(pairs)),
+		Entries: sliceData(entries), NumEntries: uintptr(len(entries)),
+		Notif: n,
+	}
+	err := a.check("make_batch_xfer", callC(a.p.api.MakeBatchXfer, unsafe.Pointer(args)))
+	return args.Xfer, err
+}
+
+// Op returns the transfer's operation.
+func (x *Xfer) Op() abi.Op { return x.op }
+
+// Descs returns the number of descriptors (prepped) or entries (batch) the
+// caller gave.
+func (x *Xfer) Descs() int { return x.descs }
+
+// Handle returns the plugin's handle of the transfer.
+func (x *Xfer) Handle() abi.Xfer { return x.h }
+
+// Agent returns the agent that made the transfer.
+func (x *Xfer) Agent() *Agent { return x.a }
+
+// lock takes the transfer and its agent for one call. On success the caller
+// must call x.unlock.
+func (x *Xfer) lock() error {
+	x.mu.Lock()
+	if x.closed {
+		x.mu.Unlock()
+		return closedError("transfer")
+	}
+	if err := x.a.use(); err != nil {
+		x.closed = true // the agent released it
+		x.mu.Unlock()
+		return err
+	}
+	return nil
+}
+
+func (x *Xfer) unlock() {
+	x.a.mu.RUnlock()
+	x.mu.Unlock()
+}
+
+// status interprets the status out-field of post and poll.
+func (x *Xfer) status(op string, s abi.Status) (bool, error) {
+	switch s {
+	case abi.Success:
+		return true, nil
+	case abi.InProg:
+		return false, nil
+	}
+	return false, x.a.hostErr(op, abi.ErrBackend, "plugin returned no error but status %v", s)
+}
+
+// Post starts the transfer and reports whether it already completed. A
+// completed transfer may be posted again; posting one in progress is
+// ErrRepostActive.
+func (x *Xfer) Post() (done bool, err error) {
+	if err := x.lock(); err != nil {
+		return false, err
+	}
+	defer x.unlock()
+	x.post.Status = 0
+	if err := x.a.check("post_xfer", callC(x.a.p.api.PostXfer, unsafe.Pointer(&x.post))); err != nil {
+		return false, err
+	}
+	return x.status("post_xfer", x.post.Status)
+}
+
+// Poll reports whether the transfer completed, without blocking. A failed
+// transfer returns the failure (every poll after it the same); one never
+// posted is ErrNotPosted.
+func (x *Xfer) Poll() (done bool, err error) {
+	if err := x.lock(); err != nil {
+		return false, err
+	}
+	defer x.unlock()
+	x.poll.Status = 0
+	if err := x.a.check("poll_xfer", callC(x.a.p.api.PollXfer, unsafe.Pointer(&x.poll))); err != nil {
+		return false, err
+	}
+	return x.status("poll_xfer", x.poll.Status)
+}
+
+// Backoff of Wait: poll back to back (yielding the processor) for spinFor,
+// so that short transfers are not delayed by timer granularity, then sleep
+// from minSleep, doubling up to maxSleep.
+const (
+	spinFor  = 50 * time.Microsecond
+	minSleep = 20 * time.Microsecond
+	maxSleep = time.Millisecond
+)
+
+// Wait polls until the transfer completes or fails, or ctx ends (then it
+// returns ctx.Err() and the transfer keeps running: Close cancels it).
+func (x *Xfer) Wait(ctx context.Context) error {
+	start := time.Now()
+	var timer *time.Timer
+	sleep := minSleep
+	for {
+		done, err := x.Poll()
+		if err != nil || done {
+			if timer != nil {
+				timer.Stop()
+			}
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if time.Since(start) < spinFor {
+			runtime.Gosched()
+			continue
+		}
+		if timer == nil {
+			timer = time.NewTimer(sleep)
+		} else {
+			timer.Reset(sleep)
+		}
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return ctx.Err()
+		case <-timer.C:
+		}
+		sleep = min(sleep*2, maxSleep)
+	}
+}
+
+// Telemetry returns the telemetry of the last completed post (needs
+// CapTelemetry; ErrNoTelemetry before completion).
+func (x *Xfer) Telemetry() (Telemetry, error) {
+	if err := x.a.needCaps("xfer_telemetry", abi.CapTelemetry); err != nil {
+		return Telemetry{}, err
+	}
+	if err := x.lock(); err != nil {
+		return Telemetry{}, err
+	}
+	defer x.unlock()
+	args := &abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: x.a.h, Xfer: x.h}
+	if err := x.a.check("xfer_telemetry", callC(x.a.p.api.XferTelemetry, unsafe.Pointer(args))); err != nil {
+		return Telemetry{}, err
+	}
+	t := Telemetry{
+		Start: time.UnixMicro(int64(args.StartUs)),
+		Post:  time.Duration(args.PostUs) * time.Microsecond,
+		Xfer:  time.Duration(args.XferUs) * time.Microsecond,
+		Bytes: args.TotalBytes,
+		Descs: args.DescCount,
+	}
+	if x.shaped {
+		t.Descs = uint64(x.descs)
+	}
+	return t, nil
+}
+
+// Close releases the transfer, cancelling it if active; on return the
+// plugin no longer touches its memory. Lists the host made for it are
+// released too.
+func (x *Xfer) Close() error {
+	if err := x.lock(); err != nil {
+		return err
+	}
+	defer x.unlock()
+	x.closed = true
+	args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
+	errs := []error{x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))}
+	for _, d := range x.tmp {
+		if d != 0 {
+			errs = append(errs, x.a.callReleaseDList(d))
+		}
+	}
+	return errors.Join(errs...)
+}
