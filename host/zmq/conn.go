@@ -1,0 +1,220 @@
+package zmq
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// ErrClosed is returned by operations on a closed socket.
+var ErrClosed = errors.New("zmq: socket closed")
+
+// conn is one ZMTP connection after a successful handshake. Reads happen on
+// one goroutine (the owner's read loop); writes are serialized by wmu and
+// may come from any goroutine.
+type conn struct {
+	nc       net.Conn
+	r        *bufio.Reader
+	lim      limits
+	peerType string
+	peer     string // remote address, for logs
+
+	wmu sync.Mutex
+
+	closeOnce sync.Once
+	done      chan struct{} // closed by close()
+}
+
+// handshake runs the ZMTP greeting and READY exchange on nc as a socket of
+// type local, all under one deadline. On failure nc is closed.
+func handshake(nc net.Conn, local string, o *options) (*conn, error) {
+	c, err := handshakeConn(nc, local, o)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
+	}
+	return c, nil
+}
+
+func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
+	if err := nc.SetDeadline(time.Now().Add(o.handshakeTimeout)); err != nil {
+		return nil, err
+	}
+	if _, err := nc.Write(greeting()); err != nil {
+		return nil, err
+	}
+	r := bufio.NewReaderSize(nc, 64<<10)
+	g := make([]byte, greetingSize)
+	if _, err := io.ReadFull(r, g); err != nil {
+		return nil, fmt.Errorf("reading greeting: %w", err)
+	}
+	if err := checkGreeting(g); err != nil {
+		return nil, err
+	}
+	if _, err := nc.Write(encodeCommand("READY", readyMetadata(local))); err != nil {
+		return nil, err
+	}
+	lim := limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames}
+	_, cmd, err := readMessage(r, lim)
+	if err != nil {
+		return nil, fmt.Errorf("reading READY: %w", err)
+	}
+	if cmd == nil {
+		return nil, protoErr("peer sent a message before READY")
+	}
+	switch cmd.name {
+	case "READY":
+	case "ERROR":
+		return nil, fmt.Errorf("peer refused the connection: %s", errorReason(cmd.body))
+	default:
+		return nil, protoErr("expected READY, got command %q", cmd.name)
+	}
+	props, err := parseProperties(cmd.body)
+	if err != nil {
+		return nil, err
+	}
+	peerType := strings.ToUpper(string(props["socket-type"]))
+	if !compatible(local, peerType) {
+		// Tell the peer why, as libzmq does, then give up.
+		nc.Write(encodeCommand("ERROR", errorBody("Invalid socket type")))
+		return nil, protoErr("peer socket type %q cannot talk to %s", peerType, local)
+	}
+	if err := nc.SetDeadline(time.Time{}); err != nil {
+		return nil, err
+	}
+	if tc, ok := nc.(*net.TCPConn); ok && o.keepAlive > 0 {
+		tc.SetKeepAlive(true)
+		tc.SetKeepAlivePeriod(o.keepAlive)
+	}
+	return &conn{
+		nc:       nc,
+		r:        r,
+		lim:      lim,
+		peerType: peerType,
+		peer:     nc.RemoteAddr().String(),
+		done:     make(chan struct{}),
+	}, nil
+}
+
+func errorBody(reason string) []byte {
+	if len(reason) > 255 {
+		reason = reason[:255]
+	}
+	return append([]byte{byte(len(reason))}, reason...)
+}
+
+func errorReason(body []byte) string {
+	if len(body) == 0 || int(body[0]) > len(body)-1 {
+		return "(no reason)"
+	}
+	return fmt.Sprintf("%q", body[1:1+int(body[0])])
+}
+
+// recv returns the next data message. PING is answered with PONG; ERROR
+// ends the connection; other commands are ignored. Any error means the
+// connection is unusable; the caller closes it.
+func (c *conn) recv() ([][]byte, error) {
+	for {
+		frames, cmd, err := readMessage(c.r, c.lim)
+		if err != nil {
+			return nil, err
+		}
+		if cmd == nil {
+			return frames, nil
+		}
+		switch cmd.name {
+		case "PING":
+			// PING body: 2-byte TTL, then up to 16 bytes of context that
+			// PONG echoes.
+			var ctxBytes []byte
+			if len(cmd.body) > 2 {
+				ctxBytes = cmd.body[2:]
+			}
+			if err := c.writeRaw(context.Background(), [][]byte{encodeCommand("PONG", ctxBytes)}, time.Now().Add(5*time.Second)); err != nil {
+				return nil, err
+			}
+		case "ERROR":
+			return nil, fmt.Errorf("zmq: peer %s closed the connection with ERROR %s", c.peer, errorReason(cmd.body))
+		}
+	}
+}
+
+// send writes one message. ctx bounds the write (deadline and
+// cancellation). On any error the connection is closed: a partially written
+// message leaves the stream unusable, and the receiver drops the partial
+// message.
+func (c *conn) send(ctx context.Context, frames [][]byte) error {
+	if len(frames) == 0 {
+		return errors.New("zmq: a message needs at least one frame")
+	}
+	hdrs := make([]byte, 9*len(frames))
+	bufs := make(net.Buffers, 0, 2*len(frames))
+	for i, f := range frames {
+		var flags byte
+		if i < len(frames)-1 {
+			flags = flagMore
+		}
+		h := hdrs[9*i : 9*i+9]
+		n := frameHeader(h, flags, len(f))
+		bufs = append(bufs, h[:n])
+		if len(f) > 0 {
+			bufs = append(bufs, f)
+		}
+	}
+	deadline, _ := ctx.Deadline()
+	return c.writeRaw(ctx, bufs, deadline)
+}
+
+func (c *conn) writeRaw(ctx context.Context, bufs net.Buffers, deadline time.Time) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	select {
+	case <-c.done:
+		return ErrClosed
+	default:
+	}
+	if err := c.nc.SetWriteDeadline(deadline); err != nil {
+		c.close()
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { c.nc.SetWriteDeadline(time.Unix(1, 0)) })
+	_, err := bufs.WriteTo(c.nc)
+	stop()
+	if err != nil {
+		c.close()
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return fmt.Errorf("zmq: write to %s: %w", c.peer, ctxErr)
+		}
+		return fmt.Errorf("zmq: write to %s: %w", c.peer, err)
+	}
+	return nil
+}
+
+func (c *conn) close() {
+	c.closeOnce.Do(func() {
+		close(c.done)
+		c.nc.Close()
+	})
+}
+
+func (c *conn) closed() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// isClosedErr reports errors that just mean "this connection ended".
+func isClosedErr(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, ErrClosed) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+}

@@ -1,0 +1,53 @@
+// Package zmq is kvhost's ZeroMQ: a small, pure-Go implementation of the
+// ZMTP 3.1 wire protocol (NULL security, TCP) with exactly the socket
+// patterns the control plane needs, so a kvhost worker can talk to SGLang
+// and vLLM peers that use libzmq (pyzmq):
+//
+//   - PULL (bind) and PUSH (connect, one socket per destination endpoint) for
+//     SGLang's bootstrap, transfer-info, status and abort messages;
+//   - ROUTER (bind) and a one-shot REQ exchange for vLLM's NIXL handshake.
+//
+// Every blocking call takes a context.Context; a cancelled or expired
+// context interrupts it.
+//
+// # Why not go-zeromq/zmq4 or libzmq
+//
+// kvhost is built with CGO_ENABLED=0, so pebbe/zmq4 (cgo) is out. The
+// pure-Go github.com/go-zeromq/zmq4 was evaluated and rejected on evidence
+// (each point reproduced against v0.17.0 when this package was written):
+//
+//   - a peer that sends one 9-byte frame header declaring a 2^44-byte frame
+//     makes its reader allocate the whole frame up front: the process dies
+//     with "fatal error: runtime: out of memory" (not recoverable);
+//   - its accept loop runs the ZMTP handshake inline without a deadline, so
+//     one TCP client that connects and stays silent stops every later peer
+//     from connecting;
+//   - a PUSH socket whose peer restarted returns nil from Send and silently
+//     drops the messages (no reconnect without WithAutoReconnect, which
+//     redials synchronously inside the connection's error callback);
+//   - PUSH fans out to every connected peer, Recv has no deadline, and the
+//     ROUTER deadlock (go-zeromq/zmq4#132) is open.
+//
+// libzmq through purego would work but makes libzmq5 a run-time dependency
+// and ties an OS thread to every blocking call. The part of ZMTP kvhost
+// needs is small (greeting, READY, frames, PING/PONG, ERROR), so it lives
+// here, fuzzed and bounded.
+//
+// # Guarantees
+//
+//   - Nothing a peer sends can make this package allocate more than
+//     MaxMessageSize bytes per message (memory grows with bytes actually
+//     received, never with a declared length), block the accept loop, or
+//     panic. Handshakes run per connection under a deadline.
+//   - Push.Send returns nil only after the whole message was handed to the
+//     kernel on a live connection. A failed write closes the connection and
+//     the message is re-sent on a new one (a partially written message is
+//     discarded by the receiver, so nothing is delivered twice). Before
+//     each write Send checks, without consuming data, whether the peer has
+//     already closed the connection, so a peer that went away is noticed
+//     before a message is written into a dead socket.
+//   - As with libzmq, a message written just before the peer dies (or
+//     sitting unread in the dead peer's buffers) is lost; the control plane
+//     covers that with timeouts and heartbeats, as the reference does.
+//   - All sockets are safe for concurrent use (libzmq sockets are not).
+package zmq

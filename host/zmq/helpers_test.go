@@ -1,0 +1,88 @@
+package zmq
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// logBuffer collects log output so tests can assert that something was
+// logged.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func (l *logBuffer) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// waitFor polls cond until it holds or the test's patience runs out.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func quiet() Option { return WithLogger(slog.New(slog.DiscardHandler)) }
+
+func testCtx(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// standardMessages mirrors standard_messages() in testdata/zmq_peer.py.
+func standardMessages() [][][]byte {
+	big := bytes.Repeat(func() []byte {
+		b := make([]byte, 256)
+		for i := range b {
+			b[i] = byte(i)
+		}
+		return b
+	}(), 4096)
+	msgs := [][][]byte{
+		{[]byte("a")},
+		{{}, []byte(strings.Repeat("x", 300)), []byte("end")},
+		{big, {}},
+		{[]byte("NixlMsgGuard"), []byte("12345"), []byte("127.0.0.1"), []byte("5555")},
+	}
+	for i := range 100 {
+		msgs = append(msgs, [][]byte{[]byte("seq"), []byte(fmt.Sprint(i))})
+	}
+	return msgs
+}
+
+func equalFrames(a, b [][]byte) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if !bytes.Equal(a[i], b[i]) {
+			return false
+		}
+	}
+	return true
+}

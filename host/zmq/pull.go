@@ -1,0 +1,77 @@
+package zmq
+
+import (
+	"context"
+	"net"
+)
+
+// Pull is a bound PULL socket: it accepts any number of PUSH peers and
+// delivers their messages, fair-queued, through Recv. Safe for concurrent
+// use.
+type Pull struct {
+	srv  *server
+	msgs chan [][]byte
+}
+
+// ListenPull binds a PULL socket to endpoint ("tcp://host:port",
+// "tcp://*:port"; port 0 picks a free port, see Endpoint).
+func ListenPull(endpoint string, opts ...Option) (*Pull, error) {
+	o := buildOptions(opts)
+	p := &Pull{msgs: make(chan [][]byte, o.recvQueue)}
+	srv, err := listen(endpoint, typePull, o, p.serve)
+	if err != nil {
+		return nil, err
+	}
+	p.srv = srv
+	srv.start()
+	return p, nil
+}
+
+func (p *Pull) serve(c *conn) {
+	for {
+		frames, err := c.recv()
+		if err != nil {
+			p.srv.readError(c, err)
+			return
+		}
+		select {
+		case p.msgs <- frames:
+		case <-p.srv.done:
+			return
+		}
+	}
+}
+
+// Recv returns the next message (its frames, in order). It blocks until a
+// message arrives, ctx ends (ctx.Err() is returned) or the socket is
+// closed (ErrClosed). The returned frames belong to the caller.
+func (p *Pull) Recv(ctx context.Context) ([][]byte, error) {
+	select {
+	case m := <-p.msgs:
+		return m, nil
+	default:
+	}
+	select {
+	case m := <-p.msgs:
+		return m, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-p.srv.done:
+		return nil, ErrClosed
+	}
+}
+
+// Endpoint is the endpoint peers connect to, with the port the listener
+// actually got (useful with port 0).
+func (p *Pull) Endpoint() string { return p.srv.addr }
+
+// Addr is the listener's address.
+func (p *Pull) Addr() net.Addr { return p.srv.ln.Addr() }
+
+// Port is the TCP port the socket listens on.
+func (p *Pull) Port() int { return p.srv.ln.Addr().(*net.TCPAddr).Port }
+
+// Close stops listening and closes every connection. Messages not yet
+// received are dropped. Close waits for the socket's goroutines to end;
+// calling it again returns nil.
+func (p *Pull) Close() error { return p.srv.close() }
