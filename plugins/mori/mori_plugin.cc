@@ -1,0 +1,1427 @@
+/*
+ * mori_plugin.cc: the kvhost backend over MORI-IO (github.com/ROCm/mori).
+ *
+ * A thin shim: one kvhost agent is one mori::io::IOEngine with an RDMA
+ * backend, and every ABI call maps onto one or two IOEngine calls.
+ *
+ *   agent_create          IOEngine(name, {host, port}) + CreateBackend(RDMA)
+ *   register_mem          IOEngine::RegisterMemory (CPU or GPU)
+ *   region_export         msgpack of the region's MemoryDesc (MemoryDesc.pack())
+ *   local_metadata        msgpack of the engine's EngineDesc (EngineDesc.pack())
+ *   load_remote           IOEngine::RegisterRemoteEngine; peer name = engine key
+ *   remote_region_import  a peer's MemoryDesc blob becomes a remote region handle
+ *   make_batch_xfer       entries grouped by region pair into MORI's
+ *                         vector-of-vectors (strides expanded here)
+ *   post_xfer             ONE IOEngine::BatchWrite/BatchRead, one TransferStatus
+ *                         per (local, remote) region pair, fresh transfer uids
+ *   poll_xfer             IOEngine::WaitAll(statuses, 0)
+ *
+ * Capabilities: KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY |
+ * KVP_CAP_REMOTE_BLOB.
+ *   - No KVP_CAP_PREPPED: MORI-IO has no prepared descriptor lists; the host
+ *     emulates them over make_batch_xfer.
+ *   - KVP_CAP_STRIDED: MORI has no strided descriptors, but the shim must copy
+ *     every entry into MORI's per-pair offset vectors anyway, so expanding
+ *     count > 1 while copying costs nothing extra and saves the host building
+ *     and passing an expanded array (one plugin call either way).
+ *   - No KVP_CAP_NOTIF: SGLang runs MORI-IO with notifications off and tells
+ *     the decode side about completion with its own status message; kvhost's
+ *     runtime does the same (out-of-band status) for this backend. MORI's own
+ *     "notification" (PopInboundTransferStatus) carries no payload anyway.
+ *   - KVP_CAP_TELEMETRY: timestamps taken in the shim (post duration; post to
+ *     the poll that saw completion, so xfer_us is as fine as the caller polls).
+ *   - No KVP_CAP_REMOTE_ADDR: an EngineDesc does not list the peer's memory;
+ *     MORI addresses remote memory only through MemoryDesc blobs.
+ *
+ * What MORI-IO can and cannot cancel: nothing that was posted. There is no
+ * cancel call; a posted batch ends only when its work completions arrive
+ * (success, or an error such as a retry timeout when the peer is gone), and
+ * until then MORI's completion thread writes to the TransferStatus objects
+ * the shim owns. So release_xfer and remove_remote drain: they wait for
+ * posted work, at most release_timeout_ms, and fail (handle kept, retry
+ * later) if it is still running. Only agent_destroy really stops work: it
+ * destroys the IOEngine, which joins MORI's threads and tears down its queue
+ * pairs and memory registrations, after which the NIC touches nothing.
+ *
+ * Threading: IOEngine::RegisterMemory/DeregisterMemory/RegisterRemoteEngine
+ * mutate unsynchronised maps inside MORI, and DeregisterMemory frees cached
+ * RDMA sessions that a concurrent BatchWrite may be using. Each agent
+ * therefore has a reader/writer lock: BatchWrite/BatchRead run shared (many
+ * posts at once), the mutating calls run exclusive. WaitAll only reads
+ * TransferStatus atomics and runs unlocked.
+ *
+ * Every C++ exception is caught at the ABI boundary (Guard) and becomes an
+ * error object. Beware what cannot be caught: MORI calls exit(-1) when a
+ * socket call fails (SYSCALL_RETURN_ZERO) and assert()s on some internal
+ * states; agent_create therefore test-binds host:port before MORI does.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <shared_mutex>
+#include <string>
+#include <system_error>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <msgpack.hpp>
+
+#include "mori/io/io.hpp"
+
+#include "kvp_util.h"
+#include "kvplugin.h"
+
+namespace {
+
+namespace mio = mori::io;
+
+constexpr const char *kPluginName = "mori";
+constexpr const char *kPluginVersion = "0.1.0";
+
+constexpr uint64_t kCaps =
+    KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_BLOB;
+
+// The largest piece handed to MORI as one work request. MORI rejects sizes
+// above UINT32_MAX and NICs cap a message at max_msg_sz (1 GiB on some, 2 GiB
+// on mlx5), so longer blocks are split here.
+constexpr uint64_t kMaxPiece = uint64_t{1} << 30;
+
+// MORI counts the work requests of one region pair in an int.
+constexpr uint64_t kMaxPiecesPerPair = INT_MAX;
+
+// MORI's IOEngineConfig.port value reserved for its XGMI-only fallback.
+constexpr uint64_t kMoriReservedPort = 1;
+
+// Limits for decoding peer blobs (EngineDesc: 6 fields; MemoryDesc: 8 to 15
+// fields depending on the MORI release, with two 64-byte bin handles).
+const msgpack::unpack_limit kBlobLimit(/*array=*/64, /*map=*/0, /*str=*/4096, /*bin=*/4096,
+                                       /*ext=*/0, /*depth=*/4);
+
+const char kParamsDoc[] =
+    "host=127.0.0.1\tIPv4 address of this host that the engine's control-plane TCP server binds "
+    "and advertises in the metadata (EngineDesc.host); use a routable address for peers on other "
+    "nodes\n"
+    "port=0\tcontrol-plane TCP port; 0 picks a free one (advertised in the metadata)\n"
+    "qp_per_transfer=4\tRDMA queue pairs per (local, remote) memory pair "
+    "(RdmaBackendConfig.qpPerTransfer; env MORI_IO_QP_PER_TRANSFER wins)\n"
+    "post_batch_size=-1\twork requests per post; -1 lets MORI choose "
+    "(env MORI_IO_POST_BATCH_SIZE wins)\n"
+    "num_worker_threads=4\tMORI posting threads (env MORI_IO_NUM_WORKER_THREADS wins)\n"
+    "poll_cq_mode=polling\tcompletion queue mode, polling or event "
+    "(env MORI_IO_POLL_CQ_MODE wins)\n"
+    "release_timeout_ms=30000\thow long release_xfer and remove_remote wait for posted work "
+    "to finish (MORI-IO cannot cancel it); -1 waits without limit\n";
+
+const char *const kParamNames[] = {"host",         "port",          "qp_per_transfer",
+                                   "post_batch_size", "num_worker_threads", "poll_cq_mode",
+                                   "release_timeout_ms"};
+
+/* ------------------------------------------------------------------------ */
+/* Time                                                                     */
+/* ------------------------------------------------------------------------ */
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t WallMicros() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
+}
+
+uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
+  if (b < a) return 0;
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
+}
+
+/* ------------------------------------------------------------------------ */
+/* Objects behind handles                                                   */
+/* ------------------------------------------------------------------------ */
+
+// A registered local region. desc and blob are immutable; users and dying
+// are guarded by the owning Agent::mu.
+struct Region {
+  kvp_agent owner = 0;
+  mio::MemoryDesc desc;
+  std::string blob;  // msgpack of desc: what region_export hands out
+  uint64_t addr = 0;
+  uint64_t len = 0;
+  uint32_t users = 0;  // live transfers that name this region
+  bool dying = false;  // deregister_mem has claimed it
+};
+
+// A region of a peer, imported from its MemoryDesc blob. Immutable.
+struct RemoteRegion {
+  kvp_agent owner = 0;
+  std::string peer;
+  mio::MemoryDesc desc;
+};
+
+// A loaded peer. name == desc.key; its bytes are what load_remote returns,
+// so a Peer never moves (held by unique_ptr) until remove_remote.
+struct Peer {
+  std::string name;
+  mio::EngineDesc desc;
+  bool removing = false;  // remove_remote is draining it (guarded by Agent::mu)
+};
+
+// One element of an agent's registration table, sorted by addr. Starts with
+// (addr, len) as the kvp_range functions of kvp_util require.
+struct RangeEntry {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t id;  // region handle, or kNewRangeBit | index during register_mem
+};
+constexpr uint64_t kNewRangeBit = uint64_t{1} << 63;
+
+// A batch transfer. The MORI arguments are built once by make_batch_xfer and
+// reused by every post. The post state is guarded by mu: post, poll,
+// telemetry and release of one transfer are serialised by the caller, but
+// remove_remote inspects transfers from another thread.
+struct Xfer {
+  kvp_agent owner = 0;
+  kvp_op op = KVP_OP_WRITE;
+  std::string peer;
+  std::vector<kvp_region> regions;  // distinct local regions, each counted in Region::users
+
+  // MORI's batch: element i is one (local, remote) region pair.
+  mio::MemDescVec locals;
+  mio::MemDescVec remotes;
+  mio::BatchSizeVec local_offsets;
+  mio::BatchSizeVec remote_offsets;
+  mio::BatchSizeVec sizes;
+  std::vector<size_t> pair_index;  // MORI element i came from pairs[pair_index[i]]
+  uint64_t total_bytes = 0;
+  uint64_t desc_count = 0;  // entries as given (strided ones count once)
+
+  std::mutex mu;
+  enum class State { kIdle, kActive, kDone, kFailed } state = State::kIdle;
+  bool detached = false;  // its peer was removed: it can no longer be posted
+  // The current post's statuses, one per MORI element. MORI's completion
+  // thread writes to them until they leave IN_PROGRESS.
+  std::vector<std::unique_ptr<mio::TransferStatus>> statuses;
+  mio::TransferStatusPtrVec status_ptrs;
+  // Statuses that had already failed when BatchWrite/BatchRead returned. A
+  // partially posted batch fails this way while some of its work requests
+  // are still queued, and their completions may still write the status, so
+  // these are never freed before the engine is destroyed.
+  std::vector<bool> failed_in_post;
+  mio::TransferUniqueIdVec uids;
+  kvp_status err_code = KVP_SUCCESS;  // when state == kFailed
+  std::string err_msg;
+
+  // The current post's clock readings.
+  uint64_t start_us = 0;
+  uint64_t post_us = 0;
+  Clock::time_point posted_at{};
+  // Telemetry of the last post that completed (xfer_telemetry).
+  bool tel_valid = false;
+  uint64_t tel_start_us = 0;
+  uint64_t tel_post_us = 0;
+  uint64_t tel_xfer_us = 0;
+
+  // Marks the current post complete, as seen now. Caller holds mu.
+  void Complete() {
+    state = State::kDone;
+    tel_valid = true;
+    tel_start_us = start_us;
+    tel_post_us = post_us;
+    tel_xfer_us = MicrosBetween(posted_at, Clock::now());
+  }
+};
+
+struct Agent {
+  kvp_agent handle = 0;
+  std::string name;
+  int release_timeout_ms = 30000;  // -1: no limit
+  std::unique_ptr<mio::IOEngine> engine;
+
+  // Exclusive for IOEngine Register*/Deregister*; shared for Batch*. Taken
+  // before mu when both are needed.
+  std::shared_mutex engine_mu;
+
+  // Guards everything below and Region::users/dying, Peer::removing.
+  std::mutex mu;
+  std::map<std::string, std::unique_ptr<Peer>> peers;
+  std::vector<RangeEntry> ranges;  // registered memory, sorted, non-overlapping
+  std::unordered_set<kvp_region> regions;
+  std::unordered_set<kvp_rregion> rregions;
+  std::unordered_set<kvp_xfer> xfers;
+  // Statuses MORI may still write to (see Xfer::failed_in_post); freed after
+  // the engine is destroyed.
+  std::vector<std::unique_ptr<mio::TransferStatus>> quarantine;
+};
+
+/* ------------------------------------------------------------------------ */
+/* Handle tables                                                            */
+/* ------------------------------------------------------------------------ */
+
+// One table per kind for the whole plugin (handles are process-wide values;
+// each object records its owning agent so a foreign handle is refused).
+// Created on first use and never freed: the plugin lives as long as the
+// process.
+struct Tables {
+  kvp_htable *agents;
+  kvp_htable *regions;
+  kvp_htable *rregions;
+  kvp_htable *xfers;
+  bool ok() const { return agents && regions && rregions && xfers; }
+};
+
+const Tables &GetTables() {
+  static const Tables t = {kvp_ht_create(1), kvp_ht_create(2), kvp_ht_create(3),
+                           kvp_ht_create(4)};
+  return t;
+}
+
+// A counted reference from kvp_ht_acquire, put back on scope exit.
+template <class T>
+class Ref {
+ public:
+  Ref() = default;
+  Ref(kvp_htable *t, uint64_t h) : t_(t), h_(h), p_(static_cast<T *>(kvp_ht_acquire(t, h))) {}
+  ~Ref() { reset(); }
+  Ref(Ref &&o) noexcept : t_(o.t_), h_(o.h_), p_(o.p_) { o.p_ = nullptr; }
+  Ref &operator=(Ref &&o) noexcept {
+    if (this != &o) {
+      reset();
+      t_ = o.t_;
+      h_ = o.h_;
+      p_ = o.p_;
+      o.p_ = nullptr;
+    }
+    return *this;
+  }
+  Ref(const Ref &) = delete;
+  Ref &operator=(const Ref &) = delete;
+
+  void reset() {
+    if (p_) kvp_ht_put(t_, h_);
+    p_ = nullptr;
+  }
+  T *get() const { return p_; }
+  T *operator->() const { return p_; }
+  T &operator*() const { return *p_; }
+  explicit operator bool() const { return p_ != nullptr; }
+
+ private:
+  kvp_htable *t_ = nullptr;
+  uint64_t h_ = 0;
+  T *p_ = nullptr;
+};
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                   */
+/* ------------------------------------------------------------------------ */
+
+// Runs an ABI entry, turning every C++ exception into an error object.
+template <class F>
+kvp_error *Guard(const char *fn, F &&body) noexcept {
+  try {
+    if (!GetTables().ok()) return kvp_err_oom();
+    return body();
+  } catch (const std::bad_alloc &) {
+    return kvp_err_oom();
+  } catch (const std::system_error &e) {
+    return kvp_err(KVP_ERR_BACKEND, "%s: MORI-IO: %s", fn, e.what());
+  } catch (const std::exception &e) {
+    return kvp_err(KVP_ERR_BACKEND, "%s: MORI-IO: %s", fn, e.what());
+  } catch (...) {
+    return kvp_err(KVP_ERR_UNKNOWN, "%s: unknown C++ exception", fn);
+  }
+}
+
+kvp_error *BadAgent(const char *fn, kvp_agent a) {
+  return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown agent handle 0x%llx", fn,
+                 static_cast<unsigned long long>(a));
+}
+
+kvp_error *BadHandle(const char *fn, const char *what, uint64_t h) {
+  return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown %s handle 0x%llx for this agent", fn, what,
+                 static_cast<unsigned long long>(h));
+}
+
+const char *MoriCodeName(mio::StatusCode c) {
+  switch (c) {
+    case mio::StatusCode::SUCCESS: return "SUCCESS";
+    case mio::StatusCode::INIT: return "INIT";
+    case mio::StatusCode::IN_PROGRESS: return "IN_PROGRESS";
+    case mio::StatusCode::ERR_INVALID_ARGS: return "ERR_INVALID_ARGS";
+    case mio::StatusCode::ERR_NOT_FOUND: return "ERR_NOT_FOUND";
+    case mio::StatusCode::ERR_RDMA_OP: return "ERR_RDMA_OP";
+    case mio::StatusCode::ERR_BAD_STATE: return "ERR_BAD_STATE";
+    case mio::StatusCode::ERR_GPU_OP: return "ERR_GPU_OP";
+    default: return "ERR_UNKNOWN";
+  }
+}
+
+// The kvhost code for a MORI failure. INIT after a post means MORI stopped
+// before submitting that part of the batch.
+kvp_status KvpCodeOf(mio::StatusCode c) {
+  switch (c) {
+    case mio::StatusCode::ERR_INVALID_ARGS: return KVP_ERR_INVALID_PARAM;
+    case mio::StatusCode::ERR_NOT_FOUND: return KVP_ERR_NOT_FOUND;
+    default: return KVP_ERR_BACKEND;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Blobs                                                                    */
+/* ------------------------------------------------------------------------ */
+
+template <class T>
+std::string Pack(const T &v) {
+  msgpack::sbuffer buf;
+  msgpack::pack(buf, v);
+  return std::string(buf.data(), buf.size());
+}
+
+// Decodes exactly one msgpack object of type T filling all of (p, n); the
+// bytes come from a peer. Returns NULL or a KVP_ERR_INVALID_PARAM error.
+template <class T>
+kvp_error *Unpack(const char *fn, const char *what, const uint8_t *p, size_t n, T *out) {
+  if (!p || n == 0) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: empty %s", fn, what);
+  try {
+    size_t off = 0;
+    msgpack::object_handle oh = msgpack::unpack(reinterpret_cast<const char *>(p), n, off,
+                                                nullptr, nullptr, kBlobLimit);
+    if (off != n)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %s has %zu trailing bytes after the object", fn,
+                     what, n - off);
+    oh.get().convert(*out);
+    return nullptr;
+  } catch (const std::bad_alloc &) {
+    throw;
+  } catch (const std::exception &e) {
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: malformed %s (%zu bytes): %s", fn, what, n,
+                   e.what());
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Transfer state                                                           */
+/* ------------------------------------------------------------------------ */
+
+// 1 if some status of the current post is still running in MORI.
+bool InFlight(Xfer &x) {
+  for (auto &s : x.statuses)
+    if (s->InProgress()) return true;
+  return false;
+}
+
+// Waits up to timeout_ms (-1: no limit) for the current post's work to end.
+// Returns true when nothing is in flight any more.
+bool Drain(mio::IOEngine &engine, Xfer &x, int timeout_ms) {
+  if (!InFlight(x)) return true;
+  (void)engine.WaitAll(x.status_ptrs, timeout_ms);
+  return !InFlight(x);
+}
+
+// Records the transfer's first failure (in MORI element order) and returns
+// a fresh error for it. Caller holds x.mu.
+kvp_error *RecordFailure(Xfer &x) {
+  for (size_t i = 0; i < x.statuses.size(); i++) {
+    mio::TransferStatus &s = *x.statuses[i];
+    mio::StatusCode c = s.Code();
+    if (c == mio::StatusCode::SUCCESS || c == mio::StatusCode::IN_PROGRESS) continue;
+    x.err_code = KvpCodeOf(c);
+    std::string m = c == mio::StatusCode::INIT ? std::string("not submitted by MORI-IO")
+                                                : s.Message();
+    x.err_msg = "mori " + std::string(x.op == KVP_OP_READ ? "BatchRead" : "BatchWrite") +
+                " failed on region pair " + std::to_string(x.pair_index[i]) + " (" +
+                MoriCodeName(c) + "): " + m;
+    x.state = Xfer::State::kFailed;
+    return kvp_err(x.err_code, "%s", x.err_msg.c_str());
+  }
+  x.err_code = KVP_ERR_BACKEND;
+  x.err_msg = "mori: WaitAll reported a failure that no status shows";
+  x.state = Xfer::State::kFailed;
+  return kvp_err(x.err_code, "%s", x.err_msg.c_str());
+}
+
+// Hands the statuses of the previous post back: those MORI may still write
+// to go to the agent's quarantine, the rest are freed. Caller holds x.mu and
+// has checked that nothing is in flight.
+void RetireStatuses(Agent &a, Xfer &x) {
+  std::vector<std::unique_ptr<mio::TransferStatus>> keep;
+  for (size_t i = 0; i < x.statuses.size(); i++)
+    if (i < x.failed_in_post.size() && x.failed_in_post[i]) keep.push_back(std::move(x.statuses[i]));
+  x.statuses.clear();
+  x.status_ptrs.clear();
+  x.failed_in_post.clear();
+  x.uids.clear();
+  if (!keep.empty()) {
+    std::lock_guard<std::mutex> g(a.mu);
+    for (auto &s : keep) a.quarantine.push_back(std::move(s));
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Agent creation helpers                                                   */
+/* ------------------------------------------------------------------------ */
+
+struct AgentConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  mio::RdmaBackendConfig rdma{/*qpPerTransfer=*/4, /*postBatchSize=*/-1,
+                              /*numWorkerThreads=*/4, mio::PollCqMode::POLLING,
+                              /*enableNotification=*/false};
+  int release_timeout_ms = 30000;
+};
+
+kvp_error *ParseConfig(const kvp_param *params, size_t n, AgentConfig *cfg) {
+  kvp_error *e = kvp_params_check(params, n, kParamNames,
+                                  sizeof kParamNames / sizeof kParamNames[0], 0);
+  if (e) return e;
+
+  if (const kvp_param *p = kvp_param_find(params, n, "host")) {
+    cfg->host.assign(p->value ? p->value : "", p->value_len);
+    struct in_addr ia;
+    if (cfg->host.find('\0') != std::string::npos || inet_pton(AF_INET, cfg->host.c_str(), &ia) != 1 ||
+        ia.s_addr == INADDR_NONE)
+      return kvp_err(KVP_ERR_INVALID_PARAM,
+                     "param host=\"%s\": want a dotted IPv4 address of this host "
+                     "(MORI-IO binds and advertises it as given)",
+                     cfg->host.c_str());
+  }
+  uint64_t port;
+  if ((e = kvp_param_u64(params, n, "port", 0, 0, 65535, &port))) return e;
+  if (port == kMoriReservedPort)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "param port=1: MORI-IO reserves port 1 for its XGMI-only fallback");
+  cfg->port = static_cast<uint16_t>(port);
+
+  int64_t v;
+  if ((e = kvp_param_i64(params, n, "qp_per_transfer", 4, 1, 1024, &v))) return e;
+  cfg->rdma.qpPerTransfer = static_cast<int>(v);
+  if ((e = kvp_param_i64(params, n, "post_batch_size", -1, -1, 1 << 20, &v))) return e;
+  if (v == 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "param post_batch_size=0: want -1 (MORI chooses) or a positive count");
+  cfg->rdma.postBatchSize = static_cast<int>(v);
+  if ((e = kvp_param_i64(params, n, "num_worker_threads", 4, 1, 1024, &v))) return e;
+  cfg->rdma.numWorkerThreads = static_cast<int>(v);
+  if (const kvp_param *p = kvp_param_find(params, n, "poll_cq_mode")) {
+    if (kvp_str_eq(p->value, p->value_len, "polling"))
+      cfg->rdma.pollCqMode = mio::PollCqMode::POLLING;
+    else if (kvp_str_eq(p->value, p->value_len, "event"))
+      cfg->rdma.pollCqMode = mio::PollCqMode::EVENT;
+    else
+      return kvp_err(KVP_ERR_INVALID_PARAM, "param poll_cq_mode=\"%.*s\": want polling or event",
+                     static_cast<int>(std::min<size_t>(p->value_len, 64)),
+                     p->value ? p->value : "");
+  }
+  if ((e = kvp_param_i64(params, n, "release_timeout_ms", 30000, -1, INT_MAX, &v))) return e;
+  cfg->release_timeout_ms = static_cast<int>(v);
+  return nullptr;
+}
+
+// MORI's control plane calls exit(-1) when bind() fails, so find out first
+// whether host:port can be bound (same options as MORI: SO_REUSEADDR).
+kvp_error *ProbeBind(const std::string &host, uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return kvp_err(KVP_ERR_BACKEND, "agent_create: socket(): %s", strerror(errno));
+  int one = 1;
+  (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  (void)inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+  int rc = bind(fd, reinterpret_cast<sockaddr *>(&sa), sizeof sa);
+  int err = errno;
+  close(fd);
+  if (rc != 0)
+    return kvp_err(err == EADDRINUSE ? KVP_ERR_NOT_ALLOWED : KVP_ERR_INVALID_PARAM,
+                   "agent_create: cannot bind the control-plane address %s:%u: %s", host.c_str(),
+                   static_cast<unsigned>(port), strerror(err));
+  return nullptr;
+}
+
+/* ------------------------------------------------------------------------ */
+/* ABI entries                                                              */
+/* ------------------------------------------------------------------------ */
+
+kvp_error *PluginInfo(kvp_plugin_info_args *args) {
+  return Guard("plugin_info", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE)) return e;
+    args->name = kPluginName;
+    args->version = kPluginVersion;
+    args->params_doc = kParamsDoc;
+    args->abi_major = KVP_ABI_MAJOR;
+    args->abi_minor = KVP_ABI_MINOR;
+    args->caps = kCaps;
+    args->mem_kinds = KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM);
+    return nullptr;
+  });
+}
+
+kvp_error *AgentCreate(kvp_agent_create_args *args) {
+  return Guard("agent_create", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_CREATE_ARGS_STRUCT_SIZE)) return e;
+    if (!args->name || args->name_len == 0 || args->name_len > KVP_MAX_NAME_LEN)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "agent_create: name must be 1..%d bytes, got %zu",
+                     KVP_MAX_NAME_LEN, args->name ? args->name_len : 0);
+    AgentConfig cfg;
+    if (kvp_error *e = ParseConfig(args->params, args->num_params, &cfg))
+      return kvp_err_wrap(e, "agent_create");
+    if (kvp_error *e = ProbeBind(cfg.host, cfg.port)) return e;
+
+    auto agent = std::make_unique<Agent>();
+    agent->name.assign(args->name, args->name_len);
+    agent->release_timeout_ms = cfg.release_timeout_ms;
+    // The engine key is the agent name: peers see it as our peer name and
+    // SGLang sends it as TransferInfo.engine_key.
+    agent->engine = std::make_unique<mio::IOEngine>(agent->name,
+                                                    mio::IOEngineConfig{cfg.host, cfg.port});
+    // MORI applies its MORI_IO_* environment overrides on top of cfg.rdma
+    // inside RdmaBackend's constructor, so they keep working unchanged.
+    agent->engine->CreateBackend(mio::BackendType::RDMA, cfg.rdma);
+    if (agent->engine->GetEngineDesc().port <= 0)
+      return kvp_err(KVP_ERR_BACKEND, "agent_create: MORI-IO did not bind a control-plane port");
+
+    kvp_agent h = 0;
+    if (kvp_error *e = kvp_ht_insert(GetTables().agents, agent.get(), &h)) return e;
+    agent->handle = h;
+    (void)agent.release();
+    args->agent = h;
+    args->caps = kCaps;
+    return nullptr;
+  });
+}
+
+kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
+  return Guard("agent_destroy", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    // Waits for calls that hold the agent; later calls find it gone.
+    std::unique_ptr<Agent> a(static_cast<Agent *>(kvp_ht_remove(t.agents, args->agent)));
+    if (!a) return BadAgent("agent_destroy", args->agent);
+
+    std::vector<std::unique_ptr<Xfer>> xfers;
+    std::vector<std::unique_ptr<Region>> regions;
+    std::vector<std::unique_ptr<RemoteRegion>> rregions;
+    for (kvp_xfer h : a->xfers)
+      if (void *p = kvp_ht_remove(t.xfers, h)) xfers.emplace_back(static_cast<Xfer *>(p));
+    for (kvp_region h : a->regions)
+      if (void *p = kvp_ht_remove(t.regions, h)) regions.emplace_back(static_cast<Region *>(p));
+    for (kvp_rregion h : a->rregions)
+      if (void *p = kvp_ht_remove(t.rregions, h))
+        rregions.emplace_back(static_cast<RemoteRegion *>(p));
+
+    // Destroying the engine is the one real cancel MORI offers: its threads
+    // are joined and its queue pairs and memory registrations torn down, so
+    // afterwards nothing writes to the statuses or the registered memory.
+    std::string failure;
+    try {
+      for (auto &r : regions) a->engine->DeregisterMemory(r->desc);
+    } catch (const std::exception &e) {
+      failure = e.what();
+    }
+    a->engine.reset();
+    // Now the statuses (in xfers and quarantine) can go.
+    xfers.clear();
+    a->quarantine.clear();
+    if (!failure.empty())
+      return kvp_err(KVP_ERR_BACKEND,
+                     "agent_destroy: agent destroyed, but MORI-IO DeregisterMemory failed: %s",
+                     failure.c_str());
+    return nullptr;
+  });
+}
+
+kvp_error *RegisterMem(kvp_register_mem_args *args) {
+  return Guard("register_mem", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+    if (args->num_descs == 0) return nullptr;
+    if (!args->descs || !args->regions)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: descs and regions must not be NULL");
+    for (size_t i = 0; i < args->num_descs; i++) {
+      const kvp_mem_desc &d = args->descs[i];
+      if (d.addr == 0 || d.len == 0 || d.len > UINT64_MAX - d.addr)
+        return kvp_err(KVP_ERR_INVALID_PARAM,
+                       "register_mem: desc %zu: bad range addr=0x%llx len=%llu", i,
+                       static_cast<unsigned long long>(d.addr),
+                       static_cast<unsigned long long>(d.len));
+      if (d.reserved != 0)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: desc %zu: reserved must be 0", i);
+      if (d.mem_kind == KVP_MEM_DRAM && d.dev_id != 0)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: desc %zu: DRAM needs dev_id 0", i);
+      if (d.mem_kind == KVP_MEM_VRAM && d.dev_id > INT_MAX)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: desc %zu: dev_id %llu too large",
+                       i, static_cast<unsigned long long>(d.dev_id));
+      if (d.mem_kind != KVP_MEM_DRAM && d.mem_kind != KVP_MEM_VRAM)
+        return kvp_err(KVP_ERR_NOT_SUPPORTED, "register_mem: desc %zu: memory kind %u", i,
+                       d.mem_kind);
+    }
+
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("register_mem", args->agent);
+    std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
+    std::lock_guard<std::mutex> g(a->mu);
+
+    // Overlap: the new ranges among themselves and against the agent's.
+    std::vector<RangeEntry> merged(a->ranges);
+    for (size_t i = 0; i < args->num_descs; i++)
+      merged.push_back({args->descs[i].addr, args->descs[i].len, kNewRangeBit | i});
+    kvp_ranges_sort(merged.data(), merged.size(), sizeof(RangeEntry));
+    long bad = kvp_ranges_check(merged.data(), merged.size(), sizeof(RangeEntry));
+    if (bad >= 0) {
+      uint64_t id = (merged[bad].id & kNewRangeBit) || bad == 0 ? merged[bad].id
+                                                                 : merged[bad - 1].id;
+      return kvp_err(KVP_ERR_INVALID_PARAM,
+                     "register_mem: desc %llu overlaps memory already registered on this agent "
+                     "or another desc of this call",
+                     static_cast<unsigned long long>(id & ~kNewRangeBit));
+    }
+
+    // Register, undoing everything on the first failure (all or nothing).
+    std::vector<std::unique_ptr<Region>> made;
+    std::vector<kvp_region> handles;
+    auto undo = [&]() {
+      for (size_t i = 0; i < made.size(); i++) {
+        try {
+          a->engine->DeregisterMemory(made[i]->desc);
+        } catch (...) {
+        }
+        if (i < handles.size()) (void)kvp_ht_remove(t.regions, handles[i]);
+      }
+    };
+    try {
+      for (size_t i = 0; i < args->num_descs; i++) {
+        const kvp_mem_desc &d = args->descs[i];
+        auto r = std::make_unique<Region>();
+        r->owner = a->handle;
+        r->addr = d.addr;
+        r->len = d.len;
+        // MORI's convention: CPU memory has device -1 (SGLang registers its
+        // aux buffers that way); GPU memory the ordinal given.
+        bool gpu = d.mem_kind == KVP_MEM_VRAM;
+        r->desc = a->engine->RegisterMemory(reinterpret_cast<void *>(d.addr), d.len,
+                                            gpu ? static_cast<int>(d.dev_id) : -1,
+                                            gpu ? mio::MemoryLocationType::GPU
+                                                : mio::MemoryLocationType::CPU);
+        made.push_back(std::move(r));
+        made.back()->blob = Pack(made.back()->desc);
+        kvp_region h = 0;
+        if (kvp_error *e = kvp_ht_insert(t.regions, made.back().get(), &h)) {
+          undo();
+          return kvp_err_wrap(e, "register_mem: desc %zu", i);
+        }
+        handles.push_back(h);
+      }
+      a->regions.reserve(a->regions.size() + handles.size());
+      a->ranges.reserve(merged.size());
+    } catch (...) {
+      undo();
+      throw;
+    }
+    // Nothing below throws.
+    for (size_t i = 0; i < handles.size(); i++) {
+      a->regions.insert(handles[i]);
+      args->regions[i] = handles[i];
+      (void)made[i].release();
+    }
+    for (RangeEntry &r : merged)
+      if (r.id & kNewRangeBit) r.id = handles[r.id & ~kNewRangeBit];
+    a->ranges.swap(merged);
+    return nullptr;
+  });
+}
+
+kvp_error *DeregisterMem(kvp_deregister_mem_args *args) {
+  return Guard("deregister_mem", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+    if (args->num_regions == 0) return nullptr;
+    if (!args->regions)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "deregister_mem: regions is NULL");
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("deregister_mem", args->agent);
+
+    std::vector<Region *> claimed;
+    std::string failure;
+    {
+      std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
+      std::lock_guard<std::mutex> g(a->mu);
+      // Validate all first: nothing is deregistered if any handle is bad.
+      std::unordered_set<kvp_region> seen;
+      std::vector<Ref<Region>> refs;
+      for (size_t i = 0; i < args->num_regions; i++) {
+        kvp_region h = args->regions[i];
+        Ref<Region> r(t.regions, h);
+        if (!r || r->owner != a->handle || r->dying)
+          return BadHandle("deregister_mem", "region", h);
+        if (!seen.insert(h).second)
+          return kvp_err(KVP_ERR_INVALID_PARAM, "deregister_mem: region 0x%llx given twice",
+                         static_cast<unsigned long long>(h));
+        if (r->users > 0)
+          return kvp_err(KVP_ERR_NOT_ALLOWED,
+                         "deregister_mem: region 0x%llx is used by %u transfer(s); release them "
+                         "first",
+                         static_cast<unsigned long long>(h), r->users);
+        refs.push_back(std::move(r));
+      }
+      for (auto &r : refs) {
+        r->dying = true;
+        claimed.push_back(r.get());
+      }
+      for (Region *r : claimed) {
+        try {
+          a->engine->DeregisterMemory(r->desc);
+        } catch (const std::exception &e) {
+          if (failure.empty()) failure = e.what();
+        }
+      }
+      for (size_t i = 0; i < args->num_regions; i++) a->regions.erase(args->regions[i]);
+      a->ranges.erase(std::remove_if(a->ranges.begin(), a->ranges.end(),
+                                     [&](const RangeEntry &e) { return seen.count(e.id) > 0; }),
+                      a->ranges.end());
+    }
+    // Outside the locks: kvp_ht_remove waits for other holders of the region
+    // (e.g. a make_batch_xfer about to see `dying`), which may need a->mu.
+    for (size_t i = 0; i < args->num_regions; i++)
+      delete static_cast<Region *>(kvp_ht_remove(t.regions, args->regions[i]));
+    // The regions are gone from kvhost's view either way; say what MORI
+    // reported.
+    if (!failure.empty())
+      return kvp_err(KVP_ERR_BACKEND, "deregister_mem: MORI-IO DeregisterMemory: %s",
+                     failure.c_str());
+    return nullptr;
+  });
+}
+
+kvp_error *RegionExport(kvp_region_export_args *args) {
+  return Guard("region_export", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGION_EXPORT_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("region_export", args->agent);
+    Ref<Region> r(t.regions, args->region);
+    if (!r || r->owner != a->handle) return BadHandle("region_export", "region", args->region);
+    if (args->cap > 0 && !args->buf)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "region_export: buf is NULL but cap is %zu", args->cap);
+    (void)kvp_out_bytes(args->buf, args->cap, r->blob.data(), r->blob.size(), &args->size);
+    return nullptr;
+  });
+}
+
+kvp_error *LocalMetadata(kvp_local_metadata_args *args) {
+  return Guard("local_metadata", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE)) return e;
+    Ref<Agent> a(GetTables().agents, args->agent);
+    if (!a) return BadAgent("local_metadata", args->agent);
+    if (args->cap > 0 && !args->buf)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "local_metadata: buf is NULL but cap is %zu",
+                     args->cap);
+    std::string blob = Pack(a->engine->GetEngineDesc());
+    (void)kvp_out_bytes(args->buf, args->cap, blob.data(), blob.size(), &args->size);
+    return nullptr;
+  });
+}
+
+kvp_error *LoadRemote(kvp_load_remote_args *args) {
+  return Guard("load_remote", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE)) return e;
+    mio::EngineDesc desc;
+    if (kvp_error *e = Unpack("load_remote", "MORI EngineDesc metadata", args->metadata,
+                              args->metadata_len, &desc))
+      return e;
+    if (desc.key.empty() || desc.key.size() > KVP_MAX_NAME_LEN)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "load_remote: engine key must be 1..%d bytes, got %zu",
+                     KVP_MAX_NAME_LEN, desc.key.size());
+    if (desc.port <= 0 || desc.port > 65535)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "load_remote: engine %s has port %d",
+                     desc.key.c_str(), desc.port);
+
+    Ref<Agent> a(GetTables().agents, args->agent);
+    if (!a) return BadAgent("load_remote", args->agent);
+    std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
+    std::lock_guard<std::mutex> g(a->mu);
+    auto it = a->peers.find(desc.key);
+    if (it != a->peers.end() && it->second->removing)
+      return kvp_err(KVP_ERR_NOT_ALLOWED, "load_remote: peer %s is being removed",
+                     desc.key.c_str());
+    Peer *p;
+    if (it == a->peers.end()) {
+      auto np = std::make_unique<Peer>();
+      np->name = desc.key;
+      np->desc = desc;
+      a->engine->RegisterRemoteEngine(desc);
+      p = np.get();
+      a->peers.emplace(desc.key, std::move(np));
+    } else {
+      p = it->second.get();
+      // Replacing overwrites MORI's address book entry. MORI keeps the RDMA
+      // connections it built for this key, so a peer that restarted must
+      // come back under a new key (SGLang puts pid and a random suffix in
+      // its keys for this reason).
+      if (!(p->desc == desc)) {
+        a->engine->RegisterRemoteEngine(desc);
+        p->desc = desc;
+      }
+    }
+    args->peer_name = p->name.data();
+    args->peer_name_len = p->name.size();
+    return nullptr;
+  });
+}
+
+kvp_error *RemoveRemote(kvp_remove_remote_args *args) {
+  return Guard("remove_remote", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE)) return e;
+    if (!args->peer_name || args->peer_name_len == 0)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "remove_remote: empty peer name");
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("remove_remote", args->agent);
+    std::string name(args->peer_name, args->peer_name_len);
+
+    // 1. Claim the peer: no new transfers or imports for it from now on.
+    std::vector<Ref<Xfer>> xfers;
+    {
+      std::lock_guard<std::mutex> g(a->mu);
+      auto it = a->peers.find(name);
+      if (it == a->peers.end() || it->second->removing)
+        return kvp_err(KVP_ERR_NOT_FOUND, "remove_remote: no loaded peer %s", name.c_str());
+      it->second->removing = true;
+      for (kvp_xfer h : a->xfers) {
+        Ref<Xfer> x(t.xfers, h);
+        if (x && x->peer == name) xfers.push_back(std::move(x));
+      }
+    }
+    auto unclaim = [&]() {
+      std::lock_guard<std::mutex> g(a->mu);
+      auto it = a->peers.find(name);
+      if (it != a->peers.end()) it->second->removing = false;
+    };
+
+    // 2. Drain: MORI cannot cancel posted work, so wait for it, all
+    //    transfers sharing one deadline.
+    auto deadline = Clock::now() + std::chrono::milliseconds(std::max(a->release_timeout_ms, 0));
+    for (size_t i = 0; i < xfers.size(); i++) {
+      std::lock_guard<std::mutex> g(xfers[i]->mu);
+      int left = -1;
+      if (a->release_timeout_ms >= 0)
+        left = static_cast<int>(std::max<int64_t>(
+            0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
+                   .count()));
+      if (!Drain(*a->engine, *xfers[i], left)) {
+        for (size_t j = 0; j < i; j++) {
+          std::lock_guard<std::mutex> gj(xfers[j]->mu);
+          xfers[j]->detached = false;
+        }
+        unclaim();
+        return kvp_err(KVP_ERR_BACKEND,
+                       "remove_remote: transfers to %s still in flight after %d ms; MORI-IO "
+                       "cannot cancel posted work; nothing was removed, try again",
+                       name.c_str(), a->release_timeout_ms);
+      }
+      xfers[i]->detached = true;
+    }
+    xfers.clear();
+
+    // 3. Forget it in MORI and here.
+    std::vector<kvp_rregion> gone;
+    std::unique_ptr<Peer> peer;
+    {
+      std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
+      std::lock_guard<std::mutex> g(a->mu);
+      auto it = a->peers.find(name);
+      try {
+        a->engine->DeregisterRemoteEngine(it->second->desc);
+      } catch (...) {
+        it->second->removing = false;
+        throw;
+      }
+      peer = std::move(it->second);
+      a->peers.erase(it);
+      for (kvp_rregion h : a->rregions) {
+        Ref<RemoteRegion> rr(t.rregions, h);
+        if (rr && rr->peer == name) gone.push_back(h);
+      }
+      for (kvp_rregion h : gone) a->rregions.erase(h);
+    }
+    for (kvp_rregion h : gone) delete static_cast<RemoteRegion *>(kvp_ht_remove(t.rregions, h));
+    return nullptr;
+  });
+}
+
+kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
+  return Guard("remote_region_import", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE)) return e;
+    if (!args->blob)
+      return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                     "remote_region_import: import by address needs KVP_CAP_REMOTE_ADDR; "
+                     "MORI-IO reaches remote memory only through the peer's MemoryDesc blobs");
+    if (!args->peer_name || args->peer_name_len == 0)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "remote_region_import: empty peer name");
+    std::string name(args->peer_name, args->peer_name_len);
+    auto rr = std::make_unique<RemoteRegion>();
+    if (kvp_error *e = Unpack("remote_region_import", "MORI MemoryDesc blob", args->blob,
+                              args->blob_len, &rr->desc))
+      return e;
+    const mio::MemoryDesc &d = rr->desc;
+    if (d.engineKey != name)
+      return kvp_err(KVP_ERR_MISMATCH,
+                     "remote_region_import: blob belongs to engine %s, not to peer %s",
+                     d.engineKey.c_str(), name.c_str());
+    if (d.data == 0 || d.size == 0 || d.size > UINT64_MAX - d.data)
+      return kvp_err(KVP_ERR_INVALID_PARAM,
+                     "remote_region_import: blob has bad range data=0x%llx size=%llu",
+                     static_cast<unsigned long long>(d.data),
+                     static_cast<unsigned long long>(d.size));
+    if (d.loc != mio::MemoryLocationType::CPU && d.loc != mio::MemoryLocationType::GPU)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "remote_region_import: blob has memory location %u",
+                     static_cast<unsigned>(d.loc));
+
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("remote_region_import", args->agent);
+    rr->owner = a->handle;
+    rr->peer = name;
+    std::lock_guard<std::mutex> g(a->mu);
+    auto it = a->peers.find(name);
+    if (it == a->peers.end() || it->second->removing)
+      return kvp_err(KVP_ERR_NOT_FOUND, "remote_region_import: no loaded peer %s", name.c_str());
+    a->rregions.reserve(a->rregions.size() + 1);
+    kvp_rregion h = 0;
+    if (kvp_error *e = kvp_ht_insert(t.rregions, rr.get(), &h)) return e;
+    a->rregions.insert(h);
+    args->addr = d.data;
+    args->len = d.size;
+    args->dev_id = d.deviceId < 0 ? 0 : static_cast<uint64_t>(d.deviceId);
+    args->mem_kind = d.loc == mio::MemoryLocationType::GPU ? KVP_MEM_VRAM : KVP_MEM_DRAM;
+    args->rregion = h;
+    (void)rr.release();
+    return nullptr;
+  });
+}
+
+kvp_error *RemoteRegionRelease(kvp_remote_region_release_args *args) {
+  return Guard("remote_region_release", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("remote_region_release", args->agent);
+    {
+      std::lock_guard<std::mutex> g(a->mu);
+      Ref<RemoteRegion> rr(t.rregions, args->rregion);
+      if (!rr || rr->owner != a->handle || !a->rregions.erase(args->rregion))
+        return BadHandle("remote_region_release", "remote region", args->rregion);
+    }
+    // Transfers copied the MemoryDesc, so they do not depend on this handle.
+    delete static_cast<RemoteRegion *>(kvp_ht_remove(t.rregions, args->rregion));
+    return nullptr;
+  });
+}
+
+// Appends the blocks of one entry to MORI element `slot`, splitting blocks
+// longer than kMaxPiece.
+void AppendEntry(Xfer &x, size_t slot, const kvp_batch_entry &e) {
+  for (uint64_t k = 0; k < e.count; k++) {
+    uint64_t lo = e.local_offset + (e.count > 1 ? k * e.local_stride : 0);
+    uint64_t ro = e.remote_offset + (e.count > 1 ? k * e.remote_stride : 0);
+    for (uint64_t done = 0; done < e.len; done += kMaxPiece) {
+      uint64_t n = std::min(kMaxPiece, e.len - done);
+      x.local_offsets[slot].push_back(lo + done);
+      x.remote_offsets[slot].push_back(ro + done);
+      x.sizes[slot].push_back(n);
+    }
+  }
+}
+
+kvp_error *MakeBatchXfer(kvp_make_batch_xfer_args *args) {
+  return Guard("make_batch_xfer", [&]() -> kvp_error * {
+    const char *fn = "make_batch_xfer";
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE)) return e;
+    if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: op %u is neither READ nor WRITE", fn, args->op);
+    if (args->notif.has_notif)
+      return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                     "%s: transfer notifications need KVP_CAP_NOTIF; the mori plugin runs "
+                     "MORI-IO with notifications off (completion goes out of band, as in SGLang)",
+                     fn);
+    if ((args->num_pairs > 0 && !args->pairs) || (args->num_entries > 0 && !args->entries))
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: pairs or entries is NULL", fn);
+
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent(fn, args->agent);
+
+    auto x = std::make_unique<Xfer>();
+    x->owner = a->handle;
+    x->op = args->op;
+
+    // Resolve every pair; all remote regions must belong to one peer.
+    std::vector<Ref<Region>> locals;
+    std::vector<Ref<RemoteRegion>> remotes;
+    locals.reserve(args->num_pairs);
+    remotes.reserve(args->num_pairs);
+    for (size_t i = 0; i < args->num_pairs; i++) {
+      Ref<Region> r(t.regions, args->pairs[i].local);
+      if (!r || r->owner != a->handle) {
+        return kvp_err(KVP_ERR_INVALID_PARAM, "%s: pair %zu: unknown region handle 0x%llx", fn,
+                       i, static_cast<unsigned long long>(args->pairs[i].local));
+      }
+      Ref<RemoteRegion> rr(t.rregions, args->pairs[i].remote);
+      if (!rr || rr->owner != a->handle) {
+        return kvp_err(KVP_ERR_INVALID_PARAM,
+                       "%s: pair %zu: unknown remote region handle 0x%llx", fn, i,
+                       static_cast<unsigned long long>(args->pairs[i].remote));
+      }
+      if (i == 0) {
+        x->peer = rr->peer;
+      } else if (rr->peer != x->peer) {
+        return kvp_err(KVP_ERR_MISMATCH,
+                       "%s: pair %zu: remote region of peer %s, pair 0 is of peer %s", fn, i,
+                       rr->peer.c_str(), x->peer.c_str());
+      }
+      locals.push_back(std::move(r));
+      remotes.push_back(std::move(rr));
+    }
+
+    // Check every entry before building anything; count MORI work requests.
+    std::vector<uint64_t> pieces(args->num_pairs, 0);
+    for (size_t i = 0; i < args->num_entries; i++) {
+      const kvp_batch_entry &e = args->entries[i];
+      if (e.pair >= args->num_pairs)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: pair %u out of %zu pairs", fn, i,
+                       e.pair, args->num_pairs);
+      if (e.reserved != 0)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: reserved must be 0", fn, i);
+      if (e.len == 0 || e.count == 0)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: len and count must be > 0", fn, i);
+      const Region &lr = *locals[e.pair];
+      const RemoteRegion &rr = *remotes[e.pair];
+      if (!kvp_strided_in(e.local_offset, e.len, e.local_stride, e.count, 0, lr.len))
+        return kvp_err(KVP_ERR_INVALID_PARAM,
+                       "%s: entry %zu: local blocks (offset %llu, len %llu, stride %llu, count "
+                       "%llu) leave the local region of %llu bytes",
+                       fn, i, static_cast<unsigned long long>(e.local_offset),
+                       static_cast<unsigned long long>(e.len),
+                       static_cast<unsigned long long>(e.local_stride),
+                       static_cast<unsigned long long>(e.count),
+                       static_cast<unsigned long long>(lr.len));
+      if (!kvp_strided_in(e.remote_offset, e.len, e.remote_stride, e.count, 0, rr.desc.size))
+        return kvp_err(KVP_ERR_INVALID_PARAM,
+                       "%s: entry %zu: remote blocks (offset %llu, len %llu, stride %llu, count "
+                       "%llu) leave the remote region of %llu bytes",
+                       fn, i, static_cast<unsigned long long>(e.remote_offset),
+                       static_cast<unsigned long long>(e.len),
+                       static_cast<unsigned long long>(e.remote_stride),
+                       static_cast<unsigned long long>(e.count),
+                       static_cast<unsigned long long>(rr.desc.size));
+      // In range of the region, so len * count <= 2^64 and no overflow below.
+      uint64_t per_block = (e.len + kMaxPiece - 1) / kMaxPiece;
+      if (e.count > kMaxPiecesPerPair / per_block ||
+          pieces[e.pair] > kMaxPiecesPerPair - e.count * per_block)
+        return kvp_err(KVP_ERR_INVALID_PARAM,
+                       "%s: pair %u has more than %llu blocks; MORI-IO counts them in an int", fn,
+                       e.pair, static_cast<unsigned long long>(kMaxPiecesPerPair));
+      pieces[e.pair] += e.count * per_block;
+      x->total_bytes += e.len * e.count;
+      x->desc_count++;
+    }
+
+    // Group by pair: one MORI element per pair that has entries.
+    std::vector<size_t> slot_of(args->num_pairs, SIZE_MAX);
+    for (size_t p = 0; p < args->num_pairs; p++) {
+      if (pieces[p] == 0) continue;
+      slot_of[p] = x->locals.size();
+      x->pair_index.push_back(p);
+      x->locals.push_back(locals[p]->desc);
+      x->remotes.push_back(remotes[p]->desc);
+      x->local_offsets.emplace_back();
+      x->remote_offsets.emplace_back();
+      x->sizes.emplace_back();
+      x->local_offsets.back().reserve(pieces[p]);
+      x->remote_offsets.back().reserve(pieces[p]);
+      x->sizes.back().reserve(pieces[p]);
+    }
+    for (size_t i = 0; i < args->num_entries; i++)
+      AppendEntry(*x, slot_of[args->entries[i].pair], args->entries[i]);
+
+    // The distinct local regions the transfer uses, each counted once in
+    // Region::users so deregister_mem can refuse while the transfer lives.
+    std::vector<std::pair<kvp_region, Region *>> used;
+    for (size_t p = 0; p < args->num_pairs; p++)
+      if (pieces[p] > 0) used.emplace_back(args->pairs[p].local, locals[p].get());
+    std::sort(used.begin(), used.end());
+    used.erase(std::unique(used.begin(), used.end()), used.end());
+    for (auto &u : used) x->regions.push_back(u.first);
+
+    // Publish: the peer must still be loaded and no region being deregistered.
+    std::lock_guard<std::mutex> g(a->mu);
+    auto pit = a->peers.find(x->peer);
+    if (args->num_pairs > 0 && (pit == a->peers.end() || pit->second->removing))
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer %s is no longer loaded", fn, x->peer.c_str());
+    for (auto &u : used)
+      if (u.second->dying)
+        return kvp_err(KVP_ERR_INVALID_PARAM, "%s: region 0x%llx is being deregistered", fn,
+                       static_cast<unsigned long long>(u.first));
+    a->xfers.reserve(a->xfers.size() + 1);
+    kvp_xfer h = 0;
+    if (kvp_error *e = kvp_ht_insert(t.xfers, x.get(), &h)) return e;
+    a->xfers.insert(h);
+    for (auto &u : used) u.second->users++;
+    args->xfer = h;
+    (void)x.release();
+    return nullptr;
+  });
+}
+
+kvp_error *PostXfer(kvp_post_xfer_args *args) {
+  return Guard("post_xfer", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POST_XFER_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("post_xfer", args->agent);
+    Ref<Xfer> xr(t.xfers, args->xfer);
+    if (!xr || xr->owner != a->handle) return BadHandle("post_xfer", "transfer", args->xfer);
+    Xfer &x = *xr;
+    std::lock_guard<std::mutex> g(x.mu);
+    if (x.detached)
+      return kvp_err(KVP_ERR_NOT_FOUND, "post_xfer: peer %s was removed", x.peer.c_str());
+    if (InFlight(x))
+      return kvp_err(KVP_ERR_REPOST_ACTIVE, "post_xfer: the transfer is still in progress");
+    RetireStatuses(*a, x);
+
+    x.start_us = WallMicros();
+    x.posted_at = Clock::now();
+    x.err_code = KVP_SUCCESS;
+    x.err_msg.clear();
+    if (x.locals.empty()) {  // nothing to move
+      x.post_us = 0;
+      x.Complete();
+      args->status = KVP_SUCCESS;
+      return nullptr;
+    }
+
+    size_t n = x.locals.size();
+    x.statuses.reserve(n);
+    x.status_ptrs.reserve(n);
+    x.uids.reserve(n);
+    for (size_t i = 0; i < n; i++) {
+      x.statuses.push_back(std::make_unique<mio::TransferStatus>());
+      x.status_ptrs.push_back(x.statuses.back().get());
+      x.uids.push_back(a->engine->AllocateTransferUniqueId());
+    }
+    x.failed_in_post.assign(n, false);
+    x.state = Xfer::State::kActive;
+
+    std::string thrown;
+    kvp_status thrown_code = KVP_ERR_BACKEND;
+    {
+      std::shared_lock<std::shared_mutex> engine_lock(a->engine_mu);
+      try {
+        if (x.op == KVP_OP_WRITE)
+          a->engine->BatchWrite(x.locals, x.local_offsets, x.remotes, x.remote_offsets, x.sizes,
+                                x.status_ptrs, x.uids);
+        else
+          a->engine->BatchRead(x.locals, x.local_offsets, x.remotes, x.remote_offsets, x.sizes,
+                               x.status_ptrs, x.uids);
+      } catch (const std::bad_alloc &) {
+        thrown = "out of memory";
+      } catch (const std::system_error &e) {
+        // MORI reaches the peer's control plane over TCP to set up RDMA.
+        thrown = e.what();
+        thrown_code = KVP_ERR_REMOTE_DISCONNECT;
+      } catch (const std::exception &e) {
+        thrown = e.what();
+      } catch (...) {
+        thrown = "unknown C++ exception";
+      }
+    }
+    Clock::time_point posted = Clock::now();
+    x.post_us = MicrosBetween(x.posted_at, posted);
+    for (size_t i = 0; i < n; i++) x.failed_in_post[i] = x.statuses[i]->Failed();
+
+    if (!thrown.empty()) {
+      // Pairs before the throwing one may be running; release waits for them.
+      x.state = Xfer::State::kFailed;
+      x.err_code = thrown_code;
+      x.err_msg = std::string("mori ") + (x.op == KVP_OP_READ ? "BatchRead" : "BatchWrite") +
+                  ": " + thrown;
+      return kvp_err(x.err_code, "%s", x.err_msg.c_str());
+    }
+    mio::StatusCode c = a->engine->WaitAll(x.status_ptrs, 0);
+    if (c == mio::StatusCode::IN_PROGRESS) {
+      args->status = KVP_IN_PROG;
+      return nullptr;
+    }
+    if (c == mio::StatusCode::SUCCESS) {
+      x.Complete();
+      args->status = KVP_SUCCESS;
+      return nullptr;
+    }
+    return RecordFailure(x);
+  });
+}
+
+kvp_error *PollXfer(kvp_poll_xfer_args *args) {
+  return Guard("poll_xfer", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("poll_xfer", args->agent);
+    Ref<Xfer> xr(t.xfers, args->xfer);
+    if (!xr || xr->owner != a->handle) return BadHandle("poll_xfer", "transfer", args->xfer);
+    Xfer &x = *xr;
+    std::lock_guard<std::mutex> g(x.mu);
+    switch (x.state) {
+      case Xfer::State::kIdle:
+        return kvp_err(KVP_ERR_NOT_POSTED, "poll_xfer: the transfer was never posted");
+      case Xfer::State::kDone:
+        args->status = KVP_SUCCESS;
+        return nullptr;
+      case Xfer::State::kFailed:
+        return kvp_err(x.err_code, "%s", x.err_msg.c_str());
+      case Xfer::State::kActive:
+        break;
+    }
+    mio::StatusCode c = a->engine->WaitAll(x.status_ptrs, 0);
+    if (c == mio::StatusCode::IN_PROGRESS) {
+      args->status = KVP_IN_PROG;
+      return nullptr;
+    }
+    if (c == mio::StatusCode::SUCCESS) {
+      x.Complete();
+      args->status = KVP_SUCCESS;
+      return nullptr;
+    }
+    return RecordFailure(x);
+  });
+}
+
+kvp_error *ReleaseXfer(kvp_release_xfer_args *args) {
+  return Guard("release_xfer", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("release_xfer", args->agent);
+    {
+      Ref<Xfer> xr(t.xfers, args->xfer);
+      if (!xr || xr->owner != a->handle) return BadHandle("release_xfer", "transfer", args->xfer);
+      std::lock_guard<std::mutex> g(xr->mu);
+      // MORI cannot cancel posted work: wait for it to end.
+      if (!Drain(*a->engine, *xr, a->release_timeout_ms))
+        return kvp_err(KVP_ERR_BACKEND,
+                       "release_xfer: transfer still in flight after %d ms; MORI-IO cannot "
+                       "cancel posted work; the handle stays valid, release it again later",
+                       a->release_timeout_ms);
+    }
+    std::unique_ptr<Xfer> x(static_cast<Xfer *>(kvp_ht_remove(t.xfers, args->xfer)));
+    if (!x) return BadHandle("release_xfer", "transfer", args->xfer);
+    RetireStatuses(*a, *x);
+    std::lock_guard<std::mutex> g(a->mu);
+    a->xfers.erase(args->xfer);
+    for (kvp_region h : x->regions) {
+      Ref<Region> r(t.regions, h);
+      if (r && r->users > 0) r->users--;
+    }
+    return nullptr;
+  });
+}
+
+kvp_error *XferTelemetry(kvp_xfer_telemetry_args *args) {
+  return Guard("xfer_telemetry", [&]() -> kvp_error * {
+    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("xfer_telemetry", args->agent);
+    Ref<Xfer> xr(t.xfers, args->xfer);
+    if (!xr || xr->owner != a->handle)
+      return BadHandle("xfer_telemetry", "transfer", args->xfer);
+    std::lock_guard<std::mutex> g(xr->mu);
+    if (!xr->tel_valid)
+      return kvp_err(KVP_ERR_NO_TELEMETRY,
+                     "xfer_telemetry: no completed post yet (poll until it reports success)");
+    args->start_us = xr->tel_start_us;
+    args->post_us = xr->tel_post_us;
+    args->xfer_us = xr->tel_xfer_us;
+    args->total_bytes = xr->total_bytes;
+    args->desc_count = xr->desc_count;
+    return nullptr;
+  });
+}
+
+// Entries of capabilities this plugin does not report. The host never calls
+// them; they answer KVP_ERR_NOT_SUPPORTED rather than crash if one does.
+kvp_error *NotSupported(const char *fn, const char *cap) {
+  return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: the mori plugin has no %s", fn, cap);
+}
+kvp_error *PrepDlist(kvp_prep_dlist_args *) {
+  return NotSupported("prep_dlist", "KVP_CAP_PREPPED (the host emulates it)");
+}
+kvp_error *ReleaseDlist(kvp_release_dlist_args *) {
+  return NotSupported("release_dlist", "KVP_CAP_PREPPED (the host emulates it)");
+}
+kvp_error *MakePreppedXfer(kvp_make_prepped_xfer_args *) {
+  return NotSupported("make_prepped_xfer", "KVP_CAP_PREPPED (the host emulates it)");
+}
+kvp_error *GetNotifs(kvp_get_notifs_args *) {
+  return NotSupported("get_notifs", "KVP_CAP_NOTIF (completion goes out of band)");
+}
+kvp_error *SendNotif(kvp_send_notif_args *) {
+  return NotSupported("send_notif", "KVP_CAP_NOTIF (completion goes out of band)");
+}
+
+const kvp_api kApi = {
+    KVP_API_STRUCT_SIZE,
+    nullptr,
+    KVP_ABI_MAJOR,
+    KVP_ABI_MINOR,
+    kvp_util_error_destroy,
+    kvp_util_error_message,
+    kvp_util_error_code,
+    PluginInfo,
+    AgentCreate,
+    AgentDestroy,
+    RegisterMem,
+    DeregisterMem,
+    RegionExport,
+    LocalMetadata,
+    LoadRemote,
+    RemoveRemote,
+    RemoteRegionImport,
+    RemoteRegionRelease,
+    PrepDlist,
+    ReleaseDlist,
+    MakePreppedXfer,
+    MakeBatchXfer,
+    PostXfer,
+    PollXfer,
+    ReleaseXfer,
+    XferTelemetry,
+    GetNotifs,
+    SendNotif,
+};
+
+}  // namespace
+
+extern "C" KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
+  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
+  args->plugin_abi_major_min = KVP_ABI_MAJOR;
+  args->plugin_abi_major_max = KVP_ABI_MAJOR;
+  if (args->host_abi_major != KVP_ABI_MAJOR) {
+    args->api = nullptr;
+    return KVP_ERR_NOT_SUPPORTED;
+  }
+  args->api = &kApi;
+  return KVP_SUCCESS;
+}
