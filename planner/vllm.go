@@ -303,6 +303,9 @@ func NewVLLMReader(local VLLMDecode, remote VLLMAgent, remoteTPSize int) (*VLLMR
 	}
 	r.blockSizeRatio = la.BlockSize / ra.BlockSize
 	bsr := uint64(r.blockSizeRatio)
+	if r.kernelFactor > math.MaxInt32/r.blockSizeRatio {
+		return nil, errorf("physical_blocks_per_logical", "%d × block-size ratio %d exceeds 2^31", r.kernelFactor, r.blockSizeRatio)
+	}
 
 	ratio, err := VLLMTPRatio(local.TPSize, remoteTPSize)
 	if err != nil {

@@ -1,9 +1,6 @@
 package planner
 
-import (
-	"fmt"
-	"math"
-)
+import "fmt"
 
 // Per-request planning of vLLM pull reads (_read_blocks_for_req,
 // _read_blocks, get_mapped_blocks, _get_block_descs_ids).
@@ -91,29 +88,25 @@ func windowStart(n, w int) int {
 }
 
 // checkSeq checks that elements [from, to) of s name one of blocks blocks.
-// It checks per input id, so it runs in O(len(ids)) and cannot overflow.
+// It checks per input id, so it runs in O(len(ids)).
 func checkSeq(field string, s *vllmSeq, from, to, blocks int) error {
 	if from >= to {
 		return nil
 	}
+	f := int64(s.factor)
 	for i := from / s.factor; i <= (to-1)/s.factor; i++ {
-		id := int(s.ids[i])
-		// The expanded ids of this input id are id*factor ... +factor-1;
-		// only those in [from, to) are read.
-		lo := max(from, i*s.factor) - i*s.factor
-		hi := min(to, (i+1)*s.factor) - 1 - i*s.factor
-		if id < 0 || id > (blocks-1-hi)/s.factor || id*s.factor+hi >= blocks {
-			return errorf(fmt.Sprintf("%s[%d]", field, i), "block %d outside [0, %d)", id, vllmBlocksOf(blocks, s.factor, lo, hi))
+		id := int64(s.ids[i])
+		// The last expanded id of this input id that is read.
+		hi := min(int64(to), (int64(i)+1)*f) - 1 - int64(i)*f
+		if id >= 0 && id*f+hi < int64(blocks) {
+			continue
 		}
+		if blocks%s.factor == 0 {
+			return errorf(fmt.Sprintf("%s[%d]", field, i), "block %d outside [0, %d)", id, blocks/s.factor)
+		}
+		return errorf(fmt.Sprintf("%s[%d]", field, i), "block %d expands past the %d blocks of the descriptor list", id, blocks)
 	}
 	return nil
-}
-
-// vllmBlocksOf reports the valid input id range for an error message: how
-// many input ids fit blocks expanded blocks.
-func vllmBlocksOf(blocks, factor, lo, hi int) int {
-	_ = lo
-	return (blocks - hi + factor - 1) / factor
 }
 
 // VLLMRead is the prepped form of one request's READ.
@@ -255,7 +248,7 @@ func (r *VLLMReader) addRuns(p *Plan, q *vllmReq, lr, rr *VLLMListRegion, segLen
 		for k+m < n && q.local.at(k+m) == lid+m && q.remote.at(q.remoteStart+k+m) == rid+m {
 			m++
 		}
-		p.Add(Copy{
+		c := Copy{
 			SrcRegion: int32(rr.Region),
 			DstRegion: int32(lr.Region),
 			SrcOff:    rr.Off + uint64(rid)*rr.Stride,
@@ -264,11 +257,14 @@ func (r *VLLMReader) addRuns(p *Plan, q *vllmReq, lr, rr *VLLMListRegion, segLen
 			SrcStride: rr.Stride,
 			DstStride: lr.Stride,
 			Count:     uint64(m),
-		})
+		}
+		if m == 1 {
+			c.SrcStride, c.DstStride = 0, 0
+		} else if segLen == rr.Stride && segLen == lr.Stride {
+			// Whole blocks back to back on both sides: one plain block.
+			c.Len, c.Count, c.SrcStride, c.DstStride = segLen*uint64(m), 1, 0, 0
+		}
+		p.Add(c)
 		k += m
 	}
 }
-
-// vllmMaxFactor bounds PhysicalBlocksPerLogical × BlockSizeRatio so that
-// expanded lengths and ids never overflow an int.
-const vllmMaxFactor = math.MaxInt32
