@@ -26,6 +26,20 @@ type KVSide struct {
 	// StartLayer is prefill_start_layer: the first model layer this side
 	// holds under pipeline parallelism (prefill side only).
 	StartLayer int
+	// DraftLayers is the number of decode-only speculative-decoding draft
+	// layers registered after the main K and V regions (decode side only).
+	// It counts only when DraftLayersKnown is set; otherwise the reference's
+	// heuristic decides (see PairKVRegions).
+	DraftLayers      int
+	DraftLayersKnown bool
+}
+
+// draft returns the draftLayers argument of PairKVRegions.
+func (s *KVSide) draft() int {
+	if !s.DraftLayersKnown {
+		return DraftUnknown
+	}
+	return s.DraftLayers
 }
 
 // kind returns the memory kind of region i.
@@ -87,27 +101,54 @@ func (s *KVSide) appendRegions(dst []Region) []Region {
 	return dst
 }
 
+// KVPairing selects which reference pointer slicing PairKVRegions
+// reproduces.
+type KVPairing uint8
+
+const (
+	// PairCommon is CommonKVManager.get_mha_kv_ptrs_with_pp and
+	// get_mla_kv_ptrs_with_pp (regular MLA): the NIXL connector's slicing.
+	PairCommon KVPairing = iota
+	// PairMORI is MoriKVManager._get_mha_mem_desc_slices and
+	// _get_mla_mem_desc_slices.
+	PairMORI
+)
+
+// DraftUnknown is the draftLayers argument of PairKVRegions when the
+// decode side's draft layer count is not known: the reference's own rules
+// then decide.
+const DraftUnknown = -1
+
 // PairKVRegions returns, for every prefill KV region, the decode region
-// holding the same model layer and tensor (K or V): the pointer slicing of
-// SGLang's CommonKVManager.get_mha_kv_ptrs_with_pp (MHA) and
-// get_mla_kv_ptrs_with_pp (MLA, without compression ratios). startLayer is
-// the prefill stage's first layer; nSrc and nDst count regions.
+// holding the same model layer and tensor (K or V): the reference's pointer
+// slicing for pipeline parallelism. startLayer is the prefill stage's first
+// layer; nSrc and nDst count regions. The result is appended to dst (reuse
+// it to avoid allocating).
 //
+// With draftLayers == DraftUnknown the reference's rules apply. PairCommon,
 // MHA, with L = nSrc/2 prefill layers and T = nDst/2 decode layers:
 //   - L == T: decode holds the same stage; K_j -> j, V_j -> T+j.
-//   - L < T and T % L != 0: decode holds draft layers after the main K and V
-//     ([K_main, V_main, K_draft, V_draft]); K_j -> start+j,
+//   - L < T and T % L != 0: taken as decode-only draft layers after the main
+//     K and V ([K_main, V_main, K_draft, V_draft]); K_j -> start+j,
 //     V_j -> L*(T/L)+start+j.
 //   - otherwise (decode PP 1, prefill PP > 1): K_j -> start+j,
 //     V_j -> T+start+j.
 //
-// MLA: equal counts pair one to one; otherwise layer j -> start+j.
+// PairCommon, MLA: equal counts pair one to one, else layer j -> start+j.
+// PairMORI: K_j -> start+j and V_j -> T+start+j (MLA: start+j), with no
+// equal-stage or draft case.
+//
+// The reference's second rule cannot tell a decode-only draft from a
+// pipeline stage whose layer count does not divide decode's (61 layers split
+// 31+30 pairs V with the wrong regions). When the decode side's draft layer
+// count is known (draftLayers >= 0, main layers M = T - draftLayers) the
+// pairing is exact for both styles: L == M pairs K_j -> j, V_j -> M+j;
+// otherwise K_j -> start+j, V_j -> M+start+j (MLA: j or start+j).
 //
 // Where the reference would slice past the end of the decode list (and then
 // fail on an index error, or in MORI raise "Destination KV descriptors do
 // not match prefill pp configuration"), PairKVRegions returns an *Error.
-// The result is appended to dst (reuse it to avoid allocating).
-func PairKVRegions(dst []int32, mla bool, nSrc, nDst, startLayer int) ([]int32, error) {
+func PairKVRegions(dst []int32, how KVPairing, mla bool, nSrc, nDst, startLayer, draftLayers int) ([]int32, error) {
 	if nSrc <= 0 {
 		return dst, errorf("prefill.kv_ptrs", "no KV regions")
 	}
@@ -117,18 +158,35 @@ func PairKVRegions(dst []int32, mla bool, nSrc, nDst, startLayer int) ([]int32, 
 	if startLayer < 0 {
 		return dst, errorf("prefill.start_layer", "must not be negative, got %d", startLayer)
 	}
+	if draftLayers < DraftUnknown {
+		return dst, errorf("decode.draft_layers", "must not be negative, got %d", draftLayers)
+	}
+	perLayer := 2
 	if mla {
-		if nSrc == nDst {
-			for j := 0; j < nSrc; j++ {
-				dst = append(dst, int32(j))
+		perLayer = 1
+	}
+	if draftLayers > 0 && draftLayers*perLayer >= nDst {
+		return dst, errorf("decode.draft_layers", "%d draft layers leave no main layers in %d decode regions", draftLayers, nDst)
+	}
+	if mla {
+		base := startLayer
+		switch {
+		case draftLayers >= 0:
+			if nSrc == nDst-draftLayers {
+				base = 0
 			}
-			return dst, nil
+		case how == PairCommon && nSrc == nDst:
+			base = 0
 		}
-		if startLayer+nSrc > nDst {
-			return dst, errorf("decode.kv_ptrs", "decode holds %d MLA layers; prefill layers [%d, %d) do not fit (PP configuration mismatch)", nDst, startLayer, startLayer+nSrc)
+		limit := nDst
+		if draftLayers > 0 {
+			limit = nDst - draftLayers
+		}
+		if base+nSrc > limit {
+			return dst, errorf("decode.kv_ptrs", "decode holds %d MLA layers; prefill layers [%d, %d) do not fit (PP configuration mismatch)", limit, startLayer, startLayer+nSrc)
 		}
 		for j := 0; j < nSrc; j++ {
-			dst = append(dst, int32(startLayer+j))
+			dst = append(dst, int32(base+j))
 		}
 		return dst, nil
 	}
@@ -139,16 +197,26 @@ func PairKVRegions(dst []int32, mla bool, nSrc, nDst, startLayer int) ([]int32, 
 		return dst, errorf("decode.kv_ptrs", "MHA needs K then V regions of every layer: got %d region", nDst)
 	}
 	l, t := nSrc/2, nDst/2
-	var kBase, vBase int
+	kBase, vBase, kLimit := startLayer, t+startLayer, t
 	switch {
+	case draftLayers >= 0:
+		if (nDst-2*draftLayers)%2 != 0 {
+			return dst, errorf("decode.draft_layers", "%d decode regions minus %d draft K and V regions is odd", nDst, 2*draftLayers)
+		}
+		m := t - draftLayers
+		kLimit = m
+		if l == m {
+			kBase, vBase = 0, m
+		} else {
+			vBase = m + startLayer
+		}
+	case how == PairMORI:
 	case l == t:
 		kBase, vBase = 0, t
 	case l < t && t%l != 0:
-		kBase, vBase = startLayer, l*(t/l)+startLayer
-	default:
-		kBase, vBase = startLayer, t+startLayer
+		vBase = l*(t/l) + startLayer
 	}
-	if kBase+l > t || vBase+l > nDst {
+	if kBase+l > kLimit || vBase+l > nDst {
 		return dst, errorf("decode.kv_ptrs", "decode holds %d MHA layers (%d regions); prefill layers [%d, %d) do not fit (PP configuration mismatch)", t, nDst, startLayer, startLayer+l)
 	}
 	for j := 0; j < l; j++ {

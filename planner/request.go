@@ -170,6 +170,10 @@ type KVSideJSON struct {
 	NumPages   uint64   `json:"num_pages"`
 	MemKinds   []string `json:"mem_kinds,omitempty"`
 	StartLayer int      `json:"start_layer,omitempty"`
+	// DraftLayers (decode only) is the number of decode-only draft layers
+	// after the main K and V regions; when given, layers pair exactly
+	// instead of by the reference's heuristic.
+	DraftLayers *int `json:"draft_layers,omitempty"`
 	// vLLM only.
 	BlockSize   int  `json:"block_size,omitempty"`
 	BlocksFirst bool `json:"blocks_first,omitempty"`
@@ -186,6 +190,15 @@ func (s *KVSideJSON) Side(name string) (KVSide, error) {
 		ItemLens:   s.KVItemLens,
 		NumPages:   s.NumPages,
 		StartLayer: s.StartLayer,
+	}
+	if s.DraftLayers != nil {
+		if name != "decode" {
+			return out, errorf(name+".draft_layers", "only the decode side has draft layers")
+		}
+		if *s.DraftLayers < 0 {
+			return out, errorf(name+".draft_layers", "must not be negative, got %d", *s.DraftLayers)
+		}
+		out.DraftLayers, out.DraftLayersKnown = *s.DraftLayers, true
 	}
 	if s.MemKinds != nil {
 		out.Kinds = make([]MemKind, len(s.MemKinds))

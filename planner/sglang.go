@@ -56,7 +56,7 @@ type sglangPair struct {
 	pairOf []int32 // decode region of every prefill region
 }
 
-func newSGLangPair(g SGLangKV) (sglangPair, error) {
+func newSGLangPair(g SGLangKV, how KVPairing) (sglangPair, error) {
 	sp := sglangPair{g: g}
 	if err := g.Prefill.check("prefill"); err != nil {
 		return sp, err
@@ -71,7 +71,7 @@ func newSGLangPair(g SGLangKV) (sglangPair, error) {
 		return sp, errorf("total_kv_heads", "must not be negative, got %d", g.TotalKVHeads)
 	}
 	var err error
-	sp.pairOf, err = PairKVRegions(nil, g.MLA, len(g.Prefill.Ptrs), len(g.Decode.Ptrs), g.Prefill.StartLayer)
+	sp.pairOf, err = PairKVRegions(nil, how, g.MLA, len(g.Prefill.Ptrs), len(g.Decode.Ptrs), g.Prefill.StartLayer, g.Decode.draft())
 	if err != nil {
 		return sp, err
 	}

@@ -50,7 +50,7 @@ func NewMoriKV(g SGLangKV) (*MoriKV, error) {
 			}
 		}
 	}
-	sp, err := newSGLangPair(g)
+	sp, err := newSGLangPair(g, PairMORI)
 	if err != nil {
 		return nil, err
 	}

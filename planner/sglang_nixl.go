@@ -46,7 +46,7 @@ type NixlKV struct {
 // state buffers; it moves whole pages, so it needs MLA or equal TP.
 // Geometry the reference rejects is an *Error with the same meaning.
 func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
-	sp, err := newSGLangPair(g)
+	sp, err := newSGLangPair(g, PairCommon)
 	if err != nil {
 		return nil, err
 	}

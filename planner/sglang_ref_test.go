@@ -1,0 +1,310 @@
+package planner
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os/exec"
+	"slices"
+	"testing"
+)
+
+// This file checks the SGLang NIXL and MORI planners against
+// testdata/ref_sglang.py, a line-by-line numpy re-expression of the
+// reference connectors' math, on random consistent geometries: same bytes
+// to the same places, byte for byte, and an error exactly when the
+// reference raises.
+
+// block is one plain (src, dst, len) byte range move.
+type block struct{ Src, Dst, Len uint64 }
+
+// canonical sorts blocks and merges those adjacent on both sides, so two
+// descriptions of the same byte moves compare equal however they are cut.
+func canonical(in []block) []block {
+	bs := slices.Clone(in)
+	slices.SortFunc(bs, func(a, b block) int {
+		if a.Src != b.Src {
+			if a.Src < b.Src {
+				return -1
+			}
+			return 1
+		}
+		switch {
+		case a.Dst < b.Dst:
+			return -1
+		case a.Dst > b.Dst:
+			return 1
+		}
+		return 0
+	})
+	var out []block
+	for _, b := range bs {
+		if n := len(out); n > 0 && out[n-1].Src+out[n-1].Len == b.Src && out[n-1].Dst+out[n-1].Len == b.Dst {
+			out[n-1].Len += b.Len
+			continue
+		}
+		out = append(out, b)
+	}
+	return out
+}
+
+// planBlocks expands a plan (or one part of it) into blocks.
+func planBlocks(p *Plan, part int) []block {
+	q := *p
+	if part >= 0 && len(p.Parts) > 0 {
+		pt := p.Parts[part]
+		q.Copies = p.Copies[pt.Start:pt.End]
+		q.Parts = nil
+	}
+	var out []block
+	q.ForEachBlock(func(s, d, l uint64) bool {
+		out = append(out, block{s, d, l})
+		return true
+	})
+	return out
+}
+
+// refResult is one answer of ref_sglang.py.
+type refResult struct {
+	Error string        `json:"error"`
+	Parts [][][3]uint64 `json:"parts"`
+}
+
+// runReference runs the reference script on cases.
+func runReference(t testing.TB, cases []KVRequest) []refResult {
+	t.Helper()
+	in, err := json.Marshal(cases)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("/usr/bin/python3", "testdata/ref_sglang.py")
+	cmd.Stdin = bytes.NewReader(in)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("reference script: %v\n%s\n(needs /usr/bin/python3 with numpy: scripts/install-test-deps.sh)", err, stderr.String())
+	}
+	var res []refResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("reference output: %v", err)
+	}
+	if len(res) != len(cases) {
+		t.Fatalf("reference answered %d of %d cases", len(res), len(cases))
+	}
+	return res
+}
+
+// planKVRequest plans a KV request through the JSON layer (the path
+// `kvhost plan` takes).
+func planKVRequest(req KVRequest) (*Plan, error) {
+	raw, err := json.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	p, _, err := PlanRequest(raw)
+	return p, err
+}
+
+// geomGen draws consistent SGLang geometries.
+type geomGen struct{ r *rand.Rand }
+
+func (g geomGen) pick(xs ...int) int { return xs[g.r.IntN(len(xs))] }
+
+// pages draws n distinct page indices below numPages, in an order with
+// some runs and some jumps.
+func (g geomGen) pages(n int, numPages uint64) []int64 {
+	perm := g.r.Perm(int(numPages))
+	if g.r.IntN(2) == 0 {
+		slices.Sort(perm[:n])
+	}
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = int64(perm[i])
+	}
+	return out
+}
+
+// regions lays out count regions of the given item lengths from base,
+// with gaps, and returns their pointers.
+func (g geomGen) ptrs(base uint64, items []uint64, numPages uint64) []uint64 {
+	out := make([]uint64, len(items))
+	addr := base
+	for i, it := range items {
+		out[i] = addr
+		addr += it*numPages + uint64(g.pick(0, 64, 4096))
+	}
+	return out
+}
+
+// kvCase draws one request of style, consistent enough that the reference
+// runs it without error, avoiding the one layout where kvhost deliberately
+// differs (the prepped equal-TP path pairs regions positionally in the
+// reference, by layer in kvhost).
+func (g geomGen) kvCase(style string) KVRequest {
+	r := g.r
+	req := KVRequest{Style: style, Attention: "mha", PageSize: g.pick(1, 2, 4)}
+	mla := r.IntN(4) == 0
+	if mla {
+		req.Attention = "mla"
+	}
+	heads := g.pick(1, 2, 4, 8)
+	ptp, dtp := g.pick(1, 2, 4, 8), g.pick(1, 2, 4, 8)
+	if mla || r.IntN(3) == 0 {
+		dtp = ptp
+	}
+	equal := mla || ptp == dtp
+	prepped := style == StyleSGLangNIXL && (!equal || r.IntN(4) != 0)
+	positional := prepped && equal // reference pairs dst[:n_src]
+
+	totalLayers := 1 + r.IntN(4)
+	stageLayers, start := totalLayers, 0
+	decLayers := totalLayers // decode PP 1: every layer
+	if totalLayers > 1 && r.IntN(3) == 0 {
+		stageLayers = 1 + r.IntN(totalLayers-1)
+		start = r.IntN(totalLayers - stageLayers + 1)
+		if positional || r.IntN(2) == 0 {
+			// decode PP equal to prefill PP: it holds the same stage
+			decLayers = stageLayers
+			if style == StyleSGLangMORI || positional && r.IntN(2) == 0 {
+				start = 0 // MORI slices [start, start+L) of decode's stage
+			}
+		}
+	}
+	draft := 0 // decode-only draft layers (spec dec), equal-TP NIXL without PP
+	if style == StyleSGLangNIXL && equal && !mla && stageLayers == totalLayers && totalLayers > 1 && r.IntN(4) == 0 {
+		draft = 1 + r.IntN(totalLayers-1)
+	}
+	headBytes := uint64(g.pick(2, 4, 8))
+	page := uint64(req.PageSize)
+	srcHeads, dstHeads := max(1, heads/ptp), max(1, heads/dtp)
+	srcItem := page * uint64(srcHeads) * headBytes
+	dstItem := page * uint64(dstHeads) * headBytes
+	if mla {
+		srcItem, dstItem = page*headBytes*8, page*headBytes*8
+	}
+	req.TotalKVHeads = heads
+	if heads >= ptp && r.IntN(2) == 0 {
+		req.TotalKVHeads = 0 // default: kv_head_num * tp_size
+	}
+	srcPages, dstPages := uint64(4+r.IntN(9)), uint64(4+r.IntN(9))
+	perLayer := 2
+	if mla {
+		perLayer = 1
+	}
+	dstStride := dstItem
+	if prepped && equal && r.IntN(4) == 0 {
+		dstStride = dstItem * 2 // HiSparse: wider decode slots
+	}
+	srcItems := slices.Repeat([]uint64{srcItem}, perLayer*stageLayers)
+	dstItems := slices.Repeat([]uint64{dstStride}, perLayer*(decLayers+draft))
+	req.Prefill = KVSideJSON{
+		TPSize: ptp, TPRank: r.IntN(ptp), KVHeadNum: srcHeads,
+		KVItemLens: srcItems, NumPages: srcPages, StartLayer: start,
+	}
+	req.Decode = KVSideJSON{
+		TPSize: dtp, TPRank: r.IntN(dtp), KVHeadNum: dstHeads,
+		KVItemLens: dstItems, NumPages: dstPages,
+	}
+	req.Prefill.KVPtrs = g.ptrs(1<<32, srcItems, srcPages)
+	req.Decode.KVPtrs = g.ptrs(1<<40, dstItems, dstPages)
+	if style == StyleSGLangNIXL {
+		if !prepped {
+			f := false
+			req.Prepped = &f
+		}
+		if r.IntN(5) == 0 {
+			req.Prefill.MemKinds = slices.Repeat([]string{"DRAM"}, len(srcItems))
+		}
+		if prepped && equal && draft == 0 && decLayers == stageLayers && r.IntN(3) == 0 {
+			kinds := make([]string, len(dstItems))
+			for i := range kinds {
+				kinds[i] = []string{"VRAM", "DRAM"}[r.IntN(2)]
+			}
+			req.Decode.MemKinds = kinds
+		}
+	}
+	n := 1 + r.IntN(int(min(srcPages, dstPages)))
+	req.PrefillPages = g.pages(n, srcPages)
+	req.DecodePages = g.pages(n, dstPages)
+	if style == StyleSGLangNIXL && r.IntN(6) == 0 && n > 1 {
+		req.PrefillPages = append(req.PrefillPages, int64(r.IntN(int(srcPages)))) // truncated by the worker
+	}
+	return req
+}
+
+func TestSGLangMatchesReference(t *testing.T) {
+	g := geomGen{rand.New(rand.NewPCG(1, 2))}
+	var cases []KVRequest
+	for i := 0; i < 400; i++ {
+		style := StyleSGLangNIXL
+		if i%3 == 2 {
+			style = StyleSGLangMORI
+		}
+		cases = append(cases, g.kvCase(style))
+	}
+	ref := runReference(t, cases)
+	paths := map[string]int{}
+	for i, c := range cases {
+		p, err := planKVRequest(c)
+		if ref[i].Error != "" {
+			t.Errorf("case %d: reference raised %q; the generator should only draw valid geometry", i, ref[i].Error)
+			continue
+		}
+		if err != nil {
+			raw, _ := json.Marshal(c)
+			t.Errorf("case %d: %v\n%s", i, err, raw)
+			continue
+		}
+		paths[p.Path]++
+		if err := p.Validate(); err != nil {
+			t.Errorf("case %d: %v", i, err)
+		}
+		nparts := max(1, len(p.Parts))
+		if len(ref[i].Parts) == 0 && p.Bytes() == 0 {
+			continue
+		}
+		if len(ref[i].Parts) != nparts {
+			t.Errorf("case %d (%s): %d parts, reference %d", i, p.Path, nparts, len(ref[i].Parts))
+			continue
+		}
+		var refDescs uint64
+		for part := 0; part < nparts; part++ {
+			var want []block
+			for _, d := range ref[i].Parts[part] {
+				want = append(want, block{d[0], d[1], d[2]})
+			}
+			refDescs += uint64(len(want))
+			got := planBlocks(p, part-boolInt(len(p.Parts) == 0))
+			if cg, cw := canonical(got), canonical(want); !slices.Equal(cg, cw) {
+				raw, _ := json.Marshal(c)
+				t.Errorf("case %d (%s) part %d: plan differs from reference\n got  %v\n want %v\n%s", i, p.Path, part, head(cg), head(cw), raw)
+			}
+		}
+		if p.ReferenceDescriptors != refDescs {
+			t.Errorf("case %d (%s): ReferenceDescriptors %d, reference handed %d", i, p.Path, p.ReferenceDescriptors, refDescs)
+		}
+	}
+	for _, path := range []string{PathNixlPreppedEqualTP, PathNixlPreppedMLA, PathNixlPreppedSlice, PathNixlPreppedMixed,
+		PathNixlRuns, PathNixlRunsMLA, PathMoriRuns, PathMoriRunsMLA, PathMoriTPSlice} {
+		if paths[path] < 3 {
+			t.Errorf("path %s drawn %d times; widen the generator", path, paths[path])
+		}
+	}
+	t.Logf("paths compared: %v", paths)
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func head(bs []block) string {
+	if len(bs) > 6 {
+		return fmt.Sprintf("%v ... (%d blocks)", bs[:6], len(bs))
+	}
+	return fmt.Sprint(bs)
+}
