@@ -114,6 +114,10 @@ type Part struct {
 	Start, End int
 	SrcKind    MemKind
 	DstKind    MemKind
+	// NotifSuffix is what the reference appends to the transfer's base
+	// notification for this part (e.g. "_2" for state component 2). Empty
+	// means SGLang NIXL's mixed-memory numbering, PartNotifSuffix(i, n).
+	NotifSuffix string
 }
 
 // Reset empties the plan for reuse, keeping the capacity of Copies and

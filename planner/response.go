@@ -27,9 +27,9 @@ type Response struct {
 	Parts []PartJSON `json:"parts,omitempty"`
 }
 
-// PartJSON is one separately posted transfer: copies [start, end) of the
-// plan's descriptor list, with the notification suffix the reference
-// appends ("_part_{i}_{n}").
+// PartJSON is one separately posted transfer of the plan, with the
+// notification suffix the reference appends to the chunk's notification
+// (SGLang NIXL mixed memory: "_part_{i}_{n}").
 type PartJSON struct {
 	Descriptors int    `json:"descriptors"`
 	Bytes       uint64 `json:"bytes"`
@@ -60,12 +60,16 @@ func NewResponse(env Envelope, p *Plan) Response {
 		for _, c := range p.Copies[pt.Start:pt.End] {
 			b += c.Bytes()
 		}
+		suffix := pt.NotifSuffix
+		if suffix == "" {
+			suffix = PartNotifSuffix(i, len(p.Parts))
+		}
 		r.Parts = append(r.Parts, PartJSON{
 			Descriptors: pt.End - pt.Start,
 			Bytes:       b,
 			SrcKind:     pt.SrcKind.String(),
 			DstKind:     pt.DstKind.String(),
-			NotifSuffix: PartNotifSuffix(i, len(p.Parts)),
+			NotifSuffix: suffix,
 		})
 	}
 	return r
