@@ -67,12 +67,38 @@ func planBlocks(p *Plan, part int) []block {
 
 // refResult is one answer of ref_sglang.py.
 type refResult struct {
-	Error string        `json:"error"`
-	Parts [][][3]uint64 `json:"parts"`
+	Error   string        `json:"error"`
+	Parts   [][][3]uint64 `json:"parts"`
+	Prepped []refPrepped  `json:"prepped"`
 }
 
-// runReference runs the reference script on cases.
-func runReference(t testing.TB, cases []KVRequest) []refResult {
+// refPrepped is one make_prepped_xfer call of the reference: both dlists
+// as [addr, len] and both index arrays.
+type refPrepped struct {
+	SrcList [][2]uint64 `json:"src_list"`
+	DstList [][2]uint64 `json:"dst_list"`
+	SrcIdx  []int32     `json:"src_idx"`
+	DstIdx  []int32     `json:"dst_idx"`
+}
+
+// refCase is a request plus what to ask the reference script for.
+type refCase struct {
+	KVRequest
+	WantPrepped bool `json:"want_prepped,omitempty"`
+}
+
+// runReference runs the reference script on requests.
+func runReference(t testing.TB, reqs []KVRequest) []refResult {
+	t.Helper()
+	cases := make([]refCase, len(reqs))
+	for i, r := range reqs {
+		cases[i] = refCase{KVRequest: r}
+	}
+	return runReferenceCases(t, cases)
+}
+
+// runReferenceCases runs the reference script on cases.
+func runReferenceCases(t testing.TB, cases []refCase) []refResult {
 	t.Helper()
 	in, err := json.Marshal(cases)
 	if err != nil {
@@ -307,4 +333,93 @@ func head(bs []block) string {
 		return fmt.Sprintf("%v ... (%d blocks)", bs[:6], len(bs))
 	}
 	return fmt.Sprint(bs)
+}
+
+// dlistEntries materializes a dlist as [addr, len] pairs.
+func dlistEntries(d *Dlist) [][2]uint64 {
+	var out [][2]uint64
+	d.ForEach(func(a, l uint64) bool {
+		out = append(out, [2]uint64{a, l})
+		return true
+	})
+	return out
+}
+
+// TestSGLangPreppedMatchesReference checks the prepped representation:
+// every dlist entry and every index array equals the reference's, and where
+// kvhost refuses to prepare a list, the reference's list does hold a
+// descriptor outside its region (NIXL would reject it).
+func TestSGLangPreppedMatchesReference(t *testing.T) {
+	g := geomGen{rand.New(rand.NewPCG(7, 8))}
+	var cases []refCase
+	for len(cases) < 250 {
+		c := g.kvCase(StyleSGLangNIXL)
+		if c.Prepped != nil {
+			continue
+		}
+		cases = append(cases, refCase{KVRequest: c, WantPrepped: true})
+	}
+	ref := runReferenceCases(t, cases)
+	checked, refused := 0, 0
+	for i, c := range cases {
+		raw, _ := json.Marshal(c.KVRequest)
+		geo, src, dst, _, err := sglangKVRequest(raw, StyleSGLangNIXL)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
+		}
+		n, err := NewNixlKV(geo, true)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
+		}
+		if ref[i].Error != "" {
+			t.Fatalf("case %d: reference: %s", i, ref[i].Error)
+		}
+		pk, err := n.Prepped()
+		if err != nil {
+			refused++
+			outside := false
+			srcRegions, _ := n.Regions()
+			for _, e := range ref[i].Prepped[0].SrcList {
+				in := false
+				for _, r := range srcRegions {
+					if e[0] >= r.Addr && e[0]+e[1] <= r.Addr+r.Len {
+						in = true
+						break
+					}
+				}
+				outside = outside || !in
+			}
+			if !outside {
+				t.Errorf("case %d (%s): kvhost refused the prepped lists (%v) but every reference source descriptor is inside a region\n%s", i, n.Path(), err, raw)
+			}
+			continue
+		}
+		if len(pk.Parts) != len(ref[i].Prepped) && len(src) > 0 {
+			t.Errorf("case %d (%s): %d prepped parts, reference %d", i, n.Path(), len(pk.Parts), len(ref[i].Prepped))
+			continue
+		}
+		for part := range ref[i].Prepped {
+			want := ref[i].Prepped[part]
+			pp := &pk.Parts[part]
+			if got := dlistEntries(&pp.Src); !slices.Equal(got, want.SrcList) {
+				t.Errorf("case %d (%s) part %d: source dlist differs (%d entries, reference %d)\n%s", i, n.Path(), part, len(got), len(want.SrcList), raw)
+			}
+			if got := dlistEntries(&pp.Dst); !slices.Equal(got, want.DstList) {
+				t.Errorf("case %d (%s) part %d: destination dlist differs (%d entries, reference %d)\n%s", i, n.Path(), part, len(got), len(want.DstList), raw)
+			}
+			si, di, err := n.Indices(pk, part, nil, nil, src, dst)
+			if err != nil {
+				t.Errorf("case %d: Indices: %v", i, err)
+				continue
+			}
+			if !slices.Equal(si, want.SrcIdx) || !slices.Equal(di, want.DstIdx) {
+				t.Errorf("case %d (%s) part %d: indices differ\n got %v / %v\nwant %v / %v", i, n.Path(), part, si, di, want.SrcIdx, want.DstIdx)
+			}
+		}
+		checked++
+	}
+	if checked < 150 || refused == 0 {
+		t.Errorf("checked %d cases, %d refused; widen the generator", checked, refused)
+	}
+	t.Logf("prepped cases checked: %d, refused as NIXL would: %d", checked, refused)
 }

@@ -115,8 +115,15 @@ def expand_page_indices_for_slice(page_indices, num_ptr_pairs, num_slots, page_s
     return (pair_offsets[:, None] + within_pair[None, :]).ravel().astype(np.int32)
 
 
+PREPPED = []  # per case: the dlists and index arrays of every prepped part
+
+
 def make_prepped_xfer(src_list, src_idx, dst_list, dst_idx):
     """NIXL makeXferReq: pairs entries by index; lengths must match."""
+    PREPPED.append({
+        "src_list": src_list.tolist(), "dst_list": dst_list.tolist(),
+        "src_idx": src_idx.tolist(), "dst_idx": dst_idx.tolist(),
+    })
     if len(src_idx) != len(dst_idx):
         raise RefError("NIXL_ERR_INVALID_PARAM: index count mismatch")
     out = []
@@ -368,8 +375,11 @@ def main():
     cases = json.load(sys.stdin)
     results = []
     for c in cases:
+        PREPPED.clear()
         try:
             r = nixl(c) if c["style"] == "sglang-nixl" else mori(c)
+            if c.get("want_prepped"):
+                r["prepped"] = list(PREPPED)
         except RefError as e:
             r = {"error": str(e)}
         results.append(r)
