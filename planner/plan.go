@@ -344,7 +344,7 @@ func checkSide(regions []Region, idx int32, off, length, stride, count uint64) e
 
 // ForEachBlock calls fn with the absolute source address, destination
 // address and length of every block of the plan, in order. It stops early
-// and returns false if fn returns false.
+// and returns false if fn returns false. The plan must be valid (Validate).
 func (p *Plan) ForEachBlock(fn func(src, dst, length uint64) bool) bool {
 	for _, c := range p.Copies {
 		s := p.Src[c.SrcRegion].Addr + c.SrcOff
