@@ -44,7 +44,7 @@ func PlanAuxNIXL(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 	}
 	plan.Copies = make([]Copy, 0, len(dst.Ptrs))
 	for i := range dst.Ptrs {
-		if plan.Copies, err = appendAuxCopy(plan.Copies, i, src.ItemLens[i], src.ItemLens[i], prefillAuxIndex, dstAuxIndex); err != nil {
+		if err = addAuxCopy(plan, i, src.ItemLens[i], src.ItemLens[i], prefillAuxIndex, dstAuxIndex); err != nil {
 			return nil, err
 		}
 	}
@@ -90,7 +90,7 @@ func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 				dstItem = dst.ItemLens[i]
 			}
 		}
-		if plan.Copies, err = appendAuxCopy(plan.Copies, i, src.ItemLens[i], dstItem, prefillAuxIndex, dstAuxIndex); err != nil {
+		if err = addAuxCopy(plan, i, src.ItemLens[i], dstItem, prefillAuxIndex, dstAuxIndex); err != nil {
 			return nil, err
 		}
 	}
@@ -109,19 +109,20 @@ func newAuxPlan(path string, src, dst AuxBuffers) (*Plan, error) {
 	return &Plan{Path: path, Src: s, Dst: d}, nil
 }
 
-// appendAuxCopy appends buffer i's slot copy of srcItem bytes; the decode
-// slot offset is dstItem * dstIndex. Empty slots move nothing.
-func appendAuxCopy(copies []Copy, i int, srcItem, dstItem uint64, srcIndex, dstIndex int64) ([]Copy, error) {
+// addAuxCopy adds buffer i's slot copy of srcItem bytes; the decode slot
+// offset is dstItem * dstIndex. Empty slots move nothing.
+func addAuxCopy(p *Plan, i int, srcItem, dstItem uint64, srcIndex, dstIndex int64) error {
 	if srcItem == 0 {
-		return copies, nil
+		return nil
 	}
 	so, err := slotOffset("prefill_aux_index", srcIndex, srcItem, 0)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	do, err := slotOffset("dst_aux_index", dstIndex, dstItem, 0)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	return append(copies, Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: srcItem, Count: 1}), nil
+	p.Add(Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: srcItem, Count: 1})
+	return nil
 }

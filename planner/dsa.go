@@ -201,7 +201,7 @@ func PlanDSATail(src, dst DSATailBuffers, dstSel []int, srcIndices, dstIndices [
 		si, di, sUsed, dUsed := 0, 0, 0, 0
 		for si < ns {
 			n := min(srcSegs[si][1]-sUsed, dstSegs[di][1]-dUsed)
-			plan.Copies = append(plan.Copies, Copy{
+			plan.Add(Copy{
 				SrcRegion: int32(k), DstRegion: int32(dstSel[k]),
 				SrcOff: srcBase + uint64(srcSegs[si][0]+sUsed)*slot,
 				DstOff: dstBase + uint64(dstSegs[di][0]+dUsed)*slot,

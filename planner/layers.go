@@ -3,10 +3,13 @@ package planner
 // Layer pairing between peers whose pipeline-parallel (PP) layouts differ.
 //
 // A prefill PP stage registers only its own layers; a decode engine with
-// PP 1 registers every layer. Two mechanisms pair the two lists:
+// PP 1 registers every layer. Three mechanisms pair the two lists:
 //
 //   - by position with the stage's start layer (the reference's
-//     get_mha_kv_ptrs_with_pp / get_mla_kv_ptrs_with_pp), and
+//     get_mha_kv_ptrs_with_pp / get_mla_kv_ptrs_with_pp: PairKVRegions in
+//     geometry.go);
+//   - for compressed-MLA pools (DeepSeek V4), by position inside each
+//     compression-ratio section (PairCompressedMLARegions, below);
 //   - by global layer id (build_transfer_entry_pairs), when both peers
 //     publish the id of every registered entry.
 //
@@ -17,15 +20,6 @@ package planner
 // list.
 type EntryPair struct {
 	Src, Dst int
-}
-
-// LayerPair is one per-layer copy of a PP pointer slicing: prefill region
-// Src pairs with decode region Dst, and the copy length comes from the
-// prefill item_lens[Item]. For MHA the V half uses the K layer's item length
-// (Item is the layer number, not the V region index), exactly as the
-// reference's _send_kvcache_generic does.
-type LayerPair struct {
-	Src, Dst, Item int
 }
 
 // BuildTransferEntryPairs pairs prefill entries with decode entries by
@@ -190,64 +184,6 @@ func ResolveDCPDstEntryIndices(srcLayerIDs, dstLayerIDs []int, nSrc, nDst int) (
 	return out, nil
 }
 
-// pyRange clamps the Python slice [start:stop] of a list of n elements,
-// for non-negative start and stop, and returns the resulting index range.
-func pyRange(n, start, stop int) (lo, hi int) {
-	lo, hi = min(start, n), min(stop, n)
-	if hi < lo {
-		hi = lo
-	}
-	return lo, hi
-}
-
-// PairMHALayersPP pairs prefill MHA regions (K of each local layer, then V)
-// with decode regions (the reference's get_mha_kv_ptrs_with_pp): K pairs
-// first, then V pairs. With L = nSrc/2 local layers and T = nDst/2 decode
-// layers:
-//   - L == T: same layout, K with K and V with V positionally;
-//   - L < T and T % L != 0: decode holds draft layers after its main K and
-//     V ([K..., V..., draftK..., draftV...]); K = dst[start:start+L] and V
-//     starts at L*(T/L)+start;
-//   - otherwise decode has PP 1 and prefill PP > 1: K = dst[start:start+L],
-//     V = dst[T+start:T+start+L].
-//
-// A slice that runs past the decode list is an error (the reference fails
-// with an index error when it addresses the missing entry).
-func PairMHALayersPP(nSrc, nDst, startLayer int) ([]LayerPair, error) {
-	if nSrc < 0 || nDst < 0 || startLayer < 0 {
-		return nil, errorf("start_layer", "invalid PP layout: src=%d dst=%d entries, start_layer=%d", nSrc, nDst, startLayer)
-	}
-	layers := nSrc / 2
-	total := nDst / 2
-	var kLo, kHi, vLo, vHi int
-	switch {
-	case layers == total:
-		kLo, kHi = 0, total
-		vLo, vHi = total, nDst
-	case layers == 0:
-		// The reference divides by the local layer count here.
-		return nil, errorf("kv_ptrs", "prefill registers no full layers (src=%d entries) but decode has %d", nSrc, nDst)
-	case layers < total && total%layers != 0:
-		vOff := layers * (total / layers)
-		kLo, kHi = pyRange(nDst, startLayer, startLayer+layers)
-		vLo, vHi = pyRange(nDst, vOff+startLayer, vOff+startLayer+layers)
-	default:
-		kLo, kHi = pyRange(nDst, startLayer, startLayer+layers)
-		vLo, vHi = pyRange(nDst, total+startLayer, total+startLayer+layers)
-	}
-	if kHi-kLo < layers || vHi-vLo < layers {
-		return nil, errorf("start_layer", "decode registers %d entries; prefill layers [%d, %d) (K and V) do not fit", nDst, startLayer, startLayer+layers)
-	}
-	pairs := make([]LayerPair, 0, 2*layers)
-	for l := 0; l < layers; l++ {
-		pairs = append(pairs, LayerPair{Src: l, Dst: kLo + l, Item: l})
-	}
-	for l := 0; l < layers; l++ {
-		pairs = append(pairs, LayerPair{Src: layers + l, Dst: vLo + l, Item: l})
-	}
-	return pairs, nil
-}
-
 // PPLayout is what PP pointer slicing knows about the prefill stage.
 type PPLayout struct {
 	StartLayer int // kv_args.prefill_start_layer
@@ -261,53 +197,42 @@ type PPLayout struct {
 	CompressionRatios []int
 }
 
-// PairMLALayersPP pairs prefill MLA regions (one per local layer) with
-// decode regions (the reference's get_mla_kv_ptrs_with_pp). Equal lengths
-// pair positionally. Otherwise decode has PP 1: regular MLA takes
-// dst[start:start+n]; compressed-MLA pools (pp.CompressionRatios set) locate
-// the stage's sub-range inside each section of the decode list, depending on
-// stateType ("" for KV, or the state component being sliced).
-func PairMLALayersPP(nSrc, nDst int, pp PPLayout, stateType StateType) ([]LayerPair, error) {
-	if nSrc < 0 || nDst < 0 || pp.StartLayer < 0 {
-		return nil, errorf("start_layer", "invalid PP layout: src=%d dst=%d entries, start_layer=%d", nSrc, nDst, pp.StartLayer)
+// pyRange clamps the Python slice [start:stop] of a list of n elements,
+// for non-negative start and stop, and returns the resulting index range.
+func pyRange(n, start, stop int) (lo, hi int) {
+	lo, hi = min(start, n), min(stop, n)
+	if hi < lo {
+		hi = lo
 	}
-	pairs := make([]LayerPair, 0, nSrc)
-	if nSrc == nDst {
-		for l := 0; l < nSrc; l++ {
-			pairs = append(pairs, LayerPair{Src: l, Dst: l, Item: l})
-		}
-		return pairs, nil
-	}
-	if len(pp.CompressionRatios) > 0 {
-		return appendCompressedMLAPairs(pairs, nSrc, nDst, pp, stateType)
-	}
-	lo, hi := pyRange(nDst, pp.StartLayer, pp.StartLayer+nSrc)
-	if hi-lo < nSrc {
-		return nil, errorf("start_layer", "decode registers %d MLA entries; prefill layers [%d, %d) do not fit", nDst, pp.StartLayer, pp.StartLayer+nSrc)
-	}
-	for l := 0; l < nSrc; l++ {
-		pairs = append(pairs, LayerPair{Src: l, Dst: lo + l, Item: l})
-	}
-	return pairs, nil
+	return lo, hi
 }
 
-// appendCompressedMLAPairs implements the reference's _mla_slice_ptrs_for_pp
-// for compressed-MLA pools. The decode list is one of three layouts:
+// PairCompressedMLARegions pairs a compressed-MLA prefill stage's entries
+// with a PP-1 decode list (the reference's _mla_slice_ptrs_for_pp, reached
+// from get_mla_kv_ptrs_with_pp when mla_compression_ratios is set and the
+// lists differ in length). The decode list is one of three layouts:
 //   - KV data, 2*c4 + c128 entries: [c4 layers, c4 indexer layers, c128 layers];
 //   - SWA state data, swa + 2*c4 entries: [swa layers, c4 compress states,
 //     c4 indexer compress states];
-//   - C128 state, c128 entries.
+//   - C128 state, c128 entries (stateType c128_state); SWA_RING state is
+//     per model layer like the swa section.
 //
-// Each section is indexed by the layer's rank within its compression
-// bucket, so the stage's range is found per section and concatenated.
-func appendCompressedMLAPairs(pairs []LayerPair, nSrc, nDst int, pp PPLayout, st StateType) ([]LayerPair, error) {
+// Each section is indexed by a layer's rank within its compression bucket,
+// so the stage's range [StartLayer, EndLayer) is located per section and
+// the pieces concatenated; prefill entry k pairs with the k-th decode entry
+// of that concatenation. stateType is "" for KV. The result is appended to
+// dst.
+func PairCompressedMLARegions(dst []int32, nSrc, nDst int, pp PPLayout, stateType StateType) ([]int32, error) {
+	if nSrc < 0 || nDst < 0 || pp.StartLayer < 0 {
+		return dst, errorf("prefill.start_layer", "invalid PP layout: src=%d dst=%d entries, start_layer=%d", nSrc, nDst, pp.StartLayer)
+	}
 	if !pp.HasEnd {
-		return nil, errorf("end_layer", "prefill_end_layer must be set when using compressed-MLA PD with PP")
+		return dst, errorf("prefill.end_layer", "prefill_end_layer must be set when using compressed-MLA PD with PP")
 	}
 	ratios := pp.CompressionRatios
 	start, end := pp.StartLayer, pp.EndLayer
 	if end < 0 {
-		return nil, errorf("end_layer", "negative prefill_end_layer %d", end)
+		return dst, errorf("prefill.end_layer", "must not be negative, got %d", end)
 	}
 	count := func(upto, ratio int) int {
 		n := 0
@@ -333,33 +258,33 @@ func appendCompressedMLAPairs(pairs []LayerPair, nSrc, nDst int, pp PPLayout, st
 		n++
 	}
 	switch {
-	case st == StateC128State:
+	case stateType == StateC128State:
 		add(c128S, c128E)
-	case st == StateSWARing:
+	case stateType == StateSWARing:
 		add(min(start, nDst), min(end, nDst))
-	case st != StateSWA && nDst == kvLayoutLen:
+	case stateType != StateSWA && nDst == kvLayoutLen:
 		add(c4S, c4E)
 		add(c4Full+c4S, c4Full+c4E)
 		add(2*c4Full+c128S, 2*c4Full+c128E)
 	default:
 		swaL := nDst - 2*c4Full
 		if swaL < 0 || swaL > len(ratios) {
-			return nil, errorf("mla_compression_ratios", "unexpected compressed-MLA decode entry count %d; expected %d (kv data) or swa_L + %d (state data) given compression ratios (c4=%d, c128=%d, total=%d)",
+			return dst, errorf("prefill.mla_compression_ratios", "unexpected compressed-MLA decode entry count %d; expected %d (kv data) or swa_L + %d (state data) given compression ratios (c4=%d, c128=%d, total=%d)",
 				nDst, kvLayoutLen, 2*c4Full, c4Full, c128Full, len(ratios))
 		}
 		add(min(start, swaL), min(end, swaL))
 		add(swaL+c4S, swaL+c4E)
 		add(swaL+c4Full+c4S, swaL+c4Full+c4E)
 	}
-	l := 0
+	k := 0
 	for _, s := range sections[:n] {
-		for j := s[0]; j < s[1] && l < nSrc; j++ {
-			pairs = append(pairs, LayerPair{Src: l, Dst: j, Item: l})
-			l++
+		for j := s[0]; j < s[1] && k < nSrc; j++ {
+			dst = append(dst, int32(j))
+			k++
 		}
 	}
-	if l < nSrc {
-		return nil, errorf("start_layer", "compressed-MLA slice of the decode list has %d entries for %d prefill entries (layers [%d, %d))", l, nSrc, start, end)
+	if k < nSrc {
+		return dst, errorf("decode.state_ptrs", "compressed-MLA slice of the decode list has %d entries for %d prefill entries (layers [%d, %d))", k, nSrc, start, end)
 	}
-	return pairs, nil
+	return dst, nil
 }

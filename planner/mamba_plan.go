@@ -73,7 +73,7 @@ func nixlMambaWhole(v *stateView, t StateTopology) (StatePlan, error) {
 		if err != nil {
 			return sp, err
 		}
-		sp.Plan.Copies = append(sp.Plan.Copies, c)
+		sp.Plan.Add(c)
 	}
 	return sp, nil
 }
@@ -134,7 +134,7 @@ func nixlMambaSlice(v *stateView, t StateTopology) (StatePlan, error) {
 		if len(v.dstIdx) == 0 {
 			return sp, errorf(stateField("decode_state_indices", v.i), "missing decode Mamba state index")
 		}
-		if sp.Plan.Copies, err = appendMambaSliceCopies(sp.Plan.Copies, v, t, p, srcSlot, int64(v.dstIdx[0])); err != nil {
+		if err = addMambaSliceCopies(&sp.Plan, v, t, p, srcSlot, int64(v.dstIdx[0])); err != nil {
 			return sp, err
 		}
 	}
@@ -176,27 +176,27 @@ func moriMamba(v *stateView, t StateTopology) (StatePlan, error) {
 			if err != nil {
 				return sp, err
 			}
-			sp.Plan.Copies = append(sp.Plan.Copies, c)
+			sp.Plan.Add(c)
 			continue
 		}
 		if p.Dst >= len(v.dstLens) {
 			return sp, errorf(stateField("decode.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Dst, len(v.dstLens))
 		}
-		if sp.Plan.Copies, err = appendMambaSliceCopies(sp.Plan.Copies, v, t, p, srcSlot, dstSlot); err != nil {
+		if err = addMambaSliceCopies(&sp.Plan, v, t, p, srcSlot, dstSlot); err != nil {
 			return sp, err
 		}
 	}
 	return sp, nil
 }
 
-// appendMambaSliceCopies appends the TP-slice copies of one tensor pair:
-// one strided copy per logical block, repeated over the outer rows.
-func appendMambaSliceCopies(copies []Copy, v *stateView, t StateTopology, p EntryPair, srcSlot, dstSlot int64) ([]Copy, error) {
+// addMambaSliceCopies adds the TP-slice copies of one tensor pair: one
+// strided copy per logical block, repeated over the outer rows.
+func addMambaSliceCopies(plan *Plan, v *stateView, t StateTopology, p EntryPair, srcSlot, dstSlot int64) error {
 	if p.Src >= len(v.srcDims) {
-		return nil, errorf(stateField("prefill.state_dim_per_tensor", v.i), "no dim for tensor %d (have %d)", p.Src, len(v.srcDims))
+		return errorf(stateField("prefill.state_dim_per_tensor", v.i), "no dim for tensor %d (have %d)", p.Src, len(v.srcDims))
 	}
 	if p.Dst >= len(v.dstDims) {
-		return nil, errorf(stateField("decode.state_dim_per_tensor", v.i), "no dim for tensor %d (have %d)", p.Dst, len(v.dstDims))
+		return errorf(stateField("decode.state_dim_per_tensor", v.i), "no dim for tensor %d (have %d)", p.Dst, len(v.dstDims))
 	}
 	in := MambaSliceInput{
 		SrcDim: v.srcDims[p.Src], DstDim: v.dstDims[p.Dst],
@@ -211,42 +211,42 @@ func appendMambaSliceCopies(copies []Copy, v *stateView, t StateTopology, p Entr
 	}
 	srcBPD, dstBPD, err := mambaBytesPerDim(in)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	var buf [4]MambaSliceBlock
 	logical, err := appendMambaSliceBlocks(buf[:0], in)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	srcField, dstField := stateField("prefill_state_indices", v.i), stateField("decode_state_indices", v.i)
-	srcRow, ok1 := mulAddU64(uint64(in.SrcDim), srcBPD, 0)
-	dstRow, ok2 := mulAddU64(uint64(in.DstDim), dstBPD, 0)
+	srcRow, ok1 := mul64(uint64(in.SrcDim), srcBPD)
+	dstRow, ok2 := mul64(uint64(in.DstDim), dstBPD)
 	if !ok1 || !ok2 {
-		return nil, errorf(stateField("prefill.state_dim_per_tensor", v.i), "row size overflows")
+		return errorf(stateField("prefill.state_dim_per_tensor", v.i), "row size overflows")
 	}
 	for _, b := range logical {
-		srcDelta, ok1 := mulAddU64(uint64(b.SrcDimStart), srcBPD, 0)
-		dstDelta, ok2 := mulAddU64(uint64(b.DstDimStart), dstBPD, 0)
-		length, ok3 := mulAddU64(uint64(b.NumDims), srcBPD, 0)
+		srcDelta, ok1 := mul64(uint64(b.SrcDimStart), srcBPD)
+		dstDelta, ok2 := mul64(uint64(b.DstDimStart), dstBPD)
+		length, ok3 := mul64(uint64(b.NumDims), srcBPD)
 		if !ok1 || !ok2 || !ok3 {
-			return nil, errorf(stateField("prefill.state_dim_per_tensor", v.i), "slice offsets overflow")
+			return errorf(stateField("prefill.state_dim_per_tensor", v.i), "slice offsets overflow")
 		}
 		if length == 0 {
 			continue
 		}
 		so, err := slotOffset(srcField, srcSlot, in.SrcItemLen, srcDelta)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		do, err := slotOffset(dstField, dstSlot, in.DstItemLen, dstDelta)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		c := Copy{SrcRegion: int32(p.Src), DstRegion: int32(p.Dst), SrcOff: so, DstOff: do, Len: length, Count: uint64(in.OuterCount)}
 		if c.Count > 1 {
 			c.SrcStride, c.DstStride = srcRow, dstRow
 		}
-		copies = append(copies, c)
+		plan.Add(c)
 	}
-	return copies, nil
+	return nil
 }

@@ -314,10 +314,18 @@ func positionalPairs(n int) []EntryPair {
 	return pairs
 }
 
+// statePair is one tensor copy of a paged component: prefill tensor src to
+// decode tensor dst, with the length of prefill item_lens[item].
+type statePair struct {
+	src, dst, item int
+}
+
 // nixlPaged plans a paged component (the non-prepped path of the NIXL
 // connector's _send_kvcache_generic): contiguous runs of (prefill, decode)
-// indices, per layer pair, with the prefill item length of the layer.
-// mha selects K/V-halved PP slicing; otherwise MLA slicing with v.st.
+// indices, per tensor pair, with the prefill item length of the layer.
+// mha selects K/V-halved PP slicing (the V half uses the K layer's item
+// length, as the reference does); otherwise MLA slicing, compressed-MLA
+// aware for v.st.
 func nixlPaged(v *stateView, t StateTopology, mha bool) (StatePlan, error) {
 	sp, err := v.newPlan(PathNIXLPaged)
 	if err != nil {
@@ -329,73 +337,90 @@ func nixlPaged(v *stateView, t StateTopology, mha bool) (StatePlan, error) {
 	if err := checkStateIndices(stateField("decode_state_indices", v.i), v.dstIdx); err != nil {
 		return sp, err
 	}
-	var layers []LayerPair
-	if pairs, ok, err := statePairs(v, t); err != nil {
+	pairs, ok, err := statePairs(v, t)
+	if err != nil {
 		return sp, err
-	} else if ok {
-		layers = make([]LayerPair, len(pairs))
+	}
+	var tensors []statePair
+	switch {
+	case ok:
+		tensors = make([]statePair, len(pairs))
 		for k, p := range pairs {
-			layers[k] = LayerPair{Src: p.Src, Dst: p.Dst, Item: p.Src}
+			tensors[k] = statePair{src: p.Src, dst: p.Dst, item: p.Src}
 		}
-	} else if mha {
-		if layers, err = PairMHALayersPP(len(v.srcPtrs), len(v.dstPtrs), t.PP.StartLayer); err != nil {
-			return sp, err
+	case len(v.srcPtrs) == 0:
+		// The reference divides by the local layer count on the MHA path
+		// when decode has layers; MLA simply has nothing to send.
+		if mha && len(v.dstPtrs)/2 > 0 {
+			return sp, errorf(stateField("prefill.state_ptrs", v.i), "prefill registers no tensors but decode has %d", len(v.dstPtrs))
 		}
-	} else {
-		if layers, err = PairMLALayersPP(len(v.srcPtrs), len(v.dstPtrs), t.PP, v.st); err != nil {
-			return sp, err
+	default:
+		var dsts []int32
+		if !mha && len(t.PP.CompressionRatios) > 0 && len(v.srcPtrs) != len(v.dstPtrs) {
+			dsts, err = PairCompressedMLARegions(nil, len(v.srcPtrs), len(v.dstPtrs), t.PP, v.st)
+		} else {
+			dsts, err = PairKVRegions(nil, PairCommon, !mha, len(v.srcPtrs), len(v.dstPtrs), t.PP.StartLayer, DraftUnknown)
+		}
+		if err != nil {
+			return sp, stateFieldError(err, v.i)
+		}
+		layers := len(v.srcPtrs) / 2
+		tensors = make([]statePair, len(dsts))
+		for k, d := range dsts {
+			item := k
+			if mha && k >= layers {
+				item = k - layers
+			}
+			tensors[k] = statePair{src: k, dst: int(d), item: item}
 		}
 	}
-	for _, l := range layers {
-		if l.Item >= len(v.srcLens) {
-			return sp, errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", l.Item, len(v.srcLens))
+	for _, tp := range tensors {
+		if tp.item >= len(v.srcLens) {
+			return sp, errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", tp.item, len(v.srcLens))
 		}
 	}
-	sp.Plan.Copies, err = appendRunCopies(make([]Copy, 0, len(layers)), v, layers, v.srcIdx, v.dstIdx)
+	err = addRunCopies(&sp.Plan, v, tensors, v.srcIdx, v.dstIdx)
 	return sp, err
 }
 
-// appendRunCopies appends, for every layer pair, one block per contiguous
-// run of (src, dst) indices; srcIdx and dstIdx have equal length.
-func appendRunCopies(copies []Copy, v *stateView, layers []LayerPair, srcIdx, dstIdx []int32) ([]Copy, error) {
-	for _, l := range layers {
-		item := v.srcLens[l.Item]
+// stateFieldError renames the field of a KV pairing error to the state
+// component it came from.
+func stateFieldError(err error, i int) error {
+	if e, ok := err.(*Error); ok {
+		return &Error{Field: stateField("decode.state_ptrs", i), Msg: e.Msg}
+	}
+	return err
+}
+
+// addRunCopies adds, for every tensor pair, one block per contiguous run of
+// (src, dst) indices; srcIdx and dstIdx have equal length and are not
+// negative.
+func addRunCopies(p *Plan, v *stateView, tensors []statePair, srcIdx, dstIdx []int32) error {
+	runs := CountRuns(srcIdx, dstIdx)
+	p.Copies = make([]Copy, 0, min(len(tensors)*runs, 1<<16))
+	for _, tp := range tensors {
+		item := v.srcLens[tp.item]
 		if item == 0 {
 			continue
 		}
-		for k := 0; k < len(srcIdx); {
-			end := stateRunEnd(srcIdx, dstIdx, k)
+		for k, n := 0, 0; k < len(srcIdx); k += n {
+			n = NextRun(srcIdx, dstIdx, k)
 			so, err := slotOffset(stateField("prefill_state_indices", v.i), int64(srcIdx[k]), item, 0)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			do, err := slotOffset(stateField("decode_state_indices", v.i), int64(dstIdx[k]), item, 0)
 			if err != nil {
-				return nil, err
+				return err
 			}
-			n, ok := mulAddU64(uint64(end-k), item, 0)
+			length, ok := mul64(uint64(n), item)
 			if !ok {
-				return nil, errorf(stateField("prefill.state_item_lens", v.i), "run of %d items of %d bytes overflows", end-k, item)
+				return errorf(stateField("prefill.state_item_lens", v.i), "run of %d items of %d bytes overflows", n, item)
 			}
-			copies = appendCoalesced(copies, Copy{
-				SrcRegion: int32(l.Src), DstRegion: int32(l.Dst),
-				SrcOff: so, DstOff: do, Len: n, Count: 1,
-			})
-			k = end
+			p.Add(Copy{SrcRegion: int32(tp.src), DstRegion: int32(tp.dst), SrcOff: so, DstOff: do, Len: length, Count: 1})
 		}
 	}
-	return copies, nil
-}
-
-// stateRunEnd returns the end of the contiguous run starting at k: the
-// first position where src or dst does not advance by exactly one (the
-// reference's group_concurrent_contiguous).
-func stateRunEnd(src, dst []int32, k int) int {
-	j := k + 1
-	for j < len(src) && int64(src[j])-int64(src[j-1]) == 1 && int64(dst[j])-int64(dst[j-1]) == 1 {
-		j++
-	}
-	return j
+	return nil
 }
 
 // moriPaged plans a paged component the way the MORI connector's
@@ -450,13 +475,13 @@ func moriPaged(v *stateView, t StateTopology) (StatePlan, error) {
 		}
 		pairs = positionalPairs(len(v.srcPtrs))
 	}
-	layers := make([]LayerPair, len(pairs))
+	tensors := make([]statePair, len(pairs))
 	for k, p := range pairs {
 		if p.Src >= len(v.srcLens) {
 			return sp, errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Src, len(v.srcLens))
 		}
-		layers[k] = LayerPair{Src: p.Src, Dst: p.Dst, Item: p.Src}
+		tensors[k] = statePair{src: p.Src, dst: p.Dst, item: p.Src}
 	}
-	sp.Plan.Copies, err = appendRunCopies(make([]Copy, 0, len(layers)), v, layers, srcIdx, dstIdx)
+	err = addRunCopies(&sp.Plan, v, tensors, srcIdx, dstIdx)
 	return sp, err
 }
