@@ -2,8 +2,10 @@ package zmq
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
+	"os"
 	"time"
 )
 
@@ -33,8 +35,13 @@ func Request(ctx context.Context, endpoint string, frames [][]byte, opts ...Opti
 	defer nc.Close()
 
 	fail := func(err error) error {
-		if ctx.Err() != nil {
-			return fmt.Errorf("zmq: request to %s: %w", endpoint, ctx.Err())
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return fmt.Errorf("zmq: request to %s: %w", endpoint, ctxErr)
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			// The socket deadline is ctx's deadline; it can fire a moment
+			// before ctx reports it.
+			return fmt.Errorf("zmq: request to %s: %w", endpoint, context.DeadlineExceeded)
 		}
 		return fmt.Errorf("zmq: request to %s: %w", endpoint, err)
 	}

@@ -1,0 +1,199 @@
+package zmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func newRouter(t *testing.T, opts ...Option) *Router {
+	t.Helper()
+	r, err := ListenRouter("tcp://127.0.0.1:0", append([]Option{quiet()}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// echoServer answers every REQ-shaped request with "echo" + the body and
+// counts failed replies; it runs until ctx ends.
+func echoServer(ctx context.Context, r *Router, failed *atomic.Int64) {
+	for {
+		m, err := r.Recv(ctx)
+		if err != nil {
+			return
+		}
+		if len(m.Frames) < 2 || len(m.Frames[0]) != 0 {
+			failed.Add(1)
+			continue
+		}
+		reply := append([][]byte{nil, []byte("echo")}, m.Frames[1:]...)
+		sctx, cancel := context.WithTimeout(ctx, time.Second)
+		if err := r.Send(sctx, m.Peer, reply...); err != nil {
+			failed.Add(1)
+		}
+		cancel()
+	}
+}
+
+// Many concurrent short-lived REQ clients (each connects once, as vLLM's
+// handshake does), with hostile clients mixed in: every well-behaved
+// client gets its own reply, nothing deadlocks, and the router keeps
+// serving.
+func TestRouterManyShortLivedClients(t *testing.T) {
+	r := newRouter(t, WithHandshakeTimeout(500*time.Millisecond))
+	ctx := testCtx(t, 30*time.Second)
+	var failed atomic.Int64
+	go echoServer(ctx, r, &failed)
+	start := time.Now()
+
+	// Hostile clients, concurrently with the real ones.
+	var hostile sync.WaitGroup
+	for i := range 40 {
+		hostile.Add(1)
+		go func() {
+			defer hostile.Done()
+			c, err := net.Dial("tcp", r.Addr().String())
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			switch i % 4 {
+			case 0: // silent
+				time.Sleep(100 * time.Millisecond)
+			case 1: // garbage
+				c.Write([]byte(strings.Repeat("\xff\x00garbage", 50)))
+			case 2: // asks, then leaves before the reply
+				c.Write(greeting())
+				c.Write(encodeCommand("READY", readyMetadata(typeReq)))
+				c.Write(encodeMessage([][]byte{{}, []byte("bye")}))
+			case 3: // huge declared frame after a valid handshake
+				c.Write(greeting())
+				c.Write(encodeCommand("READY", readyMetadata(typeReq)))
+				c.Write([]byte{flagLong, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
+				time.Sleep(50 * time.Millisecond)
+			}
+		}()
+	}
+
+	const workers, perWorker = 32, 40
+	var wg sync.WaitGroup
+	errc := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perWorker {
+				body := []byte(fmt.Sprintf("w%d-r%d", w, i))
+				rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				rep, err := Request(rctx, r.Endpoint(), [][]byte{body}, quiet())
+				cancel()
+				if err != nil {
+					errc <- fmt.Errorf("worker %d request %d: %w", w, i, err)
+					return
+				}
+				if len(rep) != 2 || string(rep[0]) != "echo" || string(rep[1]) != string(body) {
+					errc <- fmt.Errorf("worker %d request %d: reply %q", w, i, rep)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	hostile.Wait()
+	close(errc)
+	for err := range errc {
+		t.Fatal(err)
+	}
+	t.Logf("%d requests on fresh connections in %v (%d replies could not be written)",
+		workers*perWorker, time.Since(start), failed.Load())
+	// Still serving.
+	rep, err := Request(testCtx(t, 5*time.Second), r.Endpoint(), [][]byte{[]byte("still")}, quiet())
+	if err != nil || string(rep[1]) != "still" {
+		t.Fatalf("after the storm: %q %v", rep, err)
+	}
+}
+
+func TestRouterSendUnknownPeer(t *testing.T) {
+	r := newRouter(t)
+	err := r.Send(testCtx(t, time.Second), []byte{0, 0, 0, 0, 99}, []byte("x"))
+	if !errors.Is(err, ErrUnknownPeer) {
+		t.Fatalf("Send: %v, want ErrUnknownPeer", err)
+	}
+	r.Close()
+	if err := r.Send(testCtx(t, time.Second), []byte{0, 0, 0, 0, 1}, []byte("x")); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Send after Close: %v", err)
+	}
+	if _, err := r.Recv(testCtx(t, time.Second)); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Recv after Close: %v", err)
+	}
+}
+
+// A REQ against a dead port fails at once; against a peer that never
+// answers it fails when its context ends, not later.
+func TestRequestTimeouts(t *testing.T) {
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	dead := endpointOf(ln.Addr())
+	ln.Close()
+	start := time.Now()
+	if _, err := Request(testCtx(t, 5*time.Second), dead, [][]byte{[]byte("x")}, quiet()); err == nil {
+		t.Fatal("request to a dead port succeeded")
+	}
+	if el := time.Since(start); el > time.Second {
+		t.Fatalf("dead port took %v", el)
+	}
+
+	// A ROUTER that receives but never replies.
+	r := newRouter(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start = time.Now()
+	_, err := Request(ctx, r.Endpoint(), [][]byte{[]byte("x")}, quiet())
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("silent router: %v, want deadline exceeded", err)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("silent router took %v", el)
+	}
+
+	// A plain TCP server that accepts and says nothing (handshake never
+	// completes).
+	ln2, _ := net.Listen("tcp", "127.0.0.1:0")
+	defer ln2.Close()
+	go func() {
+		for {
+			c, err := ln2.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel2()
+	if _, err := Request(ctx2, endpointOf(ln2.Addr()), [][]byte{[]byte("x")}, quiet()); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("mute TCP server: %v, want deadline exceeded", err)
+	}
+}
+
+// A reply without the REQ delimiter is a protocol error, not a hang.
+func TestRequestBadReply(t *testing.T) {
+	r := newRouter(t)
+	ctx := testCtx(t, 5*time.Second)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err == nil {
+			r.Send(ctx, m.Peer, []byte("no-delimiter"))
+		}
+	}()
+	if _, err := Request(ctx, r.Endpoint(), [][]byte{[]byte("x")}, quiet()); !errors.Is(err, ErrProtocol) {
+		t.Fatalf("Request: %v, want ErrProtocol", err)
+	}
+}
