@@ -129,6 +129,9 @@ func jsonError(err error) error {
 		}
 		return errorf(field, "want %s, got JSON %s", typeErr.Type, typeErr.Value)
 	case errors.As(err, &syntaxErr):
+		if syntaxErr.Error() == "unexpected end of JSON input" {
+			return errorf("request", "empty or truncated JSON")
+		}
 		return errorf("request", "invalid JSON at byte %d: %v", syntaxErr.Offset, syntaxErr)
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return errorf("request", "empty or truncated JSON")

@@ -46,11 +46,14 @@ type NixlKV struct {
 // state buffers; it moves whole pages, so it needs MLA or equal TP.
 // Geometry the reference rejects is an *Error with the same meaning.
 func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
-	sp, err := newSGLangPair(g, PairCommon)
-	if err != nil {
+	// The reference checks kinds and region counts when the peer
+	// registers, before it slices pointers for PP.
+	if err := g.Prefill.check("prefill"); err != nil {
 		return nil, err
 	}
-	n := &NixlKV{sglangPair: sp, prepped: prepped}
+	if err := g.Decode.check("decode"); err != nil {
+		return nil, err
+	}
 	srcKind, err := homogeneousKind("prefill.mem_kinds", "source", g.Prefill.Kinds)
 	if err != nil {
 		return nil, err
@@ -59,6 +62,11 @@ func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
 	if nDst < nSrc {
 		return nil, errorf("decode.kv_ptrs", "NIXL PD transfer: decode registered fewer KV regions (%d) than prefill (%d); unexpected geometry", nDst, nSrc)
 	}
+	sp, err := newSGLangPair(g, PairCommon)
+	if err != nil {
+		return nil, err
+	}
+	n := &NixlKV{sglangPair: sp, prepped: prepped}
 	decodeOnlySpecDec := nDst > nSrc
 
 	if !prepped {
