@@ -413,6 +413,11 @@ func checkVLLMLocal(d VLLMDecode) error {
 		return errorf("physical_blocks_per_logical", "must not be negative, got %d", d.PhysicalBlocksPerLogical)
 	}
 	a := d.Agent
+	// Two decode regions sharing bytes would let one read overwrite
+	// another's (vLLM registers each distinct tensor once).
+	if err := checkDisjoint("decode.kv_caches_base_addr", a); err != nil {
+		return err
+	}
 	if !d.MLA {
 		for i, l := range a.BlockLens {
 			if l != a.BlockLens[0] {
@@ -424,6 +429,23 @@ func checkVLLMLocal(d VLLMDecode) error {
 		for i, l := range a.BlockLens {
 			if slot := l / uint64(a.BlockSize); slot%2 != 0 {
 				return errorf("decode.block_lens", "region %d: %d bytes per slot cannot hold K and V halves (blocks-first)", i, slot)
+			}
+		}
+	}
+	return nil
+}
+
+// checkDisjoint refuses regions that share bytes. Regions are few (one or
+// two per layer), so a quadratic scan at handshake time is cheap and
+// allocation-free.
+func checkDisjoint(field string, a VLLMAgent) error {
+	n := uint64(a.NumBlocks)
+	for i := range a.BaseAddrs {
+		lo, hi := a.BaseAddrs[i], a.BaseAddrs[i]+a.BlockLens[i]*n
+		for j := i + 1; j < len(a.BaseAddrs); j++ {
+			lo2, hi2 := a.BaseAddrs[j], a.BaseAddrs[j]+a.BlockLens[j]*n
+			if lo < hi2 && lo2 < hi {
+				return errorf(field, "regions %d [%#x, %#x) and %d [%#x, %#x) overlap", i, lo, hi, j, lo2, hi2)
 			}
 		}
 	}
