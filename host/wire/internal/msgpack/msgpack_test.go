@@ -1,0 +1,208 @@
+package msgpack
+
+import (
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"math"
+	"strings"
+	"testing"
+)
+
+// Golden encodings produced by Python's msgpack.packb (which msgspec
+// matches for these types).
+func TestEncodeIntsLikePython(t *testing.T) {
+	cases := []struct {
+		v    int64
+		want string
+	}{
+		{0, "00"}, {1, "01"}, {127, "7f"}, {128, "cc80"}, {255, "ccff"}, {256, "cd0100"},
+		{65535, "cdffff"}, {65536, "ce00010000"}, {math.MaxUint32, "ceffffffff"},
+		{math.MaxUint32 + 1, "cf0000000100000000"}, {-1, "ff"}, {-32, "e0"}, {-33, "d0df"},
+		{-128, "d080"}, {-129, "d1ff7f"}, {-32768, "d18000"}, {-32769, "d2ffff7fff"},
+		{math.MinInt32, "d280000000"}, {math.MinInt32 - 1, "d3ffffffff7fffffff"},
+		{math.MinInt64, "d38000000000000000"},
+	}
+	for _, c := range cases {
+		var e Encoder
+		e.Int(c.v)
+		if got := hex.EncodeToString(e.Bytes()); got != c.want {
+			t.Errorf("Int(%d) = %s, want %s", c.v, got, c.want)
+		}
+		v, err := Decode(e.Bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i, ok := v.Int(); !ok || i != c.v {
+			t.Errorf("round trip of %d gave %v %v", c.v, i, ok)
+		}
+	}
+	var e Encoder
+	e.Uint(math.MaxUint64)
+	if got := hex.EncodeToString(e.Bytes()); got != "cfffffffffffffffff" {
+		t.Errorf("Uint(max) = %s", got)
+	}
+}
+
+func TestEncodeLengthsLikePython(t *testing.T) {
+	prefix := func(b []byte, n int) string { return hex.EncodeToString(b[:min(n, len(b))]) }
+	for _, c := range []struct {
+		n        int
+		str, bin string
+	}{
+		{0, "a0", "c400"}, {31, "bf6161616161", "c41f61616161"}, {32, "d92061616161", "c42061616161"},
+		{255, "d9ff61616161", "c4ff61616161"}, {256, "da0100616161", "c50100616161"},
+		{65535, "daffff616161", "c5ffff616161"}, {65536, "db0001000061", "c60001000061"},
+	} {
+		var s, b Encoder
+		s.Str(strings.Repeat("a", c.n))
+		b.Bin(bytes.Repeat([]byte("a"), c.n))
+		if got := prefix(s.Bytes(), 6); got != c.str {
+			t.Errorf("Str(%d) = %s, want %s", c.n, got, c.str)
+		}
+		if got := prefix(b.Bytes(), 6); got != c.bin {
+			t.Errorf("Bin(%d) = %s, want %s", c.n, got, c.bin)
+		}
+	}
+	for _, c := range []struct {
+		n       int
+		arr, mp string
+	}{{0, "90", "80"}, {15, "9f", "8f"}, {16, "dc0010", "de0010"}, {65535, "dcffff", "deffff"}, {65536, "dd00010000", "df00010000"}} {
+		var a, m Encoder
+		a.ArrayHeader(c.n)
+		m.MapHeader(c.n)
+		if got := hex.EncodeToString(a.Bytes()); got != c.arr {
+			t.Errorf("ArrayHeader(%d) = %s, want %s", c.n, got, c.arr)
+		}
+		if got := hex.EncodeToString(m.Bytes()); got != c.mp {
+			t.Errorf("MapHeader(%d) = %s, want %s", c.n, got, c.mp)
+		}
+	}
+}
+
+func TestDecodeStructure(t *testing.T) {
+	var e Encoder
+	e.MapHeader(4)
+	e.Str("name")
+	e.Str("x")
+	e.Str("blob")
+	e.Bin([]byte{1, 2})
+	e.Str("list")
+	e.ArrayHeader(3)
+	e.Int(-5)
+	e.Uint(1 << 40)
+	e.Nil()
+	e.Str("ok")
+	e.Bool(true)
+	v, err := Decode(e.Bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, _ := mustGet(t, v, "name").Str(); s != "x" {
+		t.Fatalf("name %q", s)
+	}
+	if b, _ := mustGet(t, v, "blob").Bin(); !bytes.Equal(b, []byte{1, 2}) {
+		t.Fatalf("blob %v", b)
+	}
+	l := mustGet(t, v, "list")
+	if len(l.Items) != 3 || l.Items[2].Kind != Nil {
+		t.Fatalf("list %+v", l)
+	}
+	if i, _ := l.Items[0].Int(); i != -5 {
+		t.Fatalf("list[0] %d", i)
+	}
+	if u, _ := l.Items[1].Uint(); u != 1<<40 {
+		t.Fatalf("list[1] %d", u)
+	}
+	if _, ok := l.Items[0].Uint(); ok {
+		t.Fatal("negative value read as uint")
+	}
+	if b, ok := mustGet(t, v, "ok").Bool(); !ok || !b {
+		t.Fatal("ok")
+	}
+	if _, ok := v.Get("missing"); ok {
+		t.Fatal("missing key found")
+	}
+}
+
+func mustGet(t *testing.T, v Value, k string) Value {
+	t.Helper()
+	x, ok := v.Get(k)
+	if !ok {
+		t.Fatalf("key %q missing", k)
+	}
+	return x
+}
+
+func TestDecodeFloatsAndExt(t *testing.T) {
+	for in, want := range map[string]float64{"ca3fc00000": 1.5, "cb4004000000000000": 2.5} {
+		b, _ := hex.DecodeString(in)
+		v, err := Decode(b)
+		if f, ok := v.Float(); err != nil || !ok || f != want {
+			t.Errorf("%s: %v %v %v", in, f, ok, err)
+		}
+	}
+	b, _ := hex.DecodeString("d6ff00000001") // fixext4, timestamp
+	v, err := Decode(b)
+	if err != nil || v.Kind != Ext || v.ExtType != -1 || len(v.Raw()) != 4 {
+		t.Fatalf("ext: %+v %v", v, err)
+	}
+}
+
+// Hostile inputs: declared lengths far beyond the input, deep nesting,
+// reserved bytes, trailing bytes. All are errors; none allocates by the
+// declared size.
+func TestDecodeRejects(t *testing.T) {
+	deep := bytes.Repeat([]byte{0x91}, MaxDepth+2)
+	deep = append(deep, 0)
+	for name, in := range map[string]string{
+		"array32 of 4G":  "ddffffffff",
+		"map32 of 4G":    "dfffffffff00",
+		"bin32 of 4G":    "c6ffffffff",
+		"str past end":   "a5616263",
+		"reserved c1":    "c1",
+		"trailing bytes": "0000",
+		"empty":          "",
+		"truncated int":  "cd01",
+		"ext past end":   "c7ff01",
+	} {
+		b, _ := hex.DecodeString(in)
+		if _, err := Decode(b); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: %v, want ErrMalformed", name, err)
+		}
+	}
+	if _, err := Decode(deep); !errors.Is(err, ErrMalformed) {
+		t.Errorf("deep nesting: %v", err)
+	}
+}
+
+func FuzzDecode(f *testing.F) {
+	var e Encoder
+	e.ArrayHeader(2)
+	e.Bin([]byte("get_meta_msg"))
+	e.Int(3)
+	f.Add(e.Bytes())
+	f.Add([]byte{0xdd, 0xff, 0xff, 0xff, 0xff})
+	f.Add([]byte{0x81, 0xa1, 'k', 0x92, 0xc0, 0xc3})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		v, err := Decode(b)
+		if err != nil {
+			return
+		}
+		// Decoding must not panic, and the tree it builds can be walked.
+		if walk(v) > len(b) {
+			t.Fatalf("%d values from %d bytes", walk(v), len(b))
+		}
+	})
+}
+
+func walk(v Value) int {
+	n := 1
+	for _, it := range v.Items {
+		n += walk(it)
+	}
+	for _, p := range v.Pairs {
+		n += walk(p[0]) + walk(p[1])
+	}
+	return n
+}
