@@ -81,8 +81,8 @@ func (m *vModel) agents() (dec, pre VLLMAgent) {
 	return dec, pre
 }
 
-// elem is what one byte of KV cache holds.
-type elem struct {
+// vElem is what one byte of KV cache holds.
+type vElem struct {
 	layer, kv, head int
 	pos             int // token position in the request's sequence
 	b               uint64
@@ -93,24 +93,24 @@ type elem struct {
 // prefill-sized sub-blocks a block holds (bsr on decode, 1 on prefill);
 // first is the sequence index, in prefill blocks, of the list's first
 // block.
-func (m *vModel) locate(addr, base uint64, blockLens []uint64, tp, rank, sub int, order map[int]int, first int) (elem, error) {
+func (m *vModel) locate(addr, base uint64, blockLens []uint64, tp, rank, sub int, order map[int]int, first int) (vElem, error) {
 	if addr < base {
-		return elem{}, fmt.Errorf("address %#x below the side's regions", addr)
+		return vElem{}, fmt.Errorf("address %#x below the side's regions", addr)
 	}
 	region := int((addr - base) / vPropRegionGap)
 	if region >= len(blockLens) {
-		return elem{}, fmt.Errorf("address %#x past the side's regions", addr)
+		return vElem{}, fmt.Errorf("address %#x past the side's regions", addr)
 	}
 	off := addr - base - uint64(region)*vPropRegionGap
 	bl := blockLens[region]
 	block, within := int(off/bl), off%bl
 	idx, ok := order[block]
 	if !ok {
-		return elem{}, fmt.Errorf("block %d of region %d is not in the request", block, region)
+		return vElem{}, fmt.Errorf("block %d of region %d is not in the request", block, region)
 	}
 	sb := bl / uint64(sub)
 	j, q := int(within/sb), within%sb
-	var e elem
+	var e vElem
 	switch {
 	case m.mla:
 		e.layer = region
@@ -135,7 +135,7 @@ func (m *vModel) locate(addr, base uint64, blockLens []uint64, tp, rank, sub int
 	return e, nil
 }
 
-func expandIDs(ids []int32, f int) []int {
+func vExpandIDs(ids []int32, f int) []int {
 	var out []int
 	for _, id := range ids {
 		for k := range f {
@@ -145,7 +145,7 @@ func expandIDs(ids []int32, f int) []int {
 	return out
 }
 
-func indexOf(ids []int) map[int]int {
+func vIndexOf(ids []int) map[int]int {
 	out := make(map[int]int, len(ids))
 	for i, id := range ids {
 		out[id] = i
@@ -153,7 +153,7 @@ func indexOf(ids []int) map[int]int {
 	return out
 }
 
-func drawModel(t *rapid.T) vModel {
+func vDrawModel(t *rapid.T) vModel {
 	m := vModel{
 		mla:       rapid.Bool().Draw(t, "mla"),
 		heads:     rapid.SampledFrom([]int{1, 2, 4, 8}).Draw(t, "heads"),
@@ -195,19 +195,19 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 		}
 	}()
 	rapid.Check(t, func(t *rapid.T) {
-		m := drawModel(t)
+		m := vDrawModel(t)
 		dec, pre := m.agents()
 		// Request: distinct remote blocks and decode blocks, as many as the
 		// decode needs (or fewer: a prefix hit, partial only without a
 		// block-size ratio, where the reference aligns blocks).
 		nbRl, nbLl := m.nbR/m.kf, m.nbL/m.kf
 		nr := rapid.IntRange(0, min(nbRl, nbLl*m.bsr)).Draw(t, "nr")
-		remote := drawDistinct(t, "remote", nr, nbRl)
+		remote := vDrawDistinct(t, "remote", nr, nbRl)
 		nl := (nr + m.bsr - 1) / m.bsr
 		if m.bsr == 1 {
 			nl = rapid.IntRange(0, nr).Draw(t, "nl")
 		}
-		local := drawDistinct(t, "local", nl, nbLl)
+		local := vDrawDistinct(t, "local", nl, nbLl)
 
 		// One window per layer; it covers the layer's K and V regions.
 		windows := m.windows
@@ -268,11 +268,11 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 
 func checkRankSemantics(t *rapid.T, m *vModel, r *VLLMReader, p *Plan, rd VLLMRead, rank int, local, remote []int32, owners map[int]map[int]bool) {
 	dec, pre := m.agents()
-	eL, eR := expandIDs(local, m.kf), expandIDs(remote, m.kf)
+	eL, eR := vExpandIDs(local, m.kf), vExpandIDs(remote, m.kf)
 	// Decode sub-block s reads prefill block remoteStart + s.
 	read := min(len(eL)*m.bsr, len(eR))
 	remoteStart := len(eR) - read
-	orderL, orderR := indexOf(eL), indexOf(eR)
+	orderL, orderR := vIndexOf(eL), vIndexOf(eR)
 	prank := rank / (m.dtp / m.ptp)
 
 	type span struct{ lo, hi uint64 }
@@ -313,7 +313,7 @@ func checkRankSemantics(t *rapid.T, m *vModel, r *VLLMReader, p *Plan, rd VLLMRe
 	for i, bl := range dec.BlockLens {
 		used := read
 		if m.windows != nil {
-			used = read - windowStart(read, m.windows[layerOf(m, i)])
+			used = read - windowStart(read, m.windows[vLayerOf(m, i)])
 		}
 		want += uint64(used) * (bl / uint64(m.bsr))
 	}
@@ -337,19 +337,19 @@ func checkRankSemantics(t *rapid.T, m *vModel, r *VLLMReader, p *Plan, rd VLLMRe
 	}
 }
 
-func layerOf(m *vModel, region int) int {
+func vLayerOf(m *vModel, region int) int {
 	if m.mla || m.blocksFirst {
 		return region
 	}
 	return region / 2
 }
 
-func drawDistinct(t *rapid.T, label string, n, limit int) []int32 {
-	perm := rapid.Permutation(seq(limit)).Draw(t, label)
+func vDrawDistinct(t *rapid.T, label string, n, limit int) []int32 {
+	perm := rapid.Permutation(vSeq(limit)).Draw(t, label)
 	return perm[:n]
 }
 
-func seq(n int) []int32 {
+func vSeq(n int) []int32 {
 	out := make([]int32, n)
 	for i := range out {
 		out[i] = int32(i)
@@ -372,7 +372,7 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 	hostileInt := rapid.SampledFrom([]int{-1, 0, 1, 2, 3, 7, 1 << 20, 1<<31 - 1, 1 << 40})
 	hostileU64 := rapid.SampledFrom([]uint64{0, 1, 3, 64, 1 << 32, ^uint64(0) - 64, ^uint64(0)})
 	rapid.Check(t, func(t *rapid.T) {
-		m := drawModel(t)
+		m := vDrawModel(t)
 		dec, pre := m.agents()
 		local := VLLMDecode{Agent: dec, TPRank: rapid.IntRange(0, m.dtp-1).Draw(t, "rank"), TPSize: m.dtp, MLA: m.mla,
 			BlocksFirst: m.blocksFirst, TotalKVHeads: m.heads, BlockWindows: m.windows, PhysicalBlocksPerLogical: m.kf}
@@ -430,8 +430,8 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 			l, rm = ids.Draw(t, "local"), ids.Draw(t, "remote")
 		} else {
 			nbRl, nbLl := max(m.nbR/m.kf, 1), max(m.nbL/m.kf, 1)
-			rm = drawDistinct(t, "remote", rapid.IntRange(0, nbRl).Draw(t, "nr"), nbRl)
-			l = drawDistinct(t, "local", rapid.IntRange(0, nbLl).Draw(t, "nl"), nbLl)
+			rm = vDrawDistinct(t, "remote", rapid.IntRange(0, nbRl).Draw(t, "nr"), nbRl)
+			l = vDrawDistinct(t, "local", rapid.IntRange(0, nbLl).Draw(t, "nl"), nbLl)
 		}
 		rd, err := r.Read(l, rm)
 		p, perr := r.Plan(l, rm)
@@ -462,7 +462,7 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 		}
 		if !rd.NotifyOnly {
 			planned++
-			assertSameBytes(t, r, rd, p)
+			vAssertSameBytes(t, r, rd, p)
 		}
 	})
 }

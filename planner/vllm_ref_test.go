@@ -16,7 +16,7 @@ import (
 // errors, both descriptor lists, both id arrays, and the plan must move
 // exactly the bytes those ids name.
 
-type refSide struct {
+type vllmRefSide struct {
 	BaseAddrs []uint64 `json:"base_addrs"`
 	BlockLens []uint64 `json:"block_lens"`
 	NumBlocks int      `json:"num_blocks"`
@@ -25,9 +25,9 @@ type refSide struct {
 	DeviceID  uint64   `json:"device_id"`
 }
 
-type refCase struct {
-	Local           refSide `json:"local"`
-	Remote          refSide `json:"remote"`
+type vllmRefCase struct {
+	Local           vllmRefSide `json:"local"`
+	Remote          vllmRefSide `json:"remote"`
 	TPRank          int     `json:"tp_rank"`
 	TPSize          int     `json:"tp_size"`
 	RemoteTPSize    int     `json:"remote_tp_size"`
@@ -42,7 +42,7 @@ type refCase struct {
 	RemoteRequestID string  `json:"remote_request_id"`
 }
 
-type refResult struct {
+type vllmRefResult struct {
 	Error       string      `json:"error"`
 	NotifyOnly  bool        `json:"notify_only"`
 	TPRatio     int         `json:"tp_ratio"`
@@ -54,30 +54,30 @@ type refResult struct {
 	RemoteIDs   []int32     `json:"remote_ids"`
 }
 
-func pick[T any](rng *rand.Rand, xs ...T) T { return xs[rng.IntN(len(xs))] }
+func vPick[T any](rng *rand.Rand, xs ...T) T { return xs[rng.IntN(len(xs))] }
 
-// genRefCase draws one decode rank's pull: a model (heads, layers, head
+// genVLLMRefCase draws one decode rank's pull: a model (heads, layers, head
 // bytes), both sides' TP and block sizes, usually valid and sometimes broken
 // in one of the ways the reference refuses, and a request.
-func genRefCase(rng *rand.Rand) refCase {
-	c := refCase{KernelFactor: pick(rng, 1, 1, 1, 2), RemoteRequestID: "req-1"}
+func genVLLMRefCase(rng *rand.Rand) vllmRefCase {
+	c := vllmRefCase{KernelFactor: vPick(rng, 1, 1, 1, 2), RemoteRequestID: "req-1"}
 	c.MLA = rng.IntN(4) == 0
 	c.BlocksFirst = !c.MLA && rng.IntN(3) == 0
-	k := pick(rng, 1, 2, 4, 8)
+	k := vPick(rng, 1, 2, 4, 8)
 	c.TotalKVHeads = k
-	ptp := pick(rng, 1, 2, 4)
-	ratio := pick(rng, 1, 2, 4)
+	ptp := vPick(rng, 1, 2, 4)
+	ratio := vPick(rng, 1, 2, 4)
 	c.RemoteTPSize, c.TPSize = ptp, ptp*ratio
 	c.TPRank = rng.IntN(c.TPSize)
-	pbs := pick(rng, 2, 4, 8)
-	bsr := pick(rng, 1, 1, 2, 4)
+	pbs := vPick(rng, 2, 4, 8)
+	bsr := vPick(rng, 1, 1, 2, 4)
 	c.Local.BlockSize, c.Remote.BlockSize = pbs*bsr, pbs
 	layers := 1 + rng.IntN(3)
 	regions := layers
 	if !c.MLA && !c.BlocksFirst {
 		regions = 2 * layers
 	}
-	hb := uint64(pick(rng, 2, 4, 6))
+	hb := uint64(vPick(rng, 2, 4, 6))
 	dh, ph := uint64(max(1, k/c.TPSize)), uint64(max(1, k/ptp))
 	kv := uint64(1)
 	if c.BlocksFirst {
@@ -102,7 +102,7 @@ func genRefCase(rng *rand.Rand) refCase {
 		c.Local.BaseAddrs = append(c.Local.BaseAddrs, 0x1000_0000+uint64(i)<<20+uint64(rng.IntN(4))*64)
 		c.Remote.BaseAddrs = append(c.Remote.BaseAddrs, 0x7000_0000+uint64(i)<<20+uint64(rng.IntN(4))*64)
 		if c.MLA {
-			lb := uint64(pick(rng, 4, 6, 8, 12))
+			lb := uint64(vPick(rng, 4, 6, 8, 12))
 			c.Local.BlockLens = append(c.Local.BlockLens, uint64(c.Local.BlockSize)*lb)
 			c.Remote.BlockLens = append(c.Remote.BlockLens, uint64(pbs)*lb)
 		} else {
@@ -140,7 +140,7 @@ func genRefCase(rng *rand.Rand) refCase {
 	// Request: remote blocks (logical), then the decode's unhashed blocks.
 	nbRl, nbLl := c.Remote.NumBlocks/c.KernelFactor, c.Local.NumBlocks/c.KernelFactor
 	nr := rng.IntN(min(nbRl, 10) + 1)
-	c.RemoteBlockIDs = drawIDs(rng, nr, nbRl)
+	c.RemoteBlockIDs = vDrawIDs(rng, nr, nbRl)
 	need := nr
 	if bsr > 1 {
 		need = (nr + bsr - 1) / bsr
@@ -152,7 +152,7 @@ func genRefCase(rng *rand.Rand) refCase {
 	case 1:
 		nl = rng.IntN(nl + 1) // partial hit
 	}
-	c.LocalBlockIDs = drawIDs(rng, nl, nbLl)
+	c.LocalBlockIDs = vDrawIDs(rng, nl, nbLl)
 	if rng.IntN(20) == 0 && nl > 0 {
 		c.LocalBlockIDs[rng.IntN(nl)] = int32(nbLl + rng.IntN(3))
 	}
@@ -162,8 +162,8 @@ func genRefCase(rng *rand.Rand) refCase {
 	return c
 }
 
-// drawIDs returns n distinct ids below limit: a consecutive run, or random.
-func drawIDs(rng *rand.Rand, n, limit int) []int32 {
+// vDrawIDs returns n distinct ids below limit: a consecutive run, or random.
+func vDrawIDs(rng *rand.Rand, n, limit int) []int32 {
 	out := make([]int32, 0, n)
 	if rng.IntN(2) == 0 {
 		start := rng.IntN(limit - n + 1)
@@ -178,7 +178,7 @@ func drawIDs(rng *rand.Rand, n, limit int) []int32 {
 	return out
 }
 
-func (c *refCase) reader() (*VLLMReader, error) {
+func (c *vllmRefCase) reader() (*VLLMReader, error) {
 	local := VLLMDecode{
 		Agent: VLLMAgent{BaseAddrs: c.Local.BaseAddrs, BlockLens: c.Local.BlockLens, NumBlocks: c.Local.NumBlocks,
 			BlockSize: c.Local.BlockSize, KVCacheLayout: c.Local.Layout, DeviceID: c.Local.DeviceID},
@@ -198,7 +198,7 @@ func (c *refCase) reader() (*VLLMReader, error) {
 	return NewVLLMReader(local, remote, c.RemoteTPSize)
 }
 
-func runVLLMRef(t *testing.T, cases []refCase) []refResult {
+func runVLLMRef(t *testing.T, cases []vllmRefCase) []vllmRefResult {
 	t.Helper()
 	in, err := json.Marshal(cases)
 	if err != nil {
@@ -211,7 +211,7 @@ func runVLLMRef(t *testing.T, cases []refCase) []refResult {
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("reference script: %v\n%s\n(needs /usr/bin/python3 with numpy: scripts/install-test-deps.sh)", err, stderr.String())
 	}
-	var out []refResult
+	var out []vllmRefResult
 	if err := json.Unmarshal(stdout.Bytes(), &out); err != nil || len(out) != len(cases) {
 		t.Fatalf("reference output: %v (%d results for %d cases)", err, len(out), len(cases))
 	}
@@ -221,9 +221,9 @@ func runVLLMRef(t *testing.T, cases []refCase) []refResult {
 func TestVLLMReferenceEquivalence(t *testing.T) {
 	const n = 600
 	rng := rand.New(rand.NewPCG(42, 7))
-	cases := make([]refCase, n)
+	cases := make([]vllmRefCase, n)
 	for i := range cases {
-		cases[i] = genRefCase(rng)
+		cases[i] = genVLLMRefCase(rng)
 	}
 	want := runVLLMRef(t, cases)
 	var errs, notify, planned int
@@ -277,33 +277,33 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 			continue
 		}
 		planned++
-		coverage["mla"] += b2i(c.MLA)
-		coverage["blocks-first"] += b2i(c.BlocksFirst)
-		coverage["tp-ratio>1"] += b2i(r.TPRatio() > 1 && !r.Replicated())
-		coverage["replicated-mha"] += b2i(r.Replicated() && !c.MLA)
-		coverage["block-size-ratio>1"] += b2i(r.BlockSizeRatio() > 1)
-		coverage["windows"] += b2i(c.Windows != nil)
-		coverage["kernel-factor"] += b2i(c.KernelFactor > 1)
-		coverage["partial-hit"] += b2i(len(rd.LocalIDs)/len(r.local.Regions) < len(c.RemoteBlockIDs)*c.KernelFactor && c.Windows == nil)
-		coverage["permute"] += b2i(r.PermuteLocalKV())
+		coverage["mla"] += vB2I(c.MLA)
+		coverage["blocks-first"] += vB2I(c.BlocksFirst)
+		coverage["tp-ratio>1"] += vB2I(r.TPRatio() > 1 && !r.Replicated())
+		coverage["replicated-mha"] += vB2I(r.Replicated() && !c.MLA)
+		coverage["block-size-ratio>1"] += vB2I(r.BlockSizeRatio() > 1)
+		coverage["windows"] += vB2I(c.Windows != nil)
+		coverage["kernel-factor"] += vB2I(c.KernelFactor > 1)
+		coverage["partial-hit"] += vB2I(len(rd.LocalIDs)/len(r.local.Regions) < len(c.RemoteBlockIDs)*c.KernelFactor && c.Windows == nil)
+		coverage["permute"] += vB2I(r.PermuteLocalKV())
 		ll, rl := r.LocalList(), r.RemoteList()
-		if !sameDescs(ll.Append(nil), ll.DeviceID, w.LocalDescs) {
+		if !vSameDescs(ll.Append(nil), ll.DeviceID, w.LocalDescs) {
 			fail("local list differs:\n got %v dev %d\nwant %v", ll.Append(nil), ll.DeviceID, w.LocalDescs)
 		}
-		if !sameDescs(rl.Append(nil), rl.DeviceID, w.RemoteDescs) {
+		if !vSameDescs(rl.Append(nil), rl.DeviceID, w.RemoteDescs) {
 			fail("remote list differs:\n got %v dev %d\nwant %v", rl.Append(nil), rl.DeviceID, w.RemoteDescs)
 		}
 		if !reflect.DeepEqual(rd.LocalIDs, w.LocalIDs) || !reflect.DeepEqual(rd.RemoteIDs, w.RemoteIDs) {
 			fail("ids differ:\n got %v\n     %v\nwant %v\n     %v", rd.LocalIDs, rd.RemoteIDs, w.LocalIDs, w.RemoteIDs)
 		}
 		// The reference's bytes, straight from its lists and ids.
-		var ref []byteRange
+		var ref []vByteRange
 		for k := range w.LocalIDs {
 			l, m := w.LocalDescs[w.LocalIDs[k]], w.RemoteDescs[w.RemoteIDs[k]]
-			ref = append(ref, byteRange{dst: l[0], src: m[0], n: l[1]})
+			ref = append(ref, vByteRange{dst: l[0], src: m[0], n: l[1]})
 		}
-		refBytes := sumLens(ref)
-		if got, want := planRanges(p), normalize(ref); !reflect.DeepEqual(got, want) {
+		refBytes := vSumLens(ref)
+		if got, want := vPlanRanges(p), vNormalize(ref); !reflect.DeepEqual(got, want) {
 			fail("plan bytes differ from the reference:\n got  %v\n want %v", got, want)
 		}
 		if p.Bytes() != refBytes {
@@ -322,7 +322,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 	}
 }
 
-func b2i(b bool) int {
+func vB2I(b bool) int {
 	if b {
 		return 1
 	}
@@ -331,7 +331,7 @@ func b2i(b bool) int {
 
 // outOfRangeID reports whether the request names a block past its side's
 // (logical) block count.
-func (c *refCase) outOfRangeID() bool {
+func (c *vllmRefCase) outOfRangeID() bool {
 	for _, id := range c.LocalBlockIDs {
 		if int(id) >= c.Local.NumBlocks/c.KernelFactor {
 			return true
@@ -345,7 +345,7 @@ func (c *refCase) outOfRangeID() bool {
 	return false
 }
 
-func sameDescs(got []VLLMDesc, dev uint64, want [][3]uint64) bool {
+func vSameDescs(got []VLLMDesc, dev uint64, want [][3]uint64) bool {
 	if len(got) != len(want) {
 		return false
 	}
@@ -357,7 +357,7 @@ func sameDescs(got []VLLMDesc, dev uint64, want [][3]uint64) bool {
 	return true
 }
 
-func sumLens(rs []byteRange) uint64 {
+func vSumLens(rs []vByteRange) uint64 {
 	var n uint64
 	for _, r := range rs {
 		n += r.n

@@ -49,8 +49,8 @@ type vCase struct {
 	wantRank   int
 }
 
-// regionIDs returns j*blocks + ids for j in regions, concatenated.
-func regionIDs(regions []int, blocks int32, ids ...int32) []int32 {
+// vRegionIDs returns j*blocks + ids for j in regions, concatenated.
+func vRegionIDs(regions []int, blocks int32, ids ...int32) []int32 {
 	var out []int32
 	for _, j := range regions {
 		for _, id := range ids {
@@ -60,7 +60,7 @@ func regionIDs(regions []int, blocks int32, ids ...int32) []int32 {
 	return out
 }
 
-func span(n int) []int {
+func vSpan(n int) []int {
 	out := make([]int, n)
 	for i := range out {
 		out[i] = i
@@ -79,8 +79,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{1, 2, 3},
 			remoteIDs:  []int32{4, 5, 6},
-			wantLocal:  regionIDs(span(4), 8, 1, 2, 3),
-			wantRemote: regionIDs(span(4), 10, 4, 5, 6),
+			wantLocal:  vRegionIDs(vSpan(4), 8, 1, 2, 3),
+			wantRemote: vRegionIDs(vSpan(4), 10, 4, 5, 6),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 256, DstOff: 64, Len: 192, Count: 1},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 256, DstOff: 64, Len: 192, Count: 1},
@@ -99,8 +99,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{0, 1},
 			remoteIDs:  []int32{2, 3},
-			wantLocal:  regionIDs(span(2), 8, 0, 1),
-			wantRemote: regionIDs(span(2), 10, 2, 3),
+			wantLocal:  vRegionIDs(vSpan(2), 8, 0, 1),
+			wantRemote: vRegionIDs(vSpan(2), 10, 2, 3),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 2*64 + 32, DstOff: 0, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 2*64 + 32, DstOff: 0, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
@@ -116,8 +116,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   2,
 			localIDs:   []int32{3},
 			remoteIDs:  []int32{9},
-			wantLocal:  regionIDs(span(2), 8, 3),
-			wantRemote: regionIDs(span(2), 10, 9),
+			wantLocal:  vRegionIDs(vSpan(2), 8, 3),
+			wantRemote: vRegionIDs(vSpan(2), 10, 9),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 9 * 64, DstOff: 3 * 32, Len: 32, Count: 1},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 9 * 64, DstOff: 3 * 32, Len: 32, Count: 1},
@@ -134,8 +134,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{5, 6},
 			remoteIDs:  []int32{7, 2},
-			wantLocal:  regionIDs(span(2), 8, 5, 6),
-			wantRemote: regionIDs(span(2), 10, 7, 2),
+			wantLocal:  vRegionIDs(vSpan(2), 8, 5, 6),
+			wantRemote: vRegionIDs(vSpan(2), 10, 7, 2),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 7 * 48, DstOff: 5 * 48, Len: 48, Count: 1},
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 2 * 48, DstOff: 6 * 48, Len: 48, Count: 1},
@@ -154,8 +154,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{1, 3},
 			remoteIDs:  []int32{0, 1, 2},
-			wantLocal:  regionIDs(span(2), 16, 2, 3, 6),
-			wantRemote: regionIDs(span(2), 10, 0, 1, 2),
+			wantLocal:  vRegionIDs(vSpan(2), 16, 2, 3, 6),
+			wantRemote: vRegionIDs(vSpan(2), 10, 0, 1, 2),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 0, DstOff: 2 * 32, Len: 64, Count: 1},
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 2 * 32, DstOff: 6 * 32, Len: 32, Count: 1},
@@ -175,8 +175,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{4},
 			remoteIDs:  []int32{6, 7},
-			wantLocal:  regionIDs(span(2), 16, 8, 9),
-			wantRemote: regionIDs(span(2), 10, 6, 7),
+			wantLocal:  vRegionIDs(vSpan(2), 16, 8, 9),
+			wantRemote: vRegionIDs(vSpan(2), 10, 6, 7),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 6*64 + 32, DstOff: 8 * 32, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 6*64 + 32, DstOff: 8 * 32, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
@@ -194,8 +194,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{0, 1},
 			remoteIDs:  []int32{3, 4},
-			wantLocal:  regionIDs(span(4), 8, 0, 1),
-			wantRemote: regionIDs(span(4), 10, 3, 4),
+			wantLocal:  vRegionIDs(vSpan(4), 8, 0, 1),
+			wantRemote: vRegionIDs(vSpan(4), 10, 3, 4),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 3*64 + 16, DstOff: 0, Len: 16, SrcStride: 64, DstStride: 32, Count: 2},
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 3*64 + 48, DstOff: 16, Len: 16, SrcStride: 64, DstStride: 32, Count: 2},
@@ -213,8 +213,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{0, 1, 5},
 			remoteIDs:  []int32{3, 4, 5},
-			wantLocal:  regionIDs(span(4), 8, 0, 1, 5),
-			wantRemote: regionIDs(span(4), 10, 3, 4, 5),
+			wantLocal:  vRegionIDs(vSpan(4), 8, 0, 1, 5),
+			wantRemote: vRegionIDs(vSpan(4), 10, 3, 4, 5),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 3 * 64, DstOff: 0, Len: 128, Count: 1},
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 5 * 64, DstOff: 5 * 64, Len: 64, Count: 1},
@@ -232,8 +232,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   2,
 			localIDs:   []int32{2, 3},
 			remoteIDs:  []int32{8, 9},
-			wantLocal:  regionIDs(span(2), 8, 2, 3),
-			wantRemote: regionIDs(span(2), 10, 8, 9),
+			wantLocal:  vRegionIDs(vSpan(2), 8, 2, 3),
+			wantRemote: vRegionIDs(vSpan(2), 10, 8, 9),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 8 * 32, DstOff: 2 * 32, Len: 64, Count: 1},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 8 * 32, DstOff: 2 * 32, Len: 64, Count: 1},
@@ -250,8 +250,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{0, 1, 2},
 			remoteIDs:  []int32{5, 6, 7},
-			wantLocal:  append(regionIDs([]int{0, 1}, 8, 0, 1, 2), regionIDs([]int{2, 3}, 8, 1, 2)...),
-			wantRemote: append(regionIDs([]int{0, 1}, 10, 5, 6, 7), regionIDs([]int{2, 3}, 10, 6, 7)...),
+			wantLocal:  append(vRegionIDs([]int{0, 1}, 8, 0, 1, 2), vRegionIDs([]int{2, 3}, 8, 1, 2)...),
+			wantRemote: append(vRegionIDs([]int{0, 1}, 10, 5, 6, 7), vRegionIDs([]int{2, 3}, 10, 6, 7)...),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 5 * 64, DstOff: 0, Len: 192, Count: 1},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 5 * 64, DstOff: 0, Len: 192, Count: 1},
@@ -288,8 +288,8 @@ func TestVLLMTable(t *testing.T) {
 			remoteTP:   1,
 			localIDs:   []int32{4, 5},
 			remoteIDs:  []int32{0, 1, 2, 3},
-			wantLocal:  regionIDs(span(2), 8, 4, 5),
-			wantRemote: regionIDs(span(2), 10, 2, 3),
+			wantLocal:  vRegionIDs(vSpan(2), 8, 4, 5),
+			wantRemote: vRegionIDs(vSpan(2), 10, 2, 3),
 			wantCopies: []Copy{
 				{SrcRegion: 0, DstRegion: 0, SrcOff: 2 * 64, DstOff: 4 * 64, Len: 128, Count: 1},
 				{SrcRegion: 1, DstRegion: 1, SrcOff: 2 * 64, DstOff: 4 * 64, Len: 128, Count: 1},
@@ -370,7 +370,7 @@ func TestVLLMTable(t *testing.T) {
 				return
 			}
 			// The plan and the prepped form move the same bytes.
-			assertSameBytes(t, r, rd, p)
+			vAssertSameBytes(t, r, rd, p)
 			if p.ReferenceDescriptors != uint64(len(rd.LocalIDs)) {
 				t.Errorf("ReferenceDescriptors %d, want %d", p.ReferenceDescriptors, len(rd.LocalIDs))
 			}
@@ -380,10 +380,10 @@ func TestVLLMTable(t *testing.T) {
 
 // byteMap is a list of (dst, src, len) ranges, normalized by sorting on dst
 // and merging ranges that continue each other on both sides.
-type byteRange struct{ dst, src, n uint64 }
+type vByteRange struct{ dst, src, n uint64 }
 
-func normalize(rs []byteRange) []byteRange {
-	sortRanges(rs)
+func vNormalize(rs []vByteRange) []vByteRange {
+	vSortRanges(rs)
 	out := rs[:0]
 	for _, r := range rs {
 		if k := len(out) - 1; k >= 0 && out[k].dst+out[k].n == r.dst && out[k].src+out[k].n == r.src {
@@ -395,7 +395,7 @@ func normalize(rs []byteRange) []byteRange {
 	return out
 }
 
-func sortRanges(rs []byteRange) {
+func vSortRanges(rs []vByteRange) {
 	sort.Slice(rs, func(i, j int) bool {
 		if rs[i].dst != rs[j].dst {
 			return rs[i].dst < rs[j].dst
@@ -404,53 +404,53 @@ func sortRanges(rs []byteRange) {
 	})
 }
 
-func planRanges(p *Plan) []byteRange {
-	var out []byteRange
+func vPlanRanges(p *Plan) []vByteRange {
+	var out []vByteRange
 	p.ForEachBlock(func(src, dst, n uint64) bool {
-		out = append(out, byteRange{dst: dst, src: src, n: n})
+		out = append(out, vByteRange{dst: dst, src: src, n: n})
 		return true
 	})
-	return normalize(out)
+	return vNormalize(out)
 }
 
-// fataler is what the byte-range helpers need of *testing.T and *rapid.T.
-type fataler interface {
+// vFataler is what the byte-range helpers need of *testing.T and *rapid.T.
+type vFataler interface {
 	Helper()
 	Fatalf(format string, args ...any)
 }
 
-func preppedRanges(t fataler, r *VLLMReader, rd VLLMRead) []byteRange {
+func vPreppedRanges(t vFataler, r *VLLMReader, rd VLLMRead) []vByteRange {
 	t.Helper()
 	ll, rl := r.LocalList(), r.RemoteList()
-	var out []byteRange
+	var out []vByteRange
 	for k := range rd.LocalIDs {
 		l, ok1 := ll.Desc(int(rd.LocalIDs[k]))
 		m, ok2 := rl.Desc(int(rd.RemoteIDs[k]))
 		if !ok1 || !ok2 || l.Len != m.Len {
 			t.Fatalf("pair %d: ids %d %d outside lists or lengths differ (%v %v)", k, rd.LocalIDs[k], rd.RemoteIDs[k], l, m)
 		}
-		out = append(out, byteRange{dst: l.Addr, src: m.Addr, n: l.Len})
+		out = append(out, vByteRange{dst: l.Addr, src: m.Addr, n: l.Len})
 	}
-	return normalize(out)
+	return vNormalize(out)
 }
 
-func assertSameBytes(t fataler, r *VLLMReader, rd VLLMRead, p *Plan) {
+func vAssertSameBytes(t vFataler, r *VLLMReader, rd VLLMRead, p *Plan) {
 	t.Helper()
-	a, b := planRanges(p), preppedRanges(t, r, rd)
+	a, b := vPlanRanges(p), vPreppedRanges(t, r, rd)
 	if reflect.DeepEqual(a, b) {
 		return
 	}
-	// Ranges normalize canonically only when no decode byte is written
+	// Ranges vNormalize canonically only when no decode byte is written
 	// twice (duplicate block ids); compare byte by byte then.
-	if pa, pb := bytePairs(a), bytePairs(b); pa != nil && reflect.DeepEqual(pa, pb) {
+	if pa, pb := vBytePairs(a), vBytePairs(b); pa != nil && reflect.DeepEqual(pa, pb) {
 		return
 	}
 	t.Fatalf("plan and prepped descriptors move different bytes:\n plan    %v\n prepped %v", a, b)
 }
 
-// bytePairs expands ranges into sorted (dst, src) byte pairs, or nil when
+// vBytePairs expands ranges into sorted (dst, src) byte pairs, or nil when
 // they are too many to expand.
-func bytePairs(rs []byteRange) [][2]uint64 {
+func vBytePairs(rs []vByteRange) [][2]uint64 {
 	var total uint64
 	for _, r := range rs {
 		total += r.n
