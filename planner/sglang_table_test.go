@@ -143,6 +143,17 @@ func TestSGLangLayoutTable(t *testing.T) {
 			refDescs: 8,
 		},
 		{
+			// TP 1 -> 4 with 2 KV heads of 4 bytes: decode ranks 0-1 hold
+			// head 0, ranks 2-3 head 1. Rank 1 takes head 0 (offset 0 of
+			// the 8-byte prefill token); the reference would send it head
+			// 1 (offset 4), see referenceView.
+			name: "slice, decode TP > KV heads, rank holding a replica", path: PathNixlPreppedSlice,
+			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(1, 0, 2, 2, 16, 8), sideOf(4, 1, 1, 2, 8, 8),
+				[]int64{1}, []int64{2}),
+			want:     []Copy{{0, 0, 16, 16, 4, 8, 4, 2}, {1, 1, 16, 16, 4, 8, 4, 2}},
+			refDescs: 4,
+		},
+		{
 			// Decode mixes memory kinds: (VRAM,VRAM) (VRAM,DRAM)x2
 			// (VRAM,VRAM): three parts, posted and notified apart.
 			name: "mixed memory kinds", path: PathNixlPreppedMixed,
@@ -226,7 +237,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		}
 		refReqs = append(refReqs, tc.req)
 	}
-	ref := runReference(t, refReqs)
+	ref := runReference(t, referenceView(refReqs))
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := refReqs[i]
