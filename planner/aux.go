@@ -48,6 +48,9 @@ func PlanAuxNIXL(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 			return nil, err
 		}
 	}
+	if err := checkPlanBounds(plan, "prefill_aux_index", "dst_aux_index"); err != nil {
+		return nil, err
+	}
 	return plan, nil
 }
 
@@ -93,6 +96,9 @@ func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 		if err = addAuxCopy(plan, i, src.ItemLens[i], dstItem, prefillAuxIndex, dstAuxIndex); err != nil {
 			return nil, err
 		}
+	}
+	if err := checkPlanBounds(plan, "prefill_aux_index", "dst_aux_index"); err != nil {
+		return nil, err
 	}
 	return plan, nil
 }

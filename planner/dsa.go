@@ -217,6 +217,9 @@ func PlanDSATail(src, dst DSATailBuffers, dstSel []int, srcIndices, dstIndices [
 			}
 		}
 	}
+	if err := checkPlanBounds(plan, "prefill.dsa_tail_data_lens", "decode.dsa_tail_data_lens"); err != nil {
+		return nil, err
+	}
 	return plan, nil
 }
 

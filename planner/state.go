@@ -228,6 +228,9 @@ func PlanStateNIXL(req *StateRequest) ([]StatePlan, error) {
 		if err != nil {
 			return nil, err
 		}
+		if err := checkPlanBounds(&sp.Plan, stateField("prefill_state_indices", i), stateField("decode_state_indices", i)); err != nil {
+			return nil, err
+		}
 		plans = append(plans, sp)
 	}
 	return plans, nil
@@ -273,6 +276,9 @@ func PlanStateMORI(req *StateRequest) ([]StatePlan, error) {
 			return nil, errorf(stateField("state_types", i), "PD state transfer failed: unknown state_type=%q", string(v.st))
 		}
 		if err != nil {
+			return nil, err
+		}
+		if err := checkPlanBounds(&sp.Plan, stateField("prefill_state_indices", i), stateField("decode_state_indices", i)); err != nil {
 			return nil, err
 		}
 		plans = append(plans, sp)

@@ -45,3 +45,18 @@ func regionTable(field string, ptrs, lens []uint64, kind MemKind) ([]Region, err
 	}
 	return regions, nil
 }
+
+// checkPlanBounds reports the first copy of p that leaves its regions as a
+// geometry error naming the side's input field: an index too large for
+// the registered buffer is the caller's input error, never a plan to post.
+func checkPlanBounds(p *Plan, srcField, dstField string) error {
+	for i, c := range p.Copies {
+		if err := checkSide(p.Src, c.SrcRegion, c.SrcOff, c.Len, c.SrcStride, c.Count); err != nil {
+			return errorf(srcField, "copy %d leaves the prefill buffers: %v", i, err)
+		}
+		if err := checkSide(p.Dst, c.DstRegion, c.DstOff, c.Len, c.DstStride, c.Count); err != nil {
+			return errorf(dstField, "copy %d leaves the decode buffers: %v", i, err)
+		}
+	}
+	return nil
+}

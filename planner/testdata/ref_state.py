@@ -526,7 +526,7 @@ def cp_filter(a):
 def kv_layer_ids(a):
     if not a["hybrid"]:
         return []
-    ids = list(a["ids"])
+    ids = list(a["ids"] or [])
     draft = a.get("draft")
     if draft is None:
         return ids
