@@ -75,7 +75,7 @@ type StateSideJSON struct {
 	StateDataLens         [][]uint64 `json:"state_data_lens,omitempty"`
 	StateItemLens         [][]uint64 `json:"state_item_lens"`
 	StateDimPerTensor     [][]int    `json:"state_dim_per_tensor,omitempty"`
-	StateConvShardGroups  [][][]int  `json:"state_conv_shard_groups,omitempty"` // prefill only
+	StateConvShardGroups  [][][]int  `json:"state_conv_shard_groups,omitempty"`  // prefill only
 	StateSliceOuterCounts [][]int    `json:"state_slice_outer_counts,omitempty"` // prefill only
 	StateLayerIDs         [][]int    `json:"state_layer_ids,omitempty"`
 }
