@@ -44,6 +44,11 @@ func PartNotifSuffix(i, n int) string {
 	return "_part_" + strconv.Itoa(i) + "_" + strconv.Itoa(n)
 }
 
+// MaxResponseBlocks bounds the blocks WriteResponse lists (about 4 GiB of
+// JSON); real plans stay far below (80 layers x 1024 pages x 16 tokens is
+// 2.6 million).
+const MaxResponseBlocks = 1 << 27
+
 // NewResponse summarizes a plan.
 func NewResponse(env Envelope, p *Plan) Response {
 	r := Response{
@@ -79,8 +84,15 @@ func NewResponse(env Envelope, p *Plan) Response {
 // unless summary is set, "copies": every block as [prefill_addr,
 // decode_addr, len], blocks adjacent on both sides merged. Output ends with
 // a newline.
+//
+// A plan that expands to more than MaxResponseBlocks blocks is refused
+// unless summary is set: printing it would take hours.
 func WriteResponse(w io.Writer, env Envelope, p *Plan, summary bool) error {
-	head, err := json.Marshal(NewResponse(env, p))
+	resp := NewResponse(env, p)
+	if !summary && resp.ExpandedDescriptors > MaxResponseBlocks {
+		return errorf("", "plan expands to %d blocks, more than the %d a response lists; ask for the summary", resp.ExpandedDescriptors, uint64(MaxResponseBlocks))
+	}
+	head, err := json.Marshal(resp)
 	if err != nil {
 		return err
 	}
