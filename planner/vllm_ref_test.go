@@ -28,18 +28,18 @@ type vllmRefSide struct {
 type vllmRefCase struct {
 	Local           vllmRefSide `json:"local"`
 	Remote          vllmRefSide `json:"remote"`
-	TPRank          int     `json:"tp_rank"`
-	TPSize          int     `json:"tp_size"`
-	RemoteTPSize    int     `json:"remote_tp_size"`
-	MLA             bool    `json:"mla"`
-	BlocksFirst     bool    `json:"blocks_first"`
-	TotalKVHeads    int     `json:"total_kv_heads"`
-	Windows         []*int  `json:"windows"`
-	Permute         bool    `json:"permute"`
-	KernelFactor    int     `json:"kernel_factor"`
-	LocalBlockIDs   []int32 `json:"local_block_ids"`
-	RemoteBlockIDs  []int32 `json:"remote_block_ids"`
-	RemoteRequestID string  `json:"remote_request_id"`
+	TPRank          int         `json:"tp_rank"`
+	TPSize          int         `json:"tp_size"`
+	RemoteTPSize    int         `json:"remote_tp_size"`
+	MLA             bool        `json:"mla"`
+	BlocksFirst     bool        `json:"blocks_first"`
+	TotalKVHeads    int         `json:"total_kv_heads"`
+	Windows         []*int      `json:"windows"`
+	Permute         bool        `json:"permute"`
+	KernelFactor    int         `json:"kernel_factor"`
+	LocalBlockIDs   []int32     `json:"local_block_ids"`
+	RemoteBlockIDs  []int32     `json:"remote_block_ids"`
+	RemoteRequestID string      `json:"remote_request_id"`
 }
 
 type vllmRefResult struct {
