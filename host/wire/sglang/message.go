@@ -1,0 +1,119 @@
+package sglang
+
+import (
+	"bytes"
+	"fmt"
+)
+
+// AbortHeader is the first frame of the abort message decode sends to
+// each prefill rank it bootstrapped with.
+const AbortHeader = "ABORT"
+
+// Abort tells a prefill rank that decode gave up on a request:
+// [b"ABORT", room, decode IP, decode port] (CommonKVReceiver's
+// _send_abort_notification). Both variants use it.
+type Abort struct {
+	Room     uint64
+	Endpoint string
+	Port     int
+}
+
+// Frames builds the multipart message.
+func (m *Abort) Frames() ([][]byte, error) {
+	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
+		return nil, err
+	}
+	return [][]byte{[]byte(AbortHeader), utoa(m.Room), []byte(m.Endpoint), itoaInt(m.Port)}, nil
+}
+
+func parseAbort(frames [][]byte) (*Abort, error) {
+	if len(frames) < 4 {
+		return nil, fmt.Errorf("%w: ABORT has %d frames, needs 4", ErrMalformed, len(frames))
+	}
+	r := &frameReader{kind: "ABORT", frames: frames}
+	m := &Abort{Room: r.uint(1, "room"), Endpoint: r.ascii(2, "endpoint"), Port: r.port(3, "port")}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return m, nil
+}
+
+// Message is one parsed control message: *NixlRegistration,
+// *NixlTransferInfo, *MoriRegistration, *MoriTransferInfo, *Abort,
+// *MoriStatus or *AuxData. Frames rebuilds its multipart form.
+type Message interface {
+	Frames() ([][]byte, error)
+}
+
+var (
+	_ Message = (*NixlRegistration)(nil)
+	_ Message = (*NixlTransferInfo)(nil)
+	_ Message = (*MoriRegistration)(nil)
+	_ Message = (*MoriTransferInfo)(nil)
+	_ Message = (*Abort)(nil)
+	_ Message = (*MoriStatus)(nil)
+	_ Message = (*AuxData)(nil)
+)
+
+// stagingHeaders are SGLang staging messages, which kvhost does not
+// implement.
+var stagingHeaders = []string{"WATERMARK", "STAGING_REQ", "STAGING_RSP"}
+
+// ParseNixlToPrefill parses a message a NIXL-variant prefill rank receives
+// on its PULL socket: *NixlRegistration (room "None"),
+// *NixlTransferInfo, or *Abort.
+func ParseNixlToPrefill(frames [][]byte) (Message, error) {
+	return parseToPrefill(frames, NixlGuard,
+		func(p [][]byte) (Message, error) { return parseNixlRegistration(p) },
+		func(p [][]byte) (Message, error) { return parseNixlTransferInfo(p) })
+}
+
+// ParseMoriToPrefill parses a message a MORI-variant prefill rank receives:
+// *MoriRegistration (room "None"), *MoriTransferInfo, or *Abort.
+func ParseMoriToPrefill(frames [][]byte) (Message, error) {
+	return parseToPrefill(frames, MoriGuard,
+		func(p [][]byte) (Message, error) { return parseMoriRegistration(p) },
+		func(p [][]byte) (Message, error) { return parseMoriTransferInfo(p) })
+}
+
+func parseToPrefill(frames [][]byte, guard string, reg, xfer func([][]byte) (Message, error)) (Message, error) {
+	if len(frames) == 0 {
+		return nil, fmt.Errorf("%w: empty message", ErrMalformed)
+	}
+	head := frames[0]
+	switch {
+	case string(head) == AbortHeader:
+		return parseAbort(frames)
+	case string(head) == guard:
+	default:
+		for _, h := range stagingHeaders {
+			if string(head) == h {
+				return nil, fmt.Errorf("%w: %s (staging is not implemented)", ErrUnsupported, h)
+			}
+		}
+		return nil, fmt.Errorf("%w: first frame %q is not %q (foreign traffic?)", ErrMalformed, truncate(head), guard)
+	}
+	payload := frames[1:]
+	if len(payload) == 0 {
+		return nil, fmt.Errorf("%w: guard without payload", ErrMalformed)
+	}
+	if bytes.Equal(payload[0], []byte("None")) {
+		return reg(payload)
+	}
+	return xfer(payload)
+}
+
+// ParseMoriToDecode parses a message a MORI-variant decode rank receives
+// on its PULL socket: *MoriStatus or *AuxData.
+func ParseMoriToDecode(frames [][]byte) (Message, error) {
+	if len(frames) == 0 {
+		return nil, fmt.Errorf("%w: empty message", ErrMalformed)
+	}
+	switch string(frames[0]) {
+	case AuxDataHeader:
+		return parseAuxData(frames)
+	case MoriGuard:
+		return parseMoriStatus(frames[1:])
+	}
+	return nil, fmt.Errorf("%w: first frame %q is neither %q nor %q", ErrMalformed, truncate(frames[0]), MoriGuard, AuxDataHeader)
+}

@@ -1,0 +1,288 @@
+package sglang
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+)
+
+// NixlGuard is the first frame of every NIXL-variant message from decode
+// to prefill.
+const NixlGuard = "NixlMsgGuard"
+
+// MemKind is where a KV region lives, as NIXL's SGLang connector names it.
+type MemKind string
+
+// The memory kinds SGLang's NIXL connector accepts for KV regions.
+const (
+	VRAM MemKind = "VRAM"
+	DRAM MemKind = "DRAM"
+)
+
+// NixlRegistration is the message a decode rank sends once to each prefill
+// rank it will receive from (room "None"): where its KV, aux and state
+// buffers are, and how to reach its NIXL agent. Frame layout after the
+// guard (SGLang's NixlKVReceiver._register_kv_args):
+//
+//	0 "None"            7 state ptrs (pack_int_lists "Q")   14 staging base ptr ("Q" or empty)
+//	1 decode IP         8 gpu_id                            15 staging total size (or empty)
+//	2 decode port       9 decode attn TP size               16 num slots (optional)
+//	3 agent name       10 decode engine rank                17 KV mem kinds "VRAM,DRAM,..." (optional)
+//	4 agent metadata   11 KV item len (first layer)         18 KV item lens, "Q" each (optional)
+//	5 KV ptrs ("Q" each) 12 state item lens ("I" lists)
+//	6 aux ptrs ("Q" each) 13 state dims per tensor ("I" lists)
+//
+// Frames 12 and later may be missing (older senders); the parser fills the
+// defaults the reference uses.
+type NixlRegistration struct {
+	Endpoint      string // decode's IP
+	Port          int    // decode's PULL port
+	AgentName     string
+	AgentMetadata []byte // NIXL agent metadata, opaque
+	KVPtrs        []uint64
+	AuxPtrs       []uint64
+	StatePtrs     [][]uint64 // per state component
+	GPUID         int
+	DecodeTPSize  int
+	DecodeTPRank  int    // decode's engine rank
+	KVItemLen     uint64 // bytes per page of the first KV region
+
+	StateItemLens     [][]uint32
+	StateDimPerTensor [][]uint32
+
+	// Staging is the decode staging buffer, nil when not sent. kvhost does
+	// not implement staging; it is carried so nothing is lost.
+	Staging *NixlStaging
+
+	// NumSlots is the number of pages per KV region (kv_data_lens[0] /
+	// kv_item_lens[0]); 0 when the sender did not include it.
+	NumSlots uint64
+	// KVMemKinds has one kind per KV pointer; VRAM for all when the
+	// sender did not include kinds.
+	KVMemKinds []MemKind
+	// KVItemLens has one item length per KV pointer; KVItemLen for all
+	// when the sender did not include them.
+	KVItemLens []uint64
+}
+
+// NixlStaging is the optional staging buffer of a NIXL registration.
+type NixlStaging struct {
+	BasePtr   uint64
+	TotalSize uint64
+}
+
+// Frames builds the multipart message, guard included, as SGLang's decode
+// sends it (all 20 frames).
+func (m *NixlRegistration) Frames() ([][]byte, error) {
+	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
+		return nil, err
+	}
+	if err := checkASCII(m.AgentName, "agent name"); err != nil {
+		return nil, err
+	}
+	if m.KVMemKinds != nil && len(m.KVMemKinds) != len(m.KVPtrs) {
+		return nil, fmt.Errorf("sglang: %d KV mem kinds for %d KV pointers", len(m.KVMemKinds), len(m.KVPtrs))
+	}
+	if m.KVItemLens != nil && len(m.KVItemLens) != len(m.KVPtrs) {
+		return nil, fmt.Errorf("sglang: %d KV item lens for %d KV pointers", len(m.KVItemLens), len(m.KVPtrs))
+	}
+	kinds := make([]string, len(m.KVMemKinds))
+	for i, k := range m.KVMemKinds {
+		if k != VRAM && k != DRAM {
+			return nil, fmt.Errorf("sglang: unsupported KV memory kind %q", k)
+		}
+		kinds[i] = string(k)
+	}
+	var stagingPtr, stagingSize []byte
+	if m.Staging != nil {
+		stagingPtr = appendInts(nil, []uint64{m.Staging.BasePtr})
+		stagingSize = utoa(m.Staging.TotalSize)
+	}
+	var numSlots []byte
+	if m.NumSlots > 0 {
+		numSlots = utoa(m.NumSlots)
+	}
+	return [][]byte{
+		[]byte(NixlGuard),
+		[]byte("None"),
+		[]byte(m.Endpoint),
+		itoaInt(m.Port),
+		[]byte(m.AgentName),
+		m.AgentMetadata,
+		appendInts(nil, m.KVPtrs),
+		appendInts(nil, m.AuxPtrs),
+		PackUint64Lists(m.StatePtrs),
+		itoaInt(m.GPUID),
+		itoaInt(m.DecodeTPSize),
+		itoaInt(m.DecodeTPRank),
+		utoa(m.KVItemLen),
+		PackUint32Lists(m.StateItemLens),
+		PackUint32Lists(m.StateDimPerTensor),
+		stagingPtr,
+		stagingSize,
+		numSlots,
+		[]byte(strings.Join(kinds, ",")),
+		appendInts(nil, m.KVItemLens),
+	}, nil
+}
+
+// NixlTransferInfo is what decode sends for each request (room) to each
+// target prefill rank: where in decode's KV pool the pages go. Frame
+// layout after the guard (NixlKVReceiver.send_metadata):
+//
+//	0 room   2 decode port   4 dst KV page indices (int32 each)   6 required_dst_info_num
+//	1 decode IP   3 agent name   5 dst aux index   7 dst state indices ("i" lists, optional)
+//	8 decode_prefix_len (optional)
+type NixlTransferInfo struct {
+	Room               uint64
+	Endpoint           string
+	Port               int
+	AgentName          string
+	DstKVIndices       []int32 // empty for a dummy rank or a full prefix hit
+	DstAuxIndex        int64
+	RequiredDstInfoNum int
+	DstStateIndices    [][]int32 // per state component; nil when not sent
+	// DecodePrefixLen is the number of tokens decode already holds;
+	// DecodePrefixLenSet is false when the frame was missing or empty
+	// (Python None). The NIXL sender always writes it ("0" for none).
+	DecodePrefixLen    int64
+	DecodePrefixLenSet bool
+}
+
+// IsDummy reports a transfer that needs nothing delivered: no KV pages and
+// no prefix hit (the reference's TransferInfo.is_dummy).
+func (m *NixlTransferInfo) IsDummy() bool {
+	return len(m.DstKVIndices) == 0 && m.DecodePrefixLen == 0
+}
+
+// Frames builds the multipart message, guard included.
+func (m *NixlTransferInfo) Frames() ([][]byte, error) {
+	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
+		return nil, err
+	}
+	if err := checkASCII(m.AgentName, "agent name"); err != nil {
+		return nil, err
+	}
+	return [][]byte{
+		[]byte(NixlGuard),
+		utoa(m.Room),
+		[]byte(m.Endpoint),
+		itoaInt(m.Port),
+		[]byte(m.AgentName),
+		appendInts(nil, m.DstKVIndices),
+		itoa(m.DstAuxIndex),
+		itoaInt(m.RequiredDstInfoNum),
+		PackInt32Lists(m.DstStateIndices),
+		itoa(m.DecodePrefixLen), // str(decode_prefix_len or 0)
+	}, nil
+}
+
+func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
+	r := &frameReader{kind: "NIXL registration", frames: payload, base: 1}
+	if len(payload) < 12 {
+		return nil, fmt.Errorf("%w: NIXL registration has %d frames after the guard, needs at least 12", ErrMalformed, len(payload))
+	}
+	m := &NixlRegistration{
+		Endpoint:      r.ascii(1, "endpoint"),
+		Port:          r.port(2, "port"),
+		AgentName:     r.ascii(3, "agent name"),
+		AgentMetadata: r.raw(4),
+		KVPtrs:        r.uint64s(5, "KV ptrs"),
+		AuxPtrs:       r.uint64s(6, "aux ptrs"),
+		GPUID:         r.smallInt(8, "gpu_id"),
+		DecodeTPSize:  r.smallInt(9, "decode TP size"),
+		DecodeTPRank:  r.smallInt(10, "decode TP rank"),
+		KVItemLen:     r.uint(11, "KV item len"),
+	}
+	if r.present(7) {
+		m.StatePtrs = r.uint64Lists(7, "state ptrs")
+	}
+	if r.present(12) {
+		m.StateItemLens = r.uint32Lists(12, "state item lens")
+	}
+	if r.present(13) {
+		m.StateDimPerTensor = r.uint32Lists(13, "state dims per tensor")
+	}
+	var staging NixlStaging
+	if r.has(14) && len(payload[14]) > 0 {
+		if len(payload[14]) != 8 {
+			r.fail(14, "staging base ptr", "%d bytes, want 8", len(payload[14]))
+		} else {
+			staging.BasePtr = r.uint64s(14, "staging base ptr")[0]
+		}
+	}
+	if r.present(15) {
+		staging.TotalSize = r.uint(15, "staging total size")
+	}
+	if staging != (NixlStaging{}) {
+		m.Staging = &staging
+	}
+	if r.present(16) {
+		m.NumSlots = r.uint(16, "num slots")
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	m.KVMemKinds = make([]MemKind, len(m.KVPtrs))
+	for i := range m.KVMemKinds {
+		m.KVMemKinds[i] = VRAM
+	}
+	if r.present(17) {
+		parts := bytes.Split(payload[17], []byte(","))
+		if len(parts) != len(m.KVPtrs) {
+			r.fail(17, "KV mem kinds", "%d kinds for %d KV pointers", len(parts), len(m.KVPtrs))
+		}
+		for i, p := range parts {
+			k := MemKind(p)
+			if k != VRAM && k != DRAM {
+				r.fail(17, "KV mem kinds", "unsupported memory kind %q", truncate(p))
+				break
+			}
+			if i < len(m.KVMemKinds) {
+				m.KVMemKinds[i] = k
+			}
+		}
+	}
+	if r.present(18) {
+		m.KVItemLens = r.uint64s(18, "KV item lens")
+		if r.err == nil && len(m.KVItemLens) != len(m.KVPtrs) {
+			r.fail(18, "KV item lens", "%d item lens for %d KV pointers", len(m.KVItemLens), len(m.KVPtrs))
+		}
+	} else {
+		m.KVItemLens = make([]uint64, len(m.KVPtrs))
+		for i := range m.KVItemLens {
+			m.KVItemLens[i] = m.KVItemLen
+		}
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return m, nil
+}
+
+func parseNixlTransferInfo(payload [][]byte) (*NixlTransferInfo, error) {
+	if len(payload) < 7 {
+		return nil, fmt.Errorf("%w: NIXL transfer info has %d frames after the guard, needs at least 7", ErrMalformed, len(payload))
+	}
+	r := &frameReader{kind: "NIXL transfer info", frames: payload, base: 1}
+	m := &NixlTransferInfo{
+		Room:               r.uint(0, "room"),
+		Endpoint:           r.ascii(1, "endpoint"),
+		Port:               r.port(2, "port"),
+		AgentName:          r.ascii(3, "agent name"),
+		DstKVIndices:       r.int32s(4, "dst KV indices"),
+		DstAuxIndex:        r.int(5, "dst aux index"),
+		RequiredDstInfoNum: r.smallInt(6, "required_dst_info_num"),
+	}
+	if r.present(7) {
+		m.DstStateIndices = r.int32Lists(7, "dst state indices")
+	}
+	if r.present(8) {
+		m.DecodePrefixLen = r.int(8, "decode_prefix_len")
+		m.DecodePrefixLenSet = true
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return m, nil
+}
