@@ -57,12 +57,48 @@ $(PLUGIN_TEST_DIR)/kvp_util_cxx.o: $(COMMON_SRC) $(COMMON_HDR)
 	@mkdir -p $(PLUGIN_TEST_DIR)
 	$(CXX) -std=c++17 -Wall -Wextra -Werror -Wpedantic -Iabi -Iplugins/common -x c++ -c -o $@ $(COMMON_SRC)
 
+# plugin-nixl builds the NIXL shim and the direct-NIXL baseline benchmark
+# against an installed NIXL (see plugins/nixl/README.md). NIXL_LIBDIR is the
+# first of $(NIXL_PREFIX)/lib/x86_64-linux-gnu and $(NIXL_PREFIX)/lib that
+# holds libnixl.so; the plugin gets an rpath to it. KVP_NIXL_HAVE_STRIDE comes
+# from a compile test: 1 when nixl.h has the strided list API.
+NIXL_LIBDIR ?= $(firstword $(foreach d,$(NIXL_PREFIX)/lib/x86_64-linux-gnu $(NIXL_PREFIX)/lib,$(if $(wildcard $(d)/libnixl.so),$(d))))
+NIXL_CXXFLAGS = $(CXXFLAGS_PLUGIN) -Iabi -Iplugins/common -isystem $(NIXL_PREFIX)/include
+NIXL_LDFLAGS = -L$(NIXL_LIBDIR) -Wl,-rpath,$(NIXL_LIBDIR) -Wl,-z,defs -lnixl -lnixl_build -pthread
+NIXL_STRIDE_TEST = printf '%s\n' '\#include <nixl.h>' \
+  'nixl_status_t f(nixlAgent &a, nixlDlistH *&h) { nixl_stride_dlist_t l(DRAM_SEG);' \
+  '  l.addDesc(nixlStrideDesc(0, 1, 0, 1, 1)); return a.prepXferDlist(NIXL_INIT_AGENT, l, h); }' \
+  | $(CXX) $(NIXL_CXXFLAGS) -fsyntax-only -x c++ - >/dev/null 2>&1 && echo 1 || echo 0
+
 plugin-nixl:
 	@if [ -z "$(NIXL_PREFIX)" ]; then \
 	  echo "plugin-nixl: set NIXL_PREFIX to an installed NIXL (headers in \$$NIXL_PREFIX/include, libraries in \$$NIXL_PREFIX/lib or lib/x86_64-linux-gnu), e.g. make plugin-nixl NIXL_PREFIX=/opt/nixl" >&2; \
 	  exit 2; \
 	fi
-	@echo "plugin-nixl: not implemented yet" >&2; exit 2
+	@if [ ! -f "$(NIXL_PREFIX)/include/nixl.h" ]; then \
+	  echo "plugin-nixl: $(NIXL_PREFIX)/include/nixl.h not found: NIXL_PREFIX must be where NIXL was installed (meson --prefix)" >&2; exit 2; \
+	fi
+	@if [ -z "$(NIXL_LIBDIR)" ]; then \
+	  echo "plugin-nixl: libnixl.so not found in $(NIXL_PREFIX)/lib/x86_64-linux-gnu or $(NIXL_PREFIX)/lib (set NIXL_LIBDIR)" >&2; exit 2; \
+	fi
+	@mkdir -p build/nixl
+	@stride=$$($(NIXL_STRIDE_TEST)); echo "$(NIXL_PREFIX) $(NIXL_LIBDIR) $$stride" > build/nixl/config.new; \
+	  cmp -s build/nixl/config.new build/nixl/config || mv build/nixl/config.new build/nixl/config; \
+	  $(MAKE) --no-print-directory $(PLUGIN_DIR)/libkvhost_nixl.so bin/nixl-bench-direct \
+	    NIXL_LIBDIR=$(NIXL_LIBDIR) KVP_NIXL_HAVE_STRIDE=$$stride
+
+# build/nixl/config records the NIXL it was built against, so switching
+# NIXL_PREFIX (or NIXL gaining the strided API) rebuilds.
+$(PLUGIN_DIR)/libkvhost_nixl.so: plugins/nixl/nixl_plugin.cc $(COMMON_SRC) $(COMMON_HDR) build/nixl/config
+	@mkdir -p $(PLUGIN_DIR)
+	@echo "plugin-nixl: NIXL $(NIXL_PREFIX) (libs $(NIXL_LIBDIR)), strided list API: $(KVP_NIXL_HAVE_STRIDE)"
+	$(CC) $(CFLAGS_PLUGIN) -Iabi -Iplugins/common -c -o build/nixl/kvp_util.o $(COMMON_SRC)
+	$(CXX) $(NIXL_CXXFLAGS) -DKVP_NIXL_HAVE_STRIDE=$(KVP_NIXL_HAVE_STRIDE) -shared -o $@ \
+	  plugins/nixl/nixl_plugin.cc build/nixl/kvp_util.o $(NIXL_LDFLAGS)
+
+bin/nixl-bench-direct: plugins/nixl/bench_direct.cc build/nixl/config
+	@mkdir -p bin
+	$(CXX) $(filter-out -fvisibility=hidden,$(NIXL_CXXFLAGS)) -o $@ plugins/nixl/bench_direct.cc $(NIXL_LDFLAGS)
 
 plugin-mori:
 	@if [ -z "$(MORI_PREFIX)" ]; then \

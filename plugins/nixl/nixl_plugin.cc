@@ -1,0 +1,1294 @@
+// nixl_plugin.cc: the kvhost ABI (abi/kvplugin.h) over NIXL's public C++ API
+// (nixl.h). A thin shim: every kvhost call maps to one or a few nixlAgent
+// calls; the shim adds what the ABI promises and NIXL leaves to its caller:
+// validated 64-bit handles instead of pointers, per-descriptor range and
+// pairing checks with precise messages, the notification record format, and
+// exception-free error objects.
+//
+// Object model (all owned by the plugin, named across the ABI by handles from
+// the common handle tables in kvp_util):
+//   Agent    one nixlAgent with one backend (UCX by default)
+//   Region   one registerMem call of one descriptor (so deregistering one
+//            handle is one deregisterMem of exactly what was registered)
+//   Peer     a loaded remote agent (loadRemoteMD); owns the remote regions,
+//            remote dlists and transfers that refer to it, so remove_remote
+//            can release them before invalidateRemoteMD
+//   RRegion  an address range inside a peer's advertised memory
+//   Dlist    a prepXferDlist handle plus the descriptor shapes (len, count)
+//            the shim needs for index and pairing checks
+//   Xfer     a nixlXferReqH
+//
+// Locking: every call holds a reference on its agent handle for its whole
+// duration (so agent_destroy, which removes the agent handle first, waits for
+// running calls). Agent::mu guards the agent's bookkeeping (region table,
+// peers, handle sets); it is never held while waiting for a handle reference,
+// and hot paths (post_xfer, poll_xfer) never take it. NIXL's own lock (sync
+// mode RW or STRICT) serialises what happens inside NIXL.
+
+#include <nixl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+extern "C" {
+#include "kvp_util.h"
+}
+
+// KVP_NIXL_HAVE_STRIDE is set by the Makefile after a compile test: 1 when
+// nixl.h has the strided list API (nixl_stride_dlist_t and a prepXferDlist
+// overload taking it, NIXL PR #1978), else 0 and KVP_CAP_STRIDED is off.
+#ifndef KVP_NIXL_HAVE_STRIDE
+#define KVP_NIXL_HAVE_STRIDE 0
+#endif
+
+#ifndef KVP_NIXL_VERSION
+#define KVP_NIXL_VERSION "0.1.0"
+#endif
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+// NIXL status name for messages ("NIXL_ERR_NOT_FOUND").
+std::string status_name(nixl_status_t s) {
+  try {
+    return nixlEnumStrings::statusStr(s);
+  } catch (...) {
+    return "NIXL status " + std::to_string(static_cast<int>(s));
+  }
+}
+
+// An error for a failed NIXL call: the status passes through unchanged as
+// the code (kvp_status values are nixl_status_t values).
+kvp_error *nixl_err(nixl_status_t s, const char *what, const char *fmt, ...) KVP_PRINTF(3, 4);
+kvp_error *nixl_err(nixl_status_t s, const char *what, const char *fmt, ...) {
+  char extra[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(extra, sizeof extra, fmt, ap);
+  va_end(ap);
+  kvp_status code = s < 0 ? static_cast<kvp_status>(s) : KVP_ERR_UNKNOWN;
+  return kvp_err(code, "%s: %s (%d)%s%s", what, status_name(s).c_str(), static_cast<int>(s),
+                 extra[0] ? ": " : "", extra);
+}
+
+// Runs an ABI entry point body, turning every C++ exception into an error
+// object: nothing may unwind across the C boundary into the Go host.
+template <class F>
+kvp_error *guarded(const char *fn, F &&body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc &) {
+    return kvp_err_oom();
+  } catch (const std::exception &e) {
+    return kvp_err(KVP_ERR_BACKEND, "%s: exception from NIXL: %s", fn, e.what());
+  } catch (...) {
+    return kvp_err(KVP_ERR_BACKEND, "%s: unknown exception from NIXL", fn);
+  }
+}
+
+std::string as_string(const char *p, size_t n) { return n ? std::string(p, n) : std::string(); }
+
+bool mem_kind_ok(kvp_mem_kind k) { return k == KVP_MEM_DRAM || k == KVP_MEM_VRAM; }
+nixl_mem_t to_nixl_mem(kvp_mem_kind k) { return k == KVP_MEM_VRAM ? VRAM_SEG : DRAM_SEG; }
+const char *kind_name(kvp_mem_kind k) { return k == KVP_MEM_VRAM ? "VRAM" : "DRAM"; }
+
+// ---------------------------------------------------------------------------
+// Objects
+// ---------------------------------------------------------------------------
+
+struct Agent;
+
+struct Region {
+  Agent *agent;
+  uint64_t addr, len, dev_id;
+  kvp_mem_kind kind;
+};
+
+// An element of the agent's sorted region table (kvp_range layout first).
+struct RegionEntry {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t dev_id;
+  kvp_mem_kind kind;
+  kvp_region handle;
+};
+
+struct Peer {
+  std::string name;  // stable: peer_name of load_remote points into it
+  std::unordered_set<kvp_rregion> rregions;
+  std::unordered_set<kvp_dlist> dlists;
+  std::unordered_set<kvp_xfer> xfers;
+};
+
+struct RRegion {
+  Agent *agent;
+  std::string peer;
+  uint64_t addr, len, dev_id;
+  kvp_mem_kind kind;
+};
+
+struct Dlist {
+  Agent *agent;
+  nixlDlistH *h = nullptr;
+  bool remote = false;
+  std::string peer;  // empty for local lists
+  kvp_mem_kind kind;
+  // Shapes of the descriptors as given, for index/pairing checks.
+  std::vector<uint64_t> lens;
+  std::vector<uint64_t> counts;
+  // With native strides NIXL indexes flattened blocks: descriptor i covers
+  // flat indices [first[i], first[i] + counts[i]). Empty when every count is
+  // 1 (then flat index == descriptor index).
+  std::vector<int> first;
+};
+
+struct Xfer {
+  Agent *agent;
+  nixlXferReqH *req = nullptr;
+  std::string peer;
+  uint64_t desc_count;  // descriptors as given (strided ones count once)
+};
+
+struct Agent {
+  std::string name;
+  std::unique_ptr<nixlAgent> nixl;
+  nixlBackendH *backend = nullptr;
+  uint64_t caps = 0;
+  kvp_notif_queue *notifs = nullptr;
+
+  std::mutex mu;  // guards everything below
+  std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
+  std::map<std::string, std::unique_ptr<Peer>> peers;
+  std::unordered_set<kvp_rregion> rregions;
+  std::unordered_set<kvp_dlist> dlists;
+  std::unordered_set<kvp_xfer> xfers;
+
+  ~Agent() {
+    if (notifs) kvp_nq_destroy(notifs);
+  }
+};
+
+// The handle tables, one per kind (distinct tags keep handles of one kind
+// from being accepted as another). Created once, never destroyed: a plugin
+// library stays loaded for the life of the process.
+struct Tables {
+  kvp_htable *agents, *regions, *rregions, *dlists, *xfers;
+};
+
+Tables *tables() {
+  static Tables *t = [] {
+    auto *tt = new Tables{kvp_ht_create(1), kvp_ht_create(2), kvp_ht_create(3), kvp_ht_create(4),
+                          kvp_ht_create(5)};
+    return tt;
+  }();
+  return t;
+}
+
+// A reference on a live handle, released at scope exit.
+template <class T>
+class Ref {
+ public:
+  Ref(kvp_htable *t, uint64_t h) : t_(t), h_(h), obj_(static_cast<T *>(kvp_ht_acquire(t, h))) {}
+  ~Ref() {
+    if (obj_) kvp_ht_put(t_, h_);
+  }
+  Ref(const Ref &) = delete;
+  Ref &operator=(const Ref &) = delete;
+  Ref(Ref &&o) noexcept : t_(o.t_), h_(o.h_), obj_(o.obj_) { o.obj_ = nullptr; }
+  T *operator->() const { return obj_; }
+  T &operator*() const { return *obj_; }
+  T *get() const { return obj_; }
+  explicit operator bool() const { return obj_ != nullptr; }
+
+ private:
+  kvp_htable *t_;
+  uint64_t h_;
+  T *obj_;
+};
+
+kvp_error *bad_handle(const char *fn, const char *kind, uint64_t h) {
+  return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown, released or foreign %s handle %#llx", fn,
+                 kind, static_cast<unsigned long long>(h));
+}
+
+// Looks up the agent of a call; the reference lives as long as the call.
+#define WITH_AGENT(ref, fn)                                            \
+  Ref<Agent> ref(tables()->agents, args->agent);                       \
+  if (!ref) return bad_handle(fn, "agent", args->agent)
+
+// ---------------------------------------------------------------------------
+// Parameters
+// ---------------------------------------------------------------------------
+
+// The agent parameters the shim itself reads; every other key is passed to
+// the NIXL backend as a string parameter.
+const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode",
+                                "telemetry"};
+
+const char kParamsDoc[] =
+    "backend=UCX\tNIXL backend plugin to create (an unknown name is an error listing the "
+    "plugins NIXL found)\n"
+    "progress_thread=false\tstart NIXL's progress thread (slower on few cores; without it "
+    "progress is made by poll_xfer and get_notifs)\n"
+    "progress_delay_us=0\tprogress thread delay between iterations, microseconds\n"
+    "sync_mode=rw\tNIXL thread sync mode: rw or strict (none is refused: the host calls "
+    "concurrently)\n"
+    "telemetry=true\tcapture per-transfer telemetry (xfer_telemetry)\n"
+    "*=\tany other key is passed to the backend unchanged (UCX: device_list, num_workers, "
+    "num_threads, ucx_error_handling_mode, engine_config, ...)\n";
+
+// ---------------------------------------------------------------------------
+// Capabilities
+// ---------------------------------------------------------------------------
+
+constexpr uint64_t kCaps = KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY |
+                           KVP_CAP_REMOTE_ADDR
+#if KVP_NIXL_HAVE_STRIDE
+                           | KVP_CAP_STRIDED
+#endif
+    ;
+
+// ---------------------------------------------------------------------------
+// Helpers on agents
+// ---------------------------------------------------------------------------
+
+// Checks a strided descriptor's shape: len, count > 0, count > 1 only with
+// native strides, and no 64-bit overflow. Returns nullptr or an error.
+kvp_error *check_shape(const char *fn, size_t i, uint64_t addr, uint64_t len, uint64_t stride,
+                       uint64_t count) {
+  if (len == 0 || count == 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: descriptor %zu: len and count must be > 0 (len %llu, count %llu)",
+                   fn, i, static_cast<unsigned long long>(len),
+                   static_cast<unsigned long long>(count));
+#if !KVP_NIXL_HAVE_STRIDE
+  if (count > 1)
+    return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                   "%s: descriptor %zu: count %llu > 1 but this NIXL has no strided list API "
+                   "(KVP_CAP_STRIDED is off; the host expands strided descriptors)",
+                   fn, i, static_cast<unsigned long long>(count));
+#endif
+  uint64_t end;
+  if (!kvp_strided_end(addr, len, stride, count, &end))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: descriptor %zu: address range overflows 64 bits",
+                   fn, i);
+  return nullptr;
+}
+
+struct KindCtx {
+  kvp_mem_kind kind;
+  uint64_t dev_id;
+};
+
+int accept_kind(const void *elem, void *ctx) {
+  const auto *e = static_cast<const RegionEntry *>(elem);
+  const auto *k = static_cast<const KindCtx *>(ctx);
+  return e->kind == k->kind && e->dev_id == k->dev_id;
+}
+
+// Peer lookup under a.mu.
+Peer *find_peer(Agent &a, const std::string &name) {
+  auto it = a.peers.find(name);
+  return it == a.peers.end() ? nullptr : it->second.get();
+}
+
+// Releases a transfer object: cancels it in NIXL if still active. When the
+// backend cannot cancel, waits for completion (polling, which drives
+// progress) and releases then, so that on return NIXL no longer touches the
+// transfer's memory.
+kvp_error *free_xfer(Agent &a, Xfer *x, const char *fn) {
+  nixl_status_t s = a.nixl->releaseXferReq(x->req);
+  if (s != NIXL_SUCCESS) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      nixl_status_t st = a.nixl->getXferStatus(x->req);
+      if (st != NIXL_IN_PROG) break;
+      std::this_thread::yield();
+    }
+    s = a.nixl->releaseXferReq(x->req);
+  }
+  if (s != NIXL_SUCCESS) {
+    // NIXL still owns the request; leak it rather than free memory NIXL may
+    // use, and say so.
+    kvp_error *e = nixl_err(s, fn, "releaseXferReq could not cancel the transfer");
+    delete x;
+    return e;
+  }
+  delete x;
+  return nullptr;
+}
+
+void free_dlist(Agent &a, Dlist *d) {
+  if (d->h) a.nixl->releasedDlistH(d->h);
+  delete d;
+}
+
+// Removes and frees the given handles (collected under a.mu, freed without
+// it: kvp_ht_remove may wait for references held by other calls).
+void drop_dependents(Agent &a, const std::vector<kvp_xfer> &xfers,
+                     const std::vector<kvp_dlist> &dlists, const std::vector<kvp_rregion> &rrs) {
+  Tables *t = tables();
+  for (kvp_xfer h : xfers) {
+    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h))) kvp_err_free(free_xfer(a, x, "release"));
+  }
+  for (kvp_dlist h : dlists) {
+    if (auto *d = static_cast<Dlist *>(kvp_ht_remove(t->dlists, h))) free_dlist(a, d);
+  }
+  for (kvp_rregion h : rrs) {
+    delete static_cast<RRegion *>(kvp_ht_remove(t->rregions, h));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Plugin and agents
+// ---------------------------------------------------------------------------
+
+kvp_error *plugin_info(kvp_plugin_info_args *args) {
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE)) return e;
+  args->name = "nixl";
+  args->version = KVP_NIXL_VERSION;
+  args->params_doc = kParamsDoc;
+  args->abi_major = KVP_ABI_MAJOR;
+  args->abi_minor = KVP_ABI_MINOR;
+  args->caps = kCaps;
+  args->mem_kinds = KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM);
+  return nullptr;
+}
+
+kvp_error *agent_create(kvp_agent_create_args *args) {
+  static const char fn[] = "agent_create";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_CREATE_ARGS_STRUCT_SIZE)) return e;
+  if (!args->name || args->name_len == 0 || args->name_len > KVP_MAX_NAME_LEN)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: agent name must be 1..%d bytes (got %zu)", fn,
+                   KVP_MAX_NAME_LEN, args->name_len);
+  if (kvp_error *e = kvp_params_check(args->params, args->num_params, kOwnKeys,
+                                      sizeof kOwnKeys / sizeof kOwnKeys[0], 1))
+    return kvp_err_wrap(e, "%s", fn);
+
+  const kvp_param *p = args->params;
+  size_t np = args->num_params;
+  std::string backend = "UCX";
+  if (const kvp_param *b = kvp_param_find(p, np, "backend")) {
+    backend = as_string(b->value, b->value_len);
+    if (backend.empty()) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: backend must not be empty", fn);
+  }
+  int prog = 0, telem = 1;
+  uint64_t delay = 0;
+  if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", 0, &prog)) return kvp_err_wrap(e, "%s", fn);
+  if (kvp_error *e = kvp_param_bool(p, np, "telemetry", 1, &telem)) return kvp_err_wrap(e, "%s", fn);
+  if (kvp_error *e = kvp_param_u64(p, np, "progress_delay_us", 0, 0, 10000000, &delay))
+    return kvp_err_wrap(e, "%s", fn);
+  nixl_thread_sync_t sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
+  if (const kvp_param *s = kvp_param_find(p, np, "sync_mode")) {
+    if (kvp_str_eq(s->value, s->value_len, "rw") || kvp_str_eq(s->value, s->value_len, "RW"))
+      sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
+    else if (kvp_str_eq(s->value, s->value_len, "strict") ||
+             kvp_str_eq(s->value, s->value_len, "STRICT"))
+      sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_STRICT;
+    else
+      return kvp_err(KVP_ERR_INVALID_PARAM,
+                     "%s: sync_mode %.*s: want rw or strict (none is unsafe: the host calls an "
+                     "agent from several threads)",
+                     fn, static_cast<int>(s->value_len), s->value ? s->value : "");
+  }
+  nixl_b_params_t bparams;
+  for (size_t i = 0; i < np; i++) {
+    bool own = false;
+    for (const char *k : kOwnKeys) own = own || kvp_str_eq(p[i].key, p[i].key_len, k);
+    if (!own) bparams[as_string(p[i].key, p[i].key_len)] = as_string(p[i].value, p[i].value_len);
+  }
+
+  auto a = std::make_unique<Agent>();
+  a->name = as_string(args->name, args->name_len);
+  a->notifs = kvp_nq_create(0);
+  if (!a->notifs) return kvp_err_oom();
+  nixlAgentConfig cfg(prog != 0, false, default_comm_port, sync, 1, delay,
+                      nixlAgentConfig::kDefaultLthrDelayUs, telem != 0);
+  a->nixl = std::make_unique<nixlAgent>(a->name, cfg);
+
+  std::vector<nixl_backend_t> avail;
+  nixl_status_t s = a->nixl->getAvailPlugins(avail);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "getAvailPlugins");
+  if (std::find(avail.begin(), avail.end(), backend) == avail.end()) {
+    std::string list;
+    for (const auto &b : avail) list += (list.empty() ? "" : ", ") + b;
+    return kvp_err(KVP_ERR_NOT_FOUND,
+                   "%s: NIXL has no backend plugin %s; available: %s (NIXL looks in "
+                   "$NIXL_PLUGIN_DIR, else the plugins folder beside libnixl.so)",
+                   fn, backend.c_str(), list.empty() ? "none" : list.c_str());
+  }
+  s = a->nixl->createBackend(backend, bparams, a->backend);
+  if (s != NIXL_SUCCESS) {
+    std::string keys;
+    for (const auto &kv : bparams) keys += (keys.empty() ? "" : ", ") + kv.first;
+    return nixl_err(s, fn, "createBackend(%s) with backend params {%s}", backend.c_str(),
+                    keys.c_str());
+  }
+  a->caps = kCaps & ~(telem ? 0 : KVP_CAP_TELEMETRY);
+
+  Agent *raw = a.get();
+  kvp_agent h = 0;
+  if (kvp_error *e = kvp_ht_insert(tables()->agents, raw, &h)) return e;
+  a.release();
+  args->agent = h;
+  args->caps = raw->caps;
+  return nullptr;
+}
+
+kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE)) return e;
+  Tables *t = tables();
+  // Removing the handle first waits for every call still running on it.
+  auto *a = static_cast<Agent *>(kvp_ht_remove(t->agents, args->agent));
+  if (!a) return bad_handle("agent_destroy", "agent", args->agent);
+  std::unique_ptr<Agent> owner(a);
+  std::vector<kvp_xfer> xs;
+  std::vector<kvp_dlist> ds;
+  std::vector<kvp_rregion> rs;
+  std::vector<RegionEntry> regs;
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    xs.assign(a->xfers.begin(), a->xfers.end());
+    ds.assign(a->dlists.begin(), a->dlists.end());
+    rs.assign(a->rregions.begin(), a->rregions.end());
+    regs = a->regions;
+    a->xfers.clear();
+    a->dlists.clear();
+    a->rregions.clear();
+    a->regions.clear();
+  }
+  drop_dependents(*a, xs, ds, rs);
+  for (const RegionEntry &r : regs) {
+    if (auto *reg = static_cast<Region *>(kvp_ht_remove(t->regions, r.handle))) {
+      nixl_reg_dlist_t dl(to_nixl_mem(reg->kind));
+      dl.addDesc(nixlBlobDesc(reg->addr, reg->len, reg->dev_id, ""));
+      a->nixl->deregisterMem(dl);
+      delete reg;
+    }
+  }
+  for (auto &kv : a->peers) a->nixl->invalidateRemoteMD(kv.first);
+  a->peers.clear();
+  a->nixl.reset();  // the nixlAgent destructor tears down the backend
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Memory registration
+// ---------------------------------------------------------------------------
+
+kvp_error *register_mem(kvp_register_mem_args *args) {
+  static const char fn[] = "register_mem";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (args->num_descs == 0) return nullptr;
+  if (!args->descs || !args->regions)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: descs and regions must not be NULL", fn);
+
+  std::vector<RegionEntry> add(args->num_descs);
+  for (size_t i = 0; i < args->num_descs; i++) {
+    const kvp_mem_desc &d = args->descs[i];
+    if (d.len == 0 || d.addr + d.len < d.addr)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: desc %zu: len must be > 0 and addr + len must not overflow", fn, i);
+    if (!mem_kind_ok(d.mem_kind))
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: desc %zu: unknown memory kind %u", fn, i, d.mem_kind);
+    if (d.reserved != 0)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: desc %zu: reserved must be 0", fn, i);
+    add[i] = RegionEntry{d.addr, d.len, d.dev_id, d.mem_kind, 0};
+  }
+
+  std::lock_guard<std::mutex> lk(a->mu);
+  // Overlap check: among the new descriptors and against live registrations.
+  std::vector<RegionEntry> all = a->regions;
+  all.insert(all.end(), add.begin(), add.end());
+  kvp_ranges_sort(all.data(), all.size(), sizeof(RegionEntry));
+  long bad = kvp_ranges_check(all.data(), all.size(), sizeof(RegionEntry));
+  if (bad >= 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "%s: region [%#llx, +%llu) overlaps another registration of this agent", fn,
+                   static_cast<unsigned long long>(all[bad].addr),
+                   static_cast<unsigned long long>(all[bad].len));
+
+  Tables *t = tables();
+  size_t done = 0;
+  kvp_error *err = nullptr;
+  for (; done < add.size(); done++) {
+    RegionEntry &r = add[done];
+    nixl_reg_dlist_t dl(to_nixl_mem(r.kind));
+    dl.addDesc(nixlBlobDesc(r.addr, r.len, r.dev_id, ""));
+    nixl_status_t s;
+    try {
+      s = a->nixl->registerMem(dl);
+    } catch (const std::exception &ex) {
+      err = kvp_err(KVP_ERR_BACKEND, "%s: desc %zu: registerMem threw: %s", fn, done, ex.what());
+      break;
+    }
+    if (s != NIXL_SUCCESS) {
+      err = nixl_err(s, fn, "desc %zu (%s [%#llx, +%llu) dev %llu): registerMem", done,
+                     kind_name(r.kind), static_cast<unsigned long long>(r.addr),
+                     static_cast<unsigned long long>(r.len),
+                     static_cast<unsigned long long>(r.dev_id));
+      break;
+    }
+    auto *reg = new (std::nothrow) Region{a.get(), r.addr, r.len, r.dev_id, r.kind};
+    if (!reg) {
+      a->nixl->deregisterMem(dl);
+      err = kvp_err_oom();
+      break;
+    }
+    if ((err = kvp_ht_insert(t->regions, reg, &r.handle)) != nullptr) {
+      a->nixl->deregisterMem(dl);
+      delete reg;
+      break;
+    }
+  }
+  if (err) {  // all or nothing: undo what this call registered
+    for (size_t i = 0; i < done; i++) {
+      delete static_cast<Region *>(kvp_ht_remove(t->regions, add[i].handle));
+      nixl_reg_dlist_t dl(to_nixl_mem(add[i].kind));
+      dl.addDesc(nixlBlobDesc(add[i].addr, add[i].len, add[i].dev_id, ""));
+      a->nixl->deregisterMem(dl);
+    }
+    return err;
+  }
+  for (size_t i = 0; i < add.size(); i++) args->regions[i] = add[i].handle;
+  a->regions.insert(a->regions.end(), add.begin(), add.end());
+  kvp_ranges_sort(a->regions.data(), a->regions.size(), sizeof(RegionEntry));
+  return nullptr;
+}
+
+kvp_error *deregister_mem(kvp_deregister_mem_args *args) {
+  static const char fn[] = "deregister_mem";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (args->num_regions == 0) return nullptr;
+  if (!args->regions) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: regions must not be NULL", fn);
+  Tables *t = tables();
+  std::lock_guard<std::mutex> lk(a->mu);
+  std::set<kvp_region> seen;
+  for (size_t i = 0; i < args->num_regions; i++) {
+    kvp_region h = args->regions[i];
+    Ref<Region> r(t->regions, h);
+    if (!r || r->agent != a.get() || !seen.insert(h).second)
+      return kvp_err(KVP_ERR_INVALID_PARAM,
+                     "%s: region %zu (%#llx) is unknown, released, another agent's or listed "
+                     "twice; nothing was deregistered",
+                     fn, i, static_cast<unsigned long long>(h));
+  }
+  kvp_error *first = nullptr;
+  for (size_t i = 0; i < args->num_regions; i++) {
+    auto *r = static_cast<Region *>(kvp_ht_remove(t->regions, args->regions[i]));
+    if (!r) continue;
+    a->regions.erase(std::remove_if(a->regions.begin(), a->regions.end(),
+                                    [&](const RegionEntry &e) { return e.handle == args->regions[i]; }),
+                     a->regions.end());
+    nixl_reg_dlist_t dl(to_nixl_mem(r->kind));
+    dl.addDesc(nixlBlobDesc(r->addr, r->len, r->dev_id, ""));
+    nixl_status_t s = a->nixl->deregisterMem(dl);
+    if (s != NIXL_SUCCESS && !first) first = nixl_err(s, fn, "region %zu: deregisterMem", i);
+    delete r;
+  }
+  return first;
+}
+
+kvp_error *region_export(kvp_region_export_args *args) {
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGION_EXPORT_ARGS_STRUCT_SIZE)) return e;
+  return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                 "region_export: NIXL addresses remote memory by address inside the peer's "
+                 "metadata, not by per-region blobs (KVP_CAP_REMOTE_BLOB is off)");
+}
+
+// ---------------------------------------------------------------------------
+// Metadata and peers
+// ---------------------------------------------------------------------------
+
+kvp_error *local_metadata(kvp_local_metadata_args *args) {
+  static const char fn[] = "local_metadata";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  nixl_blob_t md;
+  nixl_status_t s = a->nixl->getLocalMD(md);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "getLocalMD");
+  kvp_out_bytes(args->buf, args->cap, md.data(), md.size(), &args->size);
+  return nullptr;
+}
+
+kvp_error *load_remote(kvp_load_remote_args *args) {
+  static const char fn[] = "load_remote";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!args->metadata || args->metadata_len == 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: metadata is empty", fn);
+  nixl_blob_t md(reinterpret_cast<const char *>(args->metadata), args->metadata_len);
+  std::string name;
+  nixl_status_t s = a->nixl->loadRemoteMD(md, name);
+  if (s == NIXL_ERR_NOT_ALLOWED)
+    return nixl_err(s, fn,
+                    "loadRemoteMD: a peer of that name is loaded with other connection info or "
+                    "other keys for the same memory (did it restart?); remove_remote it first");
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "loadRemoteMD");
+  std::lock_guard<std::mutex> lk(a->mu);
+  auto &slot = a->peers[name];
+  if (!slot) {
+    slot = std::make_unique<Peer>();
+    slot->name = name;
+  }
+  args->peer_name = slot->name.data();
+  args->peer_name_len = slot->name.size();
+  return nullptr;
+}
+
+kvp_error *remove_remote(kvp_remove_remote_args *args) {
+  static const char fn[] = "remove_remote";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  std::string name = as_string(args->peer_name, args->peer_name_len);
+  std::unique_ptr<Peer> peer;
+  std::vector<kvp_xfer> xs;
+  std::vector<kvp_dlist> ds;
+  std::vector<kvp_rregion> rs;
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    auto it = a->peers.find(name);
+    if (it == a->peers.end())
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, name.c_str());
+    peer = std::move(it->second);
+    a->peers.erase(it);
+    xs.assign(peer->xfers.begin(), peer->xfers.end());
+    ds.assign(peer->dlists.begin(), peer->dlists.end());
+    rs.assign(peer->rregions.begin(), peer->rregions.end());
+    for (auto h : xs) a->xfers.erase(h);
+    for (auto h : ds) a->dlists.erase(h);
+    for (auto h : rs) a->rregions.erase(h);
+  }
+  drop_dependents(*a, xs, ds, rs);
+  nixl_status_t s = a->nixl->invalidateRemoteMD(name);
+  if (s != NIXL_SUCCESS && s != NIXL_ERR_NOT_FOUND) return nixl_err(s, fn, "invalidateRemoteMD(%s)", name.c_str());
+  return nullptr;
+}
+
+kvp_error *remote_region_import(kvp_remote_region_import_args *args) {
+  static const char fn[] = "remote_region_import";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (args->blob)
+    return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                   "%s: NIXL has no region blobs (KVP_CAP_REMOTE_BLOB is off); import by "
+                   "address (blob NULL)",
+                   fn);
+  std::string name = as_string(args->peer_name, args->peer_name_len);
+  if (args->len == 0 || args->addr + args->len < args->addr)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: len must be > 0 and addr + len must not overflow", fn);
+  if (!mem_kind_ok(args->mem_kind))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown memory kind %u", fn, args->mem_kind);
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    if (!find_peer(*a, name))
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, name.c_str());
+  }
+  nixl_xfer_dlist_t dl(to_nixl_mem(args->mem_kind));
+  dl.addDesc(nixlBasicDesc(args->addr, args->len, args->dev_id));
+  nixl_status_t s = a->nixl->checkRemoteMD(name, dl);
+  if (s != NIXL_SUCCESS)
+    return kvp_err(KVP_ERR_NOT_FOUND,
+                   "%s: %s [%#llx, +%llu) dev %llu is not inside memory peer '%s' advertised",
+                   fn, kind_name(args->mem_kind), static_cast<unsigned long long>(args->addr),
+                   static_cast<unsigned long long>(args->len),
+                   static_cast<unsigned long long>(args->dev_id), name.c_str());
+  auto *rr = new RRegion{a.get(), name, args->addr, args->len, args->dev_id, args->mem_kind};
+  kvp_rregion h = 0;
+  if (kvp_error *e = kvp_ht_insert(tables()->rregions, rr, &h)) {
+    delete rr;
+    return e;
+  }
+  std::lock_guard<std::mutex> lk(a->mu);
+  Peer *p = find_peer(*a, name);
+  if (!p) {  // removed meanwhile
+    delete static_cast<RRegion *>(kvp_ht_remove(tables()->rregions, h));
+    return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, name.c_str());
+  }
+  p->rregions.insert(h);
+  a->rregions.insert(h);
+  args->rregion = h;
+  return nullptr;
+}
+
+kvp_error *remote_region_release(kvp_remote_region_release_args *args) {
+  static const char fn[] = "remote_region_release";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  {
+    Ref<RRegion> r(tables()->rregions, args->rregion);
+    if (!r || r->agent != a.get()) return bad_handle(fn, "remote region", args->rregion);
+  }
+  auto *rr = static_cast<RRegion *>(kvp_ht_remove(tables()->rregions, args->rregion));
+  if (!rr) return bad_handle(fn, "remote region", args->rregion);
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    a->rregions.erase(args->rregion);
+    if (Peer *p = find_peer(*a, rr->peer)) p->rregions.erase(args->rregion);
+  }
+  delete rr;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Prepared descriptor lists
+// ---------------------------------------------------------------------------
+
+kvp_error *prep_dlist(kvp_prep_dlist_args *args) {
+  static const char fn[] = "prep_dlist";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_PREP_DLIST_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!mem_kind_ok(args->mem_kind))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown memory kind %u", fn, args->mem_kind);
+  if (args->num_descs == 0 || !args->descs)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: a dlist needs at least one descriptor", fn);
+  if (args->num_descs > static_cast<size_t>(INT32_MAX))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: too many descriptors (%zu)", fn, args->num_descs);
+
+  auto d = std::make_unique<Dlist>();
+  d->agent = a.get();
+  d->kind = args->mem_kind;
+  d->peer = as_string(args->peer_name, args->peer_name_len);
+  d->remote = !d->peer.empty();
+  size_t n = args->num_descs;
+  d->lens.resize(n);
+  d->counts.resize(n);
+  bool strided = false;
+  uint64_t flat = 0;
+  for (size_t i = 0; i < n; i++) {
+    const kvp_xfer_desc &x = args->descs[i];
+    if (kvp_error *e = check_shape(fn, i, x.addr, x.len, x.stride, x.count)) return e;
+    d->lens[i] = x.len;
+    d->counts[i] = x.count;
+    strided = strided || x.count > 1;
+    flat += x.count;
+  }
+  if (flat > static_cast<uint64_t>(INT32_MAX))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %llu blocks exceed NIXL's int indices", fn,
+                   static_cast<unsigned long long>(flat));
+
+  if (!d->remote) {
+    // Local: every block inside a registration of this agent of the same
+    // kind and device, checked here for a precise message (NIXL would say
+    // NOT_FOUND without naming the descriptor).
+    std::lock_guard<std::mutex> lk(a->mu);
+    for (size_t i = 0; i < n; i++) {
+      const kvp_xfer_desc &x = args->descs[i];
+      KindCtx ctx{args->mem_kind, x.dev_id};
+      if (!kvp_strided_each_in(a->regions.data(), a->regions.size(), sizeof(RegionEntry), x.addr,
+                               x.len, x.stride, x.count, accept_kind, &ctx))
+        return kvp_err(KVP_ERR_NOT_FOUND,
+                       "%s: local descriptor %zu (%s [%#llx, +%llu) x%llu dev %llu) is not inside "
+                       "memory registered on this agent",
+                       fn, i, kind_name(args->mem_kind), static_cast<unsigned long long>(x.addr),
+                       static_cast<unsigned long long>(x.len),
+                       static_cast<unsigned long long>(x.count),
+                       static_cast<unsigned long long>(x.dev_id));
+    }
+  } else {
+    std::lock_guard<std::mutex> lk(a->mu);
+    if (!find_peer(*a, d->peer))
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, d->peer.c_str());
+  }
+
+  const std::string &target = d->remote ? d->peer : std::string(NIXL_INIT_AGENT);
+  nixl_status_t s;
+#if KVP_NIXL_HAVE_STRIDE
+  if (strided) {
+    nixl_stride_dlist_t sl(to_nixl_mem(args->mem_kind));
+    sl.reserve(n);
+    d->first.resize(n);
+    int f = 0;
+    for (size_t i = 0; i < n; i++) {
+      const kvp_xfer_desc &x = args->descs[i];
+      // count 1 ignores the stride: give NIXL a dense one.
+      sl.addDesc(nixlStrideDesc(x.addr, x.len, x.dev_id, x.count > 1 ? x.stride : x.len, x.count));
+      d->first[i] = f;
+      f += static_cast<int>(x.count);
+    }
+    s = a->nixl->prepXferDlist(target, sl, d->h);
+  } else
+#endif
+  {
+    (void)strided;
+    nixl_xfer_dlist_t xl(to_nixl_mem(args->mem_kind));
+    xl.reserve(n);
+    for (size_t i = 0; i < n; i++) {
+      const kvp_xfer_desc &x = args->descs[i];
+      xl.addDesc(nixlBasicDesc(x.addr, x.len, x.dev_id));
+    }
+    s = a->nixl->prepXferDlist(target, xl, d->h);
+  }
+  if (s != NIXL_SUCCESS) {
+    d->h = nullptr;
+    if (d->remote && s == NIXL_ERR_NOT_FOUND) {
+      // Name the first descriptor outside the peer's advertised memory.
+      for (size_t i = 0; i < n; i++) {
+        const kvp_xfer_desc &x = args->descs[i];
+        nixl_xfer_dlist_t one(to_nixl_mem(args->mem_kind));
+        for (uint64_t k = 0; k < x.count; k++)
+          one.addDesc(nixlBasicDesc(x.addr + k * (x.count > 1 ? x.stride : 0), x.len, x.dev_id));
+        if (a->nixl->checkRemoteMD(d->peer, one) != NIXL_SUCCESS)
+          return kvp_err(KVP_ERR_NOT_FOUND,
+                         "%s: remote descriptor %zu (%s [%#llx, +%llu) x%llu dev %llu) is not "
+                         "inside memory peer '%s' advertised",
+                         fn, i, kind_name(args->mem_kind), static_cast<unsigned long long>(x.addr),
+                         static_cast<unsigned long long>(x.len),
+                         static_cast<unsigned long long>(x.count),
+                         static_cast<unsigned long long>(x.dev_id), d->peer.c_str());
+      }
+    }
+    return nixl_err(s, fn, "prepXferDlist(%s, %zu descriptors)",
+                    d->remote ? d->peer.c_str() : "local", n);
+  }
+
+  Dlist *raw = d.get();
+  kvp_dlist h = 0;
+  if (kvp_error *e = kvp_ht_insert(tables()->dlists, raw, &h)) {
+    free_dlist(*a, d.release());
+    return e;
+  }
+  d.release();
+  std::lock_guard<std::mutex> lk(a->mu);
+  if (raw->remote) {
+    Peer *p = find_peer(*a, raw->peer);
+    if (!p) {
+      free_dlist(*a, static_cast<Dlist *>(kvp_ht_remove(tables()->dlists, h)));
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, raw->peer.c_str());
+    }
+    p->dlists.insert(h);
+  }
+  a->dlists.insert(h);
+  args->dlist = h;
+  return nullptr;
+}
+
+kvp_error *release_dlist(kvp_release_dlist_args *args) {
+  static const char fn[] = "release_dlist";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_RELEASE_DLIST_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  {
+    Ref<Dlist> d(tables()->dlists, args->dlist);
+    if (!d || d->agent != a.get()) return bad_handle(fn, "dlist", args->dlist);
+  }
+  auto *d = static_cast<Dlist *>(kvp_ht_remove(tables()->dlists, args->dlist));
+  if (!d) return bad_handle(fn, "dlist", args->dlist);
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    a->dlists.erase(args->dlist);
+    if (d->remote)
+      if (Peer *p = find_peer(*a, d->peer)) p->dlists.erase(args->dlist);
+  }
+  free_dlist(*a, d);
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Transfers
+// ---------------------------------------------------------------------------
+
+kvp_error *check_notif(const char *fn, const Agent &a, const kvp_notif &n) {
+  if (!n.has_notif) return nullptr;
+  if (!(a.caps & KVP_CAP_NOTIF))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
+  if (n.msg_len && !n.msg) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: notif msg is NULL", fn);
+  return nullptr;
+}
+
+nixl_xfer_op_t to_nixl_op(kvp_op op) { return op == KVP_OP_READ ? NIXL_READ : NIXL_WRITE; }
+
+// Inserts a new transfer and links it to its agent and peer.
+kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_xfer *out) {
+  Xfer *raw = x.get();
+  kvp_xfer h = 0;
+  if (kvp_error *e = kvp_ht_insert(tables()->xfers, raw, &h)) {
+    kvp_err_free(free_xfer(a, x.release(), fn));
+    return e;
+  }
+  x.release();
+  std::lock_guard<std::mutex> lk(a.mu);
+  Peer *p = find_peer(a, raw->peer);
+  if (!p) {
+    kvp_err_free(free_xfer(a, static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, h)), fn));
+    return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, raw->peer.c_str());
+  }
+  p->xfers.insert(h);
+  a.xfers.insert(h);
+  *out = h;
+  return nullptr;
+}
+
+kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
+  static const char fn[] = "make_prepped_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
+  if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
+  Tables *t = tables();
+  Ref<Dlist> ld(t->dlists, args->local_dlist);
+  if (!ld || ld->agent != a.get()) return bad_handle(fn, "local dlist", args->local_dlist);
+  Ref<Dlist> rd(t->dlists, args->remote_dlist);
+  if (!rd || rd->agent != a.get()) return bad_handle(fn, "remote dlist", args->remote_dlist);
+  if (ld->remote) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: local_dlist was prepared for peer '%s'", fn, ld->peer.c_str());
+  if (!rd->remote) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: remote_dlist is a local dlist", fn);
+  size_t n = args->num_local_indices;
+  if (n != args->num_remote_indices)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn, n,
+                   args->num_remote_indices);
+  if (n == 0) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no indices", fn);
+  if (!args->local_indices || !args->remote_indices)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: index arrays must not be NULL", fn);
+
+  // Reused per thread: no allocation per transfer once warm.
+  thread_local std::vector<int> li, ri;
+  li.clear();
+  ri.clear();
+  const bool flat = ld->first.empty() && rd->first.empty();
+  if (flat) {
+    li.reserve(n);
+    ri.reserve(n);
+  }
+  const size_t nl = ld->lens.size(), nr = rd->lens.size();
+  for (size_t i = 0; i < n; i++) {
+    int32_t l = args->local_indices[i], r = args->remote_indices[i];
+    if (l < 0 || static_cast<size_t>(l) >= nl)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: local index %zu is %d, outside the dlist's %zu descriptors", fn, i, l, nl);
+    if (r < 0 || static_cast<size_t>(r) >= nr)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: remote index %zu is %d, outside the dlist's %zu descriptors", fn, i, r, nr);
+    if (ld->lens[l] != rd->lens[r] || ld->counts[l] != rd->counts[r])
+      return kvp_err(KVP_ERR_MISMATCH,
+                     "%s: pair %zu: local descriptor %d (len %llu x%llu) and remote descriptor %d "
+                     "(len %llu x%llu) differ",
+                     fn, i, l, static_cast<unsigned long long>(ld->lens[l]),
+                     static_cast<unsigned long long>(ld->counts[l]), r,
+                     static_cast<unsigned long long>(rd->lens[r]),
+                     static_cast<unsigned long long>(rd->counts[r]));
+    if (flat) {
+      li.push_back(l);
+      ri.push_back(r);
+    } else {
+      int lf = ld->first.empty() ? l : ld->first[l];
+      int rf = rd->first.empty() ? r : rd->first[r];
+      for (uint64_t k = 0; k < ld->counts[l]; k++) {
+        li.push_back(lf + static_cast<int>(k));
+        ri.push_back(rf + static_cast<int>(k));
+      }
+    }
+  }
+  nixl_opt_args_t opt;
+  if (args->notif.has_notif)
+    opt.notif = nixl_blob_t(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
+  auto x = std::make_unique<Xfer>();
+  x->agent = a.get();
+  x->peer = rd->peer;
+  x->desc_count = n;
+  nixl_status_t s = a->nixl->makeXferReq(to_nixl_op(args->op), ld->h, li, rd->h, ri, x->req,
+                                         args->notif.has_notif ? &opt : nullptr);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "makeXferReq(%zu descriptors)", n);
+  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+}
+
+kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
+  static const char fn[] = "make_batch_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
+  if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
+  if (args->num_pairs == 0 || !args->pairs)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no region pairs", fn);
+  if (args->num_entries == 0 || !args->entries)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no entries", fn);
+
+  // Copy what the entries need from the pairs' regions. The caller keeps the
+  // regions alive for the call (ABI thread-safety rule 1), so the references
+  // are dropped right after the copy.
+  struct Side {
+    uint64_t addr, len, dev_id;
+    kvp_mem_kind kind;
+  };
+  thread_local std::vector<Side> loc, rem;
+  loc.resize(args->num_pairs);
+  rem.resize(args->num_pairs);
+  Tables *t = tables();
+  std::string peer;
+  for (size_t i = 0; i < args->num_pairs; i++) {
+    Ref<Region> l(t->regions, args->pairs[i].local);
+    if (!l || l->agent != a.get())
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: pair %zu: unknown, released or foreign local region %#llx", fn, i,
+                     static_cast<unsigned long long>(args->pairs[i].local));
+    Ref<RRegion> r(t->rregions, args->pairs[i].remote);
+    if (!r || r->agent != a.get())
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: pair %zu: unknown, released or foreign remote region %#llx", fn, i,
+                     static_cast<unsigned long long>(args->pairs[i].remote));
+    if (i == 0)
+      peer = r->peer;
+    else if (r->peer != peer)
+      return kvp_err(KVP_ERR_MISMATCH, "%s: pair %zu: remote region of peer '%s', pair 0 of peer '%s'", fn, i,
+                     r->peer.c_str(), peer.c_str());
+    loc[i] = Side{l->addr, l->len, l->dev_id, l->kind};
+    rem[i] = Side{r->addr, r->len, r->dev_id, r->kind};
+    if (loc[i].kind != loc[0].kind || rem[i].kind != rem[0].kind)
+      return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                     "%s: pair %zu mixes memory kinds (NIXL transfers one kind per side; split "
+                     "the transfer by kind)",
+                     fn, i);
+  }
+
+  nixl_xfer_dlist_t ll(to_nixl_mem(loc[0].kind)), rl(to_nixl_mem(rem[0].kind));
+  size_t blocks = 0;
+  for (size_t i = 0; i < args->num_entries; i++) {
+    const kvp_batch_entry &e = args->entries[i];
+    if (e.pair >= args->num_pairs)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: pair %u outside the %zu pairs", fn, i, e.pair, args->num_pairs);
+    if (e.reserved != 0) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: reserved must be 0", fn, i);
+    if (kvp_error *er = check_shape(fn, i, e.local_offset, e.len, e.local_stride, e.count)) return er;
+    if (kvp_error *er = check_shape(fn, i, e.remote_offset, e.len, e.remote_stride, e.count)) return er;
+    const Side &L = loc[e.pair], &R = rem[e.pair];
+    if (!kvp_strided_in(e.local_offset, e.len, e.local_stride, e.count, 0, L.len))
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: local blocks (offset %llu, len %llu x%llu) run past the %llu-byte local region", fn, i,
+                     static_cast<unsigned long long>(e.local_offset), static_cast<unsigned long long>(e.len),
+                     static_cast<unsigned long long>(e.count), static_cast<unsigned long long>(L.len));
+    if (!kvp_strided_in(e.remote_offset, e.len, e.remote_stride, e.count, 0, R.len))
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: remote blocks (offset %llu, len %llu x%llu) run past the %llu-byte remote region", fn, i,
+                     static_cast<unsigned long long>(e.remote_offset), static_cast<unsigned long long>(e.len),
+                     static_cast<unsigned long long>(e.count), static_cast<unsigned long long>(R.len));
+    blocks += e.count;
+  }
+  if (blocks > static_cast<size_t>(INT32_MAX))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu blocks exceed NIXL's int indices", fn, blocks);
+  ll.reserve(blocks);
+  rl.reserve(blocks);
+  for (size_t i = 0; i < args->num_entries; i++) {
+    const kvp_batch_entry &e = args->entries[i];
+    const Side &L = loc[e.pair], &R = rem[e.pair];
+    for (uint64_t k = 0; k < e.count; k++) {
+      ll.addDesc(nixlBasicDesc(L.addr + e.local_offset + k * e.local_stride, e.len, L.dev_id));
+      rl.addDesc(nixlBasicDesc(R.addr + e.remote_offset + k * e.remote_stride, e.len, R.dev_id));
+    }
+  }
+  nixl_opt_args_t opt;
+  if (args->notif.has_notif)
+    opt.notif = nixl_blob_t(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
+  auto x = std::make_unique<Xfer>();
+  x->agent = a.get();
+  x->peer = peer;
+  x->desc_count = args->num_entries;
+  nixl_status_t s = a->nixl->createXferReq(to_nixl_op(args->op), ll, rl, peer, x->req,
+                                           args->notif.has_notif ? &opt : nullptr);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "createXferReq(%zu descriptors to '%s')", blocks, peer.c_str());
+  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+}
+
+kvp_error *post_xfer(kvp_post_xfer_args *args) {
+  static const char fn[] = "post_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POST_XFER_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  Ref<Xfer> x(tables()->xfers, args->xfer);
+  if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  nixl_status_t s = a->nixl->postXferReq(x->req);
+  if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer.c_str());
+  args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
+  return nullptr;
+}
+
+kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
+  static const char fn[] = "poll_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  Ref<Xfer> x(tables()->xfers, args->xfer);
+  if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  nixl_status_t s = a->nixl->getXferStatus(x->req);
+  if (s < 0) return nixl_err(s, fn, "getXferStatus of a transfer to '%s'", x->peer.c_str());
+  args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
+  return nullptr;
+}
+
+kvp_error *release_xfer(kvp_release_xfer_args *args) {
+  static const char fn[] = "release_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  {
+    Ref<Xfer> x(tables()->xfers, args->xfer);
+    if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  }
+  auto *x = static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, args->xfer));
+  if (!x) return bad_handle(fn, "xfer", args->xfer);
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    a->xfers.erase(args->xfer);
+    if (Peer *p = find_peer(*a, x->peer)) p->xfers.erase(args->xfer);
+  }
+  return free_xfer(*a, x, fn);
+}
+
+kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
+  static const char fn[] = "xfer_telemetry";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  Ref<Xfer> x(tables()->xfers, args->xfer);
+  if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  if (!(a->caps & KVP_CAP_TELEMETRY))
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: telemetry is off for this agent (telemetry=false)", fn);
+  nixl_xfer_telem_t tm{};
+  nixl_status_t s = a->nixl->getXferTelemetry(x->req, tm);
+  if (s != NIXL_SUCCESS)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer has not completed (%s)", fn,
+                   status_name(s).c_str());
+  // NIXL stamps the start on the steady clock; the ABI wants Unix time.
+  auto since = std::chrono::steady_clock::now() - tm.startTime;
+  auto start = std::chrono::system_clock::now() -
+               std::chrono::duration_cast<std::chrono::system_clock::duration>(since);
+  args->start_us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(start.time_since_epoch()).count());
+  args->post_us = static_cast<uint64_t>(tm.postDuration.count());
+  args->xfer_us = static_cast<uint64_t>(tm.xferDuration.count());
+  args->total_bytes = tm.totalBytes;
+  args->desc_count = x->desc_count;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Notifications
+// ---------------------------------------------------------------------------
+
+kvp_error *get_notifs(kvp_get_notifs_args *args) {
+  static const char fn[] = "get_notifs";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_GET_NOTIFS_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!(a->caps & KVP_CAP_NOTIF))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
+  // Pull what NIXL has received (this also drives the backend's progress)
+  // into the agent's queue, then hand out whole records that fit.
+  nixl_notifs_t got;
+  nixl_status_t s = a->nixl->getNotifs(got);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "getNotifs");
+  kvp_error *first = nullptr;
+  for (auto &kv : got) {
+    for (auto &msg : kv.second) {
+      kvp_error *e = kvp_nq_push(a->notifs, kv.first.data(), kv.first.size(),
+                                 reinterpret_cast<const uint8_t *>(msg.data()), msg.size());
+      if (e && !first)
+        first = kvp_err_wrap(e, "%s: notification from '%s' dropped", fn, kv.first.c_str());
+      else if (e)
+        kvp_err_free(e);
+    }
+  }
+  if (first) return first;
+  kvp_nq_drain(a->notifs, args->buf, args->cap, &args->size, &args->count, &args->needed);
+  return nullptr;
+}
+
+kvp_error *send_notif(kvp_send_notif_args *args) {
+  static const char fn[] = "send_notif";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_SEND_NOTIF_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!(a->caps & KVP_CAP_NOTIF))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
+  if (args->msg_len && !args->msg) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: msg is NULL", fn);
+  std::string peer = as_string(args->peer_name, args->peer_name_len);
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    if (!find_peer(*a, peer))
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, peer.c_str());
+  }
+  nixl_blob_t msg(reinterpret_cast<const char *>(args->msg), args->msg_len);
+  nixl_status_t s = a->nixl->genNotif(peer, msg);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "genNotif to '%s'", peer.c_str());
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// The table
+// ---------------------------------------------------------------------------
+
+#define GUARD(name, type)                                                          \
+  kvp_error *name##_entry(type *args) {                                             \
+    return guarded(#name, [&] { return name(args); });                              \
+  }
+
+GUARD(plugin_info, kvp_plugin_info_args)
+GUARD(agent_create, kvp_agent_create_args)
+GUARD(agent_destroy, kvp_agent_destroy_args)
+GUARD(register_mem, kvp_register_mem_args)
+GUARD(deregister_mem, kvp_deregister_mem_args)
+GUARD(region_export, kvp_region_export_args)
+GUARD(local_metadata, kvp_local_metadata_args)
+GUARD(load_remote, kvp_load_remote_args)
+GUARD(remove_remote, kvp_remove_remote_args)
+GUARD(remote_region_import, kvp_remote_region_import_args)
+GUARD(remote_region_release, kvp_remote_region_release_args)
+GUARD(prep_dlist, kvp_prep_dlist_args)
+GUARD(release_dlist, kvp_release_dlist_args)
+GUARD(make_prepped_xfer, kvp_make_prepped_xfer_args)
+GUARD(make_batch_xfer, kvp_make_batch_xfer_args)
+GUARD(post_xfer, kvp_post_xfer_args)
+GUARD(poll_xfer, kvp_poll_xfer_args)
+GUARD(release_xfer, kvp_release_xfer_args)
+GUARD(xfer_telemetry, kvp_xfer_telemetry_args)
+GUARD(get_notifs, kvp_get_notifs_args)
+GUARD(send_notif, kvp_send_notif_args)
+
+const kvp_api kApi = {
+    KVP_API_STRUCT_SIZE,
+    nullptr,
+    KVP_ABI_MAJOR,
+    KVP_ABI_MINOR,
+    kvp_util_error_destroy,
+    kvp_util_error_message,
+    kvp_util_error_code,
+    plugin_info_entry,
+    agent_create_entry,
+    agent_destroy_entry,
+    register_mem_entry,
+    deregister_mem_entry,
+    region_export_entry,
+    local_metadata_entry,
+    load_remote_entry,
+    remove_remote_entry,
+    remote_region_import_entry,
+    remote_region_release_entry,
+    prep_dlist_entry,
+    release_dlist_entry,
+    make_prepped_xfer_entry,
+    make_batch_xfer_entry,
+    post_xfer_entry,
+    poll_xfer_entry,
+    release_xfer_entry,
+    xfer_telemetry_entry,
+    get_notifs_entry,
+    send_notif_entry,
+};
+
+}  // namespace
+
+extern "C" KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
+  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
+  args->plugin_abi_major_min = KVP_ABI_MAJOR;
+  args->plugin_abi_major_max = KVP_ABI_MAJOR;
+  if (args->host_abi_major != KVP_ABI_MAJOR) {
+    args->api = nullptr;
+    return KVP_ERR_NOT_SUPPORTED;
+  }
+  args->api = &kApi;
+  return KVP_SUCCESS;
+}
