@@ -389,10 +389,17 @@ func nixlPaged(v *stateView, t StateTopology, mha bool) (StatePlan, error) {
 	return sp, err
 }
 
-// stateFieldError renames the field of a KV pairing error to the state
-// component it came from.
+// stateFieldError renames the region-list field of a KV pairing error
+// ("prefill.kv_ptrs", "decode.kv_ptrs") to the state component's.
 func stateFieldError(err error, i int) error {
-	if e, ok := err.(*Error); ok {
+	e, ok := err.(*Error)
+	if !ok {
+		return err
+	}
+	switch e.Field {
+	case "prefill.kv_ptrs":
+		return &Error{Field: stateField("prefill.state_ptrs", i), Msg: e.Msg}
+	case "decode.kv_ptrs":
 		return &Error{Field: stateField("decode.state_ptrs", i), Msg: e.Msg}
 	}
 	return err
