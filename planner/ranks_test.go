@@ -33,9 +33,9 @@ func TestMapRanks(t *testing.T) {
 		},
 		{
 			// MLA: only prefill rank 2 sends; rank 3 gets a dummy request.
-			name: "prefill larger mla",
-			in:   RankMappingInput{DecodeTPSize: 2, PrefillTPSize: 4, DecodeEngineRank: 1, MLA: true},
-			want: RankMapping{TargetTPRank: 2, TargetTPRanks: []int{2, 3}, TargetCPRanks: []int{0}, TargetPPRanks: []int{0}, RequiredDstInfoNum: 1, RequiredPrefillResponseNum: 1},
+			name:    "prefill larger mla",
+			in:      RankMappingInput{DecodeTPSize: 2, PrefillTPSize: 4, DecodeEngineRank: 1, MLA: true},
+			want:    RankMapping{TargetTPRank: 2, TargetTPRanks: []int{2, 3}, TargetCPRanks: []int{0}, TargetPPRanks: []int{0}, RequiredDstInfoNum: 1, RequiredPrefillResponseNum: 1},
 			targets: []BootstrapTarget{{0, 2, 0, false}, {0, 3, 0, true}},
 		},
 		{
@@ -53,9 +53,9 @@ func TestMapRanks(t *testing.T) {
 		},
 		{
 			// Prefill CP 2, pulling from every CP rank: both answer.
-			name: "cp all ranks",
-			in:   RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 2, PrefillCPSize: 2, AllCPRanks: true, MLA: true},
-			want: RankMapping{TargetTPRank: 0, TargetTPRanks: []int{0, 1}, TargetCPRanks: []int{0, 1}, TargetPPRanks: []int{0}, RequiredDstInfoNum: 1, RequiredPrefillResponseNum: 2},
+			name:    "cp all ranks",
+			in:      RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 2, PrefillCPSize: 2, AllCPRanks: true, MLA: true},
+			want:    RankMapping{TargetTPRank: 0, TargetTPRanks: []int{0, 1}, TargetCPRanks: []int{0, 1}, TargetPPRanks: []int{0}, RequiredDstInfoNum: 1, RequiredPrefillResponseNum: 2},
 			targets: []BootstrapTarget{{0, 0, 0, false}, {0, 1, 0, true}, {1, 0, 0, false}, {1, 1, 0, true}},
 		},
 		{
