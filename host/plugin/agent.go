@@ -68,6 +68,7 @@ type Agent struct {
 type peer struct {
 	rregions []*RemoteRegion // imported by the user; emulation may use them
 	dlists   []*DList        // remote lists prepared against this peer
+	removed  bool            // RemoveRemote released everything of the peer; guarded by Agent.mu
 }
 
 // NewAgent creates an agent called name (unique among the peers it talks
@@ -402,6 +403,7 @@ func (a *Agent) forgetPeer(name string) {
 	for _, rr := range pr.rregions {
 		rr.closed = true
 	}
+	pr.removed = true
 	for _, d := range pr.dlists {
 		d.closed = true
 		if d.emu != nil {

@@ -25,6 +25,9 @@ type Xfer struct {
 	h      abi.Xfer
 	closed bool
 	tmp    [2]abi.DList // lists made by batch emulation, released with the transfer
+	// tmpPeer is the peer of tmp[1]: if it was removed, the plugin released
+	// tmp[1] already.
+	tmpPeer *peer
 
 	// Args of the hot calls, kept in the (heap) Xfer so that posting and
 	// polling allocate nothing.
@@ -218,6 +221,9 @@ func (a *Agent) batchViaPrepped(s *scratch, op abi.Op, pairs []Pair, entries []a
 	}
 	x := a.newXfer(h, op, len(entries), true)
 	x.tmp = [2]abi.DList{ld, rd}
+	a.book.Lock()
+	x.tmpPeer = a.peerLocked(peerName)
+	a.book.Unlock()
 	return x, nil
 }
 
@@ -416,10 +422,11 @@ func (x *Xfer) Close() error {
 	x.closed = true
 	args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
 	errs := []error{x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))}
-	for _, d := range x.tmp {
-		if d != 0 {
-			errs = append(errs, x.a.callReleaseDList(d))
-		}
+	if x.tmp[0] != 0 {
+		errs = append(errs, x.a.callReleaseDList(x.tmp[0]))
+	}
+	if x.tmp[1] != 0 && !x.tmpPeer.removed {
+		errs = append(errs, x.a.callReleaseDList(x.tmp[1]))
 	}
 	return errors.Join(errs...)
 }
