@@ -207,8 +207,8 @@ func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
 	if r.has(14) && len(payload[14]) > 0 {
 		if len(payload[14]) != 8 {
 			r.fail(14, "staging base ptr", "%d bytes, want 8", len(payload[14]))
-		} else {
-			staging.BasePtr = r.uint64s(14, "staging base ptr")[0]
+		} else if v := r.uint64s(14, "staging base ptr"); len(v) == 1 {
+			staging.BasePtr = v[0]
 		}
 	}
 	if r.present(15) {
