@@ -106,6 +106,9 @@ type Plan struct {
 	// mergeFloor is the first copy Add may merge into; copies before it
 	// belong to a closed part.
 	mergeFloor int
+	// runs is scratch space for planners: a chunk's page runs, computed
+	// once per chunk and kept across Reset to avoid allocating.
+	runs []pageRun
 }
 
 // Part is one backend transfer of a plan: Copies[Start:End], all moving from

@@ -188,33 +188,51 @@ func (sp *sglangPair) headSlice(style sliceStyle) (headSlice, error) {
 	return h, nil
 }
 
+// pageRun is a run of page pairs: n pages from src on the prefill side to
+// n pages from dst on the decode side.
+type pageRun struct{ src, dst, n uint64 }
+
+// pageRuns splits a chunk into runs (group_concurrent_contiguous), once per
+// chunk, into the plan's scratch space; perPage gives every page its own
+// run instead.
+func (p *Plan) pageRuns(src, dst []int32, perPage bool) []pageRun {
+	p.runs = p.runs[:0]
+	for i, n := 0, 0; i < len(src); i += n {
+		n = 1
+		if !perPage {
+			n = NextRun(src, dst, i)
+		}
+		p.runs = append(p.runs, pageRun{uint64(src[i]), uint64(dst[i]), uint64(n)})
+	}
+	return p.runs
+}
+
 // addPages adds whole-page copies of one region pair for every run of the
 // chunk.
 func addPages(p *Plan, pp pagePair, src, dst []int32) {
-	for i, n := 0, 0; i < len(src); i += n {
-		n = NextRun(src, dst, i)
+	addPageRuns(p, pp, p.pageRuns(src, dst, false))
+}
+
+// addPageRuns adds one copy per run for one region pair.
+func addPageRuns(p *Plan, pp pagePair, runs []pageRun) {
+	for _, r := range runs {
 		p.Add(Copy{
 			SrcRegion: pp.src, DstRegion: pp.dst,
-			SrcOff: uint64(src[i]) * pp.srcStride, DstOff: uint64(dst[i]) * pp.dstStride,
-			Len: pp.xfer, SrcStride: pp.srcStride, DstStride: pp.dstStride, Count: uint64(n),
+			SrcOff: r.src * pp.srcStride, DstOff: r.dst * pp.dstStride,
+			Len: pp.xfer, SrcStride: pp.srcStride, DstStride: pp.dstStride, Count: r.n,
 		})
 	}
 }
 
-// addSlices adds the head-slice copies of one region pair: one strided copy
-// per run of pages (per page when page strides do not continue the token
-// stride).
-func addSlices(p *Plan, h *headSlice, srcReg, dstReg int32, src, dst []int32) {
-	aligned := h.tokensAligned()
-	for i, n := 0, 0; i < len(src); i += n {
-		n = 1
-		if aligned {
-			n = NextRun(src, dst, i)
-		}
+// addSliceRuns adds the head-slice copies of one region pair: one strided
+// copy per run (runs of single pages when page strides do not continue the
+// token stride, see headSlice.tokensAligned).
+func addSliceRuns(p *Plan, h *headSlice, srcReg, dstReg int32, runs []pageRun) {
+	for _, r := range runs {
 		p.Add(Copy{
 			SrcRegion: srcReg, DstRegion: dstReg,
-			SrcOff: uint64(src[i])*h.srcItem + h.srcOff, DstOff: uint64(dst[i])*h.dstItem + h.dstOff,
-			Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * uint64(n),
+			SrcOff: r.src*h.srcItem + h.srcOff, DstOff: r.dst*h.dstItem + h.dstOff,
+			Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * r.n,
 		})
 	}
 }

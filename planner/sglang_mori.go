@@ -113,8 +113,9 @@ func (m *MoriKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		return err
 	}
 	if m.path == PathMoriTPSlice {
+		runs := p.pageRuns(src, dst, !m.slice.tokensAligned())
 		for i, d := range m.pairOf {
-			addSlices(p, &m.slice, int32(i), d, src, dst)
+			addSliceRuns(p, &m.slice, int32(i), d, runs)
 		}
 		p.ReferenceDescriptors = uint64(len(m.pairOf)) * uint64(len(src)) * m.slice.pageSize
 		return nil
@@ -130,9 +131,10 @@ func (m *MoriKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 			return err
 		}
 	}
+	runs := p.pageRuns(src, dst, false)
 	for _, pp := range m.pairs {
-		addPages(p, pp, src, dst)
+		addPageRuns(p, pp, runs)
 	}
-	p.ReferenceDescriptors = uint64(len(m.pairs)) * uint64(CountRuns(src, dst))
+	p.ReferenceDescriptors = uint64(len(m.pairs)) * uint64(len(runs))
 	return nil
 }

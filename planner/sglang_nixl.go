@@ -227,8 +227,9 @@ func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		return nil
 	}
 	if n.path == PathNixlPreppedSlice {
+		runs := p.pageRuns(src, dst, !n.slice.tokensAligned())
 		for i, d := range n.pairOf {
-			addSlices(p, &n.slice, int32(i), d, src, dst)
+			addSliceRuns(p, &n.slice, int32(i), d, runs)
 		}
 		p.ReferenceDescriptors = uint64(len(n.pairOf)) * uint64(len(src)) * n.slice.pageSize
 		return nil
@@ -245,9 +246,10 @@ func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 			}
 		}
 	}
+	runs := p.pageRuns(src, dst, false)
 	for _, seg := range n.segments {
 		for _, pp := range n.pairs[seg.Start:seg.End] {
-			addPages(p, pp, src, dst)
+			addPageRuns(p, pp, runs)
 		}
 		if n.path == PathNixlPreppedMixed {
 			p.ClosePart(seg.SrcKind, seg.DstKind)
@@ -256,7 +258,7 @@ func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	if n.prepped {
 		p.ReferenceDescriptors = uint64(len(n.pairs)) * uint64(len(src))
 	} else {
-		p.ReferenceDescriptors = uint64(len(n.pairs)) * uint64(CountRuns(src, dst))
+		p.ReferenceDescriptors = uint64(len(n.pairs)) * uint64(len(runs))
 	}
 	return nil
 }
