@@ -1,6 +1,9 @@
 package planner
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // Per-request planning of vLLM pull reads (_read_blocks_for_req,
 // _read_blocks, get_mapped_blocks, _get_block_descs_ids).
@@ -34,6 +37,38 @@ type vllmSeq struct {
 
 func (s *vllmSeq) at(k int) int {
 	return int(s.ids[k/s.factor])*s.factor + k%s.factor
+}
+
+// vllmCursor walks a vllmSeq from some element on, without a division per
+// element.
+type vllmCursor struct {
+	s    *vllmSeq
+	i, o int // input id index and offset within its expansion
+}
+
+func (s *vllmSeq) cursor(k int) vllmCursor { return vllmCursor{s: s, i: k / s.factor, o: k % s.factor} }
+
+func (c *vllmCursor) next() int {
+	v := int(c.s.ids[c.i])*c.s.factor + c.o
+	if c.o++; c.o == c.s.factor {
+		c.o, c.i = 0, c.i+1
+	}
+	return v
+}
+
+// appendRange appends base + elements [from, to) of s to dst.
+func (s *vllmSeq) appendRange(dst []int32, from, to, base int) []int32 {
+	if s.factor == 1 {
+		for _, id := range s.ids[from:to] {
+			dst = append(dst, int32(base+int(id)))
+		}
+		return dst
+	}
+	c := s.cursor(from)
+	for k := from; k < to; k++ {
+		dst = append(dst, int32(base+c.next()))
+	}
+	return dst
 }
 
 // vllmReq is one request resolved against a reader: the expanded lists and
@@ -162,14 +197,18 @@ func (r *VLLMReader) AppendRead(localDst, remoteDst []int32, localBlockIDs, remo
 	if err != nil || notify {
 		return localDst, remoteDst, notify, err
 	}
+	n := q.local.n
+	total := 0
+	for j := range r.local.Regions {
+		total += n - r.windowStartOf(j, n)
+	}
+	localDst, remoteDst = slices.Grow(localDst, total), slices.Grow(remoteDst, total)
 	lb, rb := r.local.Blocks, r.remote.Blocks
 	for j := range r.local.Regions {
 		// Ids fit int32: NewVLLMReader bounds both list lengths.
-		lBase, rBase := j*lb, j*rb
-		for k := r.windowStartOf(j, q.local.n); k < q.local.n; k++ {
-			localDst = append(localDst, int32(lBase+q.local.at(k)))
-			remoteDst = append(remoteDst, int32(rBase+q.remote.at(q.remoteStart+k)))
-		}
+		from := r.windowStartOf(j, n)
+		localDst = q.local.appendRange(localDst, from, n, j*lb)
+		remoteDst = q.remote.appendRange(remoteDst, q.remoteStart+from, q.remoteStart+n, j*rb)
 	}
 	return localDst, remoteDst, false, nil
 }
@@ -198,6 +237,10 @@ const (
 // FillPlan is Plan into a caller's plan: p is Reset and refilled, keeping its
 // capacity, so planning allocates nothing once p has grown. p.Src and p.Dst
 // are borrowed from the reader.
+//
+// Runs of blocks consecutive on both sides are the same for every region,
+// so they are found once (in batches of vllmRunBatch, on the stack) and
+// then turned into one copy per region each: O(blocks + regions × runs).
 func (r *VLLMReader) FillPlan(p *Plan, localBlockIDs, remoteBlockIDs []int32) error {
 	p.Reset()
 	q, notify, err := r.resolve(localBlockIDs, remoteBlockIDs)
@@ -210,22 +253,87 @@ func (r *VLLMReader) FillPlan(p *Plan, localBlockIDs, remoteBlockIDs []int32) er
 		return nil
 	}
 	p.Path = PathVLLMRead
-	nv := len(r.local.Regions)
-	for j := 0; j < nv; j++ {
-		lr, rr := &r.local.Regions[j], &r.remote.Regions[j]
-		segLen := lr.Len
-		from := r.windowStartOf(j, q.local.n)
-		p.ReferenceDescriptors += uint64(q.local.n - from)
-		// Blocks-first: K (region j) and V (region j+1) of one tensor are
-		// adjacent on both sides when this rank reads whole halves.
-		if j+1 < nv && r.mergeable(j, from, q.local.n) {
-			segLen *= 2
-			p.ReferenceDescriptors += uint64(q.local.n - from)
-			j++
+	n := q.local.n
+	first := n
+	for j := range r.local.Regions {
+		from := r.windowStartOf(j, n)
+		first = min(first, from)
+		p.ReferenceDescriptors += uint64(n - from)
+	}
+	var buf [vllmRunBatch]vllmRun
+	sc := vllmRunScanner{lc: q.local.cursor(first), rc: q.remote.cursor(q.remoteStart + first), k: first, n: n}
+	for runs := sc.fill(buf[:0]); len(runs) > 0; runs = sc.fill(buf[:0]) {
+		nv := len(r.local.Regions)
+		for j := 0; j < nv; j++ {
+			lr, rr := &r.local.Regions[j], &r.remote.Regions[j]
+			segLen := lr.Len
+			from := r.windowStartOf(j, n)
+			// Blocks-first: K (region j) and V (region j+1) of one tensor
+			// are adjacent on both sides when this rank reads whole halves.
+			if j+1 < nv && r.mergeable(j, from, n) {
+				segLen *= 2
+				j++
+			}
+			addRuns(p, runs, lr, rr, segLen, from)
 		}
-		r.addRuns(p, &q, lr, rr, segLen, from)
 	}
 	return nil
+}
+
+// vllmRunBatch is how many runs FillPlan finds before emitting copies: a
+// stack buffer of 16 KiB.
+const vllmRunBatch = 512
+
+// vllmRun is m blocks read from k on: local ids lid..lid+m-1 from remote ids
+// rid..rid+m-1.
+type vllmRun struct{ k, lid, rid, m int }
+
+// vllmRunScanner splits a request's block pairs into runs consecutive on
+// both sides, in batches.
+type vllmRunScanner struct {
+	lc, rc  vllmCursor
+	k, n    int
+	pending vllmRun // the run being extended (m > 0) across fills
+	lastLID int
+	lastRID int
+	flushed bool
+}
+
+// fill appends up to cap(dst) complete runs and returns them; an empty
+// result means the request is exhausted.
+func (s *vllmRunScanner) fill(dst []vllmRun) []vllmRun {
+	for s.k < s.n {
+		lid, rid := s.lc.next(), s.rc.next()
+		if s.pending.m > 0 && lid == s.lastLID+1 && rid == s.lastRID+1 {
+			s.pending.m++
+		} else {
+			if s.pending.m > 0 {
+				if len(dst) == cap(dst) {
+					// Out of room: leave this block for the next fill.
+					s.lc.i, s.lc.o = rewind(s.lc)
+					s.rc.i, s.rc.o = rewind(s.rc)
+					return dst
+				}
+				dst = append(dst, s.pending)
+			}
+			s.pending = vllmRun{k: s.k, lid: lid, rid: rid, m: 1}
+		}
+		s.lastLID, s.lastRID = lid, rid
+		s.k++
+	}
+	if s.pending.m > 0 && len(dst) < cap(dst) {
+		dst = append(dst, s.pending)
+		s.pending.m = 0
+	}
+	return dst
+}
+
+// rewind steps a cursor back by one element.
+func rewind(c vllmCursor) (i, o int) {
+	if c.o == 0 {
+		return c.i - 1, c.s.factor - 1
+	}
+	return c.i, c.o - 1
 }
 
 // mergeable reports whether virtual regions j and j+1 are the K and V
@@ -238,15 +346,16 @@ func (r *VLLMReader) mergeable(j, from, n int) bool {
 		r.windowStartOf(j+1, n) == from
 }
 
-// addRuns adds the copies of one (possibly merged) region: one per run of
-// blocks consecutive on both sides.
-func (r *VLLMReader) addRuns(p *Plan, q *vllmReq, lr, rr *VLLMListRegion, segLen uint64, from int) {
-	n := q.local.n
-	for k := from; k < n; {
-		lid, rid := q.local.at(k), q.remote.at(q.remoteStart+k)
-		m := 1
-		for k+m < n && q.local.at(k+m) == lid+m && q.remote.at(q.remoteStart+k+m) == rid+m {
-			m++
+// addRuns adds the copies of one (possibly merged) region: one per run,
+// skipping the blocks before from (a window).
+func addRuns(p *Plan, runs []vllmRun, lr, rr *VLLMListRegion, segLen uint64, from int) {
+	for _, run := range runs {
+		if run.k+run.m <= from {
+			continue
+		}
+		lid, rid, m := run.lid, run.rid, run.m
+		if d := from - run.k; d > 0 {
+			lid, rid, m = lid+d, rid+d, m-d
 		}
 		c := Copy{
 			SrcRegion: int32(rr.Region),
@@ -265,6 +374,5 @@ func (r *VLLMReader) addRuns(p *Plan, q *vllmReq, lr, rr *VLLMListRegion, segLen
 			c.Len, c.Count, c.SrcStride, c.DstStride = segLen*uint64(m), 1, 0, 0
 		}
 		p.Add(c)
-		k += m
 	}
 }

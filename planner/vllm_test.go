@@ -3,6 +3,7 @@ package planner
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"reflect"
 	"sort"
 	"strconv"
@@ -773,4 +774,81 @@ func FuzzParseVLLMNotification(f *testing.F) {
 			t.Fatalf("%q parsed to %q, %d", b, id, n)
 		}
 	})
+}
+
+// More runs than FillPlan's stack batch: runs spill over batches, windows
+// cut across them, and the plan still moves exactly the prepped bytes.
+func TestVLLMManyRuns(t *testing.T) {
+	for _, windows := range [][]int{nil, {0, 700}, {1999, 3}} {
+		local := VLLMDecode{Agent: vAgent(vDecodeBase, 4, 64, nil, 4096, 16), TPRank: 1, TPSize: 2, TotalKVHeads: 4, BlockWindows: windows}
+		r, err := NewVLLMReader(local, vAgent(vPrefillBase, 4, 128, nil, 4096, 16), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Pairs of consecutive blocks, so runs have length 2 and the
+		// batches really hold runs, not single blocks.
+		perm := rand.New(rand.NewPCG(1, 2)).Perm(2048)
+		var lids, rids []int32
+		for i, b := range perm[:1000] {
+			lids = append(lids, int32(2*b), int32(2*b+1))
+			rids = append(rids, int32(4*i), int32(4*i+1))
+		}
+		rd, err := r.Read(lids, rids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := r.Plan(lids, rids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		vAssertSameBytes(t, r, rd, p)
+		// One strided copy per run of 2 (a window may cut one run per
+		// region in half).
+		if p.Descriptors() > len(rd.LocalIDs)/2+4 || p.ExpandedDescriptors() != uint64(len(rd.LocalIDs)) {
+			t.Errorf("windows %v: %d copies standing for %d blocks, for %d prepped descriptors", windows, p.Descriptors(), p.ExpandedDescriptors(), len(rd.LocalIDs))
+		}
+	}
+}
+
+// A reader is shared by every request to its prefill engine: concurrent
+// Read and FillPlan calls must not interfere (run with -race).
+func TestVLLMReaderConcurrent(t *testing.T) {
+	r, err := NewVLLMReader(VLLMDecode{Agent: vAgent(vDecodeBase, 4, 32, nil, 64, 16), TPRank: 1, TPSize: 2, TotalKVHeads: 4, BlockWindows: []int{0, 3}},
+		vAgent(vPrefillBase, 4, 64, nil, 64, 16), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := r.Plan([]int32{1, 2, 3, 9, 10}, []int32{5, 6, 7, 8, 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 8)
+	for g := range 8 {
+		go func() {
+			var p Plan
+			for range 200 {
+				if err := r.FillPlan(&p, []int32{1, 2, 3, 9, 10}, []int32{5, 6, 7, 8, 20}); err != nil {
+					done <- err
+					return
+				}
+				if !reflect.DeepEqual(p.Copies, want.Copies) {
+					done <- fmt.Errorf("goroutine %d: plan differs", g)
+					return
+				}
+				if _, err := r.Read([]int32{1, 2}, []int32{3, 4}); err != nil {
+					done <- err
+					return
+				}
+			}
+			done <- nil
+		}()
+	}
+	for range 8 {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
 }
