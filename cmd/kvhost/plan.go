@@ -35,7 +35,7 @@ func runPlan(c *cli.Context) error {
 	if c.NArg() > 0 {
 		return fmt.Errorf("plan: unexpected argument %q (the request is read from stdin or --in)", c.Args().First())
 	}
-	var in io.Reader = os.Stdin
+	in := c.App.Reader
 	if name := c.String("in"); name != "" {
 		f, err := os.Open(name)
 		if err != nil {
