@@ -15,7 +15,7 @@ import (
 // Geometry of a fixture: two regions per side, split into destination slots
 // so that the blocks a transfer writes never overlap.
 const (
-	regionSize  = 256 << 10
+	regionSize  = 128 << 10
 	numRegions  = 2
 	maxBlockLen = 4096     // longest plain block; also its destination slot
 	stridedSlot = 16 << 10 // destination slot of a strided run (up to 8 blocks of 512 bytes, 1.5 KiB apart)

@@ -118,8 +118,12 @@ func (m *memAgent) Close() error {
 // on the seed and on its position, so a block landing at the wrong offset,
 // a shifted copy or a stale byte all show.
 func fillPattern(b []byte, seed uint64) {
-	var w [8]byte
-	for i := 0; i < len(b); i += 8 {
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], splitmix(seed^uint64(i)*0x9e3779b97f4a7c15))
+	}
+	if i < len(b) {
+		var w [8]byte
 		binary.LittleEndian.PutUint64(w[:], splitmix(seed^uint64(i)*0x9e3779b97f4a7c15))
 		copy(b[i:], w[:])
 	}

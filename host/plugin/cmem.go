@@ -25,6 +25,18 @@ func callC(fn uintptr, args unsafe.Pointer) uintptr {
 	return r1
 }
 
+// callHeap is callC for hot paths: args must point into a heap object the
+// caller keeps alive for the call (Go never moves heap objects), and slot is
+// a one-element buffer in heap memory the caller owns exclusively for the
+// call. Passing the argument through slot avoids the one small allocation
+// purego.SyscallN's variadic, pointer-escaping argument costs otherwise.
+func callHeap(fn uintptr, args unsafe.Pointer, slot *[1]uintptr) uintptr {
+	slot[0] = uintptr(args)
+	r1, _, _ := purego.SyscallN(fn, slot[:]...)
+	runtime.KeepAlive(args)
+	return r1
+}
+
 // cPointer turns an address in C memory into an unsafe.Pointer without a
 // uintptr-to-pointer conversion (which vet rightly flags for Go memory). Only
 // for memory the plugin owns: the garbage collector ignores such pointers.

@@ -33,6 +33,7 @@ type Xfer struct {
 	// polling allocate nothing.
 	post abi.PostXferArgs
 	poll abi.PollXferArgs
+	slot [1]uintptr // callHeap's argument buffer, guarded by mu
 }
 
 // Pair is a (local region, remote region) pair of a batch transfer; batch
@@ -318,7 +319,7 @@ func (x *Xfer) Post() (done bool, err error) {
 	}
 	defer x.unlock()
 	x.post.Status = 0
-	if err := x.a.check("post_xfer", callC(x.a.p.api.PostXfer, unsafe.Pointer(&x.post))); err != nil {
+	if err := x.a.check("post_xfer", callHeap(x.a.p.api.PostXfer, unsafe.Pointer(&x.post), &x.slot)); err != nil {
 		return false, err
 	}
 	return x.status("post_xfer", x.post.Status)
@@ -333,7 +334,7 @@ func (x *Xfer) Poll() (done bool, err error) {
 	}
 	defer x.unlock()
 	x.poll.Status = 0
-	if err := x.a.check("poll_xfer", callC(x.a.p.api.PollXfer, unsafe.Pointer(&x.poll))); err != nil {
+	if err := x.a.check("poll_xfer", callHeap(x.a.p.api.PollXfer, unsafe.Pointer(&x.poll), &x.slot)); err != nil {
 		return false, err
 	}
 	return x.status("poll_xfer", x.poll.Status)

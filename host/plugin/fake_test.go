@@ -1,0 +1,467 @@
+package plugin
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// These tests use the fake plugin (make plugin-fake) for what only a real
+// plugin shows: the host's bookkeeping around emulation, handle lifetimes,
+// concurrency and allocations. The plugin's own behaviour is the
+// conformance suite's business (host/conformance).
+
+func openFake(tb testing.TB) *Plugin {
+	tb.Helper()
+	p, err := Load("fake", SearchDirs(""))
+	if err != nil {
+		tb.Fatalf("%v (build the fake plugin with `make plugin-fake`)", err)
+	}
+	tb.Cleanup(func() { p.Close() })
+	return p
+}
+
+// side is an agent with mmap'd, registered buffers.
+type side struct {
+	a       *Agent
+	bufs    [][]byte
+	regions []*Region
+}
+
+var agentSeq struct {
+	sync.Mutex
+	n int
+}
+
+func uniqueName(role string) string {
+	agentSeq.Lock()
+	defer agentSeq.Unlock()
+	agentSeq.n++
+	return fmt.Sprintf("plugintest-%s-%d-%d", role, syscall.Getpid(), agentSeq.n)
+}
+
+func mmap(tb testing.TB, size int) []byte {
+	tb.Helper()
+	b, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { syscall.Munmap(b) }) // runs after the agent's cleanup
+	return b
+}
+
+func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+func newSide(tb testing.TB, p *Plugin, role string, sizes []int, params ...Param) *side {
+	tb.Helper()
+	s := &side{}
+	var descs []abi.MemDesc
+	for _, size := range sizes {
+		b := mmap(tb, size)
+		s.bufs = append(s.bufs, b)
+		descs = append(descs, abi.MemDesc{Addr: addr(b), Len: uint64(size), MemKind: abi.DRAM})
+	}
+	a, err := p.NewAgent(uniqueName(role), params...)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { a.Close() })
+	s.a = a
+	if s.regions, err = a.Register(descs); err != nil {
+		tb.Fatal(err)
+	}
+	return s
+}
+
+// connect makes from load to's metadata and returns to's name.
+func connect(tb testing.TB, from, to *side) string {
+	tb.Helper()
+	md, err := to.a.LocalMetadata()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	name, err := from.a.LoadRemote(md)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return name
+}
+
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = byte(i*7) ^ seed ^ byte(i>>8)
+	}
+}
+
+func wait(tb testing.TB, x *Xfer) {
+	tb.Helper()
+	done, err := x.Post()
+	if err == nil && !done {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		err = x.Wait(ctx)
+	}
+	if err != nil {
+		tb.Fatal(err)
+	}
+}
+
+func TestFakeEmulatedListsHoldTheirRegions(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{64 << 10}, Param{"caps_off", "prepped"})
+	b := newSide(t, p, "b", []int{64 << 10})
+	peer := connect(t, a, b)
+	if !a.a.Emulated().Has(abi.CapPrepped) {
+		t.Fatalf("caps_off=prepped: emulated %v", a.a.Emulated().Names())
+	}
+	l, err := a.a.PrepLocal(abi.DRAM, []abi.XferDesc{{Addr: addr(a.bufs[0]) + 100, Len: 1000, Count: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !l.Emulated() || l.Handle() != 0 {
+		t.Errorf("list on an agent without prepped: emulated %v handle %d", l.Emulated(), l.Handle())
+	}
+	err = a.regions[0].Close()
+	if !errors.Is(err, ErrNotAllowed) {
+		t.Errorf("deregistering a region an emulated list uses: %v, want ErrNotAllowed", err)
+	}
+	blob, err := b.regions[0].Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, err := a.a.ImportRegion(peer, blob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.a.PrepRemote(peer, abi.DRAM, []abi.XferDesc{{Addr: addr(b.bufs[0]) + 5000, Len: 1000, Count: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rr.Close(); !errors.Is(err, ErrNotAllowed) {
+		t.Errorf("releasing a remote region an emulated list uses: %v, want ErrNotAllowed", err)
+	}
+	fill(a.bufs[0], 1)
+	x, err := a.a.MakePreppedXfer(abi.Write, l, []int32{0}, r, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wait(t, x)
+	if !bytes.Equal(b.bufs[0][5000:6000], a.bufs[0][100:1100]) {
+		t.Errorf("bytes did not land")
+	}
+	if err := x.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.regions[0].Close(); err != nil {
+		t.Errorf("deregistering after the list closed: %v", err)
+	}
+	if err := rr.Close(); err != nil {
+		t.Errorf("releasing after the list closed: %v", err)
+	}
+}
+
+func TestFakeEmulatedRemoteListWithoutAddressImport(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{64 << 10}, Param{"caps_off", "prepped,remote_addr"})
+	b := newSide(t, p, "b", []int{64 << 10, 64 << 10})
+	peer := connect(t, a, b)
+	descs := []abi.XferDesc{{Addr: addr(b.bufs[1]) + 10, Len: 100, Count: 1}}
+	_, err := a.a.PrepRemote(peer, abi.DRAM, descs)
+	var pe *Error
+	if !errors.As(err, &pe) || pe.Code != abi.ErrNotFound || !pe.Host || !strings.Contains(pe.Message, "ImportRegion") {
+		t.Fatalf("remote list with nothing imported and no remote_addr: %v", err)
+	}
+	for _, r := range b.regions {
+		blob, err := r.Export()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.a.ImportRegion(peer, blob); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := a.a.PrepRemote(peer, abi.DRAM, descs); err != nil {
+		t.Errorf("remote list over imported regions: %v", err)
+	}
+}
+
+func TestFakeEmulatedRemoteListSplitsMergedImports(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{64 << 10}, Param{"caps_off", "prepped"})
+	// b registers two adjacent halves of one mapping separately.
+	buf := mmap(t, 128<<10)
+	ba, err := p.NewAgent(uniqueName("b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ba.Close()
+	if _, err := ba.Register([]abi.MemDesc{{Addr: addr(buf), Len: 64 << 10}, {Addr: addr(buf) + 64<<10, Len: 64 << 10}}); err != nil {
+		t.Fatal(err)
+	}
+	b := &side{a: ba}
+	peer := connect(t, a, b)
+	// Two touching descriptors, one on each side of the boundary: merged,
+	// they cross two registrations, which the plugin refuses; the host
+	// then imports them apart.
+	r, err := a.a.PrepRemote(peer, abi.DRAM, []abi.XferDesc{
+		{Addr: addr(buf) + 60<<10, Len: 4 << 10, Count: 1},
+		{Addr: addr(buf) + 64<<10, Len: 4 << 10, Count: 1},
+	})
+	if err != nil {
+		t.Fatalf("remote list across two registrations: %v", err)
+	}
+	if n := len(r.emu.owned); n != 2 {
+		t.Errorf("the list imported %d ranges, want 2", n)
+	}
+	l, err := a.a.PrepLocal(abi.DRAM, []abi.XferDesc{{Addr: addr(a.bufs[0]), Len: 8 << 10, Count: 1}, {Addr: addr(a.bufs[0]) + 8<<10, Len: 4 << 10, Count: 1}, {Addr: addr(a.bufs[0]) + 20<<10, Len: 4 << 10, Count: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(a.bufs[0], 3)
+	x, err := a.a.MakePreppedXfer(abi.Write, l, []int32{1, 2}, r, []int32{0, 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wait(t, x)
+	if !bytes.Equal(buf[60<<10:64<<10], a.bufs[0][8<<10:12<<10]) || !bytes.Equal(buf[64<<10:68<<10], a.bufs[0][20<<10:24<<10]) {
+		t.Errorf("bytes did not land")
+	}
+	// A length mismatch is caught by the host, as a native plugin would.
+	_, err = a.a.MakePreppedXfer(abi.Write, l, []int32{0}, r, []int32{0}, nil)
+	if !errors.Is(err, ErrMismatch) {
+		t.Errorf("8 KiB against 4 KiB: %v", err)
+	}
+	if err := r.Close(); err != nil {
+		t.Errorf("closing the list and its imports: %v", err)
+	}
+}
+
+func TestFakeHandlesAfterClose(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{4096})
+	b := newSide(t, p, "b", []int{4096})
+	peer := connect(t, a, b)
+	rr, err := a.a.ImportRange(peer, addr(b.bufs[0]), 4096, 0, abi.DRAM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := a.a.MakeBatchXfer(abi.Write, []Pair{{a.regions[0], rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wait(t, x)
+	if err := rr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = a.a.MakeBatchXfer(abi.Write, []Pair{{a.regions[0], rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
+	if !errors.Is(err, ErrClosed) {
+		t.Errorf("batch with a released remote region: %v", err)
+	}
+	_, err = a.a.MakeBatchXfer(abi.Write, []Pair{{b.regions[0], rr}}, nil, nil)
+	if !errors.Is(err, ErrInvalidParam) {
+		t.Errorf("batch with another agent's region: %v", err)
+	}
+	if err := a.a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for what, err := range map[string]error{
+		"poll":       second(x.Poll()),
+		"post":       second(x.Post()),
+		"telemetry":  second(x.Telemetry()),
+		"close xfer": x.Close(),
+		"deregister": a.regions[0].Close(),
+		"export":     second(a.regions[0].Export()),
+		"metadata":   second(a.a.LocalMetadata()),
+		"notifs":     second(a.a.Notifs()),
+		"send":       a.a.SendNotif(peer, nil),
+		"prep":       second(a.a.PrepLocal(abi.DRAM, nil)),
+		"import":     second(a.a.ImportRange(peer, addr(b.bufs[0]), 1, 0, abi.DRAM)),
+		"remove":     a.a.RemoveRemote(peer),
+		"close":      a.a.Close(),
+	} {
+		if !errors.Is(err, ErrClosed) {
+			t.Errorf("%s after the agent closed: %v, want ErrClosed", what, err)
+		}
+	}
+}
+
+func second[T any](_ T, err error) error { return err }
+
+func TestFakeConcurrentUseAndClose(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{1 << 20})
+	b := newSide(t, p, "b", []int{1 << 20})
+	peer := connect(t, a, b)
+	rr, err := a.a.ImportRange(peer, addr(b.bufs[0]), 1<<20, 0, abi.DRAM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			e := []abi.BatchEntry{{LocalOffset: uint64(g) << 16, RemoteOffset: uint64(g) << 16, Len: 1 << 16, Count: 1}}
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				x, err := a.a.MakeBatchXfer(abi.Write, []Pair{{a.regions[0], rr}}, e, nil)
+				if errors.Is(err, ErrClosed) {
+					return
+				}
+				if err != nil {
+					t.Errorf("goroutine %d: %v", g, err)
+					return
+				}
+				done, err := x.Post()
+				for err == nil && !done {
+					done, err = x.Poll()
+				}
+				cerr := x.Close()
+				if err != nil && !errors.Is(err, ErrClosed) || cerr != nil && !errors.Is(cerr, ErrClosed) {
+					t.Errorf("goroutine %d: %v / %v", g, err, cerr)
+					return
+				}
+			}
+		}()
+	}
+	time.Sleep(50 * time.Millisecond)
+	if err := a.a.Close(); err != nil { // while the goroutines post
+		t.Errorf("closing the agent under load: %v", err)
+	}
+	close(stop)
+	wg.Wait()
+}
+
+func TestFakeWaitHonoursContext(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{4096}, Param{"delay_us", "300000"})
+	b := newSide(t, p, "b", []int{4096})
+	peer := connect(t, a, b)
+	rr, err := a.a.ImportRange(peer, addr(b.bufs[0]), 4096, 0, abi.DRAM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := a.a.MakeBatchXfer(abi.Write, []Pair{{a.regions[0], rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { time.Sleep(20 * time.Millisecond); cancel() }()
+	start := time.Now()
+	if err := x.Wait(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Wait: %v, want context.Canceled", err)
+	}
+	if d := time.Since(start); d > 150*time.Millisecond {
+		t.Errorf("Wait returned %v after cancellation began at 20ms", d)
+	}
+	if err := x.Close(); err != nil {
+		t.Errorf("closing (cancelling) the transfer: %v", err)
+	}
+}
+
+// The hot paths allocate nothing per descriptor: making a transfer costs the
+// same few allocations for 10 descriptors as for 10000, and posting and
+// polling allocate nothing at all.
+func TestFakeHotPathAllocations(t *testing.T) {
+	p := openFake(t)
+	for _, params := range [][]Param{nil, {{"caps_off", "prepped"}}, {{"caps_off", "strided"}}} {
+		t.Run(fmt.Sprint(params), func(t *testing.T) {
+			a := newSide(t, p, "a", []int{1 << 20}, params...)
+			b := newSide(t, p, "b", []int{1 << 20})
+			peer := connect(t, a, b)
+			rr, err := a.a.ImportRange(peer, addr(b.bufs[0]), 1<<20, 0, abi.DRAM)
+			if err != nil {
+				t.Fatal(err)
+			}
+			perMake := map[int]float64{}
+			for _, n := range []int{10, 10000} {
+				var ld, rd []abi.XferDesc
+				var idx []int32
+				var entries []abi.BatchEntry
+				for i := range n {
+					off := uint64(i) * 64
+					ld = append(ld, abi.XferDesc{Addr: addr(a.bufs[0]) + off, Len: 32, Count: 1})
+					rd = append(rd, abi.XferDesc{Addr: addr(b.bufs[0]) + off, Len: 32, Count: 1})
+					idx = append(idx, int32(i))
+					entries = append(entries, abi.BatchEntry{LocalOffset: off, RemoteOffset: off, Len: 32, Count: 1})
+				}
+				l, err := a.a.PrepLocal(abi.DRAM, ld)
+				if err != nil {
+					t.Fatal(err)
+				}
+				r, err := a.a.PrepRemote(peer, abi.DRAM, rd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				pairs := []Pair{{a.regions[0], rr}}
+				prepped := testing.AllocsPerRun(20, func() {
+					x, err := a.a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					x.Close()
+				})
+				batch := testing.AllocsPerRun(20, func() {
+					x, err := a.a.MakeBatchXfer(abi.Write, pairs, entries, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					x.Close()
+				})
+				perMake[n] = prepped + batch
+				x, err := a.a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				wait(t, x)
+				if allocs := testing.AllocsPerRun(100, func() {
+					if done, err := x.Poll(); err != nil || !done {
+						t.Fatal(done, err)
+					}
+				}); allocs != 0 {
+					t.Errorf("Poll allocates %v times", allocs)
+				}
+				if allocs := testing.AllocsPerRun(20, func() {
+					done, err := x.Post()
+					for err == nil && !done {
+						done, err = x.Poll()
+					}
+					if err != nil {
+						t.Fatal(err)
+					}
+				}); allocs != 0 {
+					t.Errorf("Post+Poll allocates %v times", allocs)
+				}
+				x.Close()
+				l.Close()
+				r.Close()
+			}
+			if perMake[10000] != perMake[10] || perMake[10] > 12 {
+				t.Errorf("making a prepped and a batch transfer allocates %v times with 10 descriptors and %v with 10000, want the same few", perMake[10], perMake[10000])
+			}
+		})
+	}
+}
