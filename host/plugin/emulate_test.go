@@ -97,7 +97,7 @@ func TestExpandDescs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantOut := []abi.XferDesc{{0, 4, 0, 1, 2}, {100, 8, 0, 1, 2}, {116, 8, 0, 1, 2}, {132, 8, 0, 1, 2}, {7, 1, 0, 1, 0}}
+	wantOut := []abi.XferDesc{xd(0, 4, 0, 1, 2), xd(100, 8, 0, 1, 2), xd(116, 8, 0, 1, 2), xd(132, 8, 0, 1, 2), xd(7, 1, 0, 1, 0)}
 	if !slices.Equal(out, wantOut) || !slices.Equal(first, []int32{0, 1, 4, 5}) {
 		t.Errorf("expanded %v first %v", out, first)
 	}
@@ -162,7 +162,7 @@ func TestBuildPreppedBatchErrors(t *testing.T) {
 		{Pair: 0, LocalOffset: 0, RemoteOffset: 0, Len: 8, Count: 1},
 		{Pair: 0, LocalOffset: 0, RemoteOffset: 0, Len: 8, Count: 1},
 	}
-	if !slices.Equal(s.entries, wantEntries) || !slices.Equal(s.pairs, []abi.RegionPair{{11, 22}}) {
+	if !slices.Equal(s.entries, wantEntries) || !slices.Equal(s.pairs, []abi.RegionPair{{Local: 11, Remote: 22}}) {
 		t.Errorf("entries %+v pairs %+v", s.entries, s.pairs)
 	}
 	assertSlotsClear(t, &s)
@@ -206,7 +206,7 @@ func TestBuildBatchDescsErrors(t *testing.T) {
 	if err != nil || lk != abi.DRAM || rk != abi.DRAM {
 		t.Fatal(err)
 	}
-	if !slices.Equal(s.ldescs, []abi.XferDesc{{1010, 5, 30, 2, 0}}) || !slices.Equal(s.rdescs, []abi.XferDesc{{9020, 5, 10, 2, 0}}) {
+	if !slices.Equal(s.ldescs, []abi.XferDesc{xd(1010, 5, 30, 2, 0)}) || !slices.Equal(s.rdescs, []abi.XferDesc{xd(9020, 5, 10, 2, 0)}) {
 		t.Errorf("descs %v %v", s.ldescs, s.rdescs)
 	}
 }
@@ -478,7 +478,7 @@ func TestPairTableLargeProductUsesMap(t *testing.T) {
 	if len(s.slots) != 0 {
 		t.Errorf("dense table of %d slots allocated", len(s.slots))
 	}
-	wantPairs := []abi.RegionPair{{2099, 6098}, {1005, 6098}}
+	wantPairs := []abi.RegionPair{{Local: 2099, Remote: 6098}, {Local: 1005, Remote: 6098}}
 	if !slices.Equal(s.pairs, wantPairs) || s.entries[0].Pair != 0 || s.entries[1].Pair != 1 || s.entries[2].Pair != 0 {
 		t.Errorf("pairs %v entries %+v", s.pairs, s.entries)
 	}
@@ -609,4 +609,8 @@ func TestCodedErrorWrap(t *testing.T) {
 	if !errors.As(err, &pe) || !pe.Host || pe.Code != abi.ErrNotFound || pe.Op != "prep_dlist" || pe.Message != "descriptor 4" || !errors.Is(err, ErrNotFound) {
 		t.Errorf("%+v", pe)
 	}
+}
+
+func xd(addr, length, stride, count, dev uint64) abi.XferDesc {
+	return abi.XferDesc{Addr: addr, Len: length, Stride: stride, Count: count, DevID: dev}
 }

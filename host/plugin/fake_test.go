@@ -386,6 +386,9 @@ func TestFakeWaitHonoursContext(t *testing.T) {
 // same few allocations for 10 descriptors as for 10000, and posting and
 // polling allocate nothing at all.
 func TestFakeHotPathAllocations(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are meaningless under the race detector; run without -race")
+	}
 	p := openFake(t)
 	for _, params := range [][]Param{nil, {{"caps_off", "prepped"}}, {{"caps_off", "strided"}}} {
 		t.Run(fmt.Sprint(params), func(t *testing.T) {
