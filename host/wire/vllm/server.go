@@ -1,0 +1,117 @@
+package vllm
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"maps"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/host/zmq"
+)
+
+// replyTimeout bounds one reply write; a client that stops reading only
+// delays its own reply.
+const replyTimeout = time.Second
+
+// HandshakeServer is the prefill side of the handshake: a ZeroMQ ROUTER
+// that answers every [get_meta_msg, tp_rank] request with the encoded
+// handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
+// It serves any number of clients; a request it cannot answer (garbage,
+// wrong tag, unknown rank) is logged and refused with an empty reply, so a
+// REQ client fails at once instead of waiting for its timeout, and the
+// server keeps serving.
+type HandshakeServer struct {
+	router   *zmq.Router
+	payloads map[int][]byte
+	log      *slog.Logger
+	done     chan struct{}
+	wg       sync.WaitGroup
+}
+
+// ListenHandshake binds a ROUTER socket on endpoint (vLLM binds
+// tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:side_channel_port) and serves
+// payloads, the encoded NixlHandshakePayload per TP rank
+// (HandshakePayload.Encode), until Close. payloads is copied.
+func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger, opts ...zmq.Option) (*HandshakeServer, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	r, err := zmq.ListenRouter(endpoint, append([]zmq.Option{zmq.WithLogger(log)}, opts...)...)
+	if err != nil {
+		return nil, err
+	}
+	s := &HandshakeServer{
+		router:   r,
+		payloads: maps.Clone(payloads),
+		log:      log.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
+		done:     make(chan struct{}),
+	}
+	s.wg.Add(1)
+	go s.serve()
+	return s, nil
+}
+
+func (s *HandshakeServer) serve() {
+	defer s.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-s.done
+		cancel()
+	}()
+	for {
+		m, err := s.router.Recv(ctx)
+		if err != nil {
+			if !errors.Is(err, zmq.ErrClosed) && ctx.Err() == nil {
+				s.log.Error("handshake listener stopped", "err", err)
+			}
+			return
+		}
+		s.handle(ctx, m)
+	}
+}
+
+func (s *HandshakeServer) handle(ctx context.Context, m zmq.RouterMsg) {
+	// A REQ peer's message is [empty delimiter, request].
+	if len(m.Frames) != 2 || len(m.Frames[0]) != 0 {
+		s.log.Warn("refusing handshake request: not a REQ message", "peer", m.Peer, "frames", len(m.Frames))
+		return // not a REQ peer: there is no reply shape it expects
+	}
+	reply := []byte{}
+	rank, err := DecodeMetaRequest(m.Frames[1])
+	switch {
+	case err != nil:
+		s.log.Warn("refusing handshake request", "peer", m.Peer, "err", err)
+	case s.payloads[rank] == nil:
+		s.log.Warn("refusing handshake request for an unknown TP rank", "peer", m.Peer, "tp_rank", rank)
+	default:
+		s.log.Debug("serving handshake", "peer", m.Peer, "tp_rank", rank)
+		reply = s.payloads[rank]
+	}
+	wctx, cancel := context.WithTimeout(ctx, replyTimeout)
+	defer cancel()
+	if err := s.router.Send(wctx, m.Peer, nil, reply); err != nil {
+		s.log.Debug("handshake reply not delivered", "peer", m.Peer, "err", err)
+	}
+}
+
+// Endpoint is where clients connect.
+func (s *HandshakeServer) Endpoint() string { return s.router.Endpoint() }
+
+// Port is the side-channel port the server listens on.
+func (s *HandshakeServer) Port() int { return s.router.Port() }
+
+// Close stops serving and releases the socket; calling it again is a
+// no-op.
+func (s *HandshakeServer) Close() error {
+	select {
+	case <-s.done:
+		return nil
+	default:
+	}
+	close(s.done)
+	err := s.router.Close()
+	s.wg.Wait()
+	return err
+}
