@@ -377,7 +377,11 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 		local := VLLMDecode{Agent: dec, TPRank: rapid.IntRange(0, m.dtp-1).Draw(t, "rank"), TPSize: m.dtp, MLA: m.mla,
 			BlocksFirst: m.blocksFirst, TotalKVHeads: m.heads, BlockWindows: m.windows, PhysicalBlocksPerLogical: m.kf}
 		remoteTP := m.ptp
-		for range rapid.IntRange(0, 3).Draw(t, "breakages") {
+		breakages := rapid.IntRange(0, 3).Draw(t, "breakages")
+		if rapid.Bool().Draw(t, "intact") {
+			breakages = 0
+		}
+		for range breakages {
 			side := &local.Agent
 			if rapid.Bool().Draw(t, "prefillSide") {
 				side = &pre
@@ -430,8 +434,9 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 			l, rm = ids.Draw(t, "local"), ids.Draw(t, "remote")
 		} else {
 			nbRl, nbLl := max(m.nbR/m.kf, 1), max(m.nbL/m.kf, 1)
-			rm = vDrawDistinct(t, "remote", rapid.IntRange(0, nbRl).Draw(t, "nr"), nbRl)
-			l = vDrawDistinct(t, "local", rapid.IntRange(0, nbLl).Draw(t, "nl"), nbLl)
+			nr := rapid.IntRange(0, nbRl).Draw(t, "nr")
+			rm = vDrawDistinct(t, "remote", nr, nbRl)
+			l = vDrawDistinct(t, "local", rapid.IntRange(0, min(nbLl, (nr+m.bsr-1)/m.bsr)).Draw(t, "nl"), nbLl)
 		}
 		rd, err := r.Read(l, rm)
 		p, perr := r.Plan(l, rm)
