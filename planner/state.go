@@ -5,8 +5,8 @@ import "fmt"
 // Hybrid-model state: besides paged KV, hybrid models keep per-request or
 // per-page state in extra buffers, registered as "components" (one state
 // type each, one list of tensors each). On the last chunk the prefill side
-// sends every component to decode. The plans here reproduce the SGLang
-// NIXL connector's maybe_send_extra and the MORI connector's send_state,
+// sends every component to decode. StatePlanner reproduces the SGLang NIXL
+// connector's maybe_send_extra and the MORI connector's send_state,
 // component by component.
 
 // StateType names a hybrid state component, as on the SGLang wire.
@@ -22,9 +22,9 @@ const (
 	StateC128State     StateType = "c128_state"      // DeepSeek V4 C128 compressor state
 )
 
-// ParseStateType accepts the SGLang StateType strings. Types the reference
-// connectors do not transfer (e.g. "dsa_tail", "block_scale") are accepted
-// here and rejected when planned, with the reference's message.
+// ParseStateType accepts any non-empty SGLang StateType string. Types the
+// reference connectors do not transfer (e.g. "dsa_tail", "block_scale")
+// are accepted here and rejected when planned, as the reference does.
 func ParseStateType(s string) (StateType, error) {
 	if s == "" {
 		return "", fmt.Errorf("empty state type")
@@ -58,7 +58,7 @@ type StateBuffers struct {
 	LayerIDs [][]int
 }
 
-// StateTopology is the parallel layout both planners need.
+// StateTopology is the parallel layout the state planners need.
 type StateTopology struct {
 	PrefillTPSize int // prefill attn_tp_size
 	PrefillTPRank int // prefill kv_args.engine_rank (taken modulo the TP size)
@@ -72,7 +72,8 @@ type StateTopology struct {
 	DecodeTPRank int // decode engine rank as sent on the wire (taken modulo its TP size)
 }
 
-// StateRequest is one request's state transfer to one decode peer.
+// StateRequest is one request's state transfer to one decode peer, for
+// the one-shot PlanStateNIXL and PlanStateMORI.
 type StateRequest struct {
 	Types    []StateType // prefill kv_args.state_types; decode registers the same order
 	Src, Dst StateBuffers
@@ -101,12 +102,103 @@ const (
 	PathMORIPaged      = "mori-state-paged"
 )
 
-// stateView is one component's inputs, missing entries read as empty (the
-// reference's "x[i] if i < len(x) else []").
+func (t StateTopology) check() error {
+	if t.PrefillTPSize <= 0 {
+		return errorf("prefill.tp_size", "must be positive, got %d", t.PrefillTPSize)
+	}
+	if t.DecodeTPSize <= 0 {
+		return errorf("decode.tp_size", "must be positive, got %d", t.DecodeTPSize)
+	}
+	if t.PrefillTPRank < 0 || t.DecodeTPRank < 0 {
+		return errorf("tp_rank", "negative rank (prefill %d, decode %d)", t.PrefillTPRank, t.DecodeTPRank)
+	}
+	if t.PrefillPPSize < 0 {
+		return errorf("prefill.pp_size", "must not be negative, got %d", t.PrefillPPSize)
+	}
+	return nil
+}
+
+func (t StateTopology) tpMismatch() bool { return t.PrefillTPSize != t.DecodeTPSize }
+
+func (t StateTopology) ppSize() int { return sizeOrOne(t.PrefillPPSize) }
+
+// StatePlanner plans the hybrid state one SGLang prefill rank sends to one
+// decode peer. Build it once per peer (NewStatePlannerNIXL or
+// NewStatePlannerMORI, when the peer registers); it resolves tensor
+// pairing, PP slicing and Mamba slices then, and Plan only places the
+// request's indices. Errors the reference raises while sending (pairing,
+// item lengths, TP rules) are reported by Plan for the components a request
+// actually sends, as the reference reports them. A StatePlanner is
+// immutable after construction and safe for concurrent use.
+type StatePlanner struct {
+	nixl  bool
+	topo  StateTopology
+	comps []stateComp
+	// err is a MORI send_state error that fails every request carrying
+	// state (state types missing, component count mismatch).
+	err error
+	// none: MORI without local state tensors sends nothing.
+	none bool
+}
+
+// stateKind is how a component moves.
+type stateKind uint8
+
+const (
+	kindSkip  stateKind = iota // never reached (MORI: component beyond the registration)
+	kindMamba                  // one slot, whole or TP-sliced
+	kindPaged                  // page runs per tensor pair
+	kindError                  // the type itself is rejected
+)
+
+// stateComp is one component resolved for a peer.
+type stateComp struct {
+	i    int
+	st   StateType
+	kind stateKind
+	path string
+	src  []Region
+	dst  []Region
+	// preErr is raised before the request's indices are looked at (type
+	// and TP/PP rules); err after they are checked (pairing, lengths).
+	preErr, err error
+	// paged: one entry per tensor pair.
+	paged []pagedPair
+	// mamba: one entry per copy of a slot (whole tensor or slice block).
+	mamba []mambaCopy
+	// mambaActive: some tensor is not skipped, so the slice path needs a
+	// decode slot index.
+	mambaActive bool
+	// refDescs is the reference's descriptor count per run (paged) or per
+	// request (Mamba), zero-length descriptors included.
+	refDescs uint64
+}
+
+// pagedPair is one tensor pair of a paged component, with the length of
+// one page (the prefill item length the reference uses).
+type pagedPair struct {
+	src, dst int32
+	item     uint64
+}
+
+// mambaCopy is one copy of a Mamba slot: slot s of the prefill tensor
+// starts at s*srcItem, slot t of the decode tensor at t*dstItem; the copy
+// is Count blocks of Len bytes at SrcDelta/DstDelta within the slots,
+// SrcStride/DstStride apart.
+type mambaCopy struct {
+	src, dst             int32
+	srcItem, dstItem     uint64
+	srcDelta, dstDelta   uint64
+	length               uint64
+	srcStride, dstStride uint64
+	count                uint64
+}
+
+// stateView is one component's registration, missing entries read as
+// empty (the reference's "x[i] if i < len(x) else []").
 type stateView struct {
 	i                  int
 	st                 StateType
-	srcIdx, dstIdx     []int32
 	srcPtrs, dstPtrs   []uint64
 	srcLens, dstLens   []uint64
 	srcData, dstData   []uint64
@@ -124,182 +216,154 @@ func stateAt[T any](xs []T, i int) T {
 	return zero
 }
 
-func (r *StateRequest) view(i int) stateView {
+func newStateView(i int, st StateType, src, dst *StateBuffers) stateView {
 	return stateView{
-		i: i, st: r.Types[i],
-		srcIdx: stateAt(r.SrcIndices, i), dstIdx: stateAt(r.DstIndices, i),
-		srcPtrs: stateAt(r.Src.Ptrs, i), dstPtrs: stateAt(r.Dst.Ptrs, i),
-		srcLens: stateAt(r.Src.ItemLens, i), dstLens: stateAt(r.Dst.ItemLens, i),
-		srcData: stateAt(r.Src.DataLens, i), dstData: stateAt(r.Dst.DataLens, i),
-		srcDims: stateAt(r.Src.DimPerTensor, i), dstDims: stateAt(r.Dst.DimPerTensor, i),
-		srcConv: stateAt(r.Src.ConvShardGroups, i), srcOuter: stateAt(r.Src.SliceOuterCounts, i),
-		srcLayers: stateAt(r.Src.LayerIDs, i), dstLays: stateAt(r.Dst.LayerIDs, i),
+		i: i, st: st,
+		srcPtrs: stateAt(src.Ptrs, i), dstPtrs: stateAt(dst.Ptrs, i),
+		srcLens: stateAt(src.ItemLens, i), dstLens: stateAt(dst.ItemLens, i),
+		srcData: stateAt(src.DataLens, i), dstData: stateAt(dst.DataLens, i),
+		srcDims: stateAt(src.DimPerTensor, i), dstDims: stateAt(dst.DimPerTensor, i),
+		srcConv: stateAt(src.ConvShardGroups, i), srcOuter: stateAt(src.SliceOuterCounts, i),
+		srcLayers: stateAt(src.LayerIDs, i), dstLays: stateAt(dst.LayerIDs, i),
 	}
 }
 
-// field names component i's input in errors, e.g. "state_item_lens[2]".
+// stateField names component i's input in errors, e.g. "state_item_lens[2]".
 func stateField(name string, i int) string { return fmt.Sprintf("%s[%d]", name, i) }
 
-// newStatePlan builds the component's region tables (state lives in VRAM).
-func (v *stateView) newPlan(path string) (StatePlan, error) {
-	src, err := regionTable(stateField("prefill.state_data_lens", v.i), v.srcPtrs, v.srcData, VRAM)
-	if err != nil {
-		return StatePlan{}, err
+// regions builds the component's region tables (state lives in VRAM). A
+// bad length list is a deferred error like the others.
+func (c *stateComp) regions(v *stateView) {
+	var err error
+	if c.src, err = regionTable(stateField("prefill.state_data_lens", v.i), v.srcPtrs, v.srcData, VRAM); err != nil {
+		c.setErr(err)
+		return
 	}
-	dst, err := regionTable(stateField("decode.state_data_lens", v.i), v.dstPtrs, v.dstData, VRAM)
-	if err != nil {
-		return StatePlan{}, err
+	if c.dst, err = regionTable(stateField("decode.state_data_lens", v.i), v.dstPtrs, v.dstData, VRAM); err != nil {
+		c.setErr(err)
 	}
-	return StatePlan{Component: v.i, Type: v.st, Plan: Plan{Path: path, Src: src, Dst: dst}}, nil
 }
 
-func (t StateTopology) check() error {
-	if t.PrefillTPSize <= 0 {
-		return errorf("prefill.tp_size", "must be positive, got %d", t.PrefillTPSize)
+func (c *stateComp) setErr(err error) {
+	if c.err == nil {
+		c.err = err
 	}
-	if t.DecodeTPSize <= 0 {
-		return errorf("decode.tp_size", "must be positive, got %d", t.DecodeTPSize)
-	}
-	if t.PrefillTPRank < 0 || t.DecodeTPRank < 0 {
-		return errorf("tp_rank", "negative rank (prefill %d, decode %d)", t.PrefillTPRank, t.DecodeTPRank)
-	}
-	if t.PrefillPPSize < 0 {
-		return errorf("prefill.pp_size", "negative %d", t.PrefillPPSize)
-	}
-	return nil
 }
 
-func (t StateTopology) tpMismatch() bool { return t.PrefillTPSize != t.DecodeTPSize }
-
-func (t StateTopology) ppSize() int { return sizeOrOne(t.PrefillPPSize) }
-
-// PlanStateNIXL plans every component the way the SGLang NIXL connector's
-// maybe_send_extra sends it: components without prefill indices are
-// skipped; Mamba copies one slot (sliced when TP sizes differ and both
-// sides publish dims); SWA, DSA, SWA_RING and C128 state move page runs per
-// layer with PP slicing (TP sizes must match unless MLA, and index lists
-// must have equal length); MiniMax index K is like them but flat, PP 1 and
-// equal TP only. Other state types are an error.
-func PlanStateNIXL(req *StateRequest) ([]StatePlan, error) {
-	t := req.Topology
+// NewStatePlannerNIXL resolves every component the way the SGLang NIXL
+// connector's maybe_send_extra sends it: Mamba copies one slot (TP-sliced
+// when TP sizes differ and both sides publish dims); SWA, DSA, SWA_RING
+// and C128 state move page runs per layer with PP slicing (TP sizes must
+// match unless MLA); MiniMax index K is like them but flat, PP 1 and equal
+// TP only. Other state types fail when a request sends them.
+func NewStatePlannerNIXL(types []StateType, src, dst StateBuffers, t StateTopology) (*StatePlanner, error) {
 	if err := t.check(); err != nil {
 		return nil, err
 	}
-	var plans []StatePlan
-	for i := range req.Types {
-		v := req.view(i)
-		if len(v.srcIdx) == 0 {
-			continue
-		}
-		var sp StatePlan
-		var err error
-		switch v.st {
+	sp := &StatePlanner{nixl: true, topo: t, comps: make([]stateComp, len(types))}
+	for i, st := range types {
+		v := newStateView(i, st, &src, &dst)
+		c := &sp.comps[i]
+		c.i, c.st = i, st
+		c.regions(&v)
+		switch st {
 		case StateMamba:
-			if t.tpMismatch() {
-				sp, err = nixlMambaSlice(&v, t)
+			c.kind = kindMamba
+			if t.tpMismatch() && len(v.srcDims) > 0 && len(v.dstDims) > 0 {
+				c.path = PathNIXLMambaSlice
+				c.resolveMambaSlice(&v, t, true)
 			} else {
-				sp, err = nixlMambaWhole(&v, t)
+				c.path = PathNIXLMamba
+				c.resolveMambaWhole(&v, t, true)
 			}
 		case StateSWA, StateDSA, StateSWARing, StateC128State:
+			c.kind, c.path = kindPaged, PathNIXLPaged
 			if !t.MLA && t.tpMismatch() {
-				return nil, errorf("decode.tp_size", "PD disaggregation does not support different prefill/decode TP sizes (%d/%d) for non-MLA %s hybrid models",
-					t.PrefillTPSize, t.DecodeTPSize, v.st)
+				c.preErr = errorf("decode.tp_size", "PD disaggregation does not support different prefill/decode TP sizes (%d/%d) for non-MLA %s hybrid models",
+					t.PrefillTPSize, t.DecodeTPSize, st)
 			}
-			if len(v.srcIdx) != len(v.dstIdx) {
-				return nil, errorf(stateField("decode_state_indices", i), "state index length mismatch at component %d: prefill=%d, dst=%d", i, len(v.srcIdx), len(v.dstIdx))
-			}
-			sp, err = nixlPaged(&v, t, !t.MLA)
+			c.resolveNixlPaged(&v, t, !t.MLA, st)
 		case StateMiniMaxIndexK:
-			if t.ppSize() > 1 {
-				return nil, errorf("prefill.pp_size", "PP>1 not supported for MiniMax sparse index")
+			c.kind, c.path = kindPaged, PathNIXLPaged
+			switch {
+			case t.ppSize() > 1:
+				c.preErr = errorf("prefill.pp_size", "PP>1 not supported for MiniMax sparse index")
+			case t.tpMismatch():
+				c.preErr = errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
 			}
-			if t.tpMismatch() {
-				return nil, errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
-			}
-			if len(v.srcIdx) != len(v.dstIdx) {
-				return nil, errorf(stateField("decode_state_indices", i), "state index length mismatch at component %d: prefill=%d, dst=%d", i, len(v.srcIdx), len(v.dstIdx))
-			}
-			v.st = "" // force_flat slices like MLA KV, without a state type
-			sp, err = nixlPaged(&v, t, false)
-			sp.Type = StateMiniMaxIndexK
+			// force_flat: sliced like MLA KV, without a state type.
+			c.resolveNixlPaged(&v, t, false, "")
 		default:
-			return nil, errorf(stateField("state_types", i), "PD disaggregation via NIXL does not support %q hybrid models", string(v.st))
+			c.kind = kindError
+			c.preErr = errorf(stateField("state_types", i), "PD disaggregation via NIXL does not support %q hybrid models", string(st))
 		}
-		if err != nil {
-			return nil, err
-		}
-		if err := checkPlanBounds(&sp.Plan, stateField("prefill_state_indices", i), stateField("decode_state_indices", i)); err != nil {
-			return nil, err
-		}
-		plans = append(plans, sp)
 	}
-	return plans, nil
+	return sp, nil
 }
 
-// PlanStateMORI plans every component the way the SGLang MORI connector's
-// send_state sends it. Components pair tensor by tensor (no PP slicing);
-// a component with no indices on either side is skipped; Mamba needs one
-// index per side; SWA (non-MLA), MiniMax need equal TP; paged index lists
-// of unequal length are truncated to the shorter one, except SWA_RING and
-// C128 state, which are position-indexed and must match.
-func PlanStateMORI(req *StateRequest) ([]StatePlan, error) {
-	t := req.Topology
+// NewStatePlannerMORI resolves every component the way the SGLang MORI
+// connector's send_state sends it: tensors pair one to one (no PP
+// slicing); Mamba copies one slot (TP-sliced when TP sizes differ and both
+// sides publish dims); SWA (non-MLA) and MiniMax need equal TP; paged index
+// lists of unequal length are truncated to the shorter one, except SWA_RING
+// and C128 state.
+func NewStatePlannerMORI(types []StateType, src, dst StateBuffers, t StateTopology) (*StatePlanner, error) {
 	if err := t.check(); err != nil {
 		return nil, err
 	}
-	if len(req.Src.Ptrs) == 0 {
-		return nil, nil // no local state tensors (e.g. no SWA layers on this PP stage)
+	sp := &StatePlanner{topo: t}
+	switch {
+	case len(src.Ptrs) == 0:
+		sp.none = true // no local state tensors (e.g. no SWA layers on this PP stage)
+		return sp, nil
+	case len(types) == 0:
+		sp.err = errorf("state_types", "state types are empty but state buffers are registered")
+	case len(dst.Ptrs) != len(src.Ptrs):
+		sp.err = errorf("decode.state_ptrs", "state component count mismatch (local=%d, remote=%d)", len(src.Ptrs), len(dst.Ptrs))
 	}
-	if len(req.Types) == 0 {
-		return nil, errorf("state_types", "state types are empty but state buffers are registered")
-	}
-	if len(req.Dst.Ptrs) != len(req.Src.Ptrs) {
-		return nil, errorf("decode.state_ptrs", "state component count mismatch (local=%d, remote=%d)", len(req.Src.Ptrs), len(req.Dst.Ptrs))
-	}
-	var plans []StatePlan
-	for i := range req.Types {
-		v := req.view(i)
-		if len(v.srcIdx) == 0 || len(v.dstIdx) == 0 {
+	sp.comps = make([]stateComp, len(types))
+	for i, st := range types {
+		v := newStateView(i, st, &src, &dst)
+		c := &sp.comps[i]
+		c.i, c.st = i, st
+		if i >= len(src.Ptrs) {
+			c.kind = kindError
+			c.preErr = errorf(stateField("state_types", i), "component %d has no registered state buffers", i)
 			continue
 		}
-		if i >= len(req.Src.Ptrs) {
-			return nil, errorf(stateField("state_types", i), "component %d has no registered state buffers", i)
-		}
-		var sp StatePlan
-		var err error
-		switch v.st {
+		c.regions(&v)
+		switch st {
 		case StateMamba:
-			sp, err = moriMamba(&v, t)
+			c.kind = kindMamba
+			if t.tpMismatch() && len(v.srcDims) > 0 && len(v.dstDims) > 0 {
+				c.path = PathMORIMambaSlice
+				c.resolveMambaSlice(&v, t, false)
+			} else {
+				c.path = PathMORIMamba
+				c.resolveMambaWhole(&v, t, false)
+			}
 		case StateSWA, StateDSA, StateSWARing, StateC128State, StateMiniMaxIndexK:
-			sp, err = moriPaged(&v, t)
+			c.kind, c.path = kindPaged, PathMORIPaged
+			switch {
+			case st == StateSWA && !t.MLA && t.tpMismatch():
+				c.preErr = errorf("decode.tp_size", "PD state transfer does not support TP-mismatched non-MLA SWA models (prefill_tp_size=%d, decode_tp_size=%d)", t.PrefillTPSize, t.DecodeTPSize)
+			case st == StateMiniMaxIndexK && t.ppSize() > 1:
+				c.preErr = errorf("prefill.pp_size", "PP>1 not supported for MiniMax sparse index")
+			case st == StateMiniMaxIndexK && t.tpMismatch():
+				c.preErr = errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
+			}
+			c.resolveMoriPaged(&v, t)
 		default:
-			return nil, errorf(stateField("state_types", i), "PD state transfer failed: unknown state_type=%q", string(v.st))
-		}
-		if err != nil {
-			return nil, err
-		}
-		if err := checkPlanBounds(&sp.Plan, stateField("prefill_state_indices", i), stateField("decode_state_indices", i)); err != nil {
-			return nil, err
-		}
-		plans = append(plans, sp)
-	}
-	return plans, nil
-}
-
-// checkStateIndices rejects negative indices up front: the reference would
-// compute an address below the buffer and fail in the backend.
-func checkStateIndices(field string, idx []int32) error {
-	for k, x := range idx {
-		if x < 0 {
-			return errorf(field, "negative state index %d at position %d", x, k)
+			c.kind = kindError
+			c.preErr = errorf(stateField("state_types", i), "PD state transfer failed: unknown state_type=%q", string(st))
 		}
 	}
-	return nil
+	return sp, nil
 }
 
 // statePairs returns the tensor pairing of a component: by layer id when
 // either side publishes ids (pairing needs both, unless prefill PP is 1),
-// else nil, meaning the caller's positional rule applies.
+// else ok false, meaning the caller's positional rule applies.
 func statePairs(v *stateView, t StateTopology) ([]EntryPair, bool, error) {
 	if len(v.srcLayers) == 0 && len(v.dstLays) == 0 {
 		return nil, false, nil
@@ -309,84 +373,6 @@ func statePairs(v *stateView, t StateTopology) ([]EntryPair, bool, error) {
 		return nil, false, err
 	}
 	return pairs, true, nil
-}
-
-// positionalPairs pairs tensors i with i for i < n.
-func positionalPairs(n int) []EntryPair {
-	pairs := make([]EntryPair, n)
-	for i := range pairs {
-		pairs[i] = EntryPair{Src: i, Dst: i}
-	}
-	return pairs
-}
-
-// statePair is one tensor copy of a paged component: prefill tensor src to
-// decode tensor dst, with the length of prefill item_lens[item].
-type statePair struct {
-	src, dst, item int
-}
-
-// nixlPaged plans a paged component (the non-prepped path of the NIXL
-// connector's _send_kvcache_generic): contiguous runs of (prefill, decode)
-// indices, per tensor pair, with the prefill item length of the layer.
-// mha selects K/V-halved PP slicing (the V half uses the K layer's item
-// length, as the reference does); otherwise MLA slicing, compressed-MLA
-// aware for v.st.
-func nixlPaged(v *stateView, t StateTopology, mha bool) (StatePlan, error) {
-	sp, err := v.newPlan(PathNIXLPaged)
-	if err != nil {
-		return sp, err
-	}
-	if err := checkStateIndices(stateField("prefill_state_indices", v.i), v.srcIdx); err != nil {
-		return sp, err
-	}
-	if err := checkStateIndices(stateField("decode_state_indices", v.i), v.dstIdx); err != nil {
-		return sp, err
-	}
-	pairs, ok, err := statePairs(v, t)
-	if err != nil {
-		return sp, err
-	}
-	var tensors []statePair
-	switch {
-	case ok:
-		tensors = make([]statePair, len(pairs))
-		for k, p := range pairs {
-			tensors[k] = statePair{src: p.Src, dst: p.Dst, item: p.Src}
-		}
-	case len(v.srcPtrs) == 0:
-		// The reference divides by the local layer count on the MHA path
-		// when decode has layers; MLA simply has nothing to send.
-		if mha && len(v.dstPtrs)/2 > 0 {
-			return sp, errorf(stateField("prefill.state_ptrs", v.i), "prefill registers no tensors but decode has %d", len(v.dstPtrs))
-		}
-	default:
-		var dsts []int32
-		if !mha && len(t.PP.CompressionRatios) > 0 && len(v.srcPtrs) != len(v.dstPtrs) {
-			dsts, err = PairCompressedMLARegions(nil, len(v.srcPtrs), len(v.dstPtrs), t.PP, v.st)
-		} else {
-			dsts, err = PairKVRegions(nil, PairCommon, !mha, len(v.srcPtrs), len(v.dstPtrs), t.PP.StartLayer, DraftUnknown)
-		}
-		if err != nil {
-			return sp, stateFieldError(err, v.i)
-		}
-		layers := len(v.srcPtrs) / 2
-		tensors = make([]statePair, len(dsts))
-		for k, d := range dsts {
-			item := k
-			if mha && k >= layers {
-				item = k - layers
-			}
-			tensors[k] = statePair{src: k, dst: int(d), item: item}
-		}
-	}
-	for _, tp := range tensors {
-		if tp.item >= len(v.srcLens) {
-			return sp, errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", tp.item, len(v.srcLens))
-		}
-	}
-	err = addRunCopies(&sp.Plan, v, tensors, v.srcIdx, v.dstIdx)
-	return sp, err
 }
 
 // stateFieldError renames the region-list field of a KV pairing error
@@ -405,96 +391,208 @@ func stateFieldError(err error, i int) error {
 	return err
 }
 
-// addRunCopies adds, for every tensor pair, one block per contiguous run of
-// (src, dst) indices; srcIdx and dstIdx have equal length and are not
-// negative.
-func addRunCopies(p *Plan, v *stateView, tensors []statePair, srcIdx, dstIdx []int32) error {
-	runs := CountRuns(srcIdx, dstIdx)
-	p.Copies = make([]Copy, 0, min(len(tensors)*runs, 1<<16))
-	for _, tp := range tensors {
-		item := v.srcLens[tp.item]
-		if item == 0 {
+// resolveNixlPaged pairs a paged component's tensors as the NIXL
+// connector's non-prepped _send_kvcache_generic does: mha selects
+// K/V-halved PP slicing (the V half uses the K layer's item length, as the
+// reference does); otherwise MLA slicing, compressed-MLA aware for st.
+func (c *stateComp) resolveNixlPaged(v *stateView, t StateTopology, mha bool, st StateType) {
+	pairs, ok, err := statePairs(v, t)
+	if err != nil {
+		c.setErr(err)
+		return
+	}
+	switch {
+	case ok:
+		for _, p := range pairs {
+			c.addPaged(v, p.Src, p.Dst, p.Src)
+		}
+	case len(v.srcPtrs) == 0:
+		// The reference divides by the local layer count on the MHA path
+		// when decode has layers; MLA simply has nothing to send.
+		if mha && len(v.dstPtrs)/2 > 0 {
+			c.setErr(errorf(stateField("prefill.state_ptrs", v.i), "prefill registers no tensors but decode has %d", len(v.dstPtrs)))
+		}
+	default:
+		var dsts []int32
+		if !mha && len(t.PP.CompressionRatios) > 0 && len(v.srcPtrs) != len(v.dstPtrs) {
+			dsts, err = PairCompressedMLARegions(nil, len(v.srcPtrs), len(v.dstPtrs), t.PP, st)
+		} else {
+			dsts, err = PairKVRegions(nil, PairCommon, !mha, len(v.srcPtrs), len(v.dstPtrs), t.PP.StartLayer, DraftUnknown)
+		}
+		if err != nil {
+			c.setErr(stateFieldError(err, v.i))
+			return
+		}
+		layers := len(v.srcPtrs) / 2
+		for k, d := range dsts {
+			item := k
+			if mha && k >= layers {
+				item = k - layers
+			}
+			c.addPaged(v, k, int(d), item)
+		}
+	}
+}
+
+// resolveMoriPaged pairs a paged component's tensors as the MORI
+// connector's _send_swa_dsa_state does: tensor i with tensor i.
+func (c *stateComp) resolveMoriPaged(v *stateView, t StateTopology) {
+	pairs, ok, err := statePairs(v, t)
+	if err != nil {
+		c.setErr(err)
+		return
+	}
+	if !ok {
+		if len(v.dstPtrs) < len(v.srcPtrs) {
+			c.setErr(errorf(stateField("decode.state_ptrs", v.i), "decode registers %d state tensors, prefill %d", len(v.dstPtrs), len(v.srcPtrs)))
+			return
+		}
+		for k := range v.srcPtrs {
+			c.addPaged(v, k, k, k)
+		}
+		return
+	}
+	for _, p := range pairs {
+		c.addPaged(v, p.Src, p.Dst, p.Src)
+	}
+}
+
+// addPaged records a tensor pair with the length of prefill item item.
+func (c *stateComp) addPaged(v *stateView, src, dst, item int) {
+	if c.err != nil {
+		return
+	}
+	if item >= len(v.srcLens) {
+		c.setErr(errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", item, len(v.srcLens)))
+		return
+	}
+	c.refDescs++
+	if l := v.srcLens[item]; l > 0 {
+		c.paged = append(c.paged, pagedPair{src: int32(src), dst: int32(dst), item: l})
+	}
+}
+
+// PlanStateNIXL plans one request with a fresh NewStatePlannerNIXL.
+func PlanStateNIXL(req *StateRequest) ([]StatePlan, error) {
+	sp, err := NewStatePlannerNIXL(req.Types, req.Src, req.Dst, req.Topology)
+	if err != nil {
+		return nil, err
+	}
+	return sp.Plan(nil, req.SrcIndices, req.DstIndices)
+}
+
+// PlanStateMORI plans one request with a fresh NewStatePlannerMORI.
+func PlanStateMORI(req *StateRequest) ([]StatePlan, error) {
+	sp, err := NewStatePlannerMORI(req.Types, req.Src, req.Dst, req.Topology)
+	if err != nil {
+		return nil, err
+	}
+	return sp.Plan(nil, req.SrcIndices, req.DstIndices)
+}
+
+// Plan plans one request's state: srcIndices and dstIndices are the
+// per-component indices of the prefill and decode sides (nil entry: None).
+// Components the reference skips have no plan: NIXL skips a component
+// without prefill indices, MORI one without indices on either side. The
+// plans are appended to out[:0], reusing its Plans' capacity, so a caller
+// that keeps out plans without allocating once warm. Region tables are
+// borrowed from the planner. On error the result is out[:0].
+func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) ([]StatePlan, error) {
+	out = out[:0]
+	if sp.none {
+		return out, nil
+	}
+	if sp.err != nil {
+		return out[:0], sp.err
+	}
+	for k := range sp.comps {
+		c := &sp.comps[k]
+		si, di := stateAt(srcIndices, k), stateAt(dstIndices, k)
+		if len(si) == 0 || (!sp.nixl && len(di) == 0) {
 			continue
 		}
-		for k, n := 0, 0; k < len(srcIdx); k += n {
-			n = NextRun(srcIdx, dstIdx, k)
-			so, err := slotOffset(stateField("prefill_state_indices", v.i), int64(srcIdx[k]), item, 0)
-			if err != nil {
-				return err
-			}
-			do, err := slotOffset(stateField("decode_state_indices", v.i), int64(dstIdx[k]), item, 0)
-			if err != nil {
-				return err
-			}
-			length, ok := mul64(uint64(n), item)
-			if !ok {
-				return errorf(stateField("prefill.state_item_lens", v.i), "run of %d items of %d bytes overflows", n, item)
-			}
-			p.Add(Copy{SrcRegion: int32(tp.src), DstRegion: int32(tp.dst), SrcOff: so, DstOff: do, Len: length, Count: 1})
+		if c.preErr != nil {
+			return out[:0], c.preErr
+		}
+		// Reuse the caller's plan at this position if there is one.
+		var p *Plan
+		if len(out) < cap(out) {
+			out = out[:len(out)+1]
+			p = &out[len(out)-1].Plan
+			p.Reset()
+		} else {
+			out = append(out, StatePlan{})
+			p = &out[len(out)-1].Plan
+		}
+		out[len(out)-1].Component, out[len(out)-1].Type = c.i, c.st
+		p.Path, p.Src, p.Dst = c.path, c.src, c.dst
+		var err error
+		switch c.kind {
+		case kindMamba:
+			err = c.planMamba(p, si, di, sp.nixl)
+		case kindPaged:
+			err = c.planPaged(p, si, di, sp.nixl)
+		}
+		if err != nil {
+			return out[:0], err
+		}
+		if err := checkPlanBounds(p, stateField("prefill_state_indices", c.i), stateField("decode_state_indices", c.i)); err != nil {
+			return out[:0], err
+		}
+	}
+	return out, nil
+}
+
+// checkStateIndices rejects negative indices up front: the reference would
+// compute an address below the buffer and fail in the backend.
+func checkStateIndices(field string, idx []int32) error {
+	for k, x := range idx {
+		if x < 0 {
+			return errorf(field, "negative state index %d at position %d", x, k)
 		}
 	}
 	return nil
 }
 
-// moriPaged plans a paged component the way the MORI connector's
-// _send_swa_dsa_state does.
-func moriPaged(v *stateView, t StateTopology) (StatePlan, error) {
-	switch v.st {
-	case StateSWA:
-		if !t.MLA && t.tpMismatch() {
-			return StatePlan{}, errorf("decode.tp_size", "PD state transfer does not support TP-mismatched non-MLA SWA models (prefill_tp_size=%d, decode_tp_size=%d)", t.PrefillTPSize, t.DecodeTPSize)
+// planPaged adds, for every tensor pair, one block per contiguous run of
+// (prefill, decode) indices.
+func (c *stateComp) planPaged(p *Plan, si, di []int32, nixl bool) error {
+	if len(si) != len(di) {
+		if nixl {
+			return errorf(stateField("decode_state_indices", c.i), "state index length mismatch at component %d: prefill=%d, dst=%d", c.i, len(si), len(di))
 		}
-	case StateMiniMaxIndexK:
-		if t.ppSize() > 1 {
-			return StatePlan{}, errorf("prefill.pp_size", "PP>1 not supported for MiniMax sparse index")
-		}
-		if t.tpMismatch() {
-			return StatePlan{}, errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
-		}
-	}
-	srcIdx, dstIdx := v.srcIdx, v.dstIdx
-	common := min(len(srcIdx), len(dstIdx))
-	if common == 0 {
-		if len(srcIdx) == 0 && len(dstIdx) == 0 {
-			return v.newPlan(PathMORIPaged)
-		}
-		return StatePlan{}, errorf(stateField("decode_state_indices", v.i), "no overlapping state indices for state_type=%s", v.st)
-	}
-	if len(srcIdx) != len(dstIdx) {
 		// Position- or request-indexed components would be misaligned by
-		// truncation; paged SWA/DSA tolerate a one-page drift.
-		if v.st == StateSWARing || v.st == StateC128State {
-			return StatePlan{}, errorf(stateField("decode_state_indices", v.i), "%s state index length mismatch: src=%d, dst=%d", v.st, len(srcIdx), len(dstIdx))
+		// truncation; paged SWA/DSA/MiniMax tolerate a one-page drift.
+		if c.st == StateSWARing || c.st == StateC128State {
+			return errorf(stateField("decode_state_indices", c.i), "%s state index length mismatch: src=%d, dst=%d", c.st, len(si), len(di))
 		}
-		srcIdx, dstIdx = srcIdx[:common], dstIdx[:common]
+		n := min(len(si), len(di))
+		si, di = si[:n], di[:n]
 	}
-	sp, err := v.newPlan(PathMORIPaged)
-	if err != nil {
-		return sp, err
+	if err := checkStateIndices(stateField("prefill_state_indices", c.i), si); err != nil {
+		return err
 	}
-	if err := checkStateIndices(stateField("prefill_state_indices", v.i), srcIdx); err != nil {
-		return sp, err
+	if err := checkStateIndices(stateField("decode_state_indices", c.i), di); err != nil {
+		return err
 	}
-	if err := checkStateIndices(stateField("decode_state_indices", v.i), dstIdx); err != nil {
-		return sp, err
+	if c.err != nil {
+		return c.err
 	}
-	pairs, ok, err := statePairs(v, t)
-	if err != nil {
-		return sp, err
-	}
-	if !ok {
-		if len(v.dstPtrs) < len(v.srcPtrs) {
-			return sp, errorf(stateField("decode.state_ptrs", v.i), "decode registers %d state tensors, prefill %d", len(v.dstPtrs), len(v.srcPtrs))
+	runs := uint64(CountRuns(si, di))
+	p.ReferenceDescriptors = c.refDescs * runs
+	for _, tp := range c.paged {
+		for k, n := 0, 0; k < len(si); k += n {
+			n = NextRun(si, di, k)
+			// Indices are int32 >= 0: index*item overflows only with an
+			// item length near 2^33 x 2^31; check it all the same.
+			so, ok1 := mul64(uint64(si[k]), tp.item)
+			do, ok2 := mul64(uint64(di[k]), tp.item)
+			length, ok3 := mul64(uint64(n), tp.item)
+			if !ok1 || !ok2 || !ok3 {
+				return errorf(stateField("prefill.state_item_lens", c.i), "index x item length %d overflows", tp.item)
+			}
+			p.Add(Copy{SrcRegion: tp.src, DstRegion: tp.dst, SrcOff: so, DstOff: do, Len: length, Count: 1})
 		}
-		pairs = positionalPairs(len(v.srcPtrs))
 	}
-	tensors := make([]statePair, len(pairs))
-	for k, p := range pairs {
-		if p.Src >= len(v.srcLens) {
-			return sp, errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Src, len(v.srcLens))
-		}
-		tensors[k] = statePair{src: p.Src, dst: p.Dst, item: p.Src}
-	}
-	err = addRunCopies(&sp.Plan, v, tensors, srcIdx, dstIdx)
-	return sp, err
+	return nil
 }
