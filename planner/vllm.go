@@ -66,7 +66,8 @@ type VLLMAgent struct {
 	// DeviceID is device_id, the GPU ordinal every descriptor carries.
 	DeviceID uint64
 	// Kind is the memory kind of every region (vLLM registers all KV
-	// regions of a worker with one NIXL memory type).
+	// regions of a worker with one NIXL memory type). Not part of
+	// NixlAgentMetadata: the caller knows it (VRAM unless a host buffer).
 	Kind MemKind
 }
 

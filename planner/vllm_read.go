@@ -159,6 +159,10 @@ type VLLMRead struct {
 // Read returns the descriptor ids of one request (local ids are the decode
 // blocks, logical; remote ids the prefill's remote_block_ids). It allocates
 // the two id arrays and nothing else; AppendRead reuses caller buffers.
+//
+// Decode block ids must be distinct, as vLLM's scheduler allocates them;
+// that is not checked here (it would cost a set per request). Ids are
+// checked against the lists only where a block is actually read.
 func (r *VLLMReader) Read(localBlockIDs, remoteBlockIDs []int32) (VLLMRead, error) {
 	n, notify, err := r.ReadLen(localBlockIDs, remoteBlockIDs)
 	if err != nil || notify {

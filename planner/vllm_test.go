@@ -166,10 +166,10 @@ func TestVLLMTable(t *testing.T) {
 			wantRatio: 1,
 		},
 		{
-			// Block size ratio 2 with decode TP 2 from TP 1: transfer unit is
-			// decode block 64 / 2 = 32 bytes, rank 1 at offset 32 of each
-			// 64-byte prefill block (decode 2 heads x 8 tokens; prefill 4
-			// heads x 4 tokens... same bytes per unit).
+			// Block size ratio 2 with decode TP 2 from TP 1 (2-byte head
+			// slices per token): decode block = 16 tokens x 2 heads = 64
+			// bytes, prefill block = 8 tokens x 4 heads = 64 bytes. Unit =
+			// 64 / 2 = 32 bytes, rank 1 at offset 32 of each prefill block.
 			name:       "block size ratio 2 with TP ratio 2",
 			local:      VLLMDecode{Agent: vAgent(vDecodeBase, 2, 64, nil, 8, 16), TPRank: 1, TPSize: 2, TotalKVHeads: 4},
 			remote:     vAgent(vPrefillBase, 2, 64, nil, 10, 8),
