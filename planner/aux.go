@@ -28,45 +28,48 @@ const (
 	PathMORIAuxSkip = "mori-aux-skip"
 )
 
-// PlanAuxNIXL plans the NIXL connector's send_aux: for every decode aux
-// buffer i, prefill item_lens[i] bytes move from prefill slot
-// prefillAuxIndex of buffer i to decode slot dstAuxIndex of buffer i (the
-// decode offset also scaled by the prefill item length). Buffers are host
-// memory (DRAM). Decode registering more aux buffers than prefill is an
-// error; fewer sends only the first ones.
-func PlanAuxNIXL(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
+// AuxPlanner plans the aux slot copy of one (prefill rank, decode peer)
+// pair. Build it once per peer; it is immutable and safe for concurrent
+// use.
+type AuxPlanner struct {
+	nixl     bool
+	path     string // NIXL: nixl-aux; MORI: rdma or tcp
+	src, dst []Region
+	// items are the (prefill, decode) slot lengths of buffers 0..n-1; the
+	// copy moves the prefill length.
+	items [][2]uint64
+}
+
+// NewAuxPlannerNIXL resolves the NIXL connector's send_aux: for every
+// decode aux buffer i, prefill item_lens[i] bytes move from the prefill
+// slot of buffer i to the decode slot of buffer i (the decode offset also
+// scaled by the prefill item length). Buffers are host memory (DRAM).
+// Decode registering more aux buffers than prefill is an error; fewer sends
+// only the first ones.
+func NewAuxPlannerNIXL(src, dst AuxBuffers) (*AuxPlanner, error) {
 	if len(dst.Ptrs) > len(src.Ptrs) || len(dst.Ptrs) > len(src.ItemLens) {
 		return nil, errorf("decode.aux_ptrs", "decode registers %d aux buffers, prefill %d (with %d item lengths)", len(dst.Ptrs), len(src.Ptrs), len(src.ItemLens))
 	}
-	plan, err := newAuxPlan(PathNIXLAux, src, dst)
+	a, err := newAuxPlanner(PathNIXLAux, src, dst)
 	if err != nil {
 		return nil, err
 	}
-	plan.Copies = make([]Copy, 0, len(dst.Ptrs))
+	a.nixl = true
 	for i := range dst.Ptrs {
-		if err = addAuxCopy(plan, i, src.ItemLens[i], src.ItemLens[i], prefillAuxIndex, dstAuxIndex); err != nil {
-			return nil, err
-		}
+		a.items = append(a.items, [2]uint64{src.ItemLens[i], src.ItemLens[i]})
 	}
-	if err := checkPlanBounds(plan, "prefill_aux_index", "dst_aux_index"); err != nil {
-		return nil, err
-	}
-	return plan, nil
+	return a, nil
 }
 
-// PlanAuxMORI plans the MORI connector's send_aux. A negative dstAuxIndex
-// means decode wants no aux from this rank: the plan is empty (path
-// mori-aux-skip). The reference also sends aux only from the last PP stage;
-// that is the caller's decision. With aux buffers on both sides in equal
-// number the copies are RDMA writes (path mori-aux-rdma, offsets scaled by
-// the prefill item lengths); otherwise the reference falls back to TCP
-// (path mori-aux-tcp): prefill ships each of its buffers' slot bytes and
-// decode stores them at its own item length times dstAuxIndex, which the
-// plan's destination side describes.
-func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
-	if dstAuxIndex < 0 {
-		return newAuxPlan(PathMORIAuxSkip, src, dst)
-	}
+// NewAuxPlannerMORI resolves the MORI connector's send_aux. With aux
+// buffers on both sides in equal number the copies are RDMA writes (path
+// mori-aux-rdma, offsets scaled by the prefill item lengths); otherwise the
+// reference falls back to TCP (path mori-aux-tcp): prefill ships each of
+// its buffers' slot bytes and decode stores them at its own item length
+// times its slot, which the plan's destination side describes. The
+// reference sends aux only from the last PP stage; that is the caller's
+// decision.
+func NewAuxPlannerMORI(src, dst AuxBuffers) (*AuxPlanner, error) {
 	if len(src.ItemLens) < len(src.Ptrs) {
 		return nil, errorf("prefill.aux_item_lens", "%d item lengths for %d aux buffers", len(src.ItemLens), len(src.Ptrs))
 	}
@@ -75,11 +78,10 @@ func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 	if rdma {
 		path = PathMORIAuxRDMA
 	}
-	plan, err := newAuxPlan(path, src, dst)
+	a, err := newAuxPlanner(path, src, dst)
 	if err != nil {
 		return nil, err
 	}
-	plan.Copies = make([]Copy, 0, len(src.Ptrs))
 	for i := range src.Ptrs {
 		dstItem := src.ItemLens[i]
 		if !rdma {
@@ -93,17 +95,12 @@ func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 				dstItem = dst.ItemLens[i]
 			}
 		}
-		if err = addAuxCopy(plan, i, src.ItemLens[i], dstItem, prefillAuxIndex, dstAuxIndex); err != nil {
-			return nil, err
-		}
+		a.items = append(a.items, [2]uint64{src.ItemLens[i], dstItem})
 	}
-	if err := checkPlanBounds(plan, "prefill_aux_index", "dst_aux_index"); err != nil {
-		return nil, err
-	}
-	return plan, nil
+	return a, nil
 }
 
-func newAuxPlan(path string, src, dst AuxBuffers) (*Plan, error) {
+func newAuxPlanner(path string, src, dst AuxBuffers) (*AuxPlanner, error) {
 	s, err := regionTable("prefill.aux_data_lens", src.Ptrs, src.DataLens, DRAM)
 	if err != nil {
 		return nil, err
@@ -112,23 +109,70 @@ func newAuxPlan(path string, src, dst AuxBuffers) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Plan{Path: path, Src: s, Dst: d}, nil
+	return &AuxPlanner{path: path, src: s, dst: d}, nil
 }
 
-// addAuxCopy adds buffer i's slot copy of srcItem bytes; the decode slot
-// offset is dstItem * dstIndex. Empty slots move nothing.
-func addAuxCopy(p *Plan, i int, srcItem, dstItem uint64, srcIndex, dstIndex int64) error {
-	if srcItem == 0 {
+// Plan fills p (reset first, capacity kept) with one request's aux copy:
+// slot prefillAuxIndex to slot dstAuxIndex of every buffer. For MORI a
+// negative dstAuxIndex means decode wants no aux from this rank: the plan
+// is empty (path mori-aux-skip). Slots past a buffer with a known length
+// are an error naming the index. Region tables are borrowed from the
+// planner.
+func (a *AuxPlanner) Plan(p *Plan, prefillAuxIndex, dstAuxIndex int64) error {
+	p.Reset()
+	p.Src, p.Dst = a.src, a.dst
+	if !a.nixl && dstAuxIndex < 0 {
+		p.Path = PathMORIAuxSkip
 		return nil
 	}
-	so, err := slotOffset("prefill_aux_index", srcIndex, srcItem, 0)
-	if err != nil {
-		return err
+	p.Path = a.path
+	p.ReferenceDescriptors = uint64(len(a.items))
+	for i, it := range a.items {
+		if it[0] == 0 {
+			continue // an empty slot moves nothing
+		}
+		so, err := slotOffset("prefill_aux_index", prefillAuxIndex, it[0], 0)
+		if err != nil {
+			return err
+		}
+		do, err := slotOffset("dst_aux_index", dstAuxIndex, it[1], 0)
+		if err != nil {
+			return err
+		}
+		p.Add(Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: it[0], Count: 1})
 	}
-	do, err := slotOffset("dst_aux_index", dstIndex, dstItem, 0)
+	return checkPlanBounds(p, "prefill_aux_index", "dst_aux_index")
+}
+
+// PlanAuxNIXL plans one request with a fresh NewAuxPlannerNIXL.
+func PlanAuxNIXL(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
+	a, err := NewAuxPlannerNIXL(src, dst)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	p.Add(Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: srcItem, Count: 1})
-	return nil
+	p := new(Plan)
+	if err := a.Plan(p, prefillAuxIndex, dstAuxIndex); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// PlanAuxMORI plans one request with a fresh NewAuxPlannerMORI. A negative
+// dstAuxIndex skips aux before anything else is looked at, as the
+// reference does.
+func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
+	if dstAuxIndex < 0 {
+		s, _ := regionTable("prefill.aux_data_lens", src.Ptrs, nil, DRAM)
+		d, _ := regionTable("decode.aux_data_lens", dst.Ptrs, nil, DRAM)
+		return &Plan{Path: PathMORIAuxSkip, Src: s, Dst: d}, nil
+	}
+	a, err := NewAuxPlannerMORI(src, dst)
+	if err != nil {
+		return nil, err
+	}
+	p := new(Plan)
+	if err := a.Plan(p, prefillAuxIndex, dstAuxIndex); err != nil {
+		return nil, err
+	}
+	return p, nil
 }
