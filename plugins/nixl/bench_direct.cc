@@ -23,6 +23,7 @@
 
 #include <nixl.h>
 
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,6 +52,8 @@ struct Options {
   int min_iters = 5;
   int warmup = 2;
   bool progress_thread = false;
+  uint64_t progress_delay_us = 0;
+  nixl_thread_sync_t sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
   std::string backend = "UCX";
   nixl_b_params_t bparams;
 };
@@ -104,6 +107,8 @@ void usage() {
       "  --min-iters 5          at least this many iterations per row\n"
       "  --warmup 2             untimed iterations per row\n"
       "  --progress-thread      start NIXL's progress thread\n"
+      "  --progress-delay-us 0  progress thread wake-up period\n"
+      "  --sync rw|strict       NIXL thread sync mode (default rw, as the plugin)\n"
       "  --backend UCX          NIXL backend\n"
       "  --param key=value      backend parameter (repeatable), e.g.\n"
       "                         --param ucx_error_handling_mode=none\n");
@@ -148,6 +153,13 @@ Options parse(int argc, char **argv) {
       o.warmup = std::max(0, std::atoi(val().c_str()));
     } else if (a == "--progress-thread") {
       o.progress_thread = true;
+    } else if (a == "--progress-delay-us") {
+      o.progress_delay_us = parse_size(val());
+    } else if (a == "--sync") {
+      std::string v = val();
+      if (v == "rw") o.sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
+      else if (v == "strict") o.sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_STRICT;
+      else die("--sync wants rw or strict, got %s", v);
     } else if (a == "--backend") {
       o.backend = val();
     } else if (a == "--param") {
@@ -178,9 +190,8 @@ struct Side {
   uint64_t size = 0;
 
   Side(const std::string &name, const Options &o, uint64_t size_) : size(size_) {
-    nixlAgentConfig cfg(o.progress_thread, false, default_comm_port,
-                        nixl_thread_sync_t::NIXL_THREAD_SYNC_RW, 1, 0,
-                        nixlAgentConfig::kDefaultLthrDelayUs, true);
+    nixlAgentConfig cfg(o.progress_thread, false, default_comm_port, o.sync, 1,
+                        o.progress_delay_us, nixlAgentConfig::kDefaultLthrDelayUs, true);
     agent = std::make_unique<nixlAgent>(name, cfg);
     nixlBackendH *bh = nullptr;
     check(agent->createBackend(o.backend, o.bparams, bh), "createBackend");
@@ -230,17 +241,18 @@ std::string read_blob(int fd) {
   return s;
 }
 
-// The target: serves its memory until the initiator says "done", draining
-// notifications (which also makes progress on its side) every millisecond.
-void serve(Side &t, const std::string &peer) {
+// The target: serves its memory until the initiator writes "stop" on the
+// pipe, meanwhile calling getNotifs every millisecond, which makes progress
+// on its side as a KV receiver waiting for notifications would.
+void serve(Side &t, int cmd_fd) {
   for (;;) {
     nixl_notifs_t n;
     check(t.agent->getNotifs(n), "getNotifs");
-    auto it = n.find(peer);
-    if (it != n.end())
-      for (auto &m : it->second)
-        if (m == "done") return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    pollfd p{cmd_fd, POLLIN, 0};
+    if (poll(&p, 1, 1) > 0) {
+      if (read_blob(cmd_fd) == "stop") return;
+      die("target: unexpected command while serving");
+    }
   }
 }
 
@@ -384,9 +396,13 @@ void print_header(const std::string &op, const std::string &path) {
 int main(int argc, char **argv) {
   Options o = parse(argc, argv);
   uint64_t size = buffer_size(o);
-  std::printf("# nixl-bench-direct: backend %s, %d process(es), progress thread %s, buffer %" PRIu64
-              " bytes per side\n",
-              o.backend.c_str(), o.procs, o.progress_thread ? "on" : "off", size);
+  std::string params;
+  for (auto &kv : o.bparams) params += " " + kv.first + "=" + kv.second;
+  std::printf("# nixl-bench-direct: backend %s, %d process(es), progress thread %s, sync %s, "
+              "buffer %" PRIu64 " bytes per side, backend params:%s\n",
+              o.backend.c_str(), o.procs, o.progress_thread ? "on" : "off",
+              o.sync == nixl_thread_sync_t::NIXL_THREAD_SYNC_RW ? "rw" : "strict", size,
+              params.empty() ? " none" : params.c_str());
   std::fflush(stdout);
 
   if (o.procs == 1) {
@@ -427,8 +443,8 @@ int main(int argc, char **argv) {
     Side target("bench-target", o, size);
     write_blob(to_parent[1], target.md());
     write_blob(to_parent[1], std::to_string(reinterpret_cast<uintptr_t>(target.buf)));
-    // Commands: "fill <bytes> <seed>", "clear <bytes>", "serve" (until the
-    // initiator's "done" notification), "exit".
+    // Commands: "fill <bytes> <seed>", "clear <bytes>", "serve" (until
+    // "stop"), "exit".
     for (;;) {
       std::string cmd = read_blob(to_child[0]);
       unsigned long long a = 0, b = 0;
@@ -438,7 +454,7 @@ int main(int argc, char **argv) {
         std::memset(target.buf, 0, a);
       } else if (cmd == "serve") {
         write_blob(to_parent[1], "serving");
-        serve(target, "bench-initiator");
+        serve(target, to_child[0]);
       } else {
         break;
       }
@@ -452,8 +468,6 @@ int main(int argc, char **argv) {
   std::string name;
   check(init.agent->loadRemoteMD(read_blob(to_parent[0]), name), "loadRemoteMD");
   uintptr_t remote_buf = std::strtoull(read_blob(to_parent[0]).c_str(), nullptr, 10);
-  // The target needs the initiator's metadata only for notifications back,
-  // which this benchmark does not use; "done" goes initiator -> target.
   uint64_t seed = 1;
   bool all_ok = true;
   for (auto &op : o.ops)
@@ -474,7 +488,7 @@ int main(int argc, char **argv) {
           read_blob(to_parent[0]);
           Row r = run_row(*init.agent, name, init.buf, remote_buf, nullptr, op, path, b, n, o,
                           seed++);
-          check(init.agent->genNotif(name, "done"), "genNotif");
+          write_blob(to_child[1], "stop");
           read_blob(to_parent[0]);
           all_ok = all_ok && r.ok;
           std::printf("%-14" PRIu64 " %-10" PRIu64
