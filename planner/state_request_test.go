@@ -98,7 +98,7 @@ func TestStateRequestJSON(t *testing.T) {
 	if err := WriteResponse(&buf, env, p, false); err != nil {
 		t.Fatal(err)
 	}
-	want := `{"style":"sglang-nixl","kind":"aux","path":"nixl-aux","descriptors":2,"expanded_descriptors":2,"bytes":80,"copies":[[4144,65616,16],[8384,131392,64]]}` + "\n"
+	want := `{"style":"sglang-nixl","kind":"aux","path":"nixl-aux","descriptors":2,"expanded_descriptors":2,"bytes":80,"reference_descriptors":2,"copies":[[4144,65616,16],[8384,131392,64]]}` + "\n"
 	if buf.String() != want {
 		t.Fatalf("got  %s\nwant %s", buf.String(), want)
 	}
