@@ -1,0 +1,2567 @@
+/*
+ * fake.c: the kvhost "fake" transfer backend (ABI v1, see abi/kvplugin.h).
+ *
+ * Real byte movement without vendor libraries, for CI, laptops and tests:
+ *   - agents of one process copy with memcpy; agents of different processes
+ *     on one host copy with process_vm_writev / process_vm_readv;
+ *   - transfers complete asynchronously on per-agent worker threads, so
+ *     poll_xfer really reports KVP_IN_PROG before KVP_SUCCESS;
+ *   - notifications reach the remote agent after every byte landed: directly
+ *     into its queue in this process, else over a unix datagram socket in
+ *     the abstract namespace whose name travels in the metadata;
+ *   - every block is checked against registered (local) or advertised
+ *     (remote) memory before any byte moves;
+ *   - fault injection and capability switches through agent parameters
+ *     (see PARAMS_DOC).
+ *
+ * C11, libc and pthreads only. Memory kinds DRAM and VRAM are both host
+ * memory here.
+ *
+ * Concurrency. Plugin-wide state is five handle tables (one per handle kind)
+ * and two process identity values, set once. Each agent has:
+ *   mem_lock   (rwlock)  its registration table; writers: register/deregister;
+ *                        readers: validation and the worker while it copies,
+ *                        so memory cannot be deregistered under a copy;
+ *   peers_lock (rwlock)  its loaded peers and their metadata;
+ *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove);
+ *   qlock      (mutex)   its transfer queue, transfer states and telemetry.
+ * No thread holds two of these at once, except a worker that read-locks the
+ * mem_lock of its own agent and of a same-process peer, always in address
+ * order. Handle-table mutexes are leaves. Every API call holds a reference
+ * on the agent handle it names (and on other handles it uses) for its whole
+ * duration, so a concurrent destroy or release waits for it.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvp_util.h"
+#include "kvplugin.h"
+
+/* The ABI major this build claims. A test build sets it to another value to
+ * show that hosts refuse it. */
+#ifndef KVP_FAKE_ABI_MAJOR
+#define KVP_FAKE_ABI_MAJOR KVP_ABI_MAJOR
+#endif
+
+#define FAKE_VERSION "1.0.0"
+#define FAKE_CAPS                                                                      \
+  (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY | \
+   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB)
+#define FAKE_MEM_KINDS (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM))
+
+/* Largest notification message (bytes). Cross-process notifications travel
+ * as one datagram, and 64 KiB plus a header fits the default socket buffer
+ * (net.core.wmem_default, 208 KiB). The same limit holds in-process. */
+#define FAKE_MAX_NOTIF (64u * 1024u)
+/* Received notifications an agent keeps while nobody drains them. */
+#define FAKE_NQ_MAX_BYTES (64u * 1024u * 1024u)
+/* Scheduling (see worker_next and poll_steal). A same-process transfer of
+ * at most FAKE_STEAL_MAX_BYTES without delay_us is "stealable": for
+ * FAKE_GRACE_NS after its post it is left to the caller's polls (the second
+ * poll after the post runs it in the polling thread: no cross-thread
+ * hand-off, warm caches); after that a worker runs it, so transfers nobody
+ * polls still complete and notify. Every other transfer goes to a worker
+ * at once. After running a transfer a worker spins FAKE_SPIN_NS for the
+ * next urgent one before it sleeps; while the agent is active (a post
+ * within FAKE_ACTIVE_NS) an idle worker sleeps at most FAKE_GRACE_NS at a
+ * time, so posting a stealable transfer never needs a futex wake-up. */
+#define FAKE_STEAL_MAX_BYTES (16ull << 20)
+#define FAKE_GRACE_NS 1000000ull
+#define FAKE_SPIN_NS 20000ull
+#define FAKE_ACTIVE_NS 20000000ull
+/* How long a notification send may block on a full peer socket. */
+#define FAKE_SEND_TIMEOUT_S 2
+/* process_vm_* moves at most MAX_RW_COUNT (~2 GiB) per call; stay below. */
+#define FAKE_PVM_MAX_BYTES (1ull << 30)
+#ifdef IOV_MAX
+#define FAKE_IOV_MAX IOV_MAX
+#else
+#define FAKE_IOV_MAX 1024
+#endif
+
+/* Wire formats (all integers little endian). */
+#define MD_MAGIC "KVFM"
+#define MD_VERSION 1
+#define MD_FIXED 56
+#define MD_REGION 32
+#define BLOB_MAGIC "KVFR"
+#define BLOB_VERSION 1
+#define BLOB_SIZE 48
+#define NOTIF_MAGIC "KVFN"
+#define NOTIF_VERSION 1
+#define NOTIF_FIXED 18
+
+static const char PARAMS_DOC[] =
+    "caps_off=\tcomma list of capabilities this agent switches off, so the host emulates "
+    "them: prepped, batch, strided, notif, telemetry, remote_addr, remote_blob (not both "
+    "prepped and batch); the agent refuses their calls with KVP_ERR_NOT_SUPPORTED\n"
+    "fail_rate=0\tprobability in [0,1] that a posted transfer fails with KVP_ERR_BACKEND "
+    "\"fake: injected failure\" after moving half of its bytes\n"
+    "fail_seed=1\tseed of the pseudo-random draws of fail_rate and drop_notif_rate "
+    "(same seed, same sequence of posts: same outcomes)\n"
+    "delay_us=0\tmicroseconds each transfer waits on its worker before it moves bytes "
+    "(0..60000000)\n"
+    "drop_notif_rate=0\tprobability in [0,1] that the notification of a successful "
+    "transfer is silently dropped\n"
+    "workers=1\tworker threads per agent (1..64); each transfer runs on one worker\n";
+
+static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
+                                         "delay_us", "drop_notif_rate", "workers"};
+#define NUM_PARAM_KEYS (sizeof PARAM_KEYS / sizeof PARAM_KEYS[0])
+
+/* Names of the KVP_CAP_* bits, bit i = names[i]. */
+static const char *const CAP_NAMES[] = {"prepped",   "batch",       "strided",    "notif",
+                                        "telemetry", "remote_addr", "remote_blob"};
+#define NUM_CAPS (sizeof CAP_NAMES / sizeof CAP_NAMES[0])
+
+/* ------------------------------------------------------------------------ */
+/* Types                                                                    */
+/* ------------------------------------------------------------------------ */
+
+struct agent;
+struct peer;
+
+/* Intrusive list link: first member of every object an agent owns. */
+typedef struct own_link {
+  struct own_link *prev, *next;
+} own_link;
+
+/* A range-table element (kvp_range prefix: addr, len). */
+typedef struct mem_range {
+  uint64_t addr, len, dev_id;
+  uint32_t kind;
+  uint32_t pad;
+  struct region *reg; /* the local region; NULL in peer metadata */
+} mem_range;
+
+/* Memory registered on a local agent. Immutable after creation. */
+typedef struct region {
+  own_link link;
+  struct agent *ag;
+  uint64_t handle;
+  uint64_t addr, len, dev_id;
+  kvp_mem_kind kind;
+} region;
+
+/* A peer's metadata, decoded. Immutable; replaced as a whole on reload. */
+typedef struct peer_md {
+  uint64_t process_token, pidns, agent_id, agent_handle;
+  uint32_t pid;
+  char name[KVP_MAX_NAME_LEN];
+  size_t name_len;
+  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  size_t sock_len; /* 0: the peer takes no notifications */
+  size_t nregions;
+  mem_range *regions; /* sorted by addr, non-overlapping */
+} peer_md;
+
+/* A loaded peer. Reference counted: the agent's peer list holds one, and so
+ * does every dlist, remote region and transfer that refers to it. name and
+ * removed are fixed / set under the agent's peers_lock; md and gen change
+ * under it (write) on reload. */
+typedef struct peer {
+  struct peer *next; /* peer list, under peers_lock */
+  atomic_int refs;
+  atomic_int removed; /* set once by remove_remote; read by post under qlock */
+  uint64_t gen; /* bumped when md is replaced */
+  peer_md *md;
+  char name[KVP_MAX_NAME_LEN];
+  size_t name_len;
+} peer;
+
+/* A region of a peer as seen by a local agent. */
+typedef struct rregion {
+  own_link link;
+  struct agent *ag;
+  uint64_t handle;
+  peer *peer;
+  uint64_t agent_id; /* the peer incarnation it was imported from */
+  uint64_t addr, len, dev_id;
+  kvp_mem_kind kind;
+} rregion;
+
+/* A prepared descriptor list. Immutable after creation. */
+typedef struct dlist {
+  own_link link;
+  struct agent *ag;
+  uint64_t handle;
+  peer *peer;        /* NULL: local */
+  uint64_t agent_id; /* remote: peer incarnation it was checked against */
+  uint64_t gen;      /* local: reg_gen, remote: peer gen, at the check */
+  kvp_mem_kind kind;
+  size_t n;
+  kvp_xfer_desc *descs;
+} dlist;
+
+/* One pair of (strided) descriptors of a transfer, in absolute addresses.
+ * Strides are 0 when count is 1. */
+typedef struct xpair {
+  uint64_t laddr, raddr, len, lstride, rstride, count, ldev, rdev;
+  uint32_t lkind, rkind;
+} xpair;
+
+enum xstate { X_IDLE, X_QUEUED, X_RUNNING, X_DONE, X_FAILED };
+enum { BASIS_ADVERTISED, BASIS_REGIONS };
+enum { ROUTE_NONE, ROUTE_LOCAL, ROUTE_PVM };
+
+/* Where a transfer's peer lives, copied from its metadata at post. */
+typedef struct route {
+  int kind;
+  uint32_t pid;
+  uint64_t agent_handle, agent_id;
+  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  size_t sock_len;
+} route;
+
+typedef struct telem {
+  int valid;
+  uint64_t start_us, post_us, xfer_us, bytes, descs;
+} telem;
+
+typedef struct xfer {
+  own_link link;
+  struct agent *ag;
+  uint64_t handle;
+  kvp_op op;
+  int basis;         /* how remote blocks are checked: BASIS_* */
+  peer *peer;        /* NULL only for an empty batch without a peer */
+  uint64_t agent_id; /* peer incarnation the transfer was built against */
+  size_t npairs;
+  xpair *pairs;
+  uint64_t desc_count, total_bytes;
+  int has_notif;
+  size_t notif_len;
+  uint8_t *notif;
+
+  /* Validation cache: generations at which the blocks were last checked.
+   * Written by the poster while idle and by the worker while running. */
+  uint64_t local_gen, peer_gen, live_gen;
+  int live_valid;
+
+  /* Execution. state is read without a lock by poll; everything else below
+   * changes under ag->qlock (or by the one worker running it). */
+  atomic_int state;
+  atomic_int cancel;
+  int fail, drop_notif; /* drawn at post */
+  int polled;           /* polls since the last post; only calls on this xfer touch it */
+  int stealable;        /* see FAKE_GRACE_NS; set at post */
+  uint64_t enq_ns;      /* when it was queued (monotonic ns) */
+  route rt;
+  struct xfer *qprev, *qnext;
+  int waiters;
+  uint64_t t0_ns, start_us, post_us;
+  telem done;
+  kvp_status err_code;
+  char err_msg[512];
+} xfer;
+
+typedef struct agent {
+  uint64_t handle, id;
+  char name[KVP_MAX_NAME_LEN];
+  size_t name_len;
+  uint64_t caps;
+  double fail_rate, drop_notif_rate;
+  uint64_t delay_us;
+  unsigned nworkers;
+  uint64_t rng; /* xorshift64* state, under qlock */
+
+  pthread_rwlock_t mem_lock;
+  mem_range *regs; /* sorted by addr */
+  size_t nregs, capregs;
+  atomic_uint_fast64_t reg_gen;
+
+  pthread_rwlock_t peers_lock;
+  peer *peers;
+
+  pthread_mutex_t own_lock;
+  own_link regions, rregions, dlists, xfers;
+
+  pthread_mutex_t qlock;
+  pthread_cond_t qcv;      /* work queued or stopping */
+  pthread_cond_t donecv;   /* a transfer with waiters left the worker */
+  pthread_cond_t cancelcv; /* a transfer was cancelled (wakes delay waits) */
+  xfer *qhead, *qtail;
+  atomic_size_t urgent; /* queued transfers that are not stealable */
+  int stopping, sleepers, untimed_sleepers;
+  uint64_t last_post_ns;
+  pthread_t *workers;
+  unsigned workers_started;
+
+  kvp_notif_queue *nq;
+  int rx_sock, tx_sock, stop_fd;
+  int rx_started;
+  pthread_t rx_thread;
+  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  size_t sock_len;
+} agent;
+
+/* ------------------------------------------------------------------------ */
+/* Plugin-wide state                                                        */
+/* ------------------------------------------------------------------------ */
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static kvp_htable *g_agents, *g_regions, *g_rregions, *g_dlists, *g_xfers;
+/* Random per process (re-drawn in a forked child): with the pid it tells
+ * whether a peer lives in this very process. */
+static uint64_t g_process_token;
+static uint64_t g_pidns;
+static int g_init_ok;
+
+static uint64_t random_u64(void) {
+  uint64_t v = 0;
+  if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    static atomic_uint_fast64_t ctr;
+    v = ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)ts.tv_sec ^ ((uint64_t)getpid() << 40) ^
+        (atomic_fetch_add(&ctr, 1) * 0x9E3779B97F4A7C15ull);
+  }
+  return v ? v : 0x9E3779B97F4A7C15ull;
+}
+
+static void after_fork_child(void) { g_process_token = random_u64(); }
+
+static void fake_init(void) {
+  g_agents = kvp_ht_create(1);
+  g_regions = kvp_ht_create(2);
+  g_rregions = kvp_ht_create(3);
+  g_dlists = kvp_ht_create(4);
+  g_xfers = kvp_ht_create(5);
+  g_process_token = random_u64();
+  struct stat st;
+  g_pidns = stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+  pthread_atfork(NULL, NULL, after_fork_child);
+  g_init_ok = g_agents && g_regions && g_rregions && g_dlists && g_xfers;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t epoch_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static const char *kind_name(uint32_t kind) {
+  return kind == KVP_MEM_DRAM ? "DRAM" : kind == KVP_MEM_VRAM ? "VRAM" : "?";
+}
+
+static int kind_ok(uint32_t kind) { return kind == KVP_MEM_DRAM || kind == KVP_MEM_VRAM; }
+
+static const char *cap_name(uint64_t cap) {
+  for (size_t i = 0; i < NUM_CAPS; i++)
+    if (cap == 1ull << i) return CAP_NAMES[i];
+  return "?";
+}
+
+/* ------------------------------------------------------------------------ */
+/* Handles and common checks                                                */
+/* ------------------------------------------------------------------------ */
+
+static void list_init(own_link *head) { head->prev = head->next = head; }
+
+static void list_add(own_link *head, own_link *l) {
+  l->prev = head->prev;
+  l->next = head;
+  head->prev->next = l;
+  head->prev = l;
+}
+
+static void list_del(own_link *l) {
+  l->prev->next = l->next;
+  l->next->prev = l->prev;
+  l->prev = l->next = l;
+}
+
+/* Acquires the agent of handle h or explains why not. */
+static agent *agent_get(uint64_t h, const char *fn, kvp_error **err) {
+  agent *ag = (agent *)kvp_ht_acquire(g_agents, h);
+  if (!ag)
+    *err = kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown or released agent handle 0x%" PRIx64, fn, h);
+  return ag;
+}
+
+static void agent_put(agent *ag) { kvp_ht_put(g_agents, ag->handle); }
+
+/* Acquires an object of table t owned by ag. Objects begin with own_link
+ * followed by their agent pointer (region, rregion, dlist, xfer). */
+typedef struct owned_head {
+  own_link link;
+  agent *ag;
+} owned_head;
+
+/* collect_handles reads the handle right after owned_head. */
+_Static_assert(offsetof(region, handle) == sizeof(owned_head), "region layout");
+_Static_assert(offsetof(rregion, handle) == sizeof(owned_head), "rregion layout");
+_Static_assert(offsetof(dlist, handle) == sizeof(owned_head), "dlist layout");
+_Static_assert(offsetof(xfer, handle) == sizeof(owned_head), "xfer layout");
+_Static_assert(offsetof(region, ag) == offsetof(owned_head, ag), "region layout");
+_Static_assert(offsetof(rregion, ag) == offsetof(owned_head, ag), "rregion layout");
+_Static_assert(offsetof(dlist, ag) == offsetof(owned_head, ag), "dlist layout");
+_Static_assert(offsetof(xfer, ag) == offsetof(owned_head, ag), "xfer layout");
+
+static void *obj_get(kvp_htable *t, uint64_t h, agent *ag, const char *what, const char *fn,
+                     kvp_error **err) {
+  owned_head *o = (owned_head *)kvp_ht_acquire(t, h);
+  if (!o) {
+    *err = kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown or released %s handle 0x%" PRIx64, fn, what, h);
+    return NULL;
+  }
+  if (o->ag != ag) {
+    kvp_ht_put(t, h);
+    *err = kvp_err(KVP_ERR_INVALID_PARAM, "%s: %s handle 0x%" PRIx64 " belongs to another agent", fn,
+                   what, h);
+    return NULL;
+  }
+  return o;
+}
+
+static kvp_error *need_cap(const agent *ag, uint64_t cap, const char *fn) {
+  if (ag->caps & cap) return NULL;
+  return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                 "%s: capability %s is switched off on agent \"%.*s\" (caps_off)", fn,
+                 cap_name(cap), (int)ag->name_len, ag->name);
+}
+
+static void peer_ref(peer *p) { atomic_fetch_add(&p->refs, 1); }
+
+static void peer_unref(peer *p) {
+  if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
+  if (p->md) free(p->md->regions);
+  free(p->md);
+  free(p);
+}
+
+/* The loaded peer called (name, len); peers_lock held. */
+static peer *peer_find(agent *ag, const char *name, size_t len) {
+  for (peer *p = ag->peers; p; p = p->next)
+    if (p->name_len == len && memcmp(p->name, name, len) == 0) return p;
+  return NULL;
+}
+
+static kvp_error *peer_name_check(const char *name, size_t len, const char *fn) {
+  if (!name || len == 0 || len > KVP_MAX_NAME_LEN)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: peer name must be 1..%d bytes", fn, KVP_MAX_NAME_LEN);
+  return NULL;
+}
+
+static kvp_error *peer_unknown(agent *ag, const char *name, size_t len, const char *fn) {
+  return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" is not loaded on agent \"%.*s\"", fn,
+                 (int)len, name, (int)ag->name_len, ag->name);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Block validation                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct match_ctx {
+  uint64_t dev_id;
+  uint32_t kind;
+} match_ctx;
+
+static int match_kind_dev(const void *elem, void *ctx) {
+  const mem_range *r = (const mem_range *)elem;
+  const match_ctx *m = (const match_ctx *)ctx;
+  return r->kind == m->kind && r->dev_id == m->dev_id;
+}
+
+/* 1 if every block of the descriptor lies inside an element of the table
+ * with the same memory kind and device. */
+static int blocks_inside(const mem_range *tab, size_t n, uint64_t addr, uint64_t len,
+                         uint64_t stride, uint64_t count, uint64_t dev_id, uint32_t kind) {
+  match_ctx m = {dev_id, kind};
+  return kvp_strided_each_in(tab, n, sizeof(mem_range), addr, len, stride, count, match_kind_dev,
+                             &m);
+}
+
+/* Checks one side of every pair against a table; returns the index of the
+ * first pair with a block outside, or -1. */
+static long pairs_outside(const xpair *ps, size_t n, int remote, const mem_range *tab, size_t ntab) {
+  for (size_t i = 0; i < n; i++) {
+    const xpair *p = &ps[i];
+    int ok = remote ? blocks_inside(tab, ntab, p->raddr, p->len, p->rstride, p->count, p->rdev, p->rkind)
+                    : blocks_inside(tab, ntab, p->laddr, p->len, p->lstride, p->count, p->ldev, p->lkind);
+    if (!ok) return (long)i;
+  }
+  return -1;
+}
+
+static kvp_error *pair_outside_err(const xfer *x, long i, int remote, const char *where,
+                                   const char *fn) {
+  const xpair *p = &x->pairs[i];
+  return kvp_err(KVP_ERR_NOT_FOUND,
+                 "%s: descriptor %ld: %s blocks (addr 0x%" PRIx64 ", len %" PRIu64 ", stride %" PRIu64
+                 ", count %" PRIu64 ", %s dev %" PRIu64 ") are not inside %s; no byte moved",
+                 fn, i, remote ? "remote" : "local", remote ? p->raddr : p->laddr, p->len,
+                 remote ? p->rstride : p->lstride, p->count, kind_name(remote ? p->rkind : p->lkind),
+                 remote ? p->rdev : p->ldev, where);
+}
+
+/* Revalidates the local side against the agent's registrations if they
+ * changed since the last check. mem_lock must be held (read). */
+static kvp_error *check_local_locked(agent *ag, xfer *x, const char *fn) {
+  uint64_t gen = atomic_load(&ag->reg_gen);
+  if (gen == x->local_gen) return NULL;
+  long bad = pairs_outside(x->pairs, x->npairs, 0, ag->regs, ag->nregs);
+  if (bad >= 0) return pair_outside_err(x, bad, 0, "memory registered on this agent (deregistered?)", fn);
+  x->local_gen = gen;
+  return NULL;
+}
+
+/* Same for the remote side against a same-process peer agent's current
+ * registrations. peer_ag->mem_lock must be held (read). */
+static kvp_error *check_live_locked(agent *peer_ag, xfer *x, const char *fn) {
+  uint64_t gen = atomic_load(&peer_ag->reg_gen);
+  if (x->live_valid && gen == x->live_gen) return NULL;
+  long bad = pairs_outside(x->pairs, x->npairs, 1, peer_ag->regs, peer_ag->nregs);
+  if (bad >= 0)
+    return pair_outside_err(x, bad, 1, "memory the peer has registered now (deregistered?)", fn);
+  x->live_gen = gen;
+  x->live_valid = 1;
+  return NULL;
+}
+
+/* Read-locks the mem_locks of a and b (b may be NULL or a) in address
+ * order, so two workers locking the same pair cannot deadlock. */
+static void mem_rdlock2(agent *a, agent *b) {
+  if (!b || b == a) {
+    pthread_rwlock_rdlock(&a->mem_lock);
+  } else if (a < b) {
+    pthread_rwlock_rdlock(&a->mem_lock);
+    pthread_rwlock_rdlock(&b->mem_lock);
+  } else {
+    pthread_rwlock_rdlock(&b->mem_lock);
+    pthread_rwlock_rdlock(&a->mem_lock);
+  }
+}
+
+static void mem_unlock2(agent *a, agent *b) {
+  if (b && b != a) pthread_rwlock_unlock(&b->mem_lock);
+  pthread_rwlock_unlock(&a->mem_lock);
+}
+
+/* The same-process agent a route points at, with a reference, or NULL. */
+static agent *route_agent(const route *rt) {
+  agent *p = (agent *)kvp_ht_acquire(g_agents, rt->agent_handle);
+  if (p && p->id != rt->agent_id) {
+    kvp_ht_put(g_agents, rt->agent_handle);
+    p = NULL;
+  }
+  return p;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Wire formats                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Metadata v1:
+ *   0  "KVFM"            4  u16 version (1)    6  u16 flags (0)
+ *   8  u64 process token 16 u64 pid namespace  24 u32 pid   28 u32 reserved
+ *   32 u64 agent id      40 u64 agent handle (valid in its process only)
+ *   48 u16 name_len      50 u16 sock_len       52 u32 num_regions
+ *   56 name, sock (abstract unix socket name without its leading NUL), then
+ *      num_regions x { u64 addr, u64 len, u64 dev_id, u32 kind, u32 0 }
+ * sorted by addr. The length must match exactly. */
+static size_t md_size(const agent *ag) {
+  return MD_FIXED + ag->name_len + ag->sock_len + ag->nregs * MD_REGION;
+}
+
+static void md_encode(const agent *ag, uint8_t *p) {
+  memcpy(p, MD_MAGIC, 4);
+  kvp_put_u16(p + 4, MD_VERSION);
+  kvp_put_u16(p + 6, 0);
+  kvp_put_u64(p + 8, g_process_token);
+  kvp_put_u64(p + 16, g_pidns);
+  kvp_put_u32(p + 24, (uint32_t)getpid());
+  kvp_put_u32(p + 28, 0);
+  kvp_put_u64(p + 32, ag->id);
+  kvp_put_u64(p + 40, ag->handle);
+  kvp_put_u16(p + 48, (uint16_t)ag->name_len);
+  kvp_put_u16(p + 50, (uint16_t)ag->sock_len);
+  kvp_put_u32(p + 52, (uint32_t)ag->nregs);
+  uint8_t *q = p + MD_FIXED;
+  memcpy(q, ag->name, ag->name_len);
+  q += ag->name_len;
+  memcpy(q, ag->sock, ag->sock_len);
+  q += ag->sock_len;
+  for (size_t i = 0; i < ag->nregs; i++, q += MD_REGION) {
+    kvp_put_u64(q, ag->regs[i].addr);
+    kvp_put_u64(q + 8, ag->regs[i].len);
+    kvp_put_u64(q + 16, ag->regs[i].dev_id);
+    kvp_put_u32(q + 24, ag->regs[i].kind);
+    kvp_put_u32(q + 28, 0);
+  }
+}
+
+static kvp_error *md_bad(const char *why) {
+  return kvp_err(KVP_ERR_INVALID_PARAM, "load_remote: metadata is not fake-plugin metadata v%d: %s",
+                 MD_VERSION, why);
+}
+
+/* Decodes metadata into a new peer_md (owned by the caller). Never reads
+ * outside [buf, buf + len). */
+static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
+  kvp_reader r;
+  kvp_reader_init(&r, buf, len);
+  const uint8_t *magic, *name, *sock;
+  uint16_t version, flags, name_len, sock_len;
+  uint32_t pid, reserved, nreg;
+  peer_md m;
+  memset(&m, 0, sizeof m);
+  if (!buf || len < MD_FIXED) return md_bad("truncated header");
+  kvp_read_bytes(&r, 4, &magic);
+  if (memcmp(magic, MD_MAGIC, 4) != 0) return md_bad("bad magic");
+  kvp_read_u16(&r, &version);
+  if (version != MD_VERSION) {
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "load_remote: metadata version %u, this fake plugin reads version %d", version,
+                   MD_VERSION);
+  }
+  kvp_read_u16(&r, &flags);
+  kvp_read_u64(&r, &m.process_token);
+  kvp_read_u64(&r, &m.pidns);
+  kvp_read_u32(&r, &pid);
+  kvp_read_u32(&r, &reserved);
+  kvp_read_u64(&r, &m.agent_id);
+  kvp_read_u64(&r, &m.agent_handle);
+  kvp_read_u16(&r, &name_len);
+  kvp_read_u16(&r, &sock_len);
+  kvp_read_u32(&r, &nreg);
+  if (!r.ok) return md_bad("truncated header");
+  if (flags != 0 || reserved != 0) return md_bad("non-zero flags or reserved field");
+  if (pid == 0 || m.agent_id == 0) return md_bad("zero pid or agent id");
+  if (name_len == 0 || name_len > KVP_MAX_NAME_LEN) return md_bad("agent name length not in 1..255");
+  if (sock_len >= sizeof m.sock) return md_bad("socket name too long");
+  size_t strs = (size_t)name_len + sock_len;
+  if (r.left < strs || (r.left - strs) % MD_REGION != 0 || (r.left - strs) / MD_REGION != nreg)
+    return md_bad("length does not match its region count (truncated or trailing bytes)");
+  kvp_read_bytes(&r, name_len, &name);
+  kvp_read_bytes(&r, sock_len, &sock);
+  m.pid = pid;
+  m.name_len = name_len;
+  memcpy(m.name, name, name_len);
+  m.sock_len = sock_len;
+  memcpy(m.sock, sock, sock_len);
+  m.nregions = nreg;
+  if (nreg) {
+    m.regions = (mem_range *)calloc(nreg, sizeof(mem_range));
+    if (!m.regions) return kvp_err_oom();
+  }
+  for (uint32_t i = 0; i < nreg; i++) {
+    mem_range *g = &m.regions[i];
+    uint32_t rres;
+    kvp_read_u64(&r, &g->addr);
+    kvp_read_u64(&r, &g->len);
+    kvp_read_u64(&r, &g->dev_id);
+    kvp_read_u32(&r, &g->kind);
+    kvp_read_u32(&r, &rres);
+    if (g->len == 0 || rres != 0 || !kind_ok(g->kind)) {
+      free(m.regions);
+      return md_bad("bad region (zero length, unknown memory kind or reserved bits)");
+    }
+  }
+  if (!r.ok || r.left != 0 || kvp_ranges_check(m.regions, nreg, sizeof(mem_range)) >= 0) {
+    free(m.regions);
+    return md_bad("regions unsorted, overlapping or overflowing");
+  }
+  peer_md *pm = (peer_md *)malloc(sizeof *pm);
+  if (!pm) {
+    free(m.regions);
+    return kvp_err_oom();
+  }
+  *pm = m;
+  *out = pm;
+  return NULL;
+}
+
+/* Region blob v1 (48 bytes):
+ *   0 "KVFR"  4 u16 version (1)  6 u16 flags (0)  8 u64 owner agent id
+ *   16 u64 addr  24 u64 len  32 u64 dev_id  40 u32 kind  44 u32 0 */
+static void blob_encode(const agent *ag, const region *rg, uint8_t *p) {
+  memcpy(p, BLOB_MAGIC, 4);
+  kvp_put_u16(p + 4, BLOB_VERSION);
+  kvp_put_u16(p + 6, 0);
+  kvp_put_u64(p + 8, ag->id);
+  kvp_put_u64(p + 16, rg->addr);
+  kvp_put_u64(p + 24, rg->len);
+  kvp_put_u64(p + 32, rg->dev_id);
+  kvp_put_u32(p + 40, rg->kind);
+  kvp_put_u32(p + 44, 0);
+}
+
+typedef struct blob_fields {
+  uint64_t agent_id, addr, len, dev_id;
+  uint32_t kind;
+} blob_fields;
+
+static kvp_error *blob_decode(const uint8_t *p, size_t len, blob_fields *b) {
+  if (len != BLOB_SIZE || memcmp(p, BLOB_MAGIC, 4) != 0 || kvp_get_u16(p + 4) != BLOB_VERSION ||
+      kvp_get_u16(p + 6) != 0 || kvp_get_u32(p + 44) != 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "remote_region_import: blob of %zu bytes is not a fake-plugin region blob v%d "
+                   "(%d bytes)",
+                   len, BLOB_VERSION, BLOB_SIZE);
+  b->agent_id = kvp_get_u64(p + 8);
+  b->addr = kvp_get_u64(p + 16);
+  b->len = kvp_get_u64(p + 24);
+  b->dev_id = kvp_get_u64(p + 32);
+  b->kind = kvp_get_u32(p + 40);
+  if (b->len == 0 || b->len > UINT64_MAX - b->addr || !kind_ok(b->kind) || b->agent_id == 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "remote_region_import: blob names an invalid region (len 0, overflow or bad kind)");
+  return NULL;
+}
+
+/* Notification datagram v1:
+ *   0 "KVFN"  4 u16 version (1)  6 u16 flags (0)  8 u64 target agent id
+ *   16 u16 sender_len  18 sender  then the message (the rest). */
+
+/* ------------------------------------------------------------------------ */
+/* Notifications                                                            */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *notif_len_check(const uint8_t *msg, size_t len, const char *fn) {
+  if (!msg && len)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: notification message is NULL with length %zu", fn, len);
+  if (len > FAKE_MAX_NOTIF)
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "%s: notification of %zu bytes is larger than the fake plugin's limit of %u "
+                   "(one datagram)",
+                   fn, len, FAKE_MAX_NOTIF);
+  return NULL;
+}
+
+/* Delivers (msg, len) from agent `from` to the agent a route points at. */
+static kvp_error *notif_deliver(agent *from, const route *rt, const uint8_t *msg, size_t len) {
+  if (rt->kind == ROUTE_LOCAL) {
+    agent *to = route_agent(rt);
+    if (!to) return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "notification: peer agent no longer exists");
+    kvp_error *e = NULL;
+    if (!(to->caps & KVP_CAP_NOTIF))
+      e = kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer \"%.*s\" switched notifications off",
+                  (int)to->name_len, to->name);
+    else
+      e = kvp_nq_push(to->nq, from->name, from->name_len, msg, len);
+    agent_put(to);
+    return kvp_err_wrap(e, "notification not delivered");
+  }
+  if (rt->kind != ROUTE_PVM)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "notification: the transfer has no peer");
+  if (rt->sock_len == 0)
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer has no notification endpoint");
+  uint8_t hdr[NOTIF_FIXED];
+  memcpy(hdr, NOTIF_MAGIC, 4);
+  kvp_put_u16(hdr + 4, NOTIF_VERSION);
+  kvp_put_u16(hdr + 6, 0);
+  kvp_put_u64(hdr + 8, rt->agent_id);
+  kvp_put_u16(hdr + 16, (uint16_t)from->name_len);
+  struct iovec iov[3] = {{hdr, sizeof hdr}, {from->name, from->name_len}, {(void *)msg, len}};
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  memcpy(sa.sun_path + 1, rt->sock, rt->sock_len);
+  struct msghdr mh;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_name = &sa;
+  mh.msg_namelen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + rt->sock_len);
+  mh.msg_iov = iov;
+  mh.msg_iovlen = len ? 3 : 2;
+  for (;;) {
+    ssize_t n = sendmsg(from->tx_sock, &mh, MSG_NOSIGNAL);
+    if (n >= 0) return NULL;
+    if (errno == EINTR) continue;
+    int err = errno;
+    if (err == ECONNREFUSED || err == ENOENT || err == ENOTCONN)
+      return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
+                     "notification: peer process %u is gone (its socket refuses: %s)", rt->pid,
+                     strerror(err));
+    if (err == EAGAIN || err == EWOULDBLOCK)
+      return kvp_err(KVP_ERR_BACKEND,
+                     "notification: peer process %u did not drain its socket within %ds", rt->pid,
+                     FAKE_SEND_TIMEOUT_S);
+    return kvp_err(KVP_ERR_BACKEND, "notification: sendmsg to peer process %u: %s", rt->pid,
+                   strerror(err));
+  }
+}
+
+/* Receives notification datagrams of one agent into its queue until
+ * stop_fd becomes readable. Malformed datagrams are dropped. */
+static void *rx_main(void *arg) {
+  agent *ag = (agent *)arg;
+  size_t cap = NOTIF_FIXED + KVP_MAX_NAME_LEN + FAKE_MAX_NOTIF + 1;
+  uint8_t *buf = (uint8_t *)malloc(cap);
+  if (!buf) return NULL;
+  struct pollfd fds[2] = {{ag->rx_sock, POLLIN, 0}, {ag->stop_fd, POLLIN, 0}};
+  for (;;) {
+    int pr = poll(fds, 2, -1);
+    if (pr < 0 && errno != EINTR) break;
+    if (fds[1].revents) break;
+    for (;;) {
+      ssize_t n = recv(ag->rx_sock, buf, cap, MSG_DONTWAIT | MSG_TRUNC);
+      if (n < 0) break; /* EAGAIN: drained */
+      if ((size_t)n > cap || (size_t)n < NOTIF_FIXED) continue;
+      if (memcmp(buf, NOTIF_MAGIC, 4) != 0 || kvp_get_u16(buf + 4) != NOTIF_VERSION ||
+          kvp_get_u64(buf + 8) != ag->id)
+        continue;
+      size_t sl = kvp_get_u16(buf + 16);
+      if (sl == 0 || sl > KVP_MAX_NAME_LEN || (size_t)n - NOTIF_FIXED < sl) continue;
+      kvp_err_free(kvp_nq_push(ag->nq, (const char *)buf + NOTIF_FIXED, sl,
+                               buf + NOTIF_FIXED + sl, (size_t)n - NOTIF_FIXED - sl));
+    }
+  }
+  free(buf);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Transfer execution                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct worker {
+  agent *ag;
+  struct iovec *liov, *riov; /* FAKE_IOV_MAX each, reused for every transfer */
+} worker;
+
+static kvp_error *canceled_err(void) {
+  return kvp_err(KVP_ERR_CANCELED, "transfer cancelled");
+}
+
+/* Same-process copy: one memcpy per block, up to limit bytes. */
+static kvp_error *copy_local(xfer *x, uint64_t limit, uint64_t *moved) {
+  uint64_t done = 0;
+  for (size_t i = 0; i < x->npairs; i++) {
+    const xpair *p = &x->pairs[i];
+    for (uint64_t k = 0; k < p->count; k++) {
+      if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) {
+        *moved = done;
+        return canceled_err();
+      }
+      uint64_t la = p->laddr + k * p->lstride, ra = p->raddr + k * p->rstride;
+      uint64_t n = p->len;
+      if (n > limit - done) n = limit - done;
+      char *dst = (char *)(uintptr_t)(x->op == KVP_OP_WRITE ? ra : la);
+      const char *src = (const char *)(uintptr_t)(x->op == KVP_OP_WRITE ? la : ra);
+      if (dst + n <= src || src + n <= dst)
+        memcpy(dst, src, n);
+      else
+        memmove(dst, src, n); /* a loopback copy within one buffer */
+      done += n;
+      if (done == limit) {
+        *moved = done;
+        return NULL;
+      }
+    }
+  }
+  *moved = done;
+  return NULL;
+}
+
+static kvp_error *pvm_error(int err, const route *rt, int write) {
+  const char *call = write ? "process_vm_writev" : "process_vm_readv";
+  if (err == ESRCH)
+    return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "%s: peer process %u is gone", call, rt->pid);
+  if (err == EPERM || err == EACCES)
+    return kvp_err(KVP_ERR_BACKEND,
+                   "%s: not permitted to access peer process %u (%s; both processes need the same "
+                   "user, or CAP_SYS_PTRACE)",
+                   call, rt->pid, strerror(err));
+  if (err == EFAULT)
+    return kvp_err(KVP_ERR_BACKEND,
+                   "%s: memory of peer process %u (or local memory) is not mapped (EFAULT)", call,
+                   rt->pid);
+  return kvp_err(KVP_ERR_BACKEND, "%s to peer process %u: %s", call, rt->pid, strerror(err));
+}
+
+/* Moves the iovecs [0, n) with as many calls as partial transfers need. */
+static kvp_error *pvm_flush(worker *w, const xfer *x, int n, uint64_t *moved) {
+  struct iovec *l = w->liov, *r = w->riov;
+  int write = x->op == KVP_OP_WRITE;
+  while (n > 0) {
+    ssize_t got = write ? process_vm_writev((pid_t)x->rt.pid, l, (unsigned long)n, r, (unsigned long)n, 0)
+                        : process_vm_readv((pid_t)x->rt.pid, l, (unsigned long)n, r, (unsigned long)n, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return pvm_error(errno, &x->rt, write);
+    }
+    if (got == 0) return pvm_error(EFAULT, &x->rt, write);
+    *moved += (uint64_t)got;
+    /* Partial: drop the iovecs moved whole, trim the one moved in part.
+     * Paired iovecs have equal lengths, so both sides advance alike. */
+    size_t left = (size_t)got;
+    while (n > 0 && left >= l->iov_len) {
+      left -= l->iov_len;
+      l++;
+      r++;
+      n--;
+    }
+    if (n > 0 && left) {
+      l->iov_base = (char *)l->iov_base + left;
+      l->iov_len -= left;
+      r->iov_base = (char *)r->iov_base + left;
+      r->iov_len -= left;
+    }
+  }
+  return NULL;
+}
+
+/* Cross-process copy: up to FAKE_IOV_MAX blocks per system call. */
+static kvp_error *copy_pvm(worker *w, xfer *x, uint64_t limit, uint64_t *moved) {
+  uint64_t queued = 0, batch = 0;
+  int n = 0;
+  kvp_error *e;
+  *moved = 0;
+  for (size_t i = 0; i < x->npairs; i++) {
+    const xpair *p = &x->pairs[i];
+    for (uint64_t k = 0; k < p->count; k++) {
+      uint64_t la = p->laddr + k * p->lstride, ra = p->raddr + k * p->rstride;
+      uint64_t left = p->len;
+      while (left > 0 && queued < limit) {
+        uint64_t piece = left;
+        if (piece > limit - queued) piece = limit - queued;
+        if (piece > FAKE_PVM_MAX_BYTES - batch) piece = FAKE_PVM_MAX_BYTES - batch;
+        w->liov[n].iov_base = (void *)(uintptr_t)la;
+        w->liov[n].iov_len = (size_t)piece;
+        w->riov[n].iov_base = (void *)(uintptr_t)ra;
+        w->riov[n].iov_len = (size_t)piece;
+        n++;
+        la += piece;
+        ra += piece;
+        left -= piece;
+        queued += piece;
+        batch += piece;
+        if (n == FAKE_IOV_MAX || batch == FAKE_PVM_MAX_BYTES) {
+          if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) return canceled_err();
+          if ((e = pvm_flush(w, x, n, moved))) return e;
+          n = 0;
+          batch = 0;
+        }
+      }
+      if (queued == limit) break;
+    }
+    if (queued == limit) break;
+  }
+  if (n > 0) {
+    if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) return canceled_err();
+    if ((e = pvm_flush(w, x, n, moved))) return e;
+  }
+  return NULL;
+}
+
+/* Waits delay_us unless the transfer is cancelled first. */
+static int delay_wait(agent *ag, xfer *x) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t ns = (uint64_t)ts.tv_nsec + ag->delay_us * 1000u;
+  ts.tv_sec += (time_t)(ns / 1000000000u);
+  ts.tv_nsec = (long)(ns % 1000000000u);
+  pthread_mutex_lock(&ag->qlock);
+  int rc = 0;
+  while (!atomic_load(&x->cancel) && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&ag->cancelcv, &ag->qlock, &ts);
+  int canceled = atomic_load(&x->cancel);
+  pthread_mutex_unlock(&ag->qlock);
+  return canceled;
+}
+
+/* Runs one transfer on a worker; returns NULL on success. */
+static kvp_error *xfer_run(worker *w, xfer *x) {
+  agent *ag = w->ag;
+  if (ag->delay_us && delay_wait(ag, x)) return canceled_err();
+  if (x->rt.kind == ROUTE_NONE) return NULL; /* an empty transfer */
+
+  agent *peer_ag = NULL;
+  if (x->rt.kind == ROUTE_LOCAL) {
+    peer_ag = route_agent(&x->rt);
+    if (!peer_ag)
+      return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
+                     "transfer: peer agent no longer exists in this process; no byte moved");
+  }
+  mem_rdlock2(ag, peer_ag);
+  /* Registrations may have changed between post and now. */
+  kvp_error *e = check_local_locked(ag, x, "transfer");
+  if (!e && peer_ag) e = check_live_locked(peer_ag, x, "transfer");
+  uint64_t moved = 0;
+  uint64_t limit = x->fail ? x->total_bytes / 2 : UINT64_MAX;
+  if (!e) e = x->rt.kind == ROUTE_LOCAL ? copy_local(x, limit, &moved) : copy_pvm(w, x, limit, &moved);
+  mem_unlock2(ag, peer_ag);
+  if (peer_ag) agent_put(peer_ag);
+  if (e) return e;
+  if (x->fail)
+    return kvp_err(KVP_ERR_BACKEND,
+                   "fake: injected failure (fail_rate) after moving %" PRIu64 " of %" PRIu64 " bytes",
+                   moved, x->total_bytes);
+  if (x->has_notif && !x->drop_notif) return notif_deliver(ag, &x->rt, x->notif, x->notif_len);
+  return NULL;
+}
+
+static void queue_unlink_locked(agent *ag, xfer *x);
+
+/* The first queued transfer a worker may run now; else NULL and *wake_ns
+ * the time the first stealable one leaves its grace period. qlock held. */
+static xfer *queue_pick_locked(agent *ag, uint64_t now, uint64_t *wake_ns) {
+  *wake_ns = UINT64_MAX;
+  for (xfer *x = ag->qhead; x; x = x->qnext) {
+    if (!x->stealable || now >= x->enq_ns + FAKE_GRACE_NS) {
+      queue_unlink_locked(ag, x);
+      atomic_store(&x->state, X_RUNNING);
+      return x;
+    }
+    if (x->enq_ns + FAKE_GRACE_NS < *wake_ns) *wake_ns = x->enq_ns + FAKE_GRACE_NS;
+  }
+  return NULL;
+}
+
+static void abs_time(uint64_t ns, struct timespec *ts) {
+  ts->tv_sec = (time_t)(ns / 1000000000u);
+  ts->tv_nsec = (long)(ns % 1000000000u);
+}
+
+/* Takes the next transfer for a worker; NULL when the agent stops. spin:
+ * the worker just ran one, so more may follow: spin a little first. */
+static xfer *worker_next(agent *ag, int spin) {
+  if (spin) {
+    uint64_t until = now_ns() + FAKE_SPIN_NS;
+    for (unsigned i = 1; atomic_load_explicit(&ag->urgent, memory_order_acquire) == 0; i++) {
+      if ((i & 63) == 0 && now_ns() >= until) break;
+      cpu_relax();
+    }
+  }
+  pthread_mutex_lock(&ag->qlock);
+  for (;;) {
+    if (ag->stopping) {
+      pthread_mutex_unlock(&ag->qlock);
+      return NULL;
+    }
+    uint64_t now = now_ns(), wake;
+    xfer *x = queue_pick_locked(ag, now, &wake);
+    if (x) {
+      pthread_mutex_unlock(&ag->qlock);
+      return x;
+    }
+    /* While active, wake at least every grace period: then a post of a
+     * stealable transfer needs no signal (see fake_post_xfer). */
+    if (now - ag->last_post_ns < FAKE_ACTIVE_NS && now + FAKE_GRACE_NS < wake) wake = now + FAKE_GRACE_NS;
+    ag->sleepers++;
+    if (wake == UINT64_MAX) {
+      ag->untimed_sleepers++;
+      pthread_cond_wait(&ag->qcv, &ag->qlock);
+      ag->untimed_sleepers--;
+    } else {
+      struct timespec ts;
+      abs_time(wake, &ts);
+      pthread_cond_timedwait(&ag->qcv, &ag->qlock, &ts);
+    }
+    ag->sleepers--;
+  }
+}
+
+/* Records the outcome of a run (consuming e) and wakes waiters. */
+static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
+  uint64_t end = now_ns();
+  pthread_mutex_lock(&ag->qlock);
+  if (e) {
+    x->err_code = kvp_err_code(e);
+    snprintf(x->err_msg, sizeof x->err_msg, "%s", kvp_err_message(e, NULL));
+    kvp_err_free(e);
+    atomic_store_explicit(&x->state, X_FAILED, memory_order_release);
+  } else {
+    x->done.valid = 1;
+    x->done.start_us = x->start_us;
+    x->done.post_us = x->post_us;
+    x->done.xfer_us = (end - x->t0_ns) / 1000u;
+    x->done.bytes = x->total_bytes;
+    x->done.descs = x->desc_count;
+    atomic_store_explicit(&x->state, X_DONE, memory_order_release);
+  }
+  if (x->waiters) pthread_cond_broadcast(&ag->donecv);
+  pthread_mutex_unlock(&ag->qlock);
+}
+
+static void *worker_main(void *arg) {
+  worker *w = (worker *)arg;
+  agent *ag = w->ag;
+  xfer *x;
+  int ran = 0;
+  while ((x = worker_next(ag, ran))) {
+    xfer_finish(ag, x, xfer_run(w, x));
+    ran = 1;
+  }
+  free(w->liov);
+  free(w->riov);
+  free(w);
+  return NULL;
+}
+
+/* Cancels a transfer and returns once no worker touches it. qlock held.
+ * A queued transfer leaves the queue; a running one is told to stop and
+ * waited for. The state is left X_FAILED / KVP_ERR_CANCELED with msg. */
+static void queue_unlink_locked(agent *ag, xfer *x) {
+  if (x->qprev)
+    x->qprev->qnext = x->qnext;
+  else
+    ag->qhead = x->qnext;
+  if (x->qnext)
+    x->qnext->qprev = x->qprev;
+  else
+    ag->qtail = x->qprev;
+  x->qnext = x->qprev = NULL;
+  if (!x->stealable) atomic_fetch_sub(&ag->urgent, 1);
+}
+
+static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
+  int st = atomic_load(&x->state);
+  if (st == X_QUEUED) {
+    queue_unlink_locked(ag, x);
+  } else if (st == X_RUNNING) {
+    atomic_store(&x->cancel, 1);
+    pthread_cond_broadcast(&ag->cancelcv);
+    x->waiters++;
+    while (atomic_load(&x->state) == X_RUNNING) pthread_cond_wait(&ag->donecv, &ag->qlock);
+    x->waiters--;
+  } else {
+    return;
+  }
+  x->err_code = KVP_ERR_CANCELED;
+  snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
+  atomic_store(&x->state, X_FAILED);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Object teardown (no locks held by the caller)                            */
+/* ------------------------------------------------------------------------ */
+
+static void own_unlink(agent *ag, own_link *l) {
+  pthread_mutex_lock(&ag->own_lock);
+  list_del(l);
+  pthread_mutex_unlock(&ag->own_lock);
+}
+
+static void xfer_free(xfer *x) {
+  peer_unref(x->peer);
+  free(x->pairs);
+  free(x->notif);
+  free(x);
+}
+
+/* Releases a transfer whose handle was removed from the table. */
+static void xfer_destroy(agent *ag, xfer *x) {
+  pthread_mutex_lock(&ag->qlock);
+  xfer_cancel_locked(ag, x, "transfer released");
+  pthread_mutex_unlock(&ag->qlock);
+  own_unlink(ag, &x->link);
+  xfer_free(x);
+}
+
+static void dlist_destroy(agent *ag, dlist *d) {
+  own_unlink(ag, &d->link);
+  peer_unref(d->peer);
+  free(d->descs);
+  free(d);
+}
+
+static void rregion_destroy(agent *ag, rregion *r) {
+  own_unlink(ag, &r->link);
+  peer_unref(r->peer);
+  free(r);
+}
+
+/* Collects the handles of a list whose objects match pred. own_lock is
+ * taken here; the caller removes them afterwards with no lock held, since
+ * removal may wait for calls that use them. */
+typedef int (*own_pred)(const own_link *l, const void *ctx);
+
+static size_t collect_handles(agent *ag, own_link *head, own_pred pred, const void *ctx,
+                              uint64_t **out) {
+  pthread_mutex_lock(&ag->own_lock);
+  size_t n = 0;
+  for (own_link *l = head->next; l != head; l = l->next)
+    if (!pred || pred(l, ctx)) n++;
+  uint64_t *hs = n ? (uint64_t *)malloc(n * sizeof *hs) : NULL;
+  size_t k = 0;
+  if (hs) {
+    for (own_link *l = head->next; l != head; l = l->next) {
+      /* handle follows link and agent pointer in every owned object */
+      if (!pred || pred(l, ctx)) hs[k++] = *(const uint64_t *)((const char *)l + sizeof(owned_head));
+    }
+  }
+  pthread_mutex_unlock(&ag->own_lock);
+  *out = hs;
+  return k;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Plugin info and agents                                                   */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *fake_plugin_info(kvp_plugin_info_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  a->name = "fake";
+  a->version = FAKE_VERSION;
+  a->params_doc = PARAMS_DOC;
+  a->abi_major = KVP_FAKE_ABI_MAJOR;
+  a->abi_minor = KVP_ABI_MINOR;
+  a->caps = FAKE_CAPS;
+  a->mem_kinds = FAKE_MEM_KINDS;
+  return NULL;
+}
+
+static void agent_free(agent *ag);
+
+static kvp_error *agent_parse_params(agent *ag, const kvp_agent_create_args *a) {
+  kvp_error *e = kvp_params_check(a->params, a->num_params, PARAM_KEYS, NUM_PARAM_KEYS, 0);
+  uint64_t off = 0, workers = 1;
+  if (!e) e = kvp_param_name_mask(a->params, a->num_params, "caps_off", CAP_NAMES, NUM_CAPS, &off);
+  if (!e) e = kvp_param_double(a->params, a->num_params, "fail_rate", 0, 0, 1, &ag->fail_rate);
+  if (!e) e = kvp_param_u64(a->params, a->num_params, "fail_seed", 1, 0, UINT64_MAX, &ag->rng);
+  if (!e) e = kvp_param_u64(a->params, a->num_params, "delay_us", 0, 0, 60000000, &ag->delay_us);
+  if (!e)
+    e = kvp_param_double(a->params, a->num_params, "drop_notif_rate", 0, 0, 1, &ag->drop_notif_rate);
+  if (!e) e = kvp_param_u64(a->params, a->num_params, "workers", 1, 1, 64, &workers);
+  if (e) return kvp_err_wrap(e, "agent_create");
+  ag->caps = FAKE_CAPS & ~off;
+  if (!(ag->caps & (KVP_CAP_PREPPED | KVP_CAP_BATCH)))
+    return kvp_err(KVP_ERR_INVALID_PARAM,
+                   "agent_create: caps_off switches off both prepped and batch; an agent needs one "
+                   "of them");
+  ag->nworkers = (unsigned)workers;
+  /* xorshift64* needs a non-zero state; mix the seed so small seeds differ. */
+  ag->rng = (ag->rng ^ 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
+  if (!ag->rng) ag->rng = 1;
+  return NULL;
+}
+
+static double rng_next(agent *ag) {
+  uint64_t x = ag->rng;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  ag->rng = x;
+  return (double)((x * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;
+}
+
+static kvp_error *agent_open_sockets(agent *ag) {
+  ag->sock_len = (size_t)snprintf(ag->sock, sizeof ag->sock, "kvhost-fake/%d/%016" PRIx64,
+                                  (int)getpid(), ag->id);
+  ag->rx_sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  ag->tx_sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ag->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (ag->rx_sock < 0 || ag->tx_sock < 0 || ag->stop_fd < 0)
+    return kvp_err(KVP_ERR_BACKEND, "agent_create: notification socket: %s", strerror(errno));
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  memcpy(sa.sun_path + 1, ag->sock, ag->sock_len);
+  if (bind(ag->rx_sock, (struct sockaddr *)&sa,
+           (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + ag->sock_len)) != 0)
+    return kvp_err(KVP_ERR_BACKEND, "agent_create: bind notification socket @%s: %s", ag->sock,
+                   strerror(errno));
+  struct timeval tv = {FAKE_SEND_TIMEOUT_S, 0};
+  setsockopt(ag->tx_sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  return NULL;
+}
+
+static kvp_error *fake_agent_create(kvp_agent_create_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_AGENT_CREATE_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  pthread_once(&g_once, fake_init);
+  if (!g_init_ok) return kvp_err_oom();
+  if (!a->name || a->name_len == 0 || a->name_len > KVP_MAX_NAME_LEN)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "agent_create: name must be 1..%d bytes, got %zu",
+                   KVP_MAX_NAME_LEN, a->name ? a->name_len : 0);
+  agent *ag = (agent *)calloc(1, sizeof *ag);
+  if (!ag) return kvp_err_oom();
+  ag->rx_sock = ag->tx_sock = ag->stop_fd = -1;
+  memcpy(ag->name, a->name, a->name_len);
+  ag->name_len = a->name_len;
+  pthread_rwlock_init(&ag->mem_lock, NULL);
+  pthread_rwlock_init(&ag->peers_lock, NULL);
+  pthread_mutex_init(&ag->own_lock, NULL);
+  pthread_mutex_init(&ag->qlock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&ag->qcv, &ca);
+  pthread_cond_init(&ag->donecv, NULL);
+  pthread_cond_init(&ag->cancelcv, &ca);
+  pthread_condattr_destroy(&ca);
+  list_init(&ag->regions);
+  list_init(&ag->rregions);
+  list_init(&ag->dlists);
+  list_init(&ag->xfers);
+  atomic_init(&ag->reg_gen, 1);
+  atomic_init(&ag->urgent, 0);
+  ag->id = random_u64();
+
+  if ((e = agent_parse_params(ag, a))) goto fail;
+  ag->nq = kvp_nq_create(FAKE_NQ_MAX_BYTES);
+  ag->workers = (pthread_t *)calloc(ag->nworkers, sizeof(pthread_t));
+  if (!ag->nq || !ag->workers) {
+    e = kvp_err_oom();
+    goto fail;
+  }
+  if (ag->caps & KVP_CAP_NOTIF) {
+    if ((e = agent_open_sockets(ag))) goto fail;
+    if (pthread_create(&ag->rx_thread, NULL, rx_main, ag) != 0) {
+      e = kvp_err(KVP_ERR_BACKEND, "agent_create: cannot start the notification thread");
+      goto fail;
+    }
+    ag->rx_started = 1;
+  }
+  for (unsigned i = 0; i < ag->nworkers; i++) {
+    worker *w = (worker *)calloc(1, sizeof *w);
+    if (w) {
+      w->ag = ag;
+      w->liov = (struct iovec *)malloc(FAKE_IOV_MAX * sizeof(struct iovec));
+      w->riov = (struct iovec *)malloc(FAKE_IOV_MAX * sizeof(struct iovec));
+    }
+    if (!w || !w->liov || !w->riov || pthread_create(&ag->workers[i], NULL, worker_main, w) != 0) {
+      if (w) {
+        free(w->liov);
+        free(w->riov);
+        free(w);
+      }
+      e = kvp_err(KVP_ERR_BACKEND, "agent_create: cannot start worker thread %u", i);
+      goto fail;
+    }
+    ag->workers_started++;
+  }
+  /* Let same-user peer processes use process_vm_* on us when the Yama LSM
+   * restricts ptrace to descendants (ptrace_scope 1). Without Yama this
+   * fails with EINVAL, which is fine. */
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  if ((e = kvp_ht_insert(g_agents, ag, &ag->handle))) goto fail;
+  a->agent = ag->handle;
+  a->caps = ag->caps;
+  return NULL;
+fail:
+  agent_free(ag);
+  return e;
+}
+
+/* Stops the threads of an agent and frees it. Everything it owns must be
+ * released already (or never created). */
+static void agent_free(agent *ag) {
+  if (ag->rx_started) {
+    uint64_t one = 1;
+    ssize_t wr = write(ag->stop_fd, &one, sizeof one);
+    (void)wr;
+    pthread_join(ag->rx_thread, NULL);
+  }
+  pthread_mutex_lock(&ag->qlock);
+  ag->stopping = 1;
+  pthread_cond_broadcast(&ag->qcv);
+  pthread_mutex_unlock(&ag->qlock);
+  for (unsigned i = 0; i < ag->workers_started; i++) pthread_join(ag->workers[i], NULL);
+  if (ag->rx_sock >= 0) close(ag->rx_sock);
+  if (ag->tx_sock >= 0) close(ag->tx_sock);
+  if (ag->stop_fd >= 0) close(ag->stop_fd);
+  peer *p = ag->peers;
+  while (p) {
+    peer *next = p->next;
+    peer_unref(p);
+    p = next;
+  }
+  kvp_nq_destroy(ag->nq);
+  free(ag->workers);
+  free(ag->regs);
+  pthread_rwlock_destroy(&ag->mem_lock);
+  pthread_rwlock_destroy(&ag->peers_lock);
+  pthread_mutex_destroy(&ag->own_lock);
+  pthread_mutex_destroy(&ag->qlock);
+  pthread_cond_destroy(&ag->qcv);
+  pthread_cond_destroy(&ag->donecv);
+  pthread_cond_destroy(&ag->cancelcv);
+  free(ag);
+}
+
+static kvp_error *fake_agent_destroy(kvp_agent_destroy_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  /* From here no call can acquire the agent; remove waits for the calls
+   * (and same-process peers' workers) that hold it. */
+  agent *ag = (agent *)kvp_ht_remove(g_agents, a->agent);
+  if (!ag)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "agent_destroy: unknown or released agent handle 0x%" PRIx64,
+                   a->agent);
+  /* Cancel every transfer first so the workers let go of its memory. */
+  pthread_mutex_lock(&ag->qlock);
+  for (own_link *l = ag->xfers.next; l != &ag->xfers; l = l->next)
+    xfer_cancel_locked(ag, (xfer *)l, "agent destroyed");
+  pthread_mutex_unlock(&ag->qlock);
+  uint64_t *hs;
+  size_t n = collect_handles(ag, &ag->xfers, NULL, NULL, &hs);
+  for (size_t i = 0; i < n; i++) {
+    xfer *x = (xfer *)kvp_ht_remove(g_xfers, hs[i]);
+    if (x) xfer_destroy(ag, x);
+  }
+  free(hs);
+  n = collect_handles(ag, &ag->dlists, NULL, NULL, &hs);
+  for (size_t i = 0; i < n; i++) {
+    dlist *d = (dlist *)kvp_ht_remove(g_dlists, hs[i]);
+    if (d) dlist_destroy(ag, d);
+  }
+  free(hs);
+  n = collect_handles(ag, &ag->rregions, NULL, NULL, &hs);
+  for (size_t i = 0; i < n; i++) {
+    rregion *r = (rregion *)kvp_ht_remove(g_rregions, hs[i]);
+    if (r) rregion_destroy(ag, r);
+  }
+  free(hs);
+  n = collect_handles(ag, &ag->regions, NULL, NULL, &hs);
+  for (size_t i = 0; i < n; i++) {
+    region *r = (region *)kvp_ht_remove(g_regions, hs[i]);
+    if (r) {
+      own_unlink(ag, &r->link);
+      free(r);
+    }
+  }
+  free(hs);
+  agent_free(ag);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Memory registration                                                      */
+/* ------------------------------------------------------------------------ */
+
+static int u64_cmp(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "register_mem", &e);
+  if (!ag) return e;
+  size_t n = a->num_descs;
+  region **rs = NULL;
+  mem_range *merged = NULL;
+  size_t made = 0;
+  if (n == 0) goto out;
+  if (!a->descs || !a->regions) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: descs or regions is NULL");
+    goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const kvp_mem_desc *d = &a->descs[i];
+    if (d->len == 0 || d->addr == 0 || d->len > UINT64_MAX - d->addr || d->reserved != 0 ||
+        !kind_ok(d->mem_kind)) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM,
+                  "register_mem: desc %zu (addr 0x%" PRIx64 ", len %" PRIu64 ", kind %u): need a "
+                  "non-NULL address, len > 0 without overflow, kind DRAM or VRAM, reserved 0",
+                  i, d->addr, d->len, d->mem_kind);
+      goto out;
+    }
+  }
+  rs = (region **)calloc(n, sizeof *rs);
+  if (!rs) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    region *r = (region *)calloc(1, sizeof *r);
+    if (!r) {
+      e = kvp_err_oom();
+      goto out;
+    }
+    r->ag = ag;
+    r->addr = a->descs[i].addr;
+    r->len = a->descs[i].len;
+    r->dev_id = a->descs[i].dev_id;
+    r->kind = a->descs[i].mem_kind;
+    list_init(&r->link);
+    rs[made++] = r;
+  }
+  for (size_t i = 0; i < n; i++) {
+    if ((e = kvp_ht_insert(g_regions, rs[i], &rs[i]->handle))) goto out;
+  }
+  /* Merge into the registration table, all or nothing. */
+  pthread_rwlock_wrlock(&ag->mem_lock);
+  size_t total = ag->nregs + n;
+  merged = (mem_range *)malloc(total * sizeof *merged);
+  if (!merged) {
+    pthread_rwlock_unlock(&ag->mem_lock);
+    e = kvp_err_oom();
+    goto out;
+  }
+  if (ag->nregs) memcpy(merged, ag->regs, ag->nregs * sizeof *merged);
+  for (size_t i = 0; i < n; i++) {
+    mem_range *m = &merged[ag->nregs + i];
+    memset(m, 0, sizeof *m);
+    m->addr = rs[i]->addr;
+    m->len = rs[i]->len;
+    m->dev_id = rs[i]->dev_id;
+    m->kind = rs[i]->kind;
+    m->reg = rs[i];
+  }
+  kvp_ranges_sort(merged, total, sizeof *merged);
+  long bad = kvp_ranges_check(merged, total, sizeof *merged);
+  if (bad >= 0) {
+    mem_range *b = &merged[bad], *p = &merged[bad - 1];
+    /* New regions are not linked into the agent's list yet. */
+    int both_new = b->reg->link.next == &b->reg->link && p->reg->link.next == &p->reg->link;
+    e = kvp_err(KVP_ERR_INVALID_PARAM,
+                "register_mem: [0x%" PRIx64 ", +%" PRIu64 ") overlaps [0x%" PRIx64 ", +%" PRIu64
+                ") (%s); nothing registered",
+                b->addr, b->len, p->addr, p->len,
+                both_new ? "two descs of this call" : "an existing registration of this agent");
+    pthread_rwlock_unlock(&ag->mem_lock);
+    goto out;
+  }
+  free(ag->regs);
+  ag->regs = merged;
+  ag->nregs = ag->capregs = total;
+  merged = NULL;
+  atomic_fetch_add(&ag->reg_gen, 1);
+  pthread_rwlock_unlock(&ag->mem_lock);
+  pthread_mutex_lock(&ag->own_lock);
+  for (size_t i = 0; i < n; i++) {
+    list_add(&ag->regions, &rs[i]->link);
+    a->regions[i] = rs[i]->handle;
+  }
+  pthread_mutex_unlock(&ag->own_lock);
+  made = 0; /* owned by the agent now */
+out:
+  free(merged);
+  for (size_t i = 0; i < made; i++) {
+    if (rs[i]->handle) kvp_ht_remove(g_regions, rs[i]->handle);
+    free(rs[i]);
+  }
+  free(rs);
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_deregister_mem(kvp_deregister_mem_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "deregister_mem", &e);
+  if (!ag) return e;
+  size_t n = a->num_regions;
+  uint64_t *sorted = NULL;
+  if (n == 0) goto out;
+  if (!a->regions) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "deregister_mem: regions is NULL");
+    goto out;
+  }
+  /* Validate everything first: all or nothing. */
+  for (size_t i = 0; i < n; i++) {
+    region *r = (region *)obj_get(g_regions, a->regions[i], ag, "region", "deregister_mem", &e);
+    if (!r) goto out;
+    kvp_ht_put(g_regions, a->regions[i]);
+  }
+  sorted = (uint64_t *)malloc(n * sizeof *sorted);
+  if (!sorted) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  memcpy(sorted, a->regions, n * sizeof *sorted);
+  qsort(sorted, n, sizeof *sorted, u64_cmp);
+  for (size_t i = 1; i < n; i++) {
+    if (sorted[i] == sorted[i - 1]) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM, "deregister_mem: region handle 0x%" PRIx64 " listed twice",
+                  sorted[i]);
+      goto out;
+    }
+  }
+  /* Kill the handles first (waiting for calls that hold them), so that a
+   * make_batch_xfer either saw the region alive before the reg_gen bump
+   * below, or fails to acquire it. Then take them out of the registration
+   * table: from then on no validation accepts them, and a running copy has
+   * finished (it holds the read lock while it copies). */
+  for (size_t i = 0; i < n; i++) kvp_ht_remove(g_regions, a->regions[i]);
+  pthread_rwlock_wrlock(&ag->mem_lock);
+  size_t k = 0;
+  for (size_t i = 0; i < ag->nregs; i++) {
+    uint64_t h = ag->regs[i].reg->handle;
+    if (bsearch(&h, sorted, n, sizeof *sorted, u64_cmp)) {
+      region *r = ag->regs[i].reg;
+      own_unlink(ag, &r->link);
+      free(r);
+    } else {
+      ag->regs[k++] = ag->regs[i];
+    }
+  }
+  ag->nregs = k;
+  atomic_fetch_add(&ag->reg_gen, 1);
+  pthread_rwlock_unlock(&ag->mem_lock);
+out:
+  free(sorted);
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_region_export(kvp_region_export_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_REGION_EXPORT_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "region_export", &e);
+  if (!ag) return e;
+  if (!(e = need_cap(ag, KVP_CAP_REMOTE_BLOB, "region_export"))) {
+    region *r = (region *)obj_get(g_regions, a->region, ag, "region", "region_export", &e);
+    if (r) {
+      uint8_t blob[BLOB_SIZE];
+      blob_encode(ag, r, blob);
+      kvp_out_bytes(a->buf, a->cap, blob, sizeof blob, &a->size);
+      kvp_ht_put(g_regions, a->region);
+    }
+  }
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Metadata and peers                                                       */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *fake_local_metadata(kvp_local_metadata_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "local_metadata", &e);
+  if (!ag) return e;
+  pthread_rwlock_rdlock(&ag->mem_lock);
+  if (ag->nregs > UINT32_MAX) {
+    e = kvp_err(KVP_ERR_BACKEND, "local_metadata: too many regions");
+  } else {
+    size_t need = md_size(ag);
+    a->size = need;
+    if (a->buf && need <= a->cap) md_encode(ag, a->buf);
+  }
+  pthread_rwlock_unlock(&ag->mem_lock);
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "load_remote", &e);
+  if (!ag) return e;
+  peer_md *md = NULL;
+  if ((e = md_decode(a->metadata, a->metadata_len, &md))) goto out;
+  pthread_rwlock_wrlock(&ag->peers_lock);
+  peer *p = peer_find(ag, md->name, md->name_len);
+  if (p) {
+    peer_md *old = p->md;
+    p->md = md;
+    p->gen++;
+    free(old->regions);
+    free(old);
+  } else {
+    p = (peer *)calloc(1, sizeof *p);
+    if (!p) {
+      pthread_rwlock_unlock(&ag->peers_lock);
+      free(md->regions);
+      free(md);
+      e = kvp_err_oom();
+      goto out;
+    }
+    atomic_init(&p->refs, 1);
+    p->md = md;
+    p->gen = 1;
+    memcpy(p->name, md->name, md->name_len);
+    p->name_len = md->name_len;
+    p->next = ag->peers;
+    ag->peers = p;
+  }
+  /* The name lives in the peer record until remove_remote or destroy. */
+  a->peer_name = p->name;
+  a->peer_name_len = p->name_len;
+  pthread_rwlock_unlock(&ag->peers_lock);
+out:
+  agent_put(ag);
+  return e;
+}
+
+static int refers_to_peer(const own_link *l, const void *ctx, size_t peer_off) {
+  return *(peer *const *)((const char *)l + peer_off) == (const peer *)ctx;
+}
+static int dlist_of_peer(const own_link *l, const void *ctx) {
+  return refers_to_peer(l, ctx, offsetof(dlist, peer));
+}
+static int rregion_of_peer(const own_link *l, const void *ctx) {
+  return refers_to_peer(l, ctx, offsetof(rregion, peer));
+}
+static int xfer_of_peer(const own_link *l, const void *ctx) {
+  return refers_to_peer(l, ctx, offsetof(xfer, peer));
+}
+
+static kvp_error *fake_remove_remote(kvp_remove_remote_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  if ((e = peer_name_check(a->peer_name, a->peer_name_len, "remove_remote"))) return e;
+  agent *ag = agent_get(a->agent, "remove_remote", &e);
+  if (!ag) return e;
+  pthread_rwlock_wrlock(&ag->peers_lock);
+  peer *p = peer_find(ag, a->peer_name, a->peer_name_len);
+  if (p) {
+    peer **pp = &ag->peers;
+    while (*pp != p) pp = &(*pp)->next;
+    *pp = p->next;
+    p->next = NULL;
+    atomic_store(&p->removed, 1); /* posts of its transfers fail from now on */
+  }
+  pthread_rwlock_unlock(&ag->peers_lock);
+  if (!p) {
+    e = peer_unknown(ag, a->peer_name, a->peer_name_len, "remove_remote");
+    agent_put(ag);
+    return e;
+  }
+  /* Cancel its transfers (the handles stay valid: poll says CANCELED, post
+   * says NOT_FOUND, the caller releases them); release its dlists and
+   * remote regions. */
+  uint64_t *hs;
+  size_t n = collect_handles(ag, &ag->xfers, xfer_of_peer, p, &hs);
+  char msg[KVP_MAX_NAME_LEN + 64];
+  snprintf(msg, sizeof msg, "transfer cancelled: peer \"%.*s\" was removed", (int)p->name_len, p->name);
+  for (size_t i = 0; i < n; i++) {
+    xfer *x = (xfer *)kvp_ht_acquire(g_xfers, hs[i]);
+    if (!x) continue;
+    pthread_mutex_lock(&ag->qlock);
+    xfer_cancel_locked(ag, x, msg);
+    pthread_mutex_unlock(&ag->qlock);
+    kvp_ht_put(g_xfers, hs[i]);
+  }
+  free(hs);
+  n = collect_handles(ag, &ag->dlists, dlist_of_peer, p, &hs);
+  for (size_t i = 0; i < n; i++) {
+    dlist *d = (dlist *)kvp_ht_remove(g_dlists, hs[i]);
+    if (d) dlist_destroy(ag, d);
+  }
+  free(hs);
+  n = collect_handles(ag, &ag->rregions, rregion_of_peer, p, &hs);
+  for (size_t i = 0; i < n; i++) {
+    rregion *r = (rregion *)kvp_ht_remove(g_rregions, hs[i]);
+    if (r) rregion_destroy(ag, r);
+  }
+  free(hs);
+  peer_unref(p); /* the list's reference */
+  agent_put(ag);
+  return NULL;
+}
+
+static kvp_error *fake_remote_region_import(kvp_remote_region_import_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  if ((e = peer_name_check(a->peer_name, a->peer_name_len, "remote_region_import"))) return e;
+  agent *ag = agent_get(a->agent, "remote_region_import", &e);
+  if (!ag) return e;
+  blob_fields b;
+  memset(&b, 0, sizeof b);
+  if (a->blob) {
+    if ((e = need_cap(ag, KVP_CAP_REMOTE_BLOB, "remote_region_import (blob)"))) goto out;
+    if ((e = blob_decode(a->blob, a->blob_len, &b))) goto out;
+  } else {
+    if ((e = need_cap(ag, KVP_CAP_REMOTE_ADDR, "remote_region_import (address)"))) goto out;
+    if (a->len == 0 || a->len > UINT64_MAX - a->addr || !kind_ok(a->mem_kind)) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM,
+                  "remote_region_import: need len > 0 without overflow and kind DRAM or VRAM");
+      goto out;
+    }
+    b.addr = a->addr;
+    b.len = a->len;
+    b.dev_id = a->dev_id;
+    b.kind = a->mem_kind;
+  }
+  rregion *r = (rregion *)calloc(1, sizeof *r);
+  if (!r) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  pthread_rwlock_rdlock(&ag->peers_lock);
+  peer *p = peer_find(ag, a->peer_name, a->peer_name_len);
+  if (!p) {
+    e = peer_unknown(ag, a->peer_name, a->peer_name_len, "remote_region_import");
+  } else if (a->blob && b.agent_id != p->md->agent_id) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM,
+                "remote_region_import: blob was exported by agent id %016" PRIx64
+                ", but peer \"%.*s\" is agent id %016" PRIx64,
+                b.agent_id, (int)p->name_len, p->name, p->md->agent_id);
+  } else if (!a->blob && !blocks_inside(p->md->regions, p->md->nregions, b.addr, b.len, 0, 1,
+                                        b.dev_id, b.kind)) {
+    e = kvp_err(KVP_ERR_NOT_FOUND,
+                "remote_region_import: [0x%" PRIx64 ", +%" PRIu64 ") %s dev %" PRIu64
+                " is not inside memory peer \"%.*s\" advertised",
+                b.addr, b.len, kind_name(b.kind), b.dev_id, (int)p->name_len, p->name);
+  } else {
+    peer_ref(p);
+    r->peer = p;
+    r->agent_id = p->md->agent_id;
+  }
+  pthread_rwlock_unlock(&ag->peers_lock);
+  if (e) {
+    free(r);
+    goto out;
+  }
+  r->ag = ag;
+  r->addr = b.addr;
+  r->len = b.len;
+  r->dev_id = b.dev_id;
+  r->kind = b.kind;
+  if ((e = kvp_ht_insert(g_rregions, r, &r->handle))) {
+    peer_unref(r->peer);
+    free(r);
+    goto out;
+  }
+  pthread_mutex_lock(&ag->own_lock);
+  list_add(&ag->rregions, &r->link);
+  pthread_mutex_unlock(&ag->own_lock);
+  a->addr = r->addr;
+  a->len = r->len;
+  a->dev_id = r->dev_id;
+  a->mem_kind = r->kind;
+  a->rregion = r->handle;
+out:
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_remote_region_release(kvp_remote_region_release_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "remote_region_release", &e);
+  if (!ag) return e;
+  rregion *r = (rregion *)obj_get(g_rregions, a->rregion, ag, "remote region", "remote_region_release", &e);
+  if (r) {
+    kvp_ht_put(g_rregions, a->rregion);
+    r = (rregion *)kvp_ht_remove(g_rregions, a->rregion);
+    if (r)
+      rregion_destroy(ag, r);
+    else
+      e = kvp_err(KVP_ERR_INVALID_PARAM, "remote_region_release: handle 0x%" PRIx64 " released twice",
+                  a->rregion);
+  }
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Prepared descriptor lists                                                */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *desc_shape_check(const agent *ag, const kvp_xfer_desc *d, size_t i, const char *fn) {
+  uint64_t end;
+  if (d->len == 0 || d->count == 0)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: descriptor %zu has len %" PRIu64 " and count %" PRIu64
+                   " (both must be > 0)", fn, i, d->len, d->count);
+  if (d->count > 1 && !(ag->caps & KVP_CAP_STRIDED))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: descriptor %zu is strided (count %" PRIu64
+                   ") but capability strided is switched off", fn, i, d->count);
+  if (!kvp_strided_end(d->addr, d->len, d->stride, d->count, &end))
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: descriptor %zu overflows 64-bit addresses", fn, i);
+  return NULL;
+}
+
+static kvp_error *fake_prep_dlist(kvp_prep_dlist_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_PREP_DLIST_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "prep_dlist", &e);
+  if (!ag) return e;
+  int remote = a->peer_name && a->peer_name_len > 0;
+  dlist *d = NULL;
+  if ((e = need_cap(ag, KVP_CAP_PREPPED, "prep_dlist"))) goto out;
+  if (remote && (e = need_cap(ag, KVP_CAP_REMOTE_ADDR, "prep_dlist (remote)"))) goto out;
+  if (remote && (e = peer_name_check(a->peer_name, a->peer_name_len, "prep_dlist"))) goto out;
+  if (!kind_ok(a->mem_kind)) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "prep_dlist: unknown memory kind %u", a->mem_kind);
+    goto out;
+  }
+  if (a->num_descs && !a->descs) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "prep_dlist: descs is NULL");
+    goto out;
+  }
+  for (size_t i = 0; i < a->num_descs; i++)
+    if ((e = desc_shape_check(ag, &a->descs[i], i, "prep_dlist"))) goto out;
+  d = (dlist *)calloc(1, sizeof *d);
+  if (!d || (a->num_descs && !(d->descs = (kvp_xfer_desc *)malloc(a->num_descs * sizeof(kvp_xfer_desc))))) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  d->ag = ag;
+  d->kind = a->mem_kind;
+  d->n = a->num_descs;
+  if (d->n) memcpy(d->descs, a->descs, d->n * sizeof(kvp_xfer_desc));
+  for (size_t i = 0; i < d->n; i++)
+    if (d->descs[i].count == 1) d->descs[i].stride = 0;
+
+  const mem_range *tab;
+  size_t ntab;
+  long bad = -1;
+  if (remote) {
+    pthread_rwlock_rdlock(&ag->peers_lock);
+    peer *p = peer_find(ag, a->peer_name, a->peer_name_len);
+    if (!p) {
+      pthread_rwlock_unlock(&ag->peers_lock);
+      e = peer_unknown(ag, a->peer_name, a->peer_name_len, "prep_dlist");
+      goto out;
+    }
+    tab = p->md->regions;
+    ntab = p->md->nregions;
+    for (size_t i = 0; i < d->n && bad < 0; i++) {
+      const kvp_xfer_desc *x = &d->descs[i];
+      if (!blocks_inside(tab, ntab, x->addr, x->len, x->stride, x->count, x->dev_id, d->kind)) bad = (long)i;
+    }
+    if (bad < 0) {
+      peer_ref(p);
+      d->peer = p;
+      d->agent_id = p->md->agent_id;
+      d->gen = p->gen;
+    }
+    pthread_rwlock_unlock(&ag->peers_lock);
+  } else {
+    pthread_rwlock_rdlock(&ag->mem_lock);
+    for (size_t i = 0; i < d->n && bad < 0; i++) {
+      const kvp_xfer_desc *x = &d->descs[i];
+      if (!blocks_inside(ag->regs, ag->nregs, x->addr, x->len, x->stride, x->count, x->dev_id, d->kind))
+        bad = (long)i;
+    }
+    d->gen = atomic_load(&ag->reg_gen);
+    pthread_rwlock_unlock(&ag->mem_lock);
+  }
+  if (bad >= 0) {
+    const kvp_xfer_desc *x = &d->descs[bad];
+    e = kvp_err(KVP_ERR_NOT_FOUND,
+                "prep_dlist: descriptor %ld (addr 0x%" PRIx64 ", len %" PRIu64 ", stride %" PRIu64
+                ", count %" PRIu64 ", %s dev %" PRIu64 ") is not inside memory %s%.*s%s",
+                bad, x->addr, x->len, x->stride, x->count, kind_name(d->kind), x->dev_id,
+                remote ? "advertised by peer \"" : "registered on this agent", remote ? (int)a->peer_name_len : 0,
+                remote ? a->peer_name : "", remote ? "\"" : "");
+    goto out;
+  }
+  if ((e = kvp_ht_insert(g_dlists, d, &d->handle))) goto out;
+  pthread_mutex_lock(&ag->own_lock);
+  list_add(&ag->dlists, &d->link);
+  pthread_mutex_unlock(&ag->own_lock);
+  a->dlist = d->handle;
+  d = NULL;
+out:
+  if (d) {
+    peer_unref(d->peer);
+    free(d->descs);
+    free(d);
+  }
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_release_dlist(kvp_release_dlist_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_RELEASE_DLIST_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "release_dlist", &e);
+  if (!ag) return e;
+  if (!(e = need_cap(ag, KVP_CAP_PREPPED, "release_dlist"))) {
+    dlist *d = (dlist *)obj_get(g_dlists, a->dlist, ag, "dlist", "release_dlist", &e);
+    if (d) {
+      kvp_ht_put(g_dlists, a->dlist);
+      d = (dlist *)kvp_ht_remove(g_dlists, a->dlist);
+      if (d)
+        dlist_destroy(ag, d);
+      else
+        e = kvp_err(KVP_ERR_INVALID_PARAM, "release_dlist: handle 0x%" PRIx64 " released twice", a->dlist);
+    }
+  }
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Building transfers                                                       */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *xfer_common_check(agent *ag, kvp_op op, const kvp_notif *nt, const char *fn) {
+  if (op != KVP_OP_READ && op != KVP_OP_WRITE)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: op %u is neither READ (0) nor WRITE (1)", fn, op);
+  if (nt->has_notif) {
+    kvp_error *e = need_cap(ag, KVP_CAP_NOTIF, fn);
+    if (!e) e = notif_len_check(nt->msg, nt->msg_len, fn);
+    return e;
+  }
+  return NULL;
+}
+
+/* Allocates a transfer with room for n pairs and a copy of the notif. */
+static kvp_error *xfer_alloc(agent *ag, kvp_op op, size_t n, const kvp_notif *nt, xfer **out) {
+  xfer *x = (xfer *)calloc(1, sizeof *x);
+  if (!x) return kvp_err_oom();
+  x->ag = ag;
+  x->op = op;
+  x->npairs = n;
+  atomic_init(&x->state, X_IDLE);
+  atomic_init(&x->cancel, 0);
+  list_init(&x->link);
+  if (n && !(x->pairs = (xpair *)malloc(n * sizeof(xpair)))) {
+    free(x);
+    return kvp_err_oom();
+  }
+  if (nt->has_notif) {
+    x->has_notif = 1;
+    x->notif_len = nt->msg_len;
+    x->notif = (uint8_t *)malloc(nt->msg_len ? nt->msg_len : 1);
+    if (!x->notif) {
+      free(x->pairs);
+      free(x);
+      return kvp_err_oom();
+    }
+    if (nt->msg_len) memcpy(x->notif, nt->msg, nt->msg_len);
+  }
+  *out = x;
+  return NULL;
+}
+
+static kvp_error *xfer_publish(agent *ag, xfer *x, uint64_t *out) {
+  kvp_error *e = kvp_ht_insert(g_xfers, x, &x->handle);
+  if (e) {
+    xfer_free(x);
+    return e;
+  }
+  pthread_mutex_lock(&ag->own_lock);
+  list_add(&ag->xfers, &x->link);
+  pthread_mutex_unlock(&ag->own_lock);
+  *out = x->handle;
+  return NULL;
+}
+
+static kvp_error *add_bytes(xfer *x, uint64_t len, uint64_t count, const char *fn) {
+  if (count > UINT64_MAX / len || len * count > UINT64_MAX - x->total_bytes)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: transfer size overflows 64 bits", fn);
+  x->total_bytes += len * count;
+  return NULL;
+}
+
+static kvp_error *fake_make_prepped_xfer(kvp_make_prepped_xfer_args *a) {
+  const char *fn = "make_prepped_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  dlist *ld = NULL, *rd = NULL;
+  xfer *x = NULL;
+  if ((e = need_cap(ag, KVP_CAP_PREPPED, fn))) goto out;
+  if ((e = xfer_common_check(ag, a->op, &a->notif, fn))) goto out;
+  if (a->num_local_indices != a->num_remote_indices) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn,
+                a->num_local_indices, a->num_remote_indices);
+    goto out;
+  }
+  size_t n = a->num_local_indices;
+  if (n && (!a->local_indices || !a->remote_indices)) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: index array is NULL", fn);
+    goto out;
+  }
+  if (!(ld = (dlist *)obj_get(g_dlists, a->local_dlist, ag, "dlist", fn, &e))) goto out;
+  if (!(rd = (dlist *)obj_get(g_dlists, a->remote_dlist, ag, "dlist", fn, &e))) goto out;
+  if (ld->peer || !rd->peer) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: local_dlist must be a local dlist and remote_dlist a remote one", fn);
+    goto out;
+  }
+  if ((e = xfer_alloc(ag, a->op, n, &a->notif, &x))) goto out;
+  for (size_t i = 0; i < n; i++) {
+    int32_t li = a->local_indices[i], ri = a->remote_indices[i];
+    if (li < 0 || (size_t)li >= ld->n || ri < 0 || (size_t)ri >= rd->n) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM,
+                  "%s: pair %zu: index %d into the local dlist (%zu descs) or %d into the remote "
+                  "dlist (%zu descs) is out of range",
+                  fn, i, li, ld->n, ri, rd->n);
+      goto out;
+    }
+    const kvp_xfer_desc *l = &ld->descs[li], *r = &rd->descs[ri];
+    if (l->len != r->len || l->count != r->count) {
+      e = kvp_err(KVP_ERR_MISMATCH,
+                  "%s: pair %zu: local desc %d has len %" PRIu64 " count %" PRIu64
+                  ", remote desc %d has len %" PRIu64 " count %" PRIu64,
+                  fn, i, li, l->len, l->count, ri, r->len, r->count);
+      goto out;
+    }
+    xpair *p = &x->pairs[i];
+    p->laddr = l->addr;
+    p->raddr = r->addr;
+    p->len = l->len;
+    p->count = l->count;
+    p->lstride = l->stride;
+    p->rstride = r->stride;
+    p->ldev = l->dev_id;
+    p->rdev = r->dev_id;
+    p->lkind = ld->kind;
+    p->rkind = rd->kind;
+    if ((e = add_bytes(x, p->len, p->count, fn))) goto out;
+  }
+  x->basis = BASIS_ADVERTISED;
+  x->desc_count = n;
+  x->local_gen = ld->gen;
+  x->peer_gen = rd->gen;
+  x->agent_id = rd->agent_id;
+  peer_ref(rd->peer);
+  x->peer = rd->peer;
+  e = xfer_publish(ag, x, &a->xfer);
+  x = NULL;
+out:
+  if (x) xfer_free(x);
+  if (ld) kvp_ht_put(g_dlists, a->local_dlist);
+  if (rd) kvp_ht_put(g_dlists, a->remote_dlist);
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_make_batch_xfer(kvp_make_batch_xfer_args *a) {
+  const char *fn = "make_batch_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  /* Read before the regions are acquired: see deregister_mem. */
+  uint64_t gen0 = atomic_load(&ag->reg_gen);
+  size_t np = a->num_pairs, ne = a->num_entries, got = 0;
+  region **lr = NULL;
+  rregion **rr = NULL;
+  xfer *x = NULL;
+  peer *p = NULL;
+  if ((e = need_cap(ag, KVP_CAP_BATCH, fn))) goto out;
+  if ((e = xfer_common_check(ag, a->op, &a->notif, fn))) goto out;
+  if ((np && !a->pairs) || (ne && !a->entries)) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: pairs or entries is NULL", fn);
+    goto out;
+  }
+  if (np == 0 && (ne || a->notif.has_notif)) {
+    e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: no region pairs (entries and notifications need a peer)", fn);
+    goto out;
+  }
+  lr = (region **)calloc(np ? np : 1, sizeof *lr);
+  rr = (rregion **)calloc(np ? np : 1, sizeof *rr);
+  if (!lr || !rr) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  for (got = 0; got < np; got++) {
+    if (!(lr[got] = (region *)obj_get(g_regions, a->pairs[got].local, ag, "region", fn, &e))) break;
+    if (!(rr[got] = (rregion *)obj_get(g_rregions, a->pairs[got].remote, ag, "remote region", fn, &e))) {
+      kvp_ht_put(g_regions, a->pairs[got].local);
+      lr[got] = NULL;
+      break;
+    }
+    if (got > 0 && (rr[got]->peer != rr[0]->peer || rr[got]->agent_id != rr[0]->agent_id)) {
+      e = kvp_err(KVP_ERR_MISMATCH,
+                  "%s: pair %zu's remote region belongs to peer \"%.*s\", pair 0's to \"%.*s\"; one "
+                  "transfer talks to one peer",
+                  fn, got, (int)rr[got]->peer->name_len, rr[got]->peer->name,
+                  (int)rr[0]->peer->name_len, rr[0]->peer->name);
+      got++;
+      goto out;
+    }
+  }
+  if (e) goto out;
+  if ((e = xfer_alloc(ag, a->op, ne, &a->notif, &x))) goto out;
+  for (size_t i = 0; i < ne; i++) {
+    const kvp_batch_entry *en = &a->entries[i];
+    if (en->pair >= np || en->reserved != 0) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: pair index %u out of range (%zu pairs) or reserved != 0",
+                  fn, i, en->pair, np);
+      goto out;
+    }
+    if (en->len == 0 || en->count == 0) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: entry %zu: len and count must be > 0", fn, i);
+      goto out;
+    }
+    if (en->count > 1 && !(ag->caps & KVP_CAP_STRIDED)) {
+      e = kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: entry %zu is strided (count %" PRIu64
+                  ") but capability strided is switched off", fn, i, en->count);
+      goto out;
+    }
+    const region *l = lr[en->pair];
+    const rregion *r = rr[en->pair];
+    uint64_t ls = en->count > 1 ? en->local_stride : 0, rs = en->count > 1 ? en->remote_stride : 0;
+    int lok = kvp_strided_in(en->local_offset, en->len, ls, en->count, 0, l->len);
+    int rok = kvp_strided_in(en->remote_offset, en->len, rs, en->count, 0, r->len);
+    if (!lok || !rok) {
+      e = kvp_err(KVP_ERR_INVALID_PARAM,
+                  "%s: entry %zu: %s blocks (offset %" PRIu64 ", len %" PRIu64 ", stride %" PRIu64
+                  ", count %" PRIu64 ") reach beyond the %s region of %" PRIu64 " bytes; no byte moved",
+                  fn, i, lok ? "remote" : "local", lok ? en->remote_offset : en->local_offset, en->len,
+                  lok ? rs : ls, en->count, lok ? "remote" : "local", lok ? r->len : l->len);
+      goto out;
+    }
+    xpair *pp = &x->pairs[i];
+    pp->laddr = l->addr + en->local_offset;
+    pp->raddr = r->addr + en->remote_offset;
+    pp->len = en->len;
+    pp->count = en->count;
+    pp->lstride = ls;
+    pp->rstride = rs;
+    pp->ldev = l->dev_id;
+    pp->rdev = r->dev_id;
+    pp->lkind = l->kind;
+    pp->rkind = r->kind;
+    if ((e = add_bytes(x, pp->len, pp->count, fn))) goto out;
+  }
+  x->basis = BASIS_REGIONS;
+  x->desc_count = ne;
+  /* The local regions were alive at gen0; a deregistration since then
+   * bumped reg_gen and post re-checks. */
+  x->local_gen = gen0;
+  if (np) {
+    p = rr[0]->peer;
+    peer_ref(p);
+    x->peer = p;
+    x->agent_id = rr[0]->agent_id;
+  }
+  e = xfer_publish(ag, x, &a->xfer);
+  x = NULL;
+out:
+  if (x) xfer_free(x);
+  for (size_t i = 0; i < got && lr && rr; i++) {
+    if (lr[i]) kvp_ht_put(g_regions, a->pairs[i].local);
+    if (rr[i]) kvp_ht_put(g_rregions, a->pairs[i].remote);
+  }
+  free(lr);
+  free(rr);
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Transfer lifecycle                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Checks a transfer against the current state of its peer and memory and
+ * fills its route. Called by post while the transfer is idle. */
+static kvp_error *xfer_prepare(agent *ag, xfer *x) {
+  const char *fn = "post_xfer";
+  kvp_error *e = NULL;
+  memset(&x->rt, 0, sizeof x->rt);
+  if (x->peer) {
+    pthread_rwlock_rdlock(&ag->peers_lock);
+    peer *p = x->peer;
+    const peer_md *md = p->md;
+    if (atomic_load(&p->removed)) {
+      e = kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" was removed", fn, (int)p->name_len, p->name);
+    } else if (md->agent_id != x->agent_id) {
+      e = kvp_err(KVP_ERR_REMOTE_DISCONNECT,
+                  "%s: peer \"%.*s\" was reloaded as another agent (restarted?); rebuild the "
+                  "transfer from fresh dlists or regions",
+                  fn, (int)p->name_len, p->name);
+    } else if (x->basis == BASIS_ADVERTISED && p->gen != x->peer_gen) {
+      long bad = pairs_outside(x->pairs, x->npairs, 1, md->regions, md->nregions);
+      if (bad >= 0)
+        e = pair_outside_err(x, bad, 1, "memory the peer advertises in its current metadata", fn);
+      else
+        x->peer_gen = p->gen;
+    }
+    if (!e) {
+      int same = md->process_token == g_process_token && md->pid == (uint32_t)getpid();
+      if (!same && md->pidns != g_pidns)
+        e = kvp_err(KVP_ERR_NOT_SUPPORTED,
+                    "%s: peer \"%.*s\" runs in another pid namespace; process_vm_* cannot reach it",
+                    fn, (int)p->name_len, p->name);
+      x->rt.kind = same ? ROUTE_LOCAL : ROUTE_PVM;
+      x->rt.pid = md->pid;
+      x->rt.agent_handle = md->agent_handle;
+      x->rt.agent_id = md->agent_id;
+      memcpy(x->rt.sock, md->sock, md->sock_len);
+      x->rt.sock_len = md->sock_len;
+    }
+    pthread_rwlock_unlock(&ag->peers_lock);
+    if (e) return e;
+  }
+  if (atomic_load(&ag->reg_gen) != x->local_gen) {
+    pthread_rwlock_rdlock(&ag->mem_lock);
+    e = check_local_locked(ag, x, fn);
+    pthread_rwlock_unlock(&ag->mem_lock);
+    if (e) return e;
+  }
+  if (x->rt.kind == ROUTE_LOCAL) {
+    agent *pa = route_agent(&x->rt);
+    if (!pa)
+      return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
+                     "%s: peer \"%.*s\" no longer exists in this process", fn,
+                     (int)x->peer->name_len, x->peer->name);
+    if (!x->live_valid || atomic_load(&pa->reg_gen) != x->live_gen) {
+      pthread_rwlock_rdlock(&pa->mem_lock);
+      e = check_live_locked(pa, x, fn);
+      pthread_rwlock_unlock(&pa->mem_lock);
+    }
+    agent_put(pa);
+  }
+  return e;
+}
+
+static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
+  const char *fn = "post_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_POST_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  uint64_t t0 = now_ns();
+  uint64_t start = epoch_us();
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  xfer *x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e);
+  if (!x) goto out;
+  int st = atomic_load_explicit(&x->state, memory_order_acquire);
+  if (st == X_QUEUED || st == X_RUNNING) {
+    e = kvp_err(KVP_ERR_REPOST_ACTIVE, "%s: transfer 0x%" PRIx64 " is still in progress", fn, a->xfer);
+    goto out;
+  }
+  if ((e = xfer_prepare(ag, x))) goto out;
+  x->t0_ns = t0;
+  x->start_us = start;
+  x->polled = 0;
+  x->err_code = 0;
+  x->err_msg[0] = 0;
+  atomic_store_explicit(&x->cancel, 0, memory_order_relaxed);
+  pthread_mutex_lock(&ag->qlock);
+  if (x->peer && atomic_load(&x->peer->removed)) {
+    /* remove_remote ran since xfer_prepare; it cancels under qlock, so
+     * checking here closes the race. */
+    pthread_mutex_unlock(&ag->qlock);
+    e = kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" was removed", fn, (int)x->peer->name_len,
+                x->peer->name);
+    goto out;
+  }
+  x->fail = ag->fail_rate > 0 && rng_next(ag) < ag->fail_rate;
+  x->drop_notif = x->has_notif && ag->drop_notif_rate > 0 && rng_next(ag) < ag->drop_notif_rate;
+  x->post_us = (now_ns() - t0) / 1000u;
+  atomic_store_explicit(&x->state, X_QUEUED, memory_order_relaxed);
+  x->stealable = !ag->delay_us && x->total_bytes <= FAKE_STEAL_MAX_BYTES &&
+                 (x->rt.kind == ROUTE_LOCAL || x->rt.kind == ROUTE_NONE);
+  x->enq_ns = ag->last_post_ns = now_ns();
+  x->qnext = NULL;
+  x->qprev = ag->qtail;
+  if (ag->qtail)
+    ag->qtail->qnext = x;
+  else
+    ag->qhead = x;
+  ag->qtail = x;
+  if (!x->stealable) atomic_fetch_add_explicit(&ag->urgent, 1, memory_order_release);
+  /* A spinning worker sees `urgent` by itself, and a worker in a timed
+   * sleep wakes within a grace period anyway; only an urgent transfer with
+   * a sleeping worker, or any transfer with a worker in an untimed sleep,
+   * needs the futex. */
+  if ((!x->stealable && ag->sleepers) || ag->untimed_sleepers) pthread_cond_signal(&ag->qcv);
+  pthread_mutex_unlock(&ag->qlock);
+  a->status = KVP_IN_PROG;
+out:
+  if (x) kvp_ht_put(g_xfers, a->xfer);
+  agent_put(ag);
+  return e;
+}
+
+/* Progress by poll (the header lets poll drive it): a stealable transfer
+ * (see FAKE_GRACE_NS) still queued at the second poll after its post runs
+ * in the polling thread. A hand-off to a worker costs a scheduler round
+ * trip whenever the worker is not on a CPU (tens of microseconds on a
+ * loaded machine) and copies through another core's cache; the caller is
+ * polling anyway. The first poll never runs it, so an unfinished transfer
+ * is always seen in progress once. Such a poll takes as long as the copy
+ * (at most FAKE_STEAL_MAX_BYTES). */
+static void poll_steal(agent *ag, xfer *x) {
+  if (!x->stealable) return;
+  pthread_mutex_lock(&ag->qlock);
+  int mine = atomic_load(&x->state) == X_QUEUED;
+  if (mine) {
+    queue_unlink_locked(ag, x);
+    atomic_store(&x->state, X_RUNNING);
+  }
+  pthread_mutex_unlock(&ag->qlock);
+  if (!mine) return;
+  worker w = {ag, NULL, NULL}; /* a same-process run needs no iovecs */
+  xfer_finish(ag, x, xfer_run(&w, x));
+}
+
+static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
+  const char *fn = "poll_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_POLL_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  xfer *x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e);
+  if (x) {
+    if (x->polled++ > 0 && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
+      poll_steal(ag, x);
+    switch (atomic_load_explicit(&x->state, memory_order_acquire)) {
+      case X_IDLE:
+        e = kvp_err(KVP_ERR_NOT_POSTED, "%s: transfer 0x%" PRIx64 " was never posted", fn, a->xfer);
+        break;
+      case X_QUEUED:
+      case X_RUNNING:
+        a->status = KVP_IN_PROG;
+        break;
+      case X_DONE:
+        a->status = KVP_SUCCESS;
+        break;
+      default:
+        e = kvp_err(x->err_code, "%s", x->err_msg);
+        break;
+    }
+    kvp_ht_put(g_xfers, a->xfer);
+  }
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_release_xfer(kvp_release_xfer_args *a) {
+  const char *fn = "release_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  xfer *x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e);
+  if (x) {
+    kvp_ht_put(g_xfers, a->xfer);
+    x = (xfer *)kvp_ht_remove(g_xfers, a->xfer);
+    if (x)
+      xfer_destroy(ag, x); /* cancels and waits for the worker */
+    else
+      e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: handle 0x%" PRIx64 " released twice", fn, a->xfer);
+  }
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_xfer_telemetry(kvp_xfer_telemetry_args *a) {
+  const char *fn = "xfer_telemetry";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  xfer *x = NULL;
+  if (!(e = need_cap(ag, KVP_CAP_TELEMETRY, fn)) &&
+      (x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e))) {
+    pthread_mutex_lock(&ag->qlock);
+    telem t = x->done;
+    pthread_mutex_unlock(&ag->qlock);
+    if (!t.valid) {
+      e = kvp_err(KVP_ERR_NO_TELEMETRY, "%s: transfer 0x%" PRIx64 " has not completed yet", fn, a->xfer);
+    } else {
+      a->start_us = t.start_us;
+      a->post_us = t.post_us;
+      a->xfer_us = t.xfer_us;
+      a->total_bytes = t.bytes;
+      a->desc_count = t.descs;
+    }
+    kvp_ht_put(g_xfers, a->xfer);
+  }
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Notifications                                                            */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *fake_get_notifs(kvp_get_notifs_args *a) {
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_GET_NOTIFS_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, "get_notifs", &e);
+  if (!ag) return e;
+  if (!(e = need_cap(ag, KVP_CAP_NOTIF, "get_notifs")))
+    kvp_nq_drain(ag->nq, a->buf, a->cap, &a->size, &a->count, &a->needed);
+  agent_put(ag);
+  return e;
+}
+
+static kvp_error *fake_send_notif(kvp_send_notif_args *a) {
+  const char *fn = "send_notif";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_SEND_NOTIF_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  if ((e = peer_name_check(a->peer_name, a->peer_name_len, fn))) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  if ((e = need_cap(ag, KVP_CAP_NOTIF, fn)) || (e = notif_len_check(a->msg, a->msg_len, fn))) goto out;
+  route rt;
+  memset(&rt, 0, sizeof rt);
+  pthread_rwlock_rdlock(&ag->peers_lock);
+  peer *p = peer_find(ag, a->peer_name, a->peer_name_len);
+  if (p) {
+    const peer_md *md = p->md;
+    rt.kind = md->process_token == g_process_token && md->pid == (uint32_t)getpid() ? ROUTE_LOCAL : ROUTE_PVM;
+    rt.pid = md->pid;
+    rt.agent_handle = md->agent_handle;
+    rt.agent_id = md->agent_id;
+    memcpy(rt.sock, md->sock, md->sock_len);
+    rt.sock_len = md->sock_len;
+  }
+  pthread_rwlock_unlock(&ag->peers_lock);
+  if (!p)
+    e = peer_unknown(ag, a->peer_name, a->peer_name_len, fn);
+  else
+    e = kvp_err_wrap(notif_deliver(ag, &rt, a->msg, a->msg_len), "%s to \"%.*s\"", fn,
+                     (int)a->peer_name_len, a->peer_name);
+out:
+  agent_put(ag);
+  return e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Entry point                                                              */
+/* ------------------------------------------------------------------------ */
+
+static const kvp_api g_api = {
+    KVP_API_STRUCT_SIZE,
+    NULL,
+    KVP_FAKE_ABI_MAJOR,
+    KVP_ABI_MINOR,
+    kvp_util_error_destroy,
+    kvp_util_error_message,
+    kvp_util_error_code,
+    fake_plugin_info,
+    fake_agent_create,
+    fake_agent_destroy,
+    fake_register_mem,
+    fake_deregister_mem,
+    fake_region_export,
+    fake_local_metadata,
+    fake_load_remote,
+    fake_remove_remote,
+    fake_remote_region_import,
+    fake_remote_region_release,
+    fake_prep_dlist,
+    fake_release_dlist,
+    fake_make_prepped_xfer,
+    fake_make_batch_xfer,
+    fake_post_xfer,
+    fake_poll_xfer,
+    fake_release_xfer,
+    fake_xfer_telemetry,
+    fake_get_notifs,
+    fake_send_notif,
+};
+
+KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
+  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
+  pthread_once(&g_once, fake_init);
+  args->plugin_abi_major_min = KVP_FAKE_ABI_MAJOR;
+  args->plugin_abi_major_max = KVP_FAKE_ABI_MAJOR;
+  if (args->host_abi_major != KVP_FAKE_ABI_MAJOR) {
+    args->api = NULL;
+    return KVP_ERR_NOT_SUPPORTED;
+  }
+  args->api = &g_api;
+  return KVP_SUCCESS;
+}

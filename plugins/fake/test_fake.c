@@ -1,0 +1,1865 @@
+/*
+ * test_fake.c: tests of the fake plugin through its ABI table, without the
+ * Go host. Built with fake.c and kvp_util.c under -fsanitize=address,undefined
+ * and, separately, -fsanitize=thread (make plugin-test).
+ *
+ *   test_fake [--so PLUGIN.so] [--so-abi2 PLUGIN.so] [--no-bench]
+ *                                                      run every test
+ *   test_fake --bench [MIN_RATIO]                      timing only; fails
+ *                      when 1 MiB plugin/memcpy is below MIN_RATIO
+ *   test_fake --child                                  (internal) peer process
+ *
+ * --so / --so-abi2 also load the shared libraries the build produced and
+ * check their entry point (ABI negotiation, refusal of another major).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvp_util.h"
+#include "kvplugin.h"
+
+extern char **environ;
+
+#define FAKE_ALL_CAPS                                                                   \
+  (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY | \
+   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB)
+
+static const kvp_api *A;
+static int failures, checks;
+static const char *g_role = "parent";
+
+#define CHECK(cond)                                                                    \
+  do {                                                                                 \
+    checks++;                                                                          \
+    if (!(cond)) {                                                                     \
+      failures++;                                                                      \
+      fprintf(stderr, "[%s] %s:%d: CHECK failed: %s\n", g_role, __FILE__, __LINE__, #cond); \
+    }                                                                                  \
+  } while (0)
+
+/* Frees e and checks it is NULL (want == 0) or has code want and a message
+ * containing text. Returns 1 when it matched. */
+#define EXPECT(e, want, text) expect_at((e), (want), (text), __LINE__)
+#define OK(e) expect_at((e), 0, NULL, __LINE__)
+
+static int expect_at(kvp_error *e, kvp_status want, const char *text, int line) {
+  checks++;
+  kvp_status code = 0;
+  const char *msg = "";
+  size_t len = 0;
+  if (e) {
+    kvp_error_code_args ca = {KVP_ERROR_CODE_ARGS_STRUCT_SIZE, NULL, e, 0};
+    A->error_code(&ca);
+    code = ca.code;
+    kvp_error_message_args ma = {KVP_ERROR_MESSAGE_ARGS_STRUCT_SIZE, NULL, e, NULL, 0};
+    A->error_message(&ma);
+    msg = ma.message;
+    len = ma.message_len;
+  }
+  int ok = want == 0 ? e == NULL : (e && code == want && (!text || memmem(msg, len, text, strlen(text))));
+  if (!ok) {
+    failures++;
+    fprintf(stderr, "[%s] %s:%d: want %d \"%s\", got %d \"%.*s\"\n", g_role, __FILE__, line, want,
+            text ? text : "", code, (int)len, msg);
+  }
+  if (e) {
+    kvp_error_destroy_args da = {KVP_ERROR_DESTROY_ARGS_STRUCT_SIZE, NULL, e};
+    A->error_destroy(&da);
+  }
+  return ok;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Thin wrappers                                                            */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *agent_new(const char *name, uint64_t *agent, uint64_t *caps, ...) {
+  kvp_param ps[16];
+  size_t n = 0;
+  va_list ap;
+  va_start(ap, caps);
+  const char *k;
+  while ((k = va_arg(ap, const char *)) && n < 16) {
+    const char *v = va_arg(ap, const char *);
+    ps[n].key = k;
+    ps[n].key_len = strlen(k);
+    ps[n].value = v;
+    ps[n].value_len = strlen(v);
+    n++;
+  }
+  va_end(ap);
+  kvp_agent_create_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_AGENT_CREATE_ARGS_STRUCT_SIZE;
+  a.name = name;
+  a.name_len = strlen(name);
+  a.params = n ? ps : NULL;
+  a.num_params = n;
+  kvp_error *e = A->agent_create(&a);
+  *agent = e ? 0 : a.agent;
+  if (caps) *caps = e ? 0 : a.caps;
+  return e;
+}
+
+static uint64_t agent_ok(const char *name) {
+  uint64_t h = 0;
+  OK(agent_new(name, &h, NULL, NULL));
+  return h;
+}
+
+static kvp_error *agent_del(uint64_t ag) {
+  kvp_agent_destroy_args a = {KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE, NULL, ag};
+  return A->agent_destroy(&a);
+}
+
+static kvp_error *reg_n(uint64_t ag, const kvp_mem_desc *d, size_t n, uint64_t *out) {
+  kvp_register_mem_args a = {KVP_REGISTER_MEM_ARGS_STRUCT_SIZE, NULL, ag, d, n, out};
+  return A->register_mem(&a);
+}
+
+static uint64_t reg1(uint64_t ag, void *p, size_t len, uint32_t kind, uint64_t dev) {
+  kvp_mem_desc d = {(uint64_t)(uintptr_t)p, len, dev, kind, 0};
+  uint64_t h = 0;
+  OK(reg_n(ag, &d, 1, &h));
+  return h;
+}
+
+static kvp_error *dereg_n(uint64_t ag, const uint64_t *hs, size_t n) {
+  kvp_deregister_mem_args a = {KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE, NULL, ag, hs, n};
+  return A->deregister_mem(&a);
+}
+
+/* Returns malloc'd metadata of ag. */
+static uint8_t *md_get(uint64_t ag, size_t *len) {
+  kvp_local_metadata_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  OK(A->local_metadata(&a));
+  uint8_t *buf = (uint8_t *)malloc(a.size);
+  a.buf = buf;
+  a.cap = a.size;
+  OK(A->local_metadata(&a));
+  *len = a.size;
+  return buf;
+}
+
+static kvp_error *load_md(uint64_t ag, const uint8_t *md, size_t len, const char **name, size_t *nlen) {
+  kvp_load_remote_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.metadata = md;
+  a.metadata_len = len;
+  kvp_error *e = A->load_remote(&a);
+  if (!e && name) {
+    *name = a.peer_name;
+    *nlen = a.peer_name_len;
+  }
+  return e;
+}
+
+/* Loads the metadata of `from` into `into`. */
+static void load_peer(uint64_t into, uint64_t from) {
+  size_t len;
+  uint8_t *md = md_get(from, &len);
+  OK(load_md(into, md, len, NULL, NULL));
+  free(md);
+}
+
+static kvp_error *remove_peer(uint64_t ag, const char *peer) {
+  kvp_remove_remote_args a = {KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE, NULL, ag, peer, strlen(peer)};
+  return A->remove_remote(&a);
+}
+
+static kvp_error *dlist_new(uint64_t ag, const char *peer, uint32_t kind, const kvp_xfer_desc *d,
+                            size_t n, uint64_t *out) {
+  kvp_prep_dlist_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_PREP_DLIST_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.peer_name = peer;
+  a.peer_name_len = peer ? strlen(peer) : 0;
+  a.mem_kind = kind;
+  a.descs = d;
+  a.num_descs = n;
+  kvp_error *e = A->prep_dlist(&a);
+  *out = e ? 0 : a.dlist;
+  return e;
+}
+
+static kvp_error *dlist_del(uint64_t ag, uint64_t d) {
+  kvp_release_dlist_args a = {KVP_RELEASE_DLIST_ARGS_STRUCT_SIZE, NULL, ag, d};
+  return A->release_dlist(&a);
+}
+
+static kvp_xfer_desc XD(const void *p, uint64_t len, uint64_t stride, uint64_t count) {
+  kvp_xfer_desc d = {(uint64_t)(uintptr_t)p, len, stride, count, 0};
+  return d;
+}
+
+static kvp_notif NOTIF(const char *msg) {
+  kvp_notif n;
+  memset(&n, 0, sizeof n);
+  if (msg) {
+    n.msg = (const uint8_t *)msg;
+    n.msg_len = strlen(msg);
+    n.has_notif = 1;
+  }
+  return n;
+}
+
+static kvp_error *xfer_prepped(uint64_t ag, uint32_t op, uint64_t ld, const int32_t *li, size_t nl,
+                               uint64_t rd, const int32_t *ri, size_t nr, kvp_notif nt, uint64_t *out) {
+  kvp_make_prepped_xfer_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.op = op;
+  a.local_dlist = ld;
+  a.local_indices = li;
+  a.num_local_indices = nl;
+  a.remote_dlist = rd;
+  a.remote_indices = ri;
+  a.num_remote_indices = nr;
+  a.notif = nt;
+  kvp_error *e = A->make_prepped_xfer(&a);
+  *out = e ? 0 : a.xfer;
+  return e;
+}
+
+static kvp_error *xfer_batch(uint64_t ag, uint32_t op, const kvp_region_pair *p, size_t np,
+                             const kvp_batch_entry *en, size_t ne, kvp_notif nt, uint64_t *out) {
+  kvp_make_batch_xfer_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.op = op;
+  a.pairs = p;
+  a.num_pairs = np;
+  a.entries = en;
+  a.num_entries = ne;
+  a.notif = nt;
+  kvp_error *e = A->make_batch_xfer(&a);
+  *out = e ? 0 : a.xfer;
+  return e;
+}
+
+static kvp_batch_entry BE(uint32_t pair, uint64_t lo, uint64_t ro, uint64_t len, uint64_t ls,
+                          uint64_t rs, uint64_t count) {
+  kvp_batch_entry e = {pair, 0, lo, ro, len, ls, rs, count};
+  return e;
+}
+
+static kvp_error *post(uint64_t ag, uint64_t x, kvp_status *st) {
+  kvp_post_xfer_args a = {KVP_POST_XFER_ARGS_STRUCT_SIZE, NULL, ag, x, 99};
+  kvp_error *e = A->post_xfer(&a);
+  if (st) *st = a.status;
+  return e;
+}
+
+static kvp_error *poll1(uint64_t ag, uint64_t x, kvp_status *st) {
+  kvp_poll_xfer_args a = {KVP_POLL_XFER_ARGS_STRUCT_SIZE, NULL, ag, x, 99};
+  kvp_error *e = A->poll_xfer(&a);
+  if (st) *st = a.status;
+  return e;
+}
+
+/* Polls until the transfer leaves IN_PROG (or 10 s pass); returns the last
+ * poll's error; *polls_in_prog counts IN_PROG answers. */
+static kvp_error *wait_xfer(uint64_t ag, uint64_t x, int *polls_in_prog) {
+  uint64_t deadline = now_ns() + 10000000000ull;
+  int local_count = 0;
+  if (!polls_in_prog) polls_in_prog = &local_count;
+  for (;;) {
+    kvp_status st;
+    kvp_error *e = poll1(ag, x, &st);
+    if (e) return e;
+    if (st == KVP_SUCCESS) return NULL;
+    if (st != KVP_IN_PROG) return kvp_err(KVP_ERR_UNKNOWN, "poll status %d", st);
+    (*polls_in_prog)++;
+    if (now_ns() > deadline) return kvp_err(KVP_ERR_UNKNOWN, "transfer did not finish in 10 s");
+    /* Spin a little between polls, like a host's busy poll; yield only
+     * now and then (a yield on a loaded machine costs a time slice). */
+    if (polls_in_prog && (*polls_in_prog & 1023) == 0) sched_yield();
+  }
+}
+
+/* Posts and waits. */
+static kvp_error *run_xfer(uint64_t ag, uint64_t x) {
+  kvp_status st;
+  kvp_error *e = post(ag, x, &st);
+  if (e) return e;
+  if (st != KVP_IN_PROG && st != KVP_SUCCESS) return kvp_err(KVP_ERR_UNKNOWN, "post status %d", st);
+  return wait_xfer(ag, x, NULL);
+}
+
+static kvp_error *xfer_del(uint64_t ag, uint64_t x) {
+  kvp_release_xfer_args a = {KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, NULL, ag, x};
+  return A->release_xfer(&a);
+}
+
+static kvp_error *telemetry(uint64_t ag, uint64_t x, kvp_xfer_telemetry_args *out) {
+  memset(out, 0, sizeof *out);
+  out->struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
+  out->agent = ag;
+  out->xfer = x;
+  return A->xfer_telemetry(out);
+}
+
+static kvp_error *export_blob(uint64_t ag, uint64_t region, uint8_t *buf, size_t cap, size_t *size) {
+  kvp_region_export_args a = {KVP_REGION_EXPORT_ARGS_STRUCT_SIZE, NULL, ag, region, buf, cap, 0};
+  kvp_error *e = A->region_export(&a);
+  *size = a.size;
+  return e;
+}
+
+static kvp_error *import_rr(uint64_t ag, const char *peer, const uint8_t *blob, size_t blob_len,
+                            uint64_t addr, uint64_t len, uint32_t kind, uint64_t *out,
+                            kvp_remote_region_import_args *res);
+/* The test agents register VRAM as device 5 and DRAM as device 0. */
+static kvp_error *import_rr(uint64_t ag, const char *peer, const uint8_t *blob, size_t blob_len,
+                            uint64_t addr, uint64_t len, uint32_t kind, uint64_t *out,
+                            kvp_remote_region_import_args *res) {
+  kvp_remote_region_import_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.peer_name = peer;
+  a.peer_name_len = strlen(peer);
+  a.blob = blob;
+  a.blob_len = blob_len;
+  a.addr = addr;
+  a.len = len;
+  a.mem_kind = kind;
+  a.dev_id = kind == KVP_MEM_VRAM ? 5 : 0;
+  kvp_error *e = A->remote_region_import(&a);
+  *out = e ? 0 : a.rregion;
+  if (res) *res = a;
+  return e;
+}
+
+static kvp_error *rr_del(uint64_t ag, uint64_t rr) {
+  kvp_remote_region_release_args a = {KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE, NULL, ag, rr};
+  return A->remote_region_release(&a);
+}
+
+static kvp_error *send_n(uint64_t ag, const char *peer, const void *msg, size_t len) {
+  kvp_send_notif_args a = {KVP_SEND_NOTIF_ARGS_STRUCT_SIZE, NULL, ag, peer, strlen(peer),
+                           (const uint8_t *)msg, len};
+  return A->send_notif(&a);
+}
+
+/* Received notifications, parsed. */
+typedef struct notes {
+  int n;
+  char sender[64][64];
+  char msg[64][128];
+  size_t msg_len[64];
+} notes;
+
+static kvp_error *get_notes(uint64_t ag, notes *out, size_t cap, size_t *needed) {
+  uint8_t *buf = (uint8_t *)malloc(cap ? cap : 1);
+  kvp_get_notifs_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_GET_NOTIFS_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.buf = buf;
+  a.cap = cap;
+  kvp_error *e = A->get_notifs(&a);
+  if (e) {
+    free(buf);
+    return e;
+  }
+  if (needed) *needed = a.needed;
+  size_t off = 0;
+  size_t cnt = 0;
+  while (off < a.size) {
+    uint32_t sl = kvp_get_u32(buf + off), ml = kvp_get_u32(buf + off + 4);
+    if (out->n < 64) {
+      snprintf(out->sender[out->n], 64, "%.*s", (int)sl, (const char *)buf + off + 8);
+      size_t keep = ml < 127 ? ml : 127;
+      memcpy(out->msg[out->n], buf + off + 8 + sl, keep);
+      out->msg[out->n][keep] = 0;
+      out->msg_len[out->n] = ml;
+      out->n++;
+    }
+    off += 8 + (size_t)sl + ml;
+    cnt++;
+  }
+  free(buf);
+  if (off != a.size || cnt != a.count) return kvp_err(KVP_ERR_UNKNOWN, "bad notif records");
+  return NULL;
+}
+
+/* Waits until ag has received `want` notifications in total (into out). */
+static int wait_notes(uint64_t ag, notes *out, int want) {
+  uint64_t deadline = now_ns() + 5000000000ull;
+  while (out->n < want && now_ns() < deadline) {
+    if (!OK(get_notes(ag, out, 1 << 17, NULL))) return 0;
+    if (out->n < want) usleep(200);
+  }
+  return out->n >= want;
+}
+
+static int has_note(const notes *ns, const char *sender, const char *msg) {
+  for (int i = 0; i < ns->n; i++)
+    if (strcmp(ns->sender[i], sender) == 0 && strcmp(ns->msg[i], msg) == 0) return 1;
+  return 0;
+}
+
+/* Fills p with a pattern that depends on seed and on the offset. Big
+ * buffers repeat a 64 KiB random block with a distinct word per 4 KiB, which
+ * is quick even under ThreadSanitizer. */
+static void fill(uint8_t *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  size_t head = n < 65536 ? n : 65536;
+  for (size_t i = 0; i < head; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (uint8_t)x;
+  }
+  for (size_t off = head; off < n; off += head) {
+    size_t k = n - off < head ? n - off : head;
+    memcpy(p + off, p, k);
+    for (size_t w = 0; w + 8 <= k; w += 4096) {
+      uint64_t tag = ((uint64_t)seed << 40) ^ (off + w);
+      memcpy(p + off + w, &tag, 8);
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tests                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void test_negotiation(void) {
+  kvp_get_api_args g;
+  memset(&g, 0, sizeof g);
+  g.struct_size = KVP_GET_API_ARGS_STRUCT_SIZE;
+  g.host_abi_major = 2;
+  CHECK(kvp_plugin_get_api(&g) == KVP_ERR_NOT_SUPPORTED);
+  CHECK(g.api == NULL && g.plugin_abi_major_min == 1 && g.plugin_abi_major_max == 1);
+  CHECK(kvp_plugin_get_api(NULL) == KVP_ERR_INVALID_PARAM);
+  g.struct_size = 8;
+  CHECK(kvp_plugin_get_api(&g) == KVP_ERR_INVALID_PARAM);
+  g.struct_size = KVP_GET_API_ARGS_STRUCT_SIZE;
+  g.host_abi_major = 1;
+  g.host_abi_minor = 7; /* a newer minor is served */
+  CHECK(kvp_plugin_get_api(&g) == KVP_SUCCESS && g.api == A);
+  CHECK(A->struct_size == KVP_API_STRUCT_SIZE && A->abi_major == 1 && A->abi_minor == KVP_ABI_MINOR);
+  /* Every entry is present (the fake has every capability). */
+  const void *const *fp = (const void *const *)&A->error_destroy;
+  size_t nfn = (KVP_API_STRUCT_SIZE - offsetof(kvp_api, error_destroy)) / sizeof(void *);
+  int all = 1;
+  for (size_t i = 0; i < nfn; i++) all &= fp[i] != NULL;
+  CHECK(nfn == 24 && all);
+
+  kvp_plugin_info_args pi;
+  memset(&pi, 0, sizeof pi);
+  pi.struct_size = KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE;
+  OK(A->plugin_info(&pi));
+  CHECK(strcmp(pi.name, "fake") == 0 && pi.version && pi.version[0]);
+  CHECK(pi.abi_major == 1 && pi.abi_minor == KVP_ABI_MINOR);
+  CHECK(pi.caps == (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF |
+                    KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB));
+  CHECK(pi.mem_kinds == (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM)));
+  /* params_doc: one "key=default<TAB>description" line per parameter. */
+  const char *keys[] = {"caps_off=", "fail_rate=0\t", "fail_seed=1\t", "delay_us=0\t",
+                        "drop_notif_rate=0\t", "workers=1\t"};
+  int lines = 0;
+  for (const char *p = pi.params_doc; *p; p++) lines += *p == '\n';
+  CHECK(lines == 6);
+  for (int i = 0; i < 6; i++) {
+    const char *at = strstr(pi.params_doc, keys[i]);
+    CHECK(at && (at == pi.params_doc || at[-1] == '\n'));
+  }
+  EXPECT(A->plugin_info(NULL), KVP_ERR_INVALID_PARAM, "plugin_info: args is NULL");
+  pi.struct_size = 16;
+  EXPECT(A->plugin_info(&pi), KVP_ERR_INVALID_PARAM, "struct_size");
+}
+
+/* Loads a built shared library and checks its entry point. */
+static void test_shared_object(const char *path, uint32_t claims_major) {
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  CHECK(h != NULL);
+  if (!h) {
+    fprintf(stderr, "dlopen %s: %s\n", path, dlerror());
+    return;
+  }
+  kvp_status (*get)(kvp_get_api_args *) = (kvp_status(*)(kvp_get_api_args *))dlsym(h, KVP_ENTRY_SYMBOL);
+  CHECK(get != NULL);
+  /* Only the entry point is exported. */
+  CHECK(dlsym(h, "kvp_err") == NULL && dlsym(h, "fake_post_xfer") == NULL);
+  if (get) {
+    kvp_get_api_args g;
+    memset(&g, 0, sizeof g);
+    g.struct_size = KVP_GET_API_ARGS_STRUCT_SIZE;
+    g.host_abi_major = KVP_ABI_MAJOR;
+    g.host_abi_minor = KVP_ABI_MINOR;
+    kvp_status st = get(&g);
+    CHECK(g.plugin_abi_major_min == claims_major && g.plugin_abi_major_max == claims_major);
+    if (claims_major == KVP_ABI_MAJOR) {
+      CHECK(st == KVP_SUCCESS && g.api && g.api->abi_major == KVP_ABI_MAJOR);
+      if (g.api) {
+        kvp_plugin_info_args pi;
+        memset(&pi, 0, sizeof pi);
+        pi.struct_size = KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE;
+        kvp_error *e = g.api->plugin_info(&pi);
+        CHECK(e == NULL && strcmp(pi.name, "fake") == 0);
+      }
+    } else {
+      CHECK(st == KVP_ERR_NOT_SUPPORTED && g.api == NULL);
+      g.host_abi_major = claims_major;
+      st = get(&g);
+      CHECK(st == KVP_SUCCESS && g.api && g.api->abi_major == claims_major);
+    }
+  }
+  /* Not dlclose'd: a plugin library stays loaded for the process's life. */
+}
+
+static void test_agents_and_params(void) {
+  uint64_t ag = 0, caps = 0;
+  OK(agent_new("a", &ag, &caps, NULL));
+  CHECK(ag != 0 && caps == (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF |
+                            KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB));
+  OK(agent_del(ag));
+  EXPECT(agent_del(ag), KVP_ERR_INVALID_PARAM, "unknown or released agent");
+  EXPECT(agent_del(0), KVP_ERR_INVALID_PARAM, NULL);
+
+  EXPECT(agent_new("a", &ag, NULL, "wokers", "2", NULL), KVP_ERR_INVALID_PARAM,
+         "unknown param \"wokers\"");
+  EXPECT(agent_new("a", &ag, NULL, "workers", "0", NULL), KVP_ERR_INVALID_PARAM, "workers=\"0\"");
+  EXPECT(agent_new("a", &ag, NULL, "fail_rate", "1.5", NULL), KVP_ERR_INVALID_PARAM, "fail_rate=\"1.5\"");
+  EXPECT(agent_new("a", &ag, NULL, "drop_notif_rate", "x", NULL), KVP_ERR_INVALID_PARAM, "drop_notif_rate");
+  EXPECT(agent_new("a", &ag, NULL, "delay_us", "-1", NULL), KVP_ERR_INVALID_PARAM, "delay_us");
+  EXPECT(agent_new("a", &ag, NULL, "caps_off", "batch,prepped", NULL), KVP_ERR_INVALID_PARAM,
+         "both prepped and batch");
+  EXPECT(agent_new("a", &ag, NULL, "caps_off", "rdma", NULL), KVP_ERR_INVALID_PARAM, "unknown item \"rdma\"");
+  EXPECT(agent_new("a", &ag, NULL, "workers", "1", "workers", "2", NULL), KVP_ERR_INVALID_PARAM, "twice");
+  EXPECT(agent_new("", &ag, NULL, NULL), KVP_ERR_INVALID_PARAM, "name must be 1..255");
+  char longname[300];
+  memset(longname, 'x', sizeof longname);
+  longname[256] = 0;
+  EXPECT(agent_new(longname, &ag, NULL, NULL), KVP_ERR_INVALID_PARAM, "name must be");
+  longname[255] = 0;
+  OK(agent_new(longname, &ag, NULL, NULL));
+  OK(agent_del(ag));
+  kvp_agent_create_args bad;
+  memset(&bad, 0, sizeof bad);
+  bad.struct_size = KVP_AGENT_CREATE_ARGS_STRUCT_SIZE - 1;
+  EXPECT(A->agent_create(&bad), KVP_ERR_INVALID_PARAM, "agent_create: args struct_size");
+  EXPECT(A->agent_create(NULL), KVP_ERR_INVALID_PARAM, "args is NULL");
+
+  /* caps_off: effective caps and refused calls. */
+  OK(agent_new("c", &ag, &caps, "caps_off", "batch, strided,notif,telemetry,remote_blob", "workers", "3",
+               "fail_seed", "42", "delay_us", "0", NULL));
+  CHECK(caps == (KVP_CAP_PREPPED | KVP_CAP_REMOTE_ADDR));
+  uint64_t peer = agent_ok("peer");
+  static uint8_t mem[4096], pmem[4096];
+  uint64_t r = reg1(ag, mem, sizeof mem, KVP_MEM_DRAM, 0);
+  uint64_t pr = reg1(peer, pmem, sizeof pmem, KVP_MEM_DRAM, 0);
+  load_peer(ag, peer);
+  uint64_t x, d, rr;
+  EXPECT(xfer_batch(ag, KVP_OP_WRITE, NULL, 0, NULL, 0, NOTIF(NULL), &x), KVP_ERR_NOT_SUPPORTED,
+         "capability batch is switched off");
+  kvp_xfer_desc sd = XD(mem, 16, 32, 4);
+  EXPECT(dlist_new(ag, NULL, KVP_MEM_DRAM, &sd, 1, &d), KVP_ERR_NOT_SUPPORTED, "strided");
+  EXPECT(send_n(ag, "peer", "hi", 2), KVP_ERR_NOT_SUPPORTED, "capability notif");
+  notes ns = {0};
+  EXPECT(get_notes(ag, &ns, 100, NULL), KVP_ERR_NOT_SUPPORTED, "notif");
+  uint8_t blob[64];
+  size_t bs;
+  EXPECT(export_blob(ag, r, blob, sizeof blob, &bs), KVP_ERR_NOT_SUPPORTED, "remote_blob");
+  OK(export_blob(peer, pr, blob, sizeof blob, &bs));
+  EXPECT(import_rr(ag, "peer", blob, bs, 0, 0, 0, &rr, NULL), KVP_ERR_NOT_SUPPORTED, "remote_blob");
+  kvp_xfer_telemetry_args t;
+  EXPECT(telemetry(ag, 12345, &t), KVP_ERR_NOT_SUPPORTED, "telemetry");
+  kvp_xfer_desc ld = XD(mem, 64, 0, 1), rd = XD(pmem, 64, 0, 1);
+  uint64_t ldl, rdl;
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &ld, 1, &ldl));
+  OK(dlist_new(ag, "peer", KVP_MEM_DRAM, &rd, 1, &rdl));
+  int32_t zero = 0;
+  EXPECT(xfer_prepped(ag, KVP_OP_WRITE, ldl, &zero, 1, rdl, &zero, 1, NOTIF("n"), &x),
+         KVP_ERR_NOT_SUPPORTED, "notif");
+  OK(agent_del(ag));
+  OK(agent_new("c2", &ag, &caps, "caps_off", "prepped,remote_addr", NULL));
+  CHECK(caps == (FAKE_ALL_CAPS & ~(KVP_CAP_PREPPED | KVP_CAP_REMOTE_ADDR)));
+  EXPECT(dlist_new(ag, NULL, KVP_MEM_DRAM, &ld, 1, &d), KVP_ERR_NOT_SUPPORTED, "prepped");
+  load_peer(ag, peer);
+  EXPECT(import_rr(ag, "peer", NULL, 0, (uint64_t)(uintptr_t)pmem, 64, KVP_MEM_DRAM, &rr, NULL),
+         KVP_ERR_NOT_SUPPORTED, "remote_addr");
+  OK(import_rr(ag, "peer", blob, bs, 0, 0, 0, &rr, NULL));
+  OK(agent_del(ag));
+  OK(agent_del(peer));
+}
+
+static void test_registration(void) {
+  uint64_t ag = agent_ok("reg"), other = agent_ok("other");
+  uint8_t *buf = (uint8_t *)malloc(1 << 16);
+  uint64_t base = (uint64_t)(uintptr_t)buf;
+  uint64_t h[4] = {0};
+  kvp_mem_desc bad[] = {
+      {base, 0, 0, KVP_MEM_DRAM, 0},          /* len 0 */
+      {0, 16, 0, KVP_MEM_DRAM, 0},            /* NULL address */
+      {UINT64_MAX - 4, 16, 0, KVP_MEM_DRAM, 0}, /* overflow */
+      {base, 16, 0, 7, 0},                    /* unknown kind */
+      {base, 16, 0, KVP_MEM_DRAM, 1},         /* reserved */
+  };
+  for (int i = 0; i < 5; i++) EXPECT(reg_n(ag, &bad[i], 1, h), KVP_ERR_INVALID_PARAM, "register_mem: desc 0");
+  EXPECT(reg_n(ag, NULL, 1, h), KVP_ERR_INVALID_PARAM, "NULL");
+  OK(reg_n(ag, NULL, 0, NULL)); /* nothing to do */
+
+  kvp_mem_desc two[] = {{base, 4096, 0, KVP_MEM_DRAM, 0}, {base + 8192, 4096, 3, KVP_MEM_VRAM, 0}};
+  OK(reg_n(ag, two, 2, h));
+  CHECK(h[0] && h[1] && h[0] != h[1]);
+  /* Overlap with an existing registration: nothing of the call registers. */
+  kvp_mem_desc ov[] = {{base + 16384, 4096, 0, KVP_MEM_DRAM, 0}, {base + 4000, 200, 0, KVP_MEM_DRAM, 0}};
+  EXPECT(reg_n(ag, ov, 2, h + 2), KVP_ERR_INVALID_PARAM, "existing registration");
+  kvp_xfer_desc probe = XD(buf + 16384, 64, 0, 1);
+  uint64_t d;
+  EXPECT(dlist_new(ag, NULL, KVP_MEM_DRAM, &probe, 1, &d), KVP_ERR_NOT_FOUND, "not inside memory registered");
+  kvp_mem_desc ov2[] = {{base + 16384, 4096, 0, KVP_MEM_DRAM, 0}, {base + 16384 + 4095, 10, 0, KVP_MEM_DRAM, 0}};
+  EXPECT(reg_n(ag, ov2, 2, h + 2), KVP_ERR_INVALID_PARAM, "two descs of this call");
+  /* Another agent may register the same memory. */
+  uint64_t oh = reg1(other, buf, 4096, KVP_MEM_DRAM, 0);
+
+  /* Metadata grows with registrations: 56 + name + socket + 32 per region. */
+  size_t len;
+  uint8_t *md = md_get(ag, &len);
+  CHECK(len > 56 + 3 + 2 * 32 && len < 56 + 3 + 2 * 32 + 108);
+  free(md);
+
+  /* Deregister: all handles are checked first. */
+  uint64_t mixed[] = {h[0], oh};
+  EXPECT(dereg_n(ag, mixed, 2), KVP_ERR_INVALID_PARAM, "belongs to another agent");
+  uint64_t dup[] = {h[0], h[0]};
+  EXPECT(dereg_n(ag, dup, 2), KVP_ERR_INVALID_PARAM, "listed twice");
+  uint64_t junk[] = {h[0], 0xdeadbeef};
+  EXPECT(dereg_n(ag, junk, 2), KVP_ERR_INVALID_PARAM, "unknown or released region");
+  kvp_xfer_desc in0 = XD(buf + 100, 64, 0, 1);
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &in0, 1, &d)); /* h[0] still registered */
+  OK(dlist_del(ag, d));
+  OK(dereg_n(ag, h, 2));
+  EXPECT(dereg_n(ag, h, 1), KVP_ERR_INVALID_PARAM, "unknown or released");
+  EXPECT(dlist_new(ag, NULL, KVP_MEM_DRAM, &in0, 1, &d), KVP_ERR_NOT_FOUND, NULL);
+  /* Registering the same range again works (and gets a new handle). */
+  uint64_t again = reg1(ag, buf, 4096, KVP_MEM_DRAM, 0);
+  CHECK(again != h[0]);
+  /* Region kinds and devices must match what a dlist asks for. */
+  kvp_xfer_desc vr = XD(buf + 100, 64, 0, 1);
+  EXPECT(dlist_new(ag, NULL, KVP_MEM_VRAM, &vr, 1, &d), KVP_ERR_NOT_FOUND, "VRAM dev 0");
+  EXPECT(reg_n(ag, two, 1, h), KVP_ERR_INVALID_PARAM, "overlaps");
+  OK(agent_del(ag)); /* releases `again` too */
+  OK(agent_del(other));
+  free(buf);
+}
+
+/* Two agents of this process; A writes to and reads from B. */
+typedef struct pair_env {
+  uint64_t a, b;
+  uint8_t *abuf, *bbuf;
+  size_t len;
+  uint64_t ar, br;
+} pair_env;
+
+static void env_open(pair_env *e, size_t len, const char *aparams_k, const char *aparams_v) {
+  memset(e, 0, sizeof *e);
+  e->len = len;
+  if (aparams_k)
+    OK(agent_new("A", &e->a, NULL, aparams_k, aparams_v, NULL));
+  else
+    e->a = agent_ok("A");
+  e->b = agent_ok("B");
+  e->abuf = (uint8_t *)malloc(len);
+  e->bbuf = (uint8_t *)malloc(len);
+  fill(e->abuf, len, 1);
+  fill(e->bbuf, len, 2);
+  e->ar = reg1(e->a, e->abuf, len, KVP_MEM_DRAM, 0);
+  e->br = reg1(e->b, e->bbuf, len, KVP_MEM_VRAM, 5);
+  load_peer(e->a, e->b);
+  load_peer(e->b, e->a);
+}
+
+static void env_close(pair_env *e) {
+  OK(agent_del(e->a));
+  OK(agent_del(e->b));
+  free(e->abuf);
+  free(e->bbuf);
+}
+
+static void test_prepped_same_process(void) {
+  pair_env E;
+  env_open(&E, 1 << 20, NULL, NULL);
+  uint8_t *want = (uint8_t *)malloc(E.len);
+  memcpy(want, E.bbuf, E.len);
+
+  /* Local list: 4 plain blocks and one strided descriptor (8 x 1 KiB, 4 KiB apart). */
+  kvp_xfer_desc ld[5] = {XD(E.abuf, 4096, 0, 1), XD(E.abuf + 8192, 100, 0, 1), XD(E.abuf + 65536, 1, 0, 1),
+                         XD(E.abuf + E.len - 512, 512, 0, 1), XD(E.abuf + 131072, 1024, 4096, 8)};
+  kvp_xfer_desc rd[5] = {XD(E.bbuf + 4096, 4096, 0, 1), XD(E.bbuf, 100, 0, 1), XD(E.bbuf + 70000, 1, 0, 1),
+                         XD(E.bbuf + 200000, 512, 0, 1), XD(E.bbuf + 300000, 1024, 1024, 8)};
+  for (int i = 0; i < 5; i++) rd[i].dev_id = 5;
+  uint64_t ldl, rdl;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, ld, 5, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, rd, 5, &rdl));
+  int32_t li[5] = {0, 1, 2, 3, 4}, ri[5] = {0, 1, 2, 3, 4};
+  uint64_t x;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, li, 5, rdl, ri, 5, NOTIF("written"), &x));
+  kvp_xfer_telemetry_args t;
+  EXPECT(telemetry(E.a, x, &t), KVP_ERR_NO_TELEMETRY, "not completed");
+  EXPECT(poll1(E.a, x, NULL), KVP_ERR_NOT_POSTED, "never posted");
+  kvp_status st;
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  OK(wait_xfer(E.a, x, NULL));
+  for (int i = 0; i < 5; i++)
+    for (uint64_t k = 0; k < ld[i].count; k++)
+      memcpy(want + (rd[i].addr - (uint64_t)(uintptr_t)E.bbuf) + k * rd[i].stride,
+             (const void *)(uintptr_t)(ld[i].addr + k * ld[i].stride), ld[i].len);
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  OK(telemetry(E.a, x, &t));
+  CHECK(t.total_bytes == 4096 + 100 + 1 + 512 + 8 * 1024);
+  CHECK(t.desc_count == 5);
+  CHECK(t.start_us > 1600000000ull * 1000000ull && t.xfer_us < 10000000 && t.post_us <= t.xfer_us + 1);
+  notes ns = {0};
+  CHECK(wait_notes(E.b, &ns, 1));
+  CHECK(ns.n == 1 && strcmp(ns.sender[0], "A") == 0 && strcmp(ns.msg[0], "written") == 0);
+  /* A completed transfer can be posted again; the notification comes again. */
+  fill(E.abuf, E.len, 3);
+  OK(run_xfer(E.a, x));
+  CHECK(memcmp(E.bbuf + 4096, E.abuf, 4096) == 0);
+  CHECK(wait_notes(E.b, &ns, 2) && strcmp(ns.msg[1], "written") == 0);
+  OK(xfer_del(E.a, x));
+  EXPECT(xfer_del(E.a, x), KVP_ERR_INVALID_PARAM, "unknown or released xfer");
+  EXPECT(poll1(E.a, x, NULL), KVP_ERR_INVALID_PARAM, NULL);
+
+  /* READ: remote bytes into local memory; the notification goes to the remote (B). */
+  fill(E.bbuf, E.len, 4);
+  int32_t li2[2] = {4, 0}, ri2[2] = {4, 0};
+  OK(xfer_prepped(E.a, KVP_OP_READ, ldl, li2, 2, rdl, ri2, 2, NOTIF("read-done"), &x));
+  OK(run_xfer(E.a, x));
+  for (int k = 0; k < 8; k++) CHECK(memcmp(E.abuf + 131072 + k * 4096, E.bbuf + 300000 + k * 1024, 1024) == 0);
+  CHECK(memcmp(E.abuf, E.bbuf + 4096, 4096) == 0);
+  CHECK(wait_notes(E.b, &ns, 3) && strcmp(ns.msg[2], "read-done") == 0 && strcmp(ns.sender[2], "A") == 0);
+  notes none = {0};
+  OK(get_notes(E.a, &none, 16384, NULL));
+  CHECK(none.n == 0); /* nothing for the initiator */
+  OK(xfer_del(E.a, x));
+
+  /* An index may repeat; an empty transfer only delivers its notification. */
+  int32_t rep[3] = {1, 1, 1};
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, rep, 3, rdl, rep, 3, NOTIF(NULL), &x));
+  OK(run_xfer(E.a, x));
+  OK(xfer_del(E.a, x));
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, NULL, 0, rdl, NULL, 0, NOTIF(""), &x));
+  OK(run_xfer(E.a, x));
+  CHECK(wait_notes(E.b, &ns, 4) && ns.msg_len[3] == 0);
+  OK(telemetry(E.a, x, &t));
+  CHECK(t.total_bytes == 0 && t.desc_count == 0);
+  OK(xfer_del(E.a, x));
+
+  /* Errors of make_prepped_xfer. */
+  int32_t big[1] = {5}, neg[1] = {-1}, one[1] = {1}, zero[1] = {0}, two[1] = {2};
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, big, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "out of range");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, rdl, neg, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "out of range");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, rdl, one, 1, NOTIF(NULL), &x), KVP_ERR_MISMATCH, "len 4096");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, two, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_MISMATCH, NULL);
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, li, 2, rdl, ri, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "2 local indices but 1");
+  EXPECT(xfer_prepped(E.a, 3, ldl, zero, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "op 3");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, rdl, zero, 1, ldl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "must be a local dlist");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, 0x1234, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "unknown or released dlist");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, NULL, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "NULL");
+  uint8_t *huge = (uint8_t *)calloc(1, 70000);
+  kvp_notif hn = {huge, 65537, 1, 0};
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, rdl, zero, 1, hn, &x), KVP_ERR_INVALID_PARAM, "larger than");
+  hn.msg_len = 65536;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, rdl, zero, 1, hn, &x));
+  OK(run_xfer(E.a, x));
+  OK(xfer_del(E.a, x));
+  CHECK(wait_notes(E.b, &ns, 5) && ns.msg_len[4] == 65536);
+  EXPECT(send_n(E.a, "B", huge, 65537), KVP_ERR_INVALID_PARAM, "larger than");
+  free(huge);
+  /* Another agent's dlist, and dlists/handles of the wrong kind. */
+  EXPECT(xfer_prepped(E.b, KVP_OP_WRITE, ldl, zero, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "belongs to another agent");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, E.ar, zero, 1, rdl, zero, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "unknown or released dlist");
+
+  /* prep_dlist errors. */
+  uint64_t d;
+  kvp_xfer_desc out_l = XD(E.abuf + E.len - 10, 11, 0, 1);
+  EXPECT(dlist_new(E.a, NULL, KVP_MEM_DRAM, &out_l, 1, &d), KVP_ERR_NOT_FOUND, "descriptor 0");
+  kvp_xfer_desc out_s = XD(E.abuf, 10, E.len / 4, 5); /* 5th block past the end */
+  EXPECT(dlist_new(E.a, NULL, KVP_MEM_DRAM, &out_s, 1, &d), KVP_ERR_NOT_FOUND, NULL);
+  kvp_xfer_desc ovf = XD(E.abuf, 10, 1ull << 62, 8);
+  EXPECT(dlist_new(E.a, NULL, KVP_MEM_DRAM, &ovf, 1, &d), KVP_ERR_INVALID_PARAM, "overflows");
+  kvp_xfer_desc z = XD(E.abuf, 0, 0, 1);
+  EXPECT(dlist_new(E.a, NULL, KVP_MEM_DRAM, &z, 1, &d), KVP_ERR_INVALID_PARAM, "both must be > 0");
+  kvp_xfer_desc out_r = XD(E.bbuf + E.len, 1, 0, 1);
+  out_r.dev_id = 5;
+  EXPECT(dlist_new(E.a, "B", KVP_MEM_VRAM, &out_r, 1, &d), KVP_ERR_NOT_FOUND, "advertised by peer \"B\"");
+  kvp_xfer_desc wrong_dev = XD(E.bbuf, 1, 0, 1); /* dev 0, B registered dev 5 */
+  EXPECT(dlist_new(E.a, "B", KVP_MEM_VRAM, &wrong_dev, 1, &d), KVP_ERR_NOT_FOUND, NULL);
+  EXPECT(dlist_new(E.a, "B", KVP_MEM_DRAM, rd, 1, &d), KVP_ERR_NOT_FOUND, NULL); /* B's memory is VRAM */
+  EXPECT(dlist_new(E.a, "nobody", KVP_MEM_DRAM, rd, 1, &d), KVP_ERR_NOT_FOUND, "peer \"nobody\" is not loaded");
+  EXPECT(dlist_new(E.a, NULL, 9, ld, 1, &d), KVP_ERR_INVALID_PARAM, "memory kind");
+  EXPECT(dlist_new(0, NULL, KVP_MEM_DRAM, ld, 1, &d), KVP_ERR_INVALID_PARAM, "agent handle");
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, NULL, 0, &d)); /* an empty list is fine */
+  OK(dlist_del(E.a, d));
+  EXPECT(dlist_del(E.a, d), KVP_ERR_INVALID_PARAM, "unknown or released dlist");
+  EXPECT(dlist_del(E.b, ldl), KVP_ERR_INVALID_PARAM, "belongs to another agent");
+
+  /* The peer deregisters memory after A prepared its list: the next post
+   * fails before a byte moves (same-process peers are checked live). */
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, zero, 1, rdl, zero, 1, NOTIF(NULL), &x));
+  memcpy(want, E.bbuf, E.len);
+  OK(dereg_n(E.b, &E.br, 1));
+  fill(E.abuf, E.len, 77);
+  EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "remote blocks");
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  E.br = reg1(E.b, E.bbuf, E.len, KVP_MEM_VRAM, 5);
+  OK(run_xfer(E.a, x)); /* registered again: fine */
+  CHECK(memcmp(E.bbuf + 4096, E.abuf, 4096) == 0);
+  /* Local memory deregistered under a prepared transfer: same. */
+  OK(dereg_n(E.a, &E.ar, 1));
+  EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "local blocks");
+  E.ar = reg1(E.a, E.abuf, E.len, KVP_MEM_DRAM, 0);
+  OK(xfer_del(E.a, x));
+
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  free(want);
+  env_close(&E);
+}
+
+static void test_batch_same_process(void) {
+  pair_env E;
+  env_open(&E, 1 << 18, NULL, NULL);
+  /* Import B's region by blob and by address. */
+  uint8_t blob[64];
+  size_t bs = 0;
+  EXPECT(export_blob(E.b, E.br, NULL, 0, &bs), 0, NULL);
+  CHECK(bs == 48);
+  uint8_t small[47];
+  memset(small, 0xee, sizeof small);
+  OK(export_blob(E.b, E.br, small, sizeof small, &bs));
+  CHECK(bs == 48 && small[0] == 0xee); /* size set, nothing copied */
+  OK(export_blob(E.b, E.br, blob, sizeof blob, &bs));
+  EXPECT(export_blob(E.a, E.br, blob, sizeof blob, &bs), KVP_ERR_INVALID_PARAM, "belongs to another agent");
+  uint64_t rr_blob, rr_addr, rr_x;
+  kvp_remote_region_import_args res;
+  OK(import_rr(E.a, "B", blob, 48, 0, 0, 0, &rr_blob, &res));
+  CHECK(res.addr == (uint64_t)(uintptr_t)E.bbuf && res.len == E.len && res.dev_id == 5 && res.mem_kind == KVP_MEM_VRAM);
+  OK(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf + 1024, 4096, KVP_MEM_VRAM, &rr_x, &res));
+  EXPECT(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf + 1024, 4096, KVP_MEM_DRAM, &rr_addr, NULL),
+         KVP_ERR_NOT_FOUND, "not inside memory peer \"B\" advertised");
+  /* dev_id travels in the args: wrong device is not found either. */
+  {
+    kvp_remote_region_import_args a;
+    memset(&a, 0, sizeof a);
+    a.struct_size = KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE;
+    a.agent = E.a;
+    a.peer_name = "B";
+    a.peer_name_len = 1;
+    a.addr = (uint64_t)(uintptr_t)E.bbuf;
+    a.len = E.len;
+    a.mem_kind = KVP_MEM_VRAM;
+    a.dev_id = 5;
+    OK(A->remote_region_import(&a));
+    rr_addr = a.rregion;
+    a.dev_id = 4;
+    EXPECT(A->remote_region_import(&a), KVP_ERR_NOT_FOUND, "dev 4");
+  }
+  EXPECT(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf + E.len - 10, 11, KVP_MEM_VRAM, &rr_x, NULL),
+         KVP_ERR_NOT_FOUND, NULL);
+  EXPECT(import_rr(E.a, "C", blob, 48, 0, 0, 0, &rr_x, NULL), KVP_ERR_NOT_FOUND, "peer \"C\" is not loaded");
+  uint8_t junk[48] = {0};
+  EXPECT(import_rr(E.a, "B", junk, 48, 0, 0, 0, &rr_x, NULL), KVP_ERR_INVALID_PARAM, "not a fake-plugin region blob");
+  EXPECT(import_rr(E.a, "B", blob, 47, 0, 0, 0, &rr_x, NULL), KVP_ERR_INVALID_PARAM, "blob");
+  /* A blob of A's own region presented as B's. */
+  uint8_t ablob[48];
+  OK(export_blob(E.a, E.ar, ablob, sizeof ablob, &bs));
+  EXPECT(import_rr(E.a, "B", ablob, 48, 0, 0, 0, &rr_x, NULL), KVP_ERR_INVALID_PARAM, "exported by agent id");
+
+  /* WRITE: plain and strided entries, two pairs on the same peer region. */
+  kvp_region_pair pairs[2] = {{E.ar, rr_blob}, {E.ar, rr_addr}};
+  kvp_batch_entry en[3] = {BE(0, 0, 8192, 1000, 0, 0, 1), BE(1, 4096, 0, 64, 128, 256, 10),
+                           BE(0, 100, 100000, 1, 0, 0, 1)};
+  uint64_t x;
+  OK(xfer_batch(E.a, KVP_OP_WRITE, pairs, 2, en, 3, NOTIF("batch"), &x));
+  OK(run_xfer(E.a, x));
+  CHECK(memcmp(E.bbuf + 8192, E.abuf, 1000) == 0);
+  int strided_ok = 1;
+  for (int k = 0; k < 10; k++) strided_ok &= memcmp(E.bbuf + k * 256, E.abuf + 4096 + k * 128, 64) == 0;
+  CHECK(strided_ok);
+  CHECK(E.bbuf[100000] == E.abuf[100]);
+  kvp_xfer_telemetry_args t;
+  OK(telemetry(E.a, x, &t));
+  CHECK(t.total_bytes == 1000 + 640 + 1 && t.desc_count == 3);
+  notes ns = {0};
+  CHECK(wait_notes(E.b, &ns, 1) && strcmp(ns.msg[0], "batch") == 0);
+  OK(xfer_del(E.a, x));
+  /* READ. */
+  fill(E.bbuf, E.len, 9);
+  kvp_batch_entry rd_en = BE(0, 5000, 70000, 3000, 0, 0, 1);
+  OK(xfer_batch(E.a, KVP_OP_READ, pairs, 1, &rd_en, 1, NOTIF(NULL), &x));
+  OK(run_xfer(E.a, x));
+  CHECK(memcmp(E.abuf + 5000, E.bbuf + 70000, 3000) == 0);
+  OK(xfer_del(E.a, x));
+
+  /* Errors. */
+  kvp_batch_entry beyond = BE(0, E.len - 10, 0, 11, 0, 0, 1);
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, pairs, 1, &beyond, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "beyond the local region");
+  kvp_batch_entry beyond_r = BE(0, 0, 4000, 200, 0, 0, 1);
+  kvp_region_pair small_pair = {E.ar, rr_x};
+  (void)small_pair;
+  kvp_region_pair p_small[1] = {{E.ar, 0}};
+  {
+    uint64_t rr4k;
+    OK(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf, 4096, KVP_MEM_VRAM, &rr4k, NULL));
+    p_small[0].remote = rr4k;
+    EXPECT(xfer_batch(E.a, KVP_OP_WRITE, p_small, 1, &beyond_r, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM,
+           "beyond the remote region of 4096 bytes");
+    kvp_batch_entry strided_out = BE(0, 0, 0, 100, 0, 1000, 5);
+    EXPECT(xfer_batch(E.a, KVP_OP_WRITE, p_small, 1, &strided_out, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "remote");
+    OK(rr_del(E.a, rr4k));
+    EXPECT(rr_del(E.a, rr4k), KVP_ERR_INVALID_PARAM, "unknown or released remote region");
+    EXPECT(xfer_batch(E.a, KVP_OP_WRITE, p_small, 1, &rd_en, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "remote region");
+  }
+  kvp_batch_entry badpair = BE(2, 0, 0, 1, 0, 0, 1);
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, pairs, 2, &badpair, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "pair index 2");
+  kvp_batch_entry resv = BE(0, 0, 0, 1, 0, 0, 1);
+  resv.reserved = 1;
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, pairs, 2, &resv, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "reserved");
+  kvp_batch_entry zl = BE(0, 0, 0, 0, 0, 0, 1);
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, pairs, 2, &zl, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "len and count");
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, NULL, 0, &zl, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, NULL);
+  kvp_region_pair swapped[1] = {{rr_blob, E.ar}};
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, swapped, 1, &rd_en, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "unknown or released region");
+  kvp_region_pair foreign[1] = {{E.br, rr_blob}};
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, foreign, 1, &rd_en, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, "belongs to another agent");
+  kvp_batch_entry big_ovf = BE(0, 0, 0, 1, 1ull << 63, 0, 4);
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, pairs, 1, &big_ovf, 1, NOTIF(NULL), &x), KVP_ERR_INVALID_PARAM, NULL);
+
+  /* Remote regions of two peers in one transfer. */
+  uint64_t c = agent_ok("C");
+  uint8_t *cbuf = (uint8_t *)calloc(1, 4096);
+  uint64_t cr = reg1(c, cbuf, 4096, KVP_MEM_DRAM, 0);
+  (void)cr;
+  load_peer(E.a, c);
+  uint64_t rr_c;
+  OK(import_rr(E.a, "C", NULL, 0, (uint64_t)(uintptr_t)cbuf, 4096, KVP_MEM_DRAM, &rr_c, NULL));
+  kvp_region_pair two_peers[2] = {{E.ar, rr_blob}, {E.ar, rr_c}};
+  kvp_batch_entry e2[2] = {BE(0, 0, 0, 10, 0, 0, 1), BE(1, 0, 0, 10, 0, 0, 1)};
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, two_peers, 2, e2, 2, NOTIF(NULL), &x), KVP_ERR_MISMATCH, "one transfer talks to one peer");
+  /* Deregistered local region between make and post. */
+  kvp_batch_entry ok1 = BE(0, 0, 0, 16, 0, 0, 1);
+  OK(xfer_batch(E.a, KVP_OP_WRITE, pairs, 1, &ok1, 1, NOTIF(NULL), &x));
+  OK(dereg_n(E.a, &E.ar, 1));
+  EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "local blocks");
+  OK(xfer_del(E.a, x));
+  E.ar = reg1(E.a, E.abuf, E.len, KVP_MEM_DRAM, 0);
+  /* Empty batch without a peer: legal no-op. */
+  OK(xfer_batch(E.a, KVP_OP_WRITE, NULL, 0, NULL, 0, NOTIF(NULL), &x));
+  OK(run_xfer(E.a, x));
+  OK(xfer_del(E.a, x));
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, NULL, 0, NULL, 0, NOTIF("x"), &x), KVP_ERR_INVALID_PARAM, "need a peer");
+
+  /* remove_remote releases the peer's remote regions and cancels its xfers. */
+  kvp_region_pair cp[1] = {{E.ar, rr_c}};
+  OK(xfer_batch(E.a, KVP_OP_WRITE, cp, 1, &ok1, 1, NOTIF(NULL), &x));
+  OK(remove_peer(E.a, "C"));
+  EXPECT(remove_peer(E.a, "C"), KVP_ERR_NOT_FOUND, "peer \"C\" is not loaded");
+  EXPECT(rr_del(E.a, rr_c), KVP_ERR_INVALID_PARAM, NULL);
+  EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "was removed");
+  OK(xfer_del(E.a, x));
+  OK(agent_del(c));
+  free(cbuf);
+  env_close(&E);
+}
+
+static void test_notifications(void) {
+  uint64_t a = agent_ok("alice"), b = agent_ok("bob"), c = agent_ok("carol");
+  load_peer(a, c);
+  load_peer(b, c);
+  load_peer(c, a);
+  OK(send_n(a, "carol", "a1", 2));
+  OK(send_n(b, "carol", "b1", 2));
+  OK(send_n(a, "carol", "a2", 2));
+  OK(send_n(c, "alice", "to-alice", 8));
+  OK(send_n(b, "carol", "", 0));
+  EXPECT(send_n(a, "nobody", "x", 1), KVP_ERR_NOT_FOUND, "peer \"nobody\"");
+  EXPECT(send_n(a, "", "x", 1), KVP_ERR_INVALID_PARAM, "peer name");
+  kvp_send_notif_args bad = {KVP_SEND_NOTIF_ARGS_STRUCT_SIZE, NULL, a, "carol", 5, NULL, 3};
+  EXPECT(A->send_notif(&bad), KVP_ERR_INVALID_PARAM, "NULL");
+  /* A too-small buffer: nothing copied, needed = first record (8+5+2). */
+  notes ns = {0};
+  size_t needed = 0;
+  OK(get_notes(c, &ns, 14, &needed));
+  CHECK(ns.n == 0 && needed == 15);
+  OK(get_notes(c, &ns, 30, &needed));
+  CHECK(ns.n == 2 && needed == 13 && strcmp(ns.msg[0], "a1") == 0 && strcmp(ns.msg[1], "a2") == 0);
+  OK(get_notes(c, &ns, 16384, &needed));
+  CHECK(ns.n == 4 && needed == 0 && strcmp(ns.sender[2], "bob") == 0 && strcmp(ns.msg[2], "b1") == 0);
+  CHECK(strcmp(ns.sender[3], "bob") == 0 && ns.msg_len[3] == 0);
+  notes na = {0};
+  OK(get_notes(a, &na, 16384, NULL));
+  CHECK(na.n == 1 && strcmp(na.sender[0], "carol") == 0 && strcmp(na.msg[0], "to-alice") == 0);
+  kvp_get_notifs_args g;
+  memset(&g, 0, sizeof g);
+  g.struct_size = KVP_GET_NOTIFS_ARGS_STRUCT_SIZE;
+  g.agent = c;
+  OK(A->get_notifs(&g)); /* NULL buffer, empty queue */
+  CHECK(g.size == 0 && g.count == 0 && g.needed == 0);
+  /* A destroyed peer: delivery fails with REMOTE_DISCONNECT. */
+  OK(agent_del(c));
+  EXPECT(send_n(a, "carol", "late", 4), KVP_ERR_REMOTE_DISCONNECT, "no longer exists");
+  /* A peer that switched notifications off refuses them. */
+  uint64_t q;
+  OK(agent_new("quiet", &q, NULL, "caps_off", "notif", NULL));
+  load_peer(a, q);
+  EXPECT(send_n(a, "quiet", "x", 1), KVP_ERR_NOT_SUPPORTED, "switched notifications off");
+  OK(agent_del(q));
+  OK(agent_del(a));
+  OK(agent_del(b));
+}
+
+/* Runs one prepped WRITE of 64 KiB from E.a to E.b; returns the xfer. */
+static uint64_t simple_write(pair_env *E, const char *notif, size_t len, uint64_t *ldl, uint64_t *rdl) {
+  kvp_xfer_desc l = XD(E->abuf, len, 0, 1), r = XD(E->bbuf, len, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E->a, NULL, KVP_MEM_DRAM, &l, 1, ldl));
+  OK(dlist_new(E->a, "B", KVP_MEM_VRAM, &r, 1, rdl));
+  int32_t z = 0;
+  uint64_t x = 0;
+  OK(xfer_prepped(E->a, KVP_OP_WRITE, *ldl, &z, 1, *rdl, &z, 1, NOTIF(notif), &x));
+  return x;
+}
+
+static void test_faults_and_progress(void) {
+  pair_env E;
+  uint64_t ldl, rdl, x;
+  kvp_status st;
+
+  /* delay_us: poll really reports IN_PROG first, bytes land only at the end,
+   * and reposting an active transfer is refused. */
+  env_open(&E, 1 << 16, "delay_us", "30000");
+  x = simple_write(&E, "late", E.len, &ldl, &rdl);
+  uint8_t *before = (uint8_t *)malloc(E.len);
+  memcpy(before, E.bbuf, E.len);
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  CHECK(memcmp(E.bbuf, before, E.len) == 0);
+  EXPECT(post(E.a, x, NULL), KVP_ERR_REPOST_ACTIVE, "still in progress");
+  kvp_xfer_telemetry_args t;
+  EXPECT(telemetry(E.a, x, &t), KVP_ERR_NO_TELEMETRY, NULL);
+  int in_prog = 0;
+  OK(wait_xfer(E.a, x, &in_prog));
+  CHECK(in_prog > 0);
+  CHECK(memcmp(E.bbuf, E.abuf, E.len) == 0);
+  OK(telemetry(E.a, x, &t));
+  CHECK(t.xfer_us >= 30000 && t.total_bytes == E.len && t.desc_count == 1);
+  /* Cancel a queued/delayed transfer: release returns at once, nothing moved. */
+  fill(E.abuf, E.len, 11);
+  memcpy(before, E.bbuf, E.len);
+  OK(post(E.a, x, &st));
+  uint64_t t0 = now_ns();
+  OK(xfer_del(E.a, x));
+  CHECK(now_ns() - t0 < 25000000ull);
+  usleep(40000);
+  CHECK(memcmp(E.bbuf, before, E.len) == 0);
+  notes ns = {0};
+  OK(get_notes(E.b, &ns, 16384, NULL));
+  CHECK(ns.n == 1); /* only the first post's notification */
+  /* Destroy with a transfer in flight. */
+  x = 0;
+  int32_t z = 0;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+  OK(post(E.a, x, NULL));
+  env_close(&E);
+
+  /* fail_rate=1: every post fails after moving half of its bytes; poll keeps
+   * reporting the same error; reposting is allowed and fails again. */
+  env_open(&E, 1 << 16, "fail_rate", "1");
+  x = simple_write(&E, "never", E.len, &ldl, &rdl);
+  memcpy(before, E.bbuf, E.len);
+  OK(post(E.a, x, NULL));
+  EXPECT(wait_xfer(E.a, x, NULL), KVP_ERR_BACKEND, "fake: injected failure");
+  EXPECT(poll1(E.a, x, NULL), KVP_ERR_BACKEND, "after moving 32768 of 65536 bytes");
+  CHECK(memcmp(E.bbuf, E.abuf, E.len / 2) == 0);
+  CHECK(memcmp(E.bbuf + E.len / 2, before + E.len / 2, E.len / 2) == 0);
+  OK(post(E.a, x, NULL));
+  EXPECT(wait_xfer(E.a, x, NULL), KVP_ERR_BACKEND, "injected");
+  EXPECT(telemetry(E.a, x, &t), KVP_ERR_NO_TELEMETRY, NULL);
+  OK(get_notes(E.b, &ns, 16384, NULL));
+  CHECK(ns.n == 1); /* a failed transfer sends no notification */
+  OK(xfer_del(E.a, x));
+  env_close(&E);
+
+  /* drop_notif_rate=1: bytes move, the notification never comes. */
+  env_open(&E, 4096, "drop_notif_rate", "1");
+  x = simple_write(&E, "dropped", E.len, &ldl, &rdl);
+  OK(run_xfer(E.a, x));
+  CHECK(memcmp(E.bbuf, E.abuf, E.len) == 0);
+  usleep(2000);
+  notes nd = {0};
+  OK(get_notes(E.b, &nd, 16384, NULL));
+  CHECK(nd.n == 0);
+  env_close(&E);
+
+  /* Nobody polls: a worker still completes the transfer (after the grace
+   * period in which a poll would have run it) and the notification comes. */
+  env_open(&E, 4096, NULL, NULL);
+  x = simple_write(&E, "unpolled", E.len, &ldl, &rdl);
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  notes nu = {0};
+  CHECK(wait_notes(E.b, &nu, 1) && strcmp(nu.msg[0], "unpolled") == 0);
+  CHECK(memcmp(E.bbuf, E.abuf, E.len) == 0);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_SUCCESS);
+  env_close(&E);
+
+  /* fail_seed: the same seed gives the same outcomes. */
+  int outcome[2][40];
+  for (int run = 0; run < 2; run++) {
+    pair_env F;
+    memset(&F, 0, sizeof F);
+    F.len = 256;
+    OK(agent_new("A", &F.a, NULL, "fail_rate", "0.5", "fail_seed", "1234", NULL));
+    F.b = agent_ok("B");
+    F.abuf = (uint8_t *)malloc(F.len);
+    F.bbuf = (uint8_t *)malloc(F.len);
+    F.ar = reg1(F.a, F.abuf, F.len, KVP_MEM_DRAM, 0);
+    F.br = reg1(F.b, F.bbuf, F.len, KVP_MEM_VRAM, 5);
+    load_peer(F.a, F.b);
+    x = simple_write(&F, NULL, F.len, &ldl, &rdl);
+    int fails = 0;
+    for (int i = 0; i < 40; i++) {
+      kvp_error *e = run_xfer(F.a, x);
+      outcome[run][i] = e != NULL;
+      fails += e != NULL;
+      if (e) EXPECT(e, KVP_ERR_BACKEND, "injected");
+    }
+    CHECK(fails > 5 && fails < 35);
+    env_close(&F);
+  }
+  CHECK(memcmp(outcome[0], outcome[1], sizeof outcome[0]) == 0);
+  free(before);
+}
+
+/* Releasing or destroying during a long copy returns only after the worker
+ * let go: the buffers are freed right after, and ASan would report a write
+ * into freed memory. */
+static void test_cancel_running(void) {
+  for (int mode = 0; mode < 3; mode++) {
+    pair_env E;
+    env_open(&E, 8 << 20, NULL, NULL);
+    /* 2048 blocks of 4 KiB: cancellation is checked between blocks. */
+    kvp_xfer_desc l = XD(E.abuf, 4096, 4096, 2048), r = XD(E.bbuf, 4096, 4096, 2048);
+    r.dev_id = 5;
+    uint64_t ldl, rdl, x;
+    OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+    OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+    int32_t z = 0;
+    OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF("n"), &x));
+    OK(post(E.a, x, NULL));
+    /* Nobody polls twice, so a worker takes it after the grace period; give
+     * it a moment so that the cancellation below usually meets it running
+     * (every state must be safe). */
+    usleep(2000);
+    kvp_status st;
+    OK(poll1(E.a, x, &st));
+    if (mode == 0) {
+      OK(xfer_del(E.a, x));
+    } else if (mode == 1) {
+      OK(remove_peer(E.a, "B"));
+      kvp_error *e = wait_xfer(E.a, x, NULL);
+      /* Either it finished before remove_remote got to it, or it was cancelled. */
+      if (e) EXPECT(e, KVP_ERR_CANCELED, "peer \"B\" was removed");
+      EXPECT(dlist_del(E.a, rdl), KVP_ERR_INVALID_PARAM, NULL); /* released with the peer */
+      EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "removed");
+      OK(xfer_del(E.a, x));
+    }
+    /* mode 2: agent_destroy with the transfer running (env_close). */
+    if (mode == 2) {
+      OK(agent_del(E.a));
+      OK(agent_del(E.b));
+      free(E.abuf);
+      free(E.bbuf);
+    } else {
+      env_close(&E);
+    }
+  }
+}
+
+static void test_reload_and_restart(void) {
+  pair_env E;
+  env_open(&E, 8192, NULL, NULL);
+  const char *n1, *n2;
+  size_t l1, l2;
+  uint8_t *extra = (uint8_t *)malloc(4096);
+  size_t len;
+  uint8_t *md = md_get(E.b, &len);
+  OK(load_md(E.a, md, len, &n1, &l1));
+  free(md);
+  uint64_t d;
+  kvp_xfer_desc in_extra = XD(extra, 100, 0, 1);
+  EXPECT(dlist_new(E.a, "B", KVP_MEM_DRAM, &in_extra, 1, &d), KVP_ERR_NOT_FOUND, NULL);
+  uint64_t er = reg1(E.b, extra, 4096, KVP_MEM_DRAM, 0);
+  (void)er;
+  md = md_get(E.b, &len);
+  OK(load_md(E.a, md, len, &n2, &l2)); /* reload replaces */
+  free(md);
+  CHECK(n1 == n2 && l1 == 1 && memcmp(n2, "B", 1) == 0);
+  OK(dlist_new(E.a, "B", KVP_MEM_DRAM, &in_extra, 1, &d));
+  OK(dlist_del(E.a, d));
+  /* Loading one's own metadata is a loopback peer. */
+  load_peer(E.a, E.a);
+  kvp_xfer_desc l = XD(E.abuf, 100, 0, 1), r = XD(E.abuf + 4096, 100, 0, 1);
+  uint64_t ldl, rdl, x;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "A", KVP_MEM_DRAM, &r, 1, &rdl));
+  int32_t z = 0;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF("self"), &x));
+  OK(run_xfer(E.a, x));
+  CHECK(memcmp(E.abuf, E.abuf + 4096, 100) == 0);
+  notes ns = {0};
+  CHECK(wait_notes(E.a, &ns, 1) && strcmp(ns.sender[0], "A") == 0);
+  /* The peer restarts: same name, new agent; old transfers are refused. */
+  kvp_xfer_desc rb = XD(E.bbuf, 100, 0, 1);
+  rb.dev_id = 5;
+  uint64_t rdb, xb;
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &rb, 1, &rdb));
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdb, &z, 1, NOTIF(NULL), &xb));
+  OK(agent_del(E.b));
+  EXPECT(run_xfer(E.a, xb), KVP_ERR_REMOTE_DISCONNECT, "no longer exists");
+  E.b = agent_ok("B");
+  E.br = reg1(E.b, E.bbuf, E.len, KVP_MEM_VRAM, 5);
+  load_peer(E.a, E.b);
+  EXPECT(post(E.a, xb, NULL), KVP_ERR_REMOTE_DISCONNECT, "reloaded as another agent");
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdb, &z, 1, NOTIF(NULL), &x), 0, NULL);
+  OK(xfer_del(E.a, x));
+  free(extra);
+  env_close(&E);
+}
+
+/* Metadata and blob parsers reject every truncation, random garbage and
+ * (mostly) corrupted copies, without crashing: run under ASan. */
+static void test_parser_fuzz(void) {
+  uint64_t a = agent_ok("fuzzer"), b = agent_ok("target");
+  uint8_t *mem = (uint8_t *)malloc(1 << 16);
+  for (int i = 0; i < 5; i++) reg1(b, mem + i * 8192, 4096, i % 2 ? KVP_MEM_VRAM : KVP_MEM_DRAM, (uint64_t)i);
+  size_t len;
+  uint8_t *md = md_get(b, &len);
+  CHECK(len == 56 + 6 + 5 * 32 + strlen("kvhost-fake/") + (size_t)snprintf(NULL, 0, "%d", (int)getpid()) + 1 + 16);
+  CHECK(memcmp(md, "KVFM", 4) == 0 && kvp_get_u16(md + 4) == 1 && kvp_get_u32(md + 52) == 5);
+  /* Output buffer rule: size always set, copy only if it fits. */
+  kvp_local_metadata_args la;
+  memset(&la, 0, sizeof la);
+  la.struct_size = KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE;
+  la.agent = b;
+  uint8_t *small = (uint8_t *)malloc(len);
+  memset(small, 0xee, len);
+  la.buf = small;
+  la.cap = len - 1;
+  OK(A->local_metadata(&la));
+  CHECK(la.size == len && small[0] == 0xee);
+  free(small);
+
+  for (size_t cut = 0; cut < len; cut++) {
+    uint8_t *t = (uint8_t *)malloc(cut ? cut : 1);
+    memcpy(t, md, cut);
+    if (!EXPECT(load_md(a, t, cut, NULL, NULL), KVP_ERR_INVALID_PARAM, "metadata")) fprintf(stderr, "cut %zu\n", cut);
+    free(t);
+  }
+  uint8_t *longer = (uint8_t *)malloc(len + 1);
+  memcpy(longer, md, len);
+  longer[len] = 0;
+  EXPECT(load_md(a, longer, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
+  free(longer);
+  EXPECT(load_md(a, NULL, 100, NULL, NULL), KVP_ERR_INVALID_PARAM, NULL);
+  uint8_t v2[256];
+  memcpy(v2, md, len < sizeof v2 ? len : sizeof v2);
+  kvp_put_u16(v2 + 4, 2);
+  EXPECT(load_md(a, v2, len < sizeof v2 ? len : sizeof v2, NULL, NULL), KVP_ERR_INVALID_PARAM, "version 2");
+
+  uint32_t seed = 12345;
+  int accepted = 0, rejected = 0;
+  uint8_t buf[1024];
+  for (int it = 0; it < 20000; it++) {
+    seed = seed * 1103515245u + 12345u;
+    size_t n = (seed >> 8) % sizeof buf;
+    for (size_t i = 0; i < n; i++) {
+      seed = seed * 1103515245u + 12345u;
+      buf[i] = (uint8_t)(seed >> 16);
+    }
+    if (it % 2 == 0 && n >= 4) memcpy(buf, "KVFM", 4); /* get past the magic half the time */
+    if (it % 4 == 0 && n >= 6) kvp_put_u16(buf + 4, 1);
+    kvp_error *e = load_md(a, buf, n, NULL, NULL);
+    if (e) {
+      rejected++;
+      EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+    } else {
+      accepted++;
+    }
+  }
+  CHECK(rejected == 20000 && accepted == 0);
+  /* Single-byte corruptions of valid metadata: accepted or cleanly rejected. */
+  int corrupt_ok = 0, corrupt_rej = 0;
+  uint8_t *c = (uint8_t *)malloc(len);
+  for (size_t i = 0; i < len; i++) {
+    for (int v = 0; v < 3; v++) {
+      memcpy(c, md, len);
+      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
+      const char *nm;
+      size_t nl;
+      kvp_error *e = load_md(a, c, len, &nm, &nl);
+      if (e) {
+        corrupt_rej++;
+        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+      } else {
+        corrupt_ok++;
+        /* Accepted corruptions (names, addresses...) load a peer; forget it. */
+        char name[256];
+        memcpy(name, nm, nl);
+        name[nl] = 0;
+        OK(remove_peer(a, name));
+      }
+    }
+  }
+  free(c);
+  CHECK(corrupt_rej > 50 && corrupt_ok > 50);
+
+  /* Blobs. */
+  uint8_t blob[48];
+  size_t bs;
+  OK(load_md(a, md, len, NULL, NULL));
+  kvp_region_export_args ea;
+  (void)ea;
+  uint64_t regs[1];
+  kvp_mem_desc d = {(uint64_t)(uintptr_t)(mem + 50000), 100, 0, KVP_MEM_DRAM, 0};
+  OK(reg_n(b, &d, 1, regs));
+  OK(export_blob(b, regs[0], blob, sizeof blob, &bs));
+  uint64_t rr;
+  OK(import_rr(a, "target", blob, 48, 0, 0, 0, &rr, NULL));
+  for (size_t cut = 0; cut < 48; cut++)
+    EXPECT(import_rr(a, "target", blob, cut, 0, 0, 0, &rr, NULL), KVP_ERR_INVALID_PARAM, NULL);
+  int blob_ok = 0;
+  for (int it = 0; it < 5000; it++) {
+    uint8_t g[48];
+    memcpy(g, blob, 48);
+    seed = seed * 1103515245u + 12345u;
+    g[(seed >> 8) % 48] ^= (uint8_t)(1u << ((seed >> 20) % 8));
+    kvp_error *e = import_rr(a, "target", g, 48, 0, 0, 0, &rr, NULL);
+    if (e)
+      EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+    else
+      blob_ok++;
+  }
+  CHECK(blob_ok > 0);
+  free(md);
+  OK(agent_del(a));
+  OK(agent_del(b));
+  free(mem);
+}
+
+/* 8 threads share agent A (2 workers): each builds, posts, polls and
+ * releases its own transfers to B, sends notifications and drains A's;
+ * bytes and notification counts are checked. */
+typedef struct conc_ctx {
+  pair_env *E;
+  int id;
+  int bad;
+  uint64_t ldl, rdl;
+} conc_ctx;
+
+enum { CONC_ROUNDS = 60, CONC_SLICE = 8192 };
+
+static void *conc_main(void *p) {
+  conc_ctx *c = (conc_ctx *)p;
+  pair_env *E = c->E;
+  uint8_t *src = E->abuf + (size_t)c->id * CONC_SLICE, *dst = E->bbuf + (size_t)c->id * CONC_SLICE;
+  int32_t idx = c->id;
+  char msg[32];
+  for (int r = 0; r < CONC_ROUNDS; r++) {
+    fill(src, CONC_SLICE, (uint32_t)(c->id * 1000 + r));
+    uint64_t x;
+    snprintf(msg, sizeof msg, "t%d-%d", c->id, r);
+    kvp_error *e;
+    if (r % 2 == 0) {
+      e = xfer_prepped(E->a, KVP_OP_WRITE, c->ldl, &idx, 1, c->rdl, &idx, 1, NOTIF(msg), &x);
+    } else {
+      kvp_region_pair pr = {E->ar, 0};
+      (void)pr;
+      e = xfer_prepped(E->a, KVP_OP_WRITE, c->ldl, &idx, 1, c->rdl, &idx, 1, NOTIF(msg), &x);
+    }
+    if (e) {
+      c->bad++;
+      kvp_err_free(e);
+      continue;
+    }
+    e = run_xfer(E->a, x);
+    if (e) {
+      c->bad++;
+      kvp_err_free(e);
+    }
+    if (memcmp(src, dst, CONC_SLICE) != 0) c->bad++;
+    kvp_xfer_telemetry_args t;
+    e = telemetry(E->a, x, &t);
+    if (e || t.total_bytes != CONC_SLICE) c->bad++;
+    kvp_err_free(e);
+    e = xfer_del(E->a, x);
+    if (e) c->bad++;
+    kvp_err_free(e);
+    e = send_n(E->b, "A", "ping", 4);
+    if (e) c->bad++;
+    kvp_err_free(e);
+  }
+  return NULL;
+}
+
+static void test_concurrency(void) {
+  pair_env E;
+  env_open(&E, 8 * CONC_SLICE, "workers", "2");
+  kvp_xfer_desc l[8], r[8];
+  for (int i = 0; i < 8; i++) {
+    l[i] = XD(E.abuf + i * CONC_SLICE, CONC_SLICE, 0, 1);
+    r[i] = XD(E.bbuf + i * CONC_SLICE, CONC_SLICE, 0, 1);
+    r[i].dev_id = 5;
+  }
+  uint64_t ldl, rdl;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, l, 8, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, r, 8, &rdl));
+  pthread_t th[8];
+  conc_ctx cs[8];
+  for (int i = 0; i < 8; i++) {
+    cs[i].E = &E;
+    cs[i].id = i;
+    cs[i].bad = 0;
+    cs[i].ldl = ldl;
+    cs[i].rdl = rdl;
+    pthread_create(&th[i], NULL, conc_main, &cs[i]);
+  }
+  /* Meanwhile: register/deregister unrelated memory on A and read metadata. */
+  uint8_t *scratch = (uint8_t *)malloc(4096);
+  for (int i = 0; i < 50; i++) {
+    uint64_t h = reg1(E.a, scratch, 4096, KVP_MEM_DRAM, 0);
+    size_t len;
+    free(md_get(E.a, &len));
+    OK(dereg_n(E.a, &h, 1));
+  }
+  int bad = 0;
+  for (int i = 0; i < 8; i++) {
+    pthread_join(th[i], NULL);
+    bad += cs[i].bad;
+  }
+  free(scratch);
+  CHECK(bad == 0);
+  /* Every notification arrived exactly once: 8 x CONC_ROUNDS at B, as many pings at A. */
+  int at_b = 0, at_a = 0;
+  uint64_t deadline = now_ns() + 5000000000ull;
+  while ((at_b < 8 * CONC_ROUNDS || at_a < 8 * CONC_ROUNDS) && now_ns() < deadline) {
+    notes nb = {0}, na = {0};
+    OK(get_notes(E.b, &nb, 512, NULL));
+    OK(get_notes(E.a, &na, 512, NULL));
+    at_b += nb.n;
+    at_a += na.n;
+    if (!nb.n && !na.n) usleep(500);
+  }
+  CHECK(at_b == 8 * CONC_ROUNDS && at_a == 8 * CONC_ROUNDS);
+  env_close(&E);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Two processes                                                            */
+/* ------------------------------------------------------------------------ */
+
+static int write_all(int fd, const void *p, size_t n) {
+  const uint8_t *b = (const uint8_t *)p;
+  while (n) {
+    ssize_t w = write(fd, b, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return 0;
+    b += w;
+    n -= (size_t)w;
+  }
+  return 1;
+}
+
+static int read_all(int fd, void *p, size_t n) {
+  uint8_t *b = (uint8_t *)p;
+  while (n) {
+    ssize_t r = read(fd, b, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return 0;
+    b += r;
+    n -= (size_t)r;
+  }
+  return 1;
+}
+
+static int send_msg(int fd, const void *p, uint32_t n) { return write_all(fd, &n, 4) && write_all(fd, p, n); }
+
+static uint8_t *recv_msg(int fd, uint32_t *n) {
+  if (!read_all(fd, n, 4) || *n > (64u << 20)) return NULL;
+  uint8_t *p = (uint8_t *)malloc(*n ? *n : 1);
+  if (!read_all(fd, p, *n)) {
+    free(p);
+    return NULL;
+  }
+  return p;
+}
+
+enum { XP_LEN = 4 << 20 };
+
+/* The child: agent "child" with one region XP_LEN bytes (pattern 7). It
+ * receives the parent's metadata, sends its own and a blob of its region,
+ * then waits for the parent's notifications, checks the bytes the parent
+ * wrote, writes into the parent itself and reports. */
+static int child_main(void) {
+  g_role = "child";
+  int in = 0, out = 1;
+  uint64_t ag = agent_ok("child");
+  uint8_t *buf = (uint8_t *)malloc(XP_LEN);
+  fill(buf, XP_LEN, 7);
+  uint64_t r = reg1(ag, buf, XP_LEN, KVP_MEM_DRAM, 0);
+  uint32_t n;
+  uint8_t *pmd = recv_msg(in, &n);
+  if (!pmd) return 2;
+  OK(load_md(ag, pmd, n, NULL, NULL));
+  free(pmd);
+  size_t len;
+  uint8_t *md = md_get(ag, &len);
+  uint8_t blob[48];
+  size_t bs;
+  OK(export_blob(ag, r, blob, sizeof blob, &bs));
+  send_msg(out, md, (uint32_t)len);
+  send_msg(out, blob, 48);
+  free(md);
+  /* Wait for: w1 (WRITE), r1 (READ: notification goes to the remote = us),
+   * b1 (batch WRITE), hello (send_notif). */
+  notes ns = {0};
+  CHECK(wait_notes(ag, &ns, 4));
+  CHECK(has_note(&ns, "parent", "w1") && has_note(&ns, "parent", "r1") && has_note(&ns, "parent", "b1") &&
+        has_note(&ns, "parent", "hello"));
+  /* What the parent wrote (parent's buffer has pattern 8):
+   *   w1: strided 2800 blocks of 1000 bytes, parent stride 1024, ours 1100, at 0
+   *   b1: 500000 bytes from parent offset 1 MiB to our offset 3 MiB + 4096 */
+  uint8_t *pbuf = (uint8_t *)malloc(XP_LEN);
+  fill(pbuf, XP_LEN, 8);
+  int w1_ok = 1;
+  for (int k = 0; k < 2800; k++) w1_ok &= memcmp(buf + (size_t)k * 1100, pbuf + (size_t)k * 1024, 1000) == 0;
+  CHECK(w1_ok);
+  CHECK(memcmp(buf + (3u << 20) + 4096, pbuf + (1u << 20), 500000) == 0);
+  /* Our turn: WRITE 64 KiB of ours into the parent at its offset 2 MiB, prepped path. */
+  kvp_xfer_desc l = XD(buf + (3u << 20) + 4096, 65536, 0, 1);
+  uint64_t ldl, rdl, x;
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  kvp_xfer_desc rd = {0, 65536, 0, 1, 0};
+  /* the parent's address comes in the next message */
+  uint8_t *addr = recv_msg(in, &n);
+  if (!addr || n != 8) return 3;
+  rd.addr = kvp_get_u64(addr) + (2u << 20);
+  free(addr);
+  OK(dlist_new(ag, "parent", KVP_MEM_DRAM, &rd, 1, &rdl));
+  int32_t z = 0;
+  OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF("cw"), &x));
+  OK(run_xfer(ag, x));
+  OK(xfer_del(ag, x));
+  uint8_t ok = failures == 0;
+  send_msg(out, &ok, 1);
+  /* Stay alive until the parent closes our stdin. */
+  uint8_t tmp;
+  while (read(in, &tmp, 1) > 0) {
+  }
+  OK(agent_del(ag));
+  free(buf);
+  free(pbuf);
+  return failures ? 1 : 0;
+}
+
+static void test_two_processes(void) {
+  int to_child[2], from_child[2];
+  if (pipe(to_child) || pipe(from_child)) {
+    CHECK(0);
+    return;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
+  posix_spawn_file_actions_addclose(&fa, to_child[1]);
+  posix_spawn_file_actions_addclose(&fa, from_child[0]);
+  char *argv[] = {(char *)"test_fake", (char *)"--child", NULL};
+  pid_t pid;
+  int rc = posix_spawn(&pid, "/proc/self/exe", &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(to_child[0]);
+  close(from_child[1]);
+  CHECK(rc == 0);
+  if (rc) return;
+  int out = to_child[1], in = from_child[0];
+
+  uint64_t ag = agent_ok("parent");
+  uint8_t *buf = (uint8_t *)malloc(XP_LEN);
+  fill(buf, XP_LEN, 8);
+  uint64_t r = reg1(ag, buf, XP_LEN, KVP_MEM_DRAM, 0);
+  size_t len;
+  uint8_t *md = md_get(ag, &len);
+  send_msg(out, md, (uint32_t)len);
+  free(md);
+  uint32_t n, cmd_len = 0;
+  uint8_t *cmd = recv_msg(in, &cmd_len);
+  uint8_t *blob = recv_msg(in, &n);
+  CHECK(cmd && blob && n == 48);
+  if (!cmd || !blob) goto done;
+  const char *pn;
+  size_t pl;
+  OK(load_md(ag, cmd, cmd_len, &pn, &pl));
+  CHECK(pl == 5 && memcmp(pn, "child", 5) == 0);
+  uint64_t caddr = kvp_get_u64(blob + 16);
+
+  /* w1: prepped strided WRITE, 2800 blocks (more than IOV_MAX per call). */
+  kvp_xfer_desc l = XD(buf, 1000, 1024, 2800), rd = {caddr, 1000, 1100, 2800, 0};
+  uint64_t ldl, rdl, x;
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(ag, "child", KVP_MEM_DRAM, &rd, 1, &rdl));
+  int32_t z = 0;
+  OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF("w1"), &x));
+  OK(run_xfer(ag, x));
+  kvp_xfer_telemetry_args t;
+  OK(telemetry(ag, x, &t));
+  CHECK(t.total_bytes == 2800000 && t.desc_count == 1);
+  OK(xfer_del(ag, x));
+  /* r1: READ the child's untouched tail (pattern 7) into our 3 MiB mark. */
+  kvp_xfer_desc l2 = XD(buf + (3u << 20), 4096, 0, 1), r2 = {caddr + XP_LEN - 4096, 4096, 0, 1, 0};
+  uint64_t ldl2, rdl2;
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l2, 1, &ldl2));
+  OK(dlist_new(ag, "child", KVP_MEM_DRAM, &r2, 1, &rdl2));
+  OK(xfer_prepped(ag, KVP_OP_READ, ldl2, &z, 1, rdl2, &z, 1, NOTIF("r1"), &x));
+  OK(run_xfer(ag, x));
+  OK(xfer_del(ag, x));
+  uint8_t *cpat = (uint8_t *)malloc(XP_LEN);
+  fill(cpat, XP_LEN, 7);
+  CHECK(memcmp(buf + (3u << 20), cpat + XP_LEN - 4096, 4096) == 0);
+  free(cpat);
+  /* b1: batch WRITE through the child's exported blob. */
+  uint64_t rr;
+  OK(import_rr(ag, "child", blob, 48, 0, 0, 0, &rr, NULL));
+  kvp_region_pair pr = {r, rr};
+  kvp_batch_entry be = BE(0, 1u << 20, (3u << 20) + 4096, 500000, 0, 0, 1);
+  OK(xfer_batch(ag, KVP_OP_WRITE, &pr, 1, &be, 1, NOTIF("b1"), &x));
+  OK(run_xfer(ag, x));
+  OK(xfer_del(ag, x));
+  /* Out of the child's advertised memory: refused before a byte moves. */
+  kvp_xfer_desc outside = {caddr + XP_LEN - 10, 20, 0, 1, 0};
+  uint64_t d;
+  EXPECT(dlist_new(ag, "child", KVP_MEM_DRAM, &outside, 1, &d), KVP_ERR_NOT_FOUND, "advertised by peer \"child\"");
+  OK(send_n(ag, "child", "hello", 5));
+  /* The child writes 64 KiB into our offset 2 MiB and tells us "cw". */
+  uint8_t addr[8];
+  kvp_put_u64(addr, (uint64_t)(uintptr_t)buf);
+  send_msg(out, addr, 8);
+  notes ns = {0};
+  CHECK(wait_notes(ag, &ns, 1) && has_note(&ns, "child", "cw"));
+  /* The child wrote what we had batch-written there: our bytes at 1 MiB. */
+  CHECK(memcmp(buf + (2u << 20), buf + (1u << 20), 65536) == 0);
+  uint8_t *okp = recv_msg(in, &n);
+  CHECK(okp && n == 1 && okp[0] == 1);
+  free(okp);
+
+  /* The child exits: transfers and notifications report the disconnect. */
+  close(out);
+  out = -1;
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  pid = 0;
+  OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+  EXPECT(run_xfer(ag, x), KVP_ERR_REMOTE_DISCONNECT, "is gone");
+  OK(xfer_del(ag, x));
+  EXPECT(send_n(ag, "child", "bye", 3), KVP_ERR_REMOTE_DISCONNECT, "is gone");
+done:
+  free(cmd);
+  free(blob);
+  if (out >= 0) close(out);
+  close(in);
+  if (pid > 0) waitpid(pid, NULL, 0);
+  OK(agent_del(ag));
+  free(buf);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Timing                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Prints the cost of a post+poll round trip and the rate of a 1 MiB
+ * same-process transfer against memcpy of the same buffers, measured
+ * alternately in the same run. Returns the median ratio. */
+static double bench(int quiet) {
+  pair_env E;
+  env_open(&E, 1 << 20, NULL, NULL);
+  uint64_t ldl, rdl;
+  uint64_t big = simple_write(&E, NULL, E.len, &ldl, &rdl);
+  uint64_t ldl2, rdl2;
+  kvp_xfer_desc l = XD(E.abuf, 64, 0, 1), r = XD(E.bbuf, 64, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl2));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl2));
+  int32_t z = 0;
+  uint64_t tiny;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl2, &z, 1, rdl2, &z, 1, NOTIF(NULL), &tiny));
+  /* Round trip of a 64-byte transfer. */
+  enum { TRIPS = 20000 };
+  for (int i = 0; i < 1000; i++) OK(run_xfer(E.a, tiny));
+  uint64_t t0 = now_ns();
+  for (int i = 0; i < TRIPS; i++) kvp_err_free(run_xfer(E.a, tiny));
+  double trip_us = (double)(now_ns() - t0) / TRIPS / 1000.0;
+  /* 1 MiB: plugin vs memcpy of the same buffers, interleaved one by one
+   * so that load from elsewhere hits both alike; 9 rounds of 100 pairs. */
+  enum { ROUNDS = 9, REPS = 100 };
+  uint64_t plug[ROUNDS], raw[ROUNDS];
+  double ratios[ROUNDS];
+  for (int i = 0; i < 20; i++) OK(run_xfer(E.a, big));
+  for (int k = 0; k < ROUNDS; k++) {
+    plug[k] = raw[k] = 0;
+    for (int i = 0; i < REPS; i++) {
+      uint64_t s0 = now_ns();
+      memcpy(E.bbuf, E.abuf, E.len);
+      __asm__ __volatile__("" ::: "memory");
+      uint64_t s1 = now_ns();
+      kvp_err_free(run_xfer(E.a, big));
+      uint64_t s2 = now_ns();
+      raw[k] += s1 - s0;
+      plug[k] += s2 - s1;
+    }
+    ratios[k] = (double)raw[k] / (double)plug[k];
+  }
+  qsort(plug, ROUNDS, sizeof plug[0], cmp_u64);
+  qsort(raw, ROUNDS, sizeof raw[0], cmp_u64);
+  for (int i = 0; i < ROUNDS; i++)
+    for (int j = i + 1; j < ROUNDS; j++)
+      if (ratios[j] < ratios[i]) {
+        double t = ratios[i];
+        ratios[i] = ratios[j];
+        ratios[j] = t;
+      }
+  double mib = (double)E.len / (1 << 20);
+  double raw_gbs = mib * REPS / ((double)raw[ROUNDS / 2] / 1e9) / 1024.0;
+  double plug_gbs = mib * REPS / ((double)plug[ROUNDS / 2] / 1e9) / 1024.0;
+  if (!quiet) {
+    printf("bench: post+poll round trip (64 B transfer): %.2f us\n", trip_us);
+    printf("bench: 1 MiB same-process: plugin %.2f GiB/s (%.1f us/transfer), memcpy %.2f GiB/s "
+           "(%.1f us); ratio plugin/memcpy median %.3f (min %.3f, max %.3f)\n",
+           plug_gbs, (double)plug[ROUNDS / 2] / REPS / 1000.0, raw_gbs,
+           (double)raw[ROUNDS / 2] / REPS / 1000.0, ratios[ROUNDS / 2], ratios[0], ratios[ROUNDS - 1]);
+  }
+  OK(xfer_del(E.a, tiny));
+  OK(xfer_del(E.a, big));
+  env_close(&E);
+  return ratios[ROUNDS / 2];
+}
+
+int main(int argc, char **argv) {
+  kvp_get_api_args g;
+  memset(&g, 0, sizeof g);
+  g.struct_size = KVP_GET_API_ARGS_STRUCT_SIZE;
+  g.host_abi_major = KVP_ABI_MAJOR;
+  g.host_abi_minor = KVP_ABI_MINOR;
+  if (kvp_plugin_get_api(&g) != KVP_SUCCESS || !g.api) {
+    fprintf(stderr, "kvp_plugin_get_api failed\n");
+    return 2;
+  }
+  A = g.api;
+  signal(SIGPIPE, SIG_IGN);
+  if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
+  if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
+    double min_ratio = argc > 2 ? atof(argv[2]) : 0;
+    double ratio = bench(0);
+    if (failures) return 1;
+    if (ratio < min_ratio) {
+      fprintf(stderr, "bench: ratio %.3f below the required %.2f\n", ratio, min_ratio);
+      return 1;
+    }
+    return 0;
+  }
+  const char *so = NULL, *so2 = NULL;
+  int no_bench = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--so") == 0 && i + 1 < argc) so = argv[++i];
+    else if (strcmp(argv[i], "--so-abi2") == 0 && i + 1 < argc) so2 = argv[++i];
+    else if (strcmp(argv[i], "--no-bench") == 0) no_bench = 1;
+    else {
+      fprintf(stderr, "usage: test_fake [--so LIB] [--so-abi2 LIB] [--no-bench] | --bench [MIN_RATIO]\n");
+      return 2;
+    }
+  }
+  struct {
+    const char *name;
+    void (*fn)(void);
+  } tests[] = {
+      {"negotiation", test_negotiation},
+      {"agents_and_params", test_agents_and_params},
+      {"registration", test_registration},
+      {"prepped_same_process", test_prepped_same_process},
+      {"batch_same_process", test_batch_same_process},
+      {"notifications", test_notifications},
+      {"faults_and_progress", test_faults_and_progress},
+      {"cancel_running", test_cancel_running},
+      {"reload_and_restart", test_reload_and_restart},
+      {"parser_fuzz", test_parser_fuzz},
+      {"concurrency", test_concurrency},
+      {"two_processes", test_two_processes},
+  };
+  for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+    int before = failures;
+    uint64_t t0 = now_ns();
+    tests[i].fn();
+    printf("%-24s %s (%.0f ms)\n", tests[i].name, failures == before ? "ok" : "FAILED",
+           (double)(now_ns() - t0) / 1e6);
+    fflush(stdout);
+  }
+  struct {
+    const char *path;
+    uint32_t major;
+  } sos[2] = {{so, KVP_ABI_MAJOR}, {so2, 2}};
+  for (int i = 0; i < 2; i++) {
+    if (!sos[i].path) continue;
+    int before = failures;
+    test_shared_object(sos[i].path, sos[i].major);
+    printf("%-24s %s (%s claims ABI %u)\n", "shared_object", failures == before ? "ok" : "FAILED",
+           sos[i].path, sos[i].major);
+  }
+  if (!no_bench) bench(0);
+  if (failures) {
+    fprintf(stderr, "test_fake: %d of %d checks FAILED\n", failures, checks);
+    return 1;
+  }
+  printf("test_fake: all %d checks passed\n", checks);
+  return 0;
+}
