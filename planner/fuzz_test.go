@@ -131,4 +131,3 @@ func FuzzValidate(f *testing.F) {
 		})
 	})
 }
-
