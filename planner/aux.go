@@ -131,17 +131,17 @@ func (a *AuxPlanner) Plan(p *Plan, prefillAuxIndex, dstAuxIndex int64) error {
 		if it[0] == 0 {
 			continue // an empty slot moves nothing
 		}
-		so, err := slotOffset("prefill_aux_index", prefillAuxIndex, it[0], 0)
+		so, err := slotOffset(namedField("prefill_aux_index"), prefillAuxIndex, it[0], 0)
 		if err != nil {
 			return err
 		}
-		do, err := slotOffset("dst_aux_index", dstAuxIndex, it[1], 0)
+		do, err := slotOffset(namedField("dst_aux_index"), dstAuxIndex, it[1], 0)
 		if err != nil {
 			return err
 		}
 		p.Add(Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: it[0], Count: 1})
 	}
-	return checkPlanBounds(p, "prefill_aux_index", "dst_aux_index")
+	return checkPlanBounds(p, namedField("prefill_aux_index"), namedField("dst_aux_index"))
 }
 
 // PlanAuxNIXL plans one request with a fresh NewAuxPlannerNIXL.

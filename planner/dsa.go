@@ -189,11 +189,11 @@ func PlanDSATail(src, dst DSATailBuffers, dstSel []int, srcIndices, dstIndices [
 		}
 		// Check that the whole row fits the address arithmetic; the
 		// segment offsets below stay inside it.
-		srcEnd, err := slotOffset("dsa_tail_indices", int64(srcRow), srcBytes, srcBytes)
+		srcEnd, err := slotOffset(namedField("dsa_tail_indices"), int64(srcRow), srcBytes, srcBytes)
 		if err != nil {
 			return nil, err
 		}
-		dstEnd, err := slotOffset("dsa_tail_indices", int64(dstRow), dstBytes, dstBytes)
+		dstEnd, err := slotOffset(namedField("dsa_tail_indices"), int64(dstRow), dstBytes, dstBytes)
 		if err != nil {
 			return nil, err
 		}
@@ -201,6 +201,7 @@ func PlanDSATail(src, dst DSATailBuffers, dstSel []int, srcIndices, dstIndices [
 		si, di, sUsed, dUsed := 0, 0, 0, 0
 		for si < ns {
 			n := min(srcSegs[si][1]-sUsed, dstSegs[di][1]-dUsed)
+			plan.ReferenceDescriptors++
 			plan.Add(Copy{
 				SrcRegion: int32(k), DstRegion: int32(dstSel[k]),
 				SrcOff: srcBase + uint64(srcSegs[si][0]+sUsed)*slot,
@@ -217,7 +218,7 @@ func PlanDSATail(src, dst DSATailBuffers, dstSel []int, srcIndices, dstIndices [
 			}
 		}
 	}
-	if err := checkPlanBounds(plan, "prefill.dsa_tail_data_lens", "decode.dsa_tail_data_lens"); err != nil {
+	if err := checkPlanBounds(plan, namedField("prefill.dsa_tail_data_lens"), namedField("decode.dsa_tail_data_lens")); err != nil {
 		return nil, err
 	}
 	return plan, nil

@@ -184,11 +184,11 @@ func (c *stateComp) planMamba(p *Plan, si, di []int32, nixl bool) error {
 	}
 	srcSlot, dstSlot := int64(si[0]), int64(di[0])
 	for _, m := range c.mamba {
-		so, err := slotOffset(stateField("prefill_state_indices", c.i), srcSlot, m.srcItem, m.srcDelta)
+		so, err := slotOffset(fieldRef{"prefill_state_indices", c.i}, srcSlot, m.srcItem, m.srcDelta)
 		if err != nil {
 			return err
 		}
-		do, err := slotOffset(stateField("decode_state_indices", c.i), dstSlot, m.dstItem, m.dstDelta)
+		do, err := slotOffset(fieldRef{"decode_state_indices", c.i}, dstSlot, m.dstItem, m.dstDelta)
 		if err != nil {
 			return err
 		}

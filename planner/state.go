@@ -536,7 +536,7 @@ func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) 
 		if err != nil {
 			return out[:0], err
 		}
-		if err := checkPlanBounds(p, stateField("prefill_state_indices", c.i), stateField("decode_state_indices", c.i)); err != nil {
+		if err := checkPlanBounds(p, fieldRef{"prefill_state_indices", c.i}, fieldRef{"decode_state_indices", c.i}); err != nil {
 			return out[:0], err
 		}
 	}
@@ -545,10 +545,10 @@ func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) 
 
 // checkStateIndices rejects negative indices up front: the reference would
 // compute an address below the buffer and fail in the backend.
-func checkStateIndices(field string, idx []int32) error {
+func checkStateIndices(f fieldRef, idx []int32) error {
 	for k, x := range idx {
 		if x < 0 {
-			return errorf(field, "negative state index %d at position %d", x, k)
+			return errorf(f.String(), "negative state index %d at position %d", x, k)
 		}
 	}
 	return nil
@@ -569,10 +569,10 @@ func (c *stateComp) planPaged(p *Plan, si, di []int32, nixl bool) error {
 		n := min(len(si), len(di))
 		si, di = si[:n], di[:n]
 	}
-	if err := checkStateIndices(stateField("prefill_state_indices", c.i), si); err != nil {
+	if err := checkStateIndices(fieldRef{"prefill_state_indices", c.i}, si); err != nil {
 		return err
 	}
-	if err := checkStateIndices(stateField("decode_state_indices", c.i), di); err != nil {
+	if err := checkStateIndices(fieldRef{"decode_state_indices", c.i}, di); err != nil {
 		return err
 	}
 	if c.err != nil {
