@@ -536,8 +536,10 @@ func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) 
 		if err != nil {
 			return out[:0], err
 		}
-		if err := checkPlanBounds(p, fieldRef{"prefill_state_indices", c.i}, fieldRef{"decode_state_indices", c.i}); err != nil {
-			return out[:0], err
+		if c.kind == kindMamba { // planPaged checks its bounds per tensor
+			if err := checkPlanBounds(p, fieldRef{"prefill_state_indices", c.i}, fieldRef{"decode_state_indices", c.i}); err != nil {
+				return out[:0], err
+			}
 		}
 	}
 	return out, nil
@@ -578,21 +580,45 @@ func (c *stateComp) planPaged(p *Plan, si, di []int32, nixl bool) error {
 	if c.err != nil {
 		return c.err
 	}
+	// Every copy lies inside its tensors when the largest index does, so
+	// bounds are checked once per tensor pair rather than per copy.
+	maxS, maxD := maxIndex(si), maxIndex(di)
+	for _, tp := range c.paged {
+		if err := pageFits(fieldRef{"prefill_state_indices", c.i}, "prefill", maxS, tp.item, c.src[tp.src]); err != nil {
+			return err
+		}
+		if err := pageFits(fieldRef{"decode_state_indices", c.i}, "decode", maxD, tp.item, c.dst[tp.dst]); err != nil {
+			return err
+		}
+	}
 	runs := uint64(CountRuns(si, di))
 	p.ReferenceDescriptors = c.refDescs * runs
 	for _, tp := range c.paged {
 		for k, n := 0, 0; k < len(si); k += n {
 			n = NextRun(si, di, k)
-			// Indices are int32 >= 0: index*item overflows only with an
-			// item length near 2^33 x 2^31; check it all the same.
-			so, ok1 := mul64(uint64(si[k]), tp.item)
-			do, ok2 := mul64(uint64(di[k]), tp.item)
-			length, ok3 := mul64(uint64(n), tp.item)
-			if !ok1 || !ok2 || !ok3 {
-				return errorf(stateField("prefill.state_item_lens", c.i), "index x item length %d overflows", tp.item)
-			}
-			p.Add(Copy{SrcRegion: tp.src, DstRegion: tp.dst, SrcOff: so, DstOff: do, Len: length, Count: 1})
+			// pageFits bounded (index+1)*item by the region length, so
+			// these products cannot overflow.
+			p.Add(Copy{SrcRegion: tp.src, DstRegion: tp.dst, SrcOff: uint64(si[k]) * tp.item,
+				DstOff: uint64(di[k]) * tp.item, Len: uint64(n) * tp.item, Count: 1})
 		}
+	}
+	return nil
+}
+
+// maxIndex returns the largest of idx (which is not empty and not negative).
+func maxIndex(idx []int32) int32 {
+	m := idx[0]
+	for _, x := range idx[1:] {
+		m = max(m, x)
+	}
+	return m
+}
+
+// pageFits checks that page maxIdx of item bytes lies inside r.
+func pageFits(f fieldRef, side string, maxIdx int32, item uint64, r Region) error {
+	end, ok := mulAdd64(item, uint64(maxIdx), item)
+	if !ok || end > r.Len {
+		return errorf(f.String(), "page %d of %d bytes leaves the %s buffer at %#x of %d bytes", maxIdx, item, side, r.Addr, r.Len)
 	}
 	return nil
 }
