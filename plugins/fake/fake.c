@@ -388,6 +388,12 @@ static const char *cap_name(uint64_t cap) {
 /* Handles and common checks                                                */
 /* ------------------------------------------------------------------------ */
 
+/* malloc of n elements of size sz, NULL on overflow or OOM (n may be 0). */
+static void *alloc_array(size_t n, size_t sz) {
+  if (n > SIZE_MAX / sz) return NULL;
+  return malloc(n ? n * sz : 1);
+}
+
 static void list_init(own_link *head) { head->prev = head->next = head; }
 
 static void list_add(own_link *head, own_link *l) {
@@ -1121,9 +1127,7 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-/* Cancels a transfer and returns once no worker touches it. qlock held.
- * A queued transfer leaves the queue; a running one is told to stop and
- * waited for. The state is left X_FAILED / KVP_ERR_CANCELED with msg. */
+/* Removes a queued transfer from the queue. qlock held. */
 static void queue_unlink_locked(agent *ag, xfer *x) {
   if (x->qprev)
     x->qprev->qnext = x->qnext;
@@ -1137,22 +1141,26 @@ static void queue_unlink_locked(agent *ag, xfer *x) {
   if (!x->stealable) atomic_fetch_sub(&ag->urgent, 1);
 }
 
+/* Cancels a transfer and returns once no thread runs it any more. qlock
+ * held. A queued transfer leaves the queue and fails with KVP_ERR_CANCELED
+ * and msg; a running one is told to stop and waited for: it then ends
+ * cancelled (with msg), or done or failed if it got there first. */
 static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
   int st = atomic_load(&x->state);
   if (st == X_QUEUED) {
     queue_unlink_locked(ag, x);
+    x->err_code = KVP_ERR_CANCELED;
+    snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
+    atomic_store(&x->state, X_FAILED);
   } else if (st == X_RUNNING) {
     atomic_store(&x->cancel, 1);
     pthread_cond_broadcast(&ag->cancelcv);
     x->waiters++;
     while (atomic_load(&x->state) == X_RUNNING) pthread_cond_wait(&ag->donecv, &ag->qlock);
     x->waiters--;
-  } else {
-    return;
+    if (atomic_load(&x->state) == X_FAILED && x->err_code == KVP_ERR_CANCELED)
+      snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
   }
-  x->err_code = KVP_ERR_CANCELED;
-  snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
-  atomic_store(&x->state, X_FAILED);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1205,7 +1213,7 @@ static size_t collect_handles(agent *ag, own_link *head, own_pred pred, const vo
   size_t n = 0;
   for (own_link *l = head->next; l != head; l = l->next)
     if (!pred || pred(l, ctx)) n++;
-  uint64_t *hs = n ? (uint64_t *)malloc(n * sizeof *hs) : NULL;
+  uint64_t *hs = n ? (uint64_t *)alloc_array(n, sizeof *hs) : NULL;
   size_t k = 0;
   if (hs) {
     for (own_link *l = head->next; l != head; l = l->next) {
@@ -1509,7 +1517,7 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
   /* Merge into the registration table, all or nothing. */
   pthread_rwlock_wrlock(&ag->mem_lock);
   size_t total = ag->nregs + n;
-  merged = (mem_range *)malloc(total * sizeof *merged);
+  merged = total < n ? NULL : (mem_range *)alloc_array(total, sizeof *merged);
   if (!merged) {
     pthread_rwlock_unlock(&ag->mem_lock);
     e = kvp_err_oom();
@@ -1581,7 +1589,7 @@ static kvp_error *fake_deregister_mem(kvp_deregister_mem_args *a) {
     if (!r) goto out;
     kvp_ht_put(g_regions, a->regions[i]);
   }
-  sorted = (uint64_t *)malloc(n * sizeof *sorted);
+  sorted = (uint64_t *)alloc_array(n, sizeof *sorted);
   if (!sorted) {
     e = kvp_err_oom();
     goto out;
@@ -1903,7 +1911,7 @@ static kvp_error *fake_prep_dlist(kvp_prep_dlist_args *a) {
   for (size_t i = 0; i < a->num_descs; i++)
     if ((e = desc_shape_check(ag, &a->descs[i], i, "prep_dlist"))) goto out;
   d = (dlist *)calloc(1, sizeof *d);
-  if (!d || (a->num_descs && !(d->descs = (kvp_xfer_desc *)malloc(a->num_descs * sizeof(kvp_xfer_desc))))) {
+  if (!d || !(d->descs = (kvp_xfer_desc *)alloc_array(a->num_descs, sizeof(kvp_xfer_desc)))) {
     e = kvp_err_oom();
     goto out;
   }
@@ -2019,7 +2027,7 @@ static kvp_error *xfer_alloc(agent *ag, kvp_op op, size_t n, const kvp_notif *nt
   atomic_init(&x->state, X_IDLE);
   atomic_init(&x->cancel, 0);
   list_init(&x->link);
-  if (n && !(x->pairs = (xpair *)malloc(n * sizeof(xpair)))) {
+  if (!(x->pairs = (xpair *)alloc_array(n, sizeof(xpair)))) {
     free(x);
     return kvp_err_oom();
   }
