@@ -1,0 +1,563 @@
+package bootstrap
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// DefaultEntryTTL is how long a room's registered DP rank is kept
+// (SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL, 120 s).
+const DefaultEntryTTL = 120 * time.Second
+
+// maxBody bounds request bodies.
+const maxBody = 1 << 20
+
+// rankKey identifies a prefill rank: DP group, CP rank, TP rank, PP rank.
+type rankKey struct{ dp, cp, tp, pp int }
+
+// layout is the deployment shape, fixed by the first registration.
+type layout struct {
+	attnTP, attnCP, dp, pp int
+	pageSize               int
+	kvCacheDType           *string
+	followBootstrapRoom    bool
+	dsaLayerSplit          bool
+	prefillHTTPPort        *int
+}
+
+// Server is the bootstrap HTTP handler (prefill side). The zero value is
+// not usable; call NewServer. Safe for concurrent use.
+//
+// Differences from SGLang's server, all in the direction of clearer
+// errors: malformed requests get 400 with a message (SGLang answers 500);
+// a registration that contradicts the layout fixed by the first one gets
+// 409 (SGLang silently keeps the first); and readiness counts distinct
+// ranks (SGLang counts PUTs, so a rank registering twice could make an
+// incomplete deployment look ready).
+type Server struct {
+	log *slog.Logger
+	ttl time.Duration
+	now func() time.Time
+
+	mu        sync.Mutex
+	layout    *layout
+	ranks     map[rankKey]RankInfo
+	roomDP    map[uint64]roomEntry
+	lastPurge time.Time
+}
+
+type roomEntry struct {
+	dp int
+	at time.Time
+}
+
+// ServerOption configures a Server.
+type ServerOption func(*Server)
+
+// WithLogger sets the server's logger (default slog.Default()).
+func WithLogger(l *slog.Logger) ServerOption {
+	return func(s *Server) {
+		if l != nil {
+			s.log = l
+		}
+	}
+}
+
+// WithEntryTTL sets how long /register_dp_rank entries live.
+func WithEntryTTL(d time.Duration) ServerOption {
+	return func(s *Server) {
+		if d > 0 {
+			s.ttl = d
+		}
+	}
+}
+
+// withClock replaces time.Now in tests.
+func withClock(now func() time.Time) ServerOption { return func(s *Server) { s.now = now } }
+
+// NewServer returns an empty bootstrap server.
+func NewServer(opts ...ServerOption) *Server {
+	s := &Server{
+		log:    slog.Default(),
+		ttl:    DefaultEntryTTL,
+		now:    time.Now,
+		ranks:  make(map[rankKey]RankInfo),
+		roomDP: make(map[uint64]roomEntry),
+	}
+	for _, o := range opts {
+		o(s)
+	}
+	s.log = s.log.With("component", "bootstrap_server")
+	return s
+}
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.URL.Path {
+	case "/route":
+		switch r.Method {
+		case http.MethodPut:
+			s.handleRegister(w, r)
+		case http.MethodGet:
+			s.handleRoute(w, r)
+		default:
+			w.Header().Set("Allow", "GET, PUT")
+			text(w, http.StatusMethodNotAllowed, "Method not allowed")
+		}
+	case "/health":
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			text(w, http.StatusMethodNotAllowed, "Method not allowed")
+			return
+		}
+		text(w, http.StatusOK, "OK")
+	case "/register_dp_rank":
+		if r.Method != http.MethodPost {
+			text(w, http.StatusMethodNotAllowed, "Method not allowed")
+			return
+		}
+		s.handleRegisterDPRank(w, r)
+	case "/query_dp_ranks":
+		if r.Method != http.MethodPost {
+			text(w, http.StatusMethodNotAllowed, "Method not allowed")
+			return
+		}
+		s.handleQueryDPRanks(w, r)
+	default:
+		text(w, http.StatusNotFound, "Not Found")
+	}
+}
+
+func text(w http.ResponseWriter, code int, msg string) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.WriteHeader(code)
+	io.WriteString(w, msg)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		text(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	w.WriteHeader(http.StatusOK)
+	w.Write(b)
+}
+
+// readObject reads a JSON object body into raw fields.
+func readObject(w http.ResponseWriter, r *http.Request) (map[string]json.RawMessage, error) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
+	if err != nil {
+		return nil, fmt.Errorf("reading body: %w", err)
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(body, &obj); err != nil {
+		return nil, fmt.Errorf("body is not a JSON object: %w", err)
+	}
+	if obj == nil {
+		return nil, errors.New("body is not a JSON object: null")
+	}
+	return obj, nil
+}
+
+// fieldReader extracts typed fields from a JSON object; the first error
+// sticks.
+type fieldReader struct {
+	obj map[string]json.RawMessage
+	err error
+}
+
+func (f *fieldReader) int(key string, required bool) (int, bool) {
+	raw, ok := f.obj[key]
+	if !ok {
+		if required && f.err == nil {
+			f.err = fmt.Errorf("missing field %q", key)
+		}
+		return 0, false
+	}
+	var v pyInt
+	if err := json.Unmarshal(raw, &v); err != nil {
+		if f.err == nil {
+			f.err = fmt.Errorf("field %q: %w", key, err)
+		}
+		return 0, false
+	}
+	if !v.set {
+		if required && f.err == nil {
+			f.err = fmt.Errorf("field %q is null", key)
+		}
+		return 0, false
+	}
+	if v.v < -1<<31 || v.v > 1<<31-1 {
+		if f.err == nil {
+			f.err = fmt.Errorf("field %q: %d out of range", key, v.v)
+		}
+		return 0, false
+	}
+	return int(v.v), true
+}
+
+func (f *fieldReader) string(key string, required bool) (*string, bool) {
+	raw, ok := f.obj[key]
+	if !ok {
+		if required && f.err == nil {
+			f.err = fmt.Errorf("missing field %q", key)
+		}
+		return nil, false
+	}
+	var v *string
+	if err := json.Unmarshal(raw, &v); err != nil && f.err == nil {
+		f.err = fmt.Errorf("field %q: want a string: %w", key, err)
+	}
+	return v, ok
+}
+
+func (f *fieldReader) bool(key string) bool {
+	raw, ok := f.obj[key]
+	if !ok {
+		return false
+	}
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil && f.err == nil {
+		f.err = fmt.Errorf("field %q: %w", key, err)
+	}
+	// Python's bool(): false, null, 0, "" and empty containers are false.
+	switch x := v.(type) {
+	case bool:
+		return x
+	case float64:
+		return x != 0
+	case string:
+		return x != ""
+	case nil:
+		return false
+	case []any:
+		return len(x) > 0
+	case map[string]any:
+		return len(x) > 0
+	}
+	return false
+}
+
+func (s *Server) handleRegister(w http.ResponseWriter, r *http.Request) {
+	obj, err := readObject(w, r)
+	if err != nil {
+		s.badRequest(w, r, err)
+		return
+	}
+	f := &fieldReader{obj: obj}
+	get := func(k string) int { v, _ := f.int(k, true); return v }
+	attnTP, attnTPRank := get("attn_tp_size"), get("attn_tp_rank")
+	attnCP, attnCPRank := get("attn_cp_size"), get("attn_cp_rank")
+	attnDP, attnDPRank := get("attn_dp_size"), get("attn_dp_rank")
+	pp, ppRank := get("pp_size"), get("pp_rank")
+	sysDP, sysDPRank := get("system_dp_size"), get("system_dp_rank")
+	ip, _ := f.string("rank_ip", true)
+	port := get("rank_port")
+	pageSize := get("page_size")
+	kvDType, _ := f.string("kv_cache_dtype", true)
+	httpPort, hasHTTPPort := f.int("prefill_http_port", false)
+	lbm := "follow_bootstrap_room"
+	if v, ok := f.string("load_balance_method", false); ok && v != nil {
+		lbm = *v
+	}
+	dsa := f.bool("enable_dsa_cache_layer_split")
+	if f.err != nil {
+		s.badRequest(w, r, f.err)
+		return
+	}
+	if ip == nil || *ip == "" {
+		s.badRequest(w, r, errors.New(`field "rank_ip" must be a non-empty string`))
+		return
+	}
+	// dp size and this rank's DP group, as SGLang computes them.
+	dpSize, dpGroup := attnDP, attnDPRank
+	if sysDP != 1 {
+		dpSize, dpGroup = sysDP, sysDPRank
+	}
+	for _, c := range []struct {
+		name       string
+		rank, size int
+	}{{"attn_tp", attnTPRank, attnTP}, {"attn_cp", attnCPRank, attnCP}, {"dp", dpGroup, dpSize}, {"pp", ppRank, pp}} {
+		if c.size < 1 || c.rank < 0 || c.rank >= c.size {
+			s.badRequest(w, r, fmt.Errorf("%s rank %d outside size %d", c.name, c.rank, c.size))
+			return
+		}
+	}
+	if port < 1 || port > 65535 {
+		s.badRequest(w, r, fmt.Errorf("rank_port %d out of range", port))
+		return
+	}
+	want := layout{
+		attnTP: attnTP, attnCP: attnCP, dp: dpSize, pp: pp, pageSize: pageSize, kvCacheDType: kvDType,
+		followBootstrapRoom: lbm == "follow_bootstrap_room", dsaLayerSplit: dsa,
+	}
+	if hasHTTPPort {
+		want.prefillHTTPPort = &httpPort
+	}
+	key := rankKey{dp: dpGroup, cp: attnCPRank, tp: attnTPRank, pp: ppRank}
+
+	s.mu.Lock()
+	if s.layout == nil {
+		s.layout = &want
+	} else if err := s.layout.conflict(&want); err != nil {
+		s.mu.Unlock()
+		s.log.Warn("bootstrap registration conflicts with the deployment layout", "remote", r.RemoteAddr, "err", err)
+		text(w, http.StatusConflict, "Registration conflicts with the registered prefill layout: "+err.Error())
+		return
+	}
+	if s.layout.prefillHTTPPort == nil && want.prefillHTTPPort != nil {
+		s.layout.prefillHTTPPort = want.prefillHTTPPort
+	}
+	prev, again := s.ranks[key]
+	s.ranks[key] = RankInfo{RankIP: *ip, RankPort: port}
+	registered, expected := len(s.ranks), s.layout.expected()
+	s.mu.Unlock()
+
+	if again && prev != s.ranks[key] {
+		s.log.Info("prefill rank re-registered at a new address", "dp", key.dp, "cp", key.cp, "tp", key.tp, "pp", key.pp,
+			"old", fmt.Sprintf("%s:%d", prev.RankIP, prev.RankPort), "new", fmt.Sprintf("%s:%d", *ip, port))
+	}
+	s.log.Debug("prefill rank registered", "dp", key.dp, "cp", key.cp, "tp", key.tp, "pp", key.pp,
+		"rank_ip", *ip, "rank_port", port, "registered", registered, "expected", expected)
+	text(w, http.StatusOK, "OK")
+}
+
+func (l *layout) expected() int { return l.dp * l.attnCP * l.attnTP * l.pp }
+
+// conflict reports how o disagrees with the fixed layout.
+func (l *layout) conflict(o *layout) error {
+	for _, c := range []struct {
+		name      string
+		have, got int
+	}{{"attn_tp_size", l.attnTP, o.attnTP}, {"attn_cp_size", l.attnCP, o.attnCP}, {"dp_size", l.dp, o.dp},
+		{"pp_size", l.pp, o.pp}, {"page_size", l.pageSize, o.pageSize}} {
+		if c.have != c.got {
+			return fmt.Errorf("%s %d, registered ranks have %d", c.name, c.got, c.have)
+		}
+	}
+	if (l.kvCacheDType == nil) != (o.kvCacheDType == nil) || (l.kvCacheDType != nil && *l.kvCacheDType != *o.kvCacheDType) {
+		return fmt.Errorf("kv_cache_dtype %s, registered ranks have %s", strOrNull(o.kvCacheDType), strOrNull(l.kvCacheDType))
+	}
+	return nil
+}
+
+func strOrNull(s *string) string {
+	if s == nil {
+		return "null"
+	}
+	return strconv.Quote(*s)
+}
+
+// Ready reports whether every prefill rank of the layout registered.
+func (s *Server) Ready() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.readyLocked()
+}
+
+func (s *Server) readyLocked() bool {
+	return s.layout != nil && len(s.ranks) >= s.layout.expected()
+}
+
+func (s *Server) handleRoute(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	names := []string{"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"}
+	var v [4]int
+	for i, n := range names {
+		raw := q.Get(n)
+		if raw == "" {
+			text(w, http.StatusBadRequest, "Missing inputs for bootstrap server.")
+			return
+		}
+		x, err := strconv.Atoi(raw)
+		if err != nil {
+			s.badRequest(w, r, fmt.Errorf("query parameter %s=%q is not an integer", n, truncate(raw)))
+			return
+		}
+		v[i] = x
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.readyLocked() {
+		text(w, http.StatusServiceUnavailable, fmt.Sprintf("Prefill server not fully registered yet (%d workers registered).", len(s.ranks)))
+		return
+	}
+	if v == [4]int{-1, -1, -1, -1} {
+		l := s.layout
+		page := l.pageSize
+		writeJSON(w, ParallelInfo{
+			AttnTPSize: l.attnTP, AttnCPSize: l.attnCP, DPSize: l.dp, PPSize: l.pp,
+			PageSize: &page, KVCacheDType: l.kvCacheDType,
+			FollowBootstrapRoom: l.followBootstrapRoom, EnableDSACacheLayerSplit: l.dsaLayerSplit,
+			PrefillHTTPPort: l.prefillHTTPPort,
+		})
+		return
+	}
+	info, ok := s.ranks[rankKey{dp: v[0], cp: v[1], tp: v[2], pp: v[3]}]
+	if !ok {
+		text(w, http.StatusNotFound, fmt.Sprintf("Bootstrap info not found for dp_rank=%d cp_rank=%d tp_rank=%d pp_rank=%d", v[0], v[1], v[2], v[3]))
+		return
+	}
+	writeJSON(w, info)
+}
+
+func (s *Server) handleRegisterDPRank(w http.ResponseWriter, r *http.Request) {
+	obj, err := readObject(w, r)
+	if err != nil {
+		s.badRequest(w, r, err)
+		return
+	}
+	f := &fieldReader{obj: obj}
+	room, _ := f.int64("bootstrap_room")
+	dp, _ := f.int("dp_rank", true)
+	if f.err != nil {
+		s.badRequest(w, r, f.err)
+		return
+	}
+	s.mu.Lock()
+	s.purgeLocked()
+	s.roomDP[room] = roomEntry{dp: dp, at: s.now()}
+	s.mu.Unlock()
+	text(w, http.StatusOK, "OK")
+}
+
+func (s *Server) handleQueryDPRanks(w http.ResponseWriter, r *http.Request) {
+	obj, err := readObject(w, r)
+	if err != nil {
+		s.badRequest(w, r, err)
+		return
+	}
+	raw, ok := obj["bootstrap_rooms"]
+	var rooms []pyInt64
+	if !ok {
+		s.badRequest(w, r, errors.New(`missing field "bootstrap_rooms"`))
+		return
+	}
+	if err := json.Unmarshal(raw, &rooms); err != nil {
+		s.badRequest(w, r, fmt.Errorf(`field "bootstrap_rooms": want a list of integers: %w`, err))
+		return
+	}
+	out := make(map[string]int)
+	s.mu.Lock()
+	s.purgeLocked()
+	for _, room := range rooms {
+		if e, ok := s.roomDP[uint64(room)]; ok {
+			out[strconv.FormatUint(uint64(room), 10)] = e.dp
+		}
+	}
+	s.mu.Unlock()
+	writeJSON(w, out)
+}
+
+// purgeLocked drops expired room entries, at most once per TTL.
+func (s *Server) purgeLocked() {
+	now := s.now()
+	if now.Sub(s.lastPurge) < s.ttl {
+		return
+	}
+	s.lastPurge = now
+	for room, e := range s.roomDP {
+		if now.Sub(e.at) > s.ttl {
+			delete(s.roomDP, room)
+		}
+	}
+}
+
+func (s *Server) badRequest(w http.ResponseWriter, r *http.Request, err error) {
+	s.log.Warn("bad bootstrap request", "method", r.Method, "path", r.URL.Path, "remote", r.RemoteAddr, "err", err)
+	text(w, http.StatusBadRequest, "Bad request: "+err.Error())
+}
+
+// pyInt64 is a room id: an integral JSON number or decimal string, up to
+// 2^64-1.
+type pyInt64 uint64
+
+func (p *pyInt64) UnmarshalJSON(b []byte) error {
+	s := string(b)
+	if uq, err := strconv.Unquote(s); err == nil {
+		s = uq
+	}
+	v, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		return fmt.Errorf("%s is not a room id", truncate(s))
+	}
+	*p = pyInt64(v)
+	return nil
+}
+
+func (f *fieldReader) int64(key string) (uint64, bool) {
+	raw, ok := f.obj[key]
+	if !ok {
+		if f.err == nil {
+			f.err = fmt.Errorf("missing field %q", key)
+		}
+		return 0, false
+	}
+	var v pyInt64
+	if err := json.Unmarshal(raw, &v); err != nil {
+		if f.err == nil {
+			f.err = fmt.Errorf("field %q: %w", key, err)
+		}
+		return 0, false
+	}
+	return uint64(v), true
+}
+
+// Running is a Server listening on a TCP address.
+type Running struct {
+	hs        *http.Server
+	ln        net.Listener
+	done      chan error
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Start listens on addr ("host:port"; port 0 picks one) and serves s in
+// the background until Close.
+func (s *Server) Start(addr string) (*Running, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap: listen on %s: %w", addr, err)
+	}
+	hs := &http.Server{
+		Handler:           s,
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       30 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	rs := &Running{hs: hs, ln: ln, done: make(chan error, 1)}
+	go func() { rs.done <- hs.Serve(ln) }()
+	s.log.Info("bootstrap server listening", "addr", ln.Addr().String())
+	return rs, nil
+}
+
+// Addr is the host:port clients use (SGLang's bootstrap_addr).
+func (rs *Running) Addr() string { return rs.ln.Addr().String() }
+
+// Close shuts the server down, waiting for requests in flight until ctx
+// ends.
+// Calling it again returns the first result.
+func (rs *Running) Close(ctx context.Context) error {
+	rs.closeOnce.Do(func() {
+		err := rs.hs.Shutdown(ctx)
+		if err != nil {
+			rs.hs.Close() // ctx ended: drop what is still in flight
+		}
+		if serr := <-rs.done; serr != nil && !errors.Is(serr, http.ErrServerClosed) && err == nil {
+			err = serr
+		}
+		rs.closeErr = err
+	})
+	return rs.closeErr
+}
