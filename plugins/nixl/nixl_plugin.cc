@@ -246,14 +246,22 @@ const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us
 const char kParamsDoc[] =
     "backend=UCX\tNIXL backend plugin to create (an unknown name is an error listing the "
     "plugins NIXL found)\n"
-    "progress_thread=false\tstart NIXL's progress thread (slower on few cores; without it "
-    "progress is made by poll_xfer and get_notifs)\n"
-    "progress_delay_us=0\tprogress thread delay between iterations, microseconds\n"
+    "progress_thread=true\tNIXL's progress thread: it completes connection set-up and receives "
+    "notifications while the host is not calling poll_xfer or get_notifs on this agent (without "
+    "it a peer that waits idle stalls the first transfer); set false only when the host keeps "
+    "polling every agent\n"
+    "progress_delay_us=1000\tlongest sleep of the progress thread between wake-ups, "
+    "microseconds (it also wakes on backend events); 0 makes it spin, which starves the "
+    "transfers on few cores\n"
     "sync_mode=rw\tNIXL thread sync mode: rw or strict (none is refused: the host calls "
     "concurrently)\n"
     "telemetry=true\tcapture per-transfer telemetry (xfer_telemetry)\n"
     "*=\tany other key is passed to the backend unchanged (UCX: device_list, num_workers, "
     "num_threads, ucx_error_handling_mode, engine_config, ...)\n";
+
+// Defaults of the shim's own parameters.
+constexpr int kDefaultProgressThread = 1;
+constexpr uint64_t kDefaultProgressDelayUs = 1000;
 
 // ---------------------------------------------------------------------------
 // Capabilities
@@ -391,9 +399,11 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   }
   int prog = 0, telem = 1;
   uint64_t delay = 0;
-  if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", 0, &prog)) return kvp_err_wrap(e, "%s", fn);
+  if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", kDefaultProgressThread, &prog))
+    return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_bool(p, np, "telemetry", 1, &telem)) return kvp_err_wrap(e, "%s", fn);
-  if (kvp_error *e = kvp_param_u64(p, np, "progress_delay_us", 0, 0, 10000000, &delay))
+  if (kvp_error *e = kvp_param_u64(p, np, "progress_delay_us", kDefaultProgressDelayUs, 0,
+                                   10000000, &delay))
     return kvp_err_wrap(e, "%s", fn);
   nixl_thread_sync_t sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
   if (const kvp_param *s = kvp_param_find(p, np, "sync_mode")) {
