@@ -875,12 +875,11 @@ static kvp_error *copy_local(xfer *x, uint64_t limit, uint64_t *moved) {
       uint64_t la = p->laddr + k * p->lstride, ra = p->raddr + k * p->rstride;
       uint64_t n = p->len;
       if (n > limit - done) n = limit - done;
-      char *dst = (char *)(uintptr_t)(x->op == KVP_OP_WRITE ? ra : la);
-      const char *src = (const char *)(uintptr_t)(x->op == KVP_OP_WRITE ? la : ra);
-      if (dst + n <= src || src + n <= dst)
-        memcpy(dst, src, n);
+      uint64_t dst = x->op == KVP_OP_WRITE ? ra : la, src = x->op == KVP_OP_WRITE ? la : ra;
+      if (dst - src >= n && src - dst >= n) /* disjoint (unsigned wrap-around) */
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
       else
-        memmove(dst, src, n); /* a loopback copy within one buffer */
+        memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); /* loopback, one buffer */
       done += n;
       if (done == limit) {
         *moved = done;
