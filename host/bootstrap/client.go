@@ -150,20 +150,23 @@ func (c *Client) Register(ctx context.Context, reg Registration) error {
 
 // Route asks where the prefill rank (dp, cp, tp, pp) listens.
 func (c *Client) Route(ctx context.Context, dpRank, cpRank, tpRank, ppRank int) (RankInfo, error) {
-	var info RankInfo
 	body, err := c.do(ctx, "route", http.MethodGet, "/route", routeQuery(dpRank, cpRank, tpRank, ppRank), nil)
 	if err != nil {
-		return info, err
+		return RankInfo{}, err
 	}
+	return parseRankInfo(body)
+}
+
+func parseRankInfo(body []byte) (RankInfo, error) {
 	var raw struct {
 		RankIP   string `json:"rank_ip"`
 		RankPort pyInt  `json:"rank_port"`
 	}
 	if err := json.Unmarshal(body, &raw); err != nil {
-		return info, fmt.Errorf("bootstrap: route: bad response %q: %w", truncate(string(body)), err)
+		return RankInfo{}, fmt.Errorf("bootstrap: route: bad response %q: %w", truncate(string(body)), err)
 	}
 	if raw.RankIP == "" || !raw.RankPort.set || raw.RankPort.v < 1 || raw.RankPort.v > 65535 {
-		return info, fmt.Errorf("bootstrap: route: incomplete response %q", truncate(string(body)))
+		return RankInfo{}, fmt.Errorf("bootstrap: route: incomplete response %q", truncate(string(body)))
 	}
 	return RankInfo{RankIP: raw.RankIP, RankPort: int(raw.RankPort.v)}, nil
 }
@@ -172,11 +175,15 @@ func (c *Client) Route(ctx context.Context, dpRank, cpRank, tpRank, ppRank int) 
 // query). Before every rank registered it fails with an error for which
 // IsNotReady is true.
 func (c *Client) ParallelInfo(ctx context.Context) (ParallelInfo, error) {
-	var info ParallelInfo
 	body, err := c.do(ctx, "parallel info", http.MethodGet, "/route", routeQuery(-1, -1, -1, -1), nil)
 	if err != nil {
-		return info, err
+		return ParallelInfo{}, err
 	}
+	return parseParallelInfo(body)
+}
+
+func parseParallelInfo(body []byte) (ParallelInfo, error) {
+	var info ParallelInfo
 	if err := json.Unmarshal(body, &info); err != nil {
 		return info, fmt.Errorf("bootstrap: parallel info: bad response %q: %w", truncate(string(body)), err)
 	}
@@ -219,6 +226,10 @@ func (c *Client) QueryDPRanks(ctx context.Context, rooms []uint64) (map[uint64]i
 	if err != nil {
 		return nil, err
 	}
+	return parseDPRanks(body)
+}
+
+func parseDPRanks(body []byte) (map[uint64]int, error) {
 	var raw map[string]int
 	if err := json.Unmarshal(body, &raw); err != nil {
 		return nil, fmt.Errorf("bootstrap: query dp ranks: bad response %q: %w", truncate(string(body)), err)

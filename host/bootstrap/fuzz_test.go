@@ -42,3 +42,20 @@ func FuzzHandlers(f *testing.F) {
 		}
 	})
 }
+
+// FuzzClientResponses feeds arbitrary server answers to the client's
+// decoders: errors are fine, panics and nonsense results are not.
+func FuzzClientResponses(f *testing.F) {
+	f.Add([]byte(`{"rank_ip": "10.0.0.1", "rank_port": 17000}`))
+	f.Add([]byte(`{"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 16}`))
+	f.Add([]byte(`{"12345": 0}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if ri, err := parseRankInfo(body); err == nil && (ri.RankIP == "" || ri.RankPort < 1 || ri.RankPort > 65535) {
+			t.Fatalf("accepted %+v", ri)
+		}
+		if pi, err := parseParallelInfo(body); err == nil && (pi.AttnTPSize < 1 || pi.PPSize < 1) {
+			t.Fatalf("accepted %+v", pi)
+		}
+		parseDPRanks(body)
+	})
+}

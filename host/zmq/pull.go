@@ -47,7 +47,12 @@ func (p *Pull) serve(c *conn) {
 // closed (ErrClosed). The returned frames belong to the caller.
 func (p *Pull) Recv(ctx context.Context) ([][]byte, error) {
 	select {
-	case m := <-p.msgs:
+	case <-p.srv.done:
+		return nil, ErrClosed
+	default:
+	}
+	select {
+	case m := <-p.msgs: // a waiting message wins over an expired ctx
 		return m, nil
 	default:
 	}

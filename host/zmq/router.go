@@ -85,7 +85,12 @@ func (r *Router) unregister(id string) {
 // arrives, ctx ends or the socket is closed (ErrClosed).
 func (r *Router) Recv(ctx context.Context) (RouterMsg, error) {
 	select {
-	case m := <-r.msgs:
+	case <-r.srv.done:
+		return RouterMsg{}, ErrClosed
+	default:
+	}
+	select {
+	case m := <-r.msgs: // a waiting message wins over an expired ctx
 		return m, nil
 	default:
 	}
