@@ -147,7 +147,7 @@ plugin-mori:
 vet:
 	$(GO) vet ./...
 
-test: all vet
+test: all vet plugin-test
 	$(GO) test -race -count=1 ./...
 
 clean:

@@ -351,8 +351,12 @@ typedef struct kvp_load_remote_args {
 } kvp_load_remote_args;
 #define KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_load_remote_args, peer_name_len)
 
-/* Forgets a peer: cancels transfers to it and releases the remote regions and
- * dlists that refer to it. Unknown peer: KVP_ERR_NOT_FOUND. */
+/* Forgets a peer: cancels active transfers to it. Handles that refer to the
+ * peer (transfers, remote dlists, remote regions) stay valid handles that
+ * the caller still releases, but they are dead: poll of a cancelled
+ * transfer returns KVP_ERR_CANCELED, and new transfers, posts and imports
+ * that name the peer return KVP_ERR_NOT_FOUND. Unknown peer:
+ * KVP_ERR_NOT_FOUND. */
 typedef struct kvp_remove_remote_args {
   size_t struct_size;
   void *ext;
@@ -446,7 +450,9 @@ typedef struct kvp_notif {
 } kvp_notif;
 
 /* Builds a transfer from index arrays into a local and a remote dlist (NIXL
- * makeXferReq). num_local_indices must equal num_remote_indices; an index
+ * makeXferReq). num_local_indices must equal num_remote_indices; zero
+ * indices make a transfer that moves nothing and only delivers its
+ * notification. An index
  * outside its list is KVP_ERR_INVALID_PARAM; paired descriptors that differ
  * in len or count are KVP_ERR_MISMATCH. The transfer is not started: call
  * post_xfer. The index arrays are copied. */
@@ -528,10 +534,13 @@ typedef struct kvp_post_xfer_args {
 } kvp_post_xfer_args;
 #define KVP_POST_XFER_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_post_xfer_args, status)
 
-/* Reports progress without blocking. A failed transfer returns an error
- * carrying the failure's code and message (every poll after the failure
- * returns the same). Polling a transfer that was never posted is
- * KVP_ERR_NOT_POSTED. */
+/* Reports progress without waiting for completion. Like NIXL's
+ * getXferStatus without a progress thread, a poll may drive the transfer in
+ * the calling thread (move some or all of its bytes) before it returns; a
+ * plugin bounds that work per call and documents the bound. A failed
+ * transfer returns an error carrying the failure's code and message (every
+ * poll after the failure returns the same). Polling a transfer that was
+ * never posted is KVP_ERR_NOT_POSTED. */
 typedef struct kvp_poll_xfer_args {
   size_t struct_size;
   void *ext;
