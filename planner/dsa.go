@@ -57,8 +57,8 @@ func DSATailStateIndices(pool DSATailPool, reqPoolIdx, seqLen int) ([]int, error
 // lengths pair positionally. hasEnd/endLayer is the stage's end layer when
 // known (it only confirms the range).
 func SliceDSATailDstForPP(nSrc, nDst, startLayer, endLayer int, hasEnd bool) ([]int, error) {
-	if nSrc < 0 || nDst < 0 {
-		return nil, errorf("dsa_tail_ptrs", "negative pointer count (src %d, dst %d)", nSrc, nDst)
+	if nSrc < 0 || nDst < 0 || nSrc > maxEntries || nDst > maxEntries {
+		return nil, errorf("dsa_tail_ptrs", "pointer counts out of range (src %d, dst %d)", nSrc, nDst)
 	}
 	if nSrc == nDst {
 		return rankSeq(nDst), nil

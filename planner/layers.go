@@ -32,8 +32,8 @@ type EntryPair struct {
 // or when allowPositionalFallback is set and decode has at least as many
 // entries (the reference sets it when prefill PP size is 1).
 func BuildTransferEntryPairs(srcLayerIDs, dstLayerIDs []int, nSrc, nDst int, allowPositionalFallback bool) ([]EntryPair, error) {
-	if nSrc < 0 || nDst < 0 {
-		return nil, errorf("layer_ids", "negative entry count (src %d, dst %d)", nSrc, nDst)
+	if nSrc < 0 || nDst < 0 || nSrc > maxEntries || nDst > maxEntries {
+		return nil, errorf("layer_ids", "entry counts out of range (src %d, dst %d)", nSrc, nDst)
 	}
 	if nSrc == 0 {
 		return nil, nil
@@ -76,6 +76,10 @@ func BuildTransferEntryPairs(srcLayerIDs, dstLayerIDs []int, nSrc, nDst int, all
 	}
 	return pairs, nil
 }
+
+// maxEntries bounds entry (tensor) counts given as numbers rather than
+// lists, so a bad count cannot make a planner allocate without limit.
+const maxEntries = 1 << 24
 
 // DraftPool describes a speculative-decoding draft model's KV pool for
 // BuildKVLayerIDs.
@@ -140,7 +144,7 @@ func DraftEntryLayerIDs(pool DraftPool, numEntries int) ([]int, error) {
 	if pool.Hybrid {
 		ids = pool.LayerIDs
 	} else {
-		if pool.LayerNum <= 0 || numEntries < 0 || numEntries%pool.LayerNum != 0 {
+		if pool.LayerNum <= 0 || numEntries < 0 || numEntries > maxEntries || numEntries%pool.LayerNum != 0 {
 			return nil, errorf("draft_layer_num", "draft KV buffers must register a whole number of per-layer groups: entries=%d, layers=%d", numEntries, pool.LayerNum)
 		}
 		groups := numEntries / pool.LayerNum
@@ -163,8 +167,8 @@ func DraftEntryLayerIDs(pool DraftPool, numEntries int) ([]int, error) {
 // identity (decode may hold extra draft entries); otherwise entries pair by
 // layer id.
 func ResolveDCPDstEntryIndices(srcLayerIDs, dstLayerIDs []int, nSrc, nDst int) ([]int, error) {
-	if nSrc < 0 {
-		return nil, errorf("layer_ids", "negative entry count %d", nSrc)
+	if nSrc < 0 || nSrc > maxEntries {
+		return nil, errorf("layer_ids", "entry count %d out of range", nSrc)
 	}
 	if len(srcLayerIDs) == 0 && len(dstLayerIDs) == 0 {
 		out := make([]int, nSrc)
@@ -223,7 +227,7 @@ func pyRange(n, start, stop int) (lo, hi int) {
 // of that concatenation. stateType is "" for KV. The result is appended to
 // dst.
 func PairCompressedMLARegions(dst []int32, nSrc, nDst int, pp PPLayout, stateType StateType) ([]int32, error) {
-	if nSrc < 0 || nDst < 0 || pp.StartLayer < 0 {
+	if nSrc < 0 || nDst < 0 || nSrc > maxEntries || nDst > maxEntries || pp.StartLayer < 0 {
 		return dst, errorf("prefill.start_layer", "invalid PP layout: src=%d dst=%d entries, start_layer=%d", nSrc, nDst, pp.StartLayer)
 	}
 	if !pp.HasEnd {

@@ -118,9 +118,18 @@ func mambaBytesPerDim(in MambaSliceInput) (src, dst uint64, err error) {
 	if in.SrcDim <= 0 || in.DstDim <= 0 {
 		return 0, 0, errorf("state_dim_per_tensor", "dims must be positive (src %d, dst %d)", in.SrcDim, in.DstDim)
 	}
-	return in.SrcItemLen / (uint64(in.SrcDim) * uint64(in.OuterCount)),
-		in.DstItemLen / (uint64(in.DstDim) * uint64(in.OuterCount)), nil
+	srcDiv, ok1 := mul64(uint64(in.SrcDim), uint64(in.OuterCount))
+	dstDiv, ok2 := mul64(uint64(in.DstDim), uint64(in.OuterCount))
+	if !ok1 || !ok2 {
+		// Such a slot would hold more dims than bytes: nothing to slice.
+		return 0, 0, nil
+	}
+	return in.SrcItemLen / srcDiv, in.DstItemLen / dstDiv, nil
 }
+
+// maxMambaOuterRows bounds the block list of MambaStateSliceByteBlocks
+// (real states have a handful of rows, e.g. conv kernel - 1).
+const maxMambaOuterRows = 1 << 16
 
 // MambaStateSliceByteBlocks converts the logical blocks of one tensor into
 // byte blocks of one slot (the reference's
@@ -135,6 +144,9 @@ func MambaStateSliceByteBlocks(in MambaSliceInput) ([]MambaByteBlock, error) {
 	logical, err := appendMambaSliceBlocks(buf[:0], in)
 	if err != nil {
 		return nil, err
+	}
+	if in.OuterCount > maxMambaOuterRows {
+		return nil, errorf("state_slice_outer_counts", "%d outer rows: at most %d listed block by block (plans stride over them)", in.OuterCount, maxMambaOuterRows)
 	}
 	out := make([]MambaByteBlock, 0, in.OuterCount*len(logical))
 	for row := 0; row < in.OuterCount; row++ {

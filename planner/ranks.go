@@ -78,6 +78,14 @@ func MapRanks(in RankMappingInput) (RankMapping, error) {
 	if dcp < 0 || pcp < 0 || dpp < 0 || ppp < 0 {
 		return m, errorf("pp_size", "negative CP or PP size (decode cp %d pp %d, prefill cp %d pp %d)", dcp, dpp, pcp, ppp)
 	}
+	for _, s := range []struct {
+		field string
+		n     int
+	}{{"decode.tp_size", d}, {"prefill.tp_size", p}, {"prefill.cp_size", pcp}, {"decode.pp_size", dpp}, {"prefill.pp_size", ppp}} {
+		if s.n > maxParallelSize {
+			return m, errorf(s.field, "%d ranks: more than %d", s.n, maxParallelSize)
+		}
+	}
 	if dcp != 1 {
 		return m, errorf("decode.cp_size", "decode attn_cp_size (%d) should be equal to 1", dcp)
 	}
@@ -157,6 +165,10 @@ func (m RankMapping) Targets(mla bool) []BootstrapTarget {
 	}
 	return out
 }
+
+// maxParallelSize bounds TP, CP and PP sizes (the target lists are built
+// in full).
+const maxParallelSize = 1 << 16
 
 func sizeOrOne(n int) int {
 	if n == 0 {
