@@ -162,9 +162,14 @@ struct Dlist {
 
 struct Xfer {
   Agent *agent;
-  nixlXferReqH *req = nullptr;
   std::string peer;
   uint64_t desc_count;  // descriptors as given (strided ones count once)
+  // mu guards req. The caller serialises its own calls on one transfer
+  // (ABI rule 2), but remove_remote cancels the transfers of its peer from
+  // another call; then req becomes nullptr and the handle stays valid until
+  // release_xfer, reporting KVP_ERR_CANCELED.
+  std::mutex mu;
+  nixlXferReqH *req = nullptr;
 };
 
 struct Agent {
@@ -317,30 +322,51 @@ Peer *find_peer(Agent &a, const std::string &name) {
   return it == a.peers.end() ? nullptr : it->second.get();
 }
 
-// Releases a transfer object: cancels it in NIXL if still active. When the
-// backend cannot cancel, waits for completion (polling, which drives
-// progress) and releases then, so that on return NIXL no longer touches the
-// transfer's memory.
-kvp_error *free_xfer(Agent &a, Xfer *x, const char *fn) {
-  nixl_status_t s = a.nixl->releaseXferReq(x->req);
+// Releases a NIXL request: cancels it if still active. When the backend
+// cannot cancel, waits for completion (polling, which drives progress) and
+// releases then, so that on return NIXL no longer touches the transfer's
+// memory. On failure NIXL still owns the request; it is leaked rather than
+// freed under NIXL's feet, and the error says so.
+kvp_error *release_req(Agent &a, nixlXferReqH *req, const char *fn) {
+  nixl_status_t s = a.nixl->releaseXferReq(req);
   if (s != NIXL_SUCCESS) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (std::chrono::steady_clock::now() < deadline) {
-      nixl_status_t st = a.nixl->getXferStatus(x->req);
-      if (st != NIXL_IN_PROG) break;
+      if (a.nixl->getXferStatus(req) != NIXL_IN_PROG) break;
       std::this_thread::yield();
     }
-    s = a.nixl->releaseXferReq(x->req);
+    s = a.nixl->releaseXferReq(req);
   }
-  if (s != NIXL_SUCCESS) {
-    // NIXL still owns the request; leak it rather than free memory NIXL may
-    // use, and say so.
-    kvp_error *e = nixl_err(s, fn, "releaseXferReq could not cancel the transfer");
-    delete x;
-    return e;
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "releaseXferReq could not cancel the transfer");
+  return nullptr;
+}
+
+// Frees a transfer whose handle was removed.
+kvp_error *free_xfer(Agent &a, Xfer *x, const char *fn) {
+  kvp_error *e = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(x->mu);
+    if (x->req) e = release_req(a, x->req, fn);
+    x->req = nullptr;
   }
   delete x;
-  return nullptr;
+  return e;
+}
+
+// Cancels a transfer whose peer is being removed; the handle stays valid.
+void cancel_xfer(Agent &a, kvp_xfer h) {
+  Ref<Xfer> x(tables()->xfers, h);
+  if (!x) return;  // released meanwhile
+  std::lock_guard<std::mutex> lk(x->mu);
+  if (x->req) kvp_err_free(release_req(a, x->req, "remove_remote"));
+  x->req = nullptr;
+}
+
+// The error of a transfer cancelled by remove_remote.
+kvp_error *cancelled(const char *fn, const Xfer &x) {
+  return kvp_err(KVP_ERR_CANCELED,
+                 "%s: the transfer was cancelled: its peer '%s' was removed (remove_remote)", fn,
+                 x.peer.c_str());
 }
 
 void free_dlist(Agent &a, Dlist *d) {
@@ -348,14 +374,11 @@ void free_dlist(Agent &a, Dlist *d) {
   delete d;
 }
 
-// Removes and frees the given handles (collected under a.mu, freed without
-// it: kvp_ht_remove may wait for references held by other calls).
-void drop_dependents(Agent &a, const std::vector<kvp_xfer> &xfers,
-                     const std::vector<kvp_dlist> &dlists, const std::vector<kvp_rregion> &rrs) {
+// Frees the given dlists and remote regions (collected under a.mu, removed
+// without it: kvp_ht_remove may wait for references held by other calls).
+void drop_dependents(Agent &a, const std::vector<kvp_dlist> &dlists,
+                     const std::vector<kvp_rregion> &rrs) {
   Tables *t = tables();
-  for (kvp_xfer h : xfers) {
-    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h))) kvp_err_free(free_xfer(a, x, "release"));
-  }
   for (kvp_dlist h : dlists) {
     if (auto *d = static_cast<Dlist *>(kvp_ht_remove(t->dlists, h))) free_dlist(a, d);
   }
@@ -484,7 +507,11 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
     a->rregions.clear();
     a->regions.clear();
   }
-  drop_dependents(*a, xs, ds, rs);
+  for (kvp_xfer h : xs) {
+    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h)))
+      kvp_err_free(free_xfer(*a, x, "agent_destroy"));
+  }
+  drop_dependents(*a, ds, rs);
   for (const RegionEntry &r : regs) {
     if (auto *reg = static_cast<Region *>(kvp_ht_remove(t->regions, r.handle))) {
       nixl_reg_dlist_t dl(to_nixl_mem(reg->kind));
@@ -683,11 +710,13 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
     xs.assign(peer->xfers.begin(), peer->xfers.end());
     ds.assign(peer->dlists.begin(), peer->dlists.end());
     rs.assign(peer->rregions.begin(), peer->rregions.end());
-    for (auto h : xs) a->xfers.erase(h);
     for (auto h : ds) a->dlists.erase(h);
     for (auto h : rs) a->rregions.erase(h);
   }
-  drop_dependents(*a, xs, ds, rs);
+  // Transfers are cancelled but keep their handles (the caller releases
+  // them); the peer's dlists and remote regions are released.
+  for (kvp_xfer h : xs) cancel_xfer(*a, h);
+  drop_dependents(*a, ds, rs);
   nixl_status_t s = a->nixl->invalidateRemoteMD(name);
   if (s != NIXL_SUCCESS && s != NIXL_ERR_NOT_FOUND) return nixl_err(s, fn, "invalidateRemoteMD(%s)", name.c_str());
   return nullptr;
@@ -1115,6 +1144,8 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
   WITH_AGENT(a, fn);
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  std::lock_guard<std::mutex> lk(x->mu);
+  if (!x->req) return cancelled(fn, *x);
   nixl_status_t s = a->nixl->postXferReq(x->req);
   if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer.c_str());
   args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
@@ -1127,6 +1158,8 @@ kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
   WITH_AGENT(a, fn);
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  std::lock_guard<std::mutex> lk(x->mu);
+  if (!x->req) return cancelled(fn, *x);
   nixl_status_t s = a->nixl->getXferStatus(x->req);
   if (s < 0) return nixl_err(s, fn, "getXferStatus of a transfer to '%s'", x->peer.c_str());
   args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
@@ -1159,6 +1192,10 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
   if (!(a->caps & KVP_CAP_TELEMETRY))
     return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: telemetry is off for this agent (telemetry=false)", fn);
+  std::lock_guard<std::mutex> lk(x->mu);
+  if (!x->req)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was cancelled (its peer '%s' was removed)", fn,
+                   x->peer.c_str());
   nixl_xfer_telem_t tm{};
   nixl_status_t s = a->nixl->getXferTelemetry(x->req, tm);
   if (s != NIXL_SUCCESS)
