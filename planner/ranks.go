@@ -12,7 +12,7 @@ type RankMappingInput struct {
 	DecodeTPSize     int // attn_tp_size
 	DecodeEngineRank int // kv_args.engine_rank; only its remainder by DecodeTPSize matters
 	DecodeCPSize     int // attn_cp_size; must be 1 (0 is taken as 1)
-	DecodeCPRank     int // attn_cp_rank
+	DecodeCPRank     int // attn_cp_rank; must be 0
 	DecodePPSize     int // pp_size (0 is taken as 1)
 	DecodePPRank     int // pp_rank
 
@@ -89,6 +89,9 @@ func MapRanks(in RankMappingInput) (RankMapping, error) {
 	if dcp != 1 {
 		return m, errorf("decode.cp_size", "decode attn_cp_size (%d) should be equal to 1", dcp)
 	}
+	if in.DecodeCPRank != 0 {
+		return m, errorf("decode.cp_rank", "must be 0 with decode attn_cp_size 1, got %d", in.DecodeCPRank)
+	}
 	if dpp != ppp && dpp != 1 {
 		return m, errorf("decode.pp_size", "decode pp size (%d) should be equal to prefill pp size (%d) or 1", dpp, ppp)
 	}
@@ -130,7 +133,7 @@ func MapRanks(in RankMappingInput) (RankMapping, error) {
 	}
 
 	if pcp == 1 {
-		m.TargetCPRanks = []int{in.DecodeCPRank}
+		m.TargetCPRanks = []int{0} // the decode CP rank, which is 0
 	} else if in.AllCPRanks || in.PrefillDSACacheLayerSplit {
 		m.TargetCPRanks = rankSeq(pcp)
 		m.RequiredPrefillResponseNum *= pcp / dcp

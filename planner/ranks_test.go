@@ -97,6 +97,8 @@ func TestMapRanksErrors(t *testing.T) {
 		{"not a multiple", RankMappingInput{DecodeTPSize: 3, PrefillTPSize: 2}, "decode.tp_size"},
 		{"not a divisor", RankMappingInput{DecodeTPSize: 2, PrefillTPSize: 3}, "prefill.tp_size"},
 		{"decode cp", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, DecodeCPSize: 2}, "decode.cp_size"},
+		{"decode cp rank", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, DecodeCPRank: 1}, "decode.cp_rank"},
+		{"huge cp", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, PrefillCPSize: 1 << 20}, "prefill.cp_size"},
 		{"decode pp", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, DecodePPSize: 2, PrefillPPSize: 4}, "decode.pp_size"},
 		{"pp rank", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, DecodePPSize: 2, PrefillPPSize: 2, DecodePPRank: 2}, "decode.pp_rank"},
 		{"negative rank", RankMappingInput{DecodeTPSize: 1, PrefillTPSize: 1, DecodeEngineRank: -1}, "decode.tp_rank"},
