@@ -25,9 +25,9 @@ type Info struct {
 // ParamDoc documents one agent parameter (a "key=default<TAB>description"
 // line of kvp_plugin_info_args.params_doc).
 type ParamDoc struct {
-	Key         string
-	Default     string
-	Description string
+	Key         string `json:"key"`
+	Default     string `json:"default"`
+	Description string `json:"description"`
 }
 
 // HasParam reports whether the plugin documents agent parameter key.
