@@ -85,8 +85,8 @@ kvp_error *nixl_err(nixl_status_t s, const char *what, const char *fmt, ...) {
   std::vsnprintf(extra, sizeof extra, fmt, ap);
   va_end(ap);
   kvp_status code = s < 0 ? static_cast<kvp_status>(s) : KVP_ERR_UNKNOWN;
-  return kvp_err(code, "%s: %s (%d)%s%s", what, status_name(s).c_str(), static_cast<int>(s),
-                 extra[0] ? ": " : "", extra);
+  return kvp_err(code, "%s: %s (%d)%s%s (NIXL's log on stderr has details; NIXL_LOG_LEVEL=DEBUG for more)",
+                 what, status_name(s).c_str(), static_cast<int>(s), extra[0] ? ": " : "", extra);
 }
 
 // Runs an ABI entry point body, turning every C++ exception into an error

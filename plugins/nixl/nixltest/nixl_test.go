@@ -1,0 +1,479 @@
+// Package nixltest proves behaviour of the nixl plugin that the conformance
+// suite (host/conformance) cannot reach through its fake-plugin hooks:
+// NIXL's own parameter errors, transfers that are really in flight (UCX over
+// TCP only, so completion is asynchronous), cancellation by release_xfer and
+// by remove_remote, the progress-thread-off mode, and a peer that restarts
+// under the same name.
+//
+// It needs the plugin built with `make plugin-nixl NIXL_PREFIX=...` and
+// skips, saying so, when lib/kvhost/libkvhost_nixl.so is not there (CI has
+// no NIXL). The tests run two agents in this process over UCX on loopback.
+package nixltest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/plugin"
+)
+
+const pluginName = "nixl"
+
+// load opens the nixl plugin, or skips when it was not built.
+func load(t *testing.T) *plugin.Plugin {
+	t.Helper()
+	dirs := plugin.SearchDirs("")
+	found := false
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, "libkvhost_"+pluginName+".so")); err == nil {
+			found = true
+		}
+	}
+	if !found {
+		t.Skipf("libkvhost_nixl.so not found in %v: build it with `make plugin-nixl NIXL_PREFIX=...` (needs an installed NIXL)", dirs)
+	}
+	p, err := plugin.Load(pluginName, dirs)
+	if err != nil {
+		t.Fatalf("loading the nixl plugin: %v", err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// side is an agent with one registered DRAM buffer outside the Go heap.
+type side struct {
+	a   *plugin.Agent
+	buf []byte
+	reg *plugin.Region
+}
+
+var names sync.Map
+
+// uniqueName returns an agent name unique to this process and run.
+func uniqueName(t *testing.T, role string) string {
+	for i := 0; ; i++ {
+		n := fmt.Sprintf("nixltest-%d-%s-%s-%d", os.Getpid(), strings.ReplaceAll(t.Name(), "/", "-"), role, i)
+		if _, dup := names.LoadOrStore(n, true); !dup {
+			return n
+		}
+	}
+}
+
+func newSide(t *testing.T, p *plugin.Plugin, name string, size int, params ...plugin.Param) *side {
+	t.Helper()
+	a, err := p.NewAgent(name, params...)
+	if err != nil {
+		t.Fatalf("agent %s: %v", name, err)
+	}
+	buf, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS)
+	if err != nil {
+		a.Close()
+		t.Fatalf("mmap: %v", err)
+	}
+	regs, err := a.Register([]abi.MemDesc{{Addr: addr(buf), Len: uint64(size), MemKind: abi.DRAM}})
+	if err != nil {
+		a.Close()
+		syscall.Munmap(buf)
+		t.Fatalf("register: %v", err)
+	}
+	s := &side{a: a, buf: buf, reg: regs[0]}
+	t.Cleanup(func() {
+		if err := a.Close(); err != nil {
+			t.Errorf("closing agent %s: %v", name, err)
+		}
+		syscall.Munmap(buf)
+	})
+	return s
+}
+
+func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+// connect loads the target's metadata into the initiator and returns the
+// peer name.
+func connect(t *testing.T, init, target *side) string {
+	t.Helper()
+	md, err := target.a.LocalMetadata()
+	if err != nil {
+		t.Fatalf("local_metadata: %v", err)
+	}
+	name, err := init.a.LoadRemote(md)
+	if err != nil {
+		t.Fatalf("load_remote: %v", err)
+	}
+	if name != target.a.Name() {
+		t.Fatalf("load_remote returned peer %q, want %q", name, target.a.Name())
+	}
+	return name
+}
+
+// fill writes a pattern that differs per seed.
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = byte(i*7) ^ seed
+	}
+}
+
+func code(err error) abi.Status {
+	var pe *plugin.Error
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return 0
+}
+
+func expectCode(t *testing.T, what string, err error, want abi.Status) {
+	t.Helper()
+	if got := code(err); got != want {
+		t.Errorf("%s: %v, want code %v", what, err, want)
+	}
+}
+
+func wait(t *testing.T, x *plugin.Xfer, what string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := x.Wait(ctx); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+func TestAgentParameterErrors(t *testing.T) {
+	p := load(t)
+	cases := []struct {
+		params []plugin.Param
+		code   abi.Status
+		msg    string // part of the message
+	}{
+		// NIXL reports the plugins it found; UCX was built.
+		{[]plugin.Param{{Key: "backend", Value: "NO_SUCH_BACKEND"}}, abi.ErrNotFound, "available: "},
+		{[]plugin.Param{{Key: "sync_mode", Value: "none"}}, abi.ErrInvalidParam, "sync_mode"},
+		{[]plugin.Param{{Key: "progress_thread", Value: "sometimes"}}, abi.ErrInvalidParam, "progress_thread"},
+		{[]plugin.Param{{Key: "progress_delay_us", Value: "-1"}}, abi.ErrInvalidParam, "progress_delay_us"},
+		// Passed through to UCX, which rejects it; NIXL returns only
+		// NIXL_ERR_BACKEND (its log on stderr has the reason), so the
+		// message names the call and the backend parameters given.
+		{[]plugin.Param{{Key: "ucx_error_handling_mode", Value: "bogus"}}, abi.ErrBackend, "createBackend(UCX) with backend params {ucx_error_handling_mode}"},
+	}
+	for _, c := range cases {
+		a, err := p.NewAgent(uniqueName(t, "bad"), c.params...)
+		if err == nil {
+			a.Close()
+			t.Errorf("params %v: accepted", c.params)
+			continue
+		}
+		if c.code != 0 && code(err) != c.code {
+			t.Errorf("params %v: %v, want code %v", c.params, err, c.code)
+		}
+		if code(err) == 0 {
+			t.Errorf("params %v: %v is not a plugin error", c.params, err)
+		}
+		if !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("params %v: %q does not mention %q", c.params, err, c.msg)
+		}
+		t.Logf("params %v: %v", c.params, err)
+	}
+	// The unknown-backend message lists what NIXL has, which includes UCX.
+	_, err := p.NewAgent(uniqueName(t, "bad"), plugin.Param{Key: "backend", Value: "NO_SUCH_BACKEND"})
+	if err == nil || !strings.Contains(err.Error(), "UCX") {
+		t.Errorf("unknown backend: %v, want the available plugins (UCX) listed", err)
+	}
+}
+
+// tcpOnly makes UCX move data over TCP on loopback only: completion is then
+// asynchronous, so transfers are really in flight after post_xfer (with the
+// default transports, cma copies inside post_xfer).
+var tcpOnly = plugin.Param{Key: "engine_config", Value: "TLS=tcp"}
+
+func TestInFlightTransfers(t *testing.T) {
+	p := load(t)
+	const size = 256 << 20
+	const nblk = 64
+	const blk = size / nblk
+	init := newSide(t, p, uniqueName(t, "init"), size, tcpOnly)
+	target := newSide(t, p, uniqueName(t, "target"), size, tcpOnly)
+	peer := connect(t, init, target)
+
+	descs := func(b []byte) []abi.XferDesc {
+		d := make([]abi.XferDesc, nblk)
+		for i := range d {
+			d[i] = abi.XferDesc{Addr: addr(b) + uint64(i*blk), Len: blk, Count: 1}
+		}
+		return d
+	}
+	ld, err := init.a.PrepLocal(abi.DRAM, descs(init.buf))
+	if err != nil {
+		t.Fatalf("prep local: %v", err)
+	}
+	defer ld.Close()
+	rd, err := init.a.PrepRemote(peer, abi.DRAM, descs(target.buf))
+	if err != nil {
+		t.Fatalf("prep remote: %v", err)
+	}
+	defer rd.Close()
+	idx := make([]int32, nblk)
+	for i := range idx {
+		idx[i] = int32(i)
+	}
+
+	// A 256 MiB WRITE over TCP: in progress after post, REPOST_ACTIVE while
+	// active, NO_TELEMETRY before completion, then every byte lands.
+	fill(init.buf, 1)
+	x, err := init.a.MakePreppedXfer(abi.Write, ld, idx, rd, idx, nil)
+	if err != nil {
+		t.Fatalf("make_prepped_xfer: %v", err)
+	}
+	_, err = x.Poll()
+	expectCode(t, "poll before post", err, abi.ErrNotPosted)
+	done, err := x.Post()
+	if err != nil {
+		t.Fatalf("post: %v", err)
+	}
+	if done {
+		t.Fatalf("post_xfer of 256 MiB over TCP reported completion inside the call")
+	}
+	if done, err := x.Poll(); err != nil || done {
+		t.Errorf("poll right after post: done %v, %v; want IN_PROG", done, err)
+	}
+	_, err = x.Post()
+	expectCode(t, "post of an active transfer", err, abi.ErrRepostActive)
+	_, err = x.Telemetry()
+	expectCode(t, "telemetry of an active transfer", err, abi.ErrNoTelemetry)
+	wait(t, x, "256 MiB WRITE")
+	if !bytes.Equal(init.buf, target.buf) {
+		t.Fatalf("WRITE: target bytes differ from the source")
+	}
+	tm, err := x.Telemetry()
+	if err != nil {
+		t.Fatalf("telemetry: %v", err)
+	}
+	if tm.Bytes != size || tm.Descs != nblk || tm.Xfer <= 0 || time.Since(tm.Start) > time.Minute || tm.Start.After(time.Now()) {
+		t.Errorf("telemetry %+v: want %d bytes, %d descriptors, a positive duration and a recent start", tm, size, nblk)
+	}
+	t.Logf("256 MiB over TCP: %+v", tm)
+
+	// Released while active: release_xfer cancels and returns; the handle
+	// is gone.
+	fill(init.buf, 2)
+	if done, err := x.Post(); err != nil || done {
+		t.Fatalf("repost: done %v, %v", done, err)
+	}
+	start := time.Now()
+	if err := x.Close(); err != nil {
+		t.Errorf("release_xfer of an active transfer: %v", err)
+	}
+	t.Logf("release_xfer of an active 256 MiB transfer took %v", time.Since(start))
+	if _, err := x.Poll(); err == nil {
+		t.Errorf("poll after release succeeded")
+	}
+
+	// remove_remote while a batch READ is active: the transfer is
+	// cancelled, its handle stays valid and reports CANCELED until it is
+	// released; the peer's lists are gone.
+	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	y, err := init.a.MakeBatchXfer(abi.Read, []plugin.Pair{{Local: init.reg, Remote: rr}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, nil)
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	if done, err := y.Post(); err != nil || done {
+		t.Fatalf("post READ: done %v, %v", done, err)
+	}
+	if err := init.a.RemoveRemote(peer); err != nil {
+		t.Fatalf("remove_remote with a transfer in flight: %v", err)
+	}
+	_, err = y.Poll()
+	expectCode(t, "poll of a transfer whose peer was removed", err, abi.ErrCanceled)
+	_, err = y.Poll()
+	expectCode(t, "second poll", err, abi.ErrCanceled)
+	_, err = y.Post()
+	expectCode(t, "post of a transfer whose peer was removed", err, abi.ErrCanceled)
+	if err := y.Close(); err != nil {
+		t.Errorf("release_xfer of a cancelled transfer: %v", err)
+	}
+	// The peer can be loaded again and used.
+	peer = connect(t, init, target)
+	rr2, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range after reload: %v", err)
+	}
+	fill(target.buf, 3)
+	z, err := init.a.MakeBatchXfer(abi.Read, []plugin.Pair{{Local: init.reg, Remote: rr2}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, []byte("read done"))
+	if err != nil {
+		t.Fatalf("make_batch_xfer after reload: %v", err)
+	}
+	defer z.Close()
+	if _, err := z.Post(); err != nil {
+		t.Fatalf("post after reload: %v", err)
+	}
+	wait(t, z, "READ after reload")
+	if !bytes.Equal(init.buf, target.buf) {
+		t.Fatalf("READ after reload: bytes differ")
+	}
+}
+
+// With progress_thread=false the host must keep calling get_notifs on every
+// agent (connection set-up needs both sides to make progress); then
+// transfers and notifications work.
+func TestProgressThreadOff(t *testing.T) {
+	p := load(t)
+	off := plugin.Param{Key: "progress_thread", Value: "false"}
+	const size = 4 << 20
+	init := newSide(t, p, uniqueName(t, "init"), size, off)
+	target := newSide(t, p, uniqueName(t, "target"), size, off)
+	peer := connect(t, init, target)
+
+	got := make(chan plugin.Notif, 16)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // the target's host: drains notifications every millisecond
+		defer wg.Done()
+		for {
+			ns, err := target.a.Notifs()
+			if err != nil {
+				t.Errorf("target get_notifs: %v", err)
+				return
+			}
+			for _, n := range ns {
+				got <- n
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Millisecond):
+			}
+		}
+	}()
+	defer func() { close(stop); wg.Wait() }()
+
+	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	fill(init.buf, 9)
+	x, err := init.a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: init.reg, Remote: rr}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, []byte("kv ready"))
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	defer x.Close()
+	if _, err := x.Post(); err != nil {
+		t.Fatalf("post: %v", err)
+	}
+	wait(t, x, "WRITE without progress threads")
+	select {
+	case n := <-got:
+		if n.From != init.a.Name() || string(n.Msg) != "kv ready" {
+			t.Errorf("notification %q from %q, want %q from %q", n.Msg, n.From, "kv ready", init.a.Name())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the notification attached to the WRITE never arrived")
+	}
+	if !bytes.Equal(init.buf, target.buf) {
+		t.Fatalf("WRITE without progress threads: bytes differ")
+	}
+}
+
+// A peer that restarts under the same name has new connection info; NIXL
+// refuses to load it over the old one, and the error says what to do.
+func TestPeerRestart(t *testing.T) {
+	p := load(t)
+	const size = 1 << 20
+	init := newSide(t, p, uniqueName(t, "init"), size)
+	name := uniqueName(t, "target")
+	first, err := p.NewAgent(name)
+	if err != nil {
+		t.Fatalf("agent: %v", err)
+	}
+	md, err := first.LocalMetadata()
+	if err != nil {
+		t.Fatalf("local_metadata: %v", err)
+	}
+	if _, err := init.a.LoadRemote(md); err != nil {
+		t.Fatalf("load_remote: %v", err)
+	}
+	if _, err := init.a.LoadRemote(md); err != nil {
+		t.Errorf("reloading the same metadata: %v", err)
+	}
+	if err := first.Close(); err != nil {
+		t.Fatalf("closing the first incarnation: %v", err)
+	}
+	second := newSide(t, p, name, size)
+	md2, err := second.a.LocalMetadata()
+	if err != nil {
+		t.Fatalf("local_metadata: %v", err)
+	}
+	_, err = init.a.LoadRemote(md2)
+	expectCode(t, "loading a restarted peer over the old one", err, abi.ErrNotAllowed)
+	if err != nil && !strings.Contains(err.Error(), "remove_remote") {
+		t.Errorf("the error does not say to remove_remote first: %v", err)
+	}
+	if err := init.a.RemoveRemote(name); err != nil {
+		t.Fatalf("remove_remote: %v", err)
+	}
+	peer := connect(t, init, second)
+	rr, err := init.a.ImportRange(peer, addr(second.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	fill(init.buf, 5)
+	x, err := init.a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: init.reg, Remote: rr}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, nil)
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	defer x.Close()
+	if _, err := x.Post(); err != nil {
+		t.Fatalf("post: %v", err)
+	}
+	wait(t, x, "WRITE to the restarted peer")
+	if !bytes.Equal(init.buf, second.buf) {
+		t.Fatalf("WRITE to the restarted peer: bytes differ")
+	}
+}
+
+// NIXL was built without CUDA here: registering VRAM must fail with an
+// error naming the descriptor, not crash, and leave nothing registered.
+func TestVRAMWithoutCUDA(t *testing.T) {
+	p := load(t)
+	s := newSide(t, p, uniqueName(t, "vram"), 1<<20)
+	if _, err := os.Stat("/dev/nvidia0"); err == nil {
+		t.Skip("a GPU is present; this test covers hosts without CUDA")
+	}
+	buf, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatalf("mmap: %v", err)
+	}
+	defer syscall.Munmap(buf)
+	_, err = s.a.Register([]abi.MemDesc{{Addr: addr(buf), Len: 4096, DevID: 0, MemKind: abi.VRAM}})
+	if err == nil {
+		t.Fatalf("registering VRAM without CUDA succeeded")
+	}
+	if code(err) == 0 || !strings.Contains(err.Error(), "VRAM") {
+		t.Errorf("VRAM registration error %v: want a plugin error naming VRAM", err)
+	}
+	t.Logf("VRAM without CUDA: %v", err)
+	// The DRAM region next to it still registers (nothing half-done).
+	regs, err := s.a.Register([]abi.MemDesc{{Addr: addr(buf), Len: 4096, MemKind: abi.DRAM}})
+	if err != nil {
+		t.Fatalf("registering the same range as DRAM afterwards: %v", err)
+	}
+	if err := s.a.Deregister(regs...); err != nil {
+		t.Errorf("deregister: %v", err)
+	}
+}
