@@ -34,19 +34,48 @@ func fakeDir(t *testing.T) string {
 	return filepath.Dir(path)
 }
 
-// pluginDirWithReject makes a folder holding a copy of the fake plugin and
-// files the host must reject: one that is not a library, and one that is a
-// library but not a plugin.
-func pluginDirWithReject(t *testing.T) string {
+// fakeABI2 returns the fake plugin built to claim ABI major 2 (`make
+// plugin-fake-abi2`, part of `make test`).
+func fakeABI2(t *testing.T) string {
 	t.Helper()
-	dir := t.TempDir()
-	src, err := os.ReadFile(filepath.Join(fakeDir(t), plugin.FileName("fake")))
+	dir, err := filepath.Abs(".")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(dir, plugin.FileName("fake")), src, 0o755); err != nil {
+	for ; ; dir = filepath.Dir(dir) {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			break
+		}
+		if filepath.Dir(dir) == dir {
+			t.Fatal("no go.mod above the test's folder")
+		}
+	}
+	path := filepath.Join(dir, "build", "testplugins", plugin.FileName("fakeabi2"))
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("%v: build it with `make plugin-fake-abi2`", err)
+	}
+	return path
+}
+
+func copyFile(t *testing.T, from, to string) {
+	t.Helper()
+	b, err := os.ReadFile(from)
+	if err != nil {
 		t.Fatal(err)
 	}
+	if err := os.WriteFile(to, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// pluginDirWithReject makes a folder holding a copy of the fake plugin and
+// files the host must reject: the fake built for ABI 2, a file that is not
+// a library, and a library that is not a plugin.
+func pluginDirWithReject(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	copyFile(t, filepath.Join(fakeDir(t), plugin.FileName("fake")), filepath.Join(dir, plugin.FileName("fake")))
+	copyFile(t, fakeABI2(t), filepath.Join(dir, plugin.FileName("fakeabi2")))
 	if err := os.WriteFile(filepath.Join(dir, plugin.FileName("junk")), []byte("not a library"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -101,6 +130,10 @@ func TestPluginsListJSON(t *testing.T) {
 	if junk.Used || !strings.Contains(junk.Error, "not a loadable library") {
 		t.Errorf("junk entry %+v", junk)
 	}
+	abi2 := byFile[filepath.Join(dir, plugin.FileName("fakeabi2"))]
+	if abi2.Used || !strings.HasSuffix(abi2.Error, "plugin speaks ABI 2 (majors 2..2), host speaks 1") || !strings.Contains(abi2.Error, abi2.File) {
+		t.Errorf("ABI-2 entry %+v, want it rejected naming the file and both versions", abi2)
+	}
 	other := byFile[filepath.Join(dir, plugin.FileName("other"))]
 	if other.Used || !strings.Contains(other.Error, "no kvp_plugin_get_api symbol") {
 		t.Errorf("non-plugin library entry %+v", other)
@@ -122,6 +155,7 @@ func TestPluginsListText(t *testing.T) {
 		"caps_off=",
 		"junk  " + filepath.Join(dir, plugin.FileName("junk")),
 		"REJECTED: not a loadable library",
+		"fakeabi2  " + filepath.Join(dir, plugin.FileName("fakeabi2")) + "\n  REJECTED: plugin speaks ABI 2 (majors 2..2), host speaks 1",
 		"REJECTED: no kvp_plugin_get_api symbol",
 		"not used: shadowed by " + filepath.Join(dir, plugin.FileName("fake")),
 	} {

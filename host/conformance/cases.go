@@ -109,7 +109,10 @@ func caseABI(t TB, s *Suite) {
 		t.Logf("no build for another ABI major was given; the refusal was checked through negotiation only")
 	}
 	for _, v := range s.cfg.ABIVariants {
-		_, err := plugin.Open(v)
+		p, err := plugin.Open(v)
+		if err == nil {
+			p.Close()
+		}
 		if !errors.Is(err, plugin.ErrABIMismatch) {
 			t.Errorf("opening %s: %v, want an ABI mismatch", v, err)
 			continue

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -138,8 +139,23 @@ func TestConformance(t *testing.T) {
 }
 
 // fakeABIVariants returns the fake plugin's build for ABI major 2, made by
-// `make plugin-fake-abi2`; the test fails if it is missing, since CI builds
-// it.
+// `make plugin-fake-abi2` (and by `make test`) in the build tree.
 func fakeABIVariants(t *testing.T) []string {
-	return nil
+	dir, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for ; ; dir = filepath.Dir(dir) {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			break
+		}
+		if filepath.Dir(dir) == dir {
+			t.Fatalf("no go.mod above the test's folder")
+		}
+	}
+	path := filepath.Join(dir, "build", "testplugins", plugin.FileName("fakeabi2"))
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("the fake plugin's ABI-2 build is missing (%v): run `make plugin-fake-abi2`, or pass -abi-variant", err)
+	}
+	return []string{path}
 }
