@@ -163,11 +163,7 @@ func TestChurnReceiverRestarts(t *testing.T) {
 		mu.Lock()
 		cur.Close()
 		time.Sleep(50 * time.Millisecond)
-		next, err := ListenPull(ep, quiet())
-		if err != nil {
-			mu.Unlock()
-			t.Fatalf("re-listen: %v", err)
-		}
+		next := relisten(t, ep)
 		cur = next
 		mu.Unlock()
 		wg.Add(1)
@@ -184,10 +180,7 @@ func TestChurnReceiverRestarts(t *testing.T) {
 	final.Close()
 	wg.Wait()
 	close(received)
-	last, err := ListenPull(ep, quiet())
-	if err != nil {
-		t.Fatal(err)
-	}
+	last := relisten(t, ep)
 	defer last.Close()
 	for p, push := range pushes {
 		if err := push.Send(ctx, []byte{byte(p)}, []byte("final")); err != nil {

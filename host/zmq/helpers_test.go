@@ -86,3 +86,21 @@ func equalFrames(a, b [][]byte) bool {
 	}
 	return true
 }
+
+// relisten binds a PULL socket to an endpoint that was just released,
+// retrying briefly: until then another socket on the machine may hold the
+// port as its local end.
+func relisten(t *testing.T, ep string) *Pull {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p, err := ListenPull(ep, quiet())
+		if err == nil {
+			return p
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("re-listen on %s: %v", ep, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -14,7 +14,7 @@ const peerScript = "testdata/zmq_peer.py"
 func portLine(t *testing.T, p *zmqtest.Peer) int {
 	t.Helper()
 	var port int
-	if _, err := fmt.Sscanf(p.Line(10*time.Second), "PORT %d", &port); err != nil {
+	if _, err := fmt.Sscanf(p.Line(30*time.Second), "PORT %d", &port); err != nil {
 		t.Fatalf("bad PORT line: %v", err)
 	}
 	return port

@@ -110,7 +110,7 @@ func TestInteropGoBuildsPythonParses(t *testing.T) {
 	spec := writeSpec(t, msgs)
 	peer := zmqtest.Start(t, peerScript, "recv", spec)
 	var port int
-	if _, err := fmt.Sscanf(peer.Line(10*time.Second), "PORT %d", &port); err != nil {
+	if _, err := fmt.Sscanf(peer.Line(30*time.Second), "PORT %d", &port); err != nil {
 		t.Fatal(err)
 	}
 	push, err := zmq.DialPush(zmq.TCPEndpoint("127.0.0.1", port), zmq.WithLogger(slog.New(slog.DiscardHandler)))

@@ -169,7 +169,7 @@ func TestHandshakeServerClose(t *testing.T) {
 func peerPort(t *testing.T, p *zmqtest.Peer) int {
 	t.Helper()
 	var port int
-	if _, err := fmt.Sscanf(p.Line(10*time.Second), "PORT %d", &port); err != nil {
+	if _, err := fmt.Sscanf(p.Line(30*time.Second), "PORT %d", &port); err != nil {
 		t.Fatal(err)
 	}
 	return port
@@ -187,7 +187,7 @@ func TestInteropPythonFetchesFromGo(t *testing.T) {
 			Metadata  map[string]any `json:"metadata"`
 			ByteExact bool           `json:"byte_exact"`
 		}
-		d := json.NewDecoder(strings.NewReader(peer.Line(10 * time.Second)))
+		d := json.NewDecoder(strings.NewReader(peer.Line(30 * time.Second)))
 		d.UseNumber()
 		if err := d.Decode(&got); err != nil {
 			t.Fatal(err)
@@ -237,7 +237,7 @@ func TestInteropGoFetchesFromPython(t *testing.T) {
 			t.Fatalf("fetch %d: %+v", i, got)
 		}
 	}
-	if l := peer.Line(10 * time.Second); l != "OK 3" {
+	if l := peer.Line(30 * time.Second); l != "OK 3" {
 		t.Fatalf("peer: %q", l)
 	}
 	peer.Wait(10 * time.Second)
@@ -271,7 +271,7 @@ func TestInteropCompatibilityHash(t *testing.T) {
 	os.WriteFile(path, b, 0o644)
 	peer := zmqtest.Start(t, peerScript, "hash", path)
 	var hashes []string
-	if err := json.Unmarshal([]byte(peer.Line(10*time.Second)), &hashes); err != nil {
+	if err := json.Unmarshal([]byte(peer.Line(30*time.Second)), &hashes); err != nil {
 		t.Fatal(err)
 	}
 	peer.Wait(10 * time.Second)
