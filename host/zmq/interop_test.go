@@ -116,3 +116,28 @@ func TestInteropGoReqToPythonRouter(t *testing.T) {
 	}
 	peer.Wait(10 * time.Second)
 }
+
+// A libzmq PUSH with heartbeats on keeps its one connection to our PULL
+// through an idle period (we answer its PINGs), so nothing reconnects.
+func TestInteropHeartbeats(t *testing.T) {
+	zmqtest.RequirePython(t, "zmq")
+	var logs logBuffer
+	pull, err := ListenPull("tcp://127.0.0.1:0", WithLogger(logs.logger()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pull.Close()
+	peer := zmqtest.Start(t, peerScript, "push-heartbeat", pull.Endpoint())
+	ctx := testCtx(t, 30*time.Second)
+	for _, want := range []string{"one", "two"} {
+		m, err := pull.Recv(ctx)
+		if err != nil || string(m[0]) != want {
+			t.Fatalf("recv %s: %q %v\n%s", want, m, err, peer.Stderr())
+		}
+	}
+	peer.Wait(10 * time.Second)
+	waitFor(t, "the peer's final disconnect", func() bool { return strings.Contains(logs.String(), "peer disconnected") })
+	if n := strings.Count(logs.String(), "peer disconnected"); n != 1 {
+		t.Fatalf("%d disconnects, want 1 (heartbeat timeouts?):\n%s", n, logs.String())
+	}
+}

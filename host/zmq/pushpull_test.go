@@ -1,9 +1,11 @@
 package zmq
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"testing"
@@ -273,5 +275,42 @@ func TestPushers(t *testing.T) {
 	ps.Close()
 	if err := ps.Send(ctx, pullA.Endpoint(), []byte("x")); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Send after Close: %v", err)
+	}
+}
+
+// A libzmq peer with heartbeats on (ZMQ_HEARTBEAT_IVL) sends PING; we
+// answer PONG with its context, and a peer's ERROR ends the connection.
+func TestPingPongAndError(t *testing.T) {
+	pull := newPull(t)
+	c, err := net.Dial("tcp", pull.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write(greeting())
+	c.Write(encodeCommand("READY", readyMetadata(typePush)))
+	r := bufio.NewReader(c)
+	g := make([]byte, greetingSize)
+	if _, err := io.ReadFull(r, g); err != nil {
+		t.Fatal(err)
+	}
+	lim := limits{maxMessageSize: 1 << 20, maxFrames: 8}
+	if _, cmd, err := readMessage(r, lim); err != nil || cmd == nil || cmd.name != "READY" {
+		t.Fatalf("READY: %v %v", cmd, err)
+	}
+	c.Write(encodeCommand("PING", []byte{0, 10, 'c', 't', 'x'}))
+	_, cmd, err := readMessage(r, lim)
+	if err != nil || cmd == nil || cmd.name != "PONG" || string(cmd.body) != "ctx" {
+		t.Fatalf("PONG: %+v %v", cmd, err)
+	}
+	// Data still flows after the PING.
+	c.Write(encodeMessage([][]byte{[]byte("after ping")}))
+	if m, err := pull.Recv(testCtx(t, 5*time.Second)); err != nil || string(m[0]) != "after ping" {
+		t.Fatalf("recv: %q %v", m, err)
+	}
+	c.Write(encodeCommand("ERROR", errorBody("going away")))
+	if _, err := r.ReadByte(); err != io.EOF {
+		t.Fatalf("after ERROR the connection should be closed, read: %v", err)
 	}
 }

@@ -2,6 +2,9 @@
 
 Modes (first argument):
   push ENDPOINT      connect PUSH, send the standard messages, close (linger)
+  push-heartbeat ENDPOINT
+                     PUSH with ZMTP heartbeats every 50 ms (timeout 300 ms):
+                     send "one", idle 1.5 s, send "two", close
   pull               bind PULL on 127.0.0.1, print "PORT <n>", receive the
                      standard messages and print "OK <n>" when they match
   req ENDPOINT N     N times: new REQ socket, send [b"req", i], expect
@@ -35,6 +38,18 @@ def main():
         s.connect(sys.argv[2])
         for m in standard_messages():
             s.send_multipart(m)
+        s.close()
+    elif mode == "push-heartbeat":
+        import time
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 10000)
+        s.setsockopt(zmq.HEARTBEAT_IVL, 50)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
+        s.setsockopt(zmq.HEARTBEAT_TTL, 1000)
+        s.connect(sys.argv[2])
+        s.send(b"one")
+        time.sleep(1.5)
+        s.send(b"two")
         s.close()
     elif mode == "pull":
         s = ctx.socket(zmq.PULL)
