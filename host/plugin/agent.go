@@ -232,12 +232,15 @@ func (r *Region) Agent() *Agent { return r.a }
 func (r *Region) Close() error { return r.a.Deregister(r) }
 
 // Register registers memory; the i-th Region describes descs[i]. All or
-// nothing: on error nothing stays registered.
+// nothing: on error nothing stays registered. The plugin reads and writes
+// the memory asynchronously, without the Go runtime knowing: register
+// memory outside the Go heap (mmap'd buffers, GPU memory), and keep it
+// mapped until the Region is closed.
 func (a *Agent) Register(descs []abi.MemDesc) ([]*Region, error) {
-	if err := a.useExclusive(); err != nil {
+	if err := a.use(); err != nil {
 		return nil, err
 	}
-	defer a.mu.Unlock()
+	defer a.mu.RUnlock()
 	if len(descs) == 0 {
 		return nil, nil
 	}

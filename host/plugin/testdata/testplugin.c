@@ -8,6 +8,7 @@
  *   TP_NULL_POST                 leave post_xfer NULL
  *   TP_NO_ENTRY                  do not export the entry symbol
  *   TP_SMALL_TABLE               report a struct_size smaller than ABI 1.0's
+ *   TP_WORKING                   transfer functions succeed and count calls (see below)
  *
  * agent_create fails with KVP_ERR_INVALID_PARAM "unknown parameter <key>"
  * for a parameter other than agent_caps and alpha; agent_caps=<decimal> sets the caps
@@ -102,6 +103,77 @@ static kvp_error *agent_destroy(kvp_agent_destroy_args *a) {
   return NULL;
 }
 
+#ifdef TP_WORKING
+/* TP_WORKING: the transfer functions succeed without touching memory and
+ * count their calls, so tests can see exactly which calls the host makes.
+ * testplugin_calls(i) is the count of function i (the enum below);
+ * testplugin_last(j) the last call's item count (0), pair count (1) and
+ * number of strided descriptors or entries (2). */
+enum { C_REGISTER, C_DEREGISTER, C_IMPORT, C_RELEASE_RR, C_PREP, C_RELEASE_DLIST, C_MAKE_PREPPED,
+       C_MAKE_BATCH, C_POST, C_POLL, C_RELEASE_XFER, C_NCALLS };
+static int calls[C_NCALLS];
+static uint64_t last[3];
+static uint64_t next_handle = 1000;
+KVP_EXPORT int testplugin_calls(int i) { return __atomic_load_n(&calls[i], __ATOMIC_SEQ_CST); }
+KVP_EXPORT uint64_t testplugin_last(int i) { return last[i]; }
+static void count(int i) { __atomic_add_fetch(&calls[i], 1, __ATOMIC_SEQ_CST); }
+static uint64_t handle(void) { return __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST); }
+
+static kvp_error *w_register(kvp_register_mem_args *a) {
+  count(C_REGISTER);
+  for (size_t i = 0; i < a->num_descs; i++) a->regions[i] = handle();
+  return NULL;
+}
+static kvp_error *w_deregister(kvp_deregister_mem_args *a) { (void)a; count(C_DEREGISTER); return NULL; }
+static kvp_error *w_metadata(kvp_local_metadata_args *a) {
+  a->size = 4;
+  if (a->cap >= 4) memcpy(a->buf, "tpmd", 4);
+  return NULL;
+}
+static kvp_error *w_load(kvp_load_remote_args *a) {
+  a->peer_name = "peer";
+  a->peer_name_len = 4;
+  return NULL;
+}
+static kvp_error *w_import(kvp_remote_region_import_args *a) {
+  count(C_IMPORT);
+  if (a->blob) return mkerr(KVP_ERR_NOT_SUPPORTED, "no blobs", 8);
+  a->rregion = handle();
+  return NULL;
+}
+static kvp_error *w_release_rr(kvp_remote_region_release_args *a) { (void)a; count(C_RELEASE_RR); return NULL; }
+static kvp_error *w_prep(kvp_prep_dlist_args *a) {
+  count(C_PREP);
+  last[0] = a->num_descs;
+  last[2] = 0;
+  for (size_t i = 0; i < a->num_descs; i++) last[2] += a->descs[i].count > 1;
+  a->dlist = handle();
+  return NULL;
+}
+static kvp_error *w_release_dlist(kvp_release_dlist_args *a) { (void)a; count(C_RELEASE_DLIST); return NULL; }
+static kvp_error *w_make_prepped(kvp_make_prepped_xfer_args *a) {
+  count(C_MAKE_PREPPED);
+  last[0] = a->num_local_indices;
+  a->xfer = handle();
+  return NULL;
+}
+static kvp_error *w_make_batch(kvp_make_batch_xfer_args *a) {
+  count(C_MAKE_BATCH);
+  last[0] = a->num_entries;
+  last[1] = a->num_pairs;
+  last[2] = 0;
+  for (size_t i = 0; i < a->num_entries; i++) last[2] += a->entries[i].count > 1;
+  a->xfer = handle();
+  return NULL;
+}
+static kvp_error *w_post(kvp_post_xfer_args *a) { count(C_POST); a->status = KVP_SUCCESS; return NULL; }
+static kvp_error *w_poll(kvp_poll_xfer_args *a) { count(C_POLL); a->status = KVP_SUCCESS; return NULL; }
+static kvp_error *w_release_xfer(kvp_release_xfer_args *a) { (void)a; count(C_RELEASE_XFER); return NULL; }
+#define FN(working, fallback) working
+#else
+#define FN(working, fallback) fallback
+#endif
+
 static kvp_error *unsupported(void *a) {
   (void)a;
   return mkerr(KVP_ERR_NOT_SUPPORTED, "testplugin moves no bytes", 25);
@@ -119,23 +191,23 @@ __attribute__((unused)) static kvp_api api = {
     .plugin_info = info,
     .agent_create = agent_create,
     .agent_destroy = agent_destroy,
-    .register_mem = UNSUP(kvp_register_mem_args),
-    .deregister_mem = UNSUP(kvp_deregister_mem_args),
+    .register_mem = FN(w_register, UNSUP(kvp_register_mem_args)),
+    .deregister_mem = FN(w_deregister, UNSUP(kvp_deregister_mem_args)),
     .region_export = UNSUP(kvp_region_export_args),
-    .local_metadata = UNSUP(kvp_local_metadata_args),
-    .load_remote = UNSUP(kvp_load_remote_args),
+    .local_metadata = FN(w_metadata, UNSUP(kvp_local_metadata_args)),
+    .load_remote = FN(w_load, UNSUP(kvp_load_remote_args)),
     .remove_remote = UNSUP(kvp_remove_remote_args),
-    .remote_region_import = UNSUP(kvp_remote_region_import_args),
-    .remote_region_release = UNSUP(kvp_remote_region_release_args),
-    .prep_dlist = UNSUP(kvp_prep_dlist_args),
-    .release_dlist = UNSUP(kvp_release_dlist_args),
-    .make_prepped_xfer = UNSUP(kvp_make_prepped_xfer_args),
-    .make_batch_xfer = UNSUP(kvp_make_batch_xfer_args),
+    .remote_region_import = FN(w_import, UNSUP(kvp_remote_region_import_args)),
+    .remote_region_release = FN(w_release_rr, UNSUP(kvp_remote_region_release_args)),
+    .prep_dlist = FN(w_prep, UNSUP(kvp_prep_dlist_args)),
+    .release_dlist = FN(w_release_dlist, UNSUP(kvp_release_dlist_args)),
+    .make_prepped_xfer = FN(w_make_prepped, UNSUP(kvp_make_prepped_xfer_args)),
+    .make_batch_xfer = FN(w_make_batch, UNSUP(kvp_make_batch_xfer_args)),
 #ifndef TP_NULL_POST
-    .post_xfer = UNSUP(kvp_post_xfer_args),
+    .post_xfer = FN(w_post, UNSUP(kvp_post_xfer_args)),
 #endif
-    .poll_xfer = UNSUP(kvp_poll_xfer_args),
-    .release_xfer = UNSUP(kvp_release_xfer_args),
+    .poll_xfer = FN(w_poll, UNSUP(kvp_poll_xfer_args)),
+    .release_xfer = FN(w_release_xfer, UNSUP(kvp_release_xfer_args)),
     .xfer_telemetry = UNSUP(kvp_xfer_telemetry_args),
     .get_notifs = UNSUP(kvp_get_notifs_args),
     .send_notif = UNSUP(kvp_send_notif_args),

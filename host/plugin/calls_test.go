@@ -1,0 +1,214 @@
+package plugin
+
+import (
+	"testing"
+
+	"github.com/ebitengine/purego"
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Indices of testplugin_calls (the enum in testdata/testplugin.c).
+const (
+	cRegister = iota
+	cDeregister
+	cImport
+	cReleaseRR
+	cPrep
+	cReleaseDList
+	cMakePrepped
+	cMakeBatch
+	cPost
+	cPoll
+	cReleaseXfer
+	cNumCalls
+)
+
+var callNames = [cNumCalls]string{"register_mem", "deregister_mem", "remote_region_import", "remote_region_release",
+	"prep_dlist", "release_dlist", "make_prepped_xfer", "make_batch_xfer", "post_xfer", "poll_xfer", "release_xfer"}
+
+// callCounter reads the call counts of a TP_WORKING test plugin.
+type callCounter struct {
+	calls, last uintptr
+}
+
+func newCallCounter(t *testing.T, path string) callCounter {
+	lib, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { purego.Dlclose(lib) })
+	var c callCounter
+	if c.calls, err = purego.Dlsym(lib, "testplugin_calls"); err != nil {
+		t.Fatal(err)
+	}
+	if c.last, err = purego.Dlsym(lib, "testplugin_last"); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func (c callCounter) snapshot() [cNumCalls]int {
+	var s [cNumCalls]int
+	for i := range s {
+		r, _, _ := purego.SyscallN(c.calls, uintptr(i))
+		s[i] = int(int32(r))
+	}
+	return s
+}
+
+// lastCall returns the item count, pair count and strided count of the
+// last prep/make call.
+func (c callCounter) lastCall() (items, pairs, strided uint64) {
+	r0, _, _ := purego.SyscallN(c.last, 0)
+	r1, _, _ := purego.SyscallN(c.last, 1)
+	r2, _, _ := purego.SyscallN(c.last, 2)
+	return uint64(r0), uint64(r1), uint64(r2)
+}
+
+// expectCalls runs f and checks that it made exactly the plugin calls in
+// want (function -> count), and no other counted call.
+func (c callCounter) expectCalls(t *testing.T, what string, want map[int]int, f func()) {
+	t.Helper()
+	before := c.snapshot()
+	f()
+	after := c.snapshot()
+	for i := range after {
+		if got := after[i] - before[i]; got != want[i] {
+			t.Errorf("%s: %d calls of %s, want %d", what, got, callNames[i], want[i])
+		}
+	}
+}
+
+// TestPluginCallsPerOperation proves how many plugin calls each operation
+// costs on every emulation path: one per transfer made, posted or polled on
+// native paths, whatever the number of descriptors.
+func TestPluginCallsPerOperation(t *testing.T) {
+	path := buildTestPlugin(t, t.TempDir(), "working", "TP_WORKING",
+		"TP_CAPS=(KVP_CAP_PREPPED|KVP_CAP_BATCH|KVP_CAP_STRIDED|KVP_CAP_REMOTE_ADDR)")
+	p, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	cc := newCallCounter(t, path)
+	const n = 1000 // descriptors, 1 in 10 strided with 4 blocks
+	const localBase, remoteBase, size = 1 << 30, 1 << 40, 1 << 24
+	var ld, rd []abi.XferDesc
+	var idx []int32
+	var entries []abi.BatchEntry
+	expanded := 0
+	for i := range n {
+		d := abi.XferDesc{Addr: uint64(i) * 4096, Len: 512, Count: 1}
+		if i%10 == 0 {
+			d.Stride, d.Count = 1024, 4
+		}
+		l, r := d, d
+		l.Addr += localBase
+		r.Addr += remoteBase
+		ld, rd = append(ld, l), append(rd, r)
+		idx = append(idx, int32(n-1-i))
+		entries = append(entries, abi.BatchEntry{LocalOffset: d.Addr, RemoteOffset: d.Addr, Len: d.Len, LocalStride: d.Stride, RemoteStride: d.Stride, Count: d.Count})
+		expanded += int(d.Count)
+	}
+	for _, tc := range []struct {
+		caps abi.Caps
+		// calls to make a prepped and a batch transfer, and to close them
+		prepped, batch, closeBatch map[int]int
+		// descriptors (or entries) the plugin receives for each
+		preppedItems, batchItems int
+	}{
+		{abi.CapPrepped | abi.CapBatch | abi.CapStrided | abi.CapRemoteAddr,
+			map[int]int{cMakePrepped: 1}, map[int]int{cMakeBatch: 1}, map[int]int{cReleaseXfer: 1}, n, n},
+		{abi.CapPrepped | abi.CapBatch | abi.CapRemoteAddr, // strides expanded
+			map[int]int{cMakePrepped: 1}, map[int]int{cMakeBatch: 1}, map[int]int{cReleaseXfer: 1}, expanded, expanded},
+		{abi.CapBatch | abi.CapStrided | abi.CapRemoteAddr, // prepped lists emulated
+			map[int]int{cMakeBatch: 1}, map[int]int{cMakeBatch: 1}, map[int]int{cReleaseXfer: 1}, n, n},
+		{abi.CapPrepped | abi.CapStrided | abi.CapRemoteAddr, // batch emulated: 2 lists + 1 prepped xfer
+			map[int]int{cMakePrepped: 1}, map[int]int{cPrep: 2, cMakePrepped: 1}, map[int]int{cReleaseXfer: 1, cReleaseDList: 2}, n, n},
+	} {
+		t.Run(fmtCaps(tc.caps), func(t *testing.T) {
+			a, err := p.NewAgent("a", Param{"agent_caps", itoa(uint32(tc.caps))})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			regions, err := a.Register([]abi.MemDesc{{Addr: localBase, Len: size}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			peer, err := a.LoadRemote([]byte("md"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			rr, err := a.ImportRange(peer, remoteBase, size, 0, abi.DRAM)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var l, r *DList
+			// Native lists cost a call each to make and to release; Go-side
+			// lists none (the remote one is covered by rr).
+			var prepCalls, releaseCalls map[int]int
+			if tc.caps.Has(abi.CapPrepped) {
+				prepCalls, releaseCalls = map[int]int{cPrep: 2}, map[int]int{cReleaseDList: 2}
+			}
+			cc.expectCalls(t, "preparing two lists", prepCalls, func() {
+				if l, err = a.PrepLocal(abi.DRAM, ld); err != nil {
+					t.Fatal(err)
+				}
+				if r, err = a.PrepRemote(peer, abi.DRAM, rd); err != nil {
+					t.Fatal(err)
+				}
+			})
+			var x *Xfer
+			cc.expectCalls(t, "making a prepped transfer", tc.prepped, func() {
+				if x, err = a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil); err != nil {
+					t.Fatal(err)
+				}
+			})
+			if items, _, _ := cc.lastCall(); items != uint64(tc.preppedItems) {
+				t.Errorf("the plugin got %d descriptors for a prepped transfer, want %d", items, tc.preppedItems)
+			}
+			cc.expectCalls(t, "posting", map[int]int{cPost: 1}, func() { x.Post() })
+			cc.expectCalls(t, "polling", map[int]int{cPoll: 1}, func() { x.Poll() })
+			cc.expectCalls(t, "waiting for a done transfer", map[int]int{cPoll: 1}, func() { x.Wait(t.Context()) })
+			cc.expectCalls(t, "closing a prepped transfer", map[int]int{cReleaseXfer: 1}, func() { x.Close() })
+
+			var y *Xfer
+			cc.expectCalls(t, "making a batch transfer", tc.batch, func() {
+				if y, err = a.MakeBatchXfer(abi.Write, []Pair{{regions[0], rr}}, entries, nil); err != nil {
+					t.Fatal(err)
+				}
+			})
+			items, pairs, strided := cc.lastCall()
+			if items != uint64(tc.batchItems) {
+				t.Errorf("the plugin got %d items for a batch transfer, want %d", items, tc.batchItems)
+			}
+			if tc.caps.Has(abi.CapBatch) && pairs != 1 {
+				t.Errorf("the plugin got %d region pairs, want 1", pairs)
+			}
+			if wantStrided := uint64(n / 10); tc.caps.Has(abi.CapStrided) && tc.caps.Has(abi.CapBatch) && strided != wantStrided {
+				t.Errorf("the plugin got %d strided entries, want them passed through (%d)", strided, wantStrided)
+			}
+			cc.expectCalls(t, "closing a batch transfer", tc.closeBatch, func() { y.Close() })
+			cc.expectCalls(t, "closing the lists", releaseCalls, func() {
+				if err := l.Close(); err != nil {
+					t.Error(err)
+				}
+				if err := r.Close(); err != nil {
+					t.Error(err)
+				}
+			})
+		})
+	}
+}
+
+func fmtCaps(c abi.Caps) string {
+	s := ""
+	for _, n := range c.Names() {
+		if s != "" {
+			s += "+"
+		}
+		s += n
+	}
+	return s
+}
