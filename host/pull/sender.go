@@ -1,0 +1,568 @@
+package pull
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/wire/vllm"
+	"github.com/kvhost/kvhost/host/zmq"
+)
+
+// DefaultAbortTimeout is how long a prefill holds a request's blocks for
+// decode readers that never notify (VLLM_NIXL_ABORT_REQUEST_TIMEOUT's
+// default, 480 s).
+const DefaultAbortTimeout = 480 * time.Second
+
+// EnvAbortTimeout is vLLM's variable for the abort timeout, in seconds.
+const EnvAbortTimeout = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
+
+// AbortTimeoutFromEnv returns the abort timeout from EnvAbortTimeout
+// (seconds, integer or decimal), or DefaultAbortTimeout when it is unset.
+func AbortTimeoutFromEnv() (time.Duration, error) {
+	v, ok := os.LookupEnv(EnvAbortTimeout)
+	if !ok || v == "" {
+		return DefaultAbortTimeout, nil
+	}
+	return ParseSeconds(EnvAbortTimeout, v)
+}
+
+// ParseSeconds parses a positive number of seconds, as vLLM's timeout
+// variables are given; name is used in the error.
+func ParseSeconds(name, v string) (time.Duration, error) {
+	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+	if err != nil || f <= 0 || f > 1e9 {
+		return 0, fmt.Errorf("%s=%q: want a positive number of seconds", name, v)
+	}
+	return time.Duration(f * float64(time.Second)), nil
+}
+
+// SenderRank is one TP rank of the prefill engine: its agent and KV cache.
+type SenderRank struct {
+	TPRank int
+	Agent  *plugin.Agent
+	Cache  Cache
+}
+
+// SenderConfig configures a Sender.
+type SenderConfig struct {
+	// EngineID is this prefill engine's id (remote_engine_id for decodes).
+	EngineID string
+	// TPSize is the engine's TP size (kv_transfer_params tp_size).
+	TPSize int
+	// Ranks are the TP ranks this process hosts. The side channel serves
+	// their handshakes; requests are released once every one of them is.
+	// A vLLM engine allocates the same block ids on all its ranks, so one
+	// process normally hosts all of them.
+	Ranks []SenderRank
+	// CompatHash is this engine's compatibility hash (vllm.CompatibilityHash).
+	CompatHash string
+	// Listen is the side channel's ZeroMQ endpoint, tcp://host:port (port 0
+	// picks a free one; vLLM uses VLLM_NIXL_SIDE_CHANNEL_HOST:PORT).
+	Listen string
+	// AdvertiseHost is the remote_host decodes connect to; empty means the
+	// host of Listen, which must then be a concrete address.
+	AdvertiseHost string
+	// AbortTimeout is how long blocks stay held without every notification;
+	// 0 means DefaultAbortTimeout.
+	AbortTimeout time.Duration
+	// OnRelease is called exactly once per held request when the Sender
+	// stops holding it (from the Sender's goroutine; do not block in it).
+	OnRelease func(Release)
+	Logger    *slog.Logger // nil: slog.Default()
+	Observer  Observer     // nil: NopObserver
+	// ZMQ options for the side-channel socket.
+	ZMQ []zmq.Option
+}
+
+// ReleaseReason says why a prefill freed a request's blocks.
+type ReleaseReason string
+
+// Release reasons.
+const (
+	// ReleaseNotified: every decode rank reading the request notified.
+	ReleaseNotified ReleaseReason = "notified"
+	// ReleaseExpired: the abort timeout passed first.
+	ReleaseExpired ReleaseReason = "expired"
+	// ReleaseAborted: the caller aborted the request (Abort).
+	ReleaseAborted ReleaseReason = "aborted"
+)
+
+// Release is one request the Sender stopped holding.
+type Release struct {
+	RequestID string
+	// BlockIDs are the blocks given to Hold; the caller may reuse them now.
+	BlockIDs []int32
+	Reason   ReleaseReason
+	// Notified counts the notifications received for it, over all ranks.
+	Notified int
+	// Held is how long the request was held.
+	Held time.Duration
+}
+
+// SenderCounts are a Sender's running totals.
+type SenderCounts struct {
+	Held             int `json:"held"` // held now
+	ReleasedNotified int `json:"released_notified"`
+	ReleasedExpired  int `json:"released_expired"`
+	Aborted          int `json:"aborted"`
+	// Notifications counts every notification received.
+	Notifications int `json:"notifications"`
+	// UnknownNotifications named no held request (or were surplus).
+	UnknownNotifications int `json:"unknown_notifications"`
+	// MalformedNotifications were not "{request_id}:{count}".
+	MalformedNotifications int `json:"malformed_notifications"`
+}
+
+// Sender is the prefill side of the pull model. It is safe for concurrent
+// use.
+type Sender struct {
+	cfg    SenderConfig
+	log    *slog.Logger
+	obs    Observer
+	ranks  []senderRank
+	server *vllm.HandshakeServer
+	host   string
+	port   int
+
+	mu     sync.Mutex
+	held   map[string]*heldReq
+	fifo   []expiry // in expiry order (one timeout for all); stale entries skipped
+	seq    uint64
+	counts SenderCounts
+	closed bool
+
+	stop chan struct{}
+	done chan struct{}
+}
+
+type senderRank struct {
+	tpRank  int
+	agent   *plugin.Agent
+	regions []*plugin.Region
+	lastErr string // last Notifs error logged, to log each kind once
+}
+
+type heldReq struct {
+	seq       uint64
+	blocks    []int32
+	since     time.Time
+	perRank   []int // notifications per hosted rank (index into Sender.ranks)
+	ranksDone int
+	notified  int
+}
+
+type expiry struct {
+	id  string
+	seq uint64
+	at  time.Time
+}
+
+// Notification polling backoff of the Sender's goroutine.
+const (
+	senderMinIdle = 50 * time.Microsecond
+	senderMaxIdle = 2 * time.Millisecond
+)
+
+// NewSender registers every rank's KV cache, publishes the handshake
+// payloads on the side channel and starts watching notifications and
+// expiries. Close undoes all of it.
+func NewSender(cfg SenderConfig) (_ *Sender, err error) {
+	if err := checkSenderConfig(&cfg); err != nil {
+		return nil, err
+	}
+	s := &Sender{
+		cfg:  cfg,
+		log:  cfg.Logger,
+		obs:  cfg.Observer,
+		held: make(map[string]*heldReq),
+		stop: make(chan struct{}),
+		done: make(chan struct{}),
+	}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	s.log = s.log.With("component", "pull_sender", "engine_id", cfg.EngineID)
+	if s.obs == nil {
+		s.obs = NopObserver{}
+	}
+	defer func() {
+		if err != nil {
+			s.deregister()
+		}
+	}()
+	payloads := make(map[int][]byte, len(cfg.Ranks))
+	for _, r := range cfg.Ranks {
+		regs, err := register(r.Agent, &r.Cache)
+		if err != nil {
+			return nil, err
+		}
+		s.ranks = append(s.ranks, senderRank{tpRank: r.TPRank, agent: r.Agent, regions: regs})
+		blob, err := r.Agent.LocalMetadata()
+		if err != nil {
+			return nil, fmt.Errorf("pull: agent metadata of TP rank %d: %w", r.TPRank, err)
+		}
+		md := metadataOf(cfg.EngineID, blob, &r.Cache)
+		payloads[r.TPRank] = vllm.NewHandshakePayload(cfg.CompatHash, md).Encode()
+	}
+	s.server, err = vllm.ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
+	if err != nil {
+		return nil, fmt.Errorf("pull: side channel: %w", err)
+	}
+	s.port = s.server.Port()
+	s.host = cfg.AdvertiseHost
+	if s.host == "" {
+		s.host = endpointHost(s.server.Endpoint())
+	}
+	s.log.Info("serving vLLM handshakes", "endpoint", s.server.Endpoint(), "advertise", net.JoinHostPort(s.host, strconv.Itoa(s.port)),
+		"tp_ranks", len(s.ranks), "abort_timeout", cfg.AbortTimeout)
+	go s.run()
+	return s, nil
+}
+
+func checkSenderConfig(c *SenderConfig) error {
+	if c.EngineID == "" {
+		return errors.New("pull: sender needs an engine id")
+	}
+	if c.TPSize <= 0 {
+		return fmt.Errorf("pull: sender TP size %d must be positive", c.TPSize)
+	}
+	if len(c.Ranks) == 0 {
+		return errors.New("pull: sender hosts no TP rank")
+	}
+	seen := map[int]bool{}
+	for _, r := range c.Ranks {
+		if r.TPRank < 0 || r.TPRank >= c.TPSize {
+			return fmt.Errorf("pull: sender TP rank %d outside [0, %d)", r.TPRank, c.TPSize)
+		}
+		if seen[r.TPRank] {
+			return fmt.Errorf("pull: sender TP rank %d given twice", r.TPRank)
+		}
+		seen[r.TPRank] = true
+		if r.Agent == nil {
+			return fmt.Errorf("pull: sender TP rank %d has no agent", r.TPRank)
+		}
+		if r.Agent.Caps()&abi.CapNotif == 0 {
+			return fmt.Errorf("pull: agent %s of TP rank %d has no notifications (plugin %s): a prefill could free blocks only on expiry",
+				r.Agent.Name(), r.TPRank, r.Agent.Plugin().Name())
+		}
+		if err := r.Cache.check(); err != nil {
+			return fmt.Errorf("TP rank %d: %w", r.TPRank, err)
+		}
+	}
+	if c.Listen == "" {
+		return errors.New("pull: sender needs a side-channel endpoint to listen on")
+	}
+	if c.AdvertiseHost == "" {
+		switch h := endpointHost(c.Listen); h {
+		case "", "*", "0.0.0.0", "::":
+			return fmt.Errorf("pull: side channel %s listens on every address: set the host decodes should connect to", c.Listen)
+		}
+	}
+	if c.AbortTimeout < 0 {
+		return fmt.Errorf("pull: abort timeout %v is negative", c.AbortTimeout)
+	}
+	if c.AbortTimeout == 0 {
+		c.AbortTimeout = DefaultAbortTimeout
+	}
+	return nil
+}
+
+// endpointHost returns the host of tcp://host:port ("" if unparsable).
+func endpointHost(ep string) string {
+	host, _, err := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://"))
+	if err != nil {
+		return ""
+	}
+	return host
+}
+
+// metadataOf builds vLLM's NixlAgentMetadata of one rank.
+func metadataOf(engineID string, blob []byte, c *Cache) *vllm.AgentMetadata {
+	md := &vllm.AgentMetadata{
+		EngineID:      engineID,
+		AgentMetadata: blob,
+		DeviceID:      int(c.DeviceID),
+		NumBlocks:     c.NumBlocks,
+		KVCacheLayout: c.Layout,
+		BlockSize:     c.BlockSize,
+	}
+	for i, l := range c.blockLens() {
+		md.KVCachesBaseAddr = append(md.KVCachesBaseAddr, c.Regions[i].Addr)
+		md.BlockLens = append(md.BlockLens, int(l))
+	}
+	return md
+}
+
+// Endpoint is the side channel's bound endpoint.
+func (s *Sender) Endpoint() string { return s.server.Endpoint() }
+
+// Host and Port are what decodes are told (remote_host, remote_port).
+func (s *Sender) Host() string { return s.host }
+
+// Port is the side channel's port (remote_port).
+func (s *Sender) Port() int { return s.port }
+
+// Hold starts holding a finished request's blocks for the decode ranks
+// that will read them (the reference's request_finished with delayed
+// free) and returns the kv_transfer_params to hand the decode. The request
+// is released (OnRelease) when every hosted rank got all its consumers'
+// notifications, when the abort timeout expires, or on Abort. An empty
+// blockIDs holds nothing and returns params without blocks, as the
+// reference does.
+func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, error) {
+	p := KVTransferParams{
+		DoRemotePrefill: true,
+		RemoteBlockIDs:  append([]int32(nil), blockIDs...),
+		RemoteEngineID:  s.cfg.EngineID,
+		RemoteRequestID: requestID,
+		RemoteHost:      s.host,
+		RemotePort:      s.port,
+		TPSize:          s.cfg.TPSize,
+	}
+	if requestID == "" {
+		return KVTransferParams{}, errors.New("pull: hold: empty request id")
+	}
+	for i, b := range blockIDs {
+		for _, r := range s.cfg.Ranks {
+			if b < 0 || int(b) >= r.Cache.NumBlocks {
+				return KVTransferParams{}, fmt.Errorf("pull: hold %s: block_ids[%d] = %d outside [0, %d)", requestID, i, b, r.Cache.NumBlocks)
+			}
+		}
+	}
+	if len(blockIDs) == 0 {
+		return p, nil
+	}
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return KVTransferParams{}, fmt.Errorf("pull: hold %s: %w", requestID, plugin.ErrClosed)
+	}
+	if _, ok := s.held[requestID]; ok {
+		return KVTransferParams{}, fmt.Errorf("pull: hold %s: request already held", requestID)
+	}
+	s.seq++
+	s.held[requestID] = &heldReq{seq: s.seq, blocks: p.RemoteBlockIDs, since: now, perRank: make([]int, len(s.ranks))}
+	s.fifo = append(s.fifo, expiry{id: requestID, seq: s.seq, at: now.Add(s.cfg.AbortTimeout)})
+	s.counts.Held++
+	return p, nil
+}
+
+// Params returns the kv_transfer_params of a request held now.
+func (s *Sender) Params(requestID string) (KVTransferParams, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	h, ok := s.held[requestID]
+	if !ok {
+		return KVTransferParams{}, false
+	}
+	return KVTransferParams{
+		DoRemotePrefill: true,
+		RemoteBlockIDs:  append([]int32(nil), h.blocks...),
+		RemoteEngineID:  s.cfg.EngineID,
+		RemoteRequestID: requestID,
+		RemoteHost:      s.host,
+		RemotePort:      s.port,
+		TPSize:          s.cfg.TPSize,
+	}, true
+}
+
+// Abort stops holding a request at once (the reference's
+// reqs_not_processed) and releases it with ReleaseAborted. It reports
+// whether the request was held.
+func (s *Sender) Abort(requestID string) bool {
+	s.mu.Lock()
+	h, ok := s.held[requestID]
+	var rel Release
+	if ok {
+		rel = s.releaseLocked(requestID, h, ReleaseAborted, time.Now())
+	}
+	s.mu.Unlock()
+	if ok {
+		s.deliver([]Release{rel})
+	}
+	return ok
+}
+
+// Counts returns the running totals.
+func (s *Sender) Counts() SenderCounts {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.counts
+}
+
+// run drains notifications and expires requests until Close.
+func (s *Sender) run() {
+	defer close(s.done)
+	idle := senderMinIdle
+	t := time.NewTimer(idle)
+	defer t.Stop()
+	for {
+		got := s.drainNotifs()
+		s.expire(time.Now())
+		if got {
+			idle = senderMinIdle
+		} else {
+			idle = min(idle*2, senderMaxIdle)
+		}
+		t.Reset(idle)
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// drainNotifs takes every rank's new notifications and applies them. It
+// reports whether any arrived.
+func (s *Sender) drainNotifs() bool {
+	got := false
+	for i := range s.ranks {
+		r := &s.ranks[i]
+		notifs, err := r.agent.Notifs()
+		if err != nil {
+			if msg := err.Error(); msg != r.lastErr {
+				s.log.Error("reading notifications failed", "tp_rank", r.tpRank, "err", err)
+				r.lastErr = msg
+			}
+		}
+		if len(notifs) == 0 {
+			continue
+		}
+		got = true
+		var rels []Release
+		now := time.Now()
+		s.mu.Lock()
+		for _, n := range notifs {
+			if rel, ok := s.applyLocked(i, n, now); ok {
+				rels = append(rels, rel)
+			}
+		}
+		s.mu.Unlock()
+		s.deliver(rels)
+	}
+	return got
+}
+
+// applyLocked counts one notification received by hosted rank i.
+func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, bool) {
+	s.counts.Notifications++
+	id, consumers, err := vllm.ParseReadNotif(n.Msg)
+	if err != nil {
+		s.counts.MalformedNotifications++
+		s.log.Warn("ignoring a malformed notification", "tp_rank", s.ranks[i].tpRank, "from", n.From, "err", err)
+		s.obs.BadNotification(NotifMalformed)
+		return Release{}, false
+	}
+	h, ok := s.held[id]
+	if !ok || h.perRank[i] >= consumers {
+		s.counts.UnknownNotifications++
+		if ok {
+			s.log.Warn("surplus notification for a held request", "request_id", id, "tp_rank", s.ranks[i].tpRank,
+				"from", n.From, "consumers", consumers)
+		} else {
+			s.log.Error("potentially invalid KV blocks for an unrecognized request were read by a decode worker; they may have expired",
+				"request_id", id, "tp_rank", s.ranks[i].tpRank, "from", n.From)
+		}
+		s.obs.BadNotification(NotifUnknown)
+		return Release{}, false
+	}
+	h.perRank[i]++
+	h.notified++
+	if h.perRank[i] == consumers {
+		h.ranksDone++
+	}
+	if h.ranksDone < len(s.ranks) {
+		return Release{}, false
+	}
+	return s.releaseLocked(id, h, ReleaseNotified, now), true
+}
+
+// expire releases every request whose abort timeout passed.
+func (s *Sender) expire(now time.Time) {
+	var rels []Release
+	s.mu.Lock()
+	n := 0
+	for ; n < len(s.fifo) && !now.Before(s.fifo[n].at); n++ {
+		e := s.fifo[n]
+		if h, ok := s.held[e.id]; ok && h.seq == e.seq {
+			rels = append(rels, s.releaseLocked(e.id, h, ReleaseExpired, now))
+		}
+	}
+	if n > 0 {
+		s.fifo = append(s.fifo[:0], s.fifo[n:]...)
+	}
+	s.mu.Unlock()
+	s.deliver(rels)
+}
+
+func (s *Sender) releaseLocked(id string, h *heldReq, why ReleaseReason, now time.Time) Release {
+	delete(s.held, id)
+	s.counts.Held--
+	switch why {
+	case ReleaseNotified:
+		s.counts.ReleasedNotified++
+	case ReleaseExpired:
+		s.counts.ReleasedExpired++
+	case ReleaseAborted:
+		s.counts.Aborted++
+	}
+	return Release{RequestID: id, BlockIDs: h.blocks, Reason: why, Notified: h.notified, Held: now.Sub(h.since)}
+}
+
+// deliver logs releases and hands them to the observer and OnRelease,
+// outside the lock.
+func (s *Sender) deliver(rels []Release) {
+	for _, r := range rels {
+		switch r.Reason {
+		case ReleaseExpired:
+			s.log.Warn("releasing expired KV blocks: not every decode reader notified within the abort timeout",
+				"request_id", r.RequestID, "notifications", r.Notified, "abort_timeout", s.cfg.AbortTimeout)
+		default:
+			s.log.Debug("releasing KV blocks", "request_id", r.RequestID, "reason", r.Reason,
+				"notifications", r.Notified, "held", r.Held)
+		}
+		s.obs.Released(r)
+		if s.cfg.OnRelease != nil {
+			s.cfg.OnRelease(r)
+		}
+	}
+}
+
+// Close stops serving handshakes and watching notifications, and
+// deregisters the KV caches. Requests still held are dropped without
+// OnRelease. Calling Close again is a no-op.
+func (s *Sender) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	s.mu.Unlock()
+	close(s.stop)
+	<-s.done
+	err := s.server.Close()
+	return errors.Join(err, s.deregister())
+}
+
+func (s *Sender) deregister() error {
+	var errs []error
+	for _, r := range s.ranks {
+		if err := r.agent.Deregister(r.regions...); err != nil {
+			errs = append(errs, fmt.Errorf("pull: deregister TP rank %d: %w", r.tpRank, err))
+		}
+	}
+	s.ranks = nil
+	return errors.Join(errs...)
+}

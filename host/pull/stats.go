@@ -1,0 +1,139 @@
+package pull
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// TransferStat is the telemetry of one completed READ, as the reference
+// records it from nixlXferTelemetry (record_transfer).
+type TransferStat struct {
+	// Xfer is the time from post to completion.
+	Xfer time.Duration
+	// Post is the time spent inside post.
+	Post time.Duration
+	// Bytes moved by the transfer.
+	Bytes uint64
+	// Descs is the number of descriptors of the transfer as made.
+	Descs uint64
+}
+
+// Stats accumulates transfer statistics the way the reference's
+// NixlKVConnectorStats does: one entry per successful transfer, plus
+// failed transfer and failed notification counts. The zero value is empty
+// and ready. Stats is a plain value: callers serialise access.
+type Stats struct {
+	Transfers           []TransferStat
+	FailedTransfers     int
+	FailedNotifications int
+}
+
+// RecordTransfer records a completed transfer.
+func (s *Stats) RecordTransfer(t TransferStat) { s.Transfers = append(s.Transfers, t) }
+
+// RecordFailedTransfer records a transfer that failed to be made, posted
+// or completed.
+func (s *Stats) RecordFailedTransfer() { s.FailedTransfers++ }
+
+// RecordFailedNotification records a notification that could not be sent.
+func (s *Stats) RecordFailedNotification() { s.FailedNotifications++ }
+
+// IsEmpty reports whether nothing was recorded. (The reference looks only
+// at successful transfers, so it drops windows holding only failures; here
+// they count.)
+func (s *Stats) IsEmpty() bool {
+	return len(s.Transfers) == 0 && s.FailedTransfers == 0 && s.FailedNotifications == 0
+}
+
+// CloneAndReset returns the recorded statistics and empties s.
+func (s *Stats) CloneAndReset() Stats {
+	old := *s
+	*s = Stats{}
+	return old
+}
+
+// Aggregate adds o's records to s.
+func (s *Stats) Aggregate(o Stats) {
+	s.Transfers = append(s.Transfers, o.Transfers...)
+	s.FailedTransfers += o.FailedTransfers
+	s.FailedNotifications += o.FailedNotifications
+}
+
+// Summary is the reference's reduce(): compact statistics for logs. The
+// JSON keys are the reference's; the two failure counts are kvhost's
+// addition.
+type Summary struct {
+	NumSuccessfulTransfers int     `json:"Num successful transfers"`
+	AvgXferMs              float64 `json:"Avg xfer time (ms)"`
+	P90XferMs              float64 `json:"P90 xfer time (ms)"`
+	AvgPostMs              float64 `json:"Avg post time (ms)"`
+	P90PostMs              float64 `json:"P90 post time (ms)"`
+	AvgMBPerTransfer       float64 `json:"Avg MB per transfer"`
+	ThroughputMBs          float64 `json:"Throughput (MB/s)"`
+	AvgDescriptors         float64 `json:"Avg number of descriptors"`
+	NumFailedTransfers     int     `json:"Num failed transfers"`
+	NumFailedNotifications int     `json:"Num failed notifications"`
+}
+
+// Reduce computes the Summary: average and p90 (numpy's linear
+// interpolation) of transfer and post times in ms, average MB (2^20 bytes)
+// per transfer, throughput as total MB over the summed transfer time, and
+// average descriptors; times and sizes rounded to 3 decimals, descriptors
+// to 1, as the reference rounds them.
+func (s *Stats) Reduce() Summary {
+	sum := Summary{NumFailedTransfers: s.FailedTransfers, NumFailedNotifications: s.FailedNotifications}
+	n := len(s.Transfers)
+	if n == 0 {
+		return sum
+	}
+	xfer := make([]float64, n)
+	post := make([]float64, n)
+	var totalMB, totalXferS, totalDescs float64
+	for i, t := range s.Transfers {
+		xfer[i] = t.Xfer.Seconds()
+		post[i] = t.Post.Seconds()
+		totalMB += float64(t.Bytes) / (1 << 20)
+		totalXferS += xfer[i]
+		totalDescs += float64(t.Descs)
+	}
+	sum.NumSuccessfulTransfers = n
+	sum.AvgXferMs = round(mean(xfer)*1e3, 3)
+	sum.P90XferMs = round(Percentile(xfer, 90)*1e3, 3)
+	sum.AvgPostMs = round(mean(post)*1e3, 3)
+	sum.P90PostMs = round(Percentile(post, 90)*1e3, 3)
+	sum.AvgMBPerTransfer = round(totalMB/float64(n), 3)
+	if totalXferS > 0 {
+		sum.ThroughputMBs = round(totalMB/totalXferS, 3)
+	}
+	sum.AvgDescriptors = round(totalDescs/float64(n), 1)
+	return sum
+}
+
+// Percentile is numpy.percentile(values, q) with its default linear
+// interpolation; q in [0, 100]. values is not modified. Empty input gives 0.
+func Percentile(values []float64, q float64) float64 {
+	if len(values) == 0 {
+		return 0
+	}
+	v := slices.Clone(values)
+	slices.Sort(v)
+	pos := (float64(len(v)) - 1) * q / 100
+	lo := math.Floor(pos)
+	hi := math.Ceil(pos)
+	return v[int(lo)] + (v[int(hi)]-v[int(lo)])*(pos-lo)
+}
+
+func mean(v []float64) float64 {
+	var s float64
+	for _, x := range v {
+		s += x
+	}
+	return s / float64(len(v))
+}
+
+// round rounds half to even like Python's round(x, digits).
+func round(x float64, digits int) float64 {
+	p := math.Pow(10, float64(digits))
+	return math.RoundToEven(x*p) / p
+}
