@@ -106,6 +106,11 @@ constexpr uint64_t kMaxPiecesPerPair = INT_MAX;
 // MORI's IOEngineConfig.port value reserved for its XGMI-only fallback.
 constexpr uint64_t kMoriReservedPort = 1;
 
+// EngineDesc has had 6 fields (key, nodeId, hostname, host, port, pid) in
+// every release; MemoryDesc has 8 (v1.1), 9 (v1.2.0, v1.2.1) or 15 (v1.2.2).
+constexpr size_t kEngineDescFields = 6;
+constexpr size_t kMemoryDescMinFields = 8;
+
 // Limits for decoding peer blobs (EngineDesc: 6 fields; MemoryDesc: 8 to 15
 // fields depending on the MORI release, with two 64-byte bin handles).
 const msgpack::unpack_limit kBlobLimit(/*array=*/64, /*map=*/0, /*str=*/4096, /*bin=*/4096,
@@ -391,8 +396,11 @@ std::string Pack(const T &v) {
 
 // Decodes exactly one msgpack object of type T filling all of (p, n); the
 // bytes come from a peer. Returns NULL or a KVP_ERR_INVALID_PARAM error.
+// min_fields: the fewest positional fields any MORI release writes (fields
+// appended by newer releases are optional: msgpack-c leaves them default).
 template <class T>
-kvp_error *Unpack(const char *fn, const char *what, const uint8_t *p, size_t n, T *out) {
+kvp_error *Unpack(const char *fn, const char *what, size_t min_fields, const uint8_t *p, size_t n,
+                  T *out) {
   if (!p || n == 0) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: empty %s", fn, what);
   try {
     size_t off = 0;
@@ -401,7 +409,11 @@ kvp_error *Unpack(const char *fn, const char *what, const uint8_t *p, size_t n, 
     if (off != n)
       return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %s has %zu trailing bytes after the object", fn,
                      what, n - off);
-    oh.get().convert(*out);
+    const msgpack::object &o = oh.get();
+    if (o.type != msgpack::type::ARRAY || o.via.array.size < min_fields)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %s is not an array of at least %zu fields", fn,
+                     what, min_fields);
+    o.convert(*out);
     return nullptr;
   } catch (const std::bad_alloc &) {
     throw;
@@ -557,7 +569,8 @@ kvp_error *ProbeBind(const std::string &host, uint16_t port) {
 
 kvp_error *PluginInfo(kvp_plugin_info_args *args) {
   return Guard("plugin_info", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "plugin_info";
+    if (kvp_error *e = kvp_check_args(args, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE, fn)) return e;
     args->name = kPluginName;
     args->version = kPluginVersion;
     args->params_doc = kParamsDoc;
@@ -571,7 +584,8 @@ kvp_error *PluginInfo(kvp_plugin_info_args *args) {
 
 kvp_error *AgentCreate(kvp_agent_create_args *args) {
   return Guard("agent_create", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_CREATE_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "agent_create";
+    if (kvp_error *e = kvp_check_args(args, KVP_AGENT_CREATE_ARGS_STRUCT_SIZE, fn)) return e;
     if (!args->name || args->name_len == 0 || args->name_len > KVP_MAX_NAME_LEN)
       return kvp_err(KVP_ERR_INVALID_PARAM, "agent_create: name must be 1..%d bytes, got %zu",
                      KVP_MAX_NAME_LEN, args->name ? args->name_len : 0);
@@ -605,7 +619,8 @@ kvp_error *AgentCreate(kvp_agent_create_args *args) {
 
 kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
   return Guard("agent_destroy", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "agent_destroy";
+    if (kvp_error *e = kvp_check_args(args, KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     // Waits for calls that hold the agent; later calls find it gone.
     std::unique_ptr<Agent> a(static_cast<Agent *>(kvp_ht_remove(t.agents, args->agent)));
@@ -645,7 +660,8 @@ kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
 
 kvp_error *RegisterMem(kvp_register_mem_args *args) {
   return Guard("register_mem", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "register_mem";
+    if (kvp_error *e = kvp_check_args(args, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE, fn)) return e;
     if (args->num_descs == 0) return nullptr;
     if (!args->descs || !args->regions)
       return kvp_err(KVP_ERR_INVALID_PARAM, "register_mem: descs and regions must not be NULL");
@@ -745,7 +761,8 @@ kvp_error *RegisterMem(kvp_register_mem_args *args) {
 
 kvp_error *DeregisterMem(kvp_deregister_mem_args *args) {
   return Guard("deregister_mem", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "deregister_mem";
+    if (kvp_error *e = kvp_check_args(args, KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE, fn)) return e;
     if (args->num_regions == 0) return nullptr;
     if (!args->regions)
       return kvp_err(KVP_ERR_INVALID_PARAM, "deregister_mem: regions is NULL");
@@ -807,7 +824,8 @@ kvp_error *DeregisterMem(kvp_deregister_mem_args *args) {
 
 kvp_error *RegionExport(kvp_region_export_args *args) {
   return Guard("region_export", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGION_EXPORT_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "region_export";
+    if (kvp_error *e = kvp_check_args(args, KVP_REGION_EXPORT_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("region_export", args->agent);
@@ -822,7 +840,8 @@ kvp_error *RegionExport(kvp_region_export_args *args) {
 
 kvp_error *LocalMetadata(kvp_local_metadata_args *args) {
   return Guard("local_metadata", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "local_metadata";
+    if (kvp_error *e = kvp_check_args(args, KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE, fn)) return e;
     Ref<Agent> a(GetTables().agents, args->agent);
     if (!a) return BadAgent("local_metadata", args->agent);
     if (args->cap > 0 && !args->buf)
@@ -836,9 +855,10 @@ kvp_error *LocalMetadata(kvp_local_metadata_args *args) {
 
 kvp_error *LoadRemote(kvp_load_remote_args *args) {
   return Guard("load_remote", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "load_remote";
+    if (kvp_error *e = kvp_check_args(args, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE, fn)) return e;
     mio::EngineDesc desc;
-    if (kvp_error *e = Unpack("load_remote", "MORI EngineDesc metadata", args->metadata,
+    if (kvp_error *e = Unpack(fn, "MORI EngineDesc metadata", kEngineDescFields, args->metadata,
                               args->metadata_len, &desc))
       return e;
     if (desc.key.empty() || desc.key.size() > KVP_MAX_NAME_LEN)
@@ -883,7 +903,8 @@ kvp_error *LoadRemote(kvp_load_remote_args *args) {
 
 kvp_error *RemoveRemote(kvp_remove_remote_args *args) {
   return Guard("remove_remote", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "remove_remote";
+    if (kvp_error *e = kvp_check_args(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE, fn)) return e;
     if (!args->peer_name || args->peer_name_len == 0)
       return kvp_err(KVP_ERR_INVALID_PARAM, "remove_remote: empty peer name");
     const Tables &t = GetTables();
@@ -963,7 +984,8 @@ kvp_error *RemoveRemote(kvp_remove_remote_args *args) {
 
 kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
   return Guard("remote_region_import", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "remote_region_import";
+    if (kvp_error *e = kvp_check_args(args, KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE, fn)) return e;
     if (!args->blob)
       return kvp_err(KVP_ERR_NOT_SUPPORTED,
                      "remote_region_import: import by address needs KVP_CAP_REMOTE_ADDR; "
@@ -972,7 +994,7 @@ kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
       return kvp_err(KVP_ERR_INVALID_PARAM, "remote_region_import: empty peer name");
     std::string name(args->peer_name, args->peer_name_len);
     auto rr = std::make_unique<RemoteRegion>();
-    if (kvp_error *e = Unpack("remote_region_import", "MORI MemoryDesc blob", args->blob,
+    if (kvp_error *e = Unpack(fn, "MORI MemoryDesc blob", kMemoryDescMinFields, args->blob,
                               args->blob_len, &rr->desc))
       return e;
     const mio::MemoryDesc &d = rr->desc;
@@ -1014,7 +1036,8 @@ kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
 
 kvp_error *RemoteRegionRelease(kvp_remote_region_release_args *args) {
   return Guard("remote_region_release", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "remote_region_release";
+    if (kvp_error *e = kvp_check_args(args, KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("remote_region_release", args->agent);
@@ -1048,7 +1071,7 @@ void AppendEntry(Xfer &x, size_t slot, const kvp_batch_entry &e) {
 kvp_error *MakeBatchXfer(kvp_make_batch_xfer_args *args) {
   return Guard("make_batch_xfer", [&]() -> kvp_error * {
     const char *fn = "make_batch_xfer";
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE)) return e;
+    if (kvp_error *e = kvp_check_args(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE, fn)) return e;
     if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
       return kvp_err(KVP_ERR_INVALID_PARAM, "%s: op %u is neither READ nor WRITE", fn, args->op);
     if (args->notif.has_notif)
@@ -1187,7 +1210,8 @@ kvp_error *MakeBatchXfer(kvp_make_batch_xfer_args *args) {
 
 kvp_error *PostXfer(kvp_post_xfer_args *args) {
   return Guard("post_xfer", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POST_XFER_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "post_xfer";
+    if (kvp_error *e = kvp_check_args(args, KVP_POST_XFER_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("post_xfer", args->agent);
@@ -1275,7 +1299,8 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
 
 kvp_error *PollXfer(kvp_poll_xfer_args *args) {
   return Guard("poll_xfer", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "poll_xfer";
+    if (kvp_error *e = kvp_check_args(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("poll_xfer", args->agent);
@@ -1310,7 +1335,8 @@ kvp_error *PollXfer(kvp_poll_xfer_args *args) {
 
 kvp_error *ReleaseXfer(kvp_release_xfer_args *args) {
   return Guard("release_xfer", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "release_xfer";
+    if (kvp_error *e = kvp_check_args(args, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("release_xfer", args->agent);
@@ -1340,7 +1366,8 @@ kvp_error *ReleaseXfer(kvp_release_xfer_args *args) {
 
 kvp_error *XferTelemetry(kvp_xfer_telemetry_args *args) {
   return Guard("xfer_telemetry", [&]() -> kvp_error * {
-    if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE)) return e;
+    const char *fn = "xfer_telemetry";
+    if (kvp_error *e = kvp_check_args(args, KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE, fn)) return e;
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("xfer_telemetry", args->agent);
