@@ -202,11 +202,17 @@ func runBench(b *testing.B, ctx context.Context, x *Xfer) {
 }
 
 // BenchmarkMakeXfer measures building a transfer of n descriptors (the
-// per-request cost on the prepped path), native and emulated.
+// per-request cost), through MakePreppedXfer natively and emulated over
+// make_batch_xfer, and through MakeBatchXfer natively.
 func BenchmarkMakeXfer(b *testing.B) {
 	for _, n := range []int{64, 4096} {
-		for _, params := range [][]Param{nil, {{"caps_off", "prepped"}}} {
-			b.Run(fmt.Sprintf("descs=%d/%v", n, params), func(b *testing.B) {
+		for _, tc := range []struct {
+			name   string
+			params []Param
+			batch  bool
+		}{{"prepped", nil, false}, {"emulated-prepped", []Param{{"caps_off", "prepped"}}, false}, {"batch", nil, true}} {
+			params := tc.params
+			b.Run(fmt.Sprintf("%s/descs=%d", tc.name, n), func(b *testing.B) {
 				p := openFake(b)
 				src := newSide(b, p, "src", []int{n * 64}, params...)
 				dst := newSide(b, p, "dst", []int{n * 64})
@@ -227,10 +233,24 @@ func BenchmarkMakeXfer(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
+				rr, err := src.a.ImportRange(peer, addr(dst.bufs[0]), uint64(n*64), 0, abi.DRAM)
+				if err != nil {
+					b.Fatal(err)
+				}
+				pairs := []Pair{{src.regions[0], rr}}
+				entries := make([]abi.BatchEntry, n)
+				for i := range entries {
+					entries[i] = abi.BatchEntry{LocalOffset: uint64(i) * 64, RemoteOffset: uint64(n-1-i) * 64, Len: 32, Count: 1}
+				}
 				b.ReportAllocs()
 				b.ResetTimer()
 				for range b.N {
-					x, err := src.a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil)
+					var x *Xfer
+					if tc.batch {
+						x, err = src.a.MakeBatchXfer(abi.Write, pairs, entries, nil)
+					} else {
+						x, err = src.a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil)
+					}
 					if err != nil {
 						b.Fatal(err)
 					}

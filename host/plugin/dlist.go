@@ -212,10 +212,13 @@ func (a *Agent) prepEmulatedRemote(d *DList, descs []abi.XferDesc) (err error) {
 	return nil
 }
 
-// importCovering imports by address the ranges covering descs[missing],
-// merged, and records them in emu.owned (sorted by address). Touching
-// ranges are merged too, which may cross two of the peer's registrations; if
-// such an import fails, the overlapping-only pieces are imported one by one.
+// importCovering imports by address ranges covering descs[missing] and
+// records them in emu.owned (sorted by address). It first tries one range
+// per memory kind and device spanning all the descriptors, then, where the
+// plugin refuses a range (it crosses memory the peer did not advertise as
+// one region), splits it at the widest gap between descriptors and tries
+// each half. KV descriptors mostly lie in a few large peer buffers, so a
+// list costs a few imports, not one per descriptor.
 func (a *Agent) importCovering(d *DList, descs []abi.XferDesc, missing []int, emu *emuList) ([]*RemoteRegion, error) {
 	spans := make([]memRange, len(missing))
 	for k, i := range missing {
@@ -223,31 +226,44 @@ func (a *Agent) importCovering(d *DList, descs []abi.XferDesc, missing []int, em
 		end, _ := extent(x.Addr, x.Len, x.Stride, x.Count)
 		spans[k] = memRange{addr: x.Addr, end: end, dev: x.DevID, kind: d.kind}
 	}
-	pieces := mergeRanges(spans, false)
-	for _, span := range mergeRanges(slices.Clone(pieces), true) {
-		rr, err := a.importLocked(d.peer, nil, abi.MemDesc{Addr: span.addr, Len: span.end - span.addr, DevID: span.dev, MemKind: span.kind})
-		if err == nil {
-			rr.owner = d
-			emu.owned = append(emu.owned, rr)
-			continue
+	pieces := mergeRanges(spans, false) // sorted by kind, dev, address; disjoint
+	for len(pieces) > 0 {
+		n := 1
+		for n < len(pieces) && pieces[n].kind == pieces[0].kind && pieces[n].dev == pieces[0].dev {
+			n++
 		}
-		if !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrInvalidParam) {
+		if err := a.importSpan(d, pieces[:n], emu); err != nil {
 			return nil, err
 		}
-		for _, p := range pieces {
-			if p.kind != span.kind || p.dev != span.dev || p.addr < span.addr || p.end > span.end {
-				continue
-			}
-			rr, perr := a.importLocked(d.peer, nil, abi.MemDesc{Addr: p.addr, Len: p.end - p.addr, DevID: p.dev, MemKind: p.kind})
-			if perr != nil {
-				return nil, perr
-			}
-			rr.owner = d
-			emu.owned = append(emu.owned, rr)
-		}
+		pieces = pieces[n:]
 	}
 	slices.SortFunc(emu.owned, func(x, y *RemoteRegion) int { return cmpU64(x.desc.Addr, y.desc.Addr) })
 	return emu.owned, nil
+}
+
+// importSpan imports one range covering pieces (disjoint, sorted, one kind
+// and device), splitting at the widest gap while the plugin refuses.
+func (a *Agent) importSpan(d *DList, pieces []memRange, emu *emuList) error {
+	first, last := pieces[0], pieces[len(pieces)-1]
+	rr, err := a.importLocked(d.peer, nil, abi.MemDesc{Addr: first.addr, Len: last.end - first.addr, DevID: first.dev, MemKind: first.kind})
+	if err == nil {
+		rr.owner = d
+		emu.owned = append(emu.owned, rr)
+		return nil
+	}
+	if len(pieces) == 1 || !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrInvalidParam) {
+		return err
+	}
+	split, widest := 1, uint64(0)
+	for i := 1; i < len(pieces); i++ {
+		if gap := pieces[i].addr - pieces[i-1].end; gap > widest {
+			split, widest = i, gap
+		}
+	}
+	if err := a.importSpan(d, pieces[:split], emu); err != nil {
+		return err
+	}
+	return a.importSpan(d, pieces[split:], emu)
 }
 
 // releaseOwned releases the remote regions an emulated list imported, and

@@ -251,7 +251,7 @@ func (s *scratch) buildPreppedBatch(l, r *emuList, li, ri []int32, expand bool) 
 	nl, nr := len(l.handles), len(r.handles)
 	s.beginPairs(nl, nr)
 	defer s.endPairs()
-	s.entries = s.entries[:0]
+	s.entries = slices.Grow(s.entries[:0], len(li))
 	for k := range li {
 		i, j := li[k], ri[k]
 		if i < 0 || int(i) >= len(l.descs) {
