@@ -251,6 +251,36 @@ func TestFakeEmulatedRemoteListSplitsMergedImports(t *testing.T) {
 	}
 }
 
+func TestFakeEmulatedRemoteListImportsPerPeerBuffer(t *testing.T) {
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{4096}, Param{"caps_off", "prepped"})
+	b := newSide(t, p, "b", []int{64 << 10, 64 << 10, 64 << 10})
+	peer := connect(t, a, b)
+	var descs []abi.XferDesc
+	for k := range 20 { // 20 separate descriptors in each of b's 3 buffers
+		for _, buf := range b.bufs {
+			descs = append(descs, abi.XferDesc{Addr: addr(buf) + uint64(k)*3000, Len: 100, Count: 1})
+		}
+	}
+	r, err := a.a.PrepRemote(peer, abi.DRAM, descs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if n := len(r.emu.owned); n != 3 {
+		t.Errorf("60 descriptors in 3 peer buffers took %d imports, want 3", n)
+	}
+	base := map[uint64]uint64{}
+	for _, rr := range r.emu.owned {
+		base[uint64(rr.h)] = rr.desc.Addr
+	}
+	for i, d := range r.emu.descs {
+		if got := base[r.emu.handles[d.ref]] + d.off; got != descs[i].Addr {
+			t.Fatalf("descriptor %d resolves to %#x, want %#x", i, got, descs[i].Addr)
+		}
+	}
+}
+
 func TestFakeHandlesAfterClose(t *testing.T) {
 	p := openFake(t)
 	a := newSide(t, p, "a", []int{4096})
