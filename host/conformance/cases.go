@@ -288,6 +288,7 @@ func caseMetadata(t TB, s *Suite) {
 	if err := a.RemoveRemote(f.peerName); err != nil {
 		t.Fatalf("remove_remote: %v", err)
 	}
+	f.rregions = nil // released with the peer
 	expectCode(t, "remove_remote of a removed peer", a.RemoveRemote(f.peerName), abi.ErrNotFound)
 	expectCode(t, "remove_remote of a peer never loaded", a.RemoveRemote("conf-no-such-peer"), abi.ErrNotFound)
 	if rr != nil {
@@ -427,6 +428,7 @@ func caseDLists(t TB, s *Suite) {
 		expectCode(t, "release_dlist of a released list (raw)", s.p.Raw().ReleaseDList(a.Handle(), h), abi.ErrInvalidParam)
 		expectCode(t, "release_dlist of handle 0 (raw)", s.p.Raw().ReleaseDList(a.Handle(), 0), abi.ErrInvalidParam)
 	}
+	f.importForLists()
 	rgood := []abi.XferDesc{{Addr: rem.Addr, Len: 100, Count: 1, DevID: rem.DevID}, {Addr: rem.Addr + regionSize - 1, Len: 1, Count: 1, DevID: rem.DevID}}
 	if rd, err := a.PrepRemote(f.peerName, abi.DRAM, rgood); err != nil {
 		t.Errorf("prep_dlist (remote): %v", err)

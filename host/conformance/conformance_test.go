@@ -40,12 +40,14 @@ type configuration struct {
 
 // ciConfigurations are the fake plugin's configurations CI proves: every
 // capability native, then each of prepped lists, batch transfers and
-// strides switched off so that the host emulates it.
+// strides switched off so that the host emulates it, and MORI-IO's profile.
 var ciConfigurations = []configuration{
 	{"all-caps", nil},
 	{"caps_off=prepped", []plugin.Param{{Key: "caps_off", Value: "prepped"}}},
 	{"caps_off=batch", []plugin.Param{{Key: "caps_off", Value: "batch"}}},
 	{"caps_off=strided", []plugin.Param{{Key: "caps_off", Value: "strided"}}},
+	// The MORI-IO profile: batch only, regions named by blobs, no strides.
+	{"caps_off=prepped,strided,remote_addr", []plugin.Param{{Key: "caps_off", Value: "prepped,strided,remote_addr"}}},
 }
 
 // splitParams parses -params: comma-separated k=v pieces, where a piece

@@ -234,6 +234,7 @@ type prepped struct {
 // differ on the two sides; the lists are closed when the case ends.
 func (f *fixture) prepRuns(runs []run) prepped {
 	f.t.Helper()
+	f.importForLists()
 	n := len(runs)
 	lpos, rpos := f.rng.Perm(n), f.rng.Perm(n)
 	ldescs := make([]abi.XferDesc, 2*n)
@@ -271,6 +272,16 @@ func (f *fixture) makePrepped(op abi.Op, runs []run, notif []byte) *plugin.Xfer 
 	}
 	f.t.Cleanup(func() { closeQuietly(f.t, "transfer", x.Close) })
 	return x
+}
+
+// importForLists imports the peer's regions when remote lists need them:
+// the host emulates the agent's lists and cannot import by address (the
+// MORI-IO profile: lists are built over regions imported from blobs).
+func (f *fixture) importForLists() {
+	f.t.Helper()
+	if caps := f.local.a.Caps(); !caps.Has(abi.CapPrepped) && !caps.Has(abi.CapRemoteAddr) {
+		f.importRemote()
+	}
 }
 
 // importRemote imports the peer's regions once: from their blobs when the
