@@ -147,7 +147,7 @@ plugin-mori:
 vet:
 	$(GO) vet ./...
 
-test: all vet plugin-test
+test: all vet plugin-fake-abi2 plugin-test
 	$(GO) test -race -count=1 ./...
 
 clean:
