@@ -1,0 +1,670 @@
+package push
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
+	"github.com/kvhost/kvhost/host/zmq"
+	"github.com/kvhost/kvhost/planner"
+)
+
+// DecodeConfig configures one decode rank.
+type DecodeConfig struct {
+	Plugin      *plugin.Plugin
+	AgentName   string
+	AgentParams []plugin.Param
+
+	Variant Variant
+	// Completion: CompletionAuto accepts both notifications and status
+	// messages (whatever the prefill uses); the others accept only theirs.
+	Completion Completion
+
+	KV       KVArgs
+	Parallel Parallel
+	MLA      bool
+	// KVCacheDType must match the prefill's (default "auto").
+	KVCacheDType string
+
+	// Host is the IP the PULL socket binds to and advertises to prefill
+	// (default 127.0.0.1); Port 0 picks a free port.
+	Host string
+	Port int
+
+	Settings Settings
+	Observer Observer
+	Logger   *slog.Logger
+}
+
+// Decode is one decode rank's transfer manager (SGLang's KVManager in
+// DECODE mode). Safe for concurrent use.
+type Decode struct {
+	cfg DecodeConfig
+	set Settings
+	log *slog.Logger
+	obs Observer
+
+	agent   *plugin.Agent
+	regs    *registered
+	useNote bool // track notifications
+	useStat bool // track status messages
+
+	pull  *zmq.Pull
+	push  *zmq.Pushers
+	rooms *rooms.Table
+	reg   [][]byte // registration message, built once
+
+	mu        sync.Mutex
+	prefills  map[string]*prefillInfo // by bootstrap address
+	conns     map[string][]target     // connection pool: targets registered with
+	recvs     map[uint64]*Receiver
+	addrRooms map[string]map[uint64]struct{}
+	waiting   int // receivers waiting for notifications
+	initMu    sync.Mutex
+
+	notifWake chan struct{}
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+	closed    atomic.Bool
+	drops     dropLog
+}
+
+// prefillInfo is one prefill deployment as seen from this decode rank.
+type prefillInfo struct {
+	client   *bootstrap.Client
+	info     bootstrap.ParallelInfo
+	mapping  planner.RankMapping
+	failures int // consecutive failed heartbeats
+}
+
+// target is one prefill rank a room's metadata goes to.
+type target struct {
+	planner.BootstrapTarget
+	endpoint string // its PULL socket
+	unique   int    // its prefill_unique_rank
+}
+
+// NewDecode starts a decode rank: agent and buffers registered, PULL socket
+// bound (status and aux messages), heartbeat, timeouts and the notification
+// loop running.
+func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
+	cfg.Parallel = cfg.Parallel.withDefaults()
+	if err := cfg.Parallel.check(); err != nil {
+		return nil, err
+	}
+	if err := cfg.KV.check(cfg.MLA); err != nil {
+		return nil, err
+	}
+	if cfg.Plugin == nil {
+		return nil, errors.New("push: no plugin")
+	}
+	if cfg.Host == "" {
+		cfg.Host = "127.0.0.1"
+	}
+	if cfg.KVCacheDType == "" {
+		cfg.KVCacheDType = "auto"
+	}
+	d := &Decode{
+		cfg: cfg, set: cfg.Settings.withDefaults(), log: cfg.Logger, obs: cfg.Observer,
+		prefills: make(map[string]*prefillInfo), conns: make(map[string][]target),
+		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}),
+		notifWake: make(chan struct{}, 1),
+	}
+	if d.log == nil {
+		d.log = slog.Default()
+	}
+	d.log = d.log.With("role", "decode", "tp", cfg.Parallel.TPRank, "pp", cfg.Parallel.PPRank)
+	if d.obs == nil {
+		d.obs = NopObserver{}
+	}
+	d.rooms = rooms.NewTable(func(c rooms.Change) { d.obs.Room(RoomEvent{Role: RoleDecode, Change: c}) })
+	d.drops.log = d.log
+	name := cfg.AgentName
+	if name == "" {
+		name = uniqueName("decode", cfg.Parallel)
+	}
+	var err error
+	if d.agent, err = cfg.Plugin.NewAgent(name, cfg.AgentParams...); err != nil {
+		return nil, fmt.Errorf("push: create agent: %w", err)
+	}
+	fail := func(err error) (*Decode, error) {
+		d.agent.Close()
+		return nil, err
+	}
+	hasNotif := d.agent.Caps().Has(abi.CapNotif)
+	switch cfg.Completion {
+	case CompletionAuto:
+		d.useNote, d.useStat = hasNotif && cfg.Variant == VariantNIXL, true
+	case CompletionNotif:
+		if !hasNotif || cfg.Variant == VariantMORI {
+			return fail(errors.New("push: completion by notification needs the NIXL variant and a plugin agent with notifications"))
+		}
+		d.useNote = true
+	case CompletionStatus:
+		d.useStat = true
+	}
+	if d.regs, err = register(d.agent, &cfg.KV); err != nil {
+		return fail(err)
+	}
+	if d.pull, err = zmq.ListenPull(zmq.TCPEndpoint(cfg.Host, cfg.Port), zmq.WithLogger(d.log)); err != nil {
+		return fail(fmt.Errorf("push: bind PULL socket: %w", err))
+	}
+	// SGLang's decode PUSH sockets: SNDTIMEO 30 s (the zmq default here).
+	d.push = zmq.NewPushers(zmq.WithLogger(d.log))
+	if d.reg, err = d.registration(); err != nil {
+		d.pull.Close()
+		return fail(err)
+	}
+	d.ctx, d.cancel = context.WithCancel(context.Background())
+	d.wg.Add(3)
+	go func() { defer d.wg.Done(); d.controlLoop() }()
+	go func() { defer d.wg.Done(); d.heartbeat() }()
+	go func() { defer d.wg.Done(); d.janitor() }()
+	if d.useNote {
+		d.wg.Add(1)
+		go func() { defer d.wg.Done(); d.notifLoop() }()
+	}
+	d.log.Info("decode rank ready", "agent", d.agent.Name(), "endpoint", d.pull.Endpoint(),
+		"variant", cfg.Variant, "notifications", d.useNote)
+	return d, nil
+}
+
+// Agent returns the manager's plugin agent.
+func (d *Decode) Agent() *plugin.Agent { return d.agent }
+
+// Endpoint returns this rank's PULL socket endpoint.
+func (d *Decode) Endpoint() string { return d.pull.Endpoint() }
+
+// Rooms returns the number of rooms held (open receivers).
+func (d *Decode) Rooms() int { return d.rooms.Len() }
+
+// Dropped returns how many malformed or unexpected messages were dropped.
+func (d *Decode) Dropped() int64 { return d.drops.total.Load() }
+
+// Close stops the manager; open receivers report Failed. The agent is
+// destroyed, releasing every plugin handle.
+func (d *Decode) Close() error {
+	if !d.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	d.mu.Lock()
+	open := make([]uint64, 0, len(d.recvs))
+	for r := range d.recvs {
+		open = append(open, r)
+	}
+	d.mu.Unlock()
+	for _, r := range open {
+		d.rooms.Fail(r, "decode rank closed")
+	}
+	d.cancel()
+	errs := []error{d.pull.Close()}
+	d.wg.Wait()
+	errs = append(errs, d.push.Close(), d.agent.Close())
+	return errors.Join(errs...)
+}
+
+// registration builds the message that registers this rank's buffers with
+// a prefill rank (room "None"), once.
+func (d *Decode) registration() ([][]byte, error) {
+	a := &d.cfg.KV
+	md, err := d.agent.LocalMetadata()
+	if err != nil {
+		return nil, fmt.Errorf("push: agent metadata: %w", err)
+	}
+	n, _ := a.numPages()
+	if d.cfg.Variant == VariantMORI {
+		reg := &sglang.MoriRegistration{
+			Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineDesc: moriEngineDesc(md, d.agent.Name(), a.GPUID),
+			GPUID: a.GPUID, DecodeTPSize: d.cfg.Parallel.TPSize, DecodeTPRank: d.cfg.Parallel.TPRank,
+			KVItemLen: a.KV[0].ItemLen,
+		}
+		export := func(rs []*plugin.Region) ([][]byte, error) {
+			var out [][]byte
+			for _, r := range rs {
+				b, err := r.Export()
+				if err != nil {
+					return nil, fmt.Errorf("push: export region: %w", err)
+				}
+				out = append(out, b)
+			}
+			return out, nil
+		}
+		if reg.KVMemDescs, err = export(d.regs.kv); err != nil {
+			return nil, err
+		}
+		if reg.AuxMemDescs, err = export(d.regs.aux); err != nil {
+			return nil, err
+		}
+		for i, c := range d.regs.state {
+			blobs, err := export(c)
+			if err != nil {
+				return nil, err
+			}
+			reg.StateMemDescs = append(reg.StateMemDescs, blobs)
+			reg.StateItemLens = append(reg.StateItemLens, stateItemLens(a.State[i]))
+			reg.StateDimPerTensor = append(reg.StateDimPerTensor, stateDims(a.State[i]))
+		}
+		return reg.Frames()
+	}
+	reg := &sglang.NixlRegistration{
+		Endpoint: d.cfg.Host, Port: d.pull.Port(), AgentName: d.agent.Name(), AgentMetadata: md,
+		GPUID: a.GPUID, DecodeTPSize: d.cfg.Parallel.TPSize, DecodeTPRank: d.cfg.Parallel.TPRank,
+		KVItemLen: a.KV[0].ItemLen, NumSlots: n,
+	}
+	for _, b := range a.KV {
+		reg.KVPtrs = append(reg.KVPtrs, b.Addr)
+		reg.KVItemLens = append(reg.KVItemLens, b.ItemLen)
+		kind := sglang.VRAM
+		if b.Kind == abi.DRAM {
+			kind = sglang.DRAM
+		}
+		reg.KVMemKinds = append(reg.KVMemKinds, kind)
+	}
+	for _, b := range a.Aux {
+		reg.AuxPtrs = append(reg.AuxPtrs, b.addr())
+	}
+	for _, c := range a.State {
+		var ptrs []uint64
+		for _, t := range c.Tensors {
+			ptrs = append(ptrs, t.Addr)
+		}
+		reg.StatePtrs = append(reg.StatePtrs, ptrs)
+		reg.StateItemLens = append(reg.StateItemLens, stateItemLens(c))
+		reg.StateDimPerTensor = append(reg.StateDimPerTensor, stateDims(c))
+	}
+	frames, err := reg.Frames()
+	if err != nil {
+		return nil, err
+	}
+	return append(frames, nixlExtFrames(a)...), nil
+}
+
+func stateItemLens(c StateComponent) []uint32 {
+	var out []uint32
+	for _, t := range c.Tensors {
+		out = append(out, uint32(t.ItemLen))
+	}
+	return out
+}
+
+func stateDims(c StateComponent) []uint32 {
+	var out []uint32
+	for _, d := range c.DimPerTensor {
+		out = append(out, uint32(d))
+	}
+	return out
+}
+
+// parallelInfo returns the prefill deployment's layout and this rank's
+// mapping onto it, asking the bootstrap server (and waiting while it
+// answers "not ready") the first time (try_ensure_parallel_info).
+func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, error) {
+	d.mu.Lock()
+	pi := d.prefills[addr]
+	d.mu.Unlock()
+	if pi != nil {
+		return pi, nil
+	}
+	c := bootstrap.NewClient(addr)
+	start := time.Now()
+	backoff := 20 * time.Millisecond
+	var info bootstrap.ParallelInfo
+	for {
+		var err error
+		info, err = c.ParallelInfo(ctx)
+		if err == nil {
+			break
+		}
+		if !bootstrap.IsNotReady(err) || ctx.Err() != nil {
+			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
+			return nil, fmt.Errorf("prefill parallel info from %s: %w", addr, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("prefill parallel info from %s: %w (last: %v)", addr, ctx.Err(), err)
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start)})
+	if info.PageSize != nil && *info.PageSize != d.cfg.KV.PageSize {
+		return nil, fmt.Errorf("Page size mismatch: prefill server has page_size=%d, but decode server has page_size=%d", *info.PageSize, d.cfg.KV.PageSize)
+	}
+	if info.KVCacheDType != nil && *info.KVCacheDType != d.cfg.KVCacheDType {
+		return nil, fmt.Errorf("KV cache dtype mismatch: prefill server has kv_cache_dtype=%s, but decode server has kv_cache_dtype=%s", *info.KVCacheDType, d.cfg.KVCacheDType)
+	}
+	p := d.cfg.Parallel
+	mapping, err := planner.MapRanks(planner.RankMappingInput{
+		DecodeTPSize: p.TPSize, DecodeEngineRank: p.TPRank, DecodeCPSize: p.CPSize, DecodeCPRank: p.CPRank,
+		DecodePPSize: p.PPSize, DecodePPRank: p.PPRank,
+		PrefillTPSize: info.AttnTPSize, PrefillCPSize: info.AttnCPSize, PrefillPPSize: info.PPSize,
+		MLA: d.cfg.MLA, PrefillDSACacheLayerSplit: info.EnableDSACacheLayerSplit,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("rank mapping onto prefill %s: %w", addr, err)
+	}
+	pi = &prefillInfo{client: c, info: info, mapping: mapping}
+	d.mu.Lock()
+	if old := d.prefills[addr]; old != nil {
+		pi = old
+	} else {
+		d.prefills[addr] = pi
+	}
+	d.mu.Unlock()
+	return pi, nil
+}
+
+// targets resolves (once per prefill DP rank) where the prefill ranks of
+// the mapping listen, and registers this rank's buffers with each of them.
+func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRank int) ([]target, error) {
+	key := fmt.Sprintf("%s_%d", addr, dpRank)
+	d.mu.Lock()
+	ts, ok := d.conns[key]
+	d.mu.Unlock()
+	if ok {
+		return ts, nil
+	}
+	d.initMu.Lock()
+	defer d.initMu.Unlock()
+	d.mu.Lock()
+	ts, ok = d.conns[key]
+	d.mu.Unlock()
+	if ok {
+		return ts, nil
+	}
+	info := pi.info
+	for _, bt := range pi.mapping.Targets(d.cfg.MLA) {
+		start := time.Now()
+		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
+		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeRoute, Peer: addr, Latency: time.Since(start), Err: err})
+		if err != nil {
+			return nil, fmt.Errorf("Could not fetch bootstrap info for: prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d and target_pp_rank %d: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, err)
+		}
+		ts = append(ts, target{
+			BootstrapTarget: bt,
+			endpoint:        zmq.TCPEndpoint(ri.RankIP, ri.RankPort),
+			unique:          bt.TPRank*(info.PPSize*info.AttnCPSize) + bt.PPRank*info.AttnCPSize + bt.CPRank,
+		})
+	}
+	for _, t := range ts {
+		if err := d.push.Send(ctx, t.endpoint, d.reg...); err != nil {
+			return nil, fmt.Errorf("register with prefill rank %s: %w", t.endpoint, err)
+		}
+	}
+	d.mu.Lock()
+	d.conns[key] = ts
+	d.mu.Unlock()
+	return ts, nil
+}
+
+// controlLoop receives prefill's status and aux messages.
+func (d *Decode) controlLoop() {
+	for {
+		frames, err := d.pull.Recv(d.ctx)
+		if err != nil {
+			if d.ctx.Err() != nil || errors.Is(err, zmq.ErrClosed) {
+				return
+			}
+			continue
+		}
+		msg, err := sglang.ParseMoriToDecode(frames)
+		if err != nil {
+			d.drops.drop("message", err)
+			continue
+		}
+		switch v := msg.(type) {
+		case *sglang.MoriStatus:
+			d.handleStatus(v)
+		case *sglang.AuxData:
+			d.handleAux(v)
+		}
+	}
+}
+
+func (d *Decode) receiver(room uint64) *Receiver {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.recvs[room]
+}
+
+func (d *Decode) handleStatus(st *sglang.MoriStatus) {
+	r := d.receiver(st.Room)
+	if r == nil {
+		d.log.Debug("status for an unknown room", "room", st.Room, "status", st.Status)
+		return
+	}
+	switch st.Status {
+	case sglang.KVPollFailed:
+		reason := st.Reason
+		if reason == "" {
+			reason = fmt.Sprintf("KV transfer failed on prefill rank %d", st.PrefillUniqueRank)
+		}
+		r.fail(reason, true)
+	case sglang.KVPollSuccess:
+		if !d.useStat {
+			d.drops.drop("status", fmt.Errorf("room %d: Success status, but only notifications are accepted", st.Room))
+			return
+		}
+		r.statusSuccess(st.PrefillUniqueRank)
+	default:
+		d.drops.drop("status", fmt.Errorf("room %d: unknown status code %d", st.Room, st.Status))
+	}
+}
+
+// handleAux stores MORI's aux bytes into this rank's aux buffer: only into
+// the slot the room asked for, only within the buffer.
+func (d *Decode) handleAux(a *sglang.AuxData) {
+	r := d.receiver(a.Room)
+	if r == nil {
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d is not open", a.Room))
+		return
+	}
+	r.mu.Lock()
+	sent, want := !r.sent.IsZero(), r.auxIndex
+	r.mu.Unlock()
+	aux := d.cfg.KV.Aux
+	switch {
+	case !sent:
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: no metadata sent yet", a.Room))
+		return
+	case a.AuxIndex != want:
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: aux index %d, the room asked for %d", a.Room, a.AuxIndex, want))
+		return
+	case a.BufferIndex < 0 || a.BufferIndex >= len(aux):
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: aux buffer %d of %d", a.Room, a.BufferIndex, len(aux)))
+		return
+	}
+	buf := aux[a.BufferIndex]
+	off := uint64(a.AuxIndex) * buf.ItemLen
+	if uint64(len(a.Data)) > buf.ItemLen || off+uint64(len(a.Data)) > uint64(len(buf.Mem)) {
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: %d bytes at slot %d of aux buffer %d (item len %d)", a.Room, len(a.Data), a.AuxIndex, a.BufferIndex, buf.ItemLen))
+		return
+	}
+	copy(buf.Mem[off:], a.Data)
+}
+
+// notifLoop drains the agent's notifications and tracks arrivals. It
+// polls with backoff while rooms wait (the ABI has no blocking wait for
+// notifications) and sleeps when none do.
+func (d *Decode) notifLoop() {
+	const minSleep, maxSleep = 20 * time.Microsecond, time.Millisecond
+	sleep := minSleep
+	for {
+		d.mu.Lock()
+		idle := d.waiting == 0
+		d.mu.Unlock()
+		if idle {
+			select {
+			case <-d.ctx.Done():
+				return
+			case <-d.notifWake:
+			}
+			sleep = minSleep
+		}
+		ns, err := d.agent.Notifs()
+		if err != nil && d.ctx.Err() == nil {
+			d.log.Warn("get notifications", "err", err)
+		}
+		for _, n := range ns {
+			d.handleNotif(n)
+		}
+		if len(ns) > 0 {
+			sleep = minSleep
+			continue
+		}
+		select {
+		case <-d.ctx.Done():
+			return
+		case <-time.After(sleep):
+		}
+		sleep = min(2*sleep, maxSleep)
+	}
+}
+
+func (d *Decode) handleNotif(n plugin.Notif) {
+	tag, err := sglang.ParseNotif(n.Msg)
+	if err != nil {
+		d.drops.drop("notification", fmt.Errorf("from %s: %w", n.From, err))
+		return
+	}
+	r := d.receiver(tag.Room)
+	if r == nil {
+		d.log.Debug("notification for an unknown room", "room", tag.Room, "from", n.From)
+		return
+	}
+	r.notif(tag)
+}
+
+func (d *Decode) wakeNotif() {
+	select {
+	case d.notifWake <- struct{}{}:
+	default:
+	}
+}
+
+// heartbeat checks every known bootstrap server; after
+// HeartbeatMaxFailures failed checks in a row, every unfinished room of that
+// prefill fails.
+func (d *Decode) heartbeat() {
+	t := time.NewTicker(d.set.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.ctx.Done():
+			return
+		case <-t.C:
+		}
+		d.mu.Lock()
+		addrs := make([]string, 0, len(d.prefills))
+		for a := range d.prefills {
+			addrs = append(addrs, a)
+		}
+		d.mu.Unlock()
+		for _, addr := range addrs {
+			d.mu.Lock()
+			pi := d.prefills[addr]
+			d.mu.Unlock()
+			if pi == nil {
+				continue
+			}
+			ctx, cancel := context.WithTimeout(d.ctx, 3*time.Second)
+			start := time.Now()
+			err := pi.client.Health(ctx)
+			cancel()
+			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeHeartbeat, Peer: addr, Latency: time.Since(start), Err: err})
+			if d.ctx.Err() != nil {
+				return
+			}
+			d.mu.Lock()
+			if err == nil {
+				pi.failures = 0
+			} else {
+				pi.failures++
+			}
+			dead := pi.failures >= d.set.HeartbeatMaxFailures
+			d.mu.Unlock()
+			if err != nil {
+				d.log.Info("heartbeat failed", "bootstrap", addr, "failures", pi.failures, "err", err)
+			}
+			if dead {
+				d.nodeFailure(addr)
+			}
+		}
+	}
+}
+
+// nodeFailure forgets a prefill deployment and fails its unfinished rooms.
+func (d *Decode) nodeFailure(addr string) {
+	reason := fmt.Sprintf("Lost connection with prefill instance (bootstrap_addr: %s)", addr)
+	d.mu.Lock()
+	delete(d.prefills, addr)
+	var stale []string
+	for k, ts := range d.conns {
+		if strings.HasPrefix(k, addr+"_") {
+			for _, t := range ts {
+				stale = append(stale, t.endpoint)
+			}
+			delete(d.conns, k)
+		}
+	}
+	var affected []*Receiver
+	for room := range d.addrRooms[addr] {
+		if r := d.recvs[room]; r != nil {
+			affected = append(affected, r)
+		}
+	}
+	d.mu.Unlock()
+	for _, ep := range stale {
+		d.push.Forget(ep)
+	}
+	n := 0
+	for _, r := range affected {
+		if st, _ := d.rooms.Get(r.room); st != rooms.Success && st != rooms.Failed {
+			r.fail(reason, false)
+			n++
+		}
+	}
+	d.log.Error("lost connection with prefill instance", "bootstrap", addr, "rooms_failed", n)
+}
+
+// janitor applies the waiting timeout.
+func (d *Decode) janitor() {
+	tick := min(max(d.set.WaitingTimeout/10, 10*time.Millisecond), time.Second)
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.ctx.Done():
+			return
+		case <-t.C:
+		}
+		now := time.Now()
+		d.mu.Lock()
+		var late []*Receiver
+		for _, r := range d.recvs {
+			r.mu.Lock()
+			if !r.sent.IsZero() && !r.done && now.Sub(r.sent) >= d.set.WaitingTimeout {
+				late = append(late, r)
+			}
+			r.mu.Unlock()
+		}
+		d.mu.Unlock()
+		for _, r := range late {
+			r.mu.Lock()
+			sent := r.sent
+			r.mu.Unlock()
+			r.failAbort(fmt.Sprintf("Request %d timed out after %.1fs in KVPoll.WaitingForInput", r.room, now.Sub(sent).Seconds()))
+		}
+	}
+}

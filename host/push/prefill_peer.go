@@ -1,0 +1,576 @@
+package push
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/wire/sglang"
+	"github.com/kvhost/kvhost/host/zmq"
+	"github.com/kvhost/kvhost/planner"
+)
+
+// peer is a registered decode rank, with everything a chunk needs built
+// once at registration: imported remote regions, planners, prepared lists.
+// Immutable after addPeer; owned by the manager (its handles belong to the
+// agent and are released with it, or by removePeer).
+type peer struct {
+	name     string
+	endpoint string // decode's PULL socket
+	tpSize   int
+	tpRank   int
+
+	kv    kvPlanner
+	nixl  *planner.NixlKV // NIXL variant: for prepped transfers
+	aux   *planner.AuxPlanner
+	state *planner.StatePlanner
+
+	kvRemote    []*plugin.RemoteRegion
+	auxRemote   []*plugin.RemoteRegion
+	stateRemote [][]*plugin.RemoteRegion
+
+	// auxTCP: MORI ships aux as AUX_DATA messages (no RDMA pairs).
+	auxTCP bool
+
+	prepped *preppedPeer
+}
+
+// kvPlanner is what NixlKV and MoriKV have in common.
+type kvPlanner interface {
+	Plan(p *planner.Plan, prefillPages, decodePages []int32) error
+	Regions() (src, dst []planner.Region)
+	Path() string
+}
+
+// preppedPeer holds the prepared descriptor lists of one decode peer
+// (SGLang NIXL's prep_handles), one pair per memory-kind part.
+type preppedPeer struct {
+	pk    *planner.PreppedKV
+	src   []*plugin.DList // shared with other peers when pk.SrcShared
+	dst   []*plugin.DList
+	notif []string // part notification suffixes
+}
+
+// kvhostExt marks the frames kvhost appends to SGLang NIXL's registration:
+// the byte lengths of the aux and state buffers, which SGLang's layout does
+// not carry. SGLang ignores frames past the ones it knows; a kvhost prefill
+// uses them to bound the decode's aux and state regions exactly.
+const kvhostExt = "kvhost.lens.v1"
+
+// maxRemoteRegions bounds the regions one registration may ask us to import.
+const maxRemoteRegions = 1 << 16
+
+func (m *Prefill) addPeer(build func() (*peer, error), name string) {
+	start := time.Now()
+	m.mu.Lock()
+	if name != "" {
+		if _, ok := m.peers[name]; ok {
+			m.mu.Unlock()
+			m.log.Info("peer already registered, ignoring", "peer", name)
+			return
+		}
+	}
+	if len(m.peers) >= m.set.MaxPeers {
+		m.mu.Unlock()
+		m.drops.drop("registration", fmt.Errorf("peer limit %d reached", m.set.MaxPeers))
+		return
+	}
+	m.mu.Unlock()
+	p, err := build()
+	if p == nil && err == nil {
+		return // already registered
+	}
+	ev := HandshakeEvent{Role: RolePrefill, Kind: HandshakePeer, Peer: name, Latency: time.Since(start), Err: err}
+	if p != nil {
+		ev.Peer = p.name
+	}
+	m.obs.Handshake(ev)
+	if err != nil {
+		m.log.Warn("decode registration rejected", "peer", ev.Peer, "err", err)
+		if ev.Peer != "" {
+			m.mu.Lock()
+			if len(m.peerErr) >= 1024 {
+				clear(m.peerErr)
+			}
+			m.peerErr[ev.Peer] = err.Error()
+			m.mu.Unlock()
+		}
+		return
+	}
+	m.mu.Lock()
+	if _, dup := m.peers[p.name]; dup {
+		m.mu.Unlock()
+		m.releasePeer(p)
+		return
+	}
+	m.peers[p.name] = p
+	delete(m.peerErr, p.name)
+	m.mu.Unlock()
+	m.log.Info("decode rank registered", "peer", p.name, "endpoint", p.endpoint,
+		"decode_tp", fmt.Sprintf("%d/%d", p.tpRank, p.tpSize), "path", p.kv.Path(), "took", ev.Latency)
+}
+
+// releasePeer releases the handles of a peer that lost a registration race.
+func (m *Prefill) releasePeer(p *peer) {
+	if p.prepped != nil {
+		for _, d := range p.prepped.dst {
+			d.Close()
+		}
+	}
+	for _, r := range p.kvRemote {
+		r.Close()
+	}
+	for _, r := range p.auxRemote {
+		r.Close()
+	}
+	for _, c := range p.stateRemote {
+		for _, r := range c {
+			r.Close()
+		}
+	}
+}
+
+// peerMissing explains why a transfer info names no usable peer.
+func (m *Prefill) peerMissing(name string) string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if e, ok := m.peerErr[name]; ok {
+		return fmt.Sprintf("Peer info missing for engine %s: its registration was rejected: %s", name, e)
+	}
+	return fmt.Sprintf("Peer info missing for engine %s", name)
+}
+
+func (m *Prefill) devID(kind abi.MemKind, gpu int) uint64 {
+	if kind == abi.VRAM && gpu > 0 {
+		return uint64(gpu)
+	}
+	return 0
+}
+
+// nixlPeer builds a peer from SGLang NIXL's registration: decode's agent
+// metadata is loaded, and its KV, aux and state buffers are imported by
+// address, each exactly the range the registration declares.
+func (m *Prefill) nixlPeer(r *sglang.NixlRegistration, frames [][]byte) (p *peer, err error) {
+	name, err := m.agent.LoadRemote(r.AgentMetadata)
+	if err != nil {
+		return nil, fmt.Errorf("load agent metadata of %s: %w", r.AgentName, err)
+	}
+	if name != r.AgentName {
+		m.agent.RemoveRemote(name)
+		return nil, fmt.Errorf("agent metadata names %q, registration names %q", name, r.AgentName)
+	}
+	p = &peer{name: name, endpoint: zmq.TCPEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
+	defer func() {
+		if err != nil {
+			m.releasePeer(p)
+			m.agent.RemoveRemote(name)
+			p = nil
+		}
+	}()
+	if !m.agent.Caps().Has(abi.CapRemoteAddr) && !m.agent.Emulated().Has(abi.CapRemoteAddr) {
+		return p, errors.New("the plugin agent cannot import remote regions by address, which the NIXL variant needs")
+	}
+	if len(r.KVPtrs)+len(r.AuxPtrs) > maxRemoteRegions {
+		return p, fmt.Errorf("%d KV and %d aux regions", len(r.KVPtrs), len(r.AuxPtrs))
+	}
+	auxLens, stateLens := nixlExtLens(frames)
+
+	numPages := r.NumSlots
+	if numPages == 0 {
+		numPages = m.srcKV.NumPages // the reference's default
+	}
+	dst := planner.KVSide{TPSize: r.DecodeTPSize, TPRank: r.DecodeTPRank, NumPages: numPages}
+	for i, ptr := range r.KVPtrs {
+		kind := abi.VRAM
+		if i < len(r.KVMemKinds) && r.KVMemKinds[i] == sglang.DRAM {
+			kind = abi.DRAM
+		}
+		item := r.KVItemLens[i]
+		if item == 0 || numPages > ^uint64(0)/item {
+			return p, fmt.Errorf("KV region %d: item len %d x %d pages", i, item, numPages)
+		}
+		rr, err := m.agent.ImportRange(name, ptr, item*numPages, m.devID(kind, r.GPUID), kind)
+		if err != nil {
+			return p, fmt.Errorf("import KV region %d: %w", i, err)
+		}
+		p.kvRemote = append(p.kvRemote, rr)
+		dst.Ptrs = append(dst.Ptrs, ptr)
+		dst.ItemLens = append(dst.ItemLens, item)
+		dst.Kinds = append(dst.Kinds, plannerKind(kind))
+	}
+	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
+	nk, err := planner.NewNixlKV(g, true)
+	if err != nil {
+		return p, fmt.Errorf("KV geometry: %w", err)
+	}
+	p.kv, p.nixl = nk, nk
+
+	// Aux: SGLang's layout has pointers only. Lengths come from kvhost's
+	// extension frames; for an SGLang decode we assume its aux buffers are
+	// as long as ours (both sides size them from the same model config).
+	dstAux := planner.AuxBuffers{Ptrs: r.AuxPtrs, DataLens: auxLens}
+	if dstAux.DataLens == nil {
+		for i := range r.AuxPtrs {
+			if i < len(m.srcAux.DataLens) {
+				dstAux.DataLens = append(dstAux.DataLens, m.srcAux.DataLens[i])
+			} else {
+				dstAux.DataLens = append(dstAux.DataLens, 0)
+			}
+		}
+	}
+	if len(r.AuxPtrs) > 0 {
+		if p.aux, err = planner.NewAuxPlannerNIXL(m.srcAux, dstAux); err != nil {
+			return p, fmt.Errorf("aux geometry: %w", err)
+		}
+		for i, ptr := range r.AuxPtrs {
+			if dstAux.DataLens[i] == 0 {
+				return p, fmt.Errorf("aux buffer %d: unknown length", i)
+			}
+			rr, err := m.agent.ImportRange(name, ptr, dstAux.DataLens[i], 0, abi.DRAM)
+			if err != nil {
+				return p, fmt.Errorf("import aux region %d: %w", i, err)
+			}
+			p.auxRemote = append(p.auxRemote, rr)
+		}
+	}
+	if err := m.nixlState(p, r, stateLens); err != nil {
+		return p, err
+	}
+	if err := m.checkPeerTables(p); err != nil {
+		return p, err
+	}
+	if m.cfg.XferMode == XferPrepped {
+		if err := m.prepPeer(p); err != nil {
+			return p, err
+		}
+	}
+	return p, nil
+}
+
+func (m *Prefill) nixlState(p *peer, r *sglang.NixlRegistration, lens [][]uint64) error {
+	if len(m.stateTypes) == 0 || len(r.StatePtrs) == 0 {
+		return nil
+	}
+	dst := planner.StateBuffers{Ptrs: r.StatePtrs}
+	for c, ptrs := range r.StatePtrs {
+		var items, dl []uint64
+		var dims []int
+		for t := range ptrs {
+			if c < len(r.StateItemLens) && t < len(r.StateItemLens[c]) {
+				items = append(items, uint64(r.StateItemLens[c][t]))
+			}
+			switch {
+			case c < len(lens) && t < len(lens[c]):
+				dl = append(dl, lens[c][t])
+			case c < len(m.srcState.DataLens) && t < len(m.srcState.DataLens[c]):
+				dl = append(dl, m.srcState.DataLens[c][t]) // SGLang decode: assume ours
+			default:
+				dl = append(dl, 0)
+			}
+		}
+		if c < len(r.StateDimPerTensor) {
+			for _, d := range r.StateDimPerTensor[c] {
+				dims = append(dims, int(d))
+			}
+		}
+		dst.ItemLens = append(dst.ItemLens, items)
+		dst.DataLens = append(dst.DataLens, dl)
+		dst.DimPerTensor = append(dst.DimPerTensor, dims)
+	}
+	sp, err := planner.NewStatePlannerNIXL(m.stateTypes, m.srcState, dst, m.stateTopology(r.DecodeTPSize, r.DecodeTPRank))
+	if err != nil {
+		return fmt.Errorf("state geometry: %w", err)
+	}
+	p.state = sp
+	for c, ptrs := range r.StatePtrs {
+		var comp []*plugin.RemoteRegion
+		for t, ptr := range ptrs {
+			n := dst.DataLens[c][t]
+			if n == 0 || ptr == 0 {
+				comp = append(comp, nil)
+				continue
+			}
+			rr, err := m.agent.ImportRange(p.name, ptr, n, m.devID(abi.VRAM, r.GPUID), abi.VRAM)
+			if err != nil {
+				return fmt.Errorf("import state region %d.%d: %w", c, t, err)
+			}
+			comp = append(comp, rr)
+		}
+		p.stateRemote = append(p.stateRemote, comp)
+	}
+	return nil
+}
+
+func (m *Prefill) stateTopology(decodeTP, decodeRank int) planner.StateTopology {
+	par := m.cfg.Parallel
+	return planner.StateTopology{
+		PrefillTPSize: par.TPSize, PrefillTPRank: par.TPRank, PrefillPPSize: par.PPSize,
+		PP: planner.PPLayout{StartLayer: m.cfg.KV.StartLayer}, MLA: m.cfg.MLA,
+		DecodeTPSize: decodeTP, DecodeTPRank: decodeRank,
+	}
+}
+
+// nixlExtLens reads kvhost's extension frames of a NIXL registration
+// (guard included in frames): aux lengths and state lengths, or nil.
+func nixlExtLens(frames [][]byte) (aux []uint64, state [][]uint64) {
+	const at = 20 // guard + the 19 frames SGLang sends
+	if len(frames) < at+3 || string(frames[at]) != kvhostExt {
+		return nil, nil
+	}
+	b := frames[at+1]
+	if len(b)%8 != 0 {
+		return nil, nil
+	}
+	for i := 0; i < len(b); i += 8 {
+		aux = append(aux, binary.LittleEndian.Uint64(b[i:]))
+	}
+	state, err := sglang.UnpackUint64Lists(frames[at+2])
+	if err != nil {
+		state = nil
+	}
+	return aux, state
+}
+
+// nixlExtFrames builds kvhost's extension frames for a NIXL registration.
+func nixlExtFrames(a *KVArgs) [][]byte {
+	var aux []byte
+	for _, b := range a.Aux {
+		aux = binary.LittleEndian.AppendUint64(aux, uint64(len(b.Mem)))
+	}
+	var state [][]uint64
+	for _, c := range a.State {
+		var l []uint64
+		for _, t := range c.Tensors {
+			l = append(l, t.Len)
+		}
+		state = append(state, l)
+	}
+	return [][]byte{[]byte(kvhostExt), aux, sglang.PackUint64Lists(state)}
+}
+
+// moriPeer builds a peer from SGLang MORI's registration: the engine
+// descriptor is the plugin's metadata and every memory descriptor a region
+// blob the plugin exported, imported as is.
+func (m *Prefill) moriPeer(r *sglang.MoriRegistration) (p *peer, err error) {
+	name, err := m.agent.LoadRemote(unwrapEngineDesc(r.EngineDesc))
+	if err != nil {
+		return nil, fmt.Errorf("load engine descriptor: %w", err)
+	}
+	m.mu.Lock()
+	_, dup := m.peers[name]
+	m.mu.Unlock()
+	if dup {
+		m.log.Info("peer already registered, ignoring", "peer", name)
+		return nil, nil
+	}
+	p = &peer{name: name, endpoint: zmq.TCPEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
+	defer func() {
+		if err != nil {
+			m.releasePeer(p)
+			m.agent.RemoveRemote(name)
+			p = nil
+		}
+	}()
+	if key, kerr := r.EngineKey(); kerr != nil || key != name {
+		return p, fmt.Errorf("engine descriptor names %q, the plugin loaded %q", key, name)
+	}
+	if !m.agent.Caps().Has(abi.CapRemoteBlob) {
+		return p, errors.New("the plugin agent cannot import exported regions, which the MORI variant needs")
+	}
+	n := len(r.KVMemDescs) + len(r.AuxMemDescs)
+	for _, c := range r.StateMemDescs {
+		n += len(c)
+	}
+	if n > maxRemoteRegions {
+		return p, fmt.Errorf("%d memory descriptors", n)
+	}
+	if r.KVItemLen == 0 {
+		return p, errors.New("KV item len 0")
+	}
+	dst := planner.KVSide{TPSize: r.DecodeTPSize, TPRank: r.DecodeTPRank}
+	for i, blob := range r.KVMemDescs {
+		rr, err := m.agent.ImportRegion(name, blob)
+		if err != nil {
+			return p, fmt.Errorf("import KV region %d: %w", i, err)
+		}
+		p.kvRemote = append(p.kvRemote, rr)
+		pages := rr.Len() / r.KVItemLen
+		if i == 0 {
+			dst.NumPages = pages
+		} else if pages != dst.NumPages {
+			return p, fmt.Errorf("KV region %d holds %d pages, region 0 holds %d", i, pages, dst.NumPages)
+		}
+		dst.Ptrs = append(dst.Ptrs, rr.Addr())
+		dst.ItemLens = append(dst.ItemLens, r.KVItemLen)
+		dst.Kinds = append(dst.Kinds, plannerKind(rr.Kind()))
+	}
+	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
+	if p.kv, err = planner.NewMoriKV(g); err != nil {
+		return p, fmt.Errorf("KV geometry: %w", err)
+	}
+	var dstAux planner.AuxBuffers
+	for i, blob := range r.AuxMemDescs {
+		rr, err := m.agent.ImportRegion(name, blob)
+		if err != nil {
+			return p, fmt.Errorf("import aux region %d: %w", i, err)
+		}
+		p.auxRemote = append(p.auxRemote, rr)
+		dstAux.Ptrs = append(dstAux.Ptrs, rr.Addr())
+		dstAux.DataLens = append(dstAux.DataLens, rr.Len())
+	}
+	if len(m.srcAux.Ptrs) > 0 {
+		if p.aux, err = planner.NewAuxPlannerMORI(m.srcAux, dstAux); err != nil {
+			return p, fmt.Errorf("aux geometry: %w", err)
+		}
+		// SGLang MORI sends aux over ZeroMQ unless SGLANG_MORI_SEND_AUX_RDMA
+		// is set and both sides have the same aux buffers.
+		var probe planner.Plan
+		p.auxTCP = !m.set.MoriAuxRDMA
+		if !p.auxTCP && p.aux.Plan(&probe, 0, 0) == nil && probe.Path == planner.PathMORIAuxTCP {
+			p.auxTCP = true
+		}
+	}
+	if len(m.stateTypes) > 0 && len(r.StateMemDescs) > 0 {
+		dstState := planner.StateBuffers{}
+		for c, comp := range r.StateMemDescs {
+			var ptrs, lens, items []uint64
+			var regs []*plugin.RemoteRegion
+			var dims []int
+			for t, blob := range comp {
+				rr, err := m.agent.ImportRegion(name, blob)
+				if err != nil {
+					return p, fmt.Errorf("import state region %d.%d: %w", c, t, err)
+				}
+				regs = append(regs, rr)
+				ptrs = append(ptrs, rr.Addr())
+				lens = append(lens, rr.Len())
+				if c < len(r.StateItemLens) && t < len(r.StateItemLens[c]) {
+					items = append(items, uint64(r.StateItemLens[c][t]))
+				}
+			}
+			if c < len(r.StateDimPerTensor) {
+				for _, d := range r.StateDimPerTensor[c] {
+					dims = append(dims, int(d))
+				}
+			}
+			p.stateRemote = append(p.stateRemote, regs)
+			dstState.Ptrs = append(dstState.Ptrs, ptrs)
+			dstState.DataLens = append(dstState.DataLens, lens)
+			dstState.ItemLens = append(dstState.ItemLens, items)
+			dstState.DimPerTensor = append(dstState.DimPerTensor, dims)
+		}
+		if p.state, err = planner.NewStatePlannerMORI(m.stateTypes, m.srcState, dstState, m.stateTopology(r.DecodeTPSize, r.DecodeTPRank)); err != nil {
+			return p, fmt.Errorf("state geometry: %w", err)
+		}
+	}
+	if err := m.checkPeerTables(p); err != nil {
+		return p, err
+	}
+	return p, nil
+}
+
+// checkPeerTables confirms that the planners' region tables are this rank's
+// registered regions and the peer's imported ones, so that validating a
+// plan against its tables bounds every byte it moves.
+func (m *Prefill) checkPeerTables(p *peer) error {
+	src, dst := p.kv.Regions()
+	if err := sameTables(src, m.regs.kv, dst, p.kvRemote); err != nil {
+		return fmt.Errorf("KV: %w", err)
+	}
+	return nil
+}
+
+func sameTables(src []planner.Region, local []*plugin.Region, dst []planner.Region, remote []*plugin.RemoteRegion) error {
+	if len(src) != len(local) || len(dst) != len(remote) {
+		return fmt.Errorf("planner tables (%d, %d regions) differ from the registered ones (%d, %d)", len(src), len(dst), len(local), len(remote))
+	}
+	for i, r := range src {
+		if r.Addr != local[i].Addr() || r.Len > local[i].Len() {
+			return fmt.Errorf("planner source region %d [%#x, +%d) is not registered region [%#x, +%d)", i, r.Addr, r.Len, local[i].Addr(), local[i].Len())
+		}
+	}
+	for i, r := range dst {
+		if remote[i] == nil || r.Addr != remote[i].Addr() || r.Len > remote[i].Len() {
+			return fmt.Errorf("planner destination region %d [%#x, +%d) is not the peer's imported region", i, r.Addr, r.Len)
+		}
+	}
+	return nil
+}
+
+// prepPeer builds the reference's prepared lists for a NIXL peer: the
+// source lists once per distinct list (shared by peers, as SGLang shares
+// them), the destination lists per peer.
+func (m *Prefill) prepPeer(p *peer) error {
+	pk, err := p.nixl.Prepped()
+	if err != nil {
+		return fmt.Errorf("prepared lists: %w", err)
+	}
+	pp := &preppedPeer{pk: pk}
+	p.prepped = pp
+	for i := range pk.Parts {
+		part := &pk.Parts[i]
+		if err := part.Src.Validate(); err != nil {
+			return fmt.Errorf("prepared source list %d: %w", i, err)
+		}
+		if err := part.Dst.Validate(); err != nil {
+			return fmt.Errorf("prepared destination list %d: %w", i, err)
+		}
+		key := dlistKey(&part.Src)
+		m.mu.Lock()
+		src := m.srcLists[key]
+		m.mu.Unlock()
+		if src == nil {
+			descs := expandDlist(&part.Src, uint64(m.cfg.KV.GPUID))
+			if src, err = m.agent.PrepLocal(abiKind(part.Src.Kind), descs); err != nil {
+				return fmt.Errorf("prepare source list %d: %w", i, err)
+			}
+			m.mu.Lock()
+			if old := m.srcLists[key]; old != nil {
+				m.mu.Unlock()
+				src.Close()
+				src = old
+			} else {
+				m.srcLists[key] = src
+				m.mu.Unlock()
+			}
+		}
+		pp.src = append(pp.src, src)
+		descs := expandDlist(&part.Dst, 0)
+		dst, err := m.agent.PrepRemote(p.name, abiKind(part.Dst.Kind), descs)
+		if err != nil {
+			return fmt.Errorf("prepare destination list %d: %w", i, err)
+		}
+		pp.dst = append(pp.dst, dst)
+		suffix := ""
+		if len(pk.Parts) > 1 {
+			suffix = planner.PartNotifSuffix(i, len(pk.Parts))
+		}
+		pp.notif = append(pp.notif, suffix)
+	}
+	return nil
+}
+
+func dlistKey(d *planner.Dlist) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d", d.Kind)
+	for _, x := range d.Blocks {
+		fmt.Fprintf(&b, "|%d,%d,%d,%d,%d,%d,%d,%d,%d", x.Region, x.Off, x.Slots, x.Tokens, x.Groups, x.SlotStride, x.TokenStride, x.GroupStride, x.Len)
+	}
+	for _, r := range d.Regions {
+		fmt.Fprintf(&b, "|%x+%d", r.Addr, r.Len)
+	}
+	return b.String()
+}
+
+func expandDlist(d *planner.Dlist, dev uint64) []abi.XferDesc {
+	out := make([]abi.XferDesc, 0, d.Len())
+	d.ForEach(func(addr, length uint64) bool {
+		out = append(out, abi.XferDesc{Addr: addr, Len: length, Count: 1, DevID: dev})
+		return true
+	})
+	return out
+}

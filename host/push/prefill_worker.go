@@ -1,0 +1,489 @@
+package push
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
+	"github.com/kvhost/kvhost/planner"
+)
+
+// chunk is one Send: a part of a request's pages (TransferKVChunk).
+type chunk struct {
+	s        *Sender
+	room     uint64
+	id       int
+	last     bool
+	pages    []int32
+	slice    planner.IndexSlice // position in the request's page list
+	auxIndex int64
+	state    [][]int32
+	hasState bool
+}
+
+// shard is one transfer worker's queue: unbounded (Send never blocks the
+// engine), FIFO, so a room's chunks, which all go to one shard, run in
+// order.
+type shard struct {
+	mu   sync.Mutex
+	q    []*chunk
+	head int
+	wake chan struct{}
+}
+
+func newShard() *shard { return &shard{wake: make(chan struct{}, 1)} }
+
+func (sh *shard) push(c *chunk) {
+	sh.mu.Lock()
+	sh.q = append(sh.q, c)
+	sh.mu.Unlock()
+	select {
+	case sh.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (sh *shard) pop(ctx context.Context) *chunk {
+	for {
+		sh.mu.Lock()
+		if sh.head < len(sh.q) {
+			c := sh.q[sh.head]
+			sh.q[sh.head] = nil
+			sh.head++
+			if sh.head == len(sh.q) {
+				sh.q, sh.head = sh.q[:0], 0
+			}
+			sh.mu.Unlock()
+			return c
+		}
+		sh.mu.Unlock()
+		select {
+		case <-sh.wake:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+func (m *Prefill) enqueue(c *chunk) {
+	m.shards[c.room%uint64(len(m.shards))].push(c)
+}
+
+// worker is one transfer shard's state, reused chunk after chunk so that
+// planning and building transfers allocate nothing once warm.
+type worker struct {
+	m      *Prefill
+	plan   planner.Plan
+	states []planner.StatePlan
+	b      batch
+	srcIdx []int32
+	dstIdx []int32
+	flight []*inflight
+}
+
+// inflight is one posted transfer and what the observer will be told.
+type inflight struct {
+	x     *plugin.Xfer
+	ev    TransferEvent
+	start time.Time
+}
+
+func (m *Prefill) runWorker(sh *shard) {
+	w := &worker{m: m}
+	for {
+		c := sh.pop(m.ctx)
+		if c == nil {
+			return
+		}
+		w.run(c)
+	}
+}
+
+// run processes one chunk (transfer_worker): plan and post its transfers
+// to every decode rank of the room, wait for them, and move the room on.
+func (w *worker) run(c *chunk) {
+	m := w.m
+	st, ok := m.rooms.Get(c.room)
+	if !ok || st == rooms.Failed || c.s.ctx.Err() != nil {
+		return // closed or failed: nothing more to do for this room
+	}
+	m.mu.Lock()
+	ri := m.infos[c.room]
+	var infos []*xferInfo
+	peers := make([]*peer, 0, 4)
+	complete := ri != nil && ri.complete
+	if complete {
+		infos = append(infos, ri.order...)
+		for _, in := range infos {
+			peers = append(peers, m.peers[in.peer])
+		}
+	}
+	m.mu.Unlock()
+	if !complete {
+		c.s.fail(fmt.Sprintf("No transfer info found for bootstrap_room=%d (chunk sent before decode's metadata arrived)", c.room), false)
+		return
+	}
+	m.rooms.Update(c.room, rooms.Transferring)
+
+	ctx := c.s.ctx
+	if m.set.TransferTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, m.set.TransferTimeout)
+		defer cancel()
+	}
+	err := w.post(ctx, c, infos, peers)
+	if err == nil {
+		err = w.wait(ctx, c)
+	}
+	w.release()
+	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && c.s.ctx.Err() == nil {
+			err = fmt.Errorf("KV transfer exceeded SLA %dms", m.set.TransferTimeout.Milliseconds())
+		}
+		if c.s.ctx.Err() == nil { // not already failed by someone else
+			c.s.fail(err.Error(), false)
+		}
+		return
+	}
+	if !c.last {
+		return
+	}
+	if m.completion == CompletionStatus || m.cfg.Variant == VariantMORI {
+		if err := w.finishByStatus(c, infos, peers); err != nil {
+			c.s.fail(err.Error(), false)
+			return
+		}
+	}
+	if _, ok := m.rooms.Update(c.room, rooms.Success); ok {
+		m.mu.Lock()
+		if ri := m.infos[c.room]; ri != nil {
+			ri.notified = true // nothing to tell decode any more
+		}
+		m.mu.Unlock()
+	}
+}
+
+// post plans and posts the chunk's transfers to every real decode rank.
+func (w *worker) post(ctx context.Context, c *chunk, infos []*xferInfo, peers []*peer) error {
+	m := w.m
+	statusMode := m.completion == CompletionStatus
+	for i, in := range infos {
+		if in.dummy {
+			continue // dummy ranks (MLA) receive nothing
+		}
+		p := peers[i]
+		if p == nil {
+			return errors.New(m.peerMissing(in.peer))
+		}
+		if statusMode {
+			w.b.reset()
+		}
+		if len(c.pages) > 0 {
+			if c.slice.Stop > len(in.dstPages) {
+				return fmt.Errorf("decode %s sent %d page indices, chunk %d needs pages [%d, %d)", in.peer, len(in.dstPages), c.id, c.slice.Start, c.slice.Stop)
+			}
+			dst := in.dstPages[c.slice.Start:c.slice.Stop]
+			if err := w.postKV(ctx, c, p, dst, statusMode); err != nil {
+				return err
+			}
+		}
+		if c.last {
+			if c.hasState && p.state != nil {
+				if err := w.postState(ctx, c, in, p, statusMode); err != nil {
+					return err
+				}
+			}
+			if err := w.postAux(ctx, c, in, p, statusMode); err != nil {
+				return err
+			}
+		}
+		if statusMode && !w.b.empty() {
+			if err := w.postBatch(ctx, c, p, TransferKV, nil); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, statusMode bool) error {
+	m := w.m
+	if p.prepped != nil {
+		return w.postPrepped(ctx, c, p, dst, statusMode)
+	}
+	if err := p.kv.Plan(&w.plan, c.pages, dst); err != nil {
+		return fmt.Errorf("plan KV for %s: %w", p.name, err)
+	}
+	if err := checkTables(&w.plan, m.regs.kv, p.kvRemote); err != nil {
+		return fmt.Errorf("KV for %s: %w", p.name, err)
+	}
+	parts := w.plan.Parts
+	if len(parts) == 0 {
+		parts = []planner.Part{{Start: 0, End: len(w.plan.Copies)}}
+	}
+	for i, part := range parts {
+		// Each memory-kind part is its own transfer (a NIXL request holds
+		// one memory kind per side). In status mode the last part stays in
+		// the batch, which aux and state join.
+		if !statusMode || i > 0 {
+			w.b.reset()
+		}
+		if err := w.b.add(&w.plan, part.Start, part.End, m.regs.kv, p.kvRemote); err != nil {
+			return err
+		}
+		if i == 0 {
+			w.b.refDesc = w.plan.ReferenceDescriptors
+		}
+		if statusMode {
+			if i < len(parts)-1 {
+				if err := w.postBatch(ctx, c, p, TransferKV, nil); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		var tag string
+		if len(parts) > 1 {
+			tag = sglang.KVPartNotif(c.room, c.id, c.last, m.unique, i, len(parts))
+		} else {
+			tag = sglang.KVNotif(c.room, c.id, c.last, m.unique)
+		}
+		if err := w.postBatch(ctx, c, p, TransferKV, []byte(tag)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// postPrepped posts the chunk through the peer's prepared lists: one
+// make_prepped_xfer per part with the reference's index arrays.
+func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32, statusMode bool) error {
+	m := w.m
+	pp := p.prepped
+	for i := range pp.pk.Parts {
+		var err error
+		w.srcIdx, w.dstIdx, err = p.nixl.Indices(pp.pk, i, w.srcIdx[:0], w.dstIdx[:0], c.pages, dst)
+		if err != nil {
+			return fmt.Errorf("prepared indices for %s: %w", p.name, err)
+		}
+		if len(w.srcIdx) == 0 {
+			continue
+		}
+		var notif []byte
+		if !statusMode {
+			tag := sglang.KVNotif(c.room, c.id, c.last, m.unique)
+			if pp.notif[i] != "" {
+				tag = sglang.KVPartNotif(c.room, c.id, c.last, m.unique, i, len(pp.pk.Parts))
+			}
+			notif = []byte(tag)
+		}
+		x, err := m.agent.MakePreppedXfer(abi.Write, pp.src[i], w.srcIdx, pp.dst[i], w.dstIdx, notif)
+		if err != nil {
+			return fmt.Errorf("make prepped transfer to %s: %w", p.name, err)
+		}
+		if err := w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id,
+			Descs: uint64(len(w.srcIdx)), ReferenceDescs: uint64(len(w.srcIdx))}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
+	m := w.m
+	var err error
+	w.states, err = p.state.Plan(w.states, c.state, in.dstState)
+	if err != nil {
+		return fmt.Errorf("plan state for %s: %w", p.name, err)
+	}
+	for i := range w.states {
+		sp := &w.states[i]
+		comp := sp.Component
+		if comp >= len(m.regs.state) || comp >= len(p.stateRemote) {
+			return fmt.Errorf("state component %d not registered on both sides", comp)
+		}
+		if err := checkTables(&sp.Plan, m.regs.state[comp], p.stateRemote[comp]); err != nil {
+			return fmt.Errorf("state component %d for %s: %w", comp, p.name, err)
+		}
+		if !statusMode {
+			w.b.reset()
+		}
+		if err := w.b.add(&sp.Plan, 0, len(sp.Plan.Copies), m.regs.state[comp], p.stateRemote[comp]); err != nil {
+			return err
+		}
+		if !statusMode {
+			tag := sglang.StateNotif(c.room, m.unique, comp)
+			if err := w.postBatch(ctx, c, p, TransferState, []byte(tag)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (w *worker) postAux(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
+	m := w.m
+	if p.aux == nil || len(m.regs.aux) == 0 {
+		if m.completion == CompletionNotif {
+			// Decode still needs an aux notification to finish.
+			return w.notifyOnly(c, in, p)
+		}
+		return nil
+	}
+	if m.cfg.Variant == VariantMORI {
+		// MORI: only the last PP stage sends aux, and only when decode
+		// asked for it; the ZeroMQ path is sent after the transfers.
+		if in.dstAux < 0 || m.cfg.Parallel.PPRank != m.cfg.Parallel.PPSize-1 || p.auxTCP {
+			return nil
+		}
+	}
+	if err := p.aux.Plan(&w.plan, c.auxIndex, in.dstAux); err != nil {
+		return fmt.Errorf("plan aux for %s: %w", p.name, err)
+	}
+	if err := checkTables(&w.plan, m.regs.aux, p.auxRemote); err != nil {
+		return fmt.Errorf("aux for %s: %w", p.name, err)
+	}
+	if !statusMode {
+		w.b.reset()
+	}
+	if err := w.b.add(&w.plan, 0, len(w.plan.Copies), m.regs.aux, p.auxRemote); err != nil {
+		return err
+	}
+	if statusMode {
+		return nil
+	}
+	tag := sglang.AuxNotif(c.room)
+	if len(c.pages) == 0 {
+		tag = sglang.AuxNoKVNotif(c.room, m.unique)
+	}
+	if w.b.empty() {
+		return w.notifyOnly(c, in, p)
+	}
+	return w.postBatch(ctx, c, p, TransferAux, []byte(tag))
+}
+
+// notifyOnly sends the aux tag as a bare notification (no aux bytes to
+// move), so decode's completion rule can still be met.
+func (w *worker) notifyOnly(c *chunk, in *xferInfo, p *peer) error {
+	m := w.m
+	tag := sglang.AuxNotif(c.room)
+	if len(c.pages) == 0 {
+		tag = sglang.AuxNoKVNotif(c.room, m.unique)
+	}
+	if err := m.agent.SendNotif(p.name, []byte(tag)); err != nil {
+		return fmt.Errorf("notify %s: %w", p.name, err)
+	}
+	return nil
+}
+
+// postBatch makes and posts one batch transfer of what w.b holds.
+func (w *worker) postBatch(ctx context.Context, c *chunk, p *peer, kind TransferKind, notif []byte) error {
+	if w.b.empty() {
+		return nil
+	}
+	x, err := w.m.agent.MakeBatchXfer(abi.Write, w.b.pairs, w.b.entries, notif)
+	if err != nil {
+		return fmt.Errorf("make transfer to %s: %w", p.name, err)
+	}
+	return w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: kind, Chunk: c.id,
+		Bytes: w.b.bytes, Descs: uint64(len(w.b.entries)), ReferenceDescs: w.b.refDesc})
+}
+
+func (w *worker) start(x *plugin.Xfer, ev TransferEvent) error {
+	f := &inflight{x: x, ev: ev, start: time.Now()}
+	w.flight = append(w.flight, f)
+	if _, err := x.Post(); err != nil {
+		return fmt.Errorf("post transfer to %s: %w", ev.Peer, err)
+	}
+	f.ev.Post = time.Since(f.start)
+	return nil
+}
+
+// wait waits for every transfer in flight (polling with backoff).
+func (w *worker) wait(ctx context.Context, c *chunk) error {
+	m := w.m
+	for _, f := range w.flight {
+		err := f.x.Wait(ctx)
+		f.ev.Xfer = time.Since(f.start)
+		if err != nil {
+			f.ev.Err = err
+			m.obs.Transfer(f.ev)
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("KV transfer failed: %w", err)
+		}
+		if t, err := f.x.Telemetry(); err == nil {
+			f.ev.Post, f.ev.Xfer = t.Post, t.Xfer
+			if t.Bytes > 0 {
+				f.ev.Bytes = t.Bytes
+			}
+			if t.Descs > 0 {
+				f.ev.Descs = t.Descs
+			}
+		}
+		m.obs.Transfer(f.ev)
+	}
+	return nil
+}
+
+// release closes every transfer of the chunk (cancelling those still
+// running) so no handle outlives it.
+func (w *worker) release() {
+	for i, f := range w.flight {
+		if err := f.x.Close(); err != nil {
+			w.m.log.Debug("release transfer", "err", err)
+		}
+		w.flight[i] = nil
+	}
+	w.flight = w.flight[:0]
+}
+
+// finishByStatus ends a room by status message: MORI's aux over ZeroMQ
+// first (same socket, so it lands before the status), then Success to every
+// real decode rank.
+func (w *worker) finishByStatus(c *chunk, infos []*xferInfo, peers []*peer) error {
+	m := w.m
+	ctx := c.s.ctx
+	lastPP := m.cfg.Parallel.PPRank == m.cfg.Parallel.PPSize-1
+	for i, in := range infos {
+		if in.dummy {
+			continue
+		}
+		p := peers[i]
+		if m.cfg.Variant == VariantMORI && p != nil && p.auxTCP && lastPP && in.dstAux >= 0 {
+			for b, buf := range m.cfg.KV.Aux {
+				off := uint64(c.auxIndex) * buf.ItemLen
+				if c.auxIndex < 0 || off+buf.ItemLen > uint64(len(buf.Mem)) {
+					return fmt.Errorf("aux index %d outside aux buffer %d", c.auxIndex, b)
+				}
+				msg := sglang.AuxData{Room: c.room, BufferIndex: b, AuxIndex: in.dstAux, Data: buf.Mem[off : off+buf.ItemLen]}
+				frames, err := msg.Frames()
+				if err == nil {
+					err = m.sendFrames(ctx, in.endpoint, frames)
+				}
+				if err != nil {
+					return fmt.Errorf("send aux to %s: %w", in.endpoint, err)
+				}
+			}
+		}
+	}
+	for _, ep := range endpointsOf(infos, true) {
+		if err := m.sendStatus(ctx, ep, c.room, sglang.KVPollSuccess, ""); err != nil {
+			return fmt.Errorf("send status to %s: %w", ep, err)
+		}
+	}
+	return nil
+}
+
+func (m *Prefill) sendFrames(ctx context.Context, endpoint string, frames [][]byte) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return m.push.Send(ctx, endpoint, frames...)
+}

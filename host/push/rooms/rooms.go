@@ -1,0 +1,260 @@
+// Package rooms keeps the transfer state of every request ("room") of one
+// kvhost worker, with SGLang's KVPoll numbering and rules: a room's status
+// only moves up (the maximum of the old and the new status), except Failed,
+// which always wins and is terminal. A failure carries a reason, kept with
+// the room until the room is removed.
+//
+// A Table is safe for concurrent use. Waiting for a status change blocks on
+// a channel (never a busy loop) and honours a context.
+package rooms
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Status is SGLang's KVPoll.
+type Status int8
+
+// KVPoll values, with the reference numbering (sglang base/conn.py).
+const (
+	Failed          Status = 0
+	Bootstrapping   Status = 1
+	WaitingForInput Status = 2
+	Transferring    Status = 3
+	Success         Status = 4
+)
+
+// String returns the reference name, e.g. "WaitingForInput".
+func (s Status) String() string {
+	switch s {
+	case Failed:
+		return "Failed"
+	case Bootstrapping:
+		return "Bootstrapping"
+	case WaitingForInput:
+		return "WaitingForInput"
+	case Transferring:
+		return "Transferring"
+	case Success:
+		return "Success"
+	}
+	return fmt.Sprintf("KVPoll(%d)", int(s))
+}
+
+// Terminal reports whether no later update can change s.
+func (s Status) Terminal() bool { return s == Failed || s == Success }
+
+// Merge is the reference's update rule: Failed always wins (and stays),
+// otherwise the status never moves down.
+func Merge(old, next Status) Status {
+	if old == Failed || next == Failed {
+		return Failed
+	}
+	return max(old, next)
+}
+
+// Change is one status transition of a room, reported to the table's
+// observer. Reason is set when To is Failed.
+type Change struct {
+	Room     uint64
+	From, To Status
+	Reason   string
+	// New is set when the room was just created (From == To then).
+	New bool
+	// Age is the time since the room was created.
+	Age time.Duration
+}
+
+// Table holds the rooms of one worker.
+type Table struct {
+	mu       sync.Mutex
+	rooms    map[uint64]*entry
+	onChange func(Change) // called without the lock held; may be nil
+}
+
+type entry struct {
+	status  Status
+	reason  string
+	created time.Time
+	// changed is closed (and replaced) on every status change; nil until
+	// someone waits, so rooms nobody waits on allocate no channel.
+	changed chan struct{}
+}
+
+// NewTable returns an empty table. onChange, if not nil, is called after
+// every status change (in the goroutine that made it, in order per room);
+// it must not call back into the table.
+func NewTable(onChange func(Change)) *Table {
+	return &Table{rooms: make(map[uint64]*entry), onChange: onChange}
+}
+
+// Create adds a room with status s, or, if the room exists, merges s into
+// it (the reference's update_status on a room that exists). It reports
+// whether the room was created.
+func (t *Table) Create(room uint64, s Status) bool {
+	t.mu.Lock()
+	e, ok := t.rooms[room]
+	if ok {
+		c, changed := t.setLocked(room, e, s, "")
+		t.mu.Unlock()
+		if changed {
+			t.report(c)
+		}
+		return false
+	}
+	e = &entry{status: s, created: time.Now()}
+	t.rooms[room] = e
+	t.mu.Unlock()
+	t.report(Change{Room: room, From: s, To: s, New: true})
+	return true
+}
+
+// Update merges s into the room's status. A room that does not exist is not
+// created: once a room is removed, late updates (a transfer finishing, an
+// abort) must not resurrect it for a future request reusing its id. It
+// returns the room's status after the update and false if the room does not
+// exist.
+func (t *Table) Update(room uint64, s Status) (Status, bool) {
+	return t.update(room, s, "")
+}
+
+// Fail marks the room Failed with reason. The first reason recorded is kept:
+// it is the root cause, later ones are consequences. It returns false if the
+// room does not exist.
+func (t *Table) Fail(room uint64, reason string) bool {
+	_, ok := t.update(room, Failed, reason)
+	return ok
+}
+
+func (t *Table) update(room uint64, s Status, reason string) (Status, bool) {
+	t.mu.Lock()
+	e, ok := t.rooms[room]
+	if !ok {
+		t.mu.Unlock()
+		return Failed, false
+	}
+	c, changed := t.setLocked(room, e, s, reason)
+	st := e.status
+	t.mu.Unlock()
+	if changed {
+		t.report(c)
+	}
+	return st, true
+}
+
+func (t *Table) setLocked(room uint64, e *entry, s Status, reason string) (Change, bool) {
+	if s == Failed && e.reason == "" {
+		e.reason = reason
+	}
+	next := Merge(e.status, s)
+	if next == e.status {
+		return Change{}, false
+	}
+	c := Change{Room: room, From: e.status, To: next, Age: time.Since(e.created)}
+	if next == Failed {
+		c.Reason = e.reason
+	}
+	e.status = next
+	if e.changed != nil {
+		close(e.changed)
+		e.changed = nil
+	}
+	return c, true
+}
+
+func (t *Table) report(c Change) {
+	if t.onChange != nil {
+		t.onChange(c)
+	}
+}
+
+// Get returns the room's status and whether it exists.
+func (t *Table) Get(room uint64) (Status, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.rooms[room]; ok {
+		return e.status, true
+	}
+	return Failed, false
+}
+
+// Reason returns the failure reason recorded for the room ("" if none).
+func (t *Table) Reason(room uint64) string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.rooms[room]; ok {
+		return e.reason
+	}
+	return ""
+}
+
+// Created returns when the room was created.
+func (t *Table) Created(room uint64) (time.Time, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.rooms[room]; ok {
+		return e.created, true
+	}
+	return time.Time{}, false
+}
+
+// Remove forgets the room. Waiters are woken and see it gone.
+func (t *Table) Remove(room uint64) {
+	t.mu.Lock()
+	if e, ok := t.rooms[room]; ok {
+		if e.changed != nil {
+			close(e.changed)
+		}
+		delete(t.rooms, room)
+	}
+	t.mu.Unlock()
+}
+
+// Len returns the number of rooms.
+func (t *Table) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.rooms)
+}
+
+// Each calls fn for every room with its status and creation time, under
+// the table's lock: fn must be quick and must not call the table.
+func (t *Table) Each(fn func(room uint64, s Status, created time.Time)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for r, e := range t.rooms {
+		fn(r, e.status, e.created)
+	}
+}
+
+// Wait blocks until done(status) is true for the room, the room is
+// removed (then it returns Failed, false), or ctx ends (ctx.Err()).
+func (t *Table) Wait(ctx context.Context, room uint64, done func(Status) bool) (Status, bool, error) {
+	for {
+		t.mu.Lock()
+		e, ok := t.rooms[room]
+		if !ok {
+			t.mu.Unlock()
+			return Failed, false, nil
+		}
+		if done(e.status) {
+			s := e.status
+			t.mu.Unlock()
+			return s, true, nil
+		}
+		if e.changed == nil {
+			e.changed = make(chan struct{})
+		}
+		ch := e.changed
+		t.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			s, ok := t.Get(room)
+			return s, ok, ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,233 @@
+package push
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/planner"
+)
+
+// Sender is one request's transfer on a prefill rank (SGLang's KVSender).
+// Its methods are safe for concurrent use, but chunks must be sent in order
+// by one caller.
+type Sender struct {
+	m    *Prefill
+	room uint64
+	// ctx ends when the room fails or is closed: it cancels the room's
+	// transfers in flight.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu        sync.Mutex
+	inited    bool
+	numPages  int
+	auxIndex  int64
+	curr      int // pages sent so far
+	chunkID   int
+	sentLast  bool
+	closed    bool
+	remote    bool // the failure reason came from decode
+	failNoted bool
+}
+
+// NewSender opens the room on this rank: Bootstrapping until every decode
+// rank of the room sent its transfer info (then WaitingForInput).
+func (m *Prefill) NewSender(room uint64) (*Sender, error) {
+	if m.closed.Load() {
+		return nil, ErrClosed
+	}
+	s := &Sender{m: m, room: room}
+	s.ctx, s.cancel = context.WithCancel(m.ctx)
+	m.mu.Lock()
+	if _, ok := m.senders[room]; ok {
+		m.mu.Unlock()
+		s.cancel()
+		return nil, fmt.Errorf("%w: %d", ErrRoomExists, room)
+	}
+	m.senders[room] = s
+	ri := m.infos[room]
+	ready := ri != nil && ri.complete
+	aborted := ""
+	if ri != nil {
+		aborted = ri.aborted
+	}
+	m.rooms.Create(room, rooms.Bootstrapping)
+	m.mu.Unlock()
+	switch {
+	case aborted != "":
+		s.fail(aborted, true)
+	case ready:
+		m.rooms.Update(room, rooms.WaitingForInput)
+	}
+	return s, nil
+}
+
+// Room returns the request's bootstrap room.
+func (s *Sender) Room() uint64 { return s.room }
+
+// Init sets the number of pages the request will send in total (after any
+// decode prefix hit, see DecodePrefixLen) and the prefill aux slot, which
+// the last chunk sends.
+func (s *Sender) Init(numPages int, auxIndex int64) error {
+	if numPages < 0 {
+		return fmt.Errorf("%w: %d pages", ErrState, numPages)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.inited {
+		return fmt.Errorf("%w: Init called twice", ErrState)
+	}
+	s.inited, s.numPages, s.auxIndex = true, numPages, auxIndex
+	return nil
+}
+
+// DecodePrefixLen returns how many tokens the decode side already holds
+// (decode_prefix_len), known once the room is WaitingForInput; the engine
+// sends only the pages after them. 0 means no prefix hit.
+func (s *Sender) DecodePrefixLen() int64 {
+	s.m.mu.Lock()
+	defer s.m.mu.Unlock()
+	if ri := s.m.infos[s.room]; ri != nil && ri.complete {
+		return ri.prefixLen
+	}
+	return 0
+}
+
+// Send queues the next chunk: pages are this rank's KV page indices of the
+// chunk, in request order. The chunk that completes Init's page count is the
+// last; it also sends aux and, when stateIndices is not nil, the hybrid
+// state (per component, prefill side indices). Send copies its arguments
+// and returns at once; transfers run on the room's worker shard. A Send on
+// a failed room does nothing (Poll reports Failed).
+func (s *Sender) Send(pages []int32, stateIndices [][]int32) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.closed:
+		return fmt.Errorf("%w: sender closed", ErrState)
+	case !s.inited:
+		return fmt.Errorf("%w: Send before Init", ErrState)
+	case s.sentLast:
+		return fmt.Errorf("%w: Send after the last chunk", ErrState)
+	case s.curr+len(pages) > s.numPages:
+		return fmt.Errorf("%w: %d pages sent after %d exceed the %d of Init", ErrState, len(pages), s.curr, s.numPages)
+	}
+	if st, _ := s.m.rooms.Get(s.room); st == rooms.Failed {
+		return nil
+	}
+	start := s.curr
+	s.curr += len(pages)
+	last := s.curr == s.numPages
+	if len(pages) == 0 && !last {
+		return nil // should_send_kv_chunk: nothing to send, no chunk id used
+	}
+	c := &chunk{
+		s: s, room: s.room, id: s.chunkID, last: last,
+		pages: slices.Clone(pages), slice: planner.IndexSlice{Start: start, Stop: s.curr},
+		auxIndex: s.auxIndex,
+	}
+	if last && stateIndices != nil {
+		c.state = make([][]int32, len(stateIndices))
+		for i, x := range stateIndices {
+			if x != nil {
+				c.state[i] = slices.Clone(x)
+			}
+		}
+		c.hasState = len(stateIndices) > 0
+	}
+	s.chunkID++
+	s.sentLast = last
+	s.m.enqueue(c)
+	return nil
+}
+
+// Poll returns the room's status (KVPoll).
+func (s *Sender) Poll() rooms.Status {
+	st, ok := s.m.rooms.Get(s.room)
+	if !ok {
+		return rooms.Failed
+	}
+	return st
+}
+
+// Wait blocks until the room succeeded or failed, or ctx ends.
+func (s *Sender) Wait(ctx context.Context) (rooms.Status, error) {
+	st, _, err := s.m.rooms.Wait(ctx, s.room, rooms.Status.Terminal)
+	return st, err
+}
+
+// WaitReady blocks until decode's transfer info arrived (WaitingForInput or
+// later) or the room failed, or ctx ends.
+func (s *Sender) WaitReady(ctx context.Context) (rooms.Status, error) {
+	st, _, err := s.m.rooms.Wait(ctx, s.room, func(st rooms.Status) bool { return st != rooms.Bootstrapping })
+	return st, err
+}
+
+// Failure returns the room's failure as a *TransferError (nil if it did
+// not fail).
+func (s *Sender) Failure() error {
+	if s.Poll() != rooms.Failed {
+		return nil
+	}
+	reason := s.m.rooms.Reason(s.room)
+	s.mu.Lock()
+	remote := s.remote
+	s.mu.Unlock()
+	if reason == "" {
+		reason, remote = "KV transfer failed", true
+	}
+	return &TransferError{Room: s.room, Reason: reason, Remote: remote}
+}
+
+// Abort fails the room ("Aborted by AbortReq."), cancels its transfers and
+// tells decode.
+func (s *Sender) Abort() { s.fail("Aborted by AbortReq.", false) }
+
+// Close forgets the room on this rank (SGLang's clear): its status, its
+// transfer info and anything still queued. Transfers in flight are
+// cancelled. Close the sender once the room succeeded or failed.
+func (s *Sender) Close() {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.closed = true
+	s.mu.Unlock()
+	s.cancel()
+	m := s.m
+	m.mu.Lock()
+	if m.senders[s.room] == s {
+		delete(m.senders, s.room)
+		delete(m.infos, s.room)
+	}
+	m.mu.Unlock()
+	m.rooms.Remove(s.room)
+}
+
+// fail marks the room Failed with reason (the first reason wins), cancels
+// its transfers and tells decode. remote: the reason came from decode.
+func (s *Sender) fail(reason string, remote bool) {
+	m := s.m
+	if !m.rooms.Fail(s.room, reason) {
+		return
+	}
+	s.mu.Lock()
+	first := !s.failNoted
+	s.failNoted = true
+	if first {
+		s.remote = remote
+	}
+	s.mu.Unlock()
+	s.cancel()
+	if !first {
+		return
+	}
+	recorded := m.rooms.Reason(s.room)
+	m.obs.Failure(FailureEvent{Role: RolePrefill, Room: s.room, Reason: recorded, Remote: remote})
+	m.log.Debug("room failed", "room", s.room, "reason", recorded)
+	m.notifyFailure(s.room, recorded)
+}

@@ -1,0 +1,149 @@
+package worker
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push"
+)
+
+func loadFake(t testing.TB) *plugin.Plugin {
+	t.Helper()
+	p, err := plugin.Load("fake", plugin.SearchDirs(""))
+	if err != nil {
+		t.Skipf("fake plugin not built (make plugin-fake): %v", err)
+	}
+	return p
+}
+
+type pair struct {
+	variant    push.Variant
+	completion push.Completion
+	xfer       push.XferMode
+	shape      Shape
+	wl         Workload
+	ptp, dtp   int
+	ppp, dpp   int
+	pparams    []plugin.Param
+	dparams    []plugin.Param
+	set        push.Settings
+	conc       int
+}
+
+func runPair(t *testing.T, c pair) (*Summary, *Summary) {
+	t.Helper()
+	pl := loadFake(t)
+	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		// A client's unused keep-alive connection makes http.Server.Shutdown
+		// wait 5 s; nothing is in flight here.
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		srv.Close(ctx)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	if c.ppp == 0 {
+		c.ppp = 1
+	}
+	if c.dpp == 0 {
+		c.dpp = 1
+	}
+	if c.conc == 0 {
+		c.conc = 8
+	}
+	common := func(tp, pp int, params []plugin.Param) Common {
+		return Common{Plugin: pl, AgentParams: params, Variant: c.variant, Completion: c.completion,
+			Shape: c.shape, Workload: c.wl, TPSize: tp, PPSize: pp, Concurrency: c.conc, Settings: c.set, Logger: log}
+	}
+	type res struct {
+		s   *Summary
+		err error
+	}
+	pch := make(chan res, 1)
+	go func() {
+		s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp, c.ppp, c.pparams), XferMode: c.xfer, BootstrapAddr: srv.Addr()})
+		pch <- res{s, err}
+	}()
+	ds, derr := RunDecode(ctx, DecodeOptions{Common: common(c.dtp, c.dpp, c.dparams), BootstrapAddr: srv.Addr()})
+	pr := <-pch
+	if derr != nil {
+		t.Fatalf("decode: %v", derr)
+	}
+	if pr.err != nil {
+		t.Fatalf("prefill: %v", pr.err)
+	}
+	return pr.s, ds
+}
+
+func smallShape() Shape {
+	return Shape{Layers: 4, KVHeads: 4, HeadBytes: 32, PageSize: 4}
+}
+
+func smallWL() Workload {
+	return Workload{Seed: 7, Requests: 24, MinTokens: 1, MaxTokens: 40, ChunkPages: 3}
+}
+
+func expectAllOK(t *testing.T, ps, ds *Summary) {
+	t.Helper()
+	for _, s := range []*Summary{ps, ds} {
+		if !s.OKExit() || s.OK != s.Requests {
+			t.Fatalf("%s: ok %d of %d, failures %+v, verify errors %d, leaked %d", s.Role, s.OK, s.Requests, s.Failures, s.VerifyErrors, s.Leaked)
+		}
+	}
+	if ds.Bytes == 0 {
+		t.Fatalf("decode verified no bytes")
+	}
+}
+
+func TestInProcTP1(t *testing.T) {
+	ps, ds := runPair(t, pair{shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1})
+	expectAllOK(t, ps, ds)
+	t.Logf("prefill %+v", *ps)
+}
+
+func TestInProcMatrix(t *testing.T) {
+	prefixWL := smallWL()
+	prefixWL.PrefixRate, prefixWL.FullHitRate = 0.6, 0.5
+	mla := smallShape()
+	mla.MLA = true
+	mixed := smallShape()
+	mixed.MemKinds = "mixed"
+	noNotif := []plugin.Param{{Key: "caps_off", Value: "notif"}}
+	cases := map[string]pair{
+		"tp2to4":          {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 4},
+		"tp4to2":          {shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
+		"mla2to4":         {shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
+		"mla4to2":         {shape: mla, wl: smallWL(), ptp: 4, dtp: 2},
+		"pp2to1":          {shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2},
+		"pp2to2":          {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 2, ppp: 2, dpp: 2},
+		"mixed":           {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1},
+		"prefix":          {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4},
+		"status":          {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, pparams: noNotif, dparams: noNotif},
+		"status-mixed":    {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, pparams: noNotif, dparams: noNotif},
+		"prepped":         {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, xfer: push.XferPrepped},
+		"prepped-mixed":   {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, xfer: push.XferPrepped},
+		"mori":            {variant: push.VariantMORI, shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4},
+		"mori-tp4to2":     {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
+		"mori-mla":        {variant: push.VariantMORI, shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
+		"mori-pp2":        {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2},
+		"mori-rdma-aux":   {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 2, set: push.Settings{MoriAuxRDMA: true}},
+		"nixl-status-pp2": {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 1, ppp: 2, pparams: noNotif, dparams: noNotif},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			ps, ds := runPair(t, c)
+			expectAllOK(t, ps, ds)
+			t.Logf("%s: %d transfers, %d descs (ref %d), %d bytes", name, ps.Transfers, ps.Descriptors, ps.RefDescriptors, ps.Bytes)
+		})
+	}
+}

@@ -1,0 +1,341 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/push/rooms"
+)
+
+// Common are the options both sides share.
+type Common struct {
+	Plugin      *plugin.Plugin
+	AgentParams []plugin.Param
+	Variant     push.Variant
+	Completion  push.Completion
+	Shape       Shape
+	Workload    Workload
+	// TPSize is this side's attention TP size; TPRanks the ranks this
+	// process hosts (nil: all). PPSize and PPRanks likewise.
+	TPSize  int
+	TPRanks []int
+	PPSize  int
+	PPRanks []int
+	// Host is the IP this worker's sockets bind to and advertise.
+	Host string
+	// Concurrency is how many requests each rank works on at once
+	// (default 16).
+	Concurrency int
+	Settings    push.Settings
+	// Observer, if set, also sees every runtime event (metrics).
+	Observer push.Observer
+	Logger   *slog.Logger
+	// Report, if set, receives one JSON line per request (RequestResult).
+	Report io.Writer
+	// Progress, if set, is called after each request finishes on this
+	// worker (all its ranks), with the number finished so far.
+	Progress func(done int)
+}
+
+func (c *Common) check() error {
+	if c.Plugin == nil {
+		return errors.New("worker: no plugin")
+	}
+	if err := c.Shape.Check(); err != nil {
+		return err
+	}
+	if err := c.Workload.Check(c.Shape.PageSize); err != nil {
+		return err
+	}
+	if c.TPSize < 1 {
+		return fmt.Errorf("worker: TP size %d", c.TPSize)
+	}
+	if c.PPSize < 1 {
+		c.PPSize = 1
+	}
+	if c.Concurrency < 1 {
+		c.Concurrency = 16
+	}
+	if c.Host == "" {
+		c.Host = "127.0.0.1"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	var err error
+	if c.TPRanks == nil {
+		c.TPRanks, _ = parseRanks("", c.TPSize)
+	}
+	if c.PPRanks == nil {
+		c.PPRanks, _ = parseRanks("", c.PPSize)
+	}
+	for _, r := range c.TPRanks {
+		if r < 0 || r >= c.TPSize {
+			err = fmt.Errorf("worker: TP rank %d of %d", r, c.TPSize)
+		}
+	}
+	for _, r := range c.PPRanks {
+		if r < 0 || r >= c.PPSize {
+			err = fmt.Errorf("worker: PP rank %d of %d", r, c.PPSize)
+		}
+	}
+	return err
+}
+
+// poolPages is the page count of a rank's pool.
+func (c *Common) poolPages() int {
+	if c.Shape.Pages > 0 {
+		return c.Shape.Pages
+	}
+	return c.Concurrency*pagesFor(c.Workload.MaxTokens, c.Shape.PageSize) + 1
+}
+
+func (c *Common) ranks(prefill bool) ([]*rank, error) {
+	var out []*rank
+	for _, pp := range c.PPRanks {
+		for _, tp := range c.TPRanks {
+			r, err := newRank(c.Shape, prefill, c.TPSize, tp, c.PPSize, pp, c.poolPages(), c.Concurrency+1, c.Workload.Seed)
+			if err != nil {
+				for _, o := range out {
+					o.close()
+				}
+				return nil, fmt.Errorf("rank tp%d/pp%d: %w", tp, pp, err)
+			}
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// PrefillOptions configures a prefill worker.
+type PrefillOptions struct {
+	Common
+	XferMode push.XferMode
+	// BootstrapAddr is the bootstrap server the ranks register with.
+	BootstrapAddr string
+}
+
+// prefillRank is one rank of a prefill worker.
+type prefillRank struct {
+	*rank
+	m *push.Prefill
+}
+
+// RunPrefill runs a prefill worker's ranks over the whole workload: for
+// each request, wait for decode's metadata, fill the pages decode does not
+// hold with the synthetic KV, send them in chunks (aux on the last), wait
+// for the transfer. It returns when every request finished.
+func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
+	if err := o.check(); err != nil {
+		return nil, err
+	}
+	st := &stats{extra: o.Observer}
+	rks, err := o.ranks(true)
+	if err != nil {
+		return nil, err
+	}
+	var prs []*prefillRank
+	defer func() {
+		for _, p := range prs {
+			p.m.Close()
+		}
+		for _, r := range rks {
+			r.close()
+		}
+	}()
+	for _, r := range rks {
+		m, err := push.NewPrefill(ctx, push.PrefillConfig{
+			Plugin: o.Plugin, AgentParams: o.AgentParams,
+			Variant: o.Variant, Completion: o.Completion, XferMode: o.XferMode,
+			KV: r.args, Parallel: r.par, MLA: o.Shape.MLA,
+			Host: o.Host, BootstrapAddr: o.BootstrapAddr,
+			Settings: o.Settings, Observer: st, Logger: o.Logger,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("prefill rank %s: %w", r, err)
+		}
+		prs = append(prs, &prefillRank{rank: r, m: m})
+	}
+	reqs := o.Workload.List(o.Shape.PageSize)
+	t := newTally()
+	start := time.Now()
+	runRanks(ctx, len(prs), reqs, o.Concurrency, o.Progress, func(i int, req Request) {
+		prs[i].serve(ctx, &o, req, t)
+	})
+	elapsed := time.Since(start)
+
+	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: o.XferMode.String()}
+	for _, p := range prs {
+		s.Ranks = append(s.Ranks, p.String())
+		s.Dropped += p.m.Dropped()
+		s.Leaked += p.m.Rooms() + p.m.Pending()
+	}
+	results := t.finish(s, reqs, elapsed)
+	st.mu.Lock()
+	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
+	s.XferP50us, s.XferP99us, s.PostP50us = percentile(st.xfer, 50), percentile(st.xfer, 99), percentile(st.post, 50)
+	st.mu.Unlock()
+	if elapsed > 0 {
+		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9
+	}
+	writeReport(o.Report, results)
+	return s, ctx.Err()
+}
+
+// serve runs one request on one prefill rank.
+func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request, t *tally) {
+	fail := func(reason string) {
+		t.fail(RequestFailure{Room: req.Room, Rank: p.String(), Reason: reason, Abort: req.Abort}, false)
+	}
+	s, err := p.m.NewSender(req.Room)
+	if err != nil {
+		fail(err.Error())
+		return
+	}
+	defer s.Close()
+	st, err := s.WaitReady(ctx)
+	if err != nil {
+		fail(err.Error())
+		return
+	}
+	if st == rooms.Failed {
+		fail(s.Failure().Error())
+		return
+	}
+	ps := o.Shape.PageSize
+	prefix := int(s.DecodePrefixLen())
+	if prefix < 0 || prefix > req.Tokens || prefix%ps != 0 {
+		s.Abort()
+		fail(fmt.Sprintf("decode prefix %d tokens is not a page-aligned part of the %d-token prompt", prefix, req.Tokens))
+		return
+	}
+	total := pagesFor(req.Tokens, ps)
+	send := total - prefix/ps
+	pages, err := p.pages.alloc(ctx, send)
+	if err != nil {
+		s.Abort()
+		fail(err.Error())
+		return
+	}
+	defer p.pages.release(pages)
+	auxSlot, err := p.aux.alloc(ctx, 1)
+	if err != nil {
+		s.Abort()
+		fail(err.Error())
+		return
+	}
+	defer p.aux.release(auxSlot)
+	if err := p.pool.FillAux(req.Room, int(auxSlot[0])); err != nil {
+		s.Abort()
+		fail(err.Error())
+		return
+	}
+	if err := s.Init(send, int64(auxSlot[0])); err != nil {
+		fail(err.Error())
+		return
+	}
+	// Pages indexed by request page: the prefix pages are decode's, never
+	// touched here.
+	full := make([]int32, total)
+	copy(full[prefix/ps:], pages)
+	chunk := o.Workload.ChunkPages
+	if chunk <= 0 {
+		chunk = max(send, 1)
+	}
+	begin := time.Now()
+	for sent := 0; sent < send || (send == 0 && sent == 0); {
+		n := min(chunk, send-sent)
+		first := prefix + sent*ps
+		count := min((sent+n)*ps+prefix, req.Tokens) - first
+		if n > 0 {
+			if err := p.pool.Fill(kvpool.Tokens{Request: req.Room, Pages: full, First: first, Count: count}); err != nil {
+				s.Abort()
+				fail(err.Error())
+				return
+			}
+		}
+		if err := s.Send(pages[sent:sent+n], nil); err != nil {
+			s.Abort()
+			fail(err.Error())
+			return
+		}
+		if send == 0 {
+			break
+		}
+		sent += n
+	}
+	st, err = s.Wait(ctx)
+	switch {
+	case err != nil:
+		fail(err.Error())
+	case st != rooms.Success:
+		fail(s.Failure().Error())
+	default:
+		t.ok(time.Since(begin), 0)
+	}
+}
+
+// runRanks runs fn for every request on every rank, each rank working on
+// up to conc requests at once, in workload order. progress is called when
+// a request finished on every rank.
+func runRanks(ctx context.Context, nRanks int, reqs []Request, conc int, progress func(int), fn func(rank int, req Request)) {
+	remaining := make([]int, len(reqs))
+	for i := range remaining {
+		remaining[i] = nRanks
+	}
+	var mu sync.Mutex
+	done := 0
+	var wg sync.WaitGroup
+	for rk := 0; rk < nRanks; rk++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem := make(chan struct{}, conc)
+			var inner sync.WaitGroup
+			for i, req := range reqs {
+				select {
+				case sem <- struct{}{}:
+				case <-ctx.Done():
+				}
+				if ctx.Err() != nil {
+					break
+				}
+				inner.Add(1)
+				go func() {
+					defer inner.Done()
+					defer func() { <-sem }()
+					fn(rk, req)
+					mu.Lock()
+					remaining[i]--
+					if remaining[i] == 0 {
+						done++
+						if progress != nil {
+							progress(done)
+						}
+					}
+					mu.Unlock()
+				}()
+			}
+			inner.Wait()
+		}()
+	}
+	wg.Wait()
+}
+
+func writeReport(w io.Writer, results []RequestResult) {
+	if w == nil {
+		return
+	}
+	for _, r := range results {
+		b, _ := jsonLine(r)
+		w.Write(b)
+	}
+}

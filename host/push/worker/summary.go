@@ -1,0 +1,216 @@
+package worker
+
+import (
+	"encoding/json"
+	"io"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/host/push"
+)
+
+// Summary is what a worker reports when its workload ends: machine
+// readable (JSON) so `kvhost demo` can aggregate the processes' reports.
+type Summary struct {
+	Role       string   `json:"role"`
+	Ranks      []string `json:"ranks"`
+	Variant    string   `json:"variant"`
+	Completion string   `json:"completion"`
+	XferMode   string   `json:"xfer_mode,omitempty"`
+
+	Requests int `json:"requests"`
+	OK       int `json:"ok"`
+	Failed   int `json:"failed"`
+	// Aborted counts requests the workload aborts on purpose (they fail on
+	// both sides and are expected to).
+	Aborted int `json:"aborted"`
+	// Unexpected counts failures that are not planned aborts.
+	Unexpected int `json:"unexpected_failures"`
+	// VerifyErrors counts requests whose bytes decode found wrong.
+	VerifyErrors int              `json:"verify_errors"`
+	Failures     []RequestFailure `json:"failures,omitempty"` // the first ones
+
+	// Prefill: what its transfers moved. Decode: bytes verified.
+	Bytes          uint64  `json:"bytes"`
+	Transfers      uint64  `json:"transfers,omitempty"`
+	Descriptors    uint64  `json:"descriptors,omitempty"`
+	RefDescriptors uint64  `json:"reference_descriptors,omitempty"`
+	XferP50us      float64 `json:"xfer_p50_us,omitempty"`
+	XferP99us      float64 `json:"xfer_p99_us,omitempty"`
+	PostP50us      float64 `json:"post_p50_us,omitempty"`
+	// Request latency: prefill, from the first Send to Success; decode,
+	// from SendMetadata to Success.
+	LatencyP50us float64 `json:"latency_p50_us,omitempty"`
+	LatencyP99us float64 `json:"latency_p99_us,omitempty"`
+
+	DurationSec float64 `json:"duration_sec"`
+	GBps        float64 `json:"gb_per_sec"`
+	// Dropped counts malformed or unexpected control messages.
+	Dropped int64 `json:"dropped_messages"`
+	// Leaked counts rooms or transfer infos the runtime still held after
+	// every request was closed (must be 0).
+	Leaked int `json:"leaked_rooms"`
+}
+
+// RequestFailure is one failed request on one rank.
+type RequestFailure struct {
+	Room   uint64 `json:"room"`
+	Rank   string `json:"rank"`
+	Reason string `json:"reason"`
+	Abort  bool   `json:"planned_abort,omitempty"`
+}
+
+// RequestResult is one request's outcome on one worker (all its ranks),
+// for the per-request report.
+type RequestResult struct {
+	Room   uint64 `json:"room"`
+	OK     bool   `json:"ok"`
+	Reason string `json:"reason,omitempty"`
+}
+
+// OKExit reports whether the run is a success: every request either
+// succeeded or was a planned abort, and no byte was wrong.
+func (s *Summary) OKExit() bool { return s.Unexpected == 0 && s.VerifyErrors == 0 && s.Leaked == 0 }
+
+// WriteJSON writes the summary as one JSON document.
+func (s *Summary) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(s)
+}
+
+const maxListedFailures = 100
+
+// stats is the worker's push.Observer: it aggregates transfers for the
+// summary. Safe for concurrent use.
+type stats struct {
+	push.NopObserver
+	mu        sync.Mutex
+	transfers uint64
+	bytes     uint64
+	descs     uint64
+	refDescs  uint64
+	xfer      []float64 // µs
+	post      []float64 // µs
+	failures  uint64
+	extra     push.Observer
+}
+
+func (s *stats) Transfer(e push.TransferEvent) {
+	if s.extra != nil {
+		s.extra.Transfer(e)
+	}
+	if e.Err != nil {
+		return
+	}
+	s.mu.Lock()
+	s.transfers++
+	s.bytes += e.Bytes
+	s.descs += e.Descs
+	s.refDescs += e.ReferenceDescs
+	s.xfer = append(s.xfer, float64(e.Xfer)/float64(time.Microsecond))
+	s.post = append(s.post, float64(e.Post)/float64(time.Microsecond))
+	s.mu.Unlock()
+}
+
+func (s *stats) Failure(e push.FailureEvent) {
+	if s.extra != nil {
+		s.extra.Failure(e)
+	}
+}
+
+func (s *stats) Room(e push.RoomEvent) {
+	if s.extra != nil {
+		s.extra.Room(e)
+	}
+}
+
+func (s *stats) Handshake(e push.HandshakeEvent) {
+	if s.extra != nil {
+		s.extra.Handshake(e)
+	}
+}
+
+// percentile returns the p-th percentile (0..100) of v (sorted in place).
+func percentile(v []float64, p float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	if !sort.Float64sAreSorted(v) {
+		slices.Sort(v)
+	}
+	i := int(p / 100 * float64(len(v)-1))
+	return v[i]
+}
+
+// tally aggregates per-request outcomes across a worker's ranks.
+type tally struct {
+	mu       sync.Mutex
+	failures []RequestFailure
+	failed   map[uint64]RequestFailure // first failure per room
+	verify   map[uint64]bool
+	latency  []float64 // µs
+	bytes    uint64
+}
+
+func newTally() *tally {
+	return &tally{failed: map[uint64]RequestFailure{}, verify: map[uint64]bool{}}
+}
+
+func (t *tally) fail(f RequestFailure, verify bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.failures) < maxListedFailures {
+		t.failures = append(t.failures, f)
+	}
+	if _, ok := t.failed[f.Room]; !ok {
+		t.failed[f.Room] = f
+	}
+	if verify {
+		t.verify[f.Room] = true
+	}
+}
+
+func (t *tally) ok(latency time.Duration, bytes uint64) {
+	t.mu.Lock()
+	t.latency = append(t.latency, float64(latency)/float64(time.Microsecond))
+	t.bytes += bytes
+	t.mu.Unlock()
+}
+
+// finish fills the request counts of s from the tally.
+func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) []RequestResult {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s.Requests = len(reqs)
+	results := make([]RequestResult, 0, len(reqs))
+	for _, r := range reqs {
+		f, failed := t.failed[r.Room]
+		res := RequestResult{Room: r.Room, OK: !failed}
+		if failed {
+			res.Reason = f.Reason
+			s.Failed++
+			if r.Abort {
+				s.Aborted++
+			} else {
+				s.Unexpected++
+			}
+		} else {
+			s.OK++
+		}
+		results = append(results, res)
+	}
+	s.VerifyErrors = len(t.verify)
+	s.Failures = t.failures
+	s.LatencyP50us = percentile(t.latency, 50)
+	s.LatencyP99us = percentile(t.latency, 99)
+	s.DurationSec = elapsed.Seconds()
+	return results
+}
+
+func jsonLine(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	return append(b, '\n'), err
+}
