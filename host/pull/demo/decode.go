@@ -408,6 +408,9 @@ func percentiles(ms []float64) Percentiles {
 func round3(x float64) float64 { return float64(int64(x*1000+0.5)) / 1000 }
 
 func (d *decodeRun) close() {
+	// Unused keep-alive connections would hold the prefill's graceful
+	// shutdown until they time out.
+	d.client.http.CloseIdleConnections()
 	for _, r := range d.ranks {
 		if err := r.rx.Close(); err != nil {
 			d.log.Error("closing receiver", "tp_rank", r.rank, "err", err)
