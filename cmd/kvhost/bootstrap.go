@@ -1,0 +1,52 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/kvhost/kvhost/host/bootstrap"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:  "bootstrap",
+		Usage: "serve SGLang's disaggregation bootstrap server on its own",
+		UsageText: "kvhost bootstrap [--host 127.0.0.1] [--port 8998] [--addr-file FILE]",
+		Description: "Prefill ranks register where their ZeroMQ sockets listen (PUT /route); decode ranks ask\n" +
+			"for the prefill layout and for each rank (GET /route) and check /health as a heartbeat.\n" +
+			"`kvhost prefill` serves this itself by default, as SGLang's prefill server does, so the\n" +
+			"heartbeat notices a dead prefill. Run it alone when prefill ranks live in several\n" +
+			"processes (each started with --bootstrap-addr); decode's heartbeat then watches this\n" +
+			"process, not the prefill ones.",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "host", Value: "127.0.0.1", EnvVars: []string{"KVHOST_HOST"}, Usage: "address to listen on"},
+			&cli.IntFlag{Name: "port", Value: 8998, EnvVars: []string{"KVHOST_BOOTSTRAP_PORT"}, Usage: "port (0 picks a free one)"},
+			&cli.StringFlag{Name: "addr-file", Usage: "write the address served (host:port) to `FILE`"},
+		},
+		Action: func(c *cli.Context) error {
+			srv, err := bootstrap.NewServer(bootstrap.WithLogger(slog.Default())).Start(net.JoinHostPort(c.String("host"), strconv.Itoa(c.Int("port"))))
+			if err != nil {
+				return fmt.Errorf("bootstrap: %w", err)
+			}
+			if f := c.String("addr-file"); f != "" {
+				if err := os.WriteFile(f, []byte(srv.Addr()+"\n"), 0o644); err != nil {
+					return fmt.Errorf("--addr-file: %w", err)
+				}
+			}
+			fmt.Fprintln(c.App.Writer, srv.Addr())
+			ctx, cancel := signalContext()
+			defer cancel()
+			<-ctx.Done()
+			sctx, scancel := context.WithTimeout(context.Background(), time.Second)
+			defer scancel()
+			return srv.Close(sctx)
+		},
+	})
+}
