@@ -178,6 +178,9 @@ struct Agent {
   nixlBackendH *backend = nullptr;
   uint64_t caps = 0;
   kvp_notif_queue *notifs = nullptr;
+  // How long release_xfer, remove_remote and agent_destroy wait for an
+  // active transfer to finish (NIXL cannot cancel one; see quiesce).
+  std::chrono::milliseconds release_wait{0};
 
   std::mutex mu;  // guards everything below
   std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
@@ -245,7 +248,7 @@ kvp_error *bad_handle(const char *fn, const char *kind, uint64_t h) {
 
 // The agent parameters the shim itself reads; every other key is passed to
 // the NIXL backend as a string parameter.
-const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode",
+const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode", "release_wait_ms",
                                 "telemetry"};
 
 const char kParamsDoc[] =
@@ -261,12 +264,16 @@ const char kParamsDoc[] =
     "sync_mode=rw\tNIXL thread sync mode: rw or strict (none is refused: the host calls "
     "concurrently)\n"
     "telemetry=true\tcapture per-transfer telemetry (xfer_telemetry)\n"
+    "release_wait_ms=30000\thow long release_xfer, remove_remote and agent_destroy wait for an "
+    "active transfer to finish: NIXL cannot cancel an in-flight UCX transfer, so they wait "
+    "rather than return while it still touches memory\n"
     "*=\tany other key is passed to the backend unchanged (UCX: device_list, num_workers, "
     "num_threads, ucx_error_handling_mode, engine_config, ...)\n";
 
 // Defaults of the shim's own parameters.
 constexpr int kDefaultProgressThread = 1;
 constexpr uint64_t kDefaultProgressDelayUs = 1000;
+constexpr uint64_t kDefaultReleaseWaitMs = 30000;
 
 // ---------------------------------------------------------------------------
 // Capabilities
@@ -322,44 +329,69 @@ Peer *find_peer(Agent &a, const std::string &name) {
   return it == a.peers.end() ? nullptr : it->second.get();
 }
 
-// Releases a NIXL request: cancels it if still active. When the backend
-// cannot cancel, waits for completion (polling, which drives progress) and
-// releases then, so that on return NIXL no longer touches the transfer's
-// memory. On failure NIXL still owns the request; it is leaked rather than
-// freed under NIXL's feet, and the error says so.
-kvp_error *release_req(Agent &a, nixlXferReqH *req, const char *fn) {
-  nixl_status_t s = a.nixl->releaseXferReq(req);
-  if (s != NIXL_SUCCESS) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (a.nixl->getXferStatus(req) != NIXL_IN_PROG) break;
+using Clock = std::chrono::steady_clock;
+
+// Waits until a transfer is no longer in progress, polling (which drives
+// progress) until deadline. This is how the shim "cancels": NIXL's
+// releaseXferReq of an active UCX transfer calls ucp_request_cancel, which
+// cancels only tag receives, so an RMA transfer keeps reading and writing
+// its memory after the release returns (and over TCP a released in-flight
+// PUT crashed the receiving process in UCX 1.22). Returns false when it is
+// still active at the deadline.
+bool quiesce(Agent &a, nixlXferReqH *req, Clock::time_point deadline) {
+  for (int spin = 0;; spin++) {
+    if (a.nixl->getXferStatus(req) != NIXL_IN_PROG) return true;
+    if (Clock::now() >= deadline) return false;
+    if (spin < 64)
       std::this_thread::yield();
-    }
-    s = a.nixl->releaseXferReq(req);
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "releaseXferReq could not cancel the transfer");
+}
+
+// Releases a NIXL request once it is no longer active (see quiesce). On
+// KVP_ERR_REPOST_ACTIVE (still active at the deadline) NIXL keeps the
+// request and the caller keeps its handle.
+kvp_error *release_req(Agent &a, nixlXferReqH *&req, Clock::time_point deadline, const char *fn) {
+  if (!quiesce(a, req, deadline))
+    return kvp_err(KVP_ERR_REPOST_ACTIVE,
+                   "%s: the transfer is still in progress after %lld ms (release_wait_ms); NIXL "
+                   "cannot cancel an active transfer, so it was not released: release it again "
+                   "later",
+                   fn, static_cast<long long>(a.release_wait.count()));
+  nixl_status_t s = a.nixl->releaseXferReq(req);
+  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "releaseXferReq");
+  req = nullptr;
   return nullptr;
 }
 
-// Frees a transfer whose handle was removed.
-kvp_error *free_xfer(Agent &a, Xfer *x, const char *fn) {
-  kvp_error *e = nullptr;
+// Frees a transfer whose handle was removed, at agent_destroy: waits for it
+// until deadline, then releases it regardless (the agent's backend is torn
+// down next, which stops whatever is left).
+void free_xfer(Agent &a, Xfer *x, Clock::time_point deadline) {
   {
     std::lock_guard<std::mutex> lk(x->mu);
-    if (x->req) e = release_req(a, x->req, fn);
-    x->req = nullptr;
+    if (x->req) {
+      quiesce(a, x->req, deadline);
+      a.nixl->releaseXferReq(x->req);
+      x->req = nullptr;
+    }
   }
   delete x;
-  return e;
 }
 
-// Cancels a transfer whose peer is being removed; the handle stays valid.
-void cancel_xfer(Agent &a, kvp_xfer h) {
+// Cancels a transfer whose peer is being removed: waits until deadline for
+// it to finish, then releases the request; the handle stays valid and
+// reports KVP_ERR_CANCELED until release_xfer.
+void cancel_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
   Ref<Xfer> x(tables()->xfers, h);
   if (!x) return;  // released meanwhile
   std::lock_guard<std::mutex> lk(x->mu);
-  if (x->req) kvp_err_free(release_req(a, x->req, "remove_remote"));
-  x->req = nullptr;
+  if (x->req) {
+    quiesce(a, x->req, deadline);
+    a.nixl->releaseXferReq(x->req);
+    x->req = nullptr;
+  }
 }
 
 // The error of a transfer cancelled by remove_remote.
@@ -421,7 +453,10 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
     if (backend.empty()) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: backend must not be empty", fn);
   }
   int prog = 0, telem = 1;
-  uint64_t delay = 0;
+  uint64_t delay = 0, release_wait = 0;
+  if (kvp_error *e = kvp_param_u64(p, np, "release_wait_ms", kDefaultReleaseWaitMs, 0,
+                                   24ull * 3600 * 1000, &release_wait))
+    return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", kDefaultProgressThread, &prog))
     return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_bool(p, np, "telemetry", 1, &telem)) return kvp_err_wrap(e, "%s", fn);
@@ -450,6 +485,7 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
 
   auto a = std::make_unique<Agent>();
   a->name = as_string(args->name, args->name_len);
+  a->release_wait = std::chrono::milliseconds(release_wait);
   a->notifs = kvp_nq_create(0);
   if (!a->notifs) return kvp_err_oom();
   nixlAgentConfig cfg(prog != 0, false, default_comm_port, sync, 1, delay,
@@ -507,9 +543,9 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
     a->rregions.clear();
     a->regions.clear();
   }
+  Clock::time_point deadline = Clock::now() + a->release_wait;
   for (kvp_xfer h : xs) {
-    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h)))
-      kvp_err_free(free_xfer(*a, x, "agent_destroy"));
+    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h))) free_xfer(*a, x, deadline);
   }
   drop_dependents(*a, ds, rs);
   for (const RegionEntry &r : regs) {
@@ -715,7 +751,8 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
   }
   // Transfers are cancelled but keep their handles (the caller releases
   // them); the peer's dlists and remote regions are released.
-  for (kvp_xfer h : xs) cancel_xfer(*a, h);
+  Clock::time_point deadline = Clock::now() + a->release_wait;
+  for (kvp_xfer h : xs) cancel_xfer(*a, h, deadline);
   drop_dependents(*a, ds, rs);
   nixl_status_t s = a->nixl->invalidateRemoteMD(name);
   if (s != NIXL_SUCCESS && s != NIXL_ERR_NOT_FOUND) return nixl_err(s, fn, "invalidateRemoteMD(%s)", name.c_str());
@@ -959,14 +996,14 @@ kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_x
   Xfer *raw = x.get();
   kvp_xfer h = 0;
   if (kvp_error *e = kvp_ht_insert(tables()->xfers, raw, &h)) {
-    kvp_err_free(free_xfer(a, x.release(), fn));
+    free_xfer(a, x.release(), Clock::now());
     return e;
   }
   x.release();
   std::lock_guard<std::mutex> lk(a.mu);
   Peer *p = find_peer(a, raw->peer);
   if (!p) {
-    kvp_err_free(free_xfer(a, static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, h)), fn));
+    free_xfer(a, static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, h)), Clock::now());
     return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, raw->peer.c_str());
   }
   p->xfers.insert(h);
@@ -1171,8 +1208,13 @@ kvp_error *release_xfer(kvp_release_xfer_args *args) {
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_RELEASE_XFER_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
   {
+    // Release the NIXL request first, waiting for an active transfer to
+    // finish; if it does not in time the handle stays valid.
     Ref<Xfer> x(tables()->xfers, args->xfer);
     if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+    std::lock_guard<std::mutex> lk(x->mu);
+    if (x->req)
+      if (kvp_error *e = release_req(*a, x->req, Clock::now() + a->release_wait, fn)) return e;
   }
   auto *x = static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, args->xfer));
   if (!x) return bad_handle(fn, "xfer", args->xfer);
@@ -1181,7 +1223,8 @@ kvp_error *release_xfer(kvp_release_xfer_args *args) {
     a->xfers.erase(args->xfer);
     if (Peer *p = find_peer(*a, x->peer)) p->xfers.erase(args->xfer);
   }
-  return free_xfer(*a, x, fn);
+  delete x;
+  return nullptr;
 }
 
 kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {

@@ -262,20 +262,30 @@ func TestInFlightTransfers(t *testing.T) {
 	}
 	t.Logf("256 MiB over TCP: %+v", tm)
 
-	// Released while active: release_xfer cancels and returns; the handle
-	// is gone.
-	fill(init.buf, 2)
-	if done, err := x.Post(); err != nil || done {
-		t.Fatalf("repost: done %v, %v", done, err)
+	// Released while active: on return nothing touches the transfer's
+	// memory any more. A READ writes local memory, so after the release the
+	// local buffer is cleared and must stay clear. (NIXL cannot cancel an
+	// active UCX transfer; the plugin waits for it.)
+	if err := x.Close(); err != nil {
+		t.Fatalf("release_xfer: %v", err)
+	}
+	fill(target.buf, 2)
+	r, err := init.a.MakePreppedXfer(abi.Read, ld, idx, rd, idx, nil)
+	if err != nil {
+		t.Fatalf("make_prepped_xfer READ: %v", err)
+	}
+	if done, err := r.Post(); err != nil || done {
+		t.Fatalf("post READ: done %v, %v", done, err)
 	}
 	start := time.Now()
-	if err := x.Close(); err != nil {
+	if err := r.Close(); err != nil {
 		t.Errorf("release_xfer of an active transfer: %v", err)
 	}
-	t.Logf("release_xfer of an active 256 MiB transfer took %v", time.Since(start))
-	if _, err := x.Poll(); err == nil {
+	t.Logf("release_xfer of an active 256 MiB READ took %v", time.Since(start))
+	if _, err := r.Poll(); err == nil {
 		t.Errorf("poll after release succeeded")
 	}
+	expectQuiet(t, init.buf, "after release_xfer of an active READ")
 
 	// remove_remote while a batch READ is active: the transfer is
 	// cancelled, its handle stays valid and reports CANCELED until it is
@@ -295,6 +305,7 @@ func TestInFlightTransfers(t *testing.T) {
 	if err := init.a.RemoveRemote(peer); err != nil {
 		t.Fatalf("remove_remote with a transfer in flight: %v", err)
 	}
+	expectQuiet(t, init.buf, "after remove_remote with an active READ")
 	_, err = y.Poll()
 	expectCode(t, "poll of a transfer whose peer was removed", err, abi.ErrCanceled)
 	_, err = y.Poll()
@@ -323,6 +334,52 @@ func TestInFlightTransfers(t *testing.T) {
 	wait(t, z, "READ after reload")
 	if !bytes.Equal(init.buf, target.buf) {
 		t.Fatalf("READ after reload: bytes differ")
+	}
+}
+
+// expectQuiet clears b and checks that nothing writes into it for a while:
+// memory of a released or cancelled transfer must not change any more.
+func expectQuiet(t *testing.T, b []byte, what string) {
+	t.Helper()
+	clear(b)
+	time.Sleep(200 * time.Millisecond)
+	for i, v := range b {
+		if v != 0 {
+			t.Errorf("%s: byte %d of the local buffer changed to %#x after the call returned", what, i, v)
+			return
+		}
+	}
+}
+
+// With release_wait_ms=0 release_xfer of an active transfer does not wait:
+// it reports ERR_REPOST_ACTIVE and the handle stays valid, to be released
+// once the transfer is done.
+func TestReleaseActiveWithoutWaiting(t *testing.T) {
+	p := load(t)
+	const size = 256 << 20
+	nowait := plugin.Param{Key: "release_wait_ms", Value: "0"}
+	init := newSide(t, p, uniqueName(t, "init"), size, tcpOnly, nowait)
+	target := newSide(t, p, uniqueName(t, "target"), size, tcpOnly, nowait)
+	peer := connect(t, init, target)
+	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	fill(init.buf, 4)
+	x, err := init.a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: init.reg, Remote: rr}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, nil)
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	if done, err := x.Post(); err != nil || done {
+		t.Fatalf("post: done %v, %v", done, err)
+	}
+	// (host/plugin marks its Xfer closed even when release_xfer fails, so
+	// the still-valid plugin handle is freed by agent_destroy at cleanup.)
+	err = x.Close()
+	expectCode(t, "release_xfer of an active transfer with release_wait_ms=0", err, abi.ErrRepostActive)
+	if err != nil && !strings.Contains(err.Error(), "release it again") {
+		t.Errorf("the error does not say what to do: %v", err)
 	}
 }
 
