@@ -16,8 +16,8 @@ import (
 
 func init() {
 	register(&cli.Command{
-		Name:  "bootstrap",
-		Usage: "serve SGLang's disaggregation bootstrap server on its own",
+		Name:      "bootstrap",
+		Usage:     "serve SGLang's disaggregation bootstrap server on its own",
 		UsageText: "kvhost bootstrap [--host 127.0.0.1] [--port 8998] [--addr-file FILE]",
 		Description: "Prefill ranks register where their ZeroMQ sockets listen (PUT /route); decode ranks ask\n" +
 			"for the prefill layout and for each rank (GET /route) and check /health as a heartbeat.\n" +
