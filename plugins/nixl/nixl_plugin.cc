@@ -182,6 +182,10 @@ struct Agent {
   // active transfer to finish (NIXL cannot cancel one; see quiesce).
   std::chrono::milliseconds release_wait{0};
 
+  // Serialises get_notifs' move from NIXL into notifs, so that two callers
+  // cannot reorder one sender's notifications between them.
+  std::mutex notif_mu;
+
   std::mutex mu;  // guards everything below
   std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
   std::map<std::string, std::unique_ptr<Peer>> peers;
@@ -368,12 +372,15 @@ kvp_error *release_req(Agent &a, nixlXferReqH *&req, Clock::time_point deadline,
 // Frees a transfer whose handle was removed, at agent_destroy: waits for it
 // until deadline, then releases it regardless (the agent's backend is torn
 // down next, which stops whatever is left).
-void free_xfer(Agent &a, Xfer *x, Clock::time_point deadline) {
+void free_xfer(Agent &a, Xfer *x, Clock::time_point deadline) noexcept {
   {
     std::lock_guard<std::mutex> lk(x->mu);
     if (x->req) {
-      quiesce(a, x->req, deadline);
-      a.nixl->releaseXferReq(x->req);
+      try {
+        quiesce(a, x->req, deadline);
+        a.nixl->releaseXferReq(x->req);
+      } catch (...) {  // teardown goes on; the backend is torn down next
+      }
       x->req = nullptr;
     }
   }
@@ -388,8 +395,11 @@ void cancel_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
   if (!x) return;  // released meanwhile
   std::lock_guard<std::mutex> lk(x->mu);
   if (x->req) {
-    quiesce(a, x->req, deadline);
-    a.nixl->releaseXferReq(x->req);
+    try {
+      quiesce(a, x->req, deadline);
+      a.nixl->releaseXferReq(x->req);
+    } catch (...) {  // the peer is being forgotten either way
+    }
     x->req = nullptr;
   }
 }
@@ -548,17 +558,33 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
     if (auto *x = static_cast<Xfer *>(kvp_ht_remove(t->xfers, h))) free_xfer(*a, x, deadline);
   }
   drop_dependents(*a, ds, rs);
+  // Teardown goes on past a failing NIXL call: every handle must be freed.
+  std::string failed;
+  auto attempt = [&](const char *what, auto &&call) {
+    try {
+      if (call() != NIXL_SUCCESS) failed += std::string(failed.empty() ? "" : ", ") + what;
+    } catch (const std::exception &ex) {
+      failed += std::string(failed.empty() ? "" : ", ") + what + " threw " + ex.what();
+    }
+  };
   for (const RegionEntry &r : regs) {
     if (auto *reg = static_cast<Region *>(kvp_ht_remove(t->regions, r.handle))) {
       nixl_reg_dlist_t dl(to_nixl_mem(reg->kind));
       dl.addDesc(nixlBlobDesc(reg->addr, reg->len, reg->dev_id, ""));
-      a->nixl->deregisterMem(dl);
+      attempt("deregisterMem", [&] { return a->nixl->deregisterMem(dl); });
       delete reg;
     }
   }
-  for (auto &kv : a->peers) a->nixl->invalidateRemoteMD(kv.first);
+  for (auto &kv : a->peers)
+    attempt("invalidateRemoteMD", [&] {
+      nixl_status_t s = a->nixl->invalidateRemoteMD(kv.first);
+      return s == NIXL_ERR_NOT_FOUND ? NIXL_SUCCESS : s;
+    });
   a->peers.clear();
   a->nixl.reset();  // the nixlAgent destructor tears down the backend
+  if (!failed.empty())
+    return kvp_err(KVP_ERR_BACKEND, "agent_destroy: the agent is gone, but NIXL failed: %s",
+                   failed.c_str());
   return nullptr;
 }
 
@@ -1269,6 +1295,7 @@ kvp_error *get_notifs(kvp_get_notifs_args *args) {
     return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
   // Pull what NIXL has received (this also drives the backend's progress)
   // into the agent's queue, then hand out whole records that fit.
+  std::lock_guard<std::mutex> lk(a->notif_mu);
   nixl_notifs_t got;
   nixl_status_t s = a->nixl->getNotifs(got);
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "getNotifs");
