@@ -55,9 +55,9 @@ type TransferEvent struct {
 	// ReferenceDescs is how many descriptors SGLang's connector would have
 	// handed its backend for the same bytes (0 when unknown).
 	ReferenceDescs uint64
-	Post time.Duration // inside post_xfer
-	Xfer time.Duration // from post to completion
-	Err  error         // nil on success
+	Post           time.Duration // inside post_xfer
+	Xfer           time.Duration // from post to completion
+	Err            error         // nil on success
 }
 
 // FailureEvent is a room that failed.

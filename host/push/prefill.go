@@ -319,13 +319,13 @@ func (m *Prefill) Close() error {
 		return nil
 	}
 	m.mu.Lock()
-	open := make([]uint64, 0, len(m.senders))
-	for r := range m.senders {
-		open = append(open, r)
+	open := make([]*Sender, 0, len(m.senders))
+	for _, s := range m.senders {
+		open = append(open, s)
 	}
 	m.mu.Unlock()
-	for _, r := range open {
-		m.rooms.Fail(r, "prefill rank closed")
+	for _, s := range open {
+		s.fail("prefill rank closed", false) // decode hears it too
 	}
 	m.cancel()
 	var errs []error
@@ -530,27 +530,33 @@ func (m *Prefill) janitor() {
 	}
 }
 
-// notifyFailure tells every decode rank of the room that it failed, with
-// the reason (MORI's status message; sent in both variants so the reason
-// reaches decode). Best effort, once per room, in the background.
-func (m *Prefill) notifyFailure(room uint64, reason string) {
+// failureTargets returns the decode endpoints to tell about the room's
+// failure, once per room (nil when done already or nobody is known).
+func (m *Prefill) failureTargets(room uint64) []string {
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	ri := m.infos[room]
 	if ri == nil || ri.notified || len(ri.order) == 0 {
-		m.mu.Unlock()
-		return
+		return nil
 	}
 	ri.notified = true
-	eps := endpointsOf(ri.order, false)
-	m.mu.Unlock()
-	if m.closed.Load() {
+	return endpointsOf(ri.order, false)
+}
+
+// sendFailure tells decode endpoints that the room failed, with the reason
+// (MORI's status message; sent in both variants so the reason reaches
+// decode). Best effort, in the background; Close waits for it.
+func (m *Prefill) sendFailure(room uint64, reason string, eps []string) {
+	if len(eps) == 0 {
 		return
 	}
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
+		// Not m.ctx: a failure found while closing must still reach decode
+		// (sendStatus bounds each send).
 		for _, ep := range eps {
-			if err := m.sendStatus(m.ctx, ep, room, sglang.KVPollFailed, reason); err != nil {
+			if err := m.sendStatus(context.Background(), ep, room, sglang.KVPollFailed, reason); err != nil {
 				m.log.Debug("could not send failure status", "room", room, "decode", ep, "err", err)
 			}
 		}

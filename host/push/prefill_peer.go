@@ -168,7 +168,7 @@ func (m *Prefill) nixlPeer(r *sglang.NixlRegistration, frames [][]byte) (p *peer
 		if err != nil {
 			m.releasePeer(p)
 			m.agent.RemoveRemote(name)
-			p = nil
+			p = &peer{name: name} // for the error report only
 		}
 	}()
 	if !m.agent.Caps().Has(abi.CapRemoteAddr) && !m.agent.Emulated().Has(abi.CapRemoteAddr) {
@@ -372,7 +372,7 @@ func (m *Prefill) moriPeer(r *sglang.MoriRegistration) (p *peer, err error) {
 		if err != nil {
 			m.releasePeer(p)
 			m.agent.RemoveRemote(name)
-			p = nil
+			p = &peer{name: name} // for the error report only
 		}
 	}()
 	if key, kerr := r.EngineKey(); kerr != nil || key != name {

@@ -212,6 +212,9 @@ func (s *Sender) Close() {
 // its transfers and tells decode. remote: the reason came from decode.
 func (s *Sender) fail(reason string, remote bool) {
 	m := s.m
+	// Take the decode endpoints before the room is marked failed: from then
+	// on the engine may Close the sender, which drops the room's infos.
+	eps := m.failureTargets(s.room)
 	if !m.rooms.Fail(s.room, reason) {
 		return
 	}
@@ -229,5 +232,5 @@ func (s *Sender) fail(reason string, remote bool) {
 	recorded := m.rooms.Reason(s.room)
 	m.obs.Failure(FailureEvent{Role: RolePrefill, Room: s.room, Reason: recorded, Remote: remote})
 	m.log.Debug("room failed", "room", s.room, "reason", recorded)
-	m.notifyFailure(s.room, recorded)
+	m.sendFailure(s.room, recorded, eps)
 }

@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"strings"
 	"log/slog"
 	"os"
 	"testing"
@@ -145,5 +146,21 @@ func TestInProcMatrix(t *testing.T) {
 			expectAllOK(t, ps, ds)
 			t.Logf("%s: %d transfers, %d descs (ref %d), %d bytes", name, ps.Transfers, ps.Descriptors, ps.RefDescriptors, ps.Bytes)
 		})
+	}
+}
+
+// SGLang MORI slices the decode list by the prefill stage's start layer,
+// so it only supports decode PP 1 under prefill PP > 1; PP 2 -> 2 is
+// refused at registration with the reference's reason.
+func TestInProcMoriPPEqual(t *testing.T) {
+	ps, _ := runPair(t, pair{variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2, dpp: 2,
+		set: push.Settings{BootstrapTimeout: 2 * time.Second}})
+	if ps.OK != 0 && ps.Failed == 0 {
+		t.Fatalf("MORI PP 2->2 worked; the reference refuses it")
+	}
+	for _, f := range ps.Failures {
+		if f.Rank == "tp0/pp1" && !strings.Contains(f.Reason, "PP configuration mismatch") {
+			t.Fatalf("stage 1 failed for %q", f.Reason)
+		}
 	}
 }
