@@ -2,13 +2,16 @@ package demo
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"slices"
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
@@ -32,6 +35,8 @@ type DecodeConfig struct {
 	Concurrency      int
 	HandshakeTimeout time.Duration // 0: vLLM's 5 s
 	ReadTimeout      time.Duration // 0: none
+	// MemKind is the kind every KV region registers as.
+	MemKind abi.MemKind
 	// ConnectTimeout bounds the wait for the prefill API to come up and
 	// each request's prefill call (0: 60 s).
 	ConnectTimeout  time.Duration
@@ -41,6 +46,18 @@ type DecodeConfig struct {
 	// Progress, when set, is called after each request with the number
 	// finished so far.
 	Progress func(done, total int)
+	// Report, when set, gets one JSON line per request (RequestReport).
+	Report io.Writer
+}
+
+// RequestReport is one line of DecodeConfig.Report.
+type RequestReport struct {
+	RequestID string  `json:"request_id"`
+	OK        bool    `json:"ok"`
+	Error     string  `json:"error,omitempty"`
+	Tokens    int     `json:"tokens"`
+	PrefixHit string  `json:"prefix_hit"` // none, partial or full
+	Ms        float64 `json:"ms"`
 }
 
 // FailedRequest is one request that did not verify.
@@ -125,6 +142,9 @@ type decodeRun struct {
 	requestMs []float64
 	descs     uint64
 	finished  int
+
+	reportMu  sync.Mutex
+	reportErr error
 }
 
 // RunDecode runs the decode worker over the whole workload and returns its
@@ -242,7 +262,7 @@ func (d *decodeRun) setup() error {
 		d.agents = append(d.agents, a)
 		rx, err := pull.NewReceiver(pull.ReceiverConfig{
 			EngineID: c.EngineID, TPRank: rank, TPSize: c.Engine.TPSize, Agent: a,
-			Cache: cacheOf(pool, c.Engine), MLA: c.Model.MLA, BlocksFirst: c.Model.BlocksFirst,
+			Cache: cacheOf(pool, c.Engine, c.MemKind), MLA: c.Model.MLA, BlocksFirst: c.Model.BlocksFirst,
 			TotalKVHeads: c.Model.KVHeads, CompatHash: c.Model.CompatHash(), SkipCompatCheck: c.SkipCompatCheck,
 			HandshakeTimeout: c.HandshakeTimeout, ReadTimeout: c.ReadTimeout, Logger: d.log, Observer: c.Observer,
 		})
@@ -278,6 +298,19 @@ func (d *decodeRun) runOne(ctx context.Context, req Request) {
 		d.requestMs = append(d.requestMs, ms)
 	}
 	d.mu.Unlock()
+	if d.cfg.Report != nil {
+		rep := RequestReport{RequestID: req.ID, OK: err == nil, Tokens: req.Tokens, PrefixHit: req.Hit.String(), Ms: ms}
+		if err != nil {
+			rep.Error = err.Error()
+		}
+		line, _ := json.Marshal(rep)
+		d.reportMu.Lock()
+		if _, werr := d.cfg.Report.Write(append(line, '\n')); werr != nil && d.reportErr == nil {
+			d.reportErr = werr
+			d.log.Error("writing the request report", "err", werr)
+		}
+		d.reportMu.Unlock()
+	}
 	if err != nil {
 		d.log.Warn("request failed", "request_id", req.ID, "err", err)
 	} else {

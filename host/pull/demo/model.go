@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/wire/vllm"
@@ -187,10 +188,10 @@ func geometry(m Model, e Engine, rank int) kvpool.Geometry {
 }
 
 // cacheOf describes a pool's memory as the pull runtime registers it.
-func cacheOf(p *kvpool.Pool, e Engine) pull.Cache {
+func cacheOf(p *kvpool.Pool, e Engine, kind abi.MemKind) pull.Cache {
 	mem := p.Bytes()
 	base := p.Regions()[0].Addr
-	c := pull.Cache{NumBlocks: e.NumBlocks, BlockSize: e.BlockSize, Layout: e.Layout}
+	c := pull.Cache{NumBlocks: e.NumBlocks, BlockSize: e.BlockSize, Layout: e.Layout, Kind: kind}
 	for _, r := range p.Regions() {
 		c.Regions = append(c.Regions, pull.Region{Addr: r.Addr, Len: r.Len})
 		off := r.Addr - base

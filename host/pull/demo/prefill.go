@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
@@ -36,6 +37,9 @@ type PrefillConfig struct {
 	// APIAddr is the HTTP API's host:port (port 0: any).
 	APIAddr      string
 	AbortTimeout time.Duration // 0: pull.DefaultAbortTimeout
+	// MemKind is the kind every KV region registers as (vLLM: VRAM, or
+	// DRAM with a host buffer). The synthetic caches are host memory.
+	MemKind abi.MemKind
 	// Workload, when Requests > 0, is the request stream to expect: other
 	// requests are refused, and Wait returns once each was released.
 	Workload Workload
@@ -44,6 +48,19 @@ type PrefillConfig struct {
 	BlockWait time.Duration
 	Logger    *slog.Logger
 	Observer  pull.Observer
+	// Report, when set, gets one JSON line per released request
+	// (ReleaseReport).
+	Report io.Writer
+}
+
+// ReleaseReport is one line of PrefillConfig.Report.
+type ReleaseReport struct {
+	RequestID string `json:"request_id"`
+	// Released is "notified" (every decode reader notified), "expired"
+	// (the abort timeout passed first) or "aborted".
+	Released      string  `json:"released"`
+	Notifications int     `json:"notifications"`
+	HeldMs        float64 `json:"held_ms"`
 }
 
 // PrefillSummary is the prefill worker's report.
@@ -96,6 +113,8 @@ type Prefill struct {
 	filled     uint64
 	allDone    chan struct{}
 	closeOnce  sync.Once
+	// reportFailed: a Report write failed (logged once).
+	reportFailed bool
 }
 
 type prefillReq struct {
@@ -212,7 +231,7 @@ func (p *Prefill) setupRanks() ([]pull.SenderRank, error) {
 			return nil, fmt.Errorf("prefill: TP rank %d agent: %w", rank, err)
 		}
 		p.agents = append(p.agents, a)
-		ranks = append(ranks, pull.SenderRank{TPRank: rank, Agent: a, Cache: cacheOf(pool, p.cfg.Engine)})
+		ranks = append(ranks, pull.SenderRank{TPRank: rank, Agent: a, Cache: cacheOf(pool, p.cfg.Engine, p.cfg.MemKind)})
 	}
 	return ranks, nil
 }
@@ -349,6 +368,14 @@ func (p *Prefill) onRelease(rel pull.Release) {
 		p.notified++
 	case pull.ReleaseExpired:
 		p.expired = append(p.expired, id)
+	}
+	if p.cfg.Report != nil {
+		line, _ := json.Marshal(ReleaseReport{RequestID: id, Released: string(rel.Reason), Notifications: rel.Notified,
+			HeldMs: float64(rel.Held.Microseconds()) / 1e3})
+		if _, err := p.cfg.Report.Write(append(line, '\n')); err != nil && !p.reportFailed {
+			p.reportFailed = true
+			p.log.Error("writing the release report", "err", err)
+		}
 	}
 	if e := p.reqs[id]; e != nil {
 		e.released = rel.Reason
