@@ -3,7 +3,8 @@
 // (smallest integer, string and container forms), and a decoder into a
 // value tree that is safe on hostile input: every length is checked
 // against the bytes left before anything is allocated, nesting is bounded,
-// and nothing panics.
+// the number of values one Decode builds is bounded (MaxValues), and
+// nothing panics.
 //
 // General-purpose libraries were not used because the decoder is fed
 // network bytes: vmihailenco/msgpack v5.4.1 sizes typed slices from the
@@ -110,6 +111,15 @@ func (v Value) Get(key string) (Value, bool) {
 // MaxDepth bounds nesting of arrays and maps.
 const MaxDepth = 32
 
+// MaxValues bounds the array elements and map keys and values one Decode
+// builds. Every element costs a Value (about 110 bytes) for as little as one
+// input byte, so without a bound a message of n bytes could cost 110 n bytes
+// of memory (a 256 MiB ZeroMQ message, 28 GiB). The control messages this
+// package decodes hold at most a few thousand values (one pointer or one
+// descriptor per KV region); MaxValues caps a hostile message at about
+// 7 MiB of tree.
+const MaxValues = 1 << 16
+
 // ErrMalformed marks input that is not valid MessagePack.
 var ErrMalformed = errors.New("msgpack: malformed input")
 
@@ -119,7 +129,7 @@ func malformed(format string, args ...any) error {
 
 // Decode decodes exactly one value that must span all of b.
 func Decode(b []byte) (Value, error) {
-	d := decoder{b: b}
+	d := decoder{b: b, budget: MaxValues}
 	v, err := d.value(0)
 	if err != nil {
 		return Value{}, err
@@ -133,6 +143,18 @@ func Decode(b []byte) (Value, error) {
 type decoder struct {
 	b   []byte
 	off int
+	// budget is how many more array elements and map keys and values
+	// this Decode may build (MaxValues in all).
+	budget uint64
+}
+
+// spend takes n values from the budget, before they are allocated.
+func (d *decoder) spend(n uint64) error {
+	if n > d.budget {
+		return malformed("more than %d values in one message", MaxValues)
+	}
+	d.budget -= n
+	return nil
 }
 
 func (d *decoder) left() int { return len(d.b) - d.off }
@@ -277,6 +299,9 @@ func (d *decoder) arrayOf(n uint64, depth int) (Value, error) {
 	if n > uint64(d.left()) {
 		return Value{}, malformed("array of %d elements with %d bytes left", n, d.left())
 	}
+	if err := d.spend(n); err != nil {
+		return Value{}, err
+	}
 	items := make([]Value, n)
 	for i := range items {
 		v, err := d.value(depth + 1)
@@ -291,6 +316,9 @@ func (d *decoder) arrayOf(n uint64, depth int) (Value, error) {
 func (d *decoder) mapOf(n uint64, depth int) (Value, error) {
 	if n > uint64(d.left())/2 {
 		return Value{}, malformed("map of %d pairs with %d bytes left", n, d.left())
+	}
+	if err := d.spend(2 * n); err != nil {
+		return Value{}, err
 	}
 	pairs := make([][2]Value, n)
 	for i := range pairs {

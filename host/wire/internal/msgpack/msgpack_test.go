@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"math"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -176,6 +177,54 @@ func TestDecodeRejects(t *testing.T) {
 	}
 }
 
+// A message of n one-byte elements would build n Values of about 110
+// bytes each: the value budget refuses it before allocating, whether the
+// elements sit in one array or are spread over many, and a message within
+// the budget still decodes.
+func TestDecodeValueBudget(t *testing.T) {
+	array := func(n int, elem []byte) []byte {
+		b := []byte{0xdd, byte(n >> 24), byte(n >> 16), byte(n >> 8), byte(n)}
+		for range n {
+			b = append(b, elem...)
+		}
+		return b
+	}
+	if v, err := Decode(array(MaxValues, []byte{1})); err != nil || len(v.Items) != MaxValues {
+		t.Fatalf("array of MaxValues: %d items, %v", len(v.Items), err)
+	}
+	huge := array(1<<20, []byte{1})
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Decode(huge)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrMalformed) {
+		t.Fatalf("array of 2^20 elements: %v, want ErrMalformed", err)
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 1<<20 {
+		t.Fatalf("refusing a %d-byte message allocated %d bytes", len(huge), got)
+	}
+	// The same budget across nested containers: 2^10 arrays of 2^7
+	// elements each, and maps, whose keys and values both count.
+	nested := array(1<<10, append([]byte{0xdc, 0, 1 << 7}, bytes.Repeat([]byte{0}, 1<<7)...))
+	if _, err := Decode(nested); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("nested arrays over the budget: %v", err)
+	}
+	m := []byte{0xdf, 0, 0, 0x80, 0} // map32 of 2^15 pairs: 2^16 values
+	for range 1 << 15 {
+		m = append(m, 0, 0)
+	}
+	if _, err := Decode(m); err != nil {
+		t.Fatalf("map of MaxValues keys and values: %v", err)
+	}
+	m[3] = 0x80
+	m[4] = 1
+	m = append(m, 0, 0)
+	if _, err := Decode(m); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("map over the budget: %v", err)
+	}
+}
+
 func FuzzDecode(f *testing.F) {
 	var e Encoder
 	e.ArrayHeader(2)
@@ -190,8 +239,8 @@ func FuzzDecode(f *testing.F) {
 			return
 		}
 		// Decoding must not panic, and the tree it builds can be walked.
-		if walk(v) > len(b) {
-			t.Fatalf("%d values from %d bytes", walk(v), len(b))
+		if n := walk(v); n > len(b) || n > MaxValues+1 {
+			t.Fatalf("%d values from %d bytes", n, len(b))
 		}
 	})
 }
