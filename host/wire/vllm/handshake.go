@@ -60,10 +60,18 @@ func EncodeMetaRequest(tpRank int) []byte {
 	return e.Bytes()
 }
 
+// maxMetaRequest bounds an encoded handshake request: fixarray, bin8
+// "get_meta_msg" and an int of at most 9 bytes take 24 bytes.
+const maxMetaRequest = 64
+
 // DecodeMetaRequest decodes a handshake request and returns the TP rank it
 // asks for. It insists on the exact shape; the reference only logs an
-// unexpected tag, kvhost refuses it.
+// unexpected tag, kvhost refuses it. Bytes longer than any request are
+// refused before they are decoded.
 func DecodeMetaRequest(b []byte) (int, error) {
+	if len(b) > maxMetaRequest {
+		return 0, malformed("request of %d bytes; a [get_meta_msg, rank] request has at most %d", len(b), maxMetaRequest)
+	}
 	v, err := msgpack.Decode(b)
 	if err != nil {
 		return 0, malformed("request: %v", err)

@@ -3,6 +3,7 @@ package vllm
 import (
 	"encoding/hex"
 	"errors"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -182,6 +183,13 @@ func TestDecodeRejects(t *testing.T) {
 			return e.Bytes()
 		}(),
 		"garbage": {0xc1},
+		"too long": func() []byte {
+			var e msgpack.Encoder
+			e.ArrayHeader(2)
+			e.Bin([]byte(GetMetaMsg))
+			e.Int(math.MaxInt64)
+			return append(e.Bytes(), make([]byte, maxMetaRequest)...)
+		}(),
 	} {
 		if _, err := DecodeMetaRequest(b); !errors.Is(err, ErrMalformed) {
 			t.Errorf("request %s: %v", name, err)

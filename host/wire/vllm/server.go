@@ -15,6 +15,12 @@ import (
 // delays its own reply.
 const replyTimeout = time.Second
 
+// maxRequestMessage bounds a received handshake request (all frames): a real
+// one is the empty delimiter and about 20 bytes of msgpack, so anything
+// bigger is refused while it is read, before it is buffered. Callers'
+// zmq.Options come after this default and may raise it.
+const maxRequestMessage = 4 << 10
+
 // HandshakeServer is the prefill side of the handshake: a ZeroMQ ROUTER
 // that answers every [get_meta_msg, tp_rank] request with the encoded
 // handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
@@ -33,12 +39,15 @@ type HandshakeServer struct {
 // ListenHandshake binds a ROUTER socket on endpoint (vLLM binds
 // tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:side_channel_port) and serves
 // payloads, the encoded NixlHandshakePayload per TP rank
-// (HandshakePayload.Encode), until Close. payloads is copied.
+// (HandshakePayload.Encode), until Close. payloads is copied. A peer whose
+// request is larger than a handshake request can be (4 KiB) is
+// disconnected; opts may raise that limit (zmq.WithMaxMessageSize).
 func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger, opts ...zmq.Option) (*HandshakeServer, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	r, err := zmq.ListenRouter(endpoint, append([]zmq.Option{zmq.WithLogger(log)}, opts...)...)
+	defaults := []zmq.Option{zmq.WithLogger(log), zmq.WithMaxMessageSize(maxRequestMessage), zmq.WithMaxFrames(4)}
+	r, err := zmq.ListenRouter(endpoint, append(defaults, opts...)...)
 	if err != nil {
 		return nil, err
 	}

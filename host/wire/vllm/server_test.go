@@ -150,6 +150,25 @@ func TestHandshakeStorm(t *testing.T) {
 	}
 }
 
+// A request larger than any handshake request is refused while it is
+// read: the peer is disconnected (its REQ gets no reply) without the
+// server buffering or decoding it, and honest clients are still served.
+func TestHandshakeOversizedRequest(t *testing.T) {
+	s, mds := startServer(t, "H")
+	for _, size := range []int{maxRequestMessage + 1, 8 << 20} {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		rep, err := zmq.Request(ctx, s.Endpoint(), [][]byte{make([]byte, size)}, quietZMQ()...)
+		cancel()
+		if err == nil || errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("%d-byte request: reply %q, err %v; want the connection dropped", size, rep, err)
+		}
+	}
+	md, err := FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H"))
+	if err != nil || !reflect.DeepEqual(md, mds[1]) {
+		t.Fatalf("honest client after oversized requests: %v", err)
+	}
+}
+
 func TestHandshakeServerClose(t *testing.T) {
 	s, _ := startServer(t, "H")
 	ep := s.Endpoint()
