@@ -2,9 +2,9 @@ package worker
 
 import (
 	"context"
-	"strings"
 	"log/slog"
 	"os"
+	"strings"
 	"testing"
 	"time"
 

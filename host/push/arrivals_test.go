@@ -1,0 +1,87 @@
+package push
+
+import (
+	"testing"
+
+	"github.com/kvhost/kvhost/host/wire/sglang"
+)
+
+func tag(t *testing.T, s string) sglang.Notif {
+	t.Helper()
+	n, err := sglang.ParseNotif([]byte(s))
+	if err != nil {
+		t.Fatalf("%q: %v", s, err)
+	}
+	return n
+}
+
+// TestArrivals replays notification sequences through the tracker and
+// checks TransferStatus.is_done after every step.
+func TestArrivals(t *testing.T) {
+	cases := []struct {
+		name      string
+		responses int
+		state     bool
+		tags      []string
+		doneAt    int // index of the tag after which done() turns true; -1 never
+	}{
+		{"one sender, three chunks", 1, false, []string{"5_kv_0_0_0", "5_kv_1_0_0", "5_kv_2_1_0", "5_aux"}, 3},
+		{"aux first, last chunk early", 1, false, []string{"5_aux", "5_kv_2_1_0", "5_kv_0_0_0", "5_kv_1_0_0"}, 3},
+		{"missing chunk", 1, false, []string{"5_kv_0_0_0", "5_kv_2_1_0", "5_aux"}, -1},
+		{"two senders (PP or TP fan-in)", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1", "5_kv_1_1_1"}, 3},
+		{"two senders, one missing", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1"}, -1},
+		{"full prefix hit", 1, false, []string{"5_aux_nokv_0"}, 0},
+		// As in the reference, one aux notification (here the nokv one of stage
+		// 1) satisfies received_aux for the room.
+		{"prefix hit on one stage", 2, false, []string{"5_aux_nokv_1", "5_kv_0_1_0", "5_aux"}, 1},
+		{"state expected", 1, true, []string{"5_kv_0_1_0", "5_aux", "5_state_0_0"}, 2},
+		{"state missing", 1, true, []string{"5_kv_0_1_0", "5_aux"}, -1},
+		{"mixed-kind parts", 1, false, []string{"5_kv_0_1_0_part_0_2", "5_aux", "5_kv_0_1_0_part_1_2"}, 2},
+		{"duplicate part", 1, false, []string{"5_kv_0_1_0_part_0_2", "5_kv_0_1_0_part_0_2", "5_aux"}, -1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			a := arrivals{expectsState: c.state}
+			got := -1
+			for i, s := range c.tags {
+				if err := a.apply(tag(t, s), c.responses); err != nil {
+					t.Fatalf("%q: %v", s, err)
+				}
+				if a.done() && got < 0 {
+					got = i
+				}
+			}
+			if got != c.doneAt {
+				t.Fatalf("done after tag %d, want %d", got, c.doneAt)
+			}
+		})
+	}
+}
+
+func TestArrivalsRejects(t *testing.T) {
+	a := arrivals{}
+	if err := a.apply(tag(t, "5_kv_0_0_0_part_0_2"), 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.apply(tag(t, "5_kv_0_0_0_part_1_3"), 1); err == nil {
+		t.Fatal("a part count that changed was accepted")
+	}
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, Chunk: maxChunkID}, 1); err == nil {
+		t.Fatal("a huge chunk id was accepted")
+	}
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: -1}, 1); err == nil {
+		t.Fatal("a negative sender was accepted")
+	}
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifStaging}, 1); err == nil {
+		t.Fatal("staging was accepted")
+	}
+	// Memory stays bounded whatever a peer sends.
+	b := arrivals{}
+	var err error
+	for i := 0; i < 2*maxSenders && err == nil; i++ {
+		err = b.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: i}, 1)
+	}
+	if err == nil || len(b.receivedKV) > maxSenders {
+		t.Fatalf("senders not bounded: %d kept, err %v", len(b.receivedKV), err)
+	}
+}
