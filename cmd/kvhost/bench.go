@@ -1,0 +1,195 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/urfave/cli/v2"
+	"golang.org/x/term"
+
+	"github.com/kvhost/kvhost/host/bench"
+	"github.com/kvhost/kvhost/host/plugin"
+)
+
+func init() {
+	register(&cli.Command{
+		Name:  "bench",
+		Usage: "sweep a transfer plugin over block sizes, batches, READ/WRITE, paths and threads, beside this machine's raw copy rate",
+		UsageText: "kvhost [--backend NAME] bench [--procs 1,2] [--ops WRITE,READ] [--paths prepped,batch]\n" +
+			"    [--blocks 4K..64M] [--batches 1,16] [--threads 1,2] [--json | --csv] [--plot FILE.png]",
+		Description: "A nixlbench-style sweep of the plugin chosen with --backend. Every combination of the\n" +
+			"lists given is a row; one iteration makes a transfer of BATCH descriptors of BLOCK bytes\n" +
+			"(contiguous), posts it, polls it to completion and releases it, per thread. Columns follow\n" +
+			"nixlbench (and bin/nixl-bench-direct, the direct-NIXL baseline): block size, batch size,\n" +
+			"bandwidth (1e9 bytes/s), average latency of a whole iteration, average and p99 of the prep\n" +
+			"(making the transfer), post, and transfer (post to completion) times in µs.\n\n" +
+			"Each row is measured in --rounds rounds, alternating with a raw baseline moving the same\n" +
+			"bytes with the same block shape and threads: memcpy (the faster of Go's copy and libc's\n" +
+			"memcpy) with both agents in this process, process_vm_writev/readv with the target agent in\n" +
+			"a second process (--procs 2: kvhost re-executed). Base is the baseline's rate, Eff. the\n" +
+			"median over rounds of the row's rate over the baseline's. After a row the destination is\n" +
+			"cleared, moved once more and checked byte for byte (Verified).\n\n" +
+			"Sizes take K, M, G suffixes (binary); LO..HI is every power of two times LO up to HI.\n" +
+			"The progress bar (stderr) shows only on a terminal and never with --json or --csv.",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "procs", Value: "1", Usage: "process layouts: 1 (both agents here), 2 (target agent in a second process), or 1,2"},
+			&cli.StringFlag{Name: "ops", Value: "WRITE", Usage: "operations: WRITE, READ or WRITE,READ"},
+			&cli.StringFlag{Name: "paths", Value: "prepped", Usage: "transfer paths: prepped (lists prepared once per row, indices per transfer), batch (region + offsets per transfer), or both"},
+			&cli.StringFlag{Name: "blocks", Value: "4K..64M", Usage: "block sizes (bytes per descriptor): a comma list of sizes and LO..HI ranges"},
+			&cli.StringFlag{Name: "batches", Value: "1", Usage: "batch sizes (descriptors per transfer), a comma list"},
+			&cli.StringFlag{Name: "threads", Value: "1", Usage: "goroutines posting at once, each on its own blocks, a comma list"},
+			&cli.IntFlag{Name: "warmup", Value: 4, Usage: "untimed iterations per thread before each row"},
+			&cli.IntFlag{Name: "iters", Value: 20, Usage: "timed iterations per thread and row, at least"},
+			&cli.DurationFlag{Name: "time", Value: bench.Defaults().Time, Usage: "timed duration per row, at least (split over the rounds)"},
+			&cli.IntFlag{Name: "rounds", Value: 5, Usage: "rounds per row, each the subject then the baseline (alternating order)"},
+			&cli.StringFlag{Name: "max-buffer", Value: "256M", Usage: "skip rows needing more than this per side (block x batch x threads)"},
+			&cli.StringSliceFlag{Name: "param", Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2"},
+			&cli.BoolFlag{Name: "telemetry", Usage: "also read the plugin's telemetry each transfer and report its own post and transfer time (JSON, CSV)"},
+			&cli.BoolFlag{Name: "wait", Usage: "complete transfers with the host's Wait (poll with backoff, as the workers do) instead of polling back to back (as nixlbench does)"},
+			&cli.BoolFlag{Name: "json", Usage: "print the result as JSON (no table, no progress bar)"},
+			&cli.BoolFlag{Name: "csv", Usage: "print the rows as CSV (no table, no progress bar)"},
+			&cli.StringFlag{Name: "plot", Usage: "draw bandwidth against block size, baselines dashed, into `FILE` (.png or .svg)"},
+			&cli.BoolFlag{Name: "serve-target", Hidden: true, Usage: "serve as the target process of --procs 2"},
+		},
+		Action: runBench,
+	})
+}
+
+func runBench(c *cli.Context) error {
+	if c.Bool("serve-target") {
+		if os.Getenv(bench.TargetEnv) == "" {
+			return errors.New("bench: --serve-target is started by bench --procs 2, not by hand")
+		}
+		return bench.ServeTargetStdio()
+	}
+	if c.NArg() > 0 {
+		return fmt.Errorf("bench: unexpected argument %q", c.Args().First())
+	}
+	if c.Bool("json") && c.Bool("csv") {
+		return errors.New("bench: --json and --csv exclude each other")
+	}
+	cfg, err := benchConfig(c)
+	if err != nil {
+		return fmt.Errorf("bench: %w", err)
+	}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	out := c.App.Writer
+	machine := c.Bool("json") || c.Bool("csv")
+	var bar *progressbar.ProgressBar
+	if !machine && term.IsTerminal(int(os.Stderr.Fd())) {
+		bar = progressbar.NewOptions(-1,
+			progressbar.OptionSetWriter(os.Stderr),
+			progressbar.OptionSetDescription("bench"),
+			progressbar.OptionShowCount(),
+			progressbar.OptionSetElapsedTime(true),
+			progressbar.OptionSetPredictTime(true),
+			progressbar.OptionClearOnFinish(),
+			progressbar.OptionSetWidth(30),
+		)
+		cfg.Progress = func(done, total int, label string) {
+			bar.ChangeMax(total)
+			bar.Describe(label)
+			bar.Set(done)
+		}
+	}
+	runner := &bench.Runner{Config: cfg}
+	table := bench.NewTableWriter(out)
+	if !machine {
+		runner.OnRow = func(r bench.Row) {
+			if bar != nil {
+				bar.Clear()
+			}
+			table.Row(r)
+		}
+	}
+	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	res, runErr := runner.Run(ctx)
+	if bar != nil {
+		bar.Finish()
+	}
+	if res == nil {
+		return runErr
+	}
+	if err := writeBenchResult(c, out, res, machine); err != nil {
+		return err
+	}
+	if file := c.String("plot"); file != "" && len(res.Rows) > 0 {
+		if err := bench.Plot(res, file); err != nil {
+			return fmt.Errorf("bench: %w", err)
+		}
+		if !machine {
+			fmt.Fprintf(out, "# plot: %s\n", file)
+		}
+	}
+	if errors.Is(runErr, context.Canceled) {
+		return errors.New("bench: interrupted")
+	}
+	return runErr
+}
+
+func writeBenchResult(c *cli.Context, out io.Writer, res *bench.Result, machine bool) error {
+	switch {
+	case c.Bool("json"):
+		return bench.WriteJSON(out, res)
+	case c.Bool("csv"):
+		return bench.WriteCSV(out, res.Rows)
+	}
+	if !machine {
+		return bench.WriteFooter(out, res)
+	}
+	return nil
+}
+
+// benchConfig turns the flags into a bench.Config.
+func benchConfig(c *cli.Context) (bench.Config, error) {
+	cfg := bench.Defaults()
+	cfg.Plugin = c.String(flagBackend.Name)
+	cfg.Dirs = plugin.SearchDirs(c.String(flagPluginPath.Name))
+	var err error
+	if cfg.Procs, err = bench.ParseInts(c.String("procs")); err != nil {
+		return cfg, fmt.Errorf("--procs: %w", err)
+	}
+	if cfg.Ops, err = bench.ParseOps(c.String("ops")); err != nil {
+		return cfg, fmt.Errorf("--ops: %w", err)
+	}
+	if cfg.Paths, err = bench.ParsePaths(c.String("paths")); err != nil {
+		return cfg, fmt.Errorf("--paths: %w", err)
+	}
+	if cfg.Blocks, err = bench.ParseSizes(c.String("blocks")); err != nil {
+		return cfg, fmt.Errorf("--blocks: %w", err)
+	}
+	if cfg.Batches, err = bench.ParseInts(c.String("batches")); err != nil {
+		return cfg, fmt.Errorf("--batches: %w", err)
+	}
+	if cfg.Threads, err = bench.ParseInts(c.String("threads")); err != nil {
+		return cfg, fmt.Errorf("--threads: %w", err)
+	}
+	if cfg.MaxBuffer, err = bench.ParseSize(c.String("max-buffer")); err != nil {
+		return cfg, fmt.Errorf("--max-buffer: %w", err)
+	}
+	if cfg.Params, err = plugin.ParseParams(c.StringSlice("param")); err != nil {
+		return cfg, fmt.Errorf("--param: %w", err)
+	}
+	cfg.Warmup, cfg.Iters, cfg.Rounds = c.Int("warmup"), c.Int("iters"), c.Int("rounds")
+	cfg.Time = c.Duration("time")
+	cfg.Telemetry = c.Bool("telemetry")
+	cfg.Wait = c.Bool("wait")
+	cfg.TargetCommand = func() (*exec.Cmd, error) {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, fmt.Errorf("locating this binary: %w", err)
+		}
+		return exec.Command(exe, "bench", "--serve-target"), nil
+	}
+	return cfg, nil
+}

@@ -1,0 +1,57 @@
+// Package bench is kvhost's transfer benchmark: a nixlbench-style sweep of
+// one plugin over block sizes, batch sizes (descriptors per transfer),
+// operations (READ, WRITE), transfer paths (prepped lists, batch entries),
+// threads (goroutines posting at once) and process layouts (both agents in
+// this process, or the target agent in a second process), with the raw copy
+// rate of this machine measured in the same run beside every row.
+//
+// # What one iteration measures
+//
+// One iteration is the whole per-request cost a KV transfer host pays, as in
+// plugins/nixl/bench_direct.cc (the direct-NIXL baseline), so that the two
+// tables compare column for column:
+//
+//   - prep: build the transfer (prepped path: MakePreppedXfer over lists
+//     prepared once per row, outside the timing; batch path: MakeBatchXfer
+//     from region-relative entries against a remote region imported once);
+//   - post: Post;
+//   - transfer (tx): from before Post until a Poll reports completion
+//     (polling back to back, as nixlbench does);
+//   - latency: prep + transfer + releasing the transfer (Close).
+//
+// Descriptors are contiguous blocks: descriptor i of thread t covers
+// [(t*batch+i)*block, +block) on both sides.
+//
+// # Baselines and efficiency
+//
+// Each row is measured in rounds. In every round the subject (the plugin)
+// runs for its share of the row's time and the baseline then moves the same
+// bytes between the same buffers with the same block shape and the same
+// number of threads, so a load change on a shared machine hits both alike;
+// the order alternates between rounds. The baseline is the raw copy a program
+// would do without kvhost:
+//
+//   - same process: memcpy. Both Go's copy and libc's memcpy (through purego,
+//     what the fake plugin calls) run every round and the faster one counts,
+//     so the baseline is this machine's best plain copy.
+//   - two processes: process_vm_writev (WRITE) or process_vm_readv (READ)
+//     from this process into the target process, up to IOV_MAX blocks per
+//     system call, as the fake plugin issues them.
+//
+// A row's GB/s and its baseline's are medians over rounds; its efficiency
+// is the median over rounds of the ratio subject/baseline within a round.
+//
+// # Verification
+//
+// After the rounds of a row, the destination is cleared, every thread runs
+// one more transfer, and the destination is checked against the pattern the
+// source was filled with. In two-process runs the target process checks its
+// own memory, so the bytes are proven to have crossed the process boundary.
+//
+// # Two processes
+//
+// The target process is started by Config.TargetCommand (kvhost re-executes
+// itself with a hidden flag; tests re-execute the test binary) and serves
+// ServeTargetStdio: one JSON request per line on its stdin, one response per
+// line on its stdout. It owns the target agent and its memory.
+package bench
