@@ -59,6 +59,10 @@ type ReceiverConfig struct {
 	// ReadTimeout fails a READ still running after it; 0 waits forever, as
 	// vLLM does.
 	ReadTimeout time.Duration
+	// MaxDescriptors bounds the descriptor list prepared for a remote rank
+	// (regions × blocks it advertises), so a peer advertising absurd
+	// geometry cannot exhaust memory; 0 means DefaultMaxDescriptors.
+	MaxDescriptors int
 	Logger      *slog.Logger // nil: slog.Default()
 	Observer    Observer     // nil: NopObserver
 	// ZMQ options for handshake sockets.
@@ -209,6 +213,11 @@ type readOp struct {
 	bytes  uint64 // from the descriptors, for agents without telemetry
 }
 
+// DefaultMaxDescriptors is the default ReceiverConfig.MaxDescriptors: 2^26
+// block descriptors (2.5 GiB as the ABI passes them), several times what a
+// 100-layer model with 100k blocks per region needs.
+const DefaultMaxDescriptors = 1 << 26
+
 // Poll backoff of the Receiver's poller.
 const (
 	pollMinSleep = 20 * time.Microsecond
@@ -228,8 +237,11 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if err := cfg.Cache.check(); err != nil {
 		return nil, err
 	}
-	if cfg.HandshakeTimeout < 0 || cfg.ReadTimeout < 0 {
-		return nil, errors.New("pull: negative timeout")
+	if cfg.HandshakeTimeout < 0 || cfg.ReadTimeout < 0 || cfg.MaxDescriptors < 0 {
+		return nil, errors.New("pull: negative timeout or descriptor limit")
+	}
+	if cfg.MaxDescriptors == 0 {
+		cfg.MaxDescriptors = DefaultMaxDescriptors
 	}
 	r := &Receiver{
 		cfg:        cfg,
@@ -388,6 +400,12 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 	if err != nil {
 		return fmt.Errorf("incompatible KV geometry: %w", err)
 	}
+	// The reader's lists are closed forms; the descriptors are made below.
+	rl := reader.RemoteList()
+	if rl.Len() > r.cfg.MaxDescriptors {
+		return fmt.Errorf("the prefill advertises %d regions of %d blocks: %d descriptors, more than the %d this decode prepares for a peer (MaxDescriptors)",
+			len(remote.BaseAddrs), remote.NumBlocks, rl.Len(), r.cfg.MaxDescriptors)
+	}
 	if reader.RemoteRank() != remoteRank {
 		return fmt.Errorf("reader targets TP rank %d, handshake was with %d", reader.RemoteRank(), remoteRank)
 	}
@@ -412,7 +430,6 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 	if err != nil {
 		return fmt.Errorf("load remote agent metadata: %w", err)
 	}
-	rl := reader.RemoteList()
 	remoteDL, err := r.cfg.Agent.PrepRemote(name, r.cfg.Cache.Kind, xferDescs(&rl))
 	if err != nil {
 		if rerr := r.cfg.Agent.RemoveRemote(name); rerr != nil {

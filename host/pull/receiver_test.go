@@ -183,6 +183,12 @@ func TestHandshakeRefusals(t *testing.T) {
 	if !errors.Is(res.Err, ErrHandshake) || !strings.Contains(res.Err.Error(), "incompatible KV geometry") {
 		t.Fatalf("%v", res.Err)
 	}
+	// A peer advertising more descriptors than the decode prepares.
+	ds5 := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.MaxDescriptors = 100 })
+	res = wait(t, ds5.rx[0].Load(LoadRequest{RequestID: "r", LocalBlockIDs: []int32{0, 1}, Params: params}))
+	if !errors.Is(res.Err, ErrHandshake) || !strings.Contains(res.Err.Error(), "128 descriptors, more than the 100") {
+		t.Fatalf("%v", res.Err)
+	}
 	// Heterogeneous TP over NHD is refused rather than read wrong.
 	nhd := smallGeom
 	nhd.hnd = false
