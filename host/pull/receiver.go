@@ -63,8 +63,8 @@ type ReceiverConfig struct {
 	// (regions × blocks it advertises), so a peer advertising absurd
 	// geometry cannot exhaust memory; 0 means DefaultMaxDescriptors.
 	MaxDescriptors int
-	Logger      *slog.Logger // nil: slog.Default()
-	Observer    Observer     // nil: NopObserver
+	Logger         *slog.Logger // nil: slog.Default()
+	Observer       Observer     // nil: NopObserver
 	// ZMQ options for handshake sockets.
 	ZMQ []zmq.Option
 }
