@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -25,6 +26,10 @@ type conn struct {
 	lim      limits
 	peerType string
 	peer     string // remote address, for logs
+	// msgTimeout, when positive, bounds how long the rest of a message may
+	// take once its first byte arrived (set on accepted connections, whose
+	// peers we do not choose). Waiting for a message has no bound.
+	msgTimeout time.Duration
 
 	wmu sync.Mutex
 
@@ -61,8 +66,10 @@ func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
 	if _, err := nc.Write(encodeCommand("READY", readyMetadata(local))); err != nil {
 		return nil, err
 	}
-	lim := limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames}
-	_, cmd, err := readMessage(r, lim)
+	// Until READY, only a command is acceptable: a data frame larger than a
+	// command is refused by its header instead of being read (under the
+	// handshake deadline, but up to MaxMessageSize bytes per connection).
+	_, cmd, err := readMessage(r, limits{maxMessageSize: maxCommandSize, maxFrames: 1})
 	if err != nil {
 		return nil, fmt.Errorf("reading READY: %w", err)
 	}
@@ -96,7 +103,7 @@ func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
 	return &conn{
 		nc:       nc,
 		r:        r,
-		lim:      lim,
+		lim:      limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames},
 		peerType: peerType,
 		peer:     nc.RemoteAddr().String(),
 		done:     make(chan struct{}),
@@ -122,7 +129,7 @@ func errorReason(body []byte) string {
 // connection is unusable; the caller closes it.
 func (c *conn) recv() ([][]byte, error) {
 	for {
-		frames, cmd, err := readMessage(c.r, c.lim)
+		frames, cmd, err := c.readMessage()
 		if err != nil {
 			return nil, err
 		}
@@ -144,6 +151,33 @@ func (c *conn) recv() ([][]byte, error) {
 			return nil, fmt.Errorf("zmq: peer %s closed the connection with ERROR %s", c.peer, errorReason(cmd.body))
 		}
 	}
+}
+
+// readMessage reads the next message or command, within msgTimeout of its
+// first byte when that is set: a peer that starts a message and stalls (a
+// slowloris) is dropped instead of holding its goroutine and partial
+// message forever.
+func (c *conn) readMessage() ([][]byte, *command, error) {
+	if c.msgTimeout <= 0 {
+		return readMessage(c.r, c.lim)
+	}
+	if _, err := c.r.Peek(1); err != nil {
+		return nil, nil, err
+	}
+	if err := c.nc.SetReadDeadline(time.Now().Add(c.msgTimeout)); err != nil {
+		return nil, nil, err
+	}
+	frames, cmd, err := readMessage(c.r, c.lim)
+	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = fmt.Errorf("peer did not finish a message within %v: %w", c.msgTimeout, err)
+		}
+		return nil, nil, err
+	}
+	if err := c.nc.SetReadDeadline(time.Time{}); err != nil {
+		return nil, nil, err
+	}
+	return frames, cmd, nil
 }
 
 // send writes one message. ctx bounds the write (deadline and

@@ -38,7 +38,11 @@
 //   - Nothing a peer sends can make this package allocate more than
 //     MaxMessageSize bytes per message (memory grows with bytes actually
 //     received, never with a declared length), block the accept loop, or
-//     panic. Handshakes run per connection under a deadline.
+//     panic. Handshakes run per connection under a deadline, and until
+//     READY only a command (at most 64 KiB) is read. A peer of a bound
+//     socket (PULL, ROUTER) that starts a message must finish it within
+//     30 s or is dropped; between messages a peer may stay idle, as with
+//     libzmq.
 //   - Push.Send returns nil only after the whole message was handed to the
 //     kernel on a live connection. A failed write closes the connection and
 //     the message is re-sent on a new one (a partially written message is

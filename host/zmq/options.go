@@ -19,6 +19,12 @@ const (
 	DefaultKeepAlive        = 30 * time.Second
 )
 
+// messageTimeout bounds how long a peer of a bound socket (PULL, ROUTER)
+// may take to send the rest of a message once it has started it. Control
+// messages are at most a few megabytes; a peer that takes longer is stuck
+// or hostile.
+const messageTimeout = 30 * time.Second
+
 // Option configures a socket.
 type Option func(*options)
 
@@ -32,6 +38,7 @@ type options struct {
 	reconnectMin     time.Duration
 	reconnectMax     time.Duration
 	keepAlive        time.Duration
+	messageTimeout   time.Duration // see messageTimeout; tests shorten it
 }
 
 func buildOptions(opts []Option) options {
@@ -45,6 +52,7 @@ func buildOptions(opts []Option) options {
 		reconnectMin:     DefaultReconnectMin,
 		reconnectMax:     DefaultReconnectMax,
 		keepAlive:        DefaultKeepAlive,
+		messageTimeout:   messageTimeout,
 	}
 	for _, opt := range opts {
 		opt(&o)

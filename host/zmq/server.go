@@ -125,6 +125,7 @@ func (s *server) handle(nc net.Conn) {
 		}
 		return
 	}
+	c.msgTimeout = s.o.messageTimeout
 	if !s.track(c) {
 		c.close()
 		return
