@@ -129,7 +129,9 @@ func TestPushNoPeerFails(t *testing.T) {
 	ep := endpointOf(ln.Addr())
 	ln.Close()
 	push := newPush(t, ep, WithReconnectInterval(5*time.Millisecond, 20*time.Millisecond))
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	// Long enough for a dial to be refused even on a loaded machine (with
+	// 300 ms the only dial sometimes ran out of time instead).
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	start := time.Now()
 	err := push.Send(ctx, []byte("x"))
