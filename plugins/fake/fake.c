@@ -174,13 +174,18 @@ typedef struct peer_md {
 } peer_md;
 
 /* A loaded peer. Reference counted: the agent's peer list holds one, and so
- * does every dlist, remote region and transfer that refers to it. name and
- * removed are fixed / set under the agent's peers_lock; md and gen change
- * under it (write) on reload. */
+ * does every dlist, remote region and transfer that refers to it. name is
+ * fixed; md and gen change under the agent's peers_lock (write) on reload.
+ * remove_remote takes the peer out of the list and sets removed: the
+ * dlists, remote regions and transfers that still refer to it are dead
+ * (their handles stay valid until released, see kvp_remove_remote_args),
+ * and a peer loaded again under the same name is a new record. */
 typedef struct peer {
   struct peer *next; /* peer list, under peers_lock */
   atomic_int refs;
-  atomic_int removed; /* set once by remove_remote; read by post under qlock */
+  atomic_int removed; /* set once by remove_remote, before it cancels the
+                         peer's transfers under qlock; post checks it
+                         under qlock, make_* when they build a transfer */
   uint64_t gen; /* bumped when md is replaced */
   peer_md *md;
   char name[KVP_MAX_NAME_LEN];
@@ -263,6 +268,12 @@ typedef struct xfer {
   int fail, drop_notif; /* drawn at post */
   int polled;           /* polls since the last post; only calls on this xfer touch it */
   int stealable;        /* see FAKE_GRACE_NS; set at post */
+  /* Why the transfer is being cancelled (under qlock): set by
+   * xfer_cancel_locked before it tells the runner to stop, used by
+   * xfer_finish as the message of the KVP_ERR_CANCELED outcome, cleared at
+   * post. Written before the outcome is published, so poll, which reads
+   * err_msg without a lock once it sees X_FAILED, never races with it. */
+  char cancel_msg[KVP_MAX_NAME_LEN + 64];
   uint64_t enq_ns;      /* when it was queued (monotonic ns) */
   route rt;
   struct xfer *qprev, *qnext;
@@ -1095,7 +1106,9 @@ static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
   pthread_mutex_lock(&ag->qlock);
   if (e) {
     x->err_code = kvp_err_code(e);
-    snprintf(x->err_msg, sizeof x->err_msg, "%s", kvp_err_message(e, NULL));
+    const char *msg = kvp_err_message(e, NULL);
+    if (x->err_code == KVP_ERR_CANCELED && x->cancel_msg[0]) msg = x->cancel_msg;
+    snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
     kvp_err_free(e);
     atomic_store_explicit(&x->state, X_FAILED, memory_order_release);
   } else {
@@ -1143,7 +1156,8 @@ static void queue_unlink_locked(agent *ag, xfer *x) {
 /* Cancels a transfer and returns once no thread runs it any more. qlock
  * held. A queued transfer leaves the queue and fails with KVP_ERR_CANCELED
  * and msg; a running one is told to stop and waited for: it then ends
- * cancelled (with msg), or done or failed if it got there first. */
+ * cancelled (with msg, see cancel_msg), or done or failed if it got there
+ * first. Idle and finished transfers are left as they are. */
 static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
   int st = atomic_load(&x->state);
   if (st == X_QUEUED) {
@@ -1152,13 +1166,12 @@ static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
     snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
     atomic_store(&x->state, X_FAILED);
   } else if (st == X_RUNNING) {
+    snprintf(x->cancel_msg, sizeof x->cancel_msg, "%s", msg);
     atomic_store(&x->cancel, 1);
     pthread_cond_broadcast(&ag->cancelcv);
     x->waiters++;
     while (atomic_load(&x->state) == X_RUNNING) pthread_cond_wait(&ag->donecv, &ag->qlock);
     x->waiters--;
-    if (atomic_load(&x->state) == X_FAILED && x->err_code == KVP_ERR_CANCELED)
-      snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
   }
 }
 
@@ -1710,17 +1723,12 @@ out:
   return e;
 }
 
-static int refers_to_peer(const own_link *l, const void *ctx, size_t peer_off) {
-  return *(peer *const *)((const char *)l + peer_off) == (const peer *)ctx;
-}
-static int dlist_of_peer(const own_link *l, const void *ctx) {
-  return refers_to_peer(l, ctx, offsetof(dlist, peer));
-}
-static int rregion_of_peer(const own_link *l, const void *ctx) {
-  return refers_to_peer(l, ctx, offsetof(rregion, peer));
-}
 static int xfer_of_peer(const own_link *l, const void *ctx) {
-  return refers_to_peer(l, ctx, offsetof(xfer, peer));
+  return ((const xfer *)l)->peer == (const peer *)ctx;
+}
+
+static kvp_error *peer_removed(const peer *p, const char *fn) {
+  return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" was removed", fn, (int)p->name_len, p->name);
 }
 
 static kvp_error *fake_remove_remote(kvp_remove_remote_args *a) {
@@ -1744,9 +1752,10 @@ static kvp_error *fake_remove_remote(kvp_remove_remote_args *a) {
     agent_put(ag);
     return e;
   }
-  /* Cancel its transfers (the handles stay valid: poll says CANCELED, post
-   * says NOT_FOUND, the caller releases them); release its dlists and
-   * remote regions. */
+  /* Cancel its transfers. Every handle that refers to the peer (transfers,
+   * remote dlists, remote regions) stays valid until the caller releases
+   * it, but is dead: poll of a cancelled transfer says CANCELED, and post,
+   * make_prepped_xfer and make_batch_xfer say NOT_FOUND (p->removed). */
   uint64_t *hs;
   size_t n = collect_handles(ag, &ag->xfers, xfer_of_peer, p, &hs);
   char msg[KVP_MAX_NAME_LEN + 64];
@@ -1760,19 +1769,7 @@ static kvp_error *fake_remove_remote(kvp_remove_remote_args *a) {
     kvp_ht_put(g_xfers, hs[i]);
   }
   free(hs);
-  n = collect_handles(ag, &ag->dlists, dlist_of_peer, p, &hs);
-  for (size_t i = 0; i < n; i++) {
-    dlist *d = (dlist *)kvp_ht_remove(g_dlists, hs[i]);
-    if (d) dlist_destroy(ag, d);
-  }
-  free(hs);
-  n = collect_handles(ag, &ag->rregions, rregion_of_peer, p, &hs);
-  for (size_t i = 0; i < n; i++) {
-    rregion *r = (rregion *)kvp_ht_remove(g_rregions, hs[i]);
-    if (r) rregion_destroy(ag, r);
-  }
-  free(hs);
-  peer_unref(p); /* the list's reference */
+  peer_unref(p); /* the list's reference; dead handles keep theirs */
   agent_put(ag);
   return NULL;
 }
@@ -2091,6 +2088,10 @@ static kvp_error *fake_make_prepped_xfer(kvp_make_prepped_xfer_args *a) {
     e = kvp_err(KVP_ERR_INVALID_PARAM, "%s: local_dlist must be a local dlist and remote_dlist a remote one", fn);
     goto out;
   }
+  if (atomic_load(&rd->peer->removed)) {
+    e = peer_removed(rd->peer, fn);
+    goto out;
+  }
   if ((e = xfer_alloc(ag, a->op, n, &a->notif, &x))) goto out;
   for (size_t i = 0; i < n; i++) {
     int32_t li = a->local_indices[i], ri = a->remote_indices[i];
@@ -2186,6 +2187,10 @@ static kvp_error *fake_make_batch_xfer(kvp_make_batch_xfer_args *a) {
     }
   }
   if (e) goto out;
+  if (np && atomic_load(&rr[0]->peer->removed)) {
+    e = peer_removed(rr[0]->peer, fn);
+    goto out;
+  }
   if ((e = xfer_alloc(ag, a->op, ne, &a->notif, &x))) goto out;
   for (size_t i = 0; i < ne; i++) {
     const kvp_batch_entry *en = &a->entries[i];
@@ -2269,7 +2274,7 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
     peer *p = x->peer;
     const peer_md *md = p->md;
     if (atomic_load(&p->removed)) {
-      e = kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" was removed", fn, (int)p->name_len, p->name);
+      e = peer_removed(p, fn);
     } else if (md->agent_id != x->agent_id) {
       e = kvp_err(KVP_ERR_REMOTE_DISCONNECT,
                   "%s: peer \"%.*s\" was reloaded as another agent (restarted?); rebuild the "
@@ -2347,10 +2352,10 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
     /* remove_remote ran since xfer_prepare; it cancels under qlock, so
      * checking here closes the race. */
     pthread_mutex_unlock(&ag->qlock);
-    e = kvp_err(KVP_ERR_NOT_FOUND, "%s: peer \"%.*s\" was removed", fn, (int)x->peer->name_len,
-                x->peer->name);
+    e = peer_removed(x->peer, fn);
     goto out;
   }
+  x->cancel_msg[0] = 0;
   x->fail = ag->fail_rate > 0 && rng_next(ag) < ag->fail_rate;
   x->drop_notif = x->has_notif && ag->drop_notif_rate > 0 && rng_next(ag) < ag->drop_notif_rate;
   x->post_us = (now_ns() - t0) / 1000u;
