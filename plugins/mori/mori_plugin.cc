@@ -37,11 +37,13 @@
  * cancel call; a posted batch ends only when its work completions arrive
  * (success, or an error such as a retry timeout when the peer is gone), and
  * until then MORI's completion thread writes to the TransferStatus objects
- * the shim owns. So release_xfer and remove_remote drain: they wait for
- * posted work, at most release_timeout_ms, and fail (handle kept, retry
- * later) if it is still running. Only agent_destroy really stops work: it
- * destroys the IOEngine, which joins MORI's threads and tears down its queue
- * pairs and memory registrations, after which the NIC touches nothing.
+ * the shim owns. So release_xfer drains: it waits for posted work, at most
+ * release_timeout_ms, and fails (handle kept, retry later) if it is still
+ * running. remove_remote cancels logically: the peer's transfers report
+ * KVP_ERR_CANCELED at once while their posted work runs out in MORI. Only
+ * agent_destroy really stops work: it destroys the IOEngine, which joins
+ * MORI's threads and tears down its queue pairs and memory registrations,
+ * after which the NIC touches nothing.
  *
  * Threading: IOEngine::RegisterMemory/DeregisterMemory/RegisterRemoteEngine
  * mutate unsynchronised maps inside MORI, and DeregisterMemory frees cached
@@ -128,8 +130,8 @@ const char kParamsDoc[] =
     "num_worker_threads=4\tMORI posting threads (env MORI_IO_NUM_WORKER_THREADS wins)\n"
     "poll_cq_mode=polling\tcompletion queue mode, polling or event "
     "(env MORI_IO_POLL_CQ_MODE wins)\n"
-    "release_timeout_ms=30000\thow long release_xfer and remove_remote wait for posted work "
-    "to finish (MORI-IO cannot cancel it); -1 waits without limit\n";
+    "release_timeout_ms=30000\thow long release_xfer waits for the posted work of a transfer "
+    "to finish (MORI-IO cannot cancel it) before it refuses; -1 waits without limit\n";
 
 const char *const kParamNames[] = {"host",         "port",          "qp_per_transfer",
                                    "post_batch_size", "num_worker_threads", "poll_cq_mode",
@@ -168,19 +170,24 @@ struct Region {
   bool dying = false;  // deregister_mem has claimed it
 };
 
-// A region of a peer, imported from its MemoryDesc blob. Immutable.
+// A region of a peer, imported from its MemoryDesc blob. Immutable. It is
+// live while its peer is loaded under the same epoch; after remove_remote it
+// stays a valid handle that the caller releases, but it is dead.
 struct RemoteRegion {
   kvp_agent owner = 0;
   std::string peer;
+  uint64_t epoch = 0;  // Peer::epoch at import
   mio::MemoryDesc desc;
 };
 
 // A loaded peer. name == desc.key; its bytes are what load_remote returns,
-// so a Peer never moves (held by unique_ptr) until remove_remote.
+// so a Peer never moves (held by unique_ptr) until remove_remote. epoch
+// tells this loading of the peer from an earlier one that was removed:
+// remote regions and transfers made under another epoch are dead.
 struct Peer {
   std::string name;
+  uint64_t epoch = 0;
   mio::EngineDesc desc;
-  bool removing = false;  // remove_remote is draining it (guarded by Agent::mu)
 };
 
 // One element of an agent's registration table, sorted by addr. Starts with
@@ -200,6 +207,7 @@ struct Xfer {
   kvp_agent owner = 0;
   kvp_op op = KVP_OP_WRITE;
   std::string peer;
+  uint64_t peer_epoch = 0;  // Peer::epoch of its remote regions
   std::vector<kvp_region> regions;  // distinct local regions, each counted in Region::users
 
   // MORI's batch: element i is one (local, remote) region pair.
@@ -214,7 +222,6 @@ struct Xfer {
 
   std::mutex mu;
   enum class State { kIdle, kActive, kDone, kFailed } state = State::kIdle;
-  bool detached = false;  // its peer was removed: it can no longer be posted
   // The current post's statuses, one per MORI element. MORI's completion
   // thread writes to them until they leave IN_PROGRESS.
   std::vector<std::unique_ptr<mio::TransferStatus>> statuses;
@@ -258,17 +265,30 @@ struct Agent {
   // before mu when both are needed.
   std::shared_mutex engine_mu;
 
-  // Guards everything below and Region::users/dying, Peer::removing.
+  // Guards everything below and Region::users/dying.
   std::mutex mu;
   std::map<std::string, std::unique_ptr<Peer>> peers;
+  uint64_t next_epoch = 1;
   std::vector<RangeEntry> ranges;  // registered memory, sorted, non-overlapping
   std::unordered_set<kvp_region> regions;
   std::unordered_set<kvp_rregion> rregions;
   std::unordered_set<kvp_xfer> xfers;
-  // Statuses MORI may still write to (see Xfer::failed_in_post); freed after
-  // the engine is destroyed.
+  // TransferStatus objects are never freed while the engine lives: MORI's
+  // TransferStatus::Update stores the final code, unlocks, and only then
+  // calls notify_all, so a status whose completion was just seen may still be
+  // touched by MORI's completion thread. Finished statuses are reset and
+  // reused from status_pool; those that failed inside the post call (see
+  // Xfer::failed_in_post) are never reused. Both are freed after the engine
+  // is destroyed (agent_destroy), when MORI's threads are joined.
+  std::vector<std::unique_ptr<mio::TransferStatus>> status_pool;
   std::vector<std::unique_ptr<mio::TransferStatus>> quarantine;
 };
+
+// 1 if peer `name` is loaded under `epoch`. Caller holds a.mu.
+bool PeerLive(const Agent &a, const std::string &name, uint64_t epoch) {
+  auto it = a.peers.find(name);
+  return it != a.peers.end() && it->second->epoch == epoch;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Handle tables                                                            */
@@ -464,20 +484,44 @@ kvp_error *RecordFailure(Xfer &x) {
   return kvp_err(x.err_code, "%s", x.err_msg.c_str());
 }
 
-// Hands the statuses of the previous post back: those MORI may still write
-// to go to the agent's quarantine, the rest are freed. Caller holds x.mu and
-// has checked that nothing is in flight.
+// Hands the statuses of the previous post back to the agent (see
+// Agent::status_pool). Caller holds x.mu and has checked that nothing is in
+// flight.
 void RetireStatuses(Agent &a, Xfer &x) {
-  std::vector<std::unique_ptr<mio::TransferStatus>> keep;
-  for (size_t i = 0; i < x.statuses.size(); i++)
-    if (i < x.failed_in_post.size() && x.failed_in_post[i]) keep.push_back(std::move(x.statuses[i]));
+  if (!x.statuses.empty()) {
+    std::lock_guard<std::mutex> g(a.mu);
+    a.status_pool.reserve(a.status_pool.size() + x.statuses.size());
+    a.quarantine.reserve(a.quarantine.size() + x.statuses.size());
+    for (size_t i = 0; i < x.statuses.size(); i++) {
+      bool suspect = i < x.failed_in_post.size() && x.failed_in_post[i];
+      (suspect ? a.quarantine : a.status_pool).push_back(std::move(x.statuses[i]));
+    }
+  }
   x.statuses.clear();
   x.status_ptrs.clear();
   x.failed_in_post.clear();
   x.uids.clear();
-  if (!keep.empty()) {
-    std::lock_guard<std::mutex> g(a.mu);
-    for (auto &s : keep) a.quarantine.push_back(std::move(s));
+}
+
+// Fills x.statuses with n statuses in state INIT, reusing pooled ones.
+void TakeStatuses(Agent &a, Xfer &x, size_t n) {
+  x.statuses.reserve(n);
+  x.status_ptrs.reserve(n);
+  std::lock_guard<std::mutex> g(a.mu);
+  for (size_t i = 0; i < n; i++) {
+    std::unique_ptr<mio::TransferStatus> s;
+    if (!a.status_pool.empty()) {
+      s = std::move(a.status_pool.back());
+      a.status_pool.pop_back();
+      s->SetWaitCallback(nullptr);  // XGMI sets these per transfer
+      s->SetProgressCallback(nullptr);
+      s->SetMessage("");
+      s->SetCode(mio::StatusCode::INIT);
+    } else {
+      s = std::make_unique<mio::TransferStatus>();
+    }
+    x.status_ptrs.push_back(s.get());
+    x.statuses.push_back(std::move(s));
   }
 }
 
@@ -647,8 +691,9 @@ kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
       failure = e.what();
     }
     a->engine.reset();
-    // Now the statuses (in xfers and quarantine) can go.
+    // Now the statuses (in xfers, the pool and quarantine) can go.
     xfers.clear();
+    a->status_pool.clear();
     a->quarantine.clear();
     if (!failure.empty())
       return kvp_err(KVP_ERR_BACKEND,
@@ -873,13 +918,11 @@ kvp_error *LoadRemote(kvp_load_remote_args *args) {
     std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
     std::lock_guard<std::mutex> g(a->mu);
     auto it = a->peers.find(desc.key);
-    if (it != a->peers.end() && it->second->removing)
-      return kvp_err(KVP_ERR_NOT_ALLOWED, "load_remote: peer %s is being removed",
-                     desc.key.c_str());
     Peer *p;
     if (it == a->peers.end()) {
       auto np = std::make_unique<Peer>();
       np->name = desc.key;
+      np->epoch = a->next_epoch++;
       np->desc = desc;
       a->engine->RegisterRemoteEngine(desc);
       p = np.get();
@@ -901,83 +944,31 @@ kvp_error *LoadRemote(kvp_load_remote_args *args) {
   });
 }
 
+// MORI-IO cannot cancel posted work, so "cancel" is logical: the peer's
+// transfers and remote regions die at once (poll of an active transfer says
+// KVP_ERR_CANCELED, posts and new transfers say KVP_ERR_NOT_FOUND) while any
+// posted work runs to its end in MORI; release_xfer waits for that before it
+// frees the transfer. DeregisterRemoteEngine only drops MORI's address-book
+// entry (MORI v1.2.2 keeps the queue pairs it built), so in-flight work
+// still completes or fails normally.
 kvp_error *RemoveRemote(kvp_remove_remote_args *args) {
   return Guard("remove_remote", [&]() -> kvp_error * {
     const char *fn = "remove_remote";
     if (kvp_error *e = kvp_check_args(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE, fn)) return e;
     if (!args->peer_name || args->peer_name_len == 0)
       return kvp_err(KVP_ERR_INVALID_PARAM, "remove_remote: empty peer name");
-    const Tables &t = GetTables();
-    Ref<Agent> a(t.agents, args->agent);
-    if (!a) return BadAgent("remove_remote", args->agent);
+    Ref<Agent> a(GetTables().agents, args->agent);
+    if (!a) return BadAgent(fn, args->agent);
     std::string name(args->peer_name, args->peer_name_len);
-
-    // 1. Claim the peer: no new transfers or imports for it from now on.
-    std::vector<Ref<Xfer>> xfers;
-    {
-      std::lock_guard<std::mutex> g(a->mu);
-      auto it = a->peers.find(name);
-      if (it == a->peers.end() || it->second->removing)
-        return kvp_err(KVP_ERR_NOT_FOUND, "remove_remote: no loaded peer %s", name.c_str());
-      it->second->removing = true;
-      for (kvp_xfer h : a->xfers) {
-        Ref<Xfer> x(t.xfers, h);
-        if (x && x->peer == name) xfers.push_back(std::move(x));
-      }
-    }
-    auto unclaim = [&]() {
-      std::lock_guard<std::mutex> g(a->mu);
-      auto it = a->peers.find(name);
-      if (it != a->peers.end()) it->second->removing = false;
-    };
-
-    // 2. Drain: MORI cannot cancel posted work, so wait for it, all
-    //    transfers sharing one deadline.
-    auto deadline = Clock::now() + std::chrono::milliseconds(std::max(a->release_timeout_ms, 0));
-    for (size_t i = 0; i < xfers.size(); i++) {
-      std::lock_guard<std::mutex> g(xfers[i]->mu);
-      int left = -1;
-      if (a->release_timeout_ms >= 0)
-        left = static_cast<int>(std::max<int64_t>(
-            0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())
-                   .count()));
-      if (!Drain(*a->engine, *xfers[i], left)) {
-        for (size_t j = 0; j < i; j++) {
-          std::lock_guard<std::mutex> gj(xfers[j]->mu);
-          xfers[j]->detached = false;
-        }
-        unclaim();
-        return kvp_err(KVP_ERR_BACKEND,
-                       "remove_remote: transfers to %s still in flight after %d ms; MORI-IO "
-                       "cannot cancel posted work; nothing was removed, try again",
-                       name.c_str(), a->release_timeout_ms);
-      }
-      xfers[i]->detached = true;
-    }
-    xfers.clear();
-
-    // 3. Forget it in MORI and here.
-    std::vector<kvp_rregion> gone;
-    std::unique_ptr<Peer> peer;
-    {
-      std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
-      std::lock_guard<std::mutex> g(a->mu);
-      auto it = a->peers.find(name);
-      try {
-        a->engine->DeregisterRemoteEngine(it->second->desc);
-      } catch (...) {
-        it->second->removing = false;
-        throw;
-      }
-      peer = std::move(it->second);
-      a->peers.erase(it);
-      for (kvp_rregion h : a->rregions) {
-        Ref<RemoteRegion> rr(t.rregions, h);
-        if (rr && rr->peer == name) gone.push_back(h);
-      }
-      for (kvp_rregion h : gone) a->rregions.erase(h);
-    }
-    for (kvp_rregion h : gone) delete static_cast<RemoteRegion *>(kvp_ht_remove(t.rregions, h));
+    // Exclusive: no post is inside BatchWrite/BatchRead while the peer goes,
+    // and posts check the epoch under the shared lock.
+    std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
+    std::lock_guard<std::mutex> g(a->mu);
+    auto it = a->peers.find(name);
+    if (it == a->peers.end())
+      return kvp_err(KVP_ERR_NOT_FOUND, "remove_remote: no loaded peer %s", name.c_str());
+    a->engine->DeregisterRemoteEngine(it->second->desc);  // throws: nothing changed
+    a->peers.erase(it);
     return nullptr;
   });
 }
@@ -1018,8 +1009,9 @@ kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
     rr->peer = name;
     std::lock_guard<std::mutex> g(a->mu);
     auto it = a->peers.find(name);
-    if (it == a->peers.end() || it->second->removing)
+    if (it == a->peers.end())
       return kvp_err(KVP_ERR_NOT_FOUND, "remote_region_import: no loaded peer %s", name.c_str());
+    rr->epoch = it->second->epoch;
     a->rregions.reserve(a->rregions.size() + 1);
     kvp_rregion h = 0;
     if (kvp_error *e = kvp_ht_insert(t.rregions, rr.get(), &h)) return e;
@@ -1109,6 +1101,7 @@ kvp_error *MakeBatchXfer(kvp_make_batch_xfer_args *args) {
       }
       if (i == 0) {
         x->peer = rr->peer;
+        x->peer_epoch = rr->epoch;
       } else if (rr->peer != x->peer) {
         return kvp_err(KVP_ERR_MISMATCH,
                        "%s: pair %zu: remote region of peer %s, pair 0 is of peer %s", fn, i,
@@ -1190,9 +1183,11 @@ kvp_error *MakeBatchXfer(kvp_make_batch_xfer_args *args) {
 
     // Publish: the peer must still be loaded and no region being deregistered.
     std::lock_guard<std::mutex> g(a->mu);
-    auto pit = a->peers.find(x->peer);
-    if (args->num_pairs > 0 && (pit == a->peers.end() || pit->second->removing))
-      return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer %s is no longer loaded", fn, x->peer.c_str());
+    for (size_t p = 0; p < args->num_pairs; p++)
+      if (!PeerLive(*a, remotes[p]->peer, remotes[p]->epoch))
+        return kvp_err(KVP_ERR_NOT_FOUND,
+                       "%s: pair %zu: remote region of peer %s, which was removed", fn, p,
+                       remotes[p]->peer.c_str());
     for (auto &u : used)
       if (u.second->dying)
         return kvp_err(KVP_ERR_INVALID_PARAM, "%s: region 0x%llx is being deregistered", fn,
@@ -1219,8 +1214,11 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
     if (!xr || xr->owner != a->handle) return BadHandle("post_xfer", "transfer", args->xfer);
     Xfer &x = *xr;
     std::lock_guard<std::mutex> g(x.mu);
-    if (x.detached)
-      return kvp_err(KVP_ERR_NOT_FOUND, "post_xfer: peer %s was removed", x.peer.c_str());
+    {
+      std::lock_guard<std::mutex> ga(a->mu);
+      if (!PeerLive(*a, x.peer, x.peer_epoch) && !x.locals.empty())
+        return kvp_err(KVP_ERR_NOT_FOUND, "post_xfer: peer %s was removed", x.peer.c_str());
+    }
     if (InFlight(x))
       return kvp_err(KVP_ERR_REPOST_ACTIVE, "post_xfer: the transfer is still in progress");
     RetireStatuses(*a, x);
@@ -1235,23 +1233,23 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
       args->status = KVP_SUCCESS;
       return nullptr;
     }
+    std::shared_lock<std::shared_mutex> engine_lock(a->engine_mu);
+    {
+      std::lock_guard<std::mutex> ga(a->mu);
+      if (!PeerLive(*a, x.peer, x.peer_epoch))
+        return kvp_err(KVP_ERR_NOT_FOUND, "post_xfer: peer %s was removed", x.peer.c_str());
+    }
 
     size_t n = x.locals.size();
-    x.statuses.reserve(n);
-    x.status_ptrs.reserve(n);
+    TakeStatuses(*a, x, n);
     x.uids.reserve(n);
-    for (size_t i = 0; i < n; i++) {
-      x.statuses.push_back(std::make_unique<mio::TransferStatus>());
-      x.status_ptrs.push_back(x.statuses.back().get());
-      x.uids.push_back(a->engine->AllocateTransferUniqueId());
-    }
+    for (size_t i = 0; i < n; i++) x.uids.push_back(a->engine->AllocateTransferUniqueId());
     x.failed_in_post.assign(n, false);
     x.state = Xfer::State::kActive;
 
     std::string thrown;
     kvp_status thrown_code = KVP_ERR_BACKEND;
     {
-      std::shared_lock<std::shared_mutex> engine_lock(a->engine_mu);
       try {
         if (x.op == KVP_OP_WRITE)
           a->engine->BatchWrite(x.locals, x.local_offsets, x.remotes, x.remote_offsets, x.sizes,
@@ -1271,6 +1269,7 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
         thrown = "unknown C++ exception";
       }
     }
+    engine_lock.unlock();
     Clock::time_point posted = Clock::now();
     x.post_us = MicrosBetween(x.posted_at, posted);
     for (size_t i = 0; i < n; i++) x.failed_in_post[i] = x.statuses[i]->Failed();
@@ -1319,6 +1318,21 @@ kvp_error *PollXfer(kvp_poll_xfer_args *args) {
       case Xfer::State::kActive:
         break;
     }
+    {
+      std::lock_guard<std::mutex> ga(a->mu);
+      if (!PeerLive(*a, x.peer, x.peer_epoch)) {
+        // remove_remote cancelled it. Posted work may still run in MORI;
+        // release_xfer waits for it.
+        x.state = Xfer::State::kFailed;
+        x.err_code = KVP_ERR_CANCELED;
+        x.err_msg = "poll_xfer: cancelled: peer " + x.peer + " was removed";
+        return kvp_err(x.err_code, "%s", x.err_msg.c_str());
+      }
+    }
+    // MORI's RDMA backend completes transfers on its own completion thread:
+    // this poll does no transfer work here. (The XGMI backend, which MORI
+    // adds only with MORI_DISABLE_AUTO_XGMI=0, runs a non-blocking event
+    // query per status.)
     mio::StatusCode c = a->engine->WaitAll(x.status_ptrs, 0);
     if (c == mio::StatusCode::IN_PROGRESS) {
       args->status = KVP_IN_PROG;

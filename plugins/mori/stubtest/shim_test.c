@@ -524,19 +524,37 @@ int main(void) {
     CHECK(release(C, x) == KVP_ERR_BACKEND, "release while in flight refused");
     CHECK(wait_done(C, x, NULL) == 0, "handle still valid, completes");
     CHECK(release(C, x) == 0, "release after completion");
-    /* remove_remote refuses while a transfer to the peer runs */
+    /* remove_remote cancels at once; handles stay valid but dead */
+    kvp_xfer done_x;
+    CHECK(make(C, KVP_OP_WRITE, cp, 1, ce, 1, &done_x) == 0, "make C-done");
+    setenv("MORI_STUB_DELAY_MS", "1", 1);
+    CHECK(post(C, done_x, NULL) == 0 && wait_done(C, done_x, NULL) == 0, "C-done completes");
+    setenv("MORI_STUB_DELAY_MS", "200", 1);
     CHECK(make(C, KVP_OP_WRITE, cp, 1, ce, 1, &x) == 0, "make C2");
     CHECK(post(C, x, NULL) == 0, "post C2");
     kvp_remove_remote_args rm = {KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE, NULL, C, "decode-b", 8};
-    CHECK(take(api->remove_remote(&rm), NULL, 0) == KVP_ERR_BACKEND, "remove while in flight");
-    CHECK(wait_done(C, x, NULL) == 0, "C2 completes");
-    CHECK(take(api->remove_remote(&rm), NULL, 0) == 0, "remove after drain");
+    CHECK(take(api->remove_remote(&rm), NULL, 0) == 0, "remove while in flight");
+    CHECK(poll1(C, x, &st, NULL, 0) == KVP_ERR_CANCELED, "poll of cancelled transfer");
+    CHECK(poll1(C, x, &st, NULL, 0) == KVP_ERR_CANCELED, "stays cancelled");
+    CHECK(poll1(C, done_x, &st, NULL, 0) == 0 && st == KVP_SUCCESS, "completed one keeps success");
+    CHECK(post(C, x, NULL) == KVP_ERR_NOT_FOUND, "no post to a removed peer, even in flight");
+    CHECK(release(C, x) == KVP_ERR_BACKEND, "release waits for posted work (timeout 0)");
+    usleep(400 * 1000);
     CHECK(post(C, x, NULL) == KVP_ERR_NOT_FOUND, "post to removed peer");
-    CHECK(release(C, x) == 0, "release detached");
-    /* agent_destroy with a transfer in flight: waits, frees, no crash */
+    CHECK(release(C, x) == 0, "release cancelled after its work ended");
+    CHECK(release(C, done_x) == 0, "release completed");
+    kvp_xfer dead;
+    CHECK(make(C, KVP_OP_WRITE, cp, 1, ce, 1, &dead) == KVP_ERR_NOT_FOUND, "make with dead rregion");
+    CHECK(take(api->remove_remote(&rm), NULL, 0) == KVP_ERR_NOT_FOUND, "remove twice");
+    /* reload: old remote region stays dead, a new import works */
     CHECK(exchange(B, C, peer_b, sizeof peer_b) == 0, "C reloads B");
+    CHECK(make(C, KVP_OP_WRITE, cp, 1, ce, 1, &dead) == KVP_ERR_NOT_FOUND, "old rregion stays dead");
+    kvp_remote_region_release_args rrel = {KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE, NULL, C,
+                                           ic.rregion};
+    CHECK(take(api->remote_region_release(&rrel), NULL, 0) == 0, "dead rregion is released by caller");
     CHECK(import(B, rb1, C, "decode-b", &ic) == 0, "C re-imports");
     cp[0].remote = ic.rregion;
+    /* agent_destroy with a transfer in flight: waits, frees, no crash */
     CHECK(make(C, KVP_OP_WRITE, cp, 1, ce, 1, &x) == 0, "make C3");
     CHECK(post(C, x, NULL) == 0, "post C3");
     CHECK(destroy_agent(C) == 0, "destroy C with a transfer in flight");
@@ -564,7 +582,7 @@ int main(void) {
     CHECK(memcmp(b1, a1, T * S) == 0, "concurrent bytes");
   }
 
-  /* ---- remove_remote releases the peer's remote regions ---- */
+  /* ---- remove_remote: remote regions become dead handles ---- */
   CHECK(release(A, xw) == 0, "release write");
   CHECK(release(A, xw) == KVP_ERR_INVALID_PARAM, "double release");
   CHECK(dereg(A, ra1) == 0, "dereg after release");
@@ -573,10 +591,13 @@ int main(void) {
     kvp_remove_remote_args rm = {KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE, NULL, A, "decode-b", 8};
     CHECK(take(api->remove_remote(&rm), NULL, 0) == 0, "remove B from A");
     CHECK(take(api->remove_remote(&rm), NULL, 0) == KVP_ERR_NOT_FOUND, "remove twice");
+    kvp_xfer x2;
+    kvp_batch_entry e = {0, 0, 0, 0, 8, 0, 0, 1};
+    CHECK(make(A, KVP_OP_WRITE, pairs + 1, 1, &e, 1, &x2) == KVP_ERR_NOT_FOUND, "dead rregion");
     kvp_remote_region_release_args rr = {KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE, NULL, A,
                                          ib1.rregion};
-    CHECK(take(api->remote_region_release(&rr), NULL, 0) == KVP_ERR_INVALID_PARAM,
-          "rregion released by remove_remote");
+    CHECK(take(api->remote_region_release(&rr), NULL, 0) == 0, "caller releases dead rregion");
+    CHECK(take(api->remote_region_release(&rr), NULL, 0) == KVP_ERR_INVALID_PARAM, "only once");
     kvp_remote_region_import_args x;
     CHECK(import(B, rb1, A, "decode-b", &x) == KVP_ERR_NOT_FOUND, "import from unloaded peer");
   }
