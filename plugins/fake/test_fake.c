@@ -982,13 +982,20 @@ static void test_batch_same_process(void) {
   OK(xfer_del(E.a, x));
   EXPECT(xfer_batch(E.a, KVP_OP_WRITE, NULL, 0, NULL, 0, NOTIF("x"), &x), KVP_ERR_INVALID_PARAM, "need a peer");
 
-  /* remove_remote releases the peer's remote regions and cancels its xfers. */
+  /* remove_remote cancels the peer's xfers; its remote regions and xfers
+   * stay valid handles that the caller releases, but they are dead. */
   kvp_region_pair cp[1] = {{E.ar, rr_c}};
   OK(xfer_batch(E.a, KVP_OP_WRITE, cp, 1, &ok1, 1, NOTIF(NULL), &x));
   OK(remove_peer(E.a, "C"));
   EXPECT(remove_peer(E.a, "C"), KVP_ERR_NOT_FOUND, "peer \"C\" is not loaded");
-  EXPECT(rr_del(E.a, rr_c), KVP_ERR_INVALID_PARAM, NULL);
   EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "was removed");
+  uint64_t dead;
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, cp, 1, &ok1, 1, NOTIF(NULL), &dead), KVP_ERR_NOT_FOUND, "was removed");
+  /* Loaded again, the peer is a new one: the old region stays dead. */
+  load_peer(E.a, c);
+  EXPECT(xfer_batch(E.a, KVP_OP_WRITE, cp, 1, &ok1, 1, NOTIF(NULL), &dead), KVP_ERR_NOT_FOUND, "was removed");
+  OK(rr_del(E.a, rr_c));
+  EXPECT(rr_del(E.a, rr_c), KVP_ERR_INVALID_PARAM, NULL);
   OK(xfer_del(E.a, x));
   OK(agent_del(c));
   free(cbuf);
@@ -1196,8 +1203,12 @@ static void test_cancel_running(void) {
       kvp_error *e = wait_xfer(E.a, x, NULL);
       /* Either it finished before remove_remote got to it, or it was cancelled. */
       if (e) EXPECT(e, KVP_ERR_CANCELED, "peer \"B\" was removed");
-      EXPECT(dlist_del(E.a, rdl), KVP_ERR_INVALID_PARAM, NULL); /* released with the peer */
       EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "removed");
+      /* The peer's dlist is dead but still a handle the caller releases. */
+      uint64_t dead;
+      EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &dead), KVP_ERR_NOT_FOUND, "was removed");
+      OK(dlist_del(E.a, rdl));
+      EXPECT(dlist_del(E.a, rdl), KVP_ERR_INVALID_PARAM, NULL);
       OK(xfer_del(E.a, x));
     }
     /* mode 2: agent_destroy with the transfer running (env_close). */
