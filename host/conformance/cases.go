@@ -36,7 +36,7 @@ var cases = []Case{
 	{"poll-progress", "post_xfer/poll_xfer: NOT_POSTED, IN_PROG before done, REPOST_ACTIVE, cancel by release", casePollProgress},
 	{"telemetry", "xfer_telemetry: bytes, descriptor count, times; NO_TELEMETRY before completion", caseTelemetry},
 	{"concurrency", "8 goroutines posting at once on one agent, 20 rounds, bytes verified", caseConcurrency},
-	{"remove-remote-cancels", "remove_remote cancels a transfer in flight", caseRemoveRemoteCancels},
+	{"remove-remote", "remove_remote cancels a transfer in flight (CANCELED); the peer's transfers, lists and regions stay handles to release, dead (NOT_FOUND)", caseRemoveRemote},
 	{"fault-injection", "a failing transfer reports the plugin's error on every poll", caseFaultInjection},
 	{"bad-handles", "released, foreign and zero handles are errors, not crashes", caseBadHandles},
 	{"agent-close", "agent_destroy releases everything; the host closes every child handle", caseAgentClose},

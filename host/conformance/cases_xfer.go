@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -352,24 +353,110 @@ func caseConcurrency(t TB, s *Suite) {
 	}
 }
 
-func caseRemoveRemoteCancels(t TB, s *Suite) {
-	if !s.p.Info().HasParam("delay_us") {
-		t.Skipf("plugin has no delay_us parameter: a transfer cannot be kept in flight")
+func caseRemoveRemote(t TB, s *Suite) {
+	// A transfer kept in flight by a delay that cancellation cuts short.
+	delayed := s.p.Info().HasParam("delay_us")
+	var extra []plugin.Param
+	if delayed {
+		extra = append(extra, plugin.Param{Key: "delay_us", Value: "5000000"})
+	} else {
+		t.Logf("plugin has no delay_us parameter: cancellation of a transfer in flight is not checked")
 	}
-	f := s.newFixture(t, plugin.Param{Key: "delay_us", Value: "200000"})
-	x := f.makeBatch(abi.Write, f.genRuns(4, abi.Write, false), nil)
-	if done, err := x.Post(); err != nil || done {
-		t.Fatalf("post_xfer of a delayed transfer: done %v, %v", done, err)
+	f := s.newFixture(t, extra...)
+	a, raw := f.local.a, s.p.Raw()
+	// Two transfers, so that one may wait behind the other: both kinds of
+	// active transfer are cancelled. They are posted newest first, so that
+	// a plugin that runs one at a time and cancels in creation order (the
+	// fake) meets the waiting one first.
+	runs := f.genRuns(8, abi.Write, false)
+	xs := []*plugin.Xfer{f.makeBatch(abi.Write, runs[:4], nil), f.makePrepped(abi.Write, runs[4:], nil)}
+
+	// Handles made straight with the plugin, outside the host's
+	// bookkeeping, show what remove_remote does to them.
+	ri := f.rinfo[0]
+	var rawRR abi.RRegion
+	var rawLocal, rawRemote abi.DList
+	var err error
+	switch caps := a.Caps(); {
+	case caps.Has(abi.CapRemoteAddr):
+		rawRR, err = raw.RemoteRegionImport(a.Handle(), f.peerName, nil, abi.MemDesc{Addr: ri.Addr, Len: ri.Len, DevID: ri.DevID, MemKind: ri.Kind})
+	case caps.Has(abi.CapRemoteBlob) && ri.Blob != nil:
+		rawRR, err = raw.RemoteRegionImport(a.Handle(), f.peerName, ri.Blob, abi.MemDesc{})
 	}
-	if err := f.local.a.RemoveRemote(f.peerName); err != nil {
+	if err != nil {
+		t.Fatalf("remote_region_import (raw): %v", err)
+	}
+	if a.Caps().Has(abi.CapPrepped) {
+		loc := f.local.regions[0]
+		if rawLocal, err = raw.PrepDList(a.Handle(), "", abi.DRAM, []abi.XferDesc{{Addr: loc.Addr(), Len: 64, Count: 1}}); err != nil {
+			t.Fatalf("prep_dlist (raw, local): %v", err)
+		}
+		t.Cleanup(func() {
+			closeQuietly(t, "raw local list", func() error { return raw.ReleaseDList(a.Handle(), rawLocal) })
+		})
+		if rawRemote, err = raw.PrepDList(a.Handle(), f.peerName, abi.DRAM, []abi.XferDesc{{Addr: ri.Addr, Len: 64, Count: 1, DevID: ri.DevID}}); err != nil {
+			t.Fatalf("prep_dlist (raw, remote): %v", err)
+		}
+	}
+	if delayed {
+		for _, x := range slices.Backward(xs) {
+			if done, err := x.Post(); err != nil || done {
+				t.Fatalf("post_xfer of a delayed transfer: done %v, %v", done, err)
+			}
+		}
+	}
+
+	if err := a.RemoveRemote(f.peerName); err != nil {
 		t.Fatalf("remove_remote: %v", err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Timeout)
-	defer cancel()
-	err := x.Wait(ctx)
-	expectAnyPluginError(t, "a transfer to a removed peer", err)
-	t.Logf("a transfer to a removed peer ends with: %v", err)
-	f.verify("after removing the peer of a delayed transfer")
+	f.rregions = nil // the host released and closed them with the peer
+	for i, x := range xs {
+		if delayed {
+			ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Timeout)
+			err := x.Wait(ctx)
+			cancel()
+			expectCode(t, fmt.Sprintf("transfer %d in flight to a removed peer", i), err, abi.ErrCanceled)
+			_, again := x.Poll()
+			expectCode(t, fmt.Sprintf("polling cancelled transfer %d again", i), again, abi.ErrCanceled)
+		}
+		_, err = x.Post()
+		expectCode(t, fmt.Sprintf("posting transfer %d to a removed peer", i), err, abi.ErrNotFound)
+	}
+	if rawRemote != 0 {
+		_, err := raw.MakePreppedXfer(a.Handle(), abi.Write, rawLocal, []int32{0}, rawRemote, []int32{0})
+		expectCode(t, "make_prepped_xfer with a list of a removed peer (raw)", err, abi.ErrNotFound)
+		// Dead, but still a handle the caller releases, once.
+		if err := raw.ReleaseDList(a.Handle(), rawRemote); err != nil {
+			t.Errorf("release_dlist of a removed peer's list (raw): %v; the handle must stay valid until released", err)
+		}
+		expectCode(t, "release_dlist of it again (raw)", raw.ReleaseDList(a.Handle(), rawRemote), abi.ErrInvalidParam)
+	}
+	if rawRR != 0 {
+		if a.Caps().Has(abi.CapBatch) {
+			_, err := raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: f.local.regions[0].Handle(), Remote: rawRR}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+			expectCode(t, "make_batch_xfer with a region of a removed peer (raw)", err, abi.ErrNotFound)
+		}
+		if err := raw.RemoteRegionRelease(a.Handle(), rawRR); err != nil {
+			t.Errorf("remote_region_release of a removed peer's region (raw): %v; the handle must stay valid until released", err)
+		}
+		expectCode(t, "remote_region_release of it again (raw)", raw.RemoteRegionRelease(a.Handle(), rawRR), abi.ErrInvalidParam)
+	}
+	switch caps := a.Caps(); {
+	case caps.Has(abi.CapRemoteAddr):
+		_, err := a.ImportRange(f.peerName, ri.Addr, 64, ri.DevID, ri.Kind)
+		expectCode(t, "import by range from a removed peer", err, abi.ErrNotFound)
+	case caps.Has(abi.CapRemoteBlob) && ri.Blob != nil:
+		_, err := a.ImportRegion(f.peerName, ri.Blob)
+		expectCode(t, "import by blob from a removed peer", err, abi.ErrNotFound)
+	}
+	// The cancelled transfers moved nothing (their delay had not ended),
+	// and their handles are released without error.
+	f.verify("after removing the peer of a transfer")
+	for i, x := range xs {
+		if err := x.Close(); err != nil {
+			t.Errorf("release_xfer of transfer %d to a removed peer: %v", i, err)
+		}
+	}
 }
 
 func caseFaultInjection(t TB, s *Suite) {

@@ -64,11 +64,11 @@ type Agent struct {
 }
 
 // peer is what the agent tracks of one remote agent, so that RemoveRemote
-// can invalidate the handles the plugin released.
+// can release and close the handles that refer to it.
 type peer struct {
 	rregions []*RemoteRegion // imported by the user; emulation may use them
 	dlists   []*DList        // remote lists prepared against this peer
-	removed  bool            // RemoveRemote released everything of the peer; guarded by Agent.mu
+	removed  bool            // RemoveRemote removed the peer; guarded by Agent.mu
 }
 
 // NewAgent creates an agent called name (unique among the peers it talks
@@ -378,45 +378,61 @@ func (a *Agent) LoadRemote(md []byte) (string, error) {
 	return string(cBytes(args.PeerName, args.PeerNameLen)), nil
 }
 
-// RemoveRemote forgets a peer: the plugin cancels transfers to it and
-// releases its remote regions and lists, which are closed here too. An
-// unknown peer is ErrNotFound.
+// RemoveRemote forgets a peer: the plugin cancels transfers to it (their
+// Poll then reports ErrCanceled, and Post ErrNotFound, until they are
+// closed), and the host releases the peer's remote regions and remote
+// lists, which are closed here too. An unknown peer is ErrNotFound. The
+// peer may be loaded again with LoadRemote.
 func (a *Agent) RemoveRemote(peerName string) error {
 	if err := a.useExclusive(); err != nil {
 		return err
 	}
 	defer a.mu.Unlock()
 	args := &abi.RemoveRemoteArgs{StructSize: abi.RemoveRemoteArgsSize, Agent: a.h, PeerName: stringData(peerName), PeerNameLen: uintptr(len(peerName))}
-	err := a.check("remove_remote", callC(a.p.api.RemoveRemote, unsafe.Pointer(args)))
-	if err == nil {
-		a.forgetPeer(peerName)
+	if err := a.check("remove_remote", callC(a.p.api.RemoveRemote, unsafe.Pointer(args))); err != nil {
+		return err
 	}
-	return err
+	return a.forgetPeer(peerName)
 }
 
-// forgetPeer closes the Go side of every handle the plugin released with a
-// peer. Called with a.mu held exclusively.
-func (a *Agent) forgetPeer(name string) {
+// forgetPeer releases and closes every remote region and remote list of a
+// peer that remove_remote just removed. The header keeps such handles
+// valid (dead) until the caller releases them; a plugin that released them
+// itself answers the release with ErrInvalidParam, which is ignored here:
+// either way the plugin no longer holds them. Called with a.mu held
+// exclusively, so no other call uses the handles.
+func (a *Agent) forgetPeer(name string) error {
 	a.book.Lock()
-	defer a.book.Unlock()
 	pr := a.peers[name]
+	delete(a.peers, name)
+	a.book.Unlock()
 	if pr == nil {
-		return
-	}
-	for _, rr := range pr.rregions {
-		rr.closed = true
+		return nil
 	}
 	pr.removed = true
-	for _, d := range pr.dlists {
-		d.closed = true
-		if d.emu != nil {
-			for _, rr := range d.emu.owned {
-				rr.closed = true
-			}
-			d.emu.unref()
+	var errs []error
+	released := func(err error) {
+		if err != nil && !errors.Is(err, ErrInvalidParam) {
+			errs = append(errs, err)
 		}
 	}
-	delete(a.peers, name)
+	for _, d := range pr.dlists {
+		d.closed = true
+		if d.emu == nil {
+			released(a.callReleaseDList(d.h))
+			continue
+		}
+		for _, rr := range d.emu.owned {
+			released(a.releaseRRegionLocked(rr))
+			rr.closed = true
+		}
+		d.emu.unref()
+	}
+	for _, rr := range pr.rregions {
+		released(a.releaseRRegionLocked(rr))
+		rr.closed = true
+	}
+	return errors.Join(errs...)
 }
 
 // peerLocked returns the bookkeeping of a peer, creating it. Needs a.book.

@@ -114,3 +114,35 @@ func (r Raw) MakePreppedXfer(agent abi.Agent, op abi.Op, local abi.DList, li []i
 	err := r.p.check("make_prepped_xfer", callC(r.p.api.MakePreppedXfer, unsafe.Pointer(args)))
 	return args.Xfer, err
 }
+
+// RemoteRegionImport calls remote_region_import: by blob when blob is not
+// empty, else by the address range in d. The handle is the caller's to
+// release with RemoteRegionRelease.
+func (r Raw) RemoteRegionImport(agent abi.Agent, peer string, blob []byte, d abi.MemDesc) (abi.RRegion, error) {
+	if r.p.api.RemoteRegionImport == 0 {
+		return 0, hostError(r.p.info.Name, "remote_region_import", abi.ErrNotSupported, "plugin has no remote_region_import")
+	}
+	args := &abi.RemoteRegionImportArgs{
+		StructSize: abi.RemoteRegionImportArgsSize, Agent: agent,
+		PeerName: stringData(peer), PeerNameLen: uintptr(len(peer)),
+		Blob: sliceData(blob), BlobLen: uintptr(len(blob)),
+		Addr: d.Addr, Len: d.Len, DevID: d.DevID, MemKind: d.MemKind,
+	}
+	err := r.p.check("remote_region_import", callC(r.p.api.RemoteRegionImport, unsafe.Pointer(args)))
+	return args.RRegion, err
+}
+
+// PrepDList calls prep_dlist (peer "" prepares a local list). The handle is
+// the caller's to release with ReleaseDList.
+func (r Raw) PrepDList(agent abi.Agent, peer string, kind abi.MemKind, descs []abi.XferDesc) (abi.DList, error) {
+	if r.p.api.PrepDList == 0 {
+		return 0, hostError(r.p.info.Name, "prep_dlist", abi.ErrNotSupported, "plugin has no prep_dlist")
+	}
+	args := &abi.PrepDListArgs{
+		StructSize: abi.PrepDListArgsSize, Agent: agent,
+		PeerName: stringData(peer), PeerNameLen: uintptr(len(peer)),
+		MemKind: kind, Descs: sliceData(descs), NumDescs: uintptr(len(descs)),
+	}
+	err := r.p.check("prep_dlist", callC(r.p.api.PrepDList, unsafe.Pointer(args)))
+	return args.DList, err
+}

@@ -25,8 +25,9 @@ type Xfer struct {
 	h      abi.Xfer
 	closed bool
 	tmp    [2]abi.DList // lists made by batch emulation, released with the transfer
-	// tmpPeer is the peer of tmp[1]: if it was removed, the plugin released
-	// tmp[1] already.
+	// tmpPeer is the peer of tmp[1]. RemoveRemote leaves tmp[1] a dead
+	// handle that Close still releases; a plugin that released it with the
+	// peer answers ErrInvalidParam, which Close then ignores.
 	tmpPeer *peer
 
 	// Args of the hot calls, kept in the (heap) Xfer so that posting and
@@ -426,8 +427,12 @@ func (x *Xfer) Close() error {
 	if x.tmp[0] != 0 {
 		errs = append(errs, x.a.callReleaseDList(x.tmp[0]))
 	}
-	if x.tmp[1] != 0 && !x.tmpPeer.removed {
-		errs = append(errs, x.a.callReleaseDList(x.tmp[1]))
+	if x.tmp[1] != 0 {
+		err := x.a.callReleaseDList(x.tmp[1])
+		if x.tmpPeer.removed && errors.Is(err, ErrInvalidParam) {
+			err = nil
+		}
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
