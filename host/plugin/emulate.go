@@ -20,6 +20,25 @@ import (
 //   - strided descriptors on agents without CapStrided: expanded into plain
 //     ones.
 
+// maxExpandedBlocks bounds the plain descriptors (or batch entries) the host
+// makes when it expands strided ones for an agent without CapStrided: per
+// list, and per transfer. A strided descriptor may name any number of
+// blocks (count is a uint64, and stride 0 repeats one block), so without
+// this bound one descriptor could make the host allocate without limit.
+// 16 Mi plain descriptors is far beyond what a KV layout needs (vLLM's
+// largest unstrided lists held a few million).
+const maxExpandedBlocks = 1 << 24
+
+// expandable reports whether count more plain descriptors fit beside have
+// within maxExpandedBlocks.
+func expandable(have int, count uint64) bool {
+	return count <= maxExpandedBlocks && uint64(have)+count <= maxExpandedBlocks
+}
+
+func tooManyBlocks(what string) *codedError {
+	return errf(abi.ErrInvalidParam, "%s expand to more than %d plain descriptors (the agent has no native strides)", what, maxExpandedBlocks)
+}
+
 // codedError is an error of the emulation arithmetic; the agent turns it into
 // an *Error naming the plugin and operation.
 type codedError struct {
@@ -265,6 +284,9 @@ func (s *scratch) buildPreppedBatch(l, r *emuList, li, ri []int32, expand bool) 
 			return errf(abi.ErrMismatch, "position %d: local descriptor %d (len %d count %d) and remote descriptor %d (len %d count %d) differ",
 				k, i, ld.len, ld.count, j, rd.len, rd.count)
 		}
+		if expand && ld.count > 1 && !expandable(len(s.entries), ld.count) {
+			return tooManyBlocks("the transfer's descriptors")
+		}
 		pair := s.pairFor(ld.ref, rd.ref, nl, nr, l.handles, r.handles)
 		s.entries = appendEntry(s.entries, abi.BatchEntry{
 			Pair: pair, LocalOffset: ld.off, RemoteOffset: rd.off, Len: ld.len,
@@ -291,12 +313,15 @@ func appendEntry(dst []abi.BatchEntry, e abi.BatchEntry, expand bool) []abi.Batc
 }
 
 // expandEntries expands the strided entries of a batch into s.entries.
-func (s *scratch) expandEntries(entries []abi.BatchEntry) []abi.BatchEntry {
+func (s *scratch) expandEntries(entries []abi.BatchEntry) ([]abi.BatchEntry, *codedError) {
 	s.entries = s.entries[:0]
-	for _, e := range entries {
-		s.entries = appendEntry(s.entries, e, true)
+	for i := range entries {
+		if !expandable(len(s.entries), max(entries[i].Count, 1)) {
+			return nil, tooManyBlocks("the batch entries")
+		}
+		s.entries = appendEntry(s.entries, entries[i], true)
 	}
-	return s.entries
+	return s.entries, nil
 }
 
 // hasStrided reports whether any entry has count > 1.
@@ -326,10 +351,10 @@ func expandDescs(descs []abi.XferDesc) (out []abi.XferDesc, first []int32, err *
 		if _, ok := extent(d.Addr, d.Len, d.Stride, d.Count); !ok {
 			return nil, nil, errf(abi.ErrInvalidParam, "descriptor %d (addr %#x): address overflow", i, d.Addr)
 		}
-		total += d.Count
-		if total > math.MaxInt32 {
-			return nil, nil, errf(abi.ErrInvalidParam, "descriptors expand to more than %d plain descriptors", math.MaxInt32)
+		if !expandable(int(total), d.Count) {
+			return nil, nil, tooManyBlocks("the list's descriptors")
 		}
+		total += d.Count
 	}
 	if !strided {
 		return descs, nil, nil
@@ -379,6 +404,9 @@ func (s *scratch) expandIndices(lfirst []int32, ln int, li []int32, rfirst []int
 		}
 		if lhi-llo != rhi-rlo {
 			return errf(abi.ErrMismatch, "position %d: local descriptor %d has %d blocks, remote descriptor %d has %d", k, li[k], lhi-llo, ri[k], rhi-rlo)
+		}
+		if !expandable(len(s.local), uint64(lhi-llo)) {
+			return tooManyBlocks("the transfer's indices")
 		}
 		for b := int32(0); b < lhi-llo; b++ {
 			s.local = append(s.local, llo+b)
@@ -435,6 +463,9 @@ func (s *scratch) buildBatchDescs(local, remote []batchSide, entries []abi.Batch
 			s.rdescs = append(s.rdescs, rd)
 			continue
 		}
+		if !expandable(len(s.ldescs), e.Count) {
+			return 0, 0, tooManyBlocks("the batch entries")
+		}
 		for range e.Count {
 			s.ldescs = append(s.ldescs, abi.XferDesc{Addr: ld.Addr, Len: ld.Len, Count: 1, DevID: ld.DevID})
 			s.rdescs = append(s.rdescs, abi.XferDesc{Addr: rd.Addr, Len: rd.Len, Count: 1, DevID: rd.DevID})
@@ -442,8 +473,8 @@ func (s *scratch) buildBatchDescs(local, remote []batchSide, entries []abi.Batch
 			rd.Addr += e.RemoteStride
 		}
 	}
-	if len(s.ldescs) > math.MaxInt32 {
-		return 0, 0, errf(abi.ErrInvalidParam, "batch expands to more than %d descriptors", math.MaxInt32)
+	if len(s.ldescs) > math.MaxInt32 { // indices are int32
+		return 0, 0, errf(abi.ErrInvalidParam, "a batch of %d entries has more than %d descriptors", len(entries), math.MaxInt32)
 	}
 	return lkind, rkind, nil
 }

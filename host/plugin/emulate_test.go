@@ -106,6 +106,39 @@ func TestExpandDescs(t *testing.T) {
 	}
 }
 
+// TestExpansionIsBounded feeds strided descriptors of 2^40 blocks (stride 0
+// keeps them inside a tiny region) to every expansion: each must refuse
+// with ErrInvalidParam before it allocates, not try to make 2^40 entries.
+func TestExpansionIsBounded(t *testing.T) {
+	const huge = 1 << 40
+	isBound := func(what string, err *codedError) {
+		t.Helper()
+		if err == nil || err.code != abi.ErrInvalidParam {
+			t.Errorf("%s: %v, want ErrInvalidParam", what, err)
+		}
+	}
+	_, _, err := expandDescs([]abi.XferDesc{{Addr: 64, Len: 8, Count: huge}})
+	isBound("expandDescs", err)
+	_, _, err = expandDescs([]abi.XferDesc{{Addr: 64, Len: 8, Count: maxExpandedBlocks}, {Addr: 64, Len: 8, Count: 2}})
+	isBound("expandDescs summing past the bound", err)
+	var s scratch
+	_, err = s.expandEntries([]abi.BatchEntry{{Len: 8, Count: huge}})
+	isBound("expandEntries", err)
+	side := []batchSide{{addr: 4096, len: 4096}}
+	_, _, err = s.buildBatchDescs(side, side, []abi.BatchEntry{{Len: 8, Count: huge}}, true)
+	isBound("buildBatchDescs", err)
+	l := &emuList{handles: []uint64{1}, descs: []emuDesc{{len: 8, count: huge}}}
+	isBound("buildPreppedBatch", s.buildPreppedBatch(l, l, []int32{0}, []int32{0}, true))
+	// Indices repeating a strided descriptor add up too.
+	first := []int32{0, 1 << 20}
+	idx := make([]int32, 17)
+	isBound("expandIndices", s.expandIndices(first, 1, idx, first, 1, idx))
+	// Within the bound, expansion works (the caller's native list stays untouched).
+	if out, _, err := expandDescs([]abi.XferDesc{{Addr: 64, Len: 8, Count: 3}}); err != nil || len(out) != 3 {
+		t.Errorf("small strided list: %d descriptors, %v", len(out), err)
+	}
+}
+
 func TestExpandIndicesErrors(t *testing.T) {
 	lfirst := []int32{0, 1, 4} // descriptor 1 has 3 blocks
 	var s scratch
@@ -451,7 +484,11 @@ func TestPropertyBatchOverPrepped(t *testing.T) {
 		}
 		// And the native-batch expansion of the same entries.
 		var got2 []block
-		for _, e := range s.expandEntries(entries) {
+		expanded, cerr := s.expandEntries(entries)
+		if cerr != nil {
+			t.Fatal(cerr)
+		}
+		for _, e := range expanded {
 			if e.Count != 1 {
 				t.Fatalf("entry %+v not expanded", e)
 			}

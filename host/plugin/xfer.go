@@ -175,7 +175,11 @@ func (a *Agent) MakeBatchXfer(op abi.Op, pairs []Pair, entries []abi.BatchEntry,
 	}
 	e, shaped := entries, false
 	if !a.caps.Has(abi.CapStrided) && hasStrided(entries) {
-		e, shaped = s.expandEntries(entries), true
+		var cerr *codedError
+		if e, cerr = s.expandEntries(entries); cerr != nil {
+			return nil, a.wrap(opName, cerr)
+		}
+		shaped = true
 	}
 	h, err := a.callMakeBatch(op, s.pairs, e, cNotif(notif))
 	if err != nil {
