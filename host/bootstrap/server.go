@@ -21,6 +21,27 @@ const DefaultEntryTTL = 120 * time.Second
 // maxBody bounds request bodies.
 const maxBody = 1 << 20
 
+// maxRanks bounds the prefill ranks a layout may declare (dp × cp × tp ×
+// pp). Real deployments have hundreds; the bound keeps the product far
+// from overflowing, which would make an incomplete layout look ready.
+const maxRanks = 1 << 20
+
+// httpLimits are the listening server's timeouts and header cap: a client
+// that trickles its headers or body, or never reads its response, is
+// disconnected instead of holding a connection and a goroutine.
+type httpLimits struct {
+	readHeader, read, write, idle time.Duration
+	maxHeaderBytes                int
+}
+
+var defaultHTTPLimits = httpLimits{
+	readHeader:     10 * time.Second,
+	read:           30 * time.Second,
+	write:          30 * time.Second,
+	idle:           2 * time.Minute,
+	maxHeaderBytes: 64 << 10,
+}
+
 // rankKey identifies a prefill rank: DP group, CP rank, TP rank, PP rank.
 type rankKey struct{ dp, cp, tp, pp int }
 
@@ -47,6 +68,8 @@ type Server struct {
 	log *slog.Logger
 	ttl time.Duration
 	now func() time.Time
+
+	limits httpLimits // for Start
 
 	mu        sync.Mutex
 	layout    *layout
@@ -81,6 +104,9 @@ func WithEntryTTL(d time.Duration) ServerOption {
 	}
 }
 
+// withHTTPLimits shortens Start's timeouts in tests.
+func withHTTPLimits(l httpLimits) ServerOption { return func(s *Server) { s.limits = l } }
+
 // withClock replaces time.Now in tests.
 func withClock(now func() time.Time) ServerOption { return func(s *Server) { s.now = now } }
 
@@ -90,6 +116,7 @@ func NewServer(opts ...ServerOption) *Server {
 		log:    slog.Default(),
 		ttl:    DefaultEntryTTL,
 		now:    time.Now,
+		limits: defaultHTTPLimits,
 		ranks:  make(map[rankKey]RankInfo),
 		roomDP: make(map[uint64]roomEntry),
 	}
@@ -290,6 +317,15 @@ func (s *Server) handleRegister(w http.ResponseWriter, r *http.Request) {
 	}{{"attn_tp", attnTPRank, attnTP}, {"attn_cp", attnCPRank, attnCP}, {"dp", dpGroup, dpSize}, {"pp", ppRank, pp}} {
 		if c.size < 1 || c.rank < 0 || c.rank >= c.size {
 			s.badRequest(w, r, fmt.Errorf("%s rank %d outside size %d", c.name, c.rank, c.size))
+			return
+		}
+	}
+	// Sizes are at least 1 and below 2^31 here, so the running product
+	// stays below 2^51 until it passes the bound.
+	ranks := int64(1)
+	for _, size := range []int{attnTP, attnCP, dpSize, pp} {
+		if ranks *= int64(size); ranks > maxRanks {
+			s.badRequest(w, r, fmt.Errorf("layout of attn_tp %d x attn_cp %d x dp %d x pp %d ranks exceeds %d", attnTP, attnCP, dpSize, pp, maxRanks))
 			return
 		}
 	}
@@ -523,7 +559,10 @@ type Running struct {
 }
 
 // Start listens on addr ("host:port"; port 0 picks one) and serves s in
-// the background until Close.
+// the background until Close. A client must send its headers within 10 s
+// and its whole request within 30 s, read its response within 30 s, and
+// may keep an idle connection for 2 minutes; headers are capped at 64 KiB
+// and bodies at 1 MiB.
 func (s *Server) Start(addr string) (*Running, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -531,9 +570,11 @@ func (s *Server) Start(addr string) (*Running, error) {
 	}
 	hs := &http.Server{
 		Handler:           s,
-		ReadHeaderTimeout: 10 * time.Second,
-		ReadTimeout:       30 * time.Second,
-		IdleTimeout:       2 * time.Minute,
+		ReadHeaderTimeout: s.limits.readHeader,
+		ReadTimeout:       s.limits.read,
+		WriteTimeout:      s.limits.write,
+		IdleTimeout:       s.limits.idle,
+		MaxHeaderBytes:    s.limits.maxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
 	rs := &Running{hs: hs, ln: ln, done: make(chan error, 1)}
