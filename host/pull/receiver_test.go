@@ -285,9 +285,25 @@ func TestReadTimeoutAndClose(t *testing.T) {
 	l := ds2.rx[0].Load(LoadRequest{RequestID: "closing", LocalBlockIDs: []int32{2}, Params: params2})
 	eventually(t, "the handshake", 5*time.Second, func() bool { return len(ds2.rx[0].Peers()) == 1 })
 	peer := ds2.rx[0].Peers()[0].AgentName
+	rx := ds2.rx[0]
+	rx.mu.Lock()
+	handles := []interface{ Close() error }{rx.peers["prefill"].remoteDL}
+	rx.mu.Unlock()
+	for _, dl := range rx.localLists {
+		handles = append(handles, dl)
+	}
+	for _, reg := range rx.regions {
+		handles = append(handles, reg)
+	}
 	start = time.Now()
 	if err := ds2.rx[0].Close(); err != nil {
 		t.Fatal(err)
+	}
+	// Every list and registration was released by Close.
+	for i, h := range handles {
+		if err := h.Close(); !errors.Is(err, plugin.ErrClosed) {
+			t.Fatalf("handle %d (%T) still open after Close: %v", i, h, err)
+		}
 	}
 	if res := wait(t, l); !errors.Is(res.Err, ErrClosed) {
 		t.Fatalf("%v", res.Err)

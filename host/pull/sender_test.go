@@ -242,8 +242,14 @@ func TestSenderConfigErrors(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		regs := s.ranks[0].regions
 		if err := s.Close(); err != nil {
 			t.Fatal(err)
+		}
+		for _, r := range regs {
+			if err := r.Close(); !errors.Is(err, plugin.ErrClosed) {
+				t.Fatalf("region still registered after Close: %v", err)
+			}
 		}
 		if err := s.Close(); err != nil {
 			t.Fatal("second Close:", err)
