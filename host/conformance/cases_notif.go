@@ -59,6 +59,25 @@ func caseNotifAttached(t TB, s *Suite) {
 			}
 		}
 	}
+	// Zero indices: the transfer moves nothing and only delivers its
+	// notification.
+	p := f.prepRuns(f.genRuns(2, abi.Write, false))
+	for _, op := range []abi.Op{abi.Write, abi.Read} {
+		what := fmt.Sprintf("notification-only prepped %s", op)
+		msg := []byte(what)
+		x, err := f.local.a.MakePreppedXfer(op, p.local, []int32{}, p.remote, []int32{}, msg)
+		if err != nil {
+			t.Fatalf("%s: make_prepped_xfer with no indices: %v", what, err)
+		}
+		t.Cleanup(func() { closeQuietly(t, "transfer", x.Close) })
+		f.run(what, x)
+		batches, err := f.peer.Notifs(1, s.cfg.Timeout)
+		if err != nil {
+			t.Fatalf("%s: get_notifs: %v", what, err)
+		}
+		expectNotifs(t, what, batches, from, [][]byte{msg})
+		f.verify(what)
+	}
 	// A transfer without a notification sends none, and none was sent twice.
 	runs := f.genRuns(3, abi.Write, false)
 	f.run("write without notification", f.makeBatch(abi.Write, runs, nil))

@@ -80,7 +80,8 @@ func (a *Agent) newXfer(h abi.Xfer, op abi.Op, descs int, shaped bool) *Xfer {
 // to or from remote descriptor remoteIdx[k] (op Write: local to remote; Read:
 // remote to local). notif, when not nil, is delivered to the peer after every
 // byte landed (an empty non-nil slice sends an empty notification; needs
-// CapNotif). The index slices are passed to the plugin as they are, or, on
+// CapNotif); with no indices the transfer moves nothing and only delivers
+// its notification. The index slices are passed to the plugin as they are, or, on
 // an agent without native prepped lists, become one batch transfer built in
 // reused buffers. Index out of range is ErrInvalidParam, paired descriptors
 // of different length or count ErrMismatch. The transfer is not started:
@@ -115,6 +116,16 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 		if cerr := s.buildPreppedBatch(local.emu, remote.emu, localIdx, remoteIdx, !a.caps.Has(abi.CapStrided)); cerr != nil {
 			return nil, a.wrap(opName, cerr)
 		}
+		if len(s.pairs) == 0 && notif != nil {
+			// A notification-only transfer (no indices): make_batch_xfer
+			// learns the peer from a region pair, so give it one that no
+			// entry uses.
+			pair, err := a.notifPair(local, remote)
+			if err != nil {
+				return nil, err
+			}
+			s.pairs = append(s.pairs, pair)
+		}
 		h, err := a.callMakeBatch(op, s.pairs, s.entries, cNotif(notif))
 		if err != nil {
 			return nil, err
@@ -136,6 +147,29 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 		return nil, err
 	}
 	return a.newXfer(h, op, len(localIdx), shaped), nil
+}
+
+// notifPair returns a region pair that names the peer of an emulated
+// remote list, for a notification-only transfer over emulated lists: a
+// region of the local list (or any region of the agent) and one of the
+// remote list. Needs a.mu held (shared).
+func (a *Agent) notifPair(local, remote *DList) (abi.RegionPair, error) {
+	const opName = "make_prepped_xfer"
+	var lh uint64
+	if len(local.emu.handles) > 0 {
+		lh = local.emu.handles[0]
+	} else {
+		a.book.Lock()
+		if len(a.regions) > 0 {
+			lh = uint64(a.regions[0].h)
+		}
+		a.book.Unlock()
+	}
+	if lh == 0 || len(remote.emu.handles) == 0 {
+		return abi.RegionPair{}, a.hostErr(opName, abi.ErrNotSupported,
+			"a notification-only transfer over emulated lists needs a registered local region and a non-empty remote list of peer %s", remote.peer)
+	}
+	return abi.RegionPair{Local: abi.Region(lh), Remote: abi.RRegion(remote.emu.handles[0])}, nil
 }
 
 // MakeBatchXfer builds one transfer out of many region-relative copies
