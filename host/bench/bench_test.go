@@ -368,7 +368,7 @@ func TestOutputs(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := tab.String()
-	for _, want := range []string{"# same process, WRITE, prepped, 1 thread; baseline memcpy", "Block Size (B)", "B/W (GB/Sec)", "P99 Tx (us)", "Eff.", "65536 "} {
+	for _, want := range []string{"# same-process, WRITE, prepped, 1 thread; baseline memcpy", "Block Size (B)", "B/W (GB/Sec)", "P99 Tx (us)", "Eff.", "65536 "} {
 		if !strings.Contains(s, want) {
 			t.Errorf("table lacks %q:\n%s", want, s)
 		}

@@ -23,15 +23,7 @@ const tableFormat = "%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s
 // Row prints one row (and the header of its configuration if it is new).
 func (t *TableWriter) Row(r Row) error {
 	if l := r.Group(); l != t.last {
-		where := "same process"
-		if r.Procs == 2 {
-			where = "two processes"
-		}
-		threads := "1 thread"
-		if r.Threads > 1 {
-			threads = fmt.Sprintf("%d threads", r.Threads)
-		}
-		if _, err := fmt.Fprintf(t.w, "\n# %s, %s, %s, %s; baseline %s\n", where, r.Op, r.Path, threads, r.Baseline); err != nil {
+		if _, err := fmt.Fprintf(t.w, "\n# %s, %s, %s, %s; baseline %s\n", where(r.Procs), r.Op, r.Path, threads(r.Threads), r.Baseline); err != nil {
 			return err
 		}
 		if _, err := fmt.Fprintf(t.w, tableFormat, "Block Size (B)", "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)",

@@ -1,10 +1,12 @@
 package bench
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"gonum.org/v1/plot"
@@ -40,50 +42,54 @@ func Plot(res *Result, file string) error {
 
 	type series struct {
 		label string
+		color int
 		xy    plotter.XYs
 	}
 	var configs, baselines []*series
 	byConfig := map[string]*series{}
 	byBase := map[string]*series{}
-	baseColor := map[string]int{}
+	minY, maxY := math.Inf(1), 0.0
 	for _, r := range res.Rows {
 		if r.GBps <= 0 || r.BaselineGBps <= 0 {
 			continue // nothing to draw on a log axis
 		}
+		minY, maxY = min(minY, r.GBps, r.BaselineGBps), max(maxY, r.GBps, r.BaselineGBps)
 		l := r.Label()
 		s := byConfig[l]
 		if s == nil {
-			s = &series{label: l}
+			s = &series{label: fmt.Sprintf("%s %s %s, batch %d, %s", where(r.Procs), r.Op, r.Path, r.Batch, threads(r.Threads)), color: len(configs)}
 			byConfig[l] = s
 			configs = append(configs, s)
 		}
 		s.xy = append(s.xy, plotter.XY{X: float64(r.Block), Y: r.GBps})
-		bk := fmt.Sprintf("%dp %s x%d t%d %s", r.Procs, r.Op, r.Batch, r.Threads, r.Baseline)
+		// Prepped and batch rows of one shape share a baseline; each
+		// measured it, and the line shows the first measurement per block.
+		bk := fmt.Sprintf("%s (%s %s, batch %d, %s)", r.Baseline, where(r.Procs), r.Op, r.Batch, threads(r.Threads))
 		b := byBase[bk]
 		if b == nil {
-			b = &series{label: "baseline " + bk}
+			b = &series{label: bk, color: s.color}
 			byBase[bk] = b
 			baselines = append(baselines, b)
-			baseColor[bk] = len(configs) - 1
 		}
-		// Prepped and batch rows of one shape share a baseline; each
-		// measured it, so the line shows the first measurement per block.
-		if n := len(b.xy); n == 0 || b.xy[n-1].X != float64(r.Block) {
+		if !slices.ContainsFunc(b.xy, func(p plotter.XY) bool { return p.X == float64(r.Block) }) {
 			b.xy = append(b.xy, plotter.XY{X: float64(r.Block), Y: r.BaselineGBps})
 		}
 	}
 	if len(configs) == 0 {
 		return errors.New("plot: no row with a positive rate")
 	}
-	for i, s := range configs {
+	for _, s := range append(configs, baselines...) {
+		slices.SortFunc(s.xy, func(a, b plotter.XY) int { return cmp.Compare(a.X, b.X) })
+	}
+	for _, s := range configs {
 		l, pts, err := plotter.NewLinePoints(s.xy)
 		if err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
-		l.Color = plotutil.Color(i)
+		l.Color = plotutil.Color(s.color)
 		l.Width = vg.Points(1.5)
-		pts.Color = plotutil.Color(i)
-		pts.Shape = plotutil.Shape(i)
+		pts.Color = plotutil.Color(s.color)
+		pts.Shape = plotutil.Shape(s.color)
 		p.Add(l, pts)
 		p.Legend.Add(s.label, l, pts)
 	}
@@ -92,14 +98,21 @@ func Plot(res *Result, file string) error {
 		if err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
-		ci := baseColor[strings.TrimPrefix(b.label, "baseline ")]
-		l.Color = plotutil.Color(ci)
+		l.Color = plotutil.Color(b.color)
 		l.Width = vg.Points(1.5)
 		l.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
 		p.Add(l)
 		p.Legend.Add(b.label, l)
 	}
-	if err := p.Save(9*vg.Inch, 5.5*vg.Inch, file); err != nil {
+	// Headroom above the data for the legend (top left), so it hides no
+	// line: on the log axis, the legend's share of the height in decades.
+	const height = 5.5 * vg.Inch
+	entries := len(configs) + len(baselines)
+	share := min(0.8, float64(entries)*float64(p.Legend.TextStyle.Font.Size+2)/float64(height-1.2*vg.Inch))
+	lo, hi := math.Log10(minY)-0.1, math.Log10(maxY)+0.1
+	p.Y.Min = math.Pow(10, lo)
+	p.Y.Max = math.Pow(10, lo+(hi-lo)/(1-share))
+	if err := p.Save(9*vg.Inch, height, file); err != nil {
 		return fmt.Errorf("plot: %w", err)
 	}
 	return nil
@@ -128,4 +141,18 @@ func (sizeTicks) Ticks(min, max float64) []plot.Tick {
 		ticks = append(ticks, plot.Tick{Value: v, Label: label})
 	}
 	return ticks
+}
+
+func where(procs int) string {
+	if procs == 2 {
+		return "two-process"
+	}
+	return "same-process"
+}
+
+func threads(n int) string {
+	if n == 1 {
+		return "1 thread"
+	}
+	return fmt.Sprintf("%d threads", n)
 }
