@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -322,4 +323,35 @@ func jsonOf(t *testing.T, v any) any {
 		t.Fatal(err)
 	}
 	return out
+}
+
+// A handshake server that served honest and hostile clients, closed while
+// a client is connected and silent, leaves no goroutine behind.
+func TestHandshakeServerCloseLeavesNoGoroutines(t *testing.T) {
+	before := runtime.NumGoroutine()
+	s, _ := startServer(t, "H")
+	if _, err := FetchHandshake(context.Background(), s.Endpoint(), 0, expect("H")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if _, err := zmq.Request(ctx, s.Endpoint(), [][]byte{{0xc1}}, quietZMQ()...); err != nil {
+		t.Fatalf("garbage request: %v", err)
+	}
+	silent, err := net.Dial("tcp", strings.TrimPrefix(s.Endpoint(), "tcp://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for runtime.NumGoroutine() > before {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			t.Fatalf("%d goroutines after Close, %d before:\n%s", runtime.NumGoroutine(), before, buf[:runtime.Stack(buf, true)])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
