@@ -208,15 +208,24 @@ func needCaps(t TB, a *plugin.Agent, c abi.Caps) {
 // expectCode fails the case unless err is a plugin error with code.
 func expectCode(t TB, what string, err error, code abi.Status) {
 	t.Helper()
+	if p := codeProblem(what, err, code); p != "" {
+		t.Errorf("%s", p)
+	}
+}
+
+// codeProblem describes how err differs from a plugin error with code, or
+// returns "" when it is one.
+func codeProblem(what string, err error, code abi.Status) string {
 	var pe *plugin.Error
 	switch {
 	case err == nil:
-		t.Errorf("%s: succeeded, want %v", what, code)
+		return fmt.Sprintf("%s: succeeded, want %v", what, code)
 	case !errors.As(err, &pe):
-		t.Errorf("%s: %v, want a plugin error %v", what, err, code)
+		return fmt.Sprintf("%s: %v, want a plugin error %v", what, err, code)
 	case pe.Code != code:
-		t.Errorf("%s: %v, want %v", what, err, code)
+		return fmt.Sprintf("%s: %v, want %v", what, err, code)
 	}
+	return ""
 }
 
 // expectClosed fails the case unless err wraps plugin.ErrClosed.
