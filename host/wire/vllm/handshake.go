@@ -15,8 +15,8 @@
 //	           "kv_cache_layout": str, "block_size": int}
 //
 // Decoding follows msgspec's rules for these types: a map is required,
-// unknown keys are ignored, a missing field or a value of the wrong type
-// is an error.
+// unknown keys are ignored, a missing field, a value of the wrong type or a
+// str that is not UTF-8 is an error.
 package vllm
 
 import (
@@ -278,6 +278,9 @@ func (s *structReader) str(key string) string {
 	str, ok := v.Str()
 	if !ok {
 		s.typeErr(key, "str", v)
+	} else if !utf8.ValidString(str) && s.err == nil {
+		// msgspec decodes msgpack str as UTF-8 and fails otherwise.
+		s.err = malformed("%s field %q is not valid UTF-8", s.name, key)
 	}
 	return str
 }

@@ -137,6 +137,7 @@ func TestDecodeRejects(t *testing.T) {
 		"not a map":           EncodeMetaRequest(0),
 		"missing field":       encodeMap(okFields[:14]...),
 		"engine id not str":   replace("engine_id", 5),
+		"engine id not UTF-8": replace("engine_id", "e\xff"),
 		"metadata as str":     replace("agent_metadata", "text"),
 		"negative address":    replace("kv_caches_base_addr", []int{-1}),
 		"block lens not list": replace("block_lens", 4096),
