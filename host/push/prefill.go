@@ -91,7 +91,11 @@ type Prefill struct {
 
 	ctx    context.Context
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// notifyCtx bounds failure notifications; Close cancels it after
+	// closeGrace so a dead decode endpoint cannot hold Close for long.
+	notifyCtx    context.Context
+	notifyCancel context.CancelFunc
+	wg           sync.WaitGroup
 	closed atomic.Bool
 	drops  dropLog
 }
@@ -124,6 +128,10 @@ type xferInfo struct {
 	prefixSet bool
 	dummy     bool
 }
+
+// closeGrace is how long Close lets failure notifications in flight try to
+// reach decode.
+const closeGrace = time.Second
 
 // maxPendingRooms bounds rooms whose transfer info arrived but whose sender
 // does not exist yet (a peer announcing rooms nobody will serve).
@@ -206,6 +214,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	// MORI sends status with SNDTIMEO 5 s.
 	m.push = zmq.NewPushers(zmq.WithLogger(m.log), zmq.WithSendTimeout(5*time.Second))
 	m.ctx, m.cancel = context.WithCancel(context.Background())
+	m.notifyCtx, m.notifyCancel = context.WithCancel(context.Background())
 	for i := 0; i < m.set.QueueSize; i++ {
 		sh := newShard()
 		m.shards = append(m.shards, sh)
@@ -328,6 +337,9 @@ func (m *Prefill) Close() error {
 		s.fail("prefill rank closed", false) // decode hears it too
 	}
 	m.cancel()
+	grace := time.AfterFunc(closeGrace, m.notifyCancel)
+	defer grace.Stop()
+	defer m.notifyCancel()
 	var errs []error
 	if m.pull != nil {
 		errs = append(errs, m.pull.Close())
@@ -453,7 +465,9 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 
 // abortFromDecode handles decode's ABORT: the room fails with a reason
 // naming the decode rank; in-flight transfers are cancelled by the room's
-// context. An ABORT from an endpoint the room never heard from is ignored.
+// context. An ABORT from an endpoint that is not one of the room's decode
+// ranks (or, before their transfer info arrived, not a registered decode
+// rank) is dropped.
 func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 	from := zmq.TCPEndpoint(a.Endpoint, a.Port)
 	reason := fmt.Sprintf("Aborted by decode %s:%d", a.Endpoint, a.Port)
@@ -469,6 +483,19 @@ func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 		if !known {
 			m.mu.Unlock()
 			m.drops.drop("ABORT", fmt.Errorf("room %d: %s is not one of its decode ranks", a.Room, from))
+			return
+		}
+	}
+	if ri == nil || len(ri.order) == 0 {
+		// Before any transfer info: accept it only from a decode rank that
+		// registered with this rank.
+		registered := false
+		for _, p := range m.peers {
+			registered = registered || p.endpoint == from
+		}
+		if !registered {
+			m.mu.Unlock()
+			m.drops.drop("ABORT", fmt.Errorf("room %d: %s is not a registered decode rank", a.Room, from))
 			return
 		}
 	}
@@ -554,9 +581,9 @@ func (m *Prefill) sendFailure(room uint64, reason string, eps []string) {
 	go func() {
 		defer m.wg.Done()
 		// Not m.ctx: a failure found while closing must still reach decode
-		// (sendStatus bounds each send).
+		// (sendStatus bounds each send, Close gives it closeGrace).
 		for _, ep := range eps {
-			if err := m.sendStatus(context.Background(), ep, room, sglang.KVPollFailed, reason); err != nil {
+			if err := m.sendStatus(m.notifyCtx, ep, room, sglang.KVPollFailed, reason); err != nil {
 				m.log.Debug("could not send failure status", "room", room, "decode", ep, "err", err)
 			}
 		}

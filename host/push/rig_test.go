@@ -1,0 +1,246 @@
+package push_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/planner"
+)
+
+func loadFake(t testing.TB) *plugin.Plugin {
+	t.Helper()
+	p, err := plugin.Load("fake", plugin.SearchDirs(""))
+	if err != nil {
+		t.Skipf("fake plugin not built (make plugin-fake): %v", err)
+	}
+	return p
+}
+
+func quietLog() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+}
+
+// side is one rank's synthetic pool and what it registers.
+type side struct {
+	pool  *kvpool.Pool
+	args  push.KVArgs
+	state []byte // state tensors' memory (mmap), when the rig has state
+}
+
+const (
+	rigLayers   = 2
+	rigHeads    = 2
+	rigHeadB    = 16
+	rigPageSize = 4
+	rigPages    = 64
+	rigAuxSlots = 16
+	rigAuxLen   = 32
+	stateSlots  = 8
+	stateItem   = 96 // bytes per slot of each state tensor
+)
+
+func newSide(t testing.TB, pages int, withState bool) *side {
+	t.Helper()
+	g := kvpool.Geometry{Attention: kvpool.MHA, Order: kvpool.KThenV, Layers: rigLayers, Pages: pages, PageSize: rigPageSize,
+		TotalHeads: rigHeads, TPSize: 1, HeadBytes: rigHeadB, AuxItems: rigAuxSlots, AuxItemLen: rigAuxLen}
+	pool, err := kvpool.New(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Close() })
+	s := &side{pool: pool}
+	for _, r := range pool.Regions() {
+		s.args.KV = append(s.args.KV, push.Buffer{Addr: r.Addr, Len: r.Len, ItemLen: g.ItemLen(), Kind: abi.VRAM})
+	}
+	s.args.PageSize, s.args.KVHeadNum, s.args.TotalKVHeads = rigPageSize, rigHeads, rigHeads
+	a := pool.Aux()
+	off := a.Addr - pool.Regions()[0].Addr
+	s.args.Aux = []push.AuxBuffer{{Mem: pool.Bytes()[off : off+a.Len], ItemLen: rigAuxLen}}
+	if withState {
+		mem, err := syscall.Mmap(-1, 0, 2*stateSlots*stateItem, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { syscall.Munmap(mem) })
+		s.state = mem
+		base := uint64(uintptr(unsafe.Pointer(&mem[0])))
+		s.args.State = []push.StateComponent{{Type: planner.StateMamba, Tensors: []push.Buffer{
+			{Addr: base, Len: stateSlots * stateItem, ItemLen: stateItem, Kind: abi.VRAM},
+			{Addr: base + stateSlots*stateItem, Len: stateSlots * stateItem, ItemLen: stateItem, Kind: abi.VRAM},
+		}}}
+	}
+	return s
+}
+
+// stateSlot returns tensor k's slot i of a side's state memory.
+func (s *side) stateSlot(k, i int) []byte {
+	off := (k*stateSlots + i) * stateItem
+	return s.state[off : off+stateItem]
+}
+
+type rigOpts struct {
+	variant        push.Variant
+	completion     push.Completion
+	pset, dset     push.Settings
+	pparams        []plugin.Param
+	dparams        []plugin.Param
+	state          bool
+	pobs, dobs     push.Observer
+	prefillPages   int
+	noDecode       bool
+	xfer           push.XferMode
+	decodeHostAddr string
+}
+
+// rig is one prefill rank and one decode rank (TP 1) in this process.
+type rig struct {
+	t    testing.TB
+	pl   *plugin.Plugin
+	srv  *bootstrap.Running
+	pf   *push.Prefill
+	dec  *push.Decode
+	p, d *side
+	mu   sync.Mutex
+	slot int
+}
+
+func newRig(t testing.TB, o rigOpts) *rig {
+	t.Helper()
+	r := &rig{t: t, pl: loadFake(t)}
+	var err error
+	if r.srv, err = bootstrap.NewServer(bootstrap.WithLogger(quietLog())).Start("127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		r.srv.Close(ctx)
+	})
+	pages := o.prefillPages
+	if pages == 0 {
+		pages = rigPages
+	}
+	r.p = newSide(t, pages, o.state)
+	r.d = newSide(t, rigPages, o.state)
+	ctx := context.Background()
+	r.pf, err = push.NewPrefill(ctx, push.PrefillConfig{Plugin: r.pl, AgentParams: o.pparams, Variant: o.variant, Completion: o.completion,
+		XferMode: o.xfer, KV: r.p.args, Parallel: push.Parallel{TPSize: 1}, BootstrapAddr: r.srv.Addr(),
+		Settings: o.pset, Observer: o.pobs, Logger: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.pf.Close() })
+	if o.noDecode {
+		return r
+	}
+	r.dec, err = push.NewDecode(ctx, push.DecodeConfig{Plugin: r.pl, AgentParams: o.dparams, Variant: o.variant, Completion: o.completion,
+		KV: r.d.args, Parallel: push.Parallel{TPSize: 1}, Settings: o.dset, Observer: o.dobs, Logger: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.dec.Close() })
+	return r
+}
+
+// request is one room's pages on both sides.
+type request struct {
+	room        uint64
+	tokens      int
+	ppages      []int32
+	dpages      []int32
+	paux, daux  int64
+	pstate      [][]int32
+	dstate      [][]int32
+	s           *push.Sender
+	rcv         *push.Receiver
+	sendFailure error
+}
+
+// prepare opens the room on both sides with distinct page sets (request i
+// uses pages [i*n, (i+1)*n) on prefill and the reverse order on decode).
+func (r *rig) prepare(room uint64, tokens int, slot int) *request {
+	r.t.Helper()
+	n := (tokens + rigPageSize - 1) / rigPageSize
+	q := &request{room: room, tokens: tokens, paux: int64(slot % rigAuxSlots), daux: int64((slot + 3) % rigAuxSlots)}
+	for i := 0; i < n; i++ {
+		q.ppages = append(q.ppages, int32((slot*n+i)%rigPages))
+		q.dpages = append(q.dpages, int32((rigPages-1-(slot*n+i)%rigPages)))
+	}
+	var err error
+	if q.s, err = r.pf.NewSender(room); err != nil {
+		r.t.Fatal(err)
+	}
+	if r.dec != nil {
+		if q.rcv, err = r.dec.NewReceiver(r.srv.Addr(), room); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+	return q
+}
+
+// transfer runs one request end to end and verifies decode's bytes.
+func (r *rig) transfer(ctx context.Context, q *request) error {
+	if err := q.rcv.Init(ctx); err != nil {
+		return err
+	}
+	if err := q.rcv.SendMetadata(ctx, q.dpages, q.daux, q.dstate, 0); err != nil {
+		return err
+	}
+	if st, err := q.s.WaitReady(ctx); err != nil || st == rooms.Failed {
+		return fmt.Errorf("prefill not ready: %v %v", st, err)
+	}
+	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
+		return err
+	}
+	if err := r.p.pool.FillAux(q.room, int(q.paux)); err != nil {
+		return err
+	}
+	if err := q.s.Init(len(q.ppages), q.paux); err != nil {
+		return err
+	}
+	for i := 0; i < len(q.ppages); i += 2 { // chunks of two pages
+		end := min(i+2, len(q.ppages))
+		var st [][]int32
+		if end == len(q.ppages) {
+			st = q.pstate
+		}
+		if err := q.s.Send(q.ppages[i:end], st); err != nil {
+			return err
+		}
+	}
+	ps, err := q.s.Wait(ctx)
+	if err != nil {
+		return err
+	}
+	ds, err := q.rcv.Wait(ctx)
+	if err != nil {
+		return err
+	}
+	if ps != rooms.Success || ds != rooms.Success {
+		return fmt.Errorf("room %d: prefill %v (%v), decode %v (%v)", q.room, ps, q.s.Failure(), ds, q.rcv.Failure())
+	}
+	if err := r.d.pool.Verify(kvpool.Tokens{Request: q.room, Pages: q.dpages, Count: q.tokens}); err != nil {
+		return err
+	}
+	return r.d.pool.VerifyAux(q.room, int(q.daux))
+}
+
+func (q *request) close() {
+	q.s.Close()
+	if q.rcv != nil {
+		q.rcv.Close()
+	}
+}
