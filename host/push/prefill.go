@@ -96,8 +96,8 @@ type Prefill struct {
 	notifyCtx    context.Context
 	notifyCancel context.CancelFunc
 	wg           sync.WaitGroup
-	closed atomic.Bool
-	drops  dropLog
+	closed       atomic.Bool
+	drops        dropLog
 }
 
 // roomInfos is what the decode ranks of one room sent (transfer_infos).

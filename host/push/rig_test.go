@@ -177,7 +177,7 @@ func (r *rig) prepare(room uint64, tokens int, slot int) *request {
 	q := &request{room: room, tokens: tokens, paux: int64(slot % rigAuxSlots), daux: int64((slot + 3) % rigAuxSlots)}
 	for i := 0; i < n; i++ {
 		q.ppages = append(q.ppages, int32((slot*n+i)%rigPages))
-		q.dpages = append(q.dpages, int32((rigPages-1-(slot*n+i)%rigPages)))
+		q.dpages = append(q.dpages, int32((rigPages - 1 - (slot*n+i)%rigPages)))
 	}
 	var err error
 	if q.s, err = r.pf.NewSender(room); err != nil {
