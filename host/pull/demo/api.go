@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/host/pull"
@@ -50,15 +51,33 @@ type apiError struct {
 type prefillClient struct {
 	base string
 	http *http.Client
+	// down is set once a call could not reach the worker for
+	// unreachableBudget: later calls then try once instead of waiting
+	// again, so a dead prefill fails the remaining requests at once. A
+	// successful call clears it.
+	down atomic.Bool
+	// budget is how long one call keeps retrying a worker it cannot
+	// connect to (at most unreachableBudget).
+	budget time.Duration
 }
 
-func newPrefillClient(base string) *prefillClient {
-	return &prefillClient{base: strings.TrimRight(base, "/"), http: &http.Client{Timeout: 60 * time.Second}}
+// unreachableBudget is how long one call keeps retrying a prefill worker
+// it cannot connect to (after waitHealthy saw it up).
+const unreachableBudget = 5 * time.Second
+
+func newPrefillClient(base string, budget time.Duration) *prefillClient {
+	if budget <= 0 || budget > unreachableBudget {
+		budget = unreachableBudget
+	}
+	return &prefillClient{base: strings.TrimRight(base, "/"), http: &http.Client{Timeout: 60 * time.Second}, budget: budget}
 }
 
 // errRetry marks answers worth retrying (the worker is not up yet, or out
-// of blocks for now).
-var errRetry = errors.New("retry")
+// of blocks for now); errUnreachable, among them, failed to connect.
+var (
+	errRetry       = errors.New("retry")
+	errUnreachable = errors.New("unreachable")
+)
 
 // waitHealthy polls the health endpoint until it answers or ctx ends.
 func (c *prefillClient) waitHealthy(ctx context.Context) error {
@@ -94,14 +113,37 @@ func (c *prefillClient) prefill(ctx context.Context, id string, tokens int) (pul
 	if err != nil {
 		return pull.KVTransferParams{}, err
 	}
+	var unreachable time.Time // first connection failure of this call
 	for sleep := 5 * time.Millisecond; ; sleep = min(sleep*2, 200*time.Millisecond) {
 		p, err := c.prefillOnce(ctx, body)
-		if err == nil || !errors.Is(err, errRetry) {
+		if err == nil {
+			c.down.Store(false)
+			return p, nil
+		}
+		if ctx.Err() != nil {
+			if !unreachable.IsZero() {
+				c.down.Store(true)
+			}
+			return pull.KVTransferParams{}, fmt.Errorf("prefill %s: no answer from the prefill worker in time: %w", id, err)
+		}
+		if !errors.Is(err, errRetry) {
 			return p, err
+		}
+		if errors.Is(err, errUnreachable) {
+			if unreachable.IsZero() {
+				unreachable = time.Now()
+			}
+			if c.down.Load() || time.Since(unreachable) > c.budget {
+				c.down.Store(true)
+				return pull.KVTransferParams{}, fmt.Errorf("prefill %s: worker unreachable: %w", id, err)
+			}
 		}
 		select {
 		case <-ctx.Done():
-			return pull.KVTransferParams{}, fmt.Errorf("prefill %s: %w (last: %v)", id, ctx.Err(), err)
+			if !unreachable.IsZero() {
+				c.down.Store(true)
+			}
+			return pull.KVTransferParams{}, fmt.Errorf("prefill %s: no answer from the prefill worker in time: %w (last: %v)", id, ctx.Err(), err)
 		case <-time.After(sleep):
 		}
 	}
@@ -118,7 +160,7 @@ func (c *prefillClient) prefillOnce(ctx context.Context, body []byte) (pull.KVTr
 		if ctx.Err() != nil {
 			return pull.KVTransferParams{}, err
 		}
-		return pull.KVTransferParams{}, fmt.Errorf("%w: %w", errRetry, err)
+		return pull.KVTransferParams{}, fmt.Errorf("%w: %w: %w", errRetry, errUnreachable, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))

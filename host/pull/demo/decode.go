@@ -38,7 +38,8 @@ type DecodeConfig struct {
 	// MemKind is the kind every KV region registers as.
 	MemKind abi.MemKind
 	// ConnectTimeout bounds the wait for the prefill API to come up and
-	// each request's prefill call (0: 60 s).
+	// each request's prefill call (0: 60 s); a prefill that stops answering
+	// is given up after at most 5 s of it.
 	ConnectTimeout  time.Duration
 	SkipCompatCheck bool
 	Logger          *slog.Logger
@@ -155,7 +156,7 @@ func RunDecode(ctx context.Context, cfg DecodeConfig) (*DecodeSummary, error) {
 		return nil, fmt.Errorf("decode: %w", err)
 	}
 	d := &decodeRun{cfg: cfg, log: cfg.Logger, alloc: newBlockAlloc(cfg.Engine.NumBlocks, cfg.Workload.Seed^0xdec0de),
-		client: newPrefillClient(cfg.PrefillURL)}
+		client: newPrefillClient(cfg.PrefillURL, cfg.ConnectTimeout)}
 	if d.log == nil {
 		d.log = slog.Default()
 	}

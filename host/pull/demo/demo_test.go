@@ -292,7 +292,7 @@ func TestPrefillAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pf.Close()
-	c := newPrefillClient("http://" + pf.APIAddr())
+	c := newPrefillClient("http://"+pf.APIAddr(), 0)
 	if err := c.waitHealthy(t.Context()); err != nil {
 		t.Fatal(err)
 	}
@@ -329,4 +329,42 @@ func TestPrefillAPI(t *testing.T) {
 		!reflect.DeepEqual(s.ExpiredRequests, []string{reqs[0].ID}) {
 		t.Fatalf("%+v", s)
 	}
+}
+
+// TestPrefillKilled: when the prefill process dies mid-run, the decode
+// finishes promptly, every remaining request failed with the reason, none
+// hanging.
+func TestPrefillKilled(t *testing.T) {
+	work := smallWork
+	work.Requests, work.FullHitRate = 40, 0
+	pc := startChild(t, "prefill", childSpec{Model: smallModel, Engine: engine(1, 16, "HND"), EngineID: "prefill",
+		AbortTimeout: time.Minute, Workload: work})
+	var ready struct{ API string }
+	pc.line(t, &ready)
+	var once sync.Once
+	start := time.Now()
+	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: fake(t), Model: smallModel, Engine: engine(2, 16, "HND"),
+		EngineID: "decode", PrefillURL: "http://" + ready.API, Workload: work, Concurrency: 2, ConnectTimeout: time.Second,
+		Logger: testLog(), Progress: func(done, _ int) {
+			if done == 4 {
+				once.Do(func() { pc.cmd.Process.Kill() })
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	if ds.OK < 4 || ds.Failed == 0 || ds.OK+ds.Failed != work.Requests {
+		t.Fatalf("%d ok, %d failed of %d", ds.OK, ds.Failed, work.Requests)
+	}
+	if took > 30*time.Second {
+		t.Fatalf("the decode took %v to give up on a dead prefill", took)
+	}
+	for _, f := range ds.FailedRequests {
+		if !strings.Contains(f.Error, "unreachable") && !strings.Contains(f.Error, "READ failed") &&
+			!strings.Contains(f.Error, "no answer from the prefill worker") {
+			t.Fatalf("%s: %s", f.ID, f.Error)
+		}
+	}
+	t.Logf("prefill killed after 4 requests: %d ok, %d failed in %v", ds.OK, ds.Failed, took.Round(time.Millisecond))
 }
