@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -496,5 +498,96 @@ func TestFakeHotPathAllocations(t *testing.T) {
 				t.Errorf("making a prepped and a batch transfer allocates %v times with 10 descriptors and %v with 10000, want the same few", perMake[10], perMake[10000])
 			}
 		})
+	}
+}
+
+// procCounts returns this process's open file descriptors and OS threads.
+func procCounts(t *testing.T) (fds, threads int) {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("no /proc/self/fd: %v", err)
+	}
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Skipf("no /proc/self/status: %v", err)
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+			threads, _ = strconv.Atoi(strings.TrimSpace(v))
+		}
+	}
+	return len(ents), threads
+}
+
+// TestFakeAgentLifecycleLeaksNothing runs agents through their whole life
+// (transfers with notifications, a peer removed with transfers in flight,
+// handles left for Close to release) and checks that the process holds no
+// more file descriptors or threads afterwards: each fake agent has three
+// descriptors and at least two threads, so a leaked agent shows.
+func TestFakeAgentLifecycleLeaksNothing(t *testing.T) {
+	p := openFake(t)
+	cycle := func() {
+		a, err := p.NewAgent(uniqueName("leak-a"), Param{"delay_us", "1000"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := p.NewAgent(uniqueName("leak-b"), Param{"workers", "2"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		abuf, bbuf := mmap(t, 8192), mmap(t, 8192)
+		ar, err := a.Register([]abi.MemDesc{{Addr: addr(abuf), Len: 8192, MemKind: abi.DRAM}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.Register([]abi.MemDesc{{Addr: addr(bbuf), Len: 8192, MemKind: abi.DRAM}}); err != nil {
+			t.Fatal(err)
+		}
+		md, err := b.LocalMetadata()
+		if err != nil {
+			t.Fatal(err)
+		}
+		peer, err := a.LoadRemote(md)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rr, err := a.ImportRange(peer, addr(bbuf), 8192, 0, abi.DRAM)
+		if err != nil {
+			t.Fatal(err)
+		}
+		x, err := a.MakeBatchXfer(abi.Write, []Pair{{ar[0], rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, []byte("done"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		wait(t, x)
+		if _, err := x.Post(); err != nil { // left in flight
+			t.Fatal(err)
+		}
+		if err := a.RemoveRemote(peer); err != nil {
+			t.Fatal(err)
+		}
+		// x, the region and the remote region are left to the agents' Close.
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cycle() // the first cycle may start lazily created state
+	fds0, threads0 := procCounts(t)
+	const cycles = 20
+	for range cycles {
+		cycle()
+	}
+	fds1, threads1 := procCounts(t)
+	if fds1 > fds0 {
+		t.Errorf("%d agent pairs later the process has %d file descriptors, before %d", cycles, fds1, fds0)
+	}
+	// Go's runtime may start a few threads of its own meanwhile; a leak
+	// would be at least 4 threads per cycle.
+	if threads1 > threads0+cycles {
+		t.Errorf("%d agent pairs later the process has %d threads, before %d", cycles, threads1, threads0)
 	}
 }
