@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"reflect"
 	"sort"
 	"strings"
 )
@@ -103,11 +104,16 @@ func PlanRequest(raw []byte) (*Plan, Envelope, error) {
 
 // DecodeStrict decodes raw into v, rejecting unknown fields and trailing
 // data, and turns decoding errors into one-line *Error values naming the
-// field.
+// field by its JSON path (e.g. "prefill.kv_ptrs" or "decode.bogus").
 func DecodeStrict(raw []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
+		if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+			// encoding/json names the key but not where it is.
+			name = strings.Trim(name, `"`)
+			return errorf(unknownFieldPath(raw, reflect.TypeOf(v), name), "unknown field")
+		}
 		return jsonError(err)
 	}
 	if _, err := dec.Token(); err != io.EOF {
@@ -117,17 +123,18 @@ func DecodeStrict(raw []byte, v any) error {
 }
 
 // jsonError turns an encoding/json error into a one-line *Error naming the
-// field where one is known.
+// field where one is known, in JSON terms: Go types and the names of
+// embedded structs do not appear.
 func jsonError(err error) error {
 	var typeErr *json.UnmarshalTypeError
 	var syntaxErr *json.SyntaxError
 	switch {
 	case errors.As(err, &typeErr):
-		field := typeErr.Field
+		field := jsonPath(typeErr.Field)
 		if field == "" {
 			field = "request"
 		}
-		return errorf(field, "want %s, got JSON %s", typeErr.Type, typeErr.Value)
+		return errorf(field, "want %s, got JSON %s", jsonTypeName(typeErr.Type), typeErr.Value)
 	case errors.As(err, &syntaxErr):
 		if syntaxErr.Error() == "unexpected end of JSON input" {
 			return errorf("request", "empty or truncated JSON")
@@ -136,11 +143,146 @@ func jsonError(err error) error {
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return errorf("request", "empty or truncated JSON")
 	}
-	msg := err.Error()
-	if rest, ok := strings.CutPrefix(msg, "json: unknown field "); ok {
-		return errorf(strings.Trim(rest, `"`), "unknown field")
+	return errorf("request", "%s", strings.TrimPrefix(err.Error(), "json: "))
+}
+
+// jsonPath drops the Go names of embedded structs from an encoding/json
+// field path ("prefill.KVSideJSON.num_pages" is "prefill.num_pages"):
+// JSON field names are lower case, Go type names are not.
+func jsonPath(field string) string {
+	parts := strings.Split(field, ".")
+	out := parts[:0]
+	for _, p := range parts {
+		if p != "" && (p[0] < 'A' || p[0] > 'Z') {
+			out = append(out, p)
+		}
 	}
-	return errorf("request", "%s", strings.TrimPrefix(msg, "json: "))
+	return strings.Join(out, ".")
+}
+
+// jsonTypeName describes a Go type as the JSON a request must hold.
+func jsonTypeName(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "a non-negative integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	}
+	return t.String()
+}
+
+// unknownFieldPath returns the JSON path of the first key called name (in
+// document order, breadth first) that the Go type t does not declare at
+// its place; name itself when none is found.
+func unknownFieldPath(raw []byte, t reflect.Type, name string) string {
+	var doc any
+	if json.Unmarshal(raw, &doc) != nil {
+		return name
+	}
+	type node struct {
+		v    any
+		t    reflect.Type
+		path string
+	}
+	join := func(path, key string) string {
+		if path == "" {
+			return key
+		}
+		return path + "." + key
+	}
+	queue := []node{{doc, t, ""}}
+	for len(queue) > 0 {
+		n := queue[0]
+		queue = queue[1:]
+		t := n.t
+		for t.Kind() == reflect.Pointer {
+			t = t.Elem()
+		}
+		switch v := n.v.(type) {
+		case map[string]any:
+			keys := make([]string, 0, len(v))
+			for k := range v {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				switch t.Kind() {
+				case reflect.Struct:
+					ft, ok := jsonField(t, k)
+					if !ok {
+						if k == name {
+							return join(n.path, k)
+						}
+						continue
+					}
+					queue = append(queue, node{v[k], ft, join(n.path, k)})
+				case reflect.Map:
+					queue = append(queue, node{v[k], t.Elem(), join(n.path, k)})
+				}
+			}
+		case []any:
+			if t.Kind() == reflect.Slice || t.Kind() == reflect.Array {
+				for i, e := range v {
+					queue = append(queue, node{e, t.Elem(), fmt.Sprintf("%s[%d]", n.path, i)})
+				}
+			}
+		}
+	}
+	return name
+}
+
+// jsonField returns the type of the field encoding/json decodes key into
+// in struct t: declared fields first, then those of embedded structs
+// (shallower wins, as encoding/json resolves them); names match without
+// regard to case, as encoding/json matches them.
+func jsonField(t reflect.Type, key string) (reflect.Type, bool) {
+	var embedded []reflect.Type
+	for i := range t.NumField() {
+		f := t.Field(i)
+		tag := f.Tag.Get("json")
+		name, _, _ := strings.Cut(tag, ",")
+		if name == "-" && tag == "-" {
+			continue
+		}
+		if f.Anonymous && name == "" {
+			ft := f.Type
+			for ft.Kind() == reflect.Pointer {
+				ft = ft.Elem()
+			}
+			if ft.Kind() == reflect.Struct {
+				embedded = append(embedded, ft)
+				continue
+			}
+		}
+		if !f.IsExported() {
+			continue
+		}
+		if name == "" {
+			name = f.Name
+		}
+		if strings.EqualFold(name, key) {
+			return f.Type, true
+		}
+	}
+	for _, et := range embedded {
+		if ft, ok := jsonField(et, key); ok {
+			return ft, true
+		}
+	}
+	return nil, false
 }
 
 // KVRequest is the KV plan request of every style (the issue's fixed

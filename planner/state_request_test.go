@@ -118,7 +118,7 @@ func TestStateRequestJSON(t *testing.T) {
 	for _, tc := range []struct {
 		name, req, field string
 	}{
-		{"unknown field", `{"style":"sglang-nixl","kind":"aux","prefill":{"aux_ptrs":[1],"aux_item_lens":[1],"bogus":1},"decode":{"aux_ptrs":[2]}}`, "bogus"},
+		{"unknown field", `{"style":"sglang-nixl","kind":"aux","prefill":{"aux_ptrs":[1],"aux_item_lens":[1],"bogus":1},"decode":{"aux_ptrs":[2]}}`, "prefill.bogus"},
 		{"item lens", `{"style":"sglang-nixl","kind":"aux","prefill":{"aux_ptrs":[1,2],"aux_item_lens":[1]},"decode":{"aux_ptrs":[2]}}`, "prefill.aux_item_lens"},
 		{"negative pointer", `{"style":"sglang-nixl","kind":"aux","prefill":{"aux_ptrs":[-1]},"decode":{}}`, "prefill.aux_ptrs"},
 		{"attention", `{"style":"sglang-nixl","kind":"state","attention":"gqa","state_types":[],"prefill":{},"decode":{}}`, "attention"},

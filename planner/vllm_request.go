@@ -54,11 +54,6 @@ func planVLLMKVRequest(raw json.RawMessage) (*Plan, error) {
 func vllmFromJSON(raw json.RawMessage) (*VLLMReader, []int32, []int32, error) {
 	var req vllmKVRequest
 	if err := DecodeStrict(raw, &req); err != nil {
-		// encoding/json names embedded structs in field paths; the request
-		// has no such level.
-		if pe, ok := err.(*Error); ok {
-			return nil, nil, nil, &Error{Field: embeddedNames.Replace(pe.Field), Msg: pe.Msg}
-		}
 		return nil, nil, nil, err
 	}
 	mla, err := req.MLA()
@@ -149,6 +144,9 @@ func (s *vllmSideJSON) agent(name string, pageSize int) (VLLMAgent, error) {
 	if side.StartLayer != 0 {
 		return VLLMAgent{}, errorf(name+".start_layer", "vLLM pull plans have no pipeline-parallel layer offset")
 	}
+	if side.DraftLayersKnown {
+		return VLLMAgent{}, errorf(name+".draft_layers", "SGLang only: vLLM registers no decode-only draft layers")
+	}
 	if side.NumPages > math.MaxInt32 {
 		return VLLMAgent{}, errorf(name+".num_pages", "%d blocks exceed the int32 descriptor ids", side.NumPages)
 	}
@@ -179,8 +177,6 @@ func (s *vllmSideJSON) agent(name string, pageSize int) (VLLMAgent, error) {
 	}
 	return a, nil
 }
-
-var embeddedNames = strings.NewReplacer("KVRequest.", "", "KVSideJSON.", "")
 
 // vllmJSONFields maps the Go API's field names (vLLM's) onto the request's.
 var vllmJSONFields = strings.NewReplacer(

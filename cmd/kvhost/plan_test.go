@@ -84,7 +84,7 @@ func TestPlanCommandErrors(t *testing.T) {
 		{`{"style":"sglang-nixl","attention":"mha"`, nil, "plan: request: empty or truncated JSON"},
 		{strings.Replace(sliceRequest, `"kv_item_lens":[16,16]`, `"kv_item_lens":[16]`, 1), nil,
 			"plan: decode.kv_item_lens: length mismatch: got 1, expected 2"},
-		{strings.Replace(sliceRequest, `"page_size":2`, `"page_size":"2"`, 1), nil, "plan: page_size: want int, got JSON string"},
+		{strings.Replace(sliceRequest, `"page_size":2`, `"page_size":"2"`, 1), nil, "plan: page_size: want an integer, got JSON string"},
 		{strings.Replace(sliceRequest, `[3,4]`, `[3,40]`, 1), nil, "plan: prefill_pages[1]: page 40 outside [0, 8)"},
 		{sliceRequest, []string{"--in", "/nonexistent/req.json"}, "plan: --in: open /nonexistent/req.json"},
 		{sliceRequest, []string{"extra"}, `plan: unexpected argument "extra"`},
