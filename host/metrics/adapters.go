@@ -1,0 +1,65 @@
+package metrics
+
+import (
+	"time"
+
+	"github.com/kvhost/kvhost/host/pull"
+	"github.com/kvhost/kvhost/host/push"
+)
+
+// PushObserver adapts m to the push runtime's observer (SGLang style):
+// transfers feed the NIXL histograms (failed ones the failure counter and
+// the plugin error counter), room changes kvhost_room_transitions_total,
+// failures kvhost_room_failures_total, bootstrap-server steps
+// kvhost_bootstrap_duration_seconds and peer registrations
+// kvhost_handshake_duration_seconds{kind="peer_registration"}.
+func (m *Metrics) PushObserver() push.Observer { return pushObserver{m} }
+
+type pushObserver struct{ m *Metrics }
+
+func (o pushObserver) Transfer(e push.TransferEvent) {
+	if e.Err != nil {
+		o.m.FailedTransfer(e.Err)
+		return
+	}
+	o.m.ObserveTransfer(e.Xfer, e.Post, e.Bytes, e.Descs)
+}
+
+func (o pushObserver) Failure(e push.FailureEvent) { o.m.RoomFailed(e.Remote) }
+
+func (o pushObserver) Room(e push.RoomEvent) {
+	if e.New || e.From != e.To {
+		o.m.RoomEntered(e.To.String())
+	}
+}
+
+func (o pushObserver) Handshake(e push.HandshakeEvent) {
+	switch e.Kind {
+	case push.HandshakePeer:
+		o.m.Handshake(e.Kind.String(), e.Latency, e.Err)
+	default: // register_bootstrap, parallel_info, route, heartbeat
+		o.m.Bootstrap(e.Kind.String(), e.Latency, e.Err)
+	}
+}
+
+// PullObserver adapts m to the pull runtime's observer (vLLM style):
+// READs feed the NIXL histograms and counters exactly as vLLM's
+// NixlKVConnectorStats does, handshakes
+// kvhost_handshake_duration_seconds{kind="vllm_handshake"}, and the
+// prefill's releases and unusable notifications their counters.
+func (m *Metrics) PullObserver() pull.Observer { return pullObserver{m} }
+
+type pullObserver struct{ m *Metrics }
+
+func (o pullObserver) Transfer(t pull.TransferStat) {
+	o.m.ObserveTransfer(t.Xfer, t.Post, t.Bytes, t.Descs)
+}
+func (o pullObserver) FailedTransfer()     { o.m.FailedTransfer(nil) }
+func (o pullObserver) FailedNotification() { o.m.FailedNotification() }
+func (o pullObserver) Handshake(d time.Duration, err error) {
+	o.m.Handshake("vllm_handshake", d, err)
+}
+func (o pullObserver) Released(r pull.Release) { o.m.released.WithLabelValues(string(r.Reason)).Inc() }
+func (o pullObserver) BadNotification(r pull.BadNotifReason) {
+	o.m.badNotifs.WithLabelValues(string(r)).Inc()
+}

@@ -1,0 +1,258 @@
+// Package metrics exposes a kvhost worker's transfer statistics to
+// Prometheus and answers health checks.
+//
+// # Metric set
+//
+// The six NIXL metrics of vLLM's NixlPromMetrics, under a kvhost_ prefix
+// and with the reference's help texts and buckets (host/pull.MetricSpecs is
+// the one list of them), so dashboards built for vLLM carry over by
+// replacing "vllm:" with "kvhost_":
+//
+//	kvhost_nixl_xfer_time_seconds               histogram  post to completion
+//	kvhost_nixl_post_time_seconds               histogram  inside post
+//	kvhost_nixl_bytes_transferred               histogram  bytes per transfer
+//	kvhost_nixl_num_descriptors                 histogram  descriptors per transfer
+//	kvhost_nixl_num_failed_transfers_total      counter
+//	kvhost_nixl_num_failed_notifications_total  counter
+//
+// (Python's prometheus_client exposes a counter named x as x_total; so do
+// these.) kvhost adds:
+//
+//	kvhost_room_transitions_total{state}         counter  rooms entering each KVPoll state
+//	kvhost_rooms{state}                          gauge    rooms held now, by state (when the
+//	                                                      worker sets a RoomSource)
+//	kvhost_room_failures_total{origin}           counter  failed rooms: origin local or remote
+//	kvhost_handshake_duration_seconds{kind,result}  histogram  peer handshakes
+//	kvhost_bootstrap_duration_seconds{step,result}  histogram  bootstrap-server calls
+//	kvhost_plugin_errors_total{op,code}          counter  plugin errors, by ABI function and status
+//	kvhost_requests_released_total{reason}       counter  pull prefill: held requests freed
+//	kvhost_bad_notifications_total{reason}       counter  pull prefill: unusable notifications
+//	kvhost_ready                                 gauge    1 once the worker serves
+//
+// Every metric carries the constant labels given to New: a worker process
+// passes its role ("prefill" or "decode") and whatever identifies it (engine
+// id, rank). One Metrics serves one worker; a process hosting several
+// workers (kvhost demo --in-process) makes one per worker.
+//
+// # Feeding it
+//
+// The runtimes report events through their observer interfaces;
+// PushObserver and PullObserver adapt a Metrics to them. Anything else can
+// call the Observe* methods. All methods are safe for concurrent use and
+// cheap (no allocation on the transfer path).
+//
+// # Serving
+//
+// Handler serves /metrics and /health; Serve listens on an address until
+// its context ends. /health answers 200 "ok" once SetReady(true) was called
+// and 503 before, so an orchestrator waits for the worker's registration.
+package metrics
+
+import (
+	"errors"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
+)
+
+// Prefix starts every kvhost metric name.
+const Prefix = "kvhost_"
+
+// latencyBuckets are the buckets of the handshake and bootstrap
+// histograms: 0.5 ms to about 16 s, doubling.
+var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 16)
+
+// Metrics is the metric set of one worker process, in its own registry.
+type Metrics struct {
+	reg *prometheus.Registry
+
+	xferTime, postTime, bytes, descs  prometheus.Histogram
+	failedXfers, failedNotifs         prometheus.Counter
+	roomTransitions, roomFailures     *prometheus.CounterVec
+	handshake, bootstrap              *prometheus.HistogramVec
+	pluginErrors, released, badNotifs *prometheus.CounterVec
+	ready                             prometheus.Gauge
+	isReady                           atomic.Bool
+
+	mu     sync.Mutex
+	source RoomSource // nil: kvhost_rooms is absent
+}
+
+// RoomSource reports the rooms a worker holds now: fn is called at every
+// scrape with a function to call once per state with its count.
+type RoomSource func(count func(state string, n int))
+
+// New returns a metric set whose metrics all carry constLabels (nil for
+// none), with Go runtime and process collectors beside them.
+func New(constLabels prometheus.Labels) *Metrics {
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	specs := map[string]pull.MetricSpec{}
+	for _, s := range pull.MetricSpecs() {
+		specs[s.Name] = s
+	}
+	hist := func(name string) prometheus.Histogram {
+		s := specs[name]
+		return prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: Prefix + s.Name, Help: s.Help, Buckets: s.Buckets, ConstLabels: constLabels})
+	}
+	counter := func(name string) prometheus.Counter {
+		s := specs[name]
+		return prometheus.NewCounter(prometheus.CounterOpts{
+			Name: Prefix + s.Name + "_total", Help: s.Help, ConstLabels: constLabels})
+	}
+	m.xferTime = hist("nixl_xfer_time_seconds")
+	m.postTime = hist("nixl_post_time_seconds")
+	m.bytes = hist("nixl_bytes_transferred")
+	m.descs = hist("nixl_num_descriptors")
+	m.failedXfers = counter("nixl_num_failed_transfers")
+	m.failedNotifs = counter("nixl_num_failed_notifications")
+	m.roomTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: Prefix + "room_transitions_total", ConstLabels: constLabels,
+		Help: "Rooms (requests) entering each KVPoll state.",
+	}, []string{"state"})
+	m.roomFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: Prefix + "room_failures_total", ConstLabels: constLabels,
+		Help: "Rooms (requests) that failed, by where the failure was detected (local, or remote: reported by the peer).",
+	}, []string{"origin"})
+	m.handshake = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: Prefix + "handshake_duration_seconds", Buckets: latencyBuckets, ConstLabels: constLabels,
+		Help: "Duration of handshakes with peer workers (metadata exchange, loading, list preparation), by kind and result.",
+	}, []string{"kind", "result"})
+	m.bootstrap = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: Prefix + "bootstrap_duration_seconds", Buckets: latencyBuckets, ConstLabels: constLabels,
+		Help: "Duration of calls to the bootstrap server (registration, parallel info, route lookup, heartbeat), by step and result.",
+	}, []string{"step", "result"})
+	m.pluginErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: Prefix + "plugin_errors_total", ConstLabels: constLabels,
+		Help: "Errors returned by the transfer plugin, by ABI function and status code.",
+	}, []string{"op", "code"})
+	m.released = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: Prefix + "requests_released_total", ConstLabels: constLabels,
+		Help: "Requests a pull-style prefill stopped holding, by reason (notified, expired, aborted).",
+	}, []string{"reason"})
+	m.badNotifs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: Prefix + "bad_notifications_total", ConstLabels: constLabels,
+		Help: "Notifications a pull-style prefill could not use, by reason.",
+	}, []string{"reason"})
+	m.ready = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: Prefix + "ready", ConstLabels: constLabels,
+		Help: "1 once the worker is registered and serving, else 0.",
+	})
+	m.reg.MustRegister(m.xferTime, m.postTime, m.bytes, m.descs, m.failedXfers, m.failedNotifs,
+		m.roomTransitions, m.roomFailures, m.handshake, m.bootstrap, m.pluginErrors, m.released,
+		m.badNotifs, m.ready, &roomCollector{m: m, desc: prometheus.NewDesc(Prefix+"rooms",
+			"Rooms (requests) the worker holds now, by KVPoll state.", []string{"state"}, constLabels)},
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Registry returns the registry holding the metrics (to add more, or to
+// gather them in tests).
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// ObserveTransfer records one completed transfer: post to completion time,
+// time inside post, bytes and descriptors (record_transfer).
+func (m *Metrics) ObserveTransfer(xfer, post time.Duration, bytes, descs uint64) {
+	m.xferTime.Observe(xfer.Seconds())
+	m.postTime.Observe(post.Seconds())
+	m.bytes.Observe(float64(bytes))
+	m.descs.Observe(float64(descs))
+}
+
+// FailedTransfer counts a transfer that could not be made or posted, failed
+// or timed out. A plugin error in err is also counted by ABI function and
+// code (err may be nil).
+func (m *Metrics) FailedTransfer(err error) {
+	m.failedXfers.Inc()
+	m.PluginError(err)
+}
+
+// FailedNotification counts a notification that could not be sent.
+func (m *Metrics) FailedNotification() { m.failedNotifs.Inc() }
+
+// PluginError counts err by ABI function and status code if it is (or
+// wraps) a *plugin.Error; other errors and nil are ignored.
+func (m *Metrics) PluginError(err error) {
+	var pe *plugin.Error
+	if errors.As(err, &pe) {
+		m.pluginErrors.WithLabelValues(pe.Op, strconv.Itoa(int(pe.Code))).Inc()
+	}
+}
+
+// Handshake records a handshake with a peer of the given kind.
+func (m *Metrics) Handshake(kind string, d time.Duration, err error) {
+	m.handshake.WithLabelValues(kind, result(err)).Observe(d.Seconds())
+}
+
+// Bootstrap records a call to the bootstrap server.
+func (m *Metrics) Bootstrap(step string, d time.Duration, err error) {
+	m.bootstrap.WithLabelValues(step, result(err)).Observe(d.Seconds())
+}
+
+func result(err error) string {
+	if err != nil {
+		return "error"
+	}
+	return "ok"
+}
+
+// RoomEntered counts a room entering state (a KVPoll name).
+func (m *Metrics) RoomEntered(state string) {
+	m.roomTransitions.WithLabelValues(state).Inc()
+}
+
+// RoomFailed counts a failed room; remote is true when the peer reported it.
+func (m *Metrics) RoomFailed(remote bool) {
+	origin := "local"
+	if remote {
+		origin = "remote"
+	}
+	m.roomFailures.WithLabelValues(origin).Inc()
+}
+
+// SetRoomSource makes kvhost_rooms report what fn counts at each scrape
+// (nil removes it). fn must name each state at most once.
+func (m *Metrics) SetRoomSource(fn RoomSource) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.source = fn
+}
+
+// SetReady marks the worker ready (or not) for /health and kvhost_ready.
+func (m *Metrics) SetReady(ready bool) {
+	m.isReady.Store(ready)
+	if ready {
+		m.ready.Set(1)
+	} else {
+		m.ready.Set(0)
+	}
+}
+
+// Ready reports what SetReady last set.
+func (m *Metrics) Ready() bool { return m.isReady.Load() }
+
+// roomCollector turns the RoomSources into kvhost_rooms at scrape time.
+type roomCollector struct {
+	m    *Metrics
+	desc *prometheus.Desc
+}
+
+func (c *roomCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *roomCollector) Collect(ch chan<- prometheus.Metric) {
+	c.m.mu.Lock()
+	fn := c.m.source
+	c.m.mu.Unlock()
+	if fn != nil {
+		fn(func(state string, n int) {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), state)
+		})
+	}
+}
