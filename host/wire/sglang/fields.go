@@ -104,6 +104,19 @@ func (r *frameReader) int(i int, field string) int64 {
 	return v
 }
 
+// prefixLen parses decode_prefix_len. The reference would take a negative
+// value as a (truthy) prefix hit; no sender writes one (NIXL writes
+// str(x or 0), MORI only x > 0), and a negative token count means nothing,
+// so it is malformed here.
+func (r *frameReader) prefixLen(i int) int64 {
+	v := r.int(i, "decode_prefix_len")
+	if r.err == nil && v < 0 {
+		r.fail(i, "decode_prefix_len", "negative: %d", v)
+		return 0
+	}
+	return v
+}
+
 func (r *frameReader) uint(i int, field string) uint64 {
 	b := r.raw(i)
 	if r.err != nil {

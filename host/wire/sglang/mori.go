@@ -319,7 +319,7 @@ func parseMoriTransferInfo(payload [][]byte) (*MoriTransferInfo, error) {
 		m.RequiredDstInfoNum = r.smallInt(7, "required_dst_info_num")
 	}
 	if r.present(8) {
-		m.DecodePrefixLen = r.int(8, "decode_prefix_len")
+		m.DecodePrefixLen = r.prefixLen(8)
 		m.DecodePrefixLenSet = true
 	}
 	if r.err != nil {

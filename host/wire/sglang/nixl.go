@@ -144,7 +144,8 @@ type NixlTransferInfo struct {
 	DstStateIndices    [][]int32 // per state component; nil when not sent
 	// DecodePrefixLen is the number of tokens decode already holds;
 	// DecodePrefixLenSet is false when the frame was missing or empty
-	// (Python None). The NIXL sender always writes it ("0" for none).
+	// (Python None). The NIXL sender always writes it ("0" for none), and
+	// so does Frames: an unset length is sent as "0".
 	DecodePrefixLen    int64
 	DecodePrefixLenSet bool
 }
@@ -278,7 +279,7 @@ func parseNixlTransferInfo(payload [][]byte) (*NixlTransferInfo, error) {
 		m.DstStateIndices = r.int32Lists(7, "dst state indices")
 	}
 	if r.present(8) {
-		m.DecodePrefixLen = r.int(8, "decode_prefix_len")
+		m.DecodePrefixLen = r.prefixLen(8)
 		m.DecodePrefixLenSet = true
 	}
 	if r.err != nil {
