@@ -221,7 +221,7 @@ const DefaultMaxDescriptors = 1 << 26
 // Poll backoff of the Receiver's poller.
 const (
 	pollMinSleep = 20 * time.Microsecond
-	pollMaxSleep = time.Millisecond
+	pollMaxSleep = 200 * time.Microsecond
 )
 
 // NewReceiver checks the rank's geometry, registers its KV cache and starts

@@ -117,7 +117,7 @@ type child struct {
 	done  chan struct{} // closed once the child was reaped
 }
 
-func startChild(t *testing.T, role string, spec childSpec) *child {
+func startChild(t testing.TB, role string, spec childSpec) *child {
 	t.Helper()
 	b, err := json.Marshal(spec)
 	if err != nil {
@@ -165,7 +165,7 @@ func startChild(t *testing.T, role string, spec childSpec) *child {
 }
 
 // line reads the child's next stdout line as JSON into v.
-func (c *child) line(t *testing.T, v any) {
+func (c *child) line(t testing.TB, v any) {
 	t.Helper()
 	select {
 	case b, ok := <-c.lines:
