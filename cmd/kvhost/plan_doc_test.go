@@ -8,7 +8,9 @@ import (
 
 // TestPlanDocExamples runs every worked example of docs/plan.md: a
 // "```json request" block followed by a "```json response [flags]" block
-// must produce exactly that response.
+// must produce exactly that response, and one followed by a
+// "```text error" block must fail with exactly that line (as main prints
+// it).
 func TestPlanDocExamples(t *testing.T) {
 	doc, err := os.ReadFile("../../docs/plan.md")
 	if err != nil {
@@ -20,7 +22,10 @@ func TestPlanDocExamples(t *testing.T) {
 	for i := 0; i < len(lines); i++ {
 		info, ok := strings.CutPrefix(lines[i], "```json ")
 		if !ok {
-			continue
+			if lines[i] != "```text error" {
+				continue
+			}
+			info = "error"
 		}
 		var body []string
 		for i++; i < len(lines) && lines[i] != "```"; i++ {
@@ -28,12 +33,20 @@ func TestPlanDocExamples(t *testing.T) {
 		}
 		blocks = append(blocks, block{info, strings.Join(body, "\n")})
 	}
-	examples := 0
+	examples, errExamples := 0, 0
 	for i := 0; i+1 < len(blocks); i++ {
 		if blocks[i].info != "request" {
 			continue
 		}
 		resp := blocks[i+1]
+		if resp.info == "error" {
+			_, err := runKvhost(t, blocks[i].body, "plan")
+			if err == nil || "kvhost: "+err.Error() != strings.TrimSpace(resp.body) {
+				t.Errorf("error example %d: kvhost plan fails with\n%v\nthe doc shows\n%s", errExamples, err, resp.body)
+			}
+			errExamples++
+			continue
+		}
 		args, ok := strings.CutPrefix(resp.info, "response")
 		if !ok {
 			t.Fatalf("request block %d is not followed by a response block", i)
@@ -46,7 +59,7 @@ func TestPlanDocExamples(t *testing.T) {
 		}
 		examples++
 	}
-	if examples < 10 {
-		t.Errorf("found %d examples in docs/plan.md", examples)
+	if examples < 10 || errExamples < 4 {
+		t.Errorf("found %d examples and %d error examples in docs/plan.md", examples, errExamples)
 	}
 }
