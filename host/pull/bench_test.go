@@ -54,6 +54,7 @@ func benchPull(b *testing.B, g geom, n int) {
 		b.Fatal(res.Err)
 	}
 	var pullT, copyT time.Duration
+	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		pb, lb := randBlocks(rng, n, g.blocks), randBlocks(rng, n, g.blocks)

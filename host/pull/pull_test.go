@@ -169,6 +169,9 @@ func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
 			t.Fatalf("rank %d stats: %d transfers (want %d), %d failed, %d failed notifications",
 				rank, len(st.Transfers), requests-full, st.FailedTransfers, st.FailedNotifications)
 		}
+		if n := rx.Pending(); n != 0 {
+			t.Fatalf("rank %d: %d loads still pending", rank, n)
+		}
 		if peers := rx.Peers(); len(peers) != 1 {
 			t.Fatalf("rank %d: %d handshakes, want 1", rank, len(peers))
 		}

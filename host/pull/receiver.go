@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -179,6 +180,8 @@ type Receiver struct {
 
 	reorderMu  sync.Mutex
 	reorderBuf []byte
+
+	pendingLoads atomic.Int64 // loads not finished yet
 }
 
 // peer is one remote engine as this rank sees it. Fields other than
@@ -296,6 +299,7 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	req.LocalBlockIDs = slices.Clone(req.LocalBlockIDs)
 	req.Params.RemoteBlockIDs = slices.Clone(req.Params.RemoteBlockIDs)
 	l := &Load{req: req, start: time.Now(), done: make(chan struct{})}
+	r.pendingLoads.Add(1)
 	p := &req.Params
 	if err := p.checkPull(); err != nil {
 		r.fail(l, err, false)
@@ -701,8 +705,13 @@ func (r *Receiver) finish(l *Load, res LoadResult) {
 	res.RequestID = l.req.RequestID
 	res.Latency = time.Since(l.start)
 	l.res = res
+	r.pendingLoads.Add(-1)
 	close(l.done)
 }
+
+// Pending returns the loads started and not finished yet (waiting for a
+// handshake or reading): a gauge for metrics.
+func (r *Receiver) Pending() int { return int(r.pendingLoads.Load()) }
 
 // BlockIDsWithLoadErrors returns, sorted, and forgets the local blocks
 // that failed to load since the last call (the reference's

@@ -72,7 +72,8 @@ type SenderConfig struct {
 	// host of Listen, which must then be a concrete address.
 	AdvertiseHost string
 	// AbortTimeout is how long blocks stay held without every notification;
-	// 0 means DefaultAbortTimeout.
+	// 0 means DefaultAbortTimeout. The Sender reads no environment: pass
+	// AbortTimeoutFromEnv() to honour VLLM_NIXL_ABORT_REQUEST_TIMEOUT.
 	AbortTimeout time.Duration
 	// OnRelease is called exactly once per held request when the Sender
 	// stops holding it (from the Sender's goroutine; do not block in it).
