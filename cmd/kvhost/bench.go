@@ -30,12 +30,14 @@ func init() {
 			"nixlbench (and bin/nixl-bench-direct, the direct-NIXL baseline): block size, batch size,\n" +
 			"bandwidth (1e9 bytes/s), average latency of a whole iteration, average and p99 of the prep\n" +
 			"(making the transfer), post, and transfer (post to completion) times in µs.\n\n" +
-			"Each row is measured in --rounds rounds, alternating with a raw baseline moving the same\n" +
-			"bytes with the same block shape and threads: memcpy (the faster of Go's copy and libc's\n" +
-			"memcpy) with both agents in this process, process_vm_writev/readv with the target agent in\n" +
-			"a second process (--procs 2: kvhost re-executed). Base is the baseline's rate, Eff. the\n" +
-			"median over rounds of the row's rate over the baseline's. After a row the destination is\n" +
-			"cleared, moved once more and checked byte for byte (Verified).\n\n" +
+			"The raw baseline of this machine is measured in the same run: every thread alternates one\n" +
+			"transfer with one raw copy of the same blocks between the same buffers, so load from\n" +
+			"elsewhere hits both alike: memcpy (Go's copy and libc's memcpy, the faster counts) with both\n" +
+			"agents in this process, process_vm_writev/readv with the target agent in a second process\n" +
+			"(--procs 2: kvhost re-executed, metadata over a pipe). B/W and Base are medians over\n" +
+			"--rounds rounds, Eff. the median of the per-round ratios. After a row the destination is\n" +
+			"cleared, moved once more and checked byte for byte (Verified; in the target process for\n" +
+			"--procs 2). Any failed transfer or check fails the run (exit status 1).\n\n" +
 			"Sizes take K, M, G suffixes (binary); LO..HI is every power of two times LO up to HI.\n" +
 			"The progress bar (stderr) shows only on a terminal and never with --json or --csv.",
 		Flags: []cli.Flag{
@@ -47,8 +49,8 @@ func init() {
 			&cli.StringFlag{Name: "threads", Value: "1", Usage: "goroutines posting at once, each on its own blocks, a comma list"},
 			&cli.IntFlag{Name: "warmup", Value: 4, Usage: "untimed iterations per thread before each row"},
 			&cli.IntFlag{Name: "iters", Value: 20, Usage: "timed iterations per thread and row, at least"},
-			&cli.DurationFlag{Name: "time", Value: bench.Defaults().Time, Usage: "timed duration per row, at least (split over the rounds)"},
-			&cli.IntFlag{Name: "rounds", Value: 5, Usage: "rounds per row, each the subject then the baseline (alternating order)"},
+			&cli.DurationFlag{Name: "time", Value: bench.Defaults().Time, Usage: "duration per row, at least, transfers and baseline copies together (split over the rounds)"},
+			&cli.IntFlag{Name: "rounds", Value: 5, Usage: "rounds per row; rates are medians over rounds"},
 			&cli.StringFlag{Name: "max-buffer", Value: "256M", Usage: "skip rows needing more than this per side (block x batch x threads)"},
 			&cli.StringSliceFlag{Name: "param", Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2"},
 			&cli.BoolFlag{Name: "telemetry", Usage: "also read the plugin's telemetry each transfer and report its own post and transfer time (JSON, CSV)"},

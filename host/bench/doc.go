@@ -24,12 +24,13 @@
 //
 // # Baselines and efficiency
 //
-// Each row is measured in rounds. In every round the subject (the plugin)
-// runs for its share of the row's time and the baseline then moves the same
-// bytes between the same buffers with the same block shape and the same
-// number of threads, so a load change on a shared machine hits both alike;
-// the order alternates between rounds. The baseline is the raw copy a program
-// would do without kvhost:
+// Each row is measured in rounds. In a round every thread alternates one
+// transfer with one run of each baseline copier over its own blocks (the
+// order rotating), until the round's share of the row's time and
+// iterations is done; so a load change on a shared machine hits the subject
+// and the baseline alike. A rate is the bytes over the time spent in that
+// kind of iteration, summed over threads. The baseline is the raw copy a
+// program would do without kvhost:
 //
 //   - same process: memcpy. Both Go's copy and libc's memcpy (through purego,
 //     what the fake plugin calls) run every round and the faster one counts,
