@@ -134,6 +134,16 @@ func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
 			if !res.NotifyOnly && (res.Stat.Bytes == 0 || res.Stat.Descs == 0) {
 				t.Fatalf("%s rank %d: READ without bytes or descriptors: %+v", r.id, rank, res.Stat)
 			}
+			// The reference's READ: one descriptor per (virtual region, block read).
+			if !res.NotifyOnly && c.decode.blockSize == c.prefill.blockSize {
+				regions := len(ds.pools[rank].Regions())
+				if c.decode.blocksFirst {
+					regions *= 2
+				}
+				if want := uint64(regions * (len(r.local) - r.hit)); res.Stat.Descs != want {
+					t.Fatalf("%s rank %d: %d descriptors, the reference's READ has %d", r.id, rank, res.Stat.Descs, want)
+				}
+			}
 		}
 		for rank, p := range ds.pools {
 			if err := p.Verify(kvpool.Tokens{Request: uint64(1000 + i), Pages: r.local, Count: r.tokens}); err != nil {
