@@ -490,6 +490,13 @@ func TestFakeHotPathAllocations(t *testing.T) {
 				}); allocs != 0 {
 					t.Errorf("Post+Poll allocates %v times", allocs)
 				}
+				if allocs := testing.AllocsPerRun(100, func() {
+					if _, err := x.Telemetry(); err != nil {
+						t.Fatal(err)
+					}
+				}); allocs != 0 {
+					t.Errorf("Telemetry allocates %v times", allocs)
+				}
 				x.Close()
 				l.Close()
 				r.Close()

@@ -30,10 +30,11 @@ type Xfer struct {
 	// peer answers ErrInvalidParam, which Close then ignores.
 	tmpPeer *peer
 
-	// Args of the hot calls, kept in the (heap) Xfer so that posting and
-	// polling allocate nothing.
+	// Args of the hot calls, kept in the (heap) Xfer so that posting,
+	// polling and reading telemetry allocate nothing; guarded by mu.
 	post abi.PostXferArgs
 	poll abi.PollXferArgs
+	tel  abi.XferTelemetryArgs
 	slot [1]uintptr // callHeap's argument buffer, guarded by mu
 }
 
@@ -73,6 +74,7 @@ func (a *Agent) newXfer(h abi.Xfer, op abi.Op, descs int, shaped bool) *Xfer {
 	x := &Xfer{a: a, op: op, h: h, descs: descs, shaped: shaped}
 	x.post = abi.PostXferArgs{StructSize: abi.PostXferArgsSize, Agent: a.h, Xfer: h}
 	x.poll = abi.PollXferArgs{StructSize: abi.PollXferArgsSize, Agent: a.h, Xfer: h}
+	x.tel = abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: a.h, Xfer: h}
 	return x
 }
 
@@ -425,7 +427,7 @@ func (x *Xfer) Wait(ctx context.Context) error {
 }
 
 // Telemetry returns the telemetry of the last completed post (needs
-// CapTelemetry; ErrNoTelemetry before completion).
+// CapTelemetry; ErrNoTelemetry before completion). It allocates nothing.
 func (x *Xfer) Telemetry() (Telemetry, error) {
 	if err := x.a.needCaps("xfer_telemetry", abi.CapTelemetry); err != nil {
 		return Telemetry{}, err
@@ -434,8 +436,9 @@ func (x *Xfer) Telemetry() (Telemetry, error) {
 		return Telemetry{}, err
 	}
 	defer x.unlock()
-	args := &abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: x.a.h, Xfer: x.h}
-	if err := x.a.check("xfer_telemetry", callC(x.a.p.api.XferTelemetry, unsafe.Pointer(args))); err != nil {
+	args := &x.tel
+	args.StartUs, args.PostUs, args.XferUs, args.TotalBytes, args.DescCount = 0, 0, 0, 0, 0
+	if err := x.a.check("xfer_telemetry", callHeap(x.a.p.api.XferTelemetry, unsafe.Pointer(args), &x.slot)); err != nil {
 		return Telemetry{}, err
 	}
 	t := Telemetry{
