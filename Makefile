@@ -137,12 +137,59 @@ bin/nixl-bench-direct: plugins/nixl/bench_direct.cc build/nixl/config
 	@mkdir -p bin
 	$(CXX) $(filter-out -fvisibility=hidden,$(NIXL_CXXFLAGS)) -o $@ plugins/nixl/bench_direct.cc $(NIXL_LDFLAGS)
 
+# plugin-mori builds the MORI-IO shim against an installed MORI (see
+# plugins/mori/README.md). MORI_PREFIX is either a CMake install prefix
+# (include/mori/io/io.hpp, lib/libmori_io.so) or the folder of the `mori`
+# Python package (site-packages/mori: libmori_io.so, _jit-sources/include,
+# _jit-sources/3rdparty). MORI's public IO headers also include msgpack-c,
+# spdlog, HIP and libibverbs headers: MORI_DEP_INCLUDES lists the folders
+# that hold them (default: the wheel's or MORI_SRC's 3rdparty copies and
+# $(ROCM_PATH)/include; libibverbs-dev is expected in /usr/include).
+# -std=c++20: MORI's rdma.hpp needs it under g++ (constexpr std::equal).
+ROCM_PATH ?= /opt/rocm
+MORI_INCDIR ?= $(firstword $(foreach d,$(MORI_PREFIX)/include $(MORI_PREFIX)/_jit-sources/include,$(if $(wildcard $(d)/mori/io/io.hpp),$(d))))
+MORI_LIBDIR ?= $(firstword $(foreach d,$(MORI_PREFIX)/lib $(MORI_PREFIX)/lib64 $(MORI_PREFIX),$(if $(wildcard $(d)/libmori_io.so),$(d))))
+MORI_3RDPARTY ?= $(firstword $(wildcard $(MORI_PREFIX)/_jit-sources/3rdparty $(if $(MORI_SRC),$(MORI_SRC)/3rdparty)))
+MORI_DEP_INCLUDES ?= $(wildcard $(MORI_3RDPARTY)/msgpack-c/include $(MORI_3RDPARTY)/spdlog/include) $(ROCM_PATH)/include
+MORI_CXXFLAGS = $(subst -std=c++17,-std=c++20,$(CXXFLAGS_PLUGIN)) -DMSGPACK_NO_BOOST -D__HIP_PLATFORM_AMD__ \
+  -Iabi -Iplugins/common -isystem $(MORI_INCDIR) $(foreach d,$(MORI_DEP_INCLUDES),-isystem $(d))
+MORI_LDFLAGS = -L$(MORI_LIBDIR) -Wl,-rpath,$(MORI_LIBDIR) -Wl,-rpath-link,$(ROCM_PATH)/lib \
+  -Wl,-z,defs -lmori_io -pthread
+MORI_HEADER_TEST = for h in msgpack.hpp spdlog/spdlog.h hip/hip_runtime_api.h infiniband/verbs.h; do \
+  printf '\#include <%s>\n' $$h | $(CXX) $(MORI_CXXFLAGS) -E -x c++ - >/dev/null 2>&1 || printf '%s ' $$h; done
+
 plugin-mori:
 	@if [ -z "$(MORI_PREFIX)" ]; then \
-	  echo "plugin-mori: set MORI_PREFIX to an installed MORI-IO (headers in \$$MORI_PREFIX/include, libraries in \$$MORI_PREFIX/lib), e.g. make plugin-mori MORI_PREFIX=/opt/mori" >&2; \
+	  echo "plugin-mori: set MORI_PREFIX to an installed MORI-IO: a CMake install prefix (headers in \$$MORI_PREFIX/include, libraries in \$$MORI_PREFIX/lib) or the mori Python package folder (site-packages/mori), e.g. make plugin-mori MORI_PREFIX=/opt/mori" >&2; \
 	  exit 2; \
 	fi
-	@echo "plugin-mori: not implemented yet" >&2; exit 2
+	@if [ -z "$(MORI_INCDIR)" ]; then \
+	  echo "plugin-mori: mori/io/io.hpp not found in $(MORI_PREFIX)/include or $(MORI_PREFIX)/_jit-sources/include (set MORI_INCDIR)" >&2; exit 2; \
+	fi
+	@if [ -z "$(MORI_LIBDIR)" ]; then \
+	  echo "plugin-mori: libmori_io.so not found in $(MORI_PREFIX)/lib, lib64 or $(MORI_PREFIX) (set MORI_LIBDIR)" >&2; exit 2; \
+	fi
+	@missing=$$($(MORI_HEADER_TEST)); if [ -n "$$missing" ]; then \
+	  echo "plugin-mori: headers that MORI's IO headers include were not found: $$missing" >&2; \
+	  echo "  msgpack.hpp, spdlog/: MORI's 3rdparty copies (set MORI_SRC to a MORI source tree, or MORI_DEP_INCLUDES)" >&2; \
+	  echo "  hip/hip_runtime_api.h: ROCm (set ROCM_PATH, now $(ROCM_PATH)); infiniband/verbs.h: libibverbs-dev" >&2; \
+	  exit 2; \
+	fi
+	@mkdir -p build/mori
+	@echo "$(MORI_INCDIR) $(MORI_LIBDIR) $(MORI_DEP_INCLUDES)" > build/mori/config.new; \
+	  cmp -s build/mori/config.new build/mori/config || mv build/mori/config.new build/mori/config
+	@$(MAKE) --no-print-directory $(PLUGIN_DIR)/libkvhost_mori.so MORI_INCDIR=$(MORI_INCDIR) \
+	  MORI_LIBDIR=$(MORI_LIBDIR) MORI_DEP_INCLUDES="$(MORI_DEP_INCLUDES)"
+
+# Rebuilt when the MORI found (build/mori/config) or the sources change.
+$(PLUGIN_DIR)/libkvhost_mori.so: plugins/mori/mori_plugin.cc build/mori/kvp_util.o build/mori/config $(COMMON_HDR)
+	@mkdir -p $(PLUGIN_DIR)
+	@echo "plugin-mori: MORI headers $(MORI_INCDIR), libmori_io.so in $(MORI_LIBDIR)"
+	$(CXX) $(MORI_CXXFLAGS) -shared -o $@ plugins/mori/mori_plugin.cc build/mori/kvp_util.o $(MORI_LDFLAGS)
+
+build/mori/kvp_util.o: $(COMMON_SRC) $(COMMON_HDR)
+	@mkdir -p build/mori
+	$(CC) $(CFLAGS_PLUGIN) -Iabi -Iplugins/common -c -o $@ $(COMMON_SRC)
 
 vet:
 	$(GO) vet ./...

@@ -989,10 +989,6 @@ kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
                               args->blob_len, &rr->desc))
       return e;
     const mio::MemoryDesc &d = rr->desc;
-    if (d.engineKey != name)
-      return kvp_err(KVP_ERR_MISMATCH,
-                     "remote_region_import: blob belongs to engine %s, not to peer %s",
-                     d.engineKey.c_str(), name.c_str());
     if (d.data == 0 || d.size == 0 || d.size > UINT64_MAX - d.data)
       return kvp_err(KVP_ERR_INVALID_PARAM,
                      "remote_region_import: blob has bad range data=0x%llx size=%llu",
@@ -1011,6 +1007,10 @@ kvp_error *RemoteRegionImport(kvp_remote_region_import_args *args) {
     auto it = a->peers.find(name);
     if (it == a->peers.end())
       return kvp_err(KVP_ERR_NOT_FOUND, "remote_region_import: no loaded peer %s", name.c_str());
+    if (d.engineKey != name)
+      return kvp_err(KVP_ERR_MISMATCH,
+                     "remote_region_import: blob belongs to engine %s, not to peer %s",
+                     d.engineKey.c_str(), name.c_str());
     rr->epoch = it->second->epoch;
     a->rregions.reserve(a->rregions.size() + 1);
     kvp_rregion h = 0;

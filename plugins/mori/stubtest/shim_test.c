@@ -329,7 +329,8 @@ int main(void) {
         "import vram: kind %u dev %llu", ibv.mem_kind, (unsigned long long)ibv.dev_id);
   {
     kvp_remote_region_import_args x;
-    CHECK(import(B, rb1, A, "someone-else", &x) == KVP_ERR_MISMATCH, "blob of another engine");
+    CHECK(import(B, rb1, A, "someone-else", &x) == KVP_ERR_NOT_FOUND, "peer never loaded");
+    CHECK(import(A, ra1, A, "decode-b", &x) == KVP_ERR_MISMATCH, "blob of another engine");
     CHECK(import(A, ra1, B, "prefill-a", &x) == 0, "B imports a1");
     kvp_remote_region_release_args rr = {KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE, NULL, B,
                                          x.rregion};
