@@ -183,7 +183,11 @@ func TestRealisticShapes(t *testing.T) {
 		if p.ReferenceDescriptors != wantRef[i] {
 			t.Errorf("%s: reference descriptors %d, want %d", bc.name, p.ReferenceDescriptors, wantRef[i])
 		}
-		allocs := testing.AllocsPerRun(5, func() {
+		allocRuns := 5
+		if raceEnabled {
+			allocRuns = 1
+		}
+		allocs := testing.AllocsPerRun(allocRuns, func() {
 			if err := n.Plan(p, bc.src, bc.dst); err != nil {
 				t.Fatal(err)
 			}

@@ -477,7 +477,11 @@ func TestStateMatchesReference(t *testing.T) {
 			r := rand.New(rand.NewSource(2))
 			var reqs []StateRequest
 			var cases []bRefCase
-			for n := 0; n < 1500; n++ {
+			count := 1500
+			if raceEnabled {
+				count = 500 // the first 500 of the same sequence
+			}
+			for n := 0; n < count; n++ {
 				req, args := bGenState(r)
 				reqs = append(reqs, req)
 				cases = append(cases, bRefCase{"state_" + style, args})
@@ -533,7 +537,7 @@ func TestStateMatchesReference(t *testing.T) {
 				}
 			}
 			// The generator must exercise both outcomes substantially.
-			if errs < 100 || plans < 500 {
+			if errs < count/15 || plans < count/3 {
 				t.Fatalf("weak coverage: %d errors, %d component plans", errs, plans)
 			}
 			t.Logf("%d cases: %d errors, %d component plans, %d merged blocks, %d stricter than the reference", len(reqs), errs, plans, copies, stricter)
