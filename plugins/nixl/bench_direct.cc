@@ -15,8 +15,9 @@
 // createXferReq from descriptors), post it, poll it to completion, release
 // it. Columns follow nixlbench: block and batch size, bandwidth, average
 // latency per iteration, and average/p99 of the prep (request build), post and
-// transfer (post to completion) phases. The bytes of the last iteration are
-// verified.
+// transfer (post to completion) phases, and the initiator thread's CPU time
+// per request (steadier than wall time on a shared machine). The bytes of
+// the last iteration are verified.
 //
 // Build: make plugin-nixl NIXL_PREFIX=... (builds bin/nixl-bench-direct).
 // Run:   bin/nixl-bench-direct --help
@@ -24,6 +25,7 @@
 #include <nixl.h>
 
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -280,8 +282,18 @@ void fill(uint8_t *p, uint64_t n, uint64_t seed) {
   }
 }
 
+// CPU time (user + system) this thread has used, microseconds. Unlike wall
+// time it hardly moves when other processes compete for the cores, so the
+// CPU cost per request is the steadier measure of overhead on a busy host.
+double thread_cpu_us() {
+  rusage ru{};
+  getrusage(RUSAGE_THREAD, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
 struct Row {
-  double gbps, lat, prep_avg, prep_p99, post_avg, post_p99, tx_avg, tx_p99;
+  double gbps, lat, prep_avg, prep_p99, post_avg, post_p99, tx_avg, tx_p99, cpu;
   long iters;
   bool ok;
 };
@@ -343,6 +355,7 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
   };
   for (int i = 0; i < o.warmup; i++) one(false);
   auto start = Clock::now();
+  double cpu0 = thread_cpu_us();
   long iters = 0;
   while (iters < o.min_iters ||
          std::chrono::duration<double>(Clock::now() - start).count() < o.seconds) {
@@ -350,6 +363,7 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
     iters++;
   }
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  double cpu = thread_cpu_us() - cpu0;
   if (lh) ag.releasedDlistH(lh);
   if (rh) ag.releasedDlistH(rh);
 
@@ -363,6 +377,7 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
   r.post_p99 = pct(post, 0.99);
   r.tx_avg = avg(tx);
   r.tx_p99 = pct(tx, 0.99);
+  r.cpu = cpu / static_cast<double>(iters);
   // Verify: the destination now holds the pattern.
   std::vector<uint8_t> want(bytes);
   fill(want.data(), bytes, seed);
@@ -385,10 +400,10 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
 
 void print_header(const std::string &op, const std::string &path) {
   std::printf("\n# op %s, path %s\n", op.c_str(), path.c_str());
-  std::printf("%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-8s %s\n",
+  std::printf("%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-12s %-8s %s\n",
               "Block Size (B)", "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)", "Avg Prep (us)",
               "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)", "P99 Tx (us)",
-              "Iters", "Verified");
+              "CPU/op (us)", "Iters", "Verified");
 }
 
 }  // namespace
@@ -422,9 +437,9 @@ int main(int argc, char **argv) {
                             target.buf, op, path, b, n, o, seed++);
             all_ok = all_ok && r.ok;
             std::printf("%-14" PRIu64 " %-10" PRIu64
-                        " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-8ld %s\n",
+                        " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
                         b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99,
-                        r.tx_avg, r.tx_p99, r.iters, r.ok ? "yes" : "NO");
+                        r.tx_avg, r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
             std::fflush(stdout);
           }
       }
@@ -492,9 +507,9 @@ int main(int argc, char **argv) {
           read_blob(to_parent[0]);
           all_ok = all_ok && r.ok;
           std::printf("%-14" PRIu64 " %-10" PRIu64
-                      " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-8ld %s\n",
+                      " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
                       b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99, r.tx_avg,
-                      r.tx_p99, r.iters, r.ok ? "yes" : "NO");
+                      r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
           std::fflush(stdout);
         }
     }

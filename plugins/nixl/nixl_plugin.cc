@@ -10,9 +10,10 @@
 //   Agent    one nixlAgent with one backend (UCX by default)
 //   Region   one registerMem call of one descriptor (so deregistering one
 //            handle is one deregisterMem of exactly what was registered)
-//   Peer     a loaded remote agent (loadRemoteMD); owns the remote regions,
-//            remote dlists and transfers that refer to it, so remove_remote
-//            can release them before invalidateRemoteMD
+//   Peer     a loaded remote agent (loadRemoteMD), shared by the remote
+//            regions, remote dlists and transfers that refer to it;
+//            remove_remote marks it dead, which makes them dead handles
+//            (errors until released), and invalidates it in NIXL
 //   RRegion  an address range inside a peer's advertised memory
 //   Dlist    a prepXferDlist handle plus the descriptor shapes (len, count)
 //            the shim needs for index and pairing checks
@@ -114,6 +115,8 @@ const char *kind_name(kvp_mem_kind k) { return k == KVP_MEM_VRAM ? "VRAM" : "DRA
 // Objects
 // ---------------------------------------------------------------------------
 
+using Clock = std::chrono::steady_clock;
+
 struct Agent;
 
 struct Region {
@@ -131,16 +134,19 @@ struct RegionEntry {
   kvp_region handle;
 };
 
+// A loaded peer. Shared by the objects that refer to it (remote regions,
+// remote dlists, transfers), which outlive its removal as dead handles that
+// report errors until released, so its name stays readable for them.
 struct Peer {
-  std::string name;  // stable: peer_name of load_remote points into it
-  std::unordered_set<kvp_rregion> rregions;
-  std::unordered_set<kvp_dlist> dlists;
-  std::unordered_set<kvp_xfer> xfers;
+  explicit Peer(std::string n) : name(std::move(n)) {}
+  const std::string name;  // stable: peer_name of load_remote points into it
+  std::atomic<bool> dead{false};  // set by remove_remote
 };
+using PeerRef = std::shared_ptr<Peer>;
 
 struct RRegion {
   Agent *agent;
-  std::string peer;
+  PeerRef peer;
   uint64_t addr, len, dev_id;
   kvp_mem_kind kind;
 };
@@ -149,7 +155,7 @@ struct Dlist {
   Agent *agent;
   nixlDlistH *h = nullptr;
   bool remote = false;
-  std::string peer;  // empty for local lists
+  PeerRef peer;  // null for local lists
   kvp_mem_kind kind;
   // Shapes of the descriptors as given, for index/pairing checks.
   std::vector<uint64_t> lens;
@@ -162,14 +168,32 @@ struct Dlist {
 
 struct Xfer {
   Agent *agent;
-  std::string peer;
+  PeerRef peer;
   uint64_t desc_count;  // descriptors as given (strided ones count once)
-  // mu guards req. The caller serialises its own calls on one transfer
-  // (ABI rule 2), but remove_remote cancels the transfers of its peer from
-  // another call; then req becomes nullptr and the handle stays valid until
-  // release_xfer, reporting KVP_ERR_CANCELED.
+  kvp_xfer handle = 0;
+  // The agent's list of transfers (guarded by Agent::mu): intrusive, so
+  // that making and releasing a transfer allocates no bookkeeping nodes.
+  Xfer *prev = nullptr, *next = nullptr;
+  // A transfer with no descriptors (make_prepped_xfer with zero indices)
+  // moves nothing: posting it only sends its notification (genNotif).
+  bool notif_only = false;
+  bool has_notif = false;
+  nixl_blob_t notif;       // for notif_only transfers
+  Clock::time_point start;  // notif_only telemetry: last post
+  uint64_t post_us = 0;
+
+  // mu guards everything below. The caller serialises its own calls on one
+  // transfer (ABI rule 2), but remove_remote cancels the transfers of its
+  // peer from another call; then req is released and the handle stays
+  // valid until release_xfer, dead: poll reports dead_status, post
+  // KVP_ERR_NOT_FOUND.
   std::mutex mu;
   nixlXferReqH *req = nullptr;
+  bool posted = false;
+  bool active = false;                // the last post or poll said IN_PROG
+  nixl_status_t last = NIXL_SUCCESS;  // outcome of the last post or poll
+  bool dead = false;
+  kvp_status dead_status = KVP_SUCCESS;  // what poll reports once dead
 };
 
 struct Agent {
@@ -188,10 +212,23 @@ struct Agent {
 
   std::mutex mu;  // guards everything below
   std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
-  std::map<std::string, std::unique_ptr<Peer>> peers;
+  std::map<std::string, PeerRef> peers;
   std::unordered_set<kvp_rregion> rregions;
   std::unordered_set<kvp_dlist> dlists;
-  std::unordered_set<kvp_xfer> xfers;
+  Xfer *xfers = nullptr;  // head of the list of this agent's transfers
+
+  void link(Xfer *x) {
+    x->prev = nullptr;
+    x->next = xfers;
+    if (xfers) xfers->prev = x;
+    xfers = x;
+  }
+  void unlink(Xfer *x) {
+    if (x->prev) x->prev->next = x->next;
+    else if (xfers == x) xfers = x->next;
+    if (x->next) x->next->prev = x->prev;
+    x->prev = x->next = nullptr;
+  }
 
   ~Agent() {
     if (notifs) kvp_nq_destroy(notifs);
@@ -328,12 +365,10 @@ int accept_kind(const void *elem, void *ctx) {
 }
 
 // Peer lookup under a.mu.
-Peer *find_peer(Agent &a, const std::string &name) {
+PeerRef find_peer(Agent &a, const std::string &name) {
   auto it = a.peers.find(name);
-  return it == a.peers.end() ? nullptr : it->second.get();
+  return it == a.peers.end() ? nullptr : it->second;
 }
-
-using Clock = std::chrono::steady_clock;
 
 // Waits until a transfer is no longer in progress, polling (which drives
 // progress) until deadline. This is how the shim "cancels": NIXL's
@@ -387,13 +422,22 @@ void free_xfer(Agent &a, Xfer *x, Clock::time_point deadline) noexcept {
   delete x;
 }
 
-// Cancels a transfer whose peer is being removed: waits until deadline for
-// it to finish, then releases the request; the handle stays valid and
-// reports KVP_ERR_CANCELED until release_xfer.
-void cancel_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
+// Kills a transfer whose peer is being removed: an active one is cancelled
+// (waited for until deadline, see quiesce) and then polls report
+// KVP_ERR_CANCELED; one that was not active keeps reporting its outcome
+// (or NOT_POSTED). Its request is released; the handle stays valid.
+void kill_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
   Ref<Xfer> x(tables()->xfers, h);
   if (!x) return;  // released meanwhile
   std::lock_guard<std::mutex> lk(x->mu);
+  if (x->dead) return;
+  x->dead = true;
+  if (!x->posted)
+    x->dead_status = KVP_ERR_NOT_POSTED;
+  else if (x->active)
+    x->dead_status = KVP_ERR_CANCELED;
+  else
+    x->dead_status = x->last < 0 ? static_cast<kvp_status>(x->last) : KVP_SUCCESS;
   if (x->req) {
     try {
       quiesce(a, x->req, deadline);
@@ -404,11 +448,23 @@ void cancel_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
   }
 }
 
-// The error of a transfer cancelled by remove_remote.
-kvp_error *cancelled(const char *fn, const Xfer &x) {
-  return kvp_err(KVP_ERR_CANCELED,
-                 "%s: the transfer was cancelled: its peer '%s' was removed (remove_remote)", fn,
-                 x.peer.c_str());
+// The errors of dead handles, whose peer was removed.
+kvp_error *peer_removed(const char *fn, const char *what, const Peer &p) {
+  return kvp_err(KVP_ERR_NOT_FOUND, "%s: %s peer '%s', which was removed (remove_remote)", fn,
+                 what, p.name.c_str());
+}
+
+kvp_error *dead_poll(const char *fn, const Xfer &x) {
+  if (x.dead_status == KVP_ERR_CANCELED)
+    return kvp_err(KVP_ERR_CANCELED,
+                   "%s: the transfer was cancelled: its peer '%s' was removed (remove_remote)",
+                   fn, x.peer->name.c_str());
+  if (x.dead_status == KVP_ERR_NOT_POSTED)
+    return kvp_err(KVP_ERR_NOT_POSTED, "%s: the transfer was never posted (and its peer '%s' was removed)",
+                   fn, x.peer->name.c_str());
+  return kvp_err(x.dead_status, "%s: the transfer failed (%s) before its peer '%s' was removed",
+                 fn, status_name(static_cast<nixl_status_t>(x.dead_status)).c_str(),
+                 x.peer->name.c_str());
 }
 
 void free_dlist(Agent &a, Dlist *d) {
@@ -544,11 +600,11 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
   std::vector<RegionEntry> regs;
   {
     std::lock_guard<std::mutex> lk(a->mu);
-    xs.assign(a->xfers.begin(), a->xfers.end());
+    for (Xfer *x = a->xfers; x; x = x->next) xs.push_back(x->handle);
     ds.assign(a->dlists.begin(), a->dlists.end());
     rs.assign(a->rregions.begin(), a->rregions.end());
     regs = a->regions;
-    a->xfers.clear();
+    a->xfers = nullptr;
     a->dlists.clear();
     a->rregions.clear();
     a->regions.clear();
@@ -744,10 +800,7 @@ kvp_error *load_remote(kvp_load_remote_args *args) {
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "loadRemoteMD");
   std::lock_guard<std::mutex> lk(a->mu);
   auto &slot = a->peers[name];
-  if (!slot) {
-    slot = std::make_unique<Peer>();
-    slot->name = name;
-  }
+  if (!slot) slot = std::make_shared<Peer>(name);
   args->peer_name = slot->name.data();
   args->peer_name_len = slot->name.size();
   return nullptr;
@@ -758,10 +811,8 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REMOVE_REMOTE_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
   std::string name = as_string(args->peer_name, args->peer_name_len);
-  std::unique_ptr<Peer> peer;
+  PeerRef peer;
   std::vector<kvp_xfer> xs;
-  std::vector<kvp_dlist> ds;
-  std::vector<kvp_rregion> rs;
   {
     std::lock_guard<std::mutex> lk(a->mu);
     auto it = a->peers.find(name);
@@ -769,17 +820,14 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
       return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, name.c_str());
     peer = std::move(it->second);
     a->peers.erase(it);
-    xs.assign(peer->xfers.begin(), peer->xfers.end());
-    ds.assign(peer->dlists.begin(), peer->dlists.end());
-    rs.assign(peer->rregions.begin(), peer->rregions.end());
-    for (auto h : ds) a->dlists.erase(h);
-    for (auto h : rs) a->rregions.erase(h);
+    peer->dead = true;  // its dlists and remote regions are dead from now on
+    for (Xfer *x = a->xfers; x; x = x->next)
+      if (x->peer == peer) xs.push_back(x->handle);
   }
-  // Transfers are cancelled but keep their handles (the caller releases
-  // them); the peer's dlists and remote regions are released.
+  // Its transfers are cancelled but keep their handles; so do its dlists
+  // and remote regions: the caller releases them all.
   Clock::time_point deadline = Clock::now() + a->release_wait;
-  for (kvp_xfer h : xs) cancel_xfer(*a, h, deadline);
-  drop_dependents(*a, ds, rs);
+  for (kvp_xfer h : xs) kill_xfer(*a, h, deadline);
   nixl_status_t s = a->nixl->invalidateRemoteMD(name);
   if (s != NIXL_SUCCESS && s != NIXL_ERR_NOT_FOUND) return nixl_err(s, fn, "invalidateRemoteMD(%s)", name.c_str());
   return nullptr;
@@ -813,19 +861,19 @@ kvp_error *remote_region_import(kvp_remote_region_import_args *args) {
                    fn, kind_name(args->mem_kind), static_cast<unsigned long long>(args->addr),
                    static_cast<unsigned long long>(args->len),
                    static_cast<unsigned long long>(args->dev_id), name.c_str());
-  auto *rr = new RRegion{a.get(), name, args->addr, args->len, args->dev_id, args->mem_kind};
+  PeerRef peer;
+  {
+    std::lock_guard<std::mutex> lk(a->mu);
+    peer = find_peer(*a, name);
+  }
+  if (!peer) return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, name.c_str());
+  auto *rr = new RRegion{a.get(), peer, args->addr, args->len, args->dev_id, args->mem_kind};
   kvp_rregion h = 0;
   if (kvp_error *e = kvp_ht_insert(tables()->rregions, rr, &h)) {
     delete rr;
     return e;
   }
   std::lock_guard<std::mutex> lk(a->mu);
-  Peer *p = find_peer(*a, name);
-  if (!p) {  // removed meanwhile
-    delete static_cast<RRegion *>(kvp_ht_remove(tables()->rregions, h));
-    return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, name.c_str());
-  }
-  p->rregions.insert(h);
   a->rregions.insert(h);
   args->rregion = h;
   return nullptr;
@@ -844,7 +892,6 @@ kvp_error *remote_region_release(kvp_remote_region_release_args *args) {
   {
     std::lock_guard<std::mutex> lk(a->mu);
     a->rregions.erase(args->rregion);
-    if (Peer *p = find_peer(*a, rr->peer)) p->rregions.erase(args->rregion);
   }
   delete rr;
   return nullptr;
@@ -868,8 +915,8 @@ kvp_error *prep_dlist(kvp_prep_dlist_args *args) {
   auto d = std::make_unique<Dlist>();
   d->agent = a.get();
   d->kind = args->mem_kind;
-  d->peer = as_string(args->peer_name, args->peer_name_len);
-  d->remote = !d->peer.empty();
+  const std::string peer_name = as_string(args->peer_name, args->peer_name_len);
+  d->remote = !peer_name.empty();
   size_t n = args->num_descs;
   d->lens.resize(n);
   d->counts.resize(n);
@@ -907,11 +954,12 @@ kvp_error *prep_dlist(kvp_prep_dlist_args *args) {
     }
   } else {
     std::lock_guard<std::mutex> lk(a->mu);
-    if (!find_peer(*a, d->peer))
-      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, d->peer.c_str());
+    d->peer = find_peer(*a, peer_name);
+    if (!d->peer)
+      return kvp_err(KVP_ERR_NOT_FOUND, "%s: no loaded peer named '%s'", fn, peer_name.c_str());
   }
 
-  const std::string &target = d->remote ? d->peer : std::string(NIXL_INIT_AGENT);
+  const std::string target = d->remote ? peer_name : std::string(NIXL_INIT_AGENT);
   nixl_status_t s;
 #if KVP_NIXL_HAVE_STRIDE
   if (strided) {
@@ -948,18 +996,18 @@ kvp_error *prep_dlist(kvp_prep_dlist_args *args) {
         nixl_xfer_dlist_t one(to_nixl_mem(args->mem_kind));
         for (uint64_t k = 0; k < x.count; k++)
           one.addDesc(nixlBasicDesc(x.addr + k * (x.count > 1 ? x.stride : 0), x.len, x.dev_id));
-        if (a->nixl->checkRemoteMD(d->peer, one) != NIXL_SUCCESS)
+        if (a->nixl->checkRemoteMD(peer_name, one) != NIXL_SUCCESS)
           return kvp_err(KVP_ERR_NOT_FOUND,
                          "%s: remote descriptor %zu (%s [%#llx, +%llu) x%llu dev %llu) is not "
                          "inside memory peer '%s' advertised",
                          fn, i, kind_name(args->mem_kind), static_cast<unsigned long long>(x.addr),
                          static_cast<unsigned long long>(x.len),
                          static_cast<unsigned long long>(x.count),
-                         static_cast<unsigned long long>(x.dev_id), d->peer.c_str());
+                         static_cast<unsigned long long>(x.dev_id), peer_name.c_str());
       }
     }
     return nixl_err(s, fn, "prepXferDlist(%s, %zu descriptors)",
-                    d->remote ? d->peer.c_str() : "local", n);
+                    d->remote ? peer_name.c_str() : "local", n);
   }
 
   Dlist *raw = d.get();
@@ -970,14 +1018,6 @@ kvp_error *prep_dlist(kvp_prep_dlist_args *args) {
   }
   d.release();
   std::lock_guard<std::mutex> lk(a->mu);
-  if (raw->remote) {
-    Peer *p = find_peer(*a, raw->peer);
-    if (!p) {
-      free_dlist(*a, static_cast<Dlist *>(kvp_ht_remove(tables()->dlists, h)));
-      return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, raw->peer.c_str());
-    }
-    p->dlists.insert(h);
-  }
   a->dlists.insert(h);
   args->dlist = h;
   return nullptr;
@@ -996,8 +1036,6 @@ kvp_error *release_dlist(kvp_release_dlist_args *args) {
   {
     std::lock_guard<std::mutex> lk(a->mu);
     a->dlists.erase(args->dlist);
-    if (d->remote)
-      if (Peer *p = find_peer(*a, d->peer)) p->dlists.erase(args->dlist);
   }
   free_dlist(*a, d);
   return nullptr;
@@ -1026,14 +1064,14 @@ kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_x
     return e;
   }
   x.release();
+  raw->handle = h;
   std::lock_guard<std::mutex> lk(a.mu);
-  Peer *p = find_peer(a, raw->peer);
-  if (!p) {
+  if (raw->peer->dead) {  // removed meanwhile (checked under mu: remove_remote
+                          // collects the transfers to kill under it)
     free_xfer(a, static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, h)), Clock::now());
-    return kvp_err(KVP_ERR_NOT_FOUND, "%s: peer '%s' was removed", fn, raw->peer.c_str());
+    return peer_removed(fn, "a transfer to", *raw->peer);
   }
-  p->xfers.insert(h);
-  a.xfers.insert(h);
+  a.link(raw);
   *out = h;
   return nullptr;
 }
@@ -1050,13 +1088,26 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   if (!ld || ld->agent != a.get()) return bad_handle(fn, "local dlist", args->local_dlist);
   Ref<Dlist> rd(t->dlists, args->remote_dlist);
   if (!rd || rd->agent != a.get()) return bad_handle(fn, "remote dlist", args->remote_dlist);
-  if (ld->remote) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: local_dlist was prepared for peer '%s'", fn, ld->peer.c_str());
+  if (ld->remote) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: local_dlist was prepared for peer '%s'", fn, ld->peer->name.c_str());
   if (!rd->remote) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: remote_dlist is a local dlist", fn);
+  if (rd->peer->dead) return peer_removed(fn, "remote_dlist was prepared for", *rd->peer);
   size_t n = args->num_local_indices;
   if (n != args->num_remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn, n,
                    args->num_remote_indices);
-  if (n == 0) return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no indices", fn);
+  if (n == 0) {
+    // Moves nothing; only delivers its notification (kvplugin.h). NIXL has
+    // no empty request, so post sends the notification with genNotif.
+    auto x = std::make_unique<Xfer>();
+    x->agent = a.get();
+    x->peer = rd->peer;
+    x->desc_count = 0;
+    x->notif_only = true;
+    x->has_notif = args->notif.has_notif != 0;
+    if (x->has_notif)
+      x->notif.assign(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
+    return publish_xfer(fn, *a, std::move(x), &args->xfer);
+  }
   if (!args->local_indices || !args->remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: index arrays must not be NULL", fn);
 
@@ -1132,7 +1183,7 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
   loc.resize(args->num_pairs);
   rem.resize(args->num_pairs);
   Tables *t = tables();
-  std::string peer;
+  PeerRef peer;
   for (size_t i = 0; i < args->num_pairs; i++) {
     Ref<Region> l(t->regions, args->pairs[i].local);
     if (!l || l->agent != a.get())
@@ -1142,11 +1193,12 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
     if (!r || r->agent != a.get())
       return kvp_err(KVP_ERR_INVALID_PARAM, "%s: pair %zu: unknown, released or foreign remote region %#llx", fn, i,
                      static_cast<unsigned long long>(args->pairs[i].remote));
+    if (r->peer->dead) return peer_removed(fn, "a remote region of", *r->peer);
     if (i == 0)
       peer = r->peer;
     else if (r->peer != peer)
       return kvp_err(KVP_ERR_MISMATCH, "%s: pair %zu: remote region of peer '%s', pair 0 of peer '%s'", fn, i,
-                     r->peer.c_str(), peer.c_str());
+                     r->peer->name.c_str(), peer->name.c_str());
     loc[i] = Side{l->addr, l->len, l->dev_id, l->kind};
     rem[i] = Side{r->addr, r->len, r->dev_id, r->kind};
     if (loc[i].kind != loc[0].kind || rem[i].kind != rem[0].kind)
@@ -1195,9 +1247,10 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
   x->agent = a.get();
   x->peer = peer;
   x->desc_count = args->num_entries;
-  nixl_status_t s = a->nixl->createXferReq(to_nixl_op(args->op), ll, rl, peer, x->req,
+  nixl_status_t s = a->nixl->createXferReq(to_nixl_op(args->op), ll, rl, peer->name, x->req,
                                            args->notif.has_notif ? &opt : nullptr);
-  if (s != NIXL_SUCCESS) return nixl_err(s, fn, "createXferReq(%zu descriptors to '%s')", blocks, peer.c_str());
+  if (s != NIXL_SUCCESS)
+    return nixl_err(s, fn, "createXferReq(%zu descriptors to '%s')", blocks, peer->name.c_str());
   return publish_xfer(fn, *a, std::move(x), &args->xfer);
 }
 
@@ -1208,13 +1261,39 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
-  if (!x->req) return cancelled(fn, *x);
+  if (x->dead) return peer_removed(fn, "the transfer goes to", *x->peer);
+  if (x->notif_only) {
+    x->start = Clock::now();
+    if (x->has_notif) {
+      nixl_status_t s = a->nixl->genNotif(x->peer->name, x->notif);
+      if (s != NIXL_SUCCESS)
+        return nixl_err(s, fn, "genNotif to '%s' (a transfer without descriptors)",
+                        x->peer->name.c_str());
+    }
+    x->post_us = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - x->start).count());
+    x->posted = true;
+    x->last = NIXL_SUCCESS;
+    args->status = KVP_SUCCESS;
+    return nullptr;
+  }
   nixl_status_t s = a->nixl->postXferReq(x->req);
-  if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer.c_str());
+  // REPOST_ACTIVE leaves the earlier post running; any other outcome
+  // replaces it.
+  if (s != NIXL_ERR_REPOST_ACTIVE) {
+    x->posted = true;
+    x->active = s == NIXL_IN_PROG;
+    x->last = s;
+  }
+  if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer->name.c_str());
   args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
   return nullptr;
 }
 
+// poll_xfer calls NIXL's getXferStatus once. Without a progress thread that
+// progresses the UCX worker in the calling thread until it has no more
+// completions ready (ucp_worker_progress in a loop while it reports
+// progress): it may move data the transport has ready, but never waits.
 kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
   static const char fn[] = "poll_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE)) return e;
@@ -1222,9 +1301,20 @@ kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
-  if (!x->req) return cancelled(fn, *x);
+  if (x->dead) {
+    if (x->dead_status != KVP_SUCCESS) return dead_poll(fn, *x);
+    args->status = KVP_SUCCESS;
+    return nullptr;
+  }
+  if (x->notif_only) {
+    if (!x->posted) return kvp_err(KVP_ERR_NOT_POSTED, "%s: the transfer was never posted", fn);
+    args->status = KVP_SUCCESS;
+    return nullptr;
+  }
   nixl_status_t s = a->nixl->getXferStatus(x->req);
-  if (s < 0) return nixl_err(s, fn, "getXferStatus of a transfer to '%s'", x->peer.c_str());
+  x->active = s == NIXL_IN_PROG;
+  if (x->posted) x->last = s;
+  if (s < 0) return nixl_err(s, fn, "getXferStatus of a transfer to '%s'", x->peer->name.c_str());
   args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
   return nullptr;
 }
@@ -1239,15 +1329,21 @@ kvp_error *release_xfer(kvp_release_xfer_args *args) {
     Ref<Xfer> x(tables()->xfers, args->xfer);
     if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
     std::lock_guard<std::mutex> lk(x->mu);
-    if (x->req)
-      if (kvp_error *e = release_req(*a, x->req, Clock::now() + a->release_wait, fn)) return e;
+    if (x->req) {
+      if (!x->active) {  // known to be done, failed or never posted
+        nixl_status_t s = a->nixl->releaseXferReq(x->req);
+        if (s != NIXL_SUCCESS) return nixl_err(s, fn, "releaseXferReq");
+        x->req = nullptr;
+      } else if (kvp_error *e = release_req(*a, x->req, Clock::now() + a->release_wait, fn)) {
+        return e;
+      }
+    }
   }
   auto *x = static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, args->xfer));
   if (!x) return bad_handle(fn, "xfer", args->xfer);
   {
     std::lock_guard<std::mutex> lk(a->mu);
-    a->xfers.erase(args->xfer);
-    if (Peer *p = find_peer(*a, x->peer)) p->xfers.erase(args->xfer);
+    a->unlink(x);
   }
   delete x;
   return nullptr;
@@ -1262,9 +1358,21 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   if (!(a->caps & KVP_CAP_TELEMETRY))
     return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: telemetry is off for this agent (telemetry=false)", fn);
   std::lock_guard<std::mutex> lk(x->mu);
-  if (!x->req)
-    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was cancelled (its peer '%s' was removed)", fn,
-                   x->peer.c_str());
+  if (x->dead)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer's peer '%s' was removed", fn,
+                   x->peer->name.c_str());
+  if (x->notif_only) {
+    if (!x->posted)
+      return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was never posted", fn);
+    auto start = std::chrono::system_clock::now() -
+                 std::chrono::duration_cast<std::chrono::system_clock::duration>(Clock::now() - x->start);
+    args->start_us = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(start.time_since_epoch()).count());
+    args->post_us = args->xfer_us = x->post_us;
+    args->total_bytes = 0;
+    args->desc_count = 0;
+    return nullptr;
+  }
   nixl_xfer_telem_t tm{};
   nixl_status_t s = a->nixl->getXferTelemetry(x->req, tm);
   if (s != NIXL_SUCCESS)

@@ -288,8 +288,9 @@ func TestInFlightTransfers(t *testing.T) {
 	expectQuiet(t, init.buf, "after release_xfer of an active READ")
 
 	// remove_remote while a batch READ is active: the transfer is
-	// cancelled, its handle stays valid and reports CANCELED until it is
-	// released; the peer's lists are gone.
+	// cancelled; its handle stays valid, polls report CANCELED and posts
+	// NOT_FOUND until it is released (kvplugin.h), and no byte lands after
+	// remove_remote returns.
 	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
 	if err != nil {
 		t.Fatalf("import range: %v", err)
@@ -311,7 +312,7 @@ func TestInFlightTransfers(t *testing.T) {
 	_, err = y.Poll()
 	expectCode(t, "second poll", err, abi.ErrCanceled)
 	_, err = y.Post()
-	expectCode(t, "post of a transfer whose peer was removed", err, abi.ErrCanceled)
+	expectCode(t, "post of a transfer whose peer was removed", err, abi.ErrNotFound)
 	if err := y.Close(); err != nil {
 		t.Errorf("release_xfer of a cancelled transfer: %v", err)
 	}

@@ -4,12 +4,14 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -21,10 +23,14 @@ import (
 // the nixl shim add to NIXL: for each row it runs the same transfers twice,
 // once through the plugin and once with bin/nixl-bench-direct (NIXL's C++
 // API called directly), both with two agents in one process and the same
-// NIXL settings, interleaved and repeated, and reports the ratio of the best
-// bandwidths. One iteration is the whole per-request cost in both: build the
-// request (makeXferReq over dlists prepared once, or createXferReq), post,
-// poll to completion, release.
+// NIXL settings, interleaved and repeated. It reports the best bandwidth of
+// each and their ratio, and the CPU time the initiating thread spends per
+// request (user + system; with cma the copy itself runs in that thread) and
+// its ratio: on a shared machine wall time swings with the other processes,
+// CPU time per request much less, so the CPU ratio is the steadier measure
+// of what the plugin path adds. One iteration is the whole per-request cost
+// in both: build the request (makeXferReq over dlists prepared once, or
+// createXferReq), post, poll to completion, release.
 //
 // It is a measurement, not a CI check (the machine is shared and noisy), so
 // it runs only with KVHOST_NIXL_OVERHEAD=1:
@@ -68,22 +74,25 @@ func TestOverheadVsDirect(t *testing.T) {
 		block, batch    uint64
 		shim, dir       float64 // best GB/s
 		shimLat, dirLat float64 // µs per iteration, at the best run
+		shimCPU, dirCPU float64 // least CPU µs per iteration
 	}
 	var rows []row
 	for _, op := range []string{"WRITE", "READ"} {
 		for _, path := range []string{"prepped", "batch"} {
 			for _, b := range blocks {
 				for _, n := range batches {
-					r := row{op: op, path: path, block: b, batch: n}
+					r := row{op: op, path: path, block: b, batch: n, shimCPU: math.Inf(1), dirCPU: math.Inf(1)}
 					for range repeat {
-						gbps, lat := runDirect(t, direct, directFlags, op, path, b, n, seconds)
+						gbps, lat, cpu := runDirect(t, direct, directFlags, op, path, b, n, seconds)
 						if gbps > r.dir {
 							r.dir, r.dirLat = gbps, lat
 						}
-						gbps, lat = runShim(t, init, target, peer, rr, op, path, b, n, seconds)
+						r.dirCPU = min(r.dirCPU, cpu)
+						gbps, lat, cpu = runShim(t, init, target, peer, rr, op, path, b, n, seconds)
 						if gbps > r.shim {
 							r.shim, r.shimLat = gbps, lat
 						}
+						r.shimCPU = min(r.shimCPU, cpu)
 					}
 					rows = append(rows, r)
 				}
@@ -91,17 +100,20 @@ func TestOverheadVsDirect(t *testing.T) {
 		}
 	}
 	var out strings.Builder
-	fmt.Fprintf(&out, "\n%-6s %-8s %10s %6s %12s %12s %14s %14s %8s\n", "op", "path", "block", "batch", "direct GB/s", "plugin GB/s", "direct us/op", "plugin us/op", "ratio")
+	fmt.Fprintf(&out, "\n%-6s %-8s %9s %5s %11s %11s %8s %12s %12s %9s\n", "op", "path", "block", "batch", "direct GB/s", "plugin GB/s", "bw ratio", "direct CPU/op", "plugin CPU/op", "CPU ratio")
 	for _, r := range rows {
-		fmt.Fprintf(&out, "%-6s %-8s %10d %6d %12.3f %12.3f %14.1f %14.1f %8.3f\n", r.op, r.path, r.block, r.batch, r.dir, r.shim, r.dirLat, r.shimLat, r.shim/r.dir)
+		fmt.Fprintf(&out, "%-6s %-8s %9d %5d %11.3f %11.3f %8.3f %12.1fus %12.1fus %9.3f\n", r.op, r.path, r.block, r.batch, r.dir, r.shim, r.shim/r.dir, r.dirCPU, r.shimCPU, r.shimCPU/r.dirCPU)
 	}
 	t.Logf("best of %d interleaved runs of %.2f s each, two agents in one process, %s%s", repeat, seconds, runtime.GOOS, out.String())
 }
 
-// runShim times one row through the plugin and returns GB/s and µs per
-// iteration; the last iteration's bytes are verified.
-func runShim(t *testing.T, init, target *side, peer string, rr *plugin.RemoteRegion, op, path string, block, batch uint64, seconds float64) (float64, float64) {
+// runShim times one row through the plugin and returns GB/s, µs per
+// iteration and CPU µs per iteration of the calling thread; the last
+// iteration's bytes are verified.
+func runShim(t *testing.T, init, target *side, peer string, rr *plugin.RemoteRegion, op, path string, block, batch uint64, seconds float64) (float64, float64, float64) {
 	t.Helper()
+	runtime.LockOSThread() // so that the thread's CPU time is this loop's
+	defer runtime.UnlockOSThread()
 	xop := abi.Write
 	src, dst := init.buf, target.buf
 	if op == "READ" {
@@ -161,21 +173,34 @@ func runShim(t *testing.T, init, target *side, peer string, rr *plugin.RemoteReg
 		one()
 	}
 	start := time.Now()
+	cpu0 := threadCPU(t)
 	iters := 0
 	for iters < 5 || time.Since(start).Seconds() < seconds {
 		one()
 		iters++
 	}
 	el := time.Since(start).Seconds()
+	cpu := threadCPU(t) - cpu0
 	if !bytes.Equal(src[:n], dst[:n]) {
 		t.Fatalf("%s %s block %d batch %d: bytes differ", op, path, block, batch)
 	}
-	return float64(n) * float64(iters) / el / 1e9, el / float64(iters) * 1e6
+	return float64(n) * float64(iters) / el / 1e9, el / float64(iters) * 1e6, cpu / float64(iters)
 }
 
-// runDirect runs one row of bin/nixl-bench-direct and returns its GB/s and
-// average latency.
-func runDirect(t *testing.T, bin string, flags []string, op, path string, block, batch uint64, seconds float64) (float64, float64) {
+// threadCPU returns the CPU time (user + system) of the calling OS thread in
+// microseconds (getrusage RUSAGE_THREAD), as bench_direct measures it.
+func threadCPU(t *testing.T) float64 {
+	const rusageThread = 1
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(rusageThread, &ru); err != nil {
+		t.Fatalf("getrusage: %v", err)
+	}
+	return float64(ru.Utime.Sec+ru.Stime.Sec)*1e6 + float64(ru.Utime.Usec+ru.Stime.Usec)
+}
+
+// runDirect runs one row of bin/nixl-bench-direct and returns its GB/s,
+// average latency and CPU µs per request.
+func runDirect(t *testing.T, bin string, flags []string, op, path string, block, batch uint64, seconds float64) (float64, float64, float64) {
 	t.Helper()
 	args := append(append([]string(nil), flags...), "--ops", op, "--paths", path,
 		"--blocks", strconv.FormatUint(block, 10), "--batches", strconv.FormatUint(batch, 10),
@@ -188,20 +213,21 @@ func runDirect(t *testing.T, bin string, flags []string, op, path string, block,
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
-		if len(f) >= 12 && f[0] == strconv.FormatUint(block, 10) {
-			if f[len(f)-1] != "yes" {
+		if len(f) == 13 && f[0] == strconv.FormatUint(block, 10) {
+			if f[12] != "yes" {
 				t.Fatalf("direct run did not verify its bytes: %s", sc.Text())
 			}
 			gbps, err1 := strconv.ParseFloat(f[2], 64)
 			lat, err2 := strconv.ParseFloat(f[3], 64)
-			if err1 != nil || err2 != nil {
+			cpu, err3 := strconv.ParseFloat(f[10], 64)
+			if err1 != nil || err2 != nil || err3 != nil {
 				t.Fatalf("unparsable direct row %q", sc.Text())
 			}
-			return gbps, lat
+			return gbps, lat, cpu
 		}
 	}
 	t.Fatalf("no result row in the output of %s %v:\n%s", bin, args, out)
-	return 0, 0
+	return 0, 0, 0
 }
 
 // findDirect locates bin/nixl-bench-direct in the build tree.
