@@ -1,6 +1,7 @@
 package zmq
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -48,6 +49,7 @@ func TestChurnEightPeersTenThousandMessages(t *testing.T) {
 				var id [8]byte
 				binary.BigEndian.PutUint32(id[:4], uint32(p))
 				binary.BigEndian.PutUint32(id[4:], uint32(i))
+				fillPayload(payload, p, i)
 				if err := push.Send(ctx, id[:], payload); err != nil {
 					errc <- fmt.Errorf("peer %d message %d: %w", p, i, err)
 					return
@@ -75,6 +77,14 @@ func TestChurnEightPeersTenThousandMessages(t *testing.T) {
 			t.Fatalf("malformed message %q", m)
 		}
 		p, i := binary.BigEndian.Uint32(m[0][:4]), binary.BigEndian.Uint32(m[0][4:])
+		if p >= peers || i >= perPeer {
+			t.Fatalf("message id %d/%d out of range", p, i)
+		}
+		want := make([]byte, 64)
+		fillPayload(want, int(p), int(i))
+		if !bytes.Equal(m[1], want) {
+			t.Fatalf("peer %d message %d: payload %x, want %x", p, i, m[1], want)
+		}
 		if seen[p][i] {
 			t.Fatalf("peer %d message %d delivered twice", p, i)
 		}
@@ -86,7 +96,10 @@ func TestChurnEightPeersTenThousandMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	total := 0
-	for _, r := range reconnects {
+	for p, r := range reconnects {
+		if r < 5 {
+			t.Errorf("peer %d reconnected only %d times: not the churn this test is about", p, r)
+		}
 		total += r
 	}
 	// Nothing extra may be queued.
@@ -96,6 +109,14 @@ func TestChurnEightPeersTenThousandMessages(t *testing.T) {
 		t.Fatalf("unexpected extra message %q", m)
 	}
 	t.Logf("%d messages from %d peers with %d reconnects in %v", peers*perPeer, peers, total, time.Since(start))
+}
+
+// fillPayload writes bytes derived from (peer, message) so a message
+// delivered with another's payload, or corrupted, is caught.
+func fillPayload(b []byte, peer, msg int) {
+	for k := range b {
+		b[k] = byte(peer*131 + msg*7 + k)
+	}
 }
 
 // The receiving side restarts three times while 8 peers keep sending.
