@@ -75,7 +75,7 @@ func TestTransferVariants(t *testing.T) {
 			r := newRig(t, rigOpts{variant: c.variant, pparams: c.params, dparams: c.params, xfer: c.xfer, state: true, pobs: pe, dobs: de})
 			ctx := ctxT(t, 20*time.Second)
 			for i := 0; i < 6; i++ {
-				q := r.prepare(uint64(100+i), 5+7*i, i)
+				q := r.prepare(uint64(100+i), 1+3*i, i)
 				// Mamba: one slot per request on each side.
 				q.pstate = [][]int32{{int32(i)}}
 				q.dstate = [][]int32{{int32(stateSlots - 1 - i)}}
@@ -244,7 +244,7 @@ func TestHostileMessages(t *testing.T) {
 			}
 			<-rounds[0]
 			for i := 0; i < 12; i++ {
-				q := r.prepare(uint64(500+i), 3+5*i, i)
+				q := r.prepare(uint64(500+i), 1+i, i)
 				if err := r.transfer(ctx, q); err != nil {
 					t.Fatal(err)
 				}

@@ -282,16 +282,16 @@ func (r *Receiver) failAbort(reason string) { r.failWith(reason, false, true) }
 
 func (r *Receiver) failWith(reason string, remote, abort bool) {
 	d := r.d
+	r.mu.Lock()
+	first := !r.failNoted
+	if first {
+		r.failNoted, r.remote = true, remote
+	}
 	if !d.rooms.Fail(r.room, reason) {
+		r.mu.Unlock()
 		return
 	}
-	r.mu.Lock()
 	u := r.finishLocked()
-	first := !r.failNoted
-	r.failNoted = true
-	if first {
-		r.remote = remote
-	}
 	var ts []target
 	if abort && !r.aborted && len(r.targets) > 0 {
 		r.aborted = true

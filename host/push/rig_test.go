@@ -157,27 +157,34 @@ func newRig(t testing.TB, o rigOpts) *rig {
 
 // request is one room's pages on both sides.
 type request struct {
-	room        uint64
-	tokens      int
-	ppages      []int32
-	dpages      []int32
-	paux, daux  int64
-	pstate      [][]int32
-	dstate      [][]int32
-	s           *push.Sender
-	rcv         *push.Receiver
-	sendFailure error
+	room       uint64
+	tokens     int
+	ppages     []int32
+	dpages     []int32
+	paux, daux int64
+	pstate     [][]int32
+	dstate     [][]int32
+	s          *push.Sender
+	rcv        *push.Receiver
 }
 
-// prepare opens the room on both sides with distinct page sets (request i
-// uses pages [i*n, (i+1)*n) on prefill and the reverse order on decode).
+// slotPages is how many pages each concurrent request slot owns, so
+// requests in different slots never share a page.
+const slotPages = 4
+
+// prepare opens the room on both sides with the pages of its slot
+// ([slot*4, slot*4+n) on prefill, mirrored on decode).
 func (r *rig) prepare(room uint64, tokens int, slot int) *request {
 	r.t.Helper()
 	n := (tokens + rigPageSize - 1) / rigPageSize
 	q := &request{room: room, tokens: tokens, paux: int64(slot % rigAuxSlots), daux: int64((slot + 3) % rigAuxSlots)}
+	if n > slotPages {
+		r.t.Fatalf("%d tokens need %d pages; a slot has %d", tokens, n, slotPages)
+	}
 	for i := 0; i < n; i++ {
-		q.ppages = append(q.ppages, int32((slot*n+i)%rigPages))
-		q.dpages = append(q.dpages, int32((rigPages - 1 - (slot*n+i)%rigPages)))
+		p := (slot*slotPages + i) % rigPages
+		q.ppages = append(q.ppages, int32(p))
+		q.dpages = append(q.dpages, int32(rigPages-1-p))
 	}
 	var err error
 	if q.s, err = r.pf.NewSender(room); err != nil {

@@ -215,16 +215,18 @@ func (s *Sender) fail(reason string, remote bool) {
 	// Take the decode endpoints before the room is marked failed: from then
 	// on the engine may Close the sender, which drops the room's infos.
 	eps := m.failureTargets(s.room)
-	if !m.rooms.Fail(s.room, reason) {
-		return
-	}
+	// remote is set with the status, under s.mu, so whoever sees Failed
+	// sees where the reason came from.
 	s.mu.Lock()
 	first := !s.failNoted
-	s.failNoted = true
 	if first {
-		s.remote = remote
+		s.failNoted, s.remote = true, remote
 	}
+	ok := m.rooms.Fail(s.room, reason)
 	s.mu.Unlock()
+	if !ok {
+		return
+	}
 	s.cancel()
 	if !first {
 		return

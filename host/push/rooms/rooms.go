@@ -84,9 +84,10 @@ type entry struct {
 	changed chan struct{}
 }
 
-// NewTable returns an empty table. onChange, if not nil, is called after
-// every status change (in the goroutine that made it, in order per room);
-// it must not call back into the table.
+// NewTable returns an empty table. onChange, if not nil, is called for
+// every status change, under the table's lock: changes are reported in the
+// order they happen and before anyone can observe the new status, but
+// onChange must be quick and must not call back into the table.
 func NewTable(onChange func(Change)) *Table {
 	return &Table{rooms: make(map[uint64]*entry), onChange: onChange}
 }
@@ -96,18 +97,16 @@ func NewTable(onChange func(Change)) *Table {
 // whether the room was created.
 func (t *Table) Create(room uint64, s Status) bool {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
 	if ok {
-		c, changed := t.setLocked(room, e, s, "")
-		t.mu.Unlock()
-		if changed {
+		if c, changed := t.setLocked(room, e, s, ""); changed {
 			t.report(c)
 		}
 		return false
 	}
 	e = &entry{status: s, created: time.Now()}
 	t.rooms[room] = e
-	t.mu.Unlock()
 	t.report(Change{Room: room, From: s, To: s, New: true})
 	return true
 }
@@ -131,18 +130,15 @@ func (t *Table) Fail(room uint64, reason string) bool {
 
 func (t *Table) update(room uint64, s Status, reason string) (Status, bool) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
 	if !ok {
-		t.mu.Unlock()
 		return Failed, false
 	}
-	c, changed := t.setLocked(room, e, s, reason)
-	st := e.status
-	t.mu.Unlock()
-	if changed {
+	if c, changed := t.setLocked(room, e, s, reason); changed {
 		t.report(c)
 	}
-	return st, true
+	return e.status, true
 }
 
 func (t *Table) setLocked(room uint64, e *entry, s Status, reason string) (Change, bool) {

@@ -1,0 +1,5 @@
+//go:build !race
+
+package push_test
+
+const raceEnabled = false
