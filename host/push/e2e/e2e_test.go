@@ -240,3 +240,21 @@ func TestAbortFromDecode(t *testing.T) {
 	}
 	t.Logf("decode aborted %d requests; prefill stopped %d of them, %d ok", ds.Aborted, ps.Aborted, ps.OK)
 }
+
+// TestLoad1000 runs 1000 requests all in flight at once (1000 per rank)
+// between two processes, every byte verified.
+func TestLoad1000(t *testing.T) {
+	requireFake(t)
+	for _, mode := range []string{"notif", "status"} {
+		t.Run(mode, func(t *testing.T) {
+			sc := scenario{ptp: 2, dtp: 2, requests: 1000, concurrency: 1000, maxTokens: 24, noNotif: mode == "status"}
+			start := time.Now()
+			p, d := startPair(t, sc.pair())
+			ds := d.wait(120 * time.Second)
+			ps := p.wait(60 * time.Second)
+			checkAllOK(t, ps, ds)
+			t.Logf("1000 concurrent requests in %v: decode verified %d bytes, request latency p50 %.0f µs p99 %.0f µs; prefill %d transfers",
+				time.Since(start), ds.Bytes, ds.LatencyP50us, ds.LatencyP99us, ps.Transfers)
+		})
+	}
+}
