@@ -333,6 +333,9 @@ static kvp_htable *g_agents, *g_regions, *g_rregions, *g_dlists, *g_xfers;
 /* Random per process (re-drawn in a forked child): with the pid it tells
  * whether a peer lives in this very process. */
 static uint64_t g_process_token;
+/* getpid(), cached (and set again in a forked child): glibc does not cache
+ * it, and post_xfer needs it for every transfer. */
+static uint32_t g_pid;
 static uint64_t g_pidns;
 static int g_init_ok;
 
@@ -348,7 +351,15 @@ static uint64_t random_u64(void) {
   return v ? v : 0x9E3779B97F4A7C15ull;
 }
 
-static void after_fork_child(void) { g_process_token = random_u64(); }
+static void after_fork_child(void) {
+  g_process_token = random_u64();
+  g_pid = (uint32_t)getpid();
+}
+
+/* 1 if a peer's metadata describes an agent of this process. */
+static int md_same_process(const peer_md *md) {
+  return md->process_token == g_process_token && md->pid == g_pid;
+}
 
 static void fake_init(void) {
   g_agents = kvp_ht_create(1);
@@ -357,6 +368,7 @@ static void fake_init(void) {
   g_dlists = kvp_ht_create(4);
   g_xfers = kvp_ht_create(5);
   g_process_token = random_u64();
+  g_pid = (uint32_t)getpid();
   struct stat st;
   g_pidns = stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
   pthread_atfork(NULL, NULL, after_fork_child);
@@ -619,7 +631,7 @@ static void md_encode(const agent *ag, uint8_t *p) {
   kvp_put_u16(p + 6, 0);
   kvp_put_u64(p + 8, g_process_token);
   kvp_put_u64(p + 16, g_pidns);
-  kvp_put_u32(p + 24, (uint32_t)getpid());
+  kvp_put_u32(p + 24, g_pid);
   kvp_put_u32(p + 28, 0);
   kvp_put_u64(p + 32, ag->id);
   kvp_put_u64(p + 40, ag->handle);
@@ -2288,7 +2300,7 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
         x->peer_gen = p->gen;
     }
     if (!e) {
-      int same = md->process_token == g_process_token && md->pid == (uint32_t)getpid();
+      int same = md_same_process(md);
       if (!same && md->pidns != g_pidns)
         e = kvp_err(KVP_ERR_NOT_SUPPORTED,
                     "%s: peer \"%.*s\" runs in another pid namespace; process_vm_* cannot reach it",
@@ -2512,7 +2524,7 @@ static kvp_error *fake_send_notif(kvp_send_notif_args *a) {
   peer *p = peer_find(ag, a->peer_name, a->peer_name_len);
   if (p) {
     const peer_md *md = p->md;
-    rt.kind = md->process_token == g_process_token && md->pid == (uint32_t)getpid() ? ROUTE_LOCAL : ROUTE_PVM;
+    rt.kind = md_same_process(md) ? ROUTE_LOCAL : ROUTE_PVM;
     rt.pid = md->pid;
     rt.agent_handle = md->agent_handle;
     rt.agent_id = md->agent_id;
