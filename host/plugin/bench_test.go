@@ -3,6 +3,7 @@ package plugin
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -19,9 +20,51 @@ import (
 //go:noinline
 func goCall(x uintptr) uintptr { return x + 1 }
 
+// Measuring: each sample times the host path and its baselines side by
+// side with time.Now, and the benchmarks never call b.StopTimer or
+// b.StartTimer in their loops: each of those reads the memory statistics,
+// which stops the world, and a transfer timed right after that ran ~25%
+// slower than one timed after a baseline (measured: 60 against 47 µs for
+// 1 MiB), which biased the ratio. ns/op is reported as the median host
+// time, not the loop's mean.
+
+// interleaved holds measurements of the host path and of a baseline taken
+// side by side, one pair per sample. On a shared machine a stall lands in
+// one sample and drags a mean, not a median: the summaries are medians, and
+// the ratio is the median of the per-sample ratios, so host and baseline
+// are compared under the same conditions.
+type interleaved struct{ host, base []time.Duration }
+
+func newInterleaved(n int) *interleaved {
+	return &interleaved{host: make([]time.Duration, 0, n), base: make([]time.Duration, 0, n)}
+}
+
+func (m *interleaved) add(host, base time.Duration) {
+	m.host = append(m.host, host)
+	m.base = append(m.base, base)
+}
+
+// ratio is the median of base/host: above 1 the host path is faster.
+func (m *interleaved) ratio() float64 {
+	r := make([]float64, len(m.host))
+	for i := range r {
+		r[i] = float64(m.base[i]) / float64(max(m.host[i], 1))
+	}
+	slices.Sort(r)
+	return r[len(r)/2]
+}
+
+func median(ds []time.Duration) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
 // BenchmarkPluginCall measures one plugin call through the host: Xfer.Poll
 // of a completed transfer (poll_xfer, with the host's locking and error
 // check). Baselines: purego.SyscallN of libc's labs, and a plain Go call.
+// Calls run in chunks of 256, host and baselines alternating; the metrics
+// are medians over the chunks.
 func BenchmarkPluginCall(b *testing.B) {
 	p := openFake(b)
 	a := newSide(b, p, "a", []int{4096})
@@ -38,8 +81,10 @@ func BenchmarkPluginCall(b *testing.B) {
 	defer x.Close()
 	wait(b, x)
 	labs := libcFunc(b, "labs")
+	labsArg := []uintptr{^uintptr(4)} // reused: a fresh variadic slice would allocate per call
 	const chunk = 256
-	var host, raw, gocall time.Duration
+	chunks := (b.N + chunk - 1) / chunk
+	raw, gocall := newInterleaved(chunks), newInterleaved(chunks)
 	var sink uintptr
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -52,9 +97,8 @@ func BenchmarkPluginCall(b *testing.B) {
 			}
 		}
 		t1 := time.Now()
-		b.StopTimer()
 		for range n {
-			r, _, _ := purego.SyscallN(labs, ^uintptr(4))
+			r, _, _ := purego.SyscallN(labs, labsArg...)
 			sink += r
 		}
 		t2 := time.Now()
@@ -62,28 +106,40 @@ func BenchmarkPluginCall(b *testing.B) {
 			sink += goCall(uintptr(i))
 		}
 		t3 := time.Now()
-		b.StartTimer()
-		host += t1.Sub(t0)
-		raw += t2.Sub(t1)
-		gocall += t3.Sub(t2)
+		perCall := func(d time.Duration) time.Duration { return d / time.Duration(n) }
+		raw.add(perCall(t1.Sub(t0)), perCall(t2.Sub(t1)))
+		gocall.add(perCall(t1.Sub(t0)), perCall(t3.Sub(t2)))
 	}
+	b.StopTimer()
 	if sink == 42 {
 		b.Log(sink)
 	}
-	N := float64(b.N)
-	b.ReportMetric(float64(host.Nanoseconds())/N, "host-ns/call")
-	b.ReportMetric(float64(raw.Nanoseconds())/N, "purego-ns/call")
-	b.ReportMetric(float64(gocall.Nanoseconds())/N, "go-ns/call")
-	b.ReportMetric(float64(host)/float64(raw), "host/purego")
+	b.ReportMetric(float64(median(raw.host)), "ns/op")
+	b.ReportMetric(float64(median(raw.host)), "host-ns/call")
+	b.ReportMetric(float64(median(raw.base)), "purego-ns/call")
+	b.ReportMetric(float64(median(gocall.base)), "go-ns/call")
+	b.ReportMetric(1/raw.ratio(), "host/purego")
 }
 
+// minTransferRatio is what a 1 MiB same-process transfer through the host
+// must reach: this fraction of a direct memcpy's rate (issue 2).
+const minTransferRatio = 0.9
+
+// minRatioSamples is how many interleaved pairs it takes to hold the
+// transfer to minTransferRatio.
+const minRatioSamples = 100
+
 // BenchmarkTransfer1MiB measures a 1 MiB WRITE between two agents of one
-// process (post + wait through the host and the fake plugin's worker
-// thread) beside two raw copies between the same mmap'd buffers: Go's
-// copy() and libc's memcpy (what the fake itself calls), alternating one of
-// each. host/copy and host/libc-memcpy are the transfer's rate over theirs;
-// host-µs minus plugin-µs (the plugin's own post-to-completion time, from
-// telemetry) is what the host adds.
+// process (post + wait through the host and the fake plugin) beside two raw
+// copies between the same mmap'd buffers, in every iteration, the order
+// alternating: Go's copy() of the transfer's blocks, and one libc memcpy of
+// the whole MiB (what the fake itself calls per block). The metrics are
+// medians; host/libc-memcpy and host/copy are medians of the per-iteration
+// rate ratios, and the benchmark fails when a one-descriptor transfer's
+// host/libc-memcpy is below minTransferRatio (given minRatioSamples
+// iterations, e.g. -benchtime 2000x). host-µs minus plugin-µs (the
+// plugin's own post-to-completion time, from telemetry) is what the host
+// adds.
 func BenchmarkTransfer1MiB(b *testing.B) {
 	const size = 1 << 20
 	for _, tc := range []struct {
@@ -109,43 +165,68 @@ func BenchmarkTransfer1MiB(b *testing.B) {
 			defer x.Close()
 			ctx := context.Background()
 			memcpy := libcFunc(b, "memcpy")
-			var host, cp, cmem, inPlugin, inPost time.Duration
-			b.SetBytes(size)
+			// Reused: a fresh variadic slice would allocate per call.
+			memcpyArgs := []uintptr{uintptr(addr(dst.bufs[0])), uintptr(addr(src.bufs[0])), size}
+			bs := size / tc.blocks
+			baselines := func() (goCopy, libc time.Duration) {
+				t0 := time.Now()
+				for i := range tc.blocks { // the transfer's blocks, as makeBench lays them out
+					copy(dst.bufs[0][(tc.blocks-1-i)*bs:(tc.blocks-i)*bs], src.bufs[0][i*bs:(i+1)*bs])
+				}
+				t1 := time.Now()
+				purego.SyscallN(memcpy, memcpyArgs...)
+				return t1.Sub(t0), time.Since(t1)
+			}
+			cmem, cp := newInterleaved(b.N), newInterleaved(b.N)
+			inPlugin, inPost := make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
 			b.ReportAllocs()
 			// Warm both paths (page faults, worker start).
 			for range 3 {
 				runBench(b, ctx, x)
-				copy(dst.bufs[0], src.bufs[0])
+				baselines()
 			}
 			b.ResetTimer()
-			for range b.N {
+			for i := range b.N {
+				var goCopy, libc time.Duration
+				if i%2 == 1 {
+					goCopy, libc = baselines()
+				}
 				t0 := time.Now()
 				runBench(b, ctx, x)
-				t1 := time.Now()
-				b.StopTimer()
-				copy(dst.bufs[0], src.bufs[0])
-				t2 := time.Now()
-				purego.SyscallN(memcpy, uintptr(addr(dst.bufs[0])), uintptr(addr(src.bufs[0])), size)
-				t3 := time.Now()
-				cmem += t3.Sub(t2)
-				if tel, err := x.Telemetry(); err == nil { // where the time went
-					inPlugin += tel.Xfer
-					inPost += tel.Post
+				host := time.Since(t0)
+				if i%2 == 0 {
+					goCopy, libc = baselines()
 				}
-				b.StartTimer()
-				host += t1.Sub(t0)
-				cp += t2.Sub(t1)
+				if tel, err := x.Telemetry(); err == nil { // where the time went
+					inPlugin = append(inPlugin, tel.Xfer)
+					inPost = append(inPost, tel.Post)
+				}
+				cmem.add(host, libc)
+				cp.add(host, goCopy)
 			}
-			N := float64(b.N)
-			b.ReportMetric(float64(host.Microseconds())/N, "host-µs/xfer")
-			b.ReportMetric(float64(inPlugin.Microseconds())/N, "plugin-µs/xfer")
-			b.ReportMetric(float64(inPost.Microseconds())/N, "post-µs/xfer")
-			b.ReportMetric(float64(cp.Microseconds())/N, "copy-µs")
-			b.ReportMetric(float64(cmem.Microseconds())/N, "libc-memcpy-µs")
-			b.ReportMetric(size/(host.Seconds()/N)/1e9, "host-GB/s")
-			b.ReportMetric(size/(cp.Seconds()/N)/1e9, "copy-GB/s")
-			b.ReportMetric(float64(cp)/float64(host), "host/copy")
-			b.ReportMetric(float64(cmem)/float64(host), "host/libc-memcpy")
+			b.StopTimer()
+			us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+			gbs := func(d time.Duration) float64 { return size / d.Seconds() / 1e9 }
+			b.ReportMetric(float64(median(cmem.host)), "ns/op")
+			b.ReportMetric(us(median(cmem.host)), "host-µs/xfer")
+			if len(inPlugin) > 0 {
+				b.ReportMetric(us(median(inPlugin)), "plugin-µs/xfer")
+				b.ReportMetric(us(median(inPost)), "post-µs/xfer")
+			}
+			b.ReportMetric(us(median(cp.base)), "copy-µs")
+			b.ReportMetric(us(median(cmem.base)), "libc-memcpy-µs")
+			b.ReportMetric(gbs(median(cmem.host)), "host-GB/s")
+			b.ReportMetric(gbs(median(cmem.base)), "libc-memcpy-GB/s")
+			b.ReportMetric(cp.ratio(), "host/copy")
+			ratio := cmem.ratio()
+			b.ReportMetric(ratio, "host/libc-memcpy")
+			// The threshold is for one 1 MiB descriptor against one 1 MiB
+			// memcpy; many blocks are compared with copy() of the same
+			// blocks (host/copy) for information. A handful of samples (the
+			// testing package's first run has b.N == 1) says nothing.
+			if tc.blocks == 1 && ratio < minTransferRatio && b.N >= minRatioSamples {
+				b.Errorf("the transfer reaches %.3fx the rate of a direct memcpy (median of %d interleaved pairs), want at least %.1fx", ratio, b.N, minTransferRatio)
+			}
 		})
 	}
 }
