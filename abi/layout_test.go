@@ -231,3 +231,33 @@ func TestCapsNames(t *testing.T) {
 		t.Fatal("Status.String")
 	}
 }
+
+// TestEveryConstantIsMirrored makes sure every object-like #define of the
+// header (a constant or a STRUCT_SIZE macro) is compared by
+// TestLayoutMatchesC, and that the entry symbol's name agrees.
+func TestEveryConstantIsMirrored(t *testing.T) {
+	hdr, err := os.ReadFile("kvplugin.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Not values: the include guard, the export attribute, the entry
+	// symbol's name (checked below).
+	skip := map[string]bool{"KVPLUGIN_H": true, "KVP_EXPORT": true, "KVP_ENTRY_SYMBOL": true}
+	for _, line := range strings.Split(string(hdr), "\n") {
+		fields := strings.Fields(line)
+		if len(fields) < 2 || fields[0] != "#define" || strings.Contains(fields[1], "(") || skip[fields[1]] {
+			continue
+		}
+		name := fields[1]
+		if _, ok := constants[name]; ok {
+			continue
+		}
+		if _, ok := structSizes[name]; ok {
+			continue
+		}
+		t.Errorf("%s is defined in kvplugin.h but not compared with the Go mirror", name)
+	}
+	if want := `#define KVP_ENTRY_SYMBOL "` + EntrySymbol + `"`; !strings.Contains(string(hdr), want) {
+		t.Errorf("kvplugin.h does not say %s", want)
+	}
+}
