@@ -1,0 +1,117 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/host/push/worker"
+)
+
+var smallWorker = []string{"--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--page-size", "4",
+	"--requests", "16", "--max-tokens", "40", "--min-tokens", "1", "--chunk-pages", "2", "--prefix-rate", "0.3"}
+
+func readSummary(t *testing.T, path string) worker.Summary {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s worker.Summary
+	if err := json.Unmarshal(raw, &s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func waitAddr(t *testing.T, path string, done chan error) string {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); {
+		if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
+			return strings.TrimSpace(string(b))
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("prefill ended early: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	t.Fatal("prefill wrote no bootstrap address")
+	return ""
+}
+
+// TestPrefillDecodeCLI runs `kvhost prefill` (serving the bootstrap
+// server) and `kvhost decode` against each other: TP 2 -> 4, MORI and
+// NIXL layouts, every byte verified, summaries written.
+func TestPrefillDecodeCLI(t *testing.T) {
+	fakeDir(t)
+	for _, variant := range []string{"nixl", "mori"} {
+		t.Run(variant, func(t *testing.T) {
+			dir := t.TempDir()
+			addrFile := filepath.Join(dir, "addr")
+			ps, ds := filepath.Join(dir, "p.json"), filepath.Join(dir, "d.json")
+			done := make(chan error, 1)
+			go func() {
+				_, err := runKvhost(t, "", append([]string{"--log-level", "warn", "prefill", "--variant", variant, "--tp-size", "2",
+					"--bootstrap-port", "0", "--bootstrap-addr-file", addrFile, "--summary", ps}, smallWorker...)...)
+				done <- err
+			}()
+			addr := waitAddr(t, addrFile, done)
+			_, err := runKvhost(t, "", append([]string{"--log-level", "warn", "decode", "--variant", variant, "--tp-size", "4",
+				"--tp-ranks", "0-3", "--bootstrap-addr", addr, "--summary", ds}, smallWorker...)...)
+			if err != nil {
+				t.Fatalf("decode: %v", err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("prefill: %v", err)
+			}
+			p, d := readSummary(t, ps), readSummary(t, ds)
+			if p.OK != 16 || d.OK != 16 || d.Bytes == 0 || len(d.Ranks) != 4 || len(p.Ranks) != 2 {
+				t.Fatalf("prefill %+v\ndecode %+v", p, d)
+			}
+		})
+	}
+}
+
+// TestPrefillEnvAlias: SGLang's timeout variable configures the prefill
+// worker (no decode comes, every request times out in Bootstrapping and
+// the worker exits non-zero with a summary saying so).
+func TestPrefillEnvAlias(t *testing.T) {
+	fakeDir(t)
+	t.Setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "0.2")
+	dir := t.TempDir()
+	ps := filepath.Join(dir, "p.json")
+	start := time.Now()
+	_, err := runKvhost(t, "", append([]string{"--log-level", "error", "prefill", "--bootstrap-port", "0", "--summary", ps}, smallWorker...)...)
+	if err == nil || time.Since(start) > 10*time.Second {
+		t.Fatalf("err %v after %v", err, time.Since(start))
+	}
+	p := readSummary(t, ps)
+	if p.Failed != 16 || !strings.Contains(p.Failures[0].Reason, "in KVPoll.Bootstrapping") {
+		t.Fatalf("%+v", p)
+	}
+}
+
+func TestWorkerFlagErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"prefill", "--variant", "ucx"}, "unknown wire variant"},
+		{[]string{"prefill", "--tp-size", "2", "--tp-ranks", "0,2"}, "--tp-ranks"},
+		{[]string{"prefill", "--attention", "gqa"}, "--attention"},
+		{[]string{"prefill", "--xfer", "rdma"}, "unknown transfer mode"},
+		{[]string{"prefill", "--min-tokens", "10", "--max-tokens", "5"}, "token range"},
+		{[]string{"prefill", "--bootstrap-timeout", "soon"}, "neither a number nor a duration"},
+		{[]string{"decode"}, "bootstrap-addr"},
+		{[]string{"--backend", "nosuch", "decode", "--bootstrap-addr", "127.0.0.1:1"}, "nosuch"},
+	} {
+		_, err := runKvhost(t, "", c.args...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v (want %q)", c.args, err, c.want)
+		}
+	}
+}
