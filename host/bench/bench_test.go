@@ -413,3 +413,16 @@ func TestOutputs(t *testing.T) {
 		t.Error("Plot of nothing succeeded")
 	}
 }
+
+func TestMemcpyRate(t *testing.T) {
+	r, err := MemcpyRate(64<<10, 1<<20, 5*time.Millisecond)
+	if err != nil || r <= 0 {
+		t.Fatalf("MemcpyRate = %v, %v", r, err)
+	}
+	if _, err := MemcpyRate(0, 1<<20, time.Millisecond); err == nil {
+		t.Error("block 0 accepted")
+	}
+	if r, err := MemcpyRate(1<<20, 1, time.Millisecond); err != nil || r <= 0 {
+		t.Errorf("total below one block: %v, %v", r, err)
+	}
+}

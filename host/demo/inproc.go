@@ -1,0 +1,266 @@
+package demo
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
+	pulldemo "github.com/kvhost/kvhost/host/pull/demo"
+	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/push/worker"
+)
+
+// lockedBuffer is a bytes.Buffer safe for the workers' concurrent writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) reader() io.Reader {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return bytes.NewReader(bytes.Clone(l.b.Bytes()))
+}
+
+// inProc is a demo in this process.
+type inProc struct {
+	cfg     *Config
+	p       *plugin.Plugin
+	params  []plugin.Param
+	log     *slog.Logger
+	logs    *lockedBuffer // the workers' logs when WorkerLog is nil
+	done    atomic.Int64  // requests finished over all decode ranks
+	reports []*lockedBuffer
+}
+
+// rankProgress turns one decode rank's "done so far" callbacks, which the
+// workers may make from several goroutines at once, into increments of the
+// run's total.
+func (r *inProc) rankProgress() func(done int) {
+	var mu sync.Mutex
+	last := 0
+	return func(done int) {
+		mu.Lock()
+		delta := max(0, done-last)
+		last = max(last, done)
+		mu.Unlock()
+		n := r.done.Add(int64(delta))
+		if r.cfg.Progress != nil && delta > 0 {
+			r.cfg.Progress(min(int(n), r.cfg.total()), r.cfg.total())
+		}
+	}
+}
+
+func runInProcess(ctx context.Context, cfg *Config, p *plugin.Plugin, s *Summary) error {
+	params, err := plugin.ParseParams(cfg.AgentParams)
+	if err != nil {
+		return fmt.Errorf("demo: agent parameters: %w", err)
+	}
+	r := &inProc{cfg: cfg, p: p, params: params, logs: &lockedBuffer{}}
+	level, out := slog.LevelWarn, io.Writer(r.logs)
+	if cfg.WorkerLog != nil {
+		level, out = slog.LevelInfo, cfg.WorkerLog
+	}
+	r.log = slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{Level: level}))
+	for range cfg.DecodeTP {
+		r.reports = append(r.reports, &lockedBuffer{})
+	}
+	s.Processes = 1
+	if cfg.Style == "sglang" {
+		err = r.runPush(ctx, s)
+	} else {
+		err = r.runPull(ctx, s)
+	}
+	if err != nil {
+		return err
+	}
+	t := newTally()
+	for rank, rep := range r.reports {
+		if err := t.addReport(rep.reader()); err != nil {
+			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, err))
+		}
+	}
+	t.apply(s, cfg.DecodeTP)
+	if !s.Success() && cfg.WorkerLog == nil {
+		s.addFailure("worker log: " + lastLines(r.logs, 6))
+	}
+	return nil
+}
+
+func lastLines(l *lockedBuffer, n int) string {
+	b, _ := io.ReadAll(l.reader())
+	lines := bytes.Split(bytes.TrimSpace(b), []byte("\n"))
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return string(bytes.Join(lines, []byte("\n    ")))
+}
+
+func addRaw(s *Summary, v any) {
+	if b, err := json.Marshal(v); err == nil {
+		s.Workers = append(s.Workers, b)
+	}
+}
+
+func (r *inProc) runPush(ctx context.Context, s *Summary) error {
+	cfg := r.cfg
+	srv, err := bootstrap.NewServer(bootstrap.WithLogger(r.log)).Start("127.0.0.1:0")
+	if err != nil {
+		return fmt.Errorf("demo: bootstrap server: %w", err)
+	}
+	defer func() {
+		// Decode heartbeats keep connections open: do not wait on them.
+		c, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		srv.Close(c)
+	}()
+	var obs push.Observer
+	if cfg.Metrics != nil {
+		obs = cfg.Metrics.PushObserver()
+	}
+	common := func(tp int, ranks []int) worker.Common {
+		return worker.Common{
+			Plugin: r.p, AgentParams: r.params,
+			Shape: worker.Shape{MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads,
+				HeadBytes: cfg.HeadDim * cfg.DTypeBytes, PageSize: cfg.PageSize},
+			Workload: worker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens,
+				MaxTokens: cfg.MaxTokens, ChunkPages: cfg.ChunkPages},
+			TPSize: tp, TPRanks: ranks, PPSize: 1, Host: "127.0.0.1", Concurrency: cfg.Concurrency,
+			Observer: obs, Logger: r.log,
+		}
+	}
+	type result struct {
+		s   *worker.Summary
+		err error
+	}
+	pch := make(chan result, 1)
+	go func() {
+		ps, err := worker.RunPrefill(ctx, worker.PrefillOptions{Common: common(cfg.PrefillTP, nil), BootstrapAddr: srv.Addr()})
+		pch <- result{ps, err}
+	}()
+	dch := make([]chan result, cfg.DecodeTP)
+	for rank := range cfg.DecodeTP {
+		dch[rank] = make(chan result, 1)
+		o := worker.DecodeOptions{Common: common(cfg.DecodeTP, []int{rank}), BootstrapAddr: srv.Addr()}
+		o.Report = r.reports[rank]
+		o.Progress = r.rankProgress()
+		go func() {
+			ds, err := worker.RunDecode(ctx, o)
+			dch[rank] <- result{ds, err}
+		}()
+	}
+	var decodes []*worker.Summary
+	for rank, ch := range dch {
+		d := <-ch
+		if d.err != nil {
+			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, d.err))
+		}
+		if d.s != nil {
+			decodes = append(decodes, d.s)
+		}
+	}
+	p := <-pch
+	if p.err != nil {
+		s.addFailure(fmt.Sprintf("prefill: %v", p.err))
+	}
+	if p.s != nil {
+		addRaw(s, p.s)
+	}
+	for _, d := range decodes {
+		addRaw(s, d)
+	}
+	s.addPush(p.s, decodes)
+	return nil
+}
+
+// vllmModel is the model both vLLM-style workers share, as the CLI makes it.
+func vllmModel(cfg *Config) pulldemo.Model {
+	dtype := map[int]string{1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}[cfg.DTypeBytes]
+	return pulldemo.Model{Name: "kvhost/synthetic-llama", VLLMVersion: "0.13.0", DType: dtype, CacheDType: "auto",
+		MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads, HeadDim: cfg.HeadDim}
+}
+
+// vllmEngine sizes an engine as the CLI does: room for twice the requests
+// in flight at the longest prompt.
+func vllmEngine(cfg *Config, tp int) pulldemo.Engine {
+	per := (cfg.MaxTokens + cfg.PageSize - 1) / cfg.PageSize
+	return pulldemo.Engine{TPSize: tp, BlockSize: cfg.PageSize, NumBlocks: max(64, 2*cfg.Concurrency*per), Layout: pull.LayoutHND}
+}
+
+func (r *inProc) runPull(ctx context.Context, s *Summary) error {
+	cfg := r.cfg
+	var obs pull.Observer
+	if cfg.Metrics != nil {
+		obs = cfg.Metrics.PullObserver()
+	}
+	model := vllmModel(cfg)
+	if err := model.Validate(); err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	work := pulldemo.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens, MaxTokens: cfg.MaxTokens}
+	pf, err := pulldemo.StartPrefill(pulldemo.PrefillConfig{
+		Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.PrefillTP), EngineID: "demo-prefill",
+		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", MemKind: abi.VRAM, Workload: work,
+		Logger: r.log, Observer: obs,
+	})
+	if err != nil {
+		return fmt.Errorf("demo: prefill: %w", err)
+	}
+	defer pf.Close()
+	type result struct {
+		s   *pulldemo.DecodeSummary
+		err error
+	}
+	dch := make([]chan result, cfg.DecodeTP)
+	for rank := range cfg.DecodeTP {
+		dch[rank] = make(chan result, 1)
+		progress := r.rankProgress()
+		dc := pulldemo.DecodeConfig{
+			Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.DecodeTP), Ranks: []int{rank},
+			EngineID: "demo-decode", PrefillURL: "http://" + pf.APIAddr(), Workload: work, Concurrency: cfg.Concurrency,
+			MemKind: abi.VRAM, Logger: r.log, Observer: obs, Report: r.reports[rank],
+			Progress: func(done, _ int) { progress(done) },
+		}
+		go func() {
+			ds, err := pulldemo.RunDecode(ctx, dc)
+			dch[rank] <- result{ds, err}
+		}()
+	}
+	var decodes []*pulldemo.DecodeSummary
+	for rank, ch := range dch {
+		d := <-ch
+		if d.err != nil {
+			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, d.err))
+		}
+		if d.s != nil {
+			decodes = append(decodes, d.s)
+		}
+	}
+	// Every decode rank notified (or failed): the prefill releases the rest
+	// on its own; give it a moment, not the abort timeout.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	ps := pf.Wait(wctx)
+	cancel()
+	addRaw(s, ps)
+	for _, d := range decodes {
+		addRaw(s, d)
+	}
+	s.addPull(&ps, decodes)
+	return nil
+}

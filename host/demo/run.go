@@ -1,0 +1,65 @@
+package demo
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"time"
+
+	"github.com/kvhost/kvhost/host/bench"
+	"github.com/kvhost/kvhost/host/plugin"
+)
+
+// memcpyProbe bounds the raw memcpy measurement that follows a run.
+const (
+	memcpyProbeBytes = 64 << 20
+	memcpyProbeTime  = 300 * time.Millisecond
+)
+
+// Run runs the demo and returns its summary. The error is for a demo that
+// could not run (bad configuration, plugin missing, a worker that did not
+// start, ctx ended); failed or unverified requests are in the summary
+// (Summary.Success).
+func Run(ctx context.Context, cfg Config) (*Summary, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	timeout := cfg.Timeout
+	if timeout <= 0 {
+		timeout = 10 * time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	// Find the plugin first: a missing one is an error before anything
+	// starts, and every process then loads this very file.
+	dirs := plugin.SearchDirs(cfg.PluginPath)
+	path, err := plugin.Find(cfg.Plugin, dirs)
+	if err != nil {
+		return nil, fmt.Errorf("demo: %w", err)
+	}
+	s := &Summary{Style: cfg.Style, Attention: cfg.Attention, Plugin: cfg.Plugin, PrefillTP: cfg.PrefillTP,
+		DecodeTP: cfg.DecodeTP, Requests: cfg.Requests}
+	if cfg.InProcess {
+		p, err := plugin.Open(path)
+		if err != nil {
+			return nil, fmt.Errorf("demo: %w", err)
+		}
+		defer p.Close()
+		err = runInProcess(ctx, &cfg, p, s)
+		if err != nil {
+			return nil, err
+		}
+	} else if err := runProcs(ctx, &cfg, filepath.Dir(path), s); err != nil {
+		return nil, err
+	}
+	s.finish()
+	block := uint64(max(4096, min(s.BytesPerTransfer, 64<<20)))
+	if s.MemcpyGBps, err = bench.MemcpyRate(block, memcpyProbeBytes, memcpyProbeTime); err != nil {
+		return s, fmt.Errorf("demo: memcpy baseline: %w", err)
+	}
+	return s, nil
+}
