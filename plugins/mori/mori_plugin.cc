@@ -200,9 +200,9 @@ struct RangeEntry {
 constexpr uint64_t kNewRangeBit = uint64_t{1} << 63;
 
 // A batch transfer. The MORI arguments are built once by make_batch_xfer and
-// reused by every post. The post state is guarded by mu: post, poll,
-// telemetry and release of one transfer are serialised by the caller, but
-// remove_remote inspects transfers from another thread.
+// reused by every post. The post state is guarded by mu. The caller already
+// serialises post, poll, telemetry and release of one transfer (ABI rule 2);
+// the lock makes a caller that breaks the rule get answers, not data races.
 struct Xfer {
   kvp_agent owner = 0;
   kvp_op op = KVP_OP_WRITE;
