@@ -825,11 +825,16 @@ static kvp_error *notif_deliver(agent *from, const route *rt, const uint8_t *msg
   mh.msg_namelen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + rt->sock_len);
   mh.msg_iov = iov;
   mh.msg_iovlen = len ? 3 : 2;
+  /* SO_SNDTIMEO bounds each blocking sendmsg, but a signal interrupts it
+   * with EINTR whatever SA_RESTART says (socket timeouts are never
+   * restarted) and a retry starts a fresh timeout: bound the retries too. */
+  uint64_t deadline = now_ns() + FAKE_SEND_TIMEOUT_S * 1000000000ull;
   for (;;) {
     ssize_t n = sendmsg(from->tx_sock, &mh, MSG_NOSIGNAL);
     if (n >= 0) return NULL;
-    if (errno == EINTR) continue;
     int err = errno;
+    if (err == EINTR && now_ns() < deadline) continue;
+    if (err == EINTR) err = EAGAIN; /* interrupted past the deadline: a timeout */
     if (err == ECONNREFUSED || err == ENOENT || err == ENOTCONN)
       return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
                      "notification: peer process %u is gone (its socket refuses: %s)", rt->pid,
