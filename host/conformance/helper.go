@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -193,13 +194,18 @@ type helperHost struct {
 	dec    *json.Decoder
 	enc    *json.Encoder
 	plugin string
+	// answerWithin bounds how long a request may go unanswered (plus the
+	// request's own Timeout); a helper that does not answer in time is
+	// killed, so a hung helper fails the suite instead of hanging it.
+	answerWithin time.Duration
 
 	mu     sync.Mutex // one request at a time
 	broken error      // set when the helper stopped answering
 }
 
-// startHelper starts cmd as a helper and opens the plugin in it.
-func startHelper(cmd *exec.Cmd, pluginName string, dirs []string) (*helperHost, error) {
+// startHelper starts cmd as a helper and opens the plugin in it. A request
+// that gets no answer within answerWithin kills the helper.
+func startHelper(cmd *exec.Cmd, pluginName string, dirs []string, answerWithin time.Duration) (*helperHost, error) {
 	cmd.Env = append(cmd.Environ(), HelperEnv+"=1")
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
@@ -213,7 +219,8 @@ func startHelper(cmd *exec.Cmd, pluginName string, dirs []string) (*helperHost, 
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting helper %s: %w", cmd.Path, err)
 	}
-	h := &helperHost{cmd: cmd, stdin: stdin, dec: json.NewDecoder(bufio.NewReader(stdout)), enc: json.NewEncoder(stdin), plugin: pluginName}
+	h := &helperHost{cmd: cmd, stdin: stdin, dec: json.NewDecoder(bufio.NewReader(stdout)), enc: json.NewEncoder(stdin),
+		plugin: pluginName, answerWithin: answerWithin}
 	if _, err := h.call(helperRequest{Op: "open", Plugin: pluginName, Dirs: dirs}); err != nil {
 		h.Close()
 		return nil, fmt.Errorf("helper: %w", err)
@@ -228,11 +235,21 @@ func (h *helperHost) call(req helperRequest) (helperResponse, error) {
 		return helperResponse{}, h.broken
 	}
 	var resp helperResponse
+	limit := h.answerWithin + req.Timeout
+	var killed atomic.Bool
+	timer := time.AfterFunc(limit, func() {
+		killed.Store(true)
+		h.cmd.Process.Kill() // ends the Decode below
+	})
+	defer timer.Stop()
 	if err := h.enc.Encode(req); err != nil {
 		h.broken = fmt.Errorf("helper process: sending %s: %w", req.Op, err)
 		return resp, h.broken
 	}
 	if err := h.dec.Decode(&resp); err != nil {
+		if killed.Load() {
+			err = fmt.Errorf("no answer within %v; killed it", limit)
+		}
 		h.broken = fmt.Errorf("helper process: no answer to %s: %w", req.Op, err)
 		return resp, h.broken
 	}

@@ -64,7 +64,9 @@ type Config struct {
 	// ABIVariants are builds of the plugin made for another ABI major; the
 	// host must refuse each with a message naming both versions.
 	ABIVariants []string
-	// Timeout bounds each wait for a transfer or notification (default 10 s).
+	// Timeout bounds each wait for a transfer or notification (default
+	// 10 s); a helper process that leaves a request unanswered for three
+	// times as long is killed.
 	Timeout time.Duration
 }
 
@@ -116,7 +118,7 @@ func Open(cfg Config) (*Suite, error) {
 			p.Close()
 			return nil, errors.New("conformance: two-process mode needs Config.Helper")
 		}
-		h, err := startHelper(cfg.Helper(), cfg.Plugin, cfg.Dirs)
+		h, err := startHelper(cfg.Helper(), cfg.Plugin, cfg.Dirs, 3*cfg.Timeout)
 		if err != nil {
 			p.Close()
 			return nil, err
