@@ -84,6 +84,7 @@ func workerFlags(role string) []cli.Flag {
 
 		cat(&cli.StringFlag{Name: "summary", Value: "-", EnvVars: env(upper(role) + "_SUMMARY"), Usage: "write the JSON summary to `FILE` (- for stdout, empty for none)"}, out),
 		cat(&cli.StringFlag{Name: "report", EnvVars: env(upper(role) + "_REPORT"), Usage: "write one JSON line per request (room, ok, reason) to `FILE`"}, out),
+		cat(&cli.BoolFlag{Name: "no-bytes", EnvVars: env("NO_BYTES"), Usage: "benchmark mode: skip filling (prefill) and checking (decode) the KV bytes; the summary says \"checked\": false"}, out),
 	}
 }
 
@@ -151,6 +152,7 @@ func parseCommon(c *cli.Context) (worker.Common, error) {
 	}
 	o.Host = c.String("host")
 	o.Concurrency = c.Int("concurrency")
+	o.NoBytes = c.Bool("no-bytes")
 	o.Workload = worker.Workload{
 		Seed: c.Uint64("seed"), Requests: c.Int("requests"), RoomBase: c.Uint64("room-base"),
 		MinTokens: c.Int("min-tokens"), MaxTokens: c.Int("max-tokens"), ChunkPages: c.Int("chunk-pages"),

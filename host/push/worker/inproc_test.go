@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"io"
 	"log/slog"
 	"os"
 	"strings"
@@ -164,3 +165,5 @@ func TestInProcMoriPPEqual(t *testing.T) {
 		}
 	}
 }
+
+func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }

@@ -43,6 +43,10 @@ type Common struct {
 	// Progress, if set, is called after each request finishes on this
 	// worker (all its ranks), with the number finished so far.
 	Progress func(done int)
+	// NoBytes skips writing the synthetic KV on prefill and checking it on
+	// decode, to measure the runtime alone (benchmarks). The summary then
+	// says Checked false.
+	NoBytes bool
 }
 
 func (c *Common) check() error {
@@ -172,7 +176,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	})
 	elapsed := time.Since(start)
 
-	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: o.XferMode.String()}
+	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: o.XferMode.String(), Checked: !o.NoBytes}
 	for _, p := range prs {
 		s.Ranks = append(s.Ranks, p.String())
 		s.Dropped += p.m.Dropped()
@@ -233,10 +237,12 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 		return
 	}
 	defer p.aux.release(auxSlot)
-	if err := p.pool.FillAux(req.Room, int(auxSlot[0])); err != nil {
-		s.Abort()
-		fail(err.Error())
-		return
+	if !o.NoBytes {
+		if err := p.pool.FillAux(req.Room, int(auxSlot[0])); err != nil {
+			s.Abort()
+			fail(err.Error())
+			return
+		}
 	}
 	if err := s.Init(send, int64(auxSlot[0])); err != nil {
 		fail(err.Error())
@@ -255,7 +261,7 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 		n := min(chunk, send-sent)
 		first := prefix + sent*ps
 		count := min((sent+n)*ps+prefix, req.Tokens) - first
-		if n > 0 {
+		if n > 0 && !o.NoBytes {
 			if err := p.pool.Fill(kvpool.Tokens{Request: req.Room, Pages: full, First: first, Count: count}); err != nil {
 				s.Abort()
 				fail(err.Error())

@@ -19,6 +19,9 @@ type Summary struct {
 	Variant    string   `json:"variant"`
 	Completion string   `json:"completion"`
 	XferMode   string   `json:"xfer_mode,omitempty"`
+	// Checked is false when the run skipped writing and checking bytes
+	// (NoBytes); Bytes then counts what moved, unverified.
+	Checked bool `json:"checked"`
 
 	Requests int `json:"requests"`
 	OK       int `json:"ok"`
@@ -32,7 +35,8 @@ type Summary struct {
 	VerifyErrors int              `json:"verify_errors"`
 	Failures     []RequestFailure `json:"failures,omitempty"` // the first ones
 
-	// Prefill: what its transfers moved. Decode: bytes verified.
+	// Prefill: what its transfers moved. Decode: the KV bytes of the
+	// tokens it received (verified when Checked).
 	Bytes          uint64  `json:"bytes"`
 	Transfers      uint64  `json:"transfers,omitempty"`
 	Descriptors    uint64  `json:"descriptors,omitempty"`
