@@ -419,7 +419,7 @@ func (a *Agent) forgetPeer(name string) error {
 	for _, d := range pr.dlists {
 		d.closed = true
 		if d.emu == nil {
-			released(a.callReleaseDList(d.h))
+			released(a.p.releaseDList(a.h, d.h))
 			continue
 		}
 		for _, rr := range d.emu.owned {
@@ -483,19 +483,7 @@ func (a *Agent) ImportRegion(peerName string, blob []byte) (*RemoteRegion, error
 	if len(blob) == 0 {
 		return nil, a.hostErr("remote_region_import", abi.ErrInvalidParam, "empty region blob")
 	}
-	if err := a.use(); err != nil {
-		return nil, err
-	}
-	defer a.mu.RUnlock()
-	rr, err := a.importLocked(peerName, blob, abi.MemDesc{})
-	if err != nil {
-		return nil, err
-	}
-	a.book.Lock()
-	pr := a.peerLocked(peerName)
-	pr.rregions = append(pr.rregions, rr)
-	a.book.Unlock()
-	return rr, nil
+	return a.importRegion(peerName, blob, abi.MemDesc{})
 }
 
 // ImportRange imports the range [addr, addr+length) of a peer's advertised
@@ -504,11 +492,17 @@ func (a *Agent) ImportRange(peerName string, addr, length, devID uint64, kind ab
 	if err := a.needCaps("remote_region_import", abi.CapRemoteAddr); err != nil {
 		return nil, err
 	}
+	return a.importRegion(peerName, nil, abi.MemDesc{Addr: addr, Len: length, DevID: devID, MemKind: kind})
+}
+
+// importRegion imports a region for the user (by blob when blob is not
+// empty, else the range d) and tracks it under its peer.
+func (a *Agent) importRegion(peerName string, blob []byte, d abi.MemDesc) (*RemoteRegion, error) {
 	if err := a.use(); err != nil {
 		return nil, err
 	}
 	defer a.mu.RUnlock()
-	rr, err := a.importLocked(peerName, nil, abi.MemDesc{Addr: addr, Len: length, DevID: devID, MemKind: kind})
+	rr, err := a.importLocked(peerName, blob, d)
 	if err != nil {
 		return nil, err
 	}
@@ -520,19 +514,14 @@ func (a *Agent) ImportRange(peerName string, addr, length, devID uint64, kind ab
 }
 
 // importLocked calls remote_region_import (by blob when blob is non-empty,
-// else by the address range in d). Needs a.mu held.
+// else by the address range in d), without tracking the region. Needs a.mu
+// held.
 func (a *Agent) importLocked(peerName string, blob []byte, d abi.MemDesc) (*RemoteRegion, error) {
-	args := &abi.RemoteRegionImportArgs{
-		StructSize: abi.RemoteRegionImportArgsSize, Agent: a.h,
-		PeerName: stringData(peerName), PeerNameLen: uintptr(len(peerName)),
-		Blob: sliceData(blob), BlobLen: uintptr(len(blob)),
-		Addr: d.Addr, Len: d.Len, DevID: d.DevID, MemKind: d.MemKind,
-	}
-	if err := a.check("remote_region_import", callC(a.p.api.RemoteRegionImport, unsafe.Pointer(args))); err != nil {
+	h, desc, err := a.p.importRegion(a.h, peerName, blob, d)
+	if err != nil {
 		return nil, err
 	}
-	return &RemoteRegion{a: a, peer: peerName, h: args.RRegion,
-		desc: abi.MemDesc{Addr: args.Addr, Len: args.Len, DevID: args.DevID, MemKind: args.MemKind}}, nil
+	return &RemoteRegion{a: a, peer: peerName, h: h, desc: desc}, nil
 }
 
 // Close releases the remote region. It fails if a prepared list the host
@@ -565,8 +554,7 @@ func (r *RemoteRegion) Close() error {
 
 // releaseRRegionLocked calls remote_region_release. Needs a.mu exclusively.
 func (a *Agent) releaseRRegionLocked(r *RemoteRegion) error {
-	args := &abi.RemoteRegionReleaseArgs{StructSize: abi.RemoteRegionReleaseArgsSize, Agent: a.h, RRegion: r.h}
-	if err := a.check("remote_region_release", callC(a.p.api.RemoteRegionRelease, unsafe.Pointer(args))); err != nil {
+	if err := a.p.releaseRRegion(a.h, r.h); err != nil {
 		return err
 	}
 	r.closed = true

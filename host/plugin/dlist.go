@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
 )
@@ -101,15 +100,11 @@ func (a *Agent) prepNative(d *DList, descs []abi.XferDesc) error {
 			return a.wrap("prep_dlist", cerr)
 		}
 	}
-	args := &abi.PrepDListArgs{
-		StructSize: abi.PrepDListArgsSize, Agent: a.h,
-		PeerName: stringData(d.peer), PeerNameLen: uintptr(len(d.peer)),
-		MemKind: d.kind, Descs: sliceData(plain), NumDescs: uintptr(len(plain)),
-	}
-	if err := a.check("prep_dlist", callC(a.p.api.PrepDList, unsafe.Pointer(args))); err != nil {
+	h, err := a.p.prepDList(a.h, d.peer, d.kind, plain)
+	if err != nil {
 		return err
 	}
-	d.h = args.DList
+	d.h = h
 	return nil
 }
 
@@ -121,7 +116,7 @@ func (a *Agent) prepEmulatedLocal(d *DList, descs []abi.XferDesc) error {
 	a.book.Unlock()
 	sorted := make([]memRange, len(regions))
 	for i, r := range regions {
-		sorted[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+		sorted[i] = rangeOf(r.desc)
 	}
 	emu := &emuList{}
 	var missing []int
@@ -160,7 +155,7 @@ func (a *Agent) prepEmulatedRemote(d *DList, descs []abi.XferDesc) (err error) {
 	slices.SortFunc(existing, func(x, y *RemoteRegion) int { return cmpU64(x.desc.Addr, y.desc.Addr) })
 	ranges := make([]memRange, len(existing))
 	for i, r := range existing {
-		ranges[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+		ranges[i] = rangeOf(r.desc)
 	}
 	emu := &emuList{}
 	var missing []int
@@ -188,7 +183,7 @@ func (a *Agent) prepEmulatedRemote(d *DList, descs []abi.XferDesc) (err error) {
 		all = append(slices.Clip(all), imported...)
 		sortedNew := make([]memRange, len(imported))
 		for i, r := range imported {
-			sortedNew[i] = memRange{addr: r.desc.Addr, end: r.desc.Addr + r.desc.Len, dev: r.desc.DevID, kind: r.desc.MemKind}
+			sortedNew[i] = rangeOf(r.desc)
 		}
 		for _, i := range missing {
 			x := descs[i]
@@ -296,8 +291,7 @@ func (d *DList) Close() error {
 	if d.emu != nil {
 		err = a.releaseOwned(d.emu)
 	} else {
-		args := &abi.ReleaseDListArgs{StructSize: abi.ReleaseDListArgsSize, Agent: a.h, DList: d.h}
-		if err = a.check("release_dlist", callC(a.p.api.ReleaseDList, unsafe.Pointer(args))); err != nil {
+		if err = a.p.releaseDList(a.h, d.h); err != nil {
 			return err
 		}
 	}

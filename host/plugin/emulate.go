@@ -80,6 +80,11 @@ type memRange struct {
 	kind      abi.MemKind
 }
 
+// rangeOf is the memory a registered or imported region covers.
+func rangeOf(d abi.MemDesc) memRange {
+	return memRange{addr: d.Addr, end: d.Addr + d.Len, dev: d.DevID, kind: d.MemKind}
+}
+
 func (r memRange) contains(x memRange) bool {
 	return r.kind == x.kind && r.dev == x.dev && r.addr <= x.addr && x.end <= r.end
 }

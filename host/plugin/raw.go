@@ -11,11 +11,21 @@ import (
 // reach the plugin. It exists so the conformance suite can prove that a
 // plugin answers such handles with an error rather than a crash; programs
 // use Agent and its types instead. Using Raw on a handle that an Agent still
-// owns breaks that Agent's bookkeeping.
+// owns breaks that Agent's bookkeeping. A function the plugin's table
+// leaves NULL (its capability is off) is ErrNotSupported, raised by the
+// host.
 type Raw struct{ p *Plugin }
 
 // Raw returns the unchecked interface of the plugin.
 func (p *Plugin) Raw() Raw { return Raw{p} }
+
+// absent reports a NULL table function as an ErrNotSupported *Error.
+func (r Raw) absent(fn uintptr, op string) error {
+	if fn != 0 {
+		return nil
+	}
+	return hostError(r.p.info.Name, op, abi.ErrNotSupported, "plugin has no %s", op)
+}
 
 // AgentDestroy calls agent_destroy.
 func (r Raw) AgentDestroy(agent abi.Agent) error {
@@ -32,30 +42,66 @@ func (r Raw) DeregisterMem(agent abi.Agent, regions ...abi.Region) error {
 // RegionExport calls region_export with a zero-capacity buffer and returns
 // the size the blob needs.
 func (r Raw) RegionExport(agent abi.Agent, region abi.Region) (uintptr, error) {
-	if r.p.api.RegionExport == 0 {
-		return 0, hostError(r.p.info.Name, "region_export", abi.ErrNotSupported, "plugin has no region_export")
+	if err := r.absent(r.p.api.RegionExport, "region_export"); err != nil {
+		return 0, err
 	}
 	args := &abi.RegionExportArgs{StructSize: abi.RegionExportArgsSize, Agent: agent, Region: region}
 	err := r.p.check("region_export", callC(r.p.api.RegionExport, unsafe.Pointer(args)))
 	return args.Size, err
 }
 
+// RemoteRegionImport calls remote_region_import: by blob when blob is not
+// empty, else by the address range in d. The handle is the caller's to
+// release with RemoteRegionRelease.
+func (r Raw) RemoteRegionImport(agent abi.Agent, peer string, blob []byte, d abi.MemDesc) (abi.RRegion, error) {
+	if err := r.absent(r.p.api.RemoteRegionImport, "remote_region_import"); err != nil {
+		return 0, err
+	}
+	h, _, err := r.p.importRegion(agent, peer, blob, d)
+	return h, err
+}
+
 // RemoteRegionRelease calls remote_region_release.
 func (r Raw) RemoteRegionRelease(agent abi.Agent, rr abi.RRegion) error {
-	if r.p.api.RemoteRegionRelease == 0 {
-		return hostError(r.p.info.Name, "remote_region_release", abi.ErrNotSupported, "plugin has no remote_region_release")
+	if err := r.absent(r.p.api.RemoteRegionRelease, "remote_region_release"); err != nil {
+		return err
 	}
-	args := &abi.RemoteRegionReleaseArgs{StructSize: abi.RemoteRegionReleaseArgsSize, Agent: agent, RRegion: rr}
-	return r.p.check("remote_region_release", callC(r.p.api.RemoteRegionRelease, unsafe.Pointer(args)))
+	return r.p.releaseRRegion(agent, rr)
+}
+
+// PrepDList calls prep_dlist (peer "" prepares a local list). The handle is
+// the caller's to release with ReleaseDList.
+func (r Raw) PrepDList(agent abi.Agent, peer string, kind abi.MemKind, descs []abi.XferDesc) (abi.DList, error) {
+	if err := r.absent(r.p.api.PrepDList, "prep_dlist"); err != nil {
+		return 0, err
+	}
+	return r.p.prepDList(agent, peer, kind, descs)
 }
 
 // ReleaseDList calls release_dlist.
 func (r Raw) ReleaseDList(agent abi.Agent, d abi.DList) error {
-	if r.p.api.ReleaseDList == 0 {
-		return hostError(r.p.info.Name, "release_dlist", abi.ErrNotSupported, "plugin has no release_dlist")
+	if err := r.absent(r.p.api.ReleaseDList, "release_dlist"); err != nil {
+		return err
 	}
-	args := &abi.ReleaseDListArgs{StructSize: abi.ReleaseDListArgsSize, Agent: agent, DList: d}
-	return r.p.check("release_dlist", callC(r.p.api.ReleaseDList, unsafe.Pointer(args)))
+	return r.p.releaseDList(agent, d)
+}
+
+// MakeBatchXfer calls make_batch_xfer with raw pairs, without a
+// notification.
+func (r Raw) MakeBatchXfer(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry) (abi.Xfer, error) {
+	if err := r.absent(r.p.api.MakeBatchXfer, "make_batch_xfer"); err != nil {
+		return 0, err
+	}
+	return r.p.makeBatch(agent, op, pairs, entries, abi.Notif{})
+}
+
+// MakePreppedXfer calls make_prepped_xfer with raw lists and indices,
+// without a notification.
+func (r Raw) MakePreppedXfer(agent abi.Agent, op abi.Op, local abi.DList, li []int32, remote abi.DList, ri []int32) (abi.Xfer, error) {
+	if err := r.absent(r.p.api.MakePreppedXfer, "make_prepped_xfer"); err != nil {
+		return 0, err
+	}
+	return r.p.makePrepped(agent, op, local, li, remote, ri, abi.Notif{})
 }
 
 // PostXfer calls post_xfer.
@@ -80,69 +126,9 @@ func (r Raw) ReleaseXfer(agent abi.Agent, x abi.Xfer) error {
 
 // XferTelemetry calls xfer_telemetry and discards the result.
 func (r Raw) XferTelemetry(agent abi.Agent, x abi.Xfer) error {
-	if r.p.api.XferTelemetry == 0 {
-		return hostError(r.p.info.Name, "xfer_telemetry", abi.ErrNotSupported, "plugin has no xfer_telemetry")
+	if err := r.absent(r.p.api.XferTelemetry, "xfer_telemetry"); err != nil {
+		return err
 	}
 	args := &abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: agent, Xfer: x}
 	return r.p.check("xfer_telemetry", callC(r.p.api.XferTelemetry, unsafe.Pointer(args)))
-}
-
-// MakeBatchXfer calls make_batch_xfer with raw pairs.
-func (r Raw) MakeBatchXfer(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry) (abi.Xfer, error) {
-	if r.p.api.MakeBatchXfer == 0 {
-		return 0, hostError(r.p.info.Name, "make_batch_xfer", abi.ErrNotSupported, "plugin has no make_batch_xfer")
-	}
-	args := &abi.MakeBatchXferArgs{
-		StructSize: abi.MakeBatchXferArgsSize, Agent: agent, Op: op,
-		Pairs: sliceData(pairs), NumPairs: uintptr(len(pairs)),
-		Entries: sliceData(entries), NumEntries: uintptr(len(entries)),
-	}
-	err := r.p.check("make_batch_xfer", callC(r.p.api.MakeBatchXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
-}
-
-// MakePreppedXfer calls make_prepped_xfer with raw lists and indices.
-func (r Raw) MakePreppedXfer(agent abi.Agent, op abi.Op, local abi.DList, li []int32, remote abi.DList, ri []int32) (abi.Xfer, error) {
-	if r.p.api.MakePreppedXfer == 0 {
-		return 0, hostError(r.p.info.Name, "make_prepped_xfer", abi.ErrNotSupported, "plugin has no make_prepped_xfer")
-	}
-	args := &abi.MakePreppedXferArgs{
-		StructSize: abi.MakePreppedXferArgsSize, Agent: agent, Op: op,
-		LocalDList: local, LocalIndices: sliceData(li), NumLocalIndices: uintptr(len(li)),
-		RemoteDList: remote, RemoteIndices: sliceData(ri), NumRemoteIndices: uintptr(len(ri)),
-	}
-	err := r.p.check("make_prepped_xfer", callC(r.p.api.MakePreppedXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
-}
-
-// RemoteRegionImport calls remote_region_import: by blob when blob is not
-// empty, else by the address range in d. The handle is the caller's to
-// release with RemoteRegionRelease.
-func (r Raw) RemoteRegionImport(agent abi.Agent, peer string, blob []byte, d abi.MemDesc) (abi.RRegion, error) {
-	if r.p.api.RemoteRegionImport == 0 {
-		return 0, hostError(r.p.info.Name, "remote_region_import", abi.ErrNotSupported, "plugin has no remote_region_import")
-	}
-	args := &abi.RemoteRegionImportArgs{
-		StructSize: abi.RemoteRegionImportArgsSize, Agent: agent,
-		PeerName: stringData(peer), PeerNameLen: uintptr(len(peer)),
-		Blob: sliceData(blob), BlobLen: uintptr(len(blob)),
-		Addr: d.Addr, Len: d.Len, DevID: d.DevID, MemKind: d.MemKind,
-	}
-	err := r.p.check("remote_region_import", callC(r.p.api.RemoteRegionImport, unsafe.Pointer(args)))
-	return args.RRegion, err
-}
-
-// PrepDList calls prep_dlist (peer "" prepares a local list). The handle is
-// the caller's to release with ReleaseDList.
-func (r Raw) PrepDList(agent abi.Agent, peer string, kind abi.MemKind, descs []abi.XferDesc) (abi.DList, error) {
-	if r.p.api.PrepDList == 0 {
-		return 0, hostError(r.p.info.Name, "prep_dlist", abi.ErrNotSupported, "plugin has no prep_dlist")
-	}
-	args := &abi.PrepDListArgs{
-		StructSize: abi.PrepDListArgsSize, Agent: agent,
-		PeerName: stringData(peer), PeerNameLen: uintptr(len(peer)),
-		MemKind: kind, Descs: sliceData(descs), NumDescs: uintptr(len(descs)),
-	}
-	err := r.p.check("prep_dlist", callC(r.p.api.PrepDList, unsafe.Pointer(args)))
-	return args.DList, err
 }

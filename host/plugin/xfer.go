@@ -128,7 +128,7 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 			}
 			s.pairs = append(s.pairs, pair)
 		}
-		h, err := a.callMakeBatch(op, s.pairs, s.entries, cNotif(notif))
+		h, err := a.p.makeBatch(a.h, op, s.pairs, s.entries, cNotif(notif))
 		if err != nil {
 			return nil, err
 		}
@@ -144,7 +144,7 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 		}
 		li, ri = s.local, s.remote
 	}
-	h, err := a.callMakePrepped(op, local.h, li, remote.h, ri, cNotif(notif))
+	h, err := a.p.makePrepped(a.h, op, local.h, li, remote.h, ri, cNotif(notif))
 	if err != nil {
 		return nil, err
 	}
@@ -217,7 +217,7 @@ func (a *Agent) MakeBatchXfer(op abi.Op, pairs []Pair, entries []abi.BatchEntry,
 		}
 		shaped = true
 	}
-	h, err := a.callMakeBatch(op, s.pairs, e, cNotif(notif))
+	h, err := a.p.makeBatch(a.h, op, s.pairs, e, cNotif(notif))
 	if err != nil {
 		return nil, err
 	}
@@ -248,18 +248,18 @@ func (a *Agent) batchViaPrepped(s *scratch, op abi.Op, pairs []Pair, entries []a
 	if len(entries) == 0 {
 		lkind, rkind = lsides[0].kind, rsides[0].kind
 	}
-	ld, err := a.callPrep("", lkind, s.ldescs)
+	ld, err := a.p.prepDList(a.h, "", lkind, s.ldescs)
 	if err != nil {
 		return nil, err
 	}
-	rd, err := a.callPrep(peerName, rkind, s.rdescs)
+	rd, err := a.p.prepDList(a.h, peerName, rkind, s.rdescs)
 	if err != nil {
-		return nil, errors.Join(err, a.callReleaseDList(ld))
+		return nil, errors.Join(err, a.p.releaseDList(a.h, ld))
 	}
 	idx := s.identity(len(s.ldescs))
-	h, err := a.callMakePrepped(op, ld, idx, rd, idx, cNotif(notif))
+	h, err := a.p.makePrepped(a.h, op, ld, idx, rd, idx, cNotif(notif))
 	if err != nil {
-		return nil, errors.Join(err, a.callReleaseDList(ld), a.callReleaseDList(rd))
+		return nil, errors.Join(err, a.p.releaseDList(a.h, ld), a.p.releaseDList(a.h, rd))
 	}
 	x := a.newXfer(h, op, len(entries), true)
 	x.tmp = [2]abi.DList{ld, rd}
@@ -267,43 +267,6 @@ func (a *Agent) batchViaPrepped(s *scratch, op abi.Op, pairs []Pair, entries []a
 	x.tmpPeer = a.peerLocked(peerName)
 	a.book.Unlock()
 	return x, nil
-}
-
-func (a *Agent) callPrep(peerName string, kind abi.MemKind, descs []abi.XferDesc) (abi.DList, error) {
-	args := &abi.PrepDListArgs{
-		StructSize: abi.PrepDListArgsSize, Agent: a.h,
-		PeerName: stringData(peerName), PeerNameLen: uintptr(len(peerName)),
-		MemKind: kind, Descs: sliceData(descs), NumDescs: uintptr(len(descs)),
-	}
-	err := a.check("prep_dlist", callC(a.p.api.PrepDList, unsafe.Pointer(args)))
-	return args.DList, err
-}
-
-func (a *Agent) callReleaseDList(h abi.DList) error {
-	args := &abi.ReleaseDListArgs{StructSize: abi.ReleaseDListArgsSize, Agent: a.h, DList: h}
-	return a.check("release_dlist", callC(a.p.api.ReleaseDList, unsafe.Pointer(args)))
-}
-
-func (a *Agent) callMakePrepped(op abi.Op, ld abi.DList, li []int32, rd abi.DList, ri []int32, n abi.Notif) (abi.Xfer, error) {
-	args := &abi.MakePreppedXferArgs{
-		StructSize: abi.MakePreppedXferArgsSize, Agent: a.h, Op: op,
-		LocalDList: ld, LocalIndices: sliceData(li), NumLocalIndices: uintptr(len(li)),
-		RemoteDList: rd, RemoteIndices: sliceData(ri), NumRemoteIndices: uintptr(len(ri)),
-		Notif: n,
-	}
-	err := a.check("make_prepped_xfer", callC(a.p.api.MakePreppedXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
-}
-
-func (a *Agent) callMakeBatch(op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry, n abi.Notif) (abi.Xfer, error) {
-	args := &abi.MakeBatchXferArgs{
-		StructSize: abi.MakeBatchXferArgsSize, Agent: a.h, Op: op,
-		Pairs: sliceData(pairs), NumPairs: uintptr(len(pairs)),
-		Entries: sliceData(entries), NumEntries: uintptr(len(entries)),
-		Notif: n,
-	}
-	err := a.check("make_batch_xfer", callC(a.p.api.MakeBatchXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
 }
 
 // Op returns the transfer's operation.
@@ -466,10 +429,10 @@ func (x *Xfer) Close() error {
 	args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
 	errs := []error{x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))}
 	if x.tmp[0] != 0 {
-		errs = append(errs, x.a.callReleaseDList(x.tmp[0]))
+		errs = append(errs, x.a.p.releaseDList(x.a.h, x.tmp[0]))
 	}
 	if x.tmp[1] != 0 {
-		err := x.a.callReleaseDList(x.tmp[1])
+		err := x.a.p.releaseDList(x.a.h, x.tmp[1])
 		if x.tmpPeer.removed && errors.Is(err, ErrInvalidParam) {
 			err = nil
 		}
