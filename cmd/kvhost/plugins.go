@@ -148,16 +148,9 @@ func checkPlugin(c *cli.Context, name string, dirs []string) error {
 	if err != nil {
 		return fmt.Errorf("plugins --check: --param: %w", err)
 	}
-	var modes []conformance.Mode
-	switch c.String("mode") {
-	case "both":
-		modes = []conformance.Mode{conformance.InProcess, conformance.TwoProcess}
-	case "in-process":
-		modes = []conformance.Mode{conformance.InProcess}
-	case "two-process":
-		modes = []conformance.Mode{conformance.TwoProcess}
-	default:
-		return fmt.Errorf("plugins --check: --mode %q: want in-process, two-process or both", c.String("mode"))
+	modes, err := conformance.ParseModes(c.String("mode"))
+	if err != nil {
+		return fmt.Errorf("plugins --check: --mode: %w", err)
 	}
 	exe, err := os.Executable()
 	if err != nil {

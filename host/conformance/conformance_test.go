@@ -95,16 +95,9 @@ func TestConformance(t *testing.T) {
 	if name == "" {
 		name = "fake"
 	}
-	var modes []conformance.Mode
-	switch *flagMode {
-	case "both":
-		modes = []conformance.Mode{conformance.InProcess, conformance.TwoProcess}
-	case "in-process":
-		modes = []conformance.Mode{conformance.InProcess}
-	case "two-process":
-		modes = []conformance.Mode{conformance.TwoProcess}
-	default:
-		t.Fatalf("-mode %q: want in-process, two-process or both", *flagMode)
+	modes, err := conformance.ParseModes(*flagMode)
+	if err != nil {
+		t.Fatalf("-mode: %v", err)
 	}
 	var variants []string
 	if *flagABI != "" {

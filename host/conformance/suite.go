@@ -50,6 +50,19 @@ func (m Mode) String() string {
 	return "in-process"
 }
 
+// ParseModes parses a mode flag: "in-process", "two-process" or "both".
+func ParseModes(s string) ([]Mode, error) {
+	switch s {
+	case "both":
+		return []Mode{InProcess, TwoProcess}, nil
+	case "in-process":
+		return []Mode{InProcess}, nil
+	case "two-process":
+		return []Mode{TwoProcess}, nil
+	}
+	return nil, fmt.Errorf("mode %q: want in-process, two-process or both", s)
+}
+
 // Config selects what the suite runs against.
 type Config struct {
 	Plugin string         // plugin name, e.g. "fake"
