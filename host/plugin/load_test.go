@@ -390,3 +390,31 @@ func TestErrorFormatting(t *testing.T) {
 		t.Errorf("%v", err)
 	}
 }
+
+// TestNotifsOfAMisbehavingPlugin: a get_notifs that never delivers what it
+// announces ends Notifs with an error, without looping or allocating
+// without bound.
+func TestNotifsOfAMisbehavingPlugin(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		mode, want string
+	}{
+		{"1", "copied nothing"},
+		{"2", "-byte notification"},
+	} {
+		path := buildTestPlugin(t, dir, "badnotifs"+tc.mode, "TP_BAD_NOTIFS="+tc.mode, "TP_CAPS=(KVP_CAP_PREPPED|KVP_CAP_NOTIF)")
+		p, err := Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, err := p.NewAgent("a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns, err := a.Notifs()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || len(ns) != 0 {
+			t.Errorf("get_notifs mode %s: %d notifications, %v; want an error containing %q", tc.mode, len(ns), err, tc.want)
+		}
+		p.Close()
+	}
+}

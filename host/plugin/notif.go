@@ -52,6 +52,9 @@ func (a *Agent) Notifs() ([]Notif, error) {
 		if needed == 0 {
 			return out, nil
 		}
+		if count == 0 && needed <= uintptr(len(a.notifBuf)) {
+			return out, a.hostErr("get_notifs", abi.ErrBackend, "plugin copied nothing into a %d-byte buffer but says the next record needs %d", len(a.notifBuf), needed)
+		}
 		if needed > maxOutput {
 			return out, a.hostErr("get_notifs", abi.ErrBackend, "plugin reports a %d-byte notification", needed)
 		}

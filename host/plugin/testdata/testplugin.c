@@ -9,6 +9,9 @@
  *   TP_NO_ENTRY                  do not export the entry symbol
  *   TP_SMALL_TABLE               report a struct_size smaller than ABI 1.0's
  *   TP_WORKING                   transfer functions succeed and count calls (see below)
+ *   TP_BAD_NOTIFS=n              get_notifs misbehaves: 1 says a record of 16 bytes is
+ *                                queued but copies nothing whatever the buffer; 2 asks for
+ *                                one byte more than each buffer it is given
  *
  * agent_create fails with KVP_ERR_INVALID_PARAM "unknown parameter <key>"
  * for a parameter other than agent_caps and alpha; agent_caps=<decimal> sets the caps
@@ -174,6 +177,19 @@ static kvp_error *w_release_xfer(kvp_release_xfer_args *a) { (void)a; count(C_RE
 #define FN(working, fallback) fallback
 #endif
 
+#ifdef TP_BAD_NOTIFS
+static kvp_error *bad_notifs(kvp_get_notifs_args *a) {
+  a->size = 0;
+  a->count = 0;
+  a->needed = TP_BAD_NOTIFS == 1 ? 16 : a->cap + 1;
+  return NULL;
+}
+static kvp_error *ok_send(kvp_send_notif_args *a) {
+  (void)a;
+  return NULL;
+}
+#endif
+
 static kvp_error *unsupported(void *a) {
   (void)a;
   return mkerr(KVP_ERR_NOT_SUPPORTED, "testplugin moves no bytes", 25);
@@ -209,8 +225,13 @@ __attribute__((unused)) static kvp_api api = {
     .poll_xfer = FN(w_poll, UNSUP(kvp_poll_xfer_args)),
     .release_xfer = FN(w_release_xfer, UNSUP(kvp_release_xfer_args)),
     .xfer_telemetry = UNSUP(kvp_xfer_telemetry_args),
+#ifdef TP_BAD_NOTIFS
+    .get_notifs = bad_notifs,
+    .send_notif = ok_send,
+#else
     .get_notifs = UNSUP(kvp_get_notifs_args),
     .send_notif = UNSUP(kvp_send_notif_args),
+#endif
 };
 
 #ifndef TP_NO_ENTRY
