@@ -69,6 +69,9 @@ type Decode struct {
 	conns     map[string][]target     // connection pool: targets registered with
 	recvs     map[uint64]*Receiver
 	addrRooms map[string]map[uint64]struct{}
+	// dead holds bootstrap addresses the heartbeat declared dead: a new
+	// room for one fails at once unless the server answers again.
+	dead map[string]bool
 	waiting   int // receivers waiting for notifications
 	initMu    sync.Mutex
 
@@ -118,7 +121,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	d := &Decode{
 		cfg: cfg, set: cfg.Settings.withDefaults(), log: cfg.Logger, obs: cfg.Observer,
 		prefills: make(map[string]*prefillInfo), conns: make(map[string][]target),
-		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}),
+		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}), dead: make(map[string]bool),
 		notifWake: make(chan struct{}, 1),
 	}
 	if d.log == nil {
@@ -307,8 +310,9 @@ func stateDims(c StateComponent) []uint32 {
 }
 
 // parallelInfo returns the prefill deployment's layout and this rank's
-// mapping onto it, asking the bootstrap server (and waiting while it
-// answers "not ready") the first time (try_ensure_parallel_info).
+// mapping onto it, asking the bootstrap server the first time
+// (try_ensure_parallel_info), retrying with backoff until it answers or ctx
+// ends.
 func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, error) {
 	d.mu.Lock()
 	pi := d.prefills[addr]
@@ -326,14 +330,24 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		if err == nil {
 			break
 		}
-		if !bootstrap.IsNotReady(err) || ctx.Err() != nil {
-			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
-			return nil, fmt.Errorf("prefill parallel info from %s: %w", addr, err)
+		d.mu.Lock()
+		dead := d.dead[addr]
+		d.mu.Unlock()
+		if dead {
+			return nil, fmt.Errorf("Lost connection with prefill instance (bootstrap_addr: %s): %w", addr, err)
 		}
-		select {
-		case <-ctx.Done():
+		// Like SGLang's scheduler, which retries try_ensure_parallel_info
+		// until it succeeds: the server may not be up (connection refused)
+		// or not every prefill rank registered yet (503). ctx bounds it.
+		if ctx.Err() == nil {
+			select {
+			case <-ctx.Done():
+			case <-time.After(backoff):
+			}
+		}
+		if ctx.Err() != nil {
+			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
 			return nil, fmt.Errorf("prefill parallel info from %s: %w (last: %v)", addr, ctx.Err(), err)
-		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, time.Second)
 	}
@@ -356,6 +370,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	}
 	pi = &prefillInfo{client: c, info: info, mapping: mapping}
 	d.mu.Lock()
+	delete(d.dead, addr)
 	if old := d.prefills[addr]; old != nil {
 		pi = old
 	} else {
@@ -609,6 +624,7 @@ func (d *Decode) nodeFailure(addr string) {
 	reason := fmt.Sprintf("Lost connection with prefill instance (bootstrap_addr: %s)", addr)
 	d.mu.Lock()
 	delete(d.prefills, addr)
+	d.dead[addr] = true
 	var stale []string
 	for k, ts := range d.conns {
 		if strings.HasPrefix(k, addr+"_") {

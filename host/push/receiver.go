@@ -65,7 +65,8 @@ func (d *Decode) NewReceiver(bootstrapAddr string, room uint64) (*Receiver, erro
 func (r *Receiver) Room() uint64 { return r.room }
 
 // Init learns the prefill deployment's layout (once per bootstrap address,
-// waiting while the server says it is not ready), maps this rank onto the
+// retrying while the server is down or not ready, until ctx ends: give ctx
+// a deadline), maps this rank onto the
 // prefill ranks, registers this rank's buffers with each of them (once),
 // and moves the room to WaitingForInput. A failure fails the room.
 func (r *Receiver) Init(ctx context.Context) error {

@@ -180,14 +180,14 @@ func TestInjectedFailure(t *testing.T) {
 func TestPrefillKilled(t *testing.T) {
 	requireFake(t)
 	sc := scenario{ptp: 1, dtp: 1, requests: 40, concurrency: 4,
-		pParams: []string{"delay_us=100000"},
+		pParams: []string{"delay_us=20000"},
 		decodeExtra: func(s *spec) {
 			s.HeartbeatInterval = 200 * time.Millisecond
 			s.HeartbeatFailures = 2
 			s.InitTimeout = 2 * time.Second
 		}}
 	p, d := startPair(t, sc.pair())
-	time.Sleep(400 * time.Millisecond) // some requests done, some in flight
+	time.Sleep(900 * time.Millisecond) // some requests done, some in flight
 	p.kill()
 	killed := time.Now()
 	ds := d.wait(20 * time.Second)
