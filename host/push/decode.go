@@ -71,9 +71,9 @@ type Decode struct {
 	addrRooms map[string]map[uint64]struct{}
 	// dead holds bootstrap addresses the heartbeat declared dead: a new
 	// room for one fails at once unless the server answers again.
-	dead map[string]bool
-	waiting   int // receivers waiting for notifications
-	initMu    sync.Mutex
+	dead    map[string]bool
+	waiting int // receivers waiting for notifications
+	initMu  sync.Mutex
 
 	notifWake chan struct{}
 	ctx       context.Context
