@@ -16,7 +16,7 @@
 //	s.Init(numPages, auxIndex)
 //	s.Send(pages[0:8], nil)              // chunks, in order
 //	s.Send(pages[8:12], stateIndices)    // the last chunk carries aux and state
-//	st := s.Wait(ctx)                    // Success or Failed (s.Failure())
+//	st, _ := s.Wait(ctx)                 // Success or Failed (s.Failure())
 //	s.Close()
 //
 // A decode rank runs a Decode manager and makes one Receiver per request:
@@ -24,7 +24,7 @@
 //	r, _ := dec.NewReceiver(bootstrapAddr, room)
 //	r.Init(ctx)                          // rank mapping, registration: WaitingForInput
 //	r.SendMetadata(ctx, pages, auxIndex, stateIndices, prefixLen)
-//	st := r.Wait(ctx)                    // Success when every byte landed
+//	st, _ := r.Wait(ctx)                 // Success when every byte landed
 //	r.Close()
 //
 // # Semantics (the reference's, see ../shared/reference)
@@ -52,6 +52,68 @@
 // heartbeat to the bootstrap server (a dead prefill fails its rooms).
 // Every plugin handle of a finished or failed transfer is released.
 //
-// Observability: an Observer sees every transfer (bytes, descriptors, post
-// and transfer time), failure, room state change and handshake.
+// Observability: an Observer sees every transfer (bytes, descriptors and
+// SGLang's descriptor count for the same bytes, post and transfer time from
+// the plugin's telemetry), failure, room state change and handshake or
+// heartbeat latency. It is the hook for Prometheus metrics: implement it
+// (embed NopObserver for the events you ignore) and pass it in the config.
+//
+// # Containment
+//
+// Whatever a peer sends, a prefill rank reads only its own registered KV
+// and writes only into the regions the peer registered: a decode rank's
+// remote regions are imported exactly as its registration declares them
+// (NIXL: address ranges; MORI: the exported region blobs), the planners'
+// region tables are checked against them once per peer, and every plan is
+// validated against those tables before it is posted, whatever the plugin.
+// A decode rank writes into its aux buffers only the slot a room asked for.
+// A malformed or unexpected control message is logged (rate-limited) and
+// dropped; ABORT is honoured only from the room's decode ranks (or, before
+// they sent anything, from a registered decode rank).
+//
+// # Wire details beyond SGLang's layouts
+//
+//   - SGLang's NIXL registration carries no aux or state buffer lengths. A
+//     kvhost decode appends three frames after the 19 SGLang sends:
+//     "kvhost.lens.v1", the aux lengths (uint64 LE each) and the state
+//     lengths (pack_int_lists "Q"). SGLang ignores them; a kvhost prefill
+//     bounds the decode's aux and state regions with them, and, for an
+//     SGLang decode without them, assumes its buffers are as long as its
+//     own.
+//   - MORI's EngineDesc is a msgpack array whose first element is the
+//     engine key. A plugin whose metadata is not one (the fake plugin,
+//     NIXL) has it wrapped: [key, gpu id, "kvhost-wrapped", metadata (bin),
+//     nil]; the prefill unwraps it before loading it. A MORI plugin's
+//     metadata goes as is.
+//   - Failures travel as MORI status messages in both variants (SGLang NIXL
+//     has no way to tell decode why a room failed); an SGLang NIXL decode
+//     ignores them.
+//   - The rank field of notification tags and of status messages is the
+//     prefill's unique rank, tp*(pp_size*cp_size) + pp*cp_size + cp, so
+//     every prefill rank answering one decode rank (TP fan-in, PP stages)
+//     counts apart.
+//
+// # Deliberate differences from the reference
+//
+//   - Decode counts Success status messages only from the prefill ranks
+//     that send it data: SGLang MORI's dummy ranks (MLA) report Success at
+//     once, which would end a room before its data landed.
+//   - A chunk whose decode rank sent fewer page indices than the chunk has
+//     fails the room (SGLang truncates with a warning).
+//   - Transfer info for a room past Bootstrapping is ignored in both
+//     variants (MORI's rule; SGLang NIXL overwrites it).
+//   - An ABORT that arrives before the prefill engine opened the room is
+//     remembered, and the room fails as soon as it is opened.
+//   - Notifications for rooms this rank does not hold are dropped instead
+//     of creating tracking state, and per-room tracking is bounded.
+//   - The heartbeat interval may be set below SGLang's 2 s floor (tests do).
+//   - SGLang MORI supports prefill PP > 1 only towards a decode with PP 1
+//     (it slices the decode list by the stage's start layer); kvhost keeps
+//     that rule and refuses other layouts at registration with the
+//     reference's reason.
+//   - kvhost ranks do not run with attention context parallelism (CP > 1
+//     is refused by NewPrefill and NewDecode); a kvhost decode maps onto an
+//     SGLang prefill with CP as the reference does. SGLang's staging
+//     messages (WATERMARK, STAGING_REQ, STAGING_RSP) are dropped as
+//     unsupported.
 package push

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -255,6 +256,28 @@ func TestLoad1000(t *testing.T) {
 			checkAllOK(t, ps, ds)
 			t.Logf("1000 concurrent requests in %v: decode verified %d bytes, request latency p50 %.0f µs p99 %.0f µs; prefill %d transfers",
 				time.Since(start), ds.Bytes, ds.LatencyP50us, ds.LatencyP99us, ps.Transfers)
+		})
+	}
+}
+
+// TestSoak (KVHOST_SOAK=1) pushes a long workload between two processes:
+// 20000 requests, 256 in flight per rank, TP 2 -> 4 with prefix hits and
+// chunking, in both completion modes. Too long for CI.
+func TestSoak(t *testing.T) {
+	if os.Getenv("KVHOST_SOAK") == "" {
+		t.Skip("set KVHOST_SOAK=1 to run the soak")
+	}
+	requireFake(t)
+	for _, mode := range []string{"notif", "status"} {
+		t.Run(mode, func(t *testing.T) {
+			sc := scenario{ptp: 2, dtp: 4, requests: 20000, concurrency: 256, prefix: true, noNotif: mode == "status"}
+			start := time.Now()
+			p, d := startPair(t, sc.pair())
+			ds := d.wait(30 * time.Minute)
+			ps := p.wait(5 * time.Minute)
+			checkAllOK(t, ps, ds)
+			t.Logf("%s: %d requests in %v, decode verified %d bytes, latency p50 %.0f µs p99 %.0f µs; prefill %d transfers, %d descriptors (SGLang: %d)",
+				mode, ds.OK, time.Since(start), ds.Bytes, ds.LatencyP50us, ds.LatencyP99us, ps.Transfers, ps.Descriptors, ps.RefDescriptors)
 		})
 	}
 }
