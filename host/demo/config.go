@@ -60,6 +60,9 @@ type Config struct {
 	WorkDir string
 	// Timeout bounds the whole run (0: 10 minutes).
 	Timeout time.Duration
+	// MemcpyTime is how long the raw memcpy measurement after the run
+	// takes (0: 300 ms).
+	MemcpyTime time.Duration
 
 	// Metrics, when set, sees every worker's runtime events (in-process
 	// only: separate processes serve their own with --metrics-addr).

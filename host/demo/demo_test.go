@@ -29,6 +29,7 @@ func small(t *testing.T) Config {
 	c.MinTokens, c.MaxTokens, c.ChunkPages, c.Concurrency = 1, 48, 3, 4
 	c.InProcess = true
 	c.Timeout = 2 * time.Minute
+	c.MemcpyTime = 20 * time.Millisecond
 	return c
 }
 

@@ -11,11 +11,9 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
-// memcpyProbe bounds the raw memcpy measurement that follows a run.
-const (
-	memcpyProbeBytes = 64 << 20
-	memcpyProbeTime  = 300 * time.Millisecond
-)
+// memcpyProbeBytes is the working set of the raw memcpy measurement that
+// follows a run: larger than the caches, as the workers' pools are.
+const memcpyProbeBytes = 64 << 20
 
 // Run runs the demo and returns its summary. The error is for a demo that
 // could not run (bad configuration, plugin missing, a worker that did not
@@ -58,7 +56,11 @@ func Run(ctx context.Context, cfg Config) (*Summary, error) {
 	}
 	s.finish()
 	block := uint64(max(4096, min(s.BytesPerTransfer, 64<<20)))
-	if s.MemcpyGBps, err = bench.MemcpyRate(block, memcpyProbeBytes, memcpyProbeTime); err != nil {
+	probe := cfg.MemcpyTime
+	if probe <= 0 {
+		probe = 300 * time.Millisecond
+	}
+	if s.MemcpyGBps, err = bench.MemcpyRate(block, memcpyProbeBytes, probe); err != nil {
 		return s, fmt.Errorf("demo: memcpy baseline: %w", err)
 	}
 	return s, nil
