@@ -100,6 +100,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("demo: attention %q: want mha or mla", c.Attention)
 	case c.PrefillTP < 1 || c.DecodeTP < 1 || c.PrefillTP > 64 || c.DecodeTP > 64:
 		return fmt.Errorf("demo: TP sizes must be 1..64 (prefill %d, decode %d)", c.PrefillTP, c.DecodeTP)
+	case c.Style == "vllm" && c.DecodeTP < c.PrefillTP:
+		// The reference raises this for every request (vLLM's NIXL
+		// connector reads from one or more prefill ranks, never merges).
+		return fmt.Errorf("demo: vllm style: decode TP %d is smaller than prefill TP %d; vLLM's NIXL connector needs decode TP >= prefill TP", c.DecodeTP, c.PrefillTP)
 	case c.Requests < 1:
 		return fmt.Errorf("demo: requests must be at least 1, got %d", c.Requests)
 	case c.Layers < 1 || c.HeadDim < 1 || c.PageSize < 1 || c.Concurrency < 1:

@@ -96,6 +96,7 @@ func TestValidateAndMissingPlugin(t *testing.T) {
 		"style":    func(c *Config) { c.Style = "trtllm" },
 		"attn":     func(c *Config) { c.Attention = "gqa" },
 		"tp":       func(c *Config) { c.DecodeTP = 0 },
+		"vllm tp":  func(c *Config) { c.Style = "vllm"; c.PrefillTP, c.DecodeTP = 4, 2 },
 		"requests": func(c *Config) { c.Requests = 0 },
 		"tokens":   func(c *Config) { c.MinTokens = 10; c.MaxTokens = 5 },
 		"dtype":    func(c *Config) { c.DTypeBytes = 3 },
