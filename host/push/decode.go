@@ -515,6 +515,9 @@ func (d *Decode) handleAux(a *sglang.AuxData) {
 func (d *Decode) notifLoop() {
 	const minSleep, maxSleep = 20 * time.Microsecond, time.Millisecond
 	sleep := minSleep
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
 	for {
 		d.mu.Lock()
 		idle := d.waiting == 0
@@ -538,10 +541,11 @@ func (d *Decode) notifLoop() {
 			sleep = minSleep
 			continue
 		}
+		timer.Reset(sleep)
 		select {
 		case <-d.ctx.Done():
 			return
-		case <-time.After(sleep):
+		case <-timer.C:
 		}
 		sleep = min(2*sleep, maxSleep)
 	}
