@@ -37,7 +37,13 @@
 //     prep time for lists, keeping prefix offsets so indices expand; per
 //     transfer for batch entries, into reused buffers).
 //
+// Peers: RemoveRemote has the plugin forget a peer and cancel its active
+// transfers (they report ErrCanceled, and ErrNotFound when posted again,
+// until closed); the host then releases the peer's remote regions and
+// lists, which are closed with it.
+//
 // Hot paths make one plugin call per transfer on native paths and pass the
-// caller's index and entry slices to C unchanged; Post and Poll allocate
-// nothing.
+// caller's index and entry slices to C unchanged; Post, Poll and Telemetry
+// allocate nothing. Strided descriptors the host expands are bounded (16 Mi
+// plain descriptors per list or transfer).
 package plugin
