@@ -14,8 +14,10 @@
 // testing.T, and `kvhost plugins --check NAME` runs it with Run.
 //
 //	go test ./host/conformance                     # fake: all caps, caps_off=prepped,
-//	                                               # caps_off=batch, caps_off=strided;
-//	                                               # each in-process and two-process
+//	                                               # caps_off=batch, caps_off=strided and
+//	                                               # the MORI-IO profile (caps_off=prepped,
+//	                                               # strided,remote_addr); each in-process
+//	                                               # and two-process
 //	go test ./host/conformance -plugin=nixl -params backend=UCX
 //	go test ./host/conformance -params caps_off=prepped,remote_addr -mode two-process
 //	kvhost plugins --check nixl --param backend=UCX
