@@ -133,7 +133,7 @@ $(PLUGIN_DIR)/libkvhost_nixl.so: plugins/nixl/nixl_plugin.cc $(COMMON_SRC) $(COM
 	$(CXX) $(NIXL_CXXFLAGS) -DKVP_NIXL_HAVE_STRIDE=$(KVP_NIXL_HAVE_STRIDE) -shared -o $@ \
 	  plugins/nixl/nixl_plugin.cc build/nixl/kvp_util.o $(NIXL_LDFLAGS)
 
-bin/nixl-bench-direct: plugins/nixl/bench_direct.cc build/nixl/config
+bin/nixl-bench-direct: plugins/nixl/bench_direct.cc abi/kvplugin.h build/nixl/config
 	@mkdir -p bin
 	$(CXX) $(filter-out -fvisibility=hidden,$(NIXL_CXXFLAGS)) -o $@ plugins/nixl/bench_direct.cc $(NIXL_LDFLAGS)
 

@@ -11,19 +11,27 @@
 //
 // For every (op, path, block size, batch size) one iteration is the full
 // per-request cost a KV transfer host pays: build the request (prepped:
-// makeXferReq over dlists prepared once, outside the timing; batch:
-// createXferReq from descriptors), post it, poll it to completion, release
-// it. Columns follow nixlbench: block and batch size, bandwidth, average
+// makeXferReq over dlists prepared once, outside the timing; batch: build
+// the descriptor lists and createXferReq, as a caller whose descriptors
+// change per request does), post it, poll it to completion, release it. Columns follow nixlbench: block and batch size, bandwidth, average
 // latency per iteration, and average/p99 of the prep (request build), post and
 // transfer (post to completion) phases, and the initiator thread's CPU time
 // per request (steadier than wall time on a shared machine). The bytes of
 // the last iteration are verified.
+//
+// With --plugin PATH the same rows go through the kvhost plugin ABI instead
+// (dlopen of libkvhost_nixl.so, its function table called from C++): the
+// difference between the two runs is what the nixl shim adds, without the
+// Go host; the difference between that and `kvhost bench` is the host's.
 //
 // Build: make plugin-nixl NIXL_PREFIX=... (builds bin/nixl-bench-direct).
 // Run:   bin/nixl-bench-direct --help
 
 #include <nixl.h>
 
+#include "kvplugin.h"
+
+#include <dlfcn.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -58,6 +66,7 @@ struct Options {
   nixl_thread_sync_t sync = nixl_thread_sync_t::NIXL_THREAD_SYNC_RW;
   std::string backend = "UCX";
   nixl_b_params_t bparams;
+  std::string plugin;  // --plugin: go through this kvhost plugin's ABI
 };
 
 [[noreturn]] void die(const char *fmt, const std::string &a = "", int b = 0) {
@@ -113,7 +122,10 @@ void usage() {
       "  --sync rw|strict       NIXL thread sync mode (default rw, as the plugin)\n"
       "  --backend UCX          NIXL backend\n"
       "  --param key=value      backend parameter (repeatable), e.g.\n"
-      "                         --param ucx_error_handling_mode=none\n");
+      "                         --param ucx_error_handling_mode=none\n"
+      "  --plugin PATH          go through the kvhost plugin ABI of PATH\n"
+      "                         (lib/kvhost/libkvhost_nixl.so) instead of NIXL directly,\n"
+      "                         with the same NIXL settings\n");
 }
 
 Options parse(int argc, char **argv) {
@@ -164,6 +176,8 @@ Options parse(int argc, char **argv) {
       else die("--sync wants rw or strict, got %s", v);
     } else if (a == "--backend") {
       o.backend = val();
+    } else if (a == "--plugin") {
+      o.plugin = val();
     } else if (a == "--param") {
       std::string kv = val();
       size_t eq = kv.find('=');
@@ -185,38 +199,361 @@ uint64_t buffer_size(const Options &o) {
   return need;
 }
 
-// One agent with its backend and one registered DRAM buffer.
-struct Side {
-  std::unique_ptr<nixlAgent> agent;
+// One agent with one registered DRAM buffer, and the per-request steps the
+// benchmark times. Two implementations: NIXL's C++ API directly, and the
+// kvhost plugin ABI (--plugin).
+class Engine {
+ public:
+  virtual ~Engine() = default;
   uint8_t *buf = nullptr;
   uint64_t size = 0;
 
-  Side(const std::string &name, const Options &o, uint64_t size_) : size(size_) {
-    nixlAgentConfig cfg(o.progress_thread, false, default_comm_port, o.sync, 1,
-                        o.progress_delay_us, nixlAgentConfig::kDefaultLthrDelayUs, true);
-    agent = std::make_unique<nixlAgent>(name, cfg);
-    nixlBackendH *bh = nullptr;
-    check(agent->createBackend(o.backend, o.bparams, bh), "createBackend");
+  virtual std::string md() = 0;
+  virtual std::string load(const std::string &md) = 0;  // returns the peer name
+  // Serving side: drain notifications (which makes progress).
+  virtual void drain() = 0;
+  // Per row, on the initiator: batch descriptors of block bytes from the
+  // starts of both buffers.
+  virtual void begin_row(const std::string &peer, uintptr_t remote_buf, uint64_t remote_size,
+                         const std::string &path, uint64_t block, uint64_t batch) = 0;
+  virtual void end_row() = 0;
+  // One request: make it; post (true when done); poll (true when done);
+  // release.
+  virtual void make(bool write, bool prepped) = 0;
+  virtual bool post() = 0;
+  virtual bool poll() = 0;
+  virtual void release() = 0;
+
+ protected:
+  void alloc(uint64_t n) {
+    size = n;
     buf = static_cast<uint8_t *>(std::aligned_alloc(4096, size));
     if (!buf) die("out of memory");
     std::memset(buf, 0, size);
-    nixl_reg_dlist_t dl(DRAM_SEG);
-    dl.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(buf), size, 0, ""));
-    check(agent->registerMem(dl), "registerMem");
-  }
-  ~Side() {
-    nixl_reg_dlist_t dl(DRAM_SEG);
-    dl.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(buf), size, 0, ""));
-    agent->deregisterMem(dl);
-    agent.reset();
-    std::free(buf);
-  }
-  std::string md() const {
-    nixl_blob_t b;
-    check(agent->getLocalMD(b), "getLocalMD");
-    return b;
   }
 };
+
+class NixlEngine : public Engine {
+ public:
+  NixlEngine(const std::string &name, const Options &o, uint64_t n) {
+    nixlAgentConfig cfg(o.progress_thread, false, default_comm_port, o.sync, 1,
+                        o.progress_delay_us, nixlAgentConfig::kDefaultLthrDelayUs, true);
+    agent_ = std::make_unique<nixlAgent>(name, cfg);
+    nixlBackendH *bh = nullptr;
+    check(agent_->createBackend(o.backend, o.bparams, bh), "createBackend");
+    alloc(n);
+    check(agent_->registerMem(reg()), "registerMem");
+  }
+  ~NixlEngine() override {
+    agent_->deregisterMem(reg());
+    agent_.reset();
+    std::free(buf);
+  }
+  std::string md() override {
+    nixl_blob_t b;
+    check(agent_->getLocalMD(b), "getLocalMD");
+    return b;
+  }
+  std::string load(const std::string &md) override {
+    std::string name;
+    check(agent_->loadRemoteMD(md, name), "loadRemoteMD");
+    return name;
+  }
+  void drain() override {
+    nixl_notifs_t n;
+    check(agent_->getNotifs(n), "getNotifs");
+  }
+  void begin_row(const std::string &peer, uintptr_t remote_buf, uint64_t, const std::string &path,
+                 uint64_t block, uint64_t batch) override {
+    peer_ = peer;
+    remote_buf_ = remote_buf;
+    block_ = block;
+    batch_ = batch;
+    build(ld_, rd_);
+    idx_.resize(batch);
+    for (uint64_t i = 0; i < batch; i++) idx_[i] = static_cast<int>(i);
+    if (path == "prepped") {
+      check(agent_->prepXferDlist(NIXL_INIT_AGENT, ld_, lh_), "prepXferDlist local");
+      check(agent_->prepXferDlist(peer_, rd_, rh_), "prepXferDlist remote");
+    }
+  }
+  void end_row() override {
+    if (lh_) agent_->releasedDlistH(lh_);
+    if (rh_) agent_->releasedDlistH(rh_);
+    lh_ = rh_ = nullptr;
+  }
+  void make(bool write, bool prepped) override {
+    nixl_xfer_op_t op = write ? NIXL_WRITE : NIXL_READ;
+    if (prepped) {
+      check(agent_->makeXferReq(op, lh_, idx_, rh_, idx_, req_), "makeXferReq");
+    } else {
+      nixl_xfer_dlist_t ld(DRAM_SEG), rd(DRAM_SEG);
+      build(ld, rd);
+      check(agent_->createXferReq(op, ld, rd, peer_, req_), "createXferReq");
+    }
+  }
+  bool post() override {
+    nixl_status_t s = agent_->postXferReq(req_);
+    check(s, "postXferReq");
+    return s == NIXL_SUCCESS;
+  }
+  bool poll() override {
+    nixl_status_t s = agent_->getXferStatus(req_);
+    check(s, "getXferStatus");
+    return s == NIXL_SUCCESS;
+  }
+  void release() override { check(agent_->releaseXferReq(req_), "releaseXferReq"); }
+
+ private:
+  // The row's descriptors: batch blocks from the start of both buffers.
+  void build(nixl_xfer_dlist_t &ld, nixl_xfer_dlist_t &rd) const {
+    ld = nixl_xfer_dlist_t(DRAM_SEG);
+    rd = nixl_xfer_dlist_t(DRAM_SEG);
+    ld.reserve(batch_);
+    rd.reserve(batch_);
+    for (uint64_t i = 0; i < batch_; i++) {
+      ld.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(buf) + i * block_, block_, 0));
+      rd.addDesc(nixlBasicDesc(remote_buf_ + i * block_, block_, 0));
+    }
+  }
+  nixl_reg_dlist_t reg() const {
+    nixl_reg_dlist_t dl(DRAM_SEG);
+    dl.addDesc(nixlBlobDesc(reinterpret_cast<uintptr_t>(buf), size, 0, ""));
+    return dl;
+  }
+  std::unique_ptr<nixlAgent> agent_;
+  std::string peer_;
+  uintptr_t remote_buf_ = 0;
+  uint64_t block_ = 0, batch_ = 0;
+  nixl_xfer_dlist_t ld_{DRAM_SEG}, rd_{DRAM_SEG};
+  std::vector<int> idx_;
+  nixlDlistH *lh_ = nullptr, *rh_ = nullptr;
+  nixlXferReqH *req_ = nullptr;
+};
+
+// The kvhost plugin's function table, loaded once.
+const kvp_api *plugin_api(const std::string &path) {
+  static const kvp_api *api = nullptr;
+  if (api) return api;
+  void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) die("dlopen %s", dlerror());
+  auto get = reinterpret_cast<kvp_status (*)(kvp_get_api_args *)>(dlsym(lib, KVP_ENTRY_SYMBOL));
+  if (!get) die("%s has no " KVP_ENTRY_SYMBOL, path);
+  kvp_get_api_args a{};
+  a.struct_size = KVP_GET_API_ARGS_STRUCT_SIZE;
+  a.host_abi_major = KVP_ABI_MAJOR;
+  a.host_abi_minor = KVP_ABI_MINOR;
+  if (get(&a) != KVP_SUCCESS || !a.api) die("%s does not serve ABI major %d", path, KVP_ABI_MAJOR);
+  api = a.api;
+  return api;
+}
+
+class PluginEngine : public Engine {
+ public:
+  PluginEngine(const std::string &name, const Options &o, uint64_t n) : t_(plugin_api(o.plugin)) {
+    std::vector<std::pair<std::string, std::string>> kv = {
+        {"backend", o.backend},
+        {"progress_thread", o.progress_thread ? "true" : "false"},
+        {"progress_delay_us", std::to_string(o.progress_delay_us)},
+        {"sync_mode", o.sync == nixl_thread_sync_t::NIXL_THREAD_SYNC_RW ? "rw" : "strict"}};
+    for (auto &b : o.bparams) kv.emplace_back(b.first, b.second);
+    std::vector<kvp_param> params;
+    for (auto &p : kv) params.push_back({p.first.data(), p.first.size(), p.second.data(), p.second.size()});
+    kvp_agent_create_args c{};
+    c.struct_size = KVP_AGENT_CREATE_ARGS_STRUCT_SIZE;
+    c.name = name.data();
+    c.name_len = name.size();
+    c.params = params.data();
+    c.num_params = params.size();
+    ok(t_->agent_create(&c), "agent_create");
+    agent_ = c.agent;
+    alloc(n);
+    kvp_mem_desc d{reinterpret_cast<uint64_t>(buf), size, 0, KVP_MEM_DRAM, 0};
+    kvp_register_mem_args r{};
+    r.struct_size = KVP_REGISTER_MEM_ARGS_STRUCT_SIZE;
+    r.agent = agent_;
+    r.descs = &d;
+    r.num_descs = 1;
+    r.regions = &region_;
+    ok(t_->register_mem(&r), "register_mem");
+    post_.struct_size = KVP_POST_XFER_ARGS_STRUCT_SIZE;
+    post_.agent = agent_;
+    poll_.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE;
+    poll_.agent = agent_;
+    rel_.struct_size = KVP_RELEASE_XFER_ARGS_STRUCT_SIZE;
+    rel_.agent = agent_;
+  }
+  ~PluginEngine() override {
+    kvp_deregister_mem_args d{};
+    d.struct_size = KVP_DEREGISTER_MEM_ARGS_STRUCT_SIZE;
+    d.agent = agent_;
+    d.regions = &region_;
+    d.num_regions = 1;
+    ok(t_->deregister_mem(&d), "deregister_mem");
+    kvp_agent_destroy_args a{};
+    a.struct_size = KVP_AGENT_DESTROY_ARGS_STRUCT_SIZE;
+    a.agent = agent_;
+    ok(t_->agent_destroy(&a), "agent_destroy");
+    std::free(buf);
+  }
+  std::string md() override {
+    kvp_local_metadata_args m{};
+    m.struct_size = KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE;
+    m.agent = agent_;
+    ok(t_->local_metadata(&m), "local_metadata");
+    std::string b(m.size, '\0');
+    m.buf = reinterpret_cast<uint8_t *>(&b[0]);
+    m.cap = b.size();
+    ok(t_->local_metadata(&m), "local_metadata");
+    b.resize(m.size);
+    return b;
+  }
+  std::string load(const std::string &md) override {
+    kvp_load_remote_args l{};
+    l.struct_size = KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE;
+    l.agent = agent_;
+    l.metadata = reinterpret_cast<const uint8_t *>(md.data());
+    l.metadata_len = md.size();
+    ok(t_->load_remote(&l), "load_remote");
+    return std::string(l.peer_name, l.peer_name_len);
+  }
+  void drain() override {
+    uint8_t b[4096];
+    kvp_get_notifs_args g{};
+    g.struct_size = KVP_GET_NOTIFS_ARGS_STRUCT_SIZE;
+    g.agent = agent_;
+    g.buf = b;
+    g.cap = sizeof b;
+    ok(t_->get_notifs(&g), "get_notifs");
+  }
+  void begin_row(const std::string &peer, uintptr_t remote_buf, uint64_t remote_size,
+                 const std::string &path, uint64_t block, uint64_t batch) override {
+    idx_.resize(batch);
+    entries_.resize(batch);
+    std::vector<kvp_xfer_desc> ld(batch), rd(batch);
+    for (uint64_t i = 0; i < batch; i++) {
+      idx_[i] = static_cast<int32_t>(i);
+      ld[i] = {reinterpret_cast<uint64_t>(buf) + i * block, block, 0, 1, 0};
+      rd[i] = {remote_buf + i * block, block, 0, 1, 0};
+      entries_[i] = kvp_batch_entry{0, 0, i * block, i * block, block, 0, 0, 1};
+    }
+    if (path == "prepped") {
+      ldl_ = prep("", ld);
+      rdl_ = prep(peer, rd);
+    } else {
+      kvp_remote_region_import_args im{};
+      im.struct_size = KVP_REMOTE_REGION_IMPORT_ARGS_STRUCT_SIZE;
+      im.agent = agent_;
+      im.peer_name = peer.data();
+      im.peer_name_len = peer.size();
+      im.addr = remote_buf;
+      im.len = remote_size;
+      im.mem_kind = KVP_MEM_DRAM;
+      ok(t_->remote_region_import(&im), "remote_region_import");
+      pair_ = {region_, im.rregion};
+    }
+  }
+  void end_row() override {
+    for (kvp_dlist *d : {&ldl_, &rdl_}) {
+      if (!*d) continue;
+      kvp_release_dlist_args r{};
+      r.struct_size = KVP_RELEASE_DLIST_ARGS_STRUCT_SIZE;
+      r.agent = agent_;
+      r.dlist = *d;
+      ok(t_->release_dlist(&r), "release_dlist");
+      *d = 0;
+    }
+    if (pair_.remote) {
+      kvp_remote_region_release_args r{};
+      r.struct_size = KVP_REMOTE_REGION_RELEASE_ARGS_STRUCT_SIZE;
+      r.agent = agent_;
+      r.rregion = pair_.remote;
+      ok(t_->remote_region_release(&r), "remote_region_release");
+      pair_.remote = 0;
+    }
+  }
+  void make(bool write, bool prepped) override {
+    kvp_op op = write ? KVP_OP_WRITE : KVP_OP_READ;
+    if (prepped) {
+      kvp_make_prepped_xfer_args m{};
+      m.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
+      m.agent = agent_;
+      m.op = op;
+      m.local_dlist = ldl_;
+      m.local_indices = idx_.data();
+      m.num_local_indices = idx_.size();
+      m.remote_dlist = rdl_;
+      m.remote_indices = idx_.data();
+      m.num_remote_indices = idx_.size();
+      ok(t_->make_prepped_xfer(&m), "make_prepped_xfer");
+      xfer_ = m.xfer;
+    } else {
+      kvp_make_batch_xfer_args m{};
+      m.struct_size = KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE;
+      m.agent = agent_;
+      m.op = op;
+      m.pairs = &pair_;
+      m.num_pairs = 1;
+      m.entries = entries_.data();
+      m.num_entries = entries_.size();
+      ok(t_->make_batch_xfer(&m), "make_batch_xfer");
+      xfer_ = m.xfer;
+    }
+  }
+  bool post() override {
+    post_.xfer = xfer_;
+    ok(t_->post_xfer(&post_), "post_xfer");
+    return post_.status == KVP_SUCCESS;
+  }
+  bool poll() override {
+    poll_.xfer = xfer_;
+    ok(t_->poll_xfer(&poll_), "poll_xfer");
+    return poll_.status == KVP_SUCCESS;
+  }
+  void release() override {
+    rel_.xfer = xfer_;
+    ok(t_->release_xfer(&rel_), "release_xfer");
+  }
+
+ private:
+  void ok(kvp_error *e, const char *what) {
+    if (!e) return;
+    kvp_error_message_args m{};
+    m.struct_size = KVP_ERROR_MESSAGE_ARGS_STRUCT_SIZE;
+    m.error = e;
+    t_->error_message(&m);
+    die("%s", std::string(what) + ": " + std::string(m.message, m.message_len));
+  }
+  kvp_dlist prep(const std::string &peer, const std::vector<kvp_xfer_desc> &descs) {
+    kvp_prep_dlist_args p{};
+    p.struct_size = KVP_PREP_DLIST_ARGS_STRUCT_SIZE;
+    p.agent = agent_;
+    p.peer_name = peer.data();
+    p.peer_name_len = peer.size();
+    p.mem_kind = KVP_MEM_DRAM;
+    p.descs = descs.data();
+    p.num_descs = descs.size();
+    ok(t_->prep_dlist(&p), "prep_dlist");
+    return p.dlist;
+  }
+  const kvp_api *t_;
+  kvp_agent agent_ = 0;
+  kvp_region region_ = 0;
+  kvp_dlist ldl_ = 0, rdl_ = 0;
+  kvp_region_pair pair_{0, 0};
+  std::vector<int32_t> idx_;
+  std::vector<kvp_batch_entry> entries_;
+  kvp_xfer xfer_ = 0;
+  // Reused args structs of the hot calls, as the Go host keeps them.
+  kvp_post_xfer_args post_{};
+  kvp_poll_xfer_args poll_{};
+  kvp_release_xfer_args rel_{};
+};
+
+std::unique_ptr<Engine> make_engine(const std::string &name, const Options &o, uint64_t size) {
+  if (o.plugin.empty()) return std::make_unique<NixlEngine>(name, o, size);
+  return std::make_unique<PluginEngine>(name, o, size);
+}
 
 // Pipes carry length-prefixed blobs between the processes.
 void write_blob(int fd, const std::string &s) {
@@ -246,10 +583,9 @@ std::string read_blob(int fd) {
 // The target: serves its memory until the initiator writes "stop" on the
 // pipe, meanwhile calling getNotifs every millisecond, which makes progress
 // on its side as a KV receiver waiting for notifications would.
-void serve(Side &t, int cmd_fd) {
+void serve(Engine &t, int cmd_fd) {
   for (;;) {
-    nixl_notifs_t n;
-    check(t.agent->getNotifs(n), "getNotifs");
+    t.drain();
     pollfd p{cmd_fd, POLLIN, 0};
     if (poll(&p, 1, 1) > 0) {
       if (read_blob(cmd_fd) == "stop") return;
@@ -298,53 +634,35 @@ struct Row {
   bool ok;
 };
 
-// Runs one row. local/remote are the initiator's and target's buffers as
-// seen by the initiator (remote_buf is an address in the target process).
-Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_t remote_buf,
+// Runs one row on the initiator. remote_buf is the target's buffer in the
+// target's address space; remote_view is the same buffer when the target
+// lives in this process (--procs 1), else nullptr.
+Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t remote_size,
             uint8_t *remote_view, const std::string &op, const std::string &path, uint64_t block,
             uint64_t batch, const Options &o, uint64_t seed) {
-  nixl_xfer_op_t xop = op == "WRITE" ? NIXL_WRITE : NIXL_READ;
-  nixl_xfer_dlist_t ld(DRAM_SEG), rd(DRAM_SEG);
-  ld.reserve(batch);
-  rd.reserve(batch);
-  for (uint64_t i = 0; i < batch; i++) {
-    ld.addDesc(nixlBasicDesc(reinterpret_cast<uintptr_t>(local_buf) + i * block, block, 0));
-    rd.addDesc(nixlBasicDesc(remote_buf + i * block, block, 0));
-  }
-  nixlDlistH *lh = nullptr, *rh = nullptr;
-  std::vector<int> idx(batch);
-  for (uint64_t i = 0; i < batch; i++) idx[i] = static_cast<int>(i);
-  if (path == "prepped") {
-    check(ag.prepXferDlist(NIXL_INIT_AGENT, ld, lh), "prepXferDlist local");
-    check(ag.prepXferDlist(peer, rd, rh), "prepXferDlist remote");
-  }
+  const bool write = op == "WRITE", prepped = path == "prepped";
+  e.begin_row(peer, remote_buf, remote_size, path, block, batch);
   // The source of the data: local for WRITE, remote for READ. The remote
-  // side is only writable here when it is in this process (--procs 1); with
-  // two processes the target filled its buffer with the same pattern.
+  // side is only writable here when it is in this process; with two
+  // processes the target filled its buffer with the same pattern.
   uint64_t bytes = block * batch;
-  if (xop == NIXL_WRITE) fill(local_buf, bytes, seed);
-  else std::memset(local_buf, 0, bytes);
+  if (write) fill(e.buf, bytes, seed);
+  else std::memset(e.buf, 0, bytes);
   if (remote_view) {
-    if (xop == NIXL_READ) fill(remote_view, bytes, seed);
+    if (!write) fill(remote_view, bytes, seed);
     else std::memset(remote_view, 0, bytes);
   }
 
   std::vector<double> prep, post, tx, total;
   auto one = [&](bool record) {
     auto t0 = Clock::now();
-    nixlXferReqH *req = nullptr;
-    if (path == "prepped")
-      check(ag.makeXferReq(xop, lh, idx, rh, idx, req), "makeXferReq");
-    else
-      check(ag.createXferReq(xop, ld, rd, peer, req), "createXferReq");
+    e.make(write, prepped);
     auto t1 = Clock::now();
-    nixl_status_t s = ag.postXferReq(req);
-    check(s, "postXferReq");
+    bool done = e.post();
     auto t2 = Clock::now();
-    while (s == NIXL_IN_PROG) s = ag.getXferStatus(req);
-    check(s, "getXferStatus");
+    while (!done) done = e.poll();
     auto t3 = Clock::now();
-    check(ag.releaseXferReq(req), "releaseXferReq");
+    e.release();
     auto t4 = Clock::now();
     if (record) {
       prep.push_back(us(t1 - t0));
@@ -364,8 +682,6 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
   }
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   double cpu = thread_cpu_us() - cpu0;
-  if (lh) ag.releasedDlistH(lh);
-  if (rh) ag.releasedDlistH(rh);
 
   Row r{};
   r.iters = iters;
@@ -381,20 +697,20 @@ Row run_row(nixlAgent &ag, const std::string &peer, uint8_t *local_buf, uintptr_
   // Verify: the destination now holds the pattern.
   std::vector<uint8_t> want(bytes);
   fill(want.data(), bytes, seed);
-  if (xop == NIXL_READ) r.ok = std::memcmp(local_buf, want.data(), bytes) == 0;
-  else if (remote_view) r.ok = std::memcmp(remote_view, want.data(), bytes) == 0;
-  else {
+  if (!write) {
+    r.ok = std::memcmp(e.buf, want.data(), bytes) == 0;
+  } else if (remote_view) {
+    r.ok = std::memcmp(remote_view, want.data(), bytes) == 0;
+  } else {
     // Two processes: read the target's bytes back and compare.
-    std::vector<uint8_t> back(bytes);
-    std::memset(local_buf, 0, bytes);
-    nixlXferReqH *req = nullptr;
-    check(ag.createXferReq(NIXL_READ, ld, rd, peer, req), "createXferReq verify");
-    nixl_status_t s = ag.postXferReq(req);
-    while (s == NIXL_IN_PROG) s = ag.getXferStatus(req);
-    check(s, "verify read");
-    ag.releaseXferReq(req);
-    r.ok = std::memcmp(local_buf, want.data(), bytes) == 0;
+    std::memset(e.buf, 0, bytes);
+    e.make(false, prepped);
+    bool done = e.post();
+    while (!done) done = e.poll();
+    e.release();
+    r.ok = std::memcmp(e.buf, want.data(), bytes) == 0;
   }
+  e.end_row();
   return r;
 }
 
@@ -406,6 +722,14 @@ void print_header(const std::string &op, const std::string &path) {
               "CPU/op (us)", "Iters", "Verified");
 }
 
+void print_row(uint64_t b, uint64_t n, const Row &r) {
+  std::printf("%-14" PRIu64 " %-10" PRIu64
+              " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
+              b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99, r.tx_avg,
+              r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -413,18 +737,18 @@ int main(int argc, char **argv) {
   uint64_t size = buffer_size(o);
   std::string params;
   for (auto &kv : o.bparams) params += " " + kv.first + "=" + kv.second;
-  std::printf("# nixl-bench-direct: backend %s, %d process(es), progress thread %s, sync %s, "
-              "buffer %" PRIu64 " bytes per side, backend params:%s\n",
-              o.backend.c_str(), o.procs, o.progress_thread ? "on" : "off",
+  std::printf("# nixl-bench-direct: %s, backend %s, %d process(es), progress thread %s "
+              "(delay %" PRIu64 " us), sync %s, buffer %" PRIu64 " bytes per side, backend params:%s\n",
+              o.plugin.empty() ? "NIXL C++ API directly" : ("through plugin " + o.plugin).c_str(),
+              o.backend.c_str(), o.procs, o.progress_thread ? "on" : "off", o.progress_delay_us,
               o.sync == nixl_thread_sync_t::NIXL_THREAD_SYNC_RW ? "rw" : "strict", size,
               params.empty() ? " none" : params.c_str());
   std::fflush(stdout);
 
   if (o.procs == 1) {
-    Side target("bench-target", o, size);
-    Side init("bench-initiator", o, size);
-    std::string name;
-    check(init.agent->loadRemoteMD(target.md(), name), "loadRemoteMD");
+    auto target = make_engine("bench-target", o, size);
+    auto init = make_engine("bench-initiator", o, size);
+    std::string name = init->load(target->md());
     uint64_t seed = 1;
     bool all_ok = true;
     for (auto &op : o.ops)
@@ -433,14 +757,10 @@ int main(int argc, char **argv) {
         for (uint64_t b : o.blocks)
           for (uint64_t n : o.batches) {
             if (b * n > o.max_buffer) continue;
-            Row r = run_row(*init.agent, name, init.buf, reinterpret_cast<uintptr_t>(target.buf),
-                            target.buf, op, path, b, n, o, seed++);
+            Row r = run_row(*init, name, reinterpret_cast<uintptr_t>(target->buf), target->size,
+                            target->buf, op, path, b, n, o, seed++);
             all_ok = all_ok && r.ok;
-            std::printf("%-14" PRIu64 " %-10" PRIu64
-                        " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
-                        b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99,
-                        r.tx_avg, r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
-            std::fflush(stdout);
+            print_row(b, n, r);
           }
       }
     return all_ok ? 0 : 1;
@@ -455,33 +775,33 @@ int main(int argc, char **argv) {
   if (pid == 0) {
     close(to_child[1]);
     close(to_parent[0]);
-    Side target("bench-target", o, size);
-    write_blob(to_parent[1], target.md());
-    write_blob(to_parent[1], std::to_string(reinterpret_cast<uintptr_t>(target.buf)));
+    auto target = make_engine("bench-target", o, size);
+    write_blob(to_parent[1], target->md());
+    write_blob(to_parent[1], std::to_string(reinterpret_cast<uintptr_t>(target->buf)));
     // Commands: "fill <bytes> <seed>", "clear <bytes>", "serve" (until
     // "stop"), "exit".
     for (;;) {
       std::string cmd = read_blob(to_child[0]);
       unsigned long long a = 0, b = 0;
       if (std::sscanf(cmd.c_str(), "fill %llu %llu", &a, &b) == 2) {
-        fill(target.buf, a, b);
+        fill(target->buf, a, b);
       } else if (std::sscanf(cmd.c_str(), "clear %llu", &a) == 1) {
-        std::memset(target.buf, 0, a);
+        std::memset(target->buf, 0, a);
       } else if (cmd == "serve") {
         write_blob(to_parent[1], "serving");
-        serve(target, to_child[0]);
+        serve(*target, to_child[0]);
       } else {
         break;
       }
       write_blob(to_parent[1], "ok");
     }
+    target.reset();
     _exit(0);
   }
   close(to_child[0]);
   close(to_parent[1]);
-  Side init("bench-initiator", o, size);
-  std::string name;
-  check(init.agent->loadRemoteMD(read_blob(to_parent[0]), name), "loadRemoteMD");
+  auto init = make_engine("bench-initiator", o, size);
+  std::string name = init->load(read_blob(to_parent[0]));
   uintptr_t remote_buf = std::strtoull(read_blob(to_parent[0]).c_str(), nullptr, 10);
   uint64_t seed = 1;
   bool all_ok = true;
@@ -501,16 +821,11 @@ int main(int argc, char **argv) {
           read_blob(to_parent[0]);
           write_blob(to_child[1], "serve");
           read_blob(to_parent[0]);
-          Row r = run_row(*init.agent, name, init.buf, remote_buf, nullptr, op, path, b, n, o,
-                          seed++);
+          Row r = run_row(*init, name, remote_buf, size, nullptr, op, path, b, n, o, seed++);
           write_blob(to_child[1], "stop");
           read_blob(to_parent[0]);
           all_ok = all_ok && r.ok;
-          std::printf("%-14" PRIu64 " %-10" PRIu64
-                      " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
-                      b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99, r.tx_avg,
-                      r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
-          std::fflush(stdout);
+          print_row(b, n, r);
         }
     }
   write_blob(to_child[1], "exit");
