@@ -1076,6 +1076,21 @@ kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_x
   return nullptr;
 }
 
+// A transfer with no descriptors moves nothing and only delivers its
+// notification (kvplugin.h). NIXL has no empty request, so its post sends
+// the notification with genNotif.
+kvp_error *notif_only_xfer(const char *fn, Agent &a, const PeerRef &peer, const kvp_notif &n,
+                           kvp_xfer *out) {
+  auto x = std::make_unique<Xfer>();
+  x->agent = &a;
+  x->peer = peer;
+  x->desc_count = 0;
+  x->notif_only = true;
+  x->has_notif = n.has_notif != 0;
+  if (x->has_notif) x->notif.assign(reinterpret_cast<const char *>(n.msg), n.msg_len);
+  return publish_xfer(fn, a, std::move(x), out);
+}
+
 kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   static const char fn[] = "make_prepped_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE)) return e;
@@ -1095,19 +1110,7 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   if (n != args->num_remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn, n,
                    args->num_remote_indices);
-  if (n == 0) {
-    // Moves nothing; only delivers its notification (kvplugin.h). NIXL has
-    // no empty request, so post sends the notification with genNotif.
-    auto x = std::make_unique<Xfer>();
-    x->agent = a.get();
-    x->peer = rd->peer;
-    x->desc_count = 0;
-    x->notif_only = true;
-    x->has_notif = args->notif.has_notif != 0;
-    if (x->has_notif)
-      x->notif.assign(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
-    return publish_xfer(fn, *a, std::move(x), &args->xfer);
-  }
+  if (n == 0) return notif_only_xfer(fn, *a, rd->peer, args->notif, &args->xfer);
   if (!args->local_indices || !args->remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: index arrays must not be NULL", fn);
 
@@ -1168,9 +1171,9 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
   if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
   if (args->num_pairs == 0 || !args->pairs)
-    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no region pairs", fn);
-  if (args->num_entries == 0 || !args->entries)
-    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no entries", fn);
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: no region pairs (a transfer needs a peer)", fn);
+  if (args->num_entries && !args->entries)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: entries is NULL", fn);
 
   // Copy what the entries need from the pairs' regions. The caller keeps the
   // regions alive for the call (ABI thread-safety rule 1), so the references
@@ -1207,6 +1210,8 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
                      "the transfer by kind)",
                      fn, i);
   }
+
+  if (args->num_entries == 0) return notif_only_xfer(fn, *a, peer, args->notif, &args->xfer);
 
   nixl_xfer_dlist_t ll(to_nixl_mem(loc[0].kind)), rl(to_nixl_mem(rem[0].kind));
   size_t blocks = 0;

@@ -535,3 +535,53 @@ func TestVRAMWithoutCUDA(t *testing.T) {
 		t.Errorf("deregister: %v", err)
 	}
 }
+
+// A batch transfer with no entries, like a prepped one with no indices,
+// moves nothing and only delivers its notification to the pairs' peer.
+func TestNotificationOnlyBatch(t *testing.T) {
+	p := load(t)
+	const size = 1 << 20
+	init := newSide(t, p, uniqueName(t, "init"), size)
+	target := newSide(t, p, uniqueName(t, "target"), size)
+	peer := connect(t, init, target)
+	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	fill(init.buf, 7)
+	x, err := init.a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: init.reg, Remote: rr}}, nil, []byte("only a note"))
+	if err != nil {
+		t.Fatalf("make_batch_xfer with no entries: %v", err)
+	}
+	defer x.Close()
+	for round := range 2 {
+		if _, err := x.Poll(); round == 0 {
+			expectCode(t, "poll before post", err, abi.ErrNotPosted)
+		}
+		if done, err := x.Post(); err != nil || !done {
+			t.Fatalf("post: done %v, %v", done, err)
+		}
+		var got []plugin.Notif
+		deadline := time.Now().Add(10 * time.Second)
+		for len(got) == 0 && time.Now().Before(deadline) {
+			ns, err := target.a.Notifs()
+			if err != nil {
+				t.Fatalf("get_notifs: %v", err)
+			}
+			got = append(got, ns...)
+			time.Sleep(time.Millisecond)
+		}
+		if len(got) != 1 || got[0].From != init.a.Name() || string(got[0].Msg) != "only a note" {
+			t.Fatalf("round %d: notifications %+v, want one %q from %s", round, got, "only a note", init.a.Name())
+		}
+		tm, err := x.Telemetry()
+		if err != nil || tm.Bytes != 0 || tm.Descs != 0 {
+			t.Errorf("telemetry %+v, %v: want 0 bytes and 0 descriptors", tm, err)
+		}
+	}
+	for i, v := range target.buf {
+		if v != 0 {
+			t.Fatalf("a transfer without entries moved bytes: target byte %d is %#x", i, v)
+		}
+	}
+}
