@@ -19,10 +19,10 @@ func init() {
 			Usage: "the prefill deployment's bootstrap server, `HOST:PORT`"},
 		&cli.DurationFlag{Name: "init-timeout", Value: 60 * time.Second, Category: "Bootstrap:",
 			Usage: "how long a request waits for the prefill deployment to be registered"},
-		secondsFlag("waiting-timeout", "fail a request whose transfer did not complete this long after its metadata went out (and ABORT it on prefill); plain numbers are seconds",
-			push.DefaultWaitingTimeout, time.Second, push.EnvWaitingTimeout[0], push.EnvWaitingTimeout[1]),
+		secondsFlag("waiting-timeout", "fail a request whose transfer did not complete this long after its metadata went out (and ABORT it on prefill)",
+			push.DefaultWaitingTimeout, push.EnvWaitingTimeout[0], push.EnvWaitingTimeout[1]),
 		secondsFlag("heartbeat-interval", "how often the bootstrap server's /health is checked (SGLang never goes below 2 s; kvhost allows it, with a warning)",
-			push.DefaultHeartbeatInterval, time.Second, push.EnvHeartbeatInterval[0], push.EnvHeartbeatInterval[1]),
+			push.DefaultHeartbeatInterval, push.EnvHeartbeatInterval[0], push.EnvHeartbeatInterval[1]),
 		&cli.IntFlag{Name: "heartbeat-max-failure", Value: push.DefaultHeartbeatMaxFailures, EnvVars: push.EnvHeartbeatFailures[:], Category: "Runtime (reference defaults):",
 			Usage: "failed heartbeats in a row after which every unfinished request of that prefill fails"},
 	)
@@ -49,10 +49,12 @@ func runDecode(c *cli.Context) error {
 		return err
 	}
 	o := worker.DecodeOptions{Common: common, BootstrapAddr: c.String("bootstrap-addr"), InitTimeout: c.Duration("init-timeout")}
-	o.Settings = push.Settings{
-		WaitingTimeout:       secondsValue(c, "waiting-timeout"),
-		HeartbeatInterval:    secondsValue(c, "heartbeat-interval"),
-		HeartbeatMaxFailures: c.Int("heartbeat-max-failure"),
+	o.Settings = push.Settings{HeartbeatMaxFailures: c.Int("heartbeat-max-failure")}
+	if o.Settings.WaitingTimeout, err = secondsValue(c, "waiting-timeout"); err != nil {
+		return err
+	}
+	if o.Settings.HeartbeatInterval, err = secondsValue(c, "heartbeat-interval"); err != nil {
+		return err
 	}
 	if o.Settings.HeartbeatInterval < push.MinReferenceHeartbeat {
 		slog.Warn("heartbeat interval below SGLang's 2 s floor", "interval", o.Settings.HeartbeatInterval)

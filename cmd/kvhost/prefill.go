@@ -98,19 +98,24 @@ func upper(s string) string {
 	return string(b)
 }
 
-// secondsFlag is a duration flag that also accepts SGLang's plain seconds
-// (or milliseconds, for SGLANG_MORI_TRANSFER_TIMEOUT_MS), so the reference
-// env vars work as aliases.
-func secondsFlag(name, usage string, def time.Duration, unit time.Duration, envs ...string) *cli.GenericFlag {
-	return &cli.GenericFlag{Name: name, Usage: usage, EnvVars: envs, Category: "Runtime (reference defaults):",
-		Value: &push.Seconds{D: def, Unit: unit}}
+// secondsFlag is a duration flag that also accepts SGLang's plain seconds,
+// so the reference env vars work as aliases. It is a string flag parsed in
+// the action: urfave/cli keeps a Generic flag's value in the flag itself,
+// which would carry one run's value into the next in a process that runs
+// the app twice (tests).
+func secondsFlag(name, usage string, def time.Duration, envs ...string) *cli.StringFlag {
+	v := strconv.FormatFloat(def.Seconds(), 'f', -1, 64)
+	return &cli.StringFlag{Name: name, Usage: usage + "; plain numbers are seconds, or a duration like 500ms",
+		EnvVars: envs, Category: "Runtime (reference defaults):", Value: v}
 }
 
-func secondsValue(c *cli.Context, name string) time.Duration {
-	if v, ok := c.Generic(name).(*push.Seconds); ok && v != nil {
-		return v.D
+// secondsValue parses a secondsFlag.
+func secondsValue(c *cli.Context, name string) (time.Duration, error) {
+	d, err := push.ParseSeconds(c.String(name), time.Second)
+	if err != nil {
+		return 0, fmt.Errorf("--%s: %w", name, err)
 	}
-	return 0
+	return d, nil
 }
 
 // parseCommon turns the shared flags into worker options (plugin loaded).
@@ -228,10 +233,10 @@ func init() {
 		&cli.StringFlag{Name: "bootstrap-addr", EnvVars: []string{"KVHOST_BOOTSTRAP_ADDR"}, Category: "Bootstrap:",
 			Usage: "register with the bootstrap server at `HOST:PORT` (e.g. a kvhost bootstrap process shared by several prefill processes) instead of serving one"},
 		&cli.StringFlag{Name: "bootstrap-addr-file", Category: "Bootstrap:", Usage: "write the bootstrap address actually served to `FILE` (useful with --bootstrap-port 0)"},
-		secondsFlag("bootstrap-timeout", "fail a request still Bootstrapping (no decode metadata) after this long; plain numbers are seconds",
-			push.DefaultBootstrapTimeout, time.Second, push.EnvBootstrapTimeout[0], push.EnvBootstrapTimeout[1]),
+		secondsFlag("bootstrap-timeout", "fail a request still Bootstrapping (no decode metadata) after this long",
+			push.DefaultBootstrapTimeout, push.EnvBootstrapTimeout[0], push.EnvBootstrapTimeout[1]),
 		secondsFlag("transfer-timeout", "optional SLA on one chunk's transfers (0: none); SGLANG_MORI_TRANSFER_TIMEOUT_MS (milliseconds) is read too",
-			0, time.Second, push.EnvTransferTimeout[0]),
+			0, push.EnvTransferTimeout[0]),
 		&cli.IntFlag{Name: "queue-size", Value: push.DefaultQueueSize, EnvVars: push.EnvQueueSize[:], Category: "Runtime (reference defaults):",
 			Usage: "transfer worker shards (requests go to shard room % N)"},
 		&cli.BoolFlag{Name: "mori-aux-rdma", EnvVars: push.EnvMoriAuxRDMA[:], Category: "Runtime (reference defaults):",
@@ -265,11 +270,12 @@ func runPrefill(c *cli.Context) error {
 	if o.XferMode, err = push.ParseXferMode(c.String("xfer")); err != nil {
 		return err
 	}
-	o.Settings = push.Settings{
-		BootstrapTimeout: secondsValue(c, "bootstrap-timeout"),
-		TransferTimeout:  secondsValue(c, "transfer-timeout"),
-		QueueSize:        c.Int("queue-size"),
-		MoriAuxRDMA:      c.Bool("mori-aux-rdma"),
+	o.Settings = push.Settings{QueueSize: c.Int("queue-size"), MoriAuxRDMA: c.Bool("mori-aux-rdma")}
+	if o.Settings.BootstrapTimeout, err = secondsValue(c, "bootstrap-timeout"); err != nil {
+		return err
+	}
+	if o.Settings.TransferTimeout, err = secondsValue(c, "transfer-timeout"); err != nil {
+		return err
 	}
 	// The SGLang transfer SLA variable is in milliseconds.
 	if v, ok := os.LookupEnv(push.EnvTransferTimeout[1]); ok && !c.IsSet("transfer-timeout") {

@@ -4,9 +4,12 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/host/push/worker"
 )
@@ -76,16 +79,46 @@ func TestPrefillDecodeCLI(t *testing.T) {
 	}
 }
 
-// TestPrefillEnvAlias: SGLang's timeout variable configures the prefill
-// worker (no decode comes, every request times out in Bootstrapping and
-// the worker exits non-zero with a summary saying so).
+// TestPrefillEnvAlias: SGLang's variables are the env aliases of the
+// timeout flags, and their plain-seconds values parse. (The env itself is
+// not set here: urfave/cli writes env values into the shared flag structs,
+// which would leak into the other tests of this process.)
 func TestPrefillEnvAlias(t *testing.T) {
-	fakeDir(t)
-	t.Setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "0.2")
+	want := map[string][]string{
+		"prefill/bootstrap-timeout":    {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"},
+		"prefill/queue-size":           {"SGLANG_DISAGGREGATION_QUEUE_SIZE"},
+		"prefill/mori-aux-rdma":        {"SGLANG_MORI_SEND_AUX_RDMA"},
+		"decode/waiting-timeout":       {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT"},
+		"decode/heartbeat-interval":    {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"},
+		"decode/heartbeat-max-failure": {"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"},
+	}
+	found := 0
+	for _, cmd := range commands {
+		for _, f := range cmd.Flags {
+			df, ok := f.(cli.DocGenerationFlag)
+			if !ok {
+				continue
+			}
+			for _, name := range f.Names() {
+				for _, env := range want[cmd.Name+"/"+name] {
+					if !slices.Contains(df.GetEnvVars(), env) {
+						t.Errorf("%s --%s: env vars %v lack %s", cmd.Name, name, df.GetEnvVars(), env)
+					}
+					found++
+				}
+			}
+		}
+	}
+	if found != len(want) {
+		t.Fatalf("found %d of %d aliased flags", found, len(want))
+	}
+	// A short bootstrap timeout given as SGLang writes it (plain seconds):
+	// no decode comes, every request fails in Bootstrapping, exit non-zero.
 	dir := t.TempDir()
 	ps := filepath.Join(dir, "p.json")
 	start := time.Now()
-	_, err := runKvhost(t, "", append([]string{"--log-level", "error", "prefill", "--bootstrap-port", "0", "--summary", ps}, smallWorker...)...)
+	_, err := runKvhost(t, "", append([]string{"--log-level", "error", "prefill", "--bootstrap-port", "0", "--summary", ps,
+		"--bootstrap-timeout", "0.2"}, smallWorker...)...)
 	if err == nil || time.Since(start) > 10*time.Second {
 		t.Fatalf("err %v after %v", err, time.Since(start))
 	}
