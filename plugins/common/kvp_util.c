@@ -630,9 +630,19 @@ int kvp_strided_each_in(const void *table, size_t n, size_t elem_size, uint64_t 
   long i = kvp_range_find(table, n, elem_size, addr, end - addr);
   if (i >= 0 && (!accept || accept(range_at(table, (size_t)i, elem_size), ctx))) return 1;
   if (count == 1) return 0;
-  for (uint64_t k = 0; k < count; k++) {
-    long j = kvp_range_find(table, n, elem_size, addr + k * stride, len);
-    if (j < 0 || (accept && !accept(range_at(table, (size_t)j, elem_size), ctx))) return 0;
+  /* Element by element, not block by block: count may be huge (a small
+   * stride over adjacent elements), but the blocks that follow one found in
+   * an element and still end inside it are inside it too. */
+  for (uint64_t k = 0; k < count;) {
+    uint64_t b = addr + k * stride;
+    long j = kvp_range_find(table, n, elem_size, b, len);
+    if (j < 0) return 0;
+    const kvp_range *r = range_at(table, (size_t)j, elem_size);
+    if (accept && !accept(r, ctx)) return 0;
+    uint64_t room = r->addr + r->len - (b + len); /* bytes of r after block k */
+    uint64_t more = stride ? room / stride : count; /* later blocks inside r */
+    if (more >= count - k - 1) return 1;
+    k += more + 1;
   }
   return 1;
 }

@@ -217,7 +217,8 @@ long kvp_range_find_strided(const void *table, size_t n, size_t elem_size, uint6
 
 /* 1 if every block of the strided descriptor lies entirely inside some
  * element (blocks may be in different elements), else 0. Tries the whole
- * extent first, then block by block. If accept is not NULL it is called
+ * extent first, then element by element (time grows with the elements the
+ * blocks cross, not with count). If accept is not NULL it is called
  * with each element index that would contain a block and may veto it
  * (return 0), e.g. to demand a matching memory kind; it must be cheap. */
 int kvp_strided_each_in(const void *table, size_t n, size_t elem_size, uint64_t addr,

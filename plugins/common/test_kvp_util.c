@@ -527,6 +527,17 @@ static void test_ranges(void) {
   CHECK(kvp_strided_each_in(rs, 4, sizeof(region), 1100, 50, 0, 1, accept_kind, &k1));
   CHECK(!kvp_strided_each_in(rs, 4, sizeof(region), 1100, 50, 0, 1, accept_kind, &k0));
   CHECK(!kvp_strided_each_in(rs, 4, sizeof(region), 0, 1, 1ull << 40, 1ull << 30, NULL, NULL));
+  /* 2^41 one-byte blocks over two adjacent 2^40-byte elements: answered
+   * element by element, not block by block (which would not finish). */
+  region big[] = {{1ull << 40, 1ull << 40, 0}, {2ull << 40, 1ull << 40, 1}};
+  CHECK(kvp_strided_each_in(big, 2, sizeof(region), 1ull << 40, 1, 1, 2ull << 40, NULL, NULL));
+  CHECK(!kvp_strided_each_in(big, 2, sizeof(region), 1ull << 40, 1, 1, (2ull << 40) + 1, NULL, NULL));
+  CHECK(!kvp_strided_each_in(big, 2, sizeof(region), 1ull << 40, 1, 1, 2ull << 40, accept_kind, &k0));
+  /* Two-byte blocks one byte apart: one straddles the boundary. */
+  CHECK(!kvp_strided_each_in(big, 2, sizeof(region), 1ull << 40, 2, 1, 3ull << 39, NULL, NULL));
+  /* Stride 2 keeps them apart: blocks end exactly at the boundary. */
+  CHECK(kvp_strided_each_in(big, 2, sizeof(region), 1ull << 40, 2, 2, 1ull << 40, NULL, NULL));
+  CHECK(kvp_strided_each_in(big, 2, sizeof(region), (1ull << 40) + 3, 2, 1000, 2000000000ull, NULL, NULL));
 
   region ov[] = {{1000, 100, 0}, {1099, 10, 0}};
   CHECK(kvp_ranges_check(ov, 2, sizeof(region)) == 1);
