@@ -137,7 +137,12 @@ func (w *worker) run(c *chunk) {
 		ctx, cancel = context.WithTimeout(ctx, m.set.TransferTimeout)
 		defer cancel()
 	}
-	err := w.post(ctx, c, infos, peers)
+	// Plan and check everything the chunk sends before posting anything:
+	// a chunk is refused whole, never half sent.
+	err := w.check(c, infos, peers)
+	if err == nil {
+		err = w.post(ctx, c, infos, peers)
+	}
 	if err == nil {
 		err = w.wait(ctx, c)
 	}
@@ -167,6 +172,86 @@ func (w *worker) run(c *chunk) {
 		}
 		m.mu.Unlock()
 	}
+}
+
+// check plans every transfer of the chunk, to every real decode rank, and
+// validates each plan against the region tables, without posting.
+func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
+	m := w.m
+	for i, in := range infos {
+		if in.dummy {
+			continue
+		}
+		p := peers[i]
+		if p == nil {
+			return errors.New(m.peerMissing(in.peer))
+		}
+		if len(c.pages) > 0 {
+			if c.slice.Stop > len(in.dstPages) {
+				return fmt.Errorf("decode %s sent %d page indices, chunk %d needs pages [%d, %d)", in.peer, len(in.dstPages), c.id, c.slice.Start, c.slice.Stop)
+			}
+			if p.prepped != nil {
+				var err error
+				for part := range p.prepped.pk.Parts {
+					if w.srcIdx, w.dstIdx, err = p.nixl.Indices(p.prepped.pk, part, w.srcIdx[:0], w.dstIdx[:0], c.pages, in.dstPages[c.slice.Start:c.slice.Stop]); err != nil {
+						return fmt.Errorf("prepared indices for %s: %w", p.name, err)
+					}
+				}
+			} else {
+				if err := p.kv.Plan(&w.plan, c.pages, in.dstPages[c.slice.Start:c.slice.Stop]); err != nil {
+					return fmt.Errorf("plan KV for %s: %w", p.name, err)
+				}
+				if err := checkTables(&w.plan, m.regs.kv, p.kvRemote); err != nil {
+					return fmt.Errorf("KV for %s: %w", p.name, err)
+				}
+			}
+		}
+		if !c.last {
+			continue
+		}
+		if c.hasState && p.state != nil {
+			var err error
+			if w.states, err = p.state.Plan(w.states, c.state, in.dstState); err != nil {
+				return fmt.Errorf("plan state for %s: %w", p.name, err)
+			}
+			for k := range w.states {
+				comp := w.states[k].Component
+				if comp >= len(m.regs.state) || comp >= len(p.stateRemote) {
+					return fmt.Errorf("state component %d not registered on both sides", comp)
+				}
+				if err := checkTables(&w.states[k].Plan, m.regs.state[comp], p.stateRemote[comp]); err != nil {
+					return fmt.Errorf("state component %d for %s: %w", comp, p.name, err)
+				}
+			}
+		}
+		if p.aux != nil && len(m.regs.aux) > 0 && w.sendsAuxRDMA(in, p) {
+			if err := p.aux.Plan(&w.plan, c.auxIndex, in.dstAux); err != nil {
+				return fmt.Errorf("plan aux for %s: %w", p.name, err)
+			}
+			if err := checkTables(&w.plan, m.regs.aux, p.auxRemote); err != nil {
+				return fmt.Errorf("aux for %s: %w", p.name, err)
+			}
+		}
+		if m.cfg.Variant == VariantMORI && p.auxTCP && in.dstAux >= 0 {
+			for b, buf := range m.cfg.KV.Aux {
+				if c.auxIndex < 0 || uint64(c.auxIndex+1)*buf.ItemLen > uint64(len(buf.Mem)) {
+					return fmt.Errorf("prefill_aux_index %d outside aux buffer %d", c.auxIndex, b)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// sendsAuxRDMA reports whether the chunk's aux goes to this decode rank as a
+// transfer (NIXL always; MORI from the last PP stage, when decode asked for
+// it and the RDMA path is on).
+func (w *worker) sendsAuxRDMA(in *xferInfo, p *peer) bool {
+	m := w.m
+	if m.cfg.Variant != VariantMORI {
+		return true
+	}
+	return in.dstAux >= 0 && m.cfg.Parallel.PPRank == m.cfg.Parallel.PPSize-1 && !p.auxTCP
 }
 
 // post plans and posts the chunk's transfers to every real decode rank.
@@ -336,12 +421,10 @@ func (w *worker) postAux(ctx context.Context, c *chunk, in *xferInfo, p *peer, s
 		}
 		return nil
 	}
-	if m.cfg.Variant == VariantMORI {
+	if !w.sendsAuxRDMA(in, p) {
 		// MORI: only the last PP stage sends aux, and only when decode
 		// asked for it; the ZeroMQ path is sent after the transfers.
-		if in.dstAux < 0 || m.cfg.Parallel.PPRank != m.cfg.Parallel.PPSize-1 || p.auxTCP {
-			return nil
-		}
+		return nil
 	}
 	if err := p.aux.Plan(&w.plan, c.auxIndex, in.dstAux); err != nil {
 		return fmt.Errorf("plan aux for %s: %w", p.name, err)
