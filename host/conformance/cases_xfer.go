@@ -155,6 +155,33 @@ func caseXferErrors(t TB, s *Suite) {
 			return a.MakeBatchXfer(abi.Write, pairs, bad, nil)
 		})
 	}
+	// One transfer reaches one peer: regions of two peers are a mismatch.
+	second := s.newPeer(t, []int{4096})
+	md, err := second.Metadata()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	secondName, err := a.LoadRemote(md)
+	if err != nil {
+		t.Fatalf("loading a second peer: %v", err)
+	}
+	ri := second.Regions()[0]
+	var rr2 *plugin.RemoteRegion
+	if a.Caps().Has(abi.CapRemoteBlob) && ri.Blob != nil {
+		rr2, err = a.ImportRegion(secondName, ri.Blob)
+	} else {
+		rr2, err = a.ImportRange(secondName, ri.Addr, ri.Len, ri.DevID, ri.Kind)
+	}
+	if err != nil {
+		t.Fatalf("importing a region of a second peer: %v", err)
+	}
+	twoPeers := []plugin.Pair{pairs[0], {Local: pairs[0].Local, Remote: rr2}}
+	expectXferFails(t, f, "batch transfer over regions of two peers", abi.ErrMismatch, func() (*plugin.Xfer, error) {
+		return a.MakeBatchXfer(abi.Write, twoPeers, []abi.BatchEntry{entries[0], {Pair: 1, Len: 8, Count: 1}}, nil)
+	})
+	if err := rr2.Close(); err != nil {
+		t.Errorf("remote_region_release: %v", err)
+	}
 	// The good transfers still work after all that.
 	f.run("prepped write after refused transfers", mustXfer(t)(a.MakePreppedXfer(abi.Write, p.local, p.li, p.remote, p.ri, nil)))
 	f.apply(abi.Write, runs)
@@ -566,6 +593,9 @@ func caseBadHandles(t TB, s *Suite) {
 		expectAnyPluginError(t, "make_prepped_xfer with a remote list as the local one", err)
 		_, err = raw.MakePreppedXfer(a.Handle(), abi.Write, p.local.Handle(), p.li, 0, p.ri)
 		expectCode(t, "make_prepped_xfer with list 0", err, abi.ErrInvalidParam)
+		// The host checks this itself; the plugin must too.
+		_, err = raw.MakePreppedXfer(a.Handle(), abi.Write, p.local.Handle(), p.li, p.remote.Handle(), p.ri[:1])
+		expectCode(t, "make_prepped_xfer with more local than remote indices (raw)", err, abi.ErrInvalidParam)
 	}
 	f.verify("after calls with bad handles")
 }
