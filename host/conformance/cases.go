@@ -37,6 +37,7 @@ var cases = []Case{
 	{"telemetry", "xfer_telemetry: bytes, descriptor count, times; NO_TELEMETRY before completion", caseTelemetry},
 	{"concurrency", "8 goroutines posting at once on one agent, 20 rounds, bytes verified", caseConcurrency},
 	{"remove-remote", "remove_remote cancels a transfer in flight (CANCELED); the peer's transfers, lists and regions stay handles to release, dead (NOT_FOUND)", caseRemoveRemote},
+	{"peer-exit", "a transfer to a peer process that died fails (no hang, no false success); remove_remote still works", casePeerExit},
 	{"fault-injection", "a failing transfer reports the plugin's error on every poll", caseFaultInjection},
 	{"bad-handles", "released, foreign and zero handles are errors, not crashes", caseBadHandles},
 	{"agent-close", "agent_destroy releases everything; the host closes every child handle", caseAgentClose},

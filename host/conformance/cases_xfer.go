@@ -640,3 +640,84 @@ func caseAgentClose(t TB, s *Suite) {
 		f.verify("after destroying an agent with a delayed transfer")
 	}
 }
+
+func casePeerExit(t TB, s *Suite) {
+	if s.cfg.Mode != TwoProcess {
+		t.Skipf("needs a peer process (two-process mode)")
+	}
+	s.needDRAM(t)
+	// A helper of its own, killed below; the suite's helper lives on.
+	h, err := startHelper(s.cfg.Helper(), s.cfg.Plugin, s.cfg.Dirs, 3*s.cfg.Timeout)
+	if err != nil {
+		t.Fatalf("starting a second helper process: %v", err)
+	}
+	t.Cleanup(func() { h.Close() })
+	local := s.newLocal(t, []int{regionSize})
+	a := local.a
+	peer, err := h.NewAgent(s.agentName("doomed"), s.params(), []int{regionSize})
+	if err != nil {
+		t.Fatalf("creating an agent in the second helper: %v", err)
+	}
+	md, err := peer.Metadata()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	name, err := a.LoadRemote(md)
+	if err != nil {
+		t.Fatalf("loading the doomed peer: %v", err)
+	}
+	lmd, err := a.LocalMetadata()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	if _, err := peer.LoadRemote(lmd); err != nil {
+		t.Fatalf("%v", err)
+	}
+	ri := peer.Regions()[0]
+	var rr *plugin.RemoteRegion
+	switch caps := a.Caps(); {
+	case caps.Has(abi.CapRemoteBlob) && ri.Blob != nil:
+		rr, err = a.ImportRegion(name, ri.Blob)
+	case caps.Has(abi.CapRemoteAddr):
+		rr, err = a.ImportRange(name, ri.Addr, ri.Len, ri.DevID, ri.Kind)
+	default:
+		t.Skipf("agent cannot name remote regions (caps %v)", caps.Names())
+	}
+	if err != nil {
+		t.Fatalf("importing a region of the doomed peer: %v", err)
+	}
+	x, err := a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: local.regions[0], Remote: rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	t.Cleanup(func() { closeQuietly(t, "transfer", x.Close) })
+	post := func() error {
+		done, err := x.Post()
+		if err != nil || done {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Timeout)
+		defer cancel()
+		return x.Wait(ctx)
+	}
+	if err := post(); err != nil {
+		t.Fatalf("a transfer to the live peer: %v", err)
+	}
+
+	// The peer process dies: the transfer fails (it must not hang, and
+	// must not claim success), and the agent stays usable.
+	h.cmd.Process.Kill()
+	h.cmd.Process.Wait()
+	err = post()
+	if errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a transfer to a dead peer process did not end within %v", s.cfg.Timeout)
+	}
+	expectAnyPluginError(t, "a transfer to a dead peer process", err)
+	t.Logf("a transfer to a dead peer process ends with: %v", err)
+	if a.Caps().Has(abi.CapNotif) {
+		t.Logf("send_notif to a dead peer process: %v", a.SendNotif(name, []byte("anyone there?")))
+	}
+	if err := a.RemoveRemote(name); err != nil {
+		t.Errorf("remove_remote of a dead peer: %v", err)
+	}
+}
