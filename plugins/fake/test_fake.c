@@ -1174,6 +1174,21 @@ static void test_faults_and_progress(void) {
   free(before);
 }
 
+/* A thread that polls a transfer until it leaves IN_PROG, then reads its
+ * error again, as a host waiting on it does while another thread removes
+ * the peer (TSan checks that the outcome is published race-free). */
+typedef struct poller {
+  uint64_t ag, x;
+  kvp_error *e;
+} poller;
+
+static void *poll_until_done(void *arg) {
+  poller *p = (poller *)arg;
+  p->e = wait_xfer(p->ag, p->x, NULL);
+  kvp_err_free(poll1(p->ag, p->x, NULL));
+  return NULL;
+}
+
 /* Releasing or destroying during a long copy returns only after the worker
  * let go: the buffers are freed right after, and ASan would report a write
  * into freed memory. */
@@ -1199,8 +1214,12 @@ static void test_cancel_running(void) {
     if (mode == 0) {
       OK(xfer_del(E.a, x));
     } else if (mode == 1) {
+      poller pl = {E.a, x, NULL};
+      pthread_t th;
+      CHECK(pthread_create(&th, NULL, poll_until_done, &pl) == 0);
       OK(remove_peer(E.a, "B"));
-      kvp_error *e = wait_xfer(E.a, x, NULL);
+      pthread_join(th, NULL);
+      kvp_error *e = pl.e;
       /* Either it finished before remove_remote got to it, or it was cancelled. */
       if (e) EXPECT(e, KVP_ERR_CANCELED, "peer \"B\" was removed");
       EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "removed");
