@@ -128,6 +128,22 @@ func (f *fixture) verify(what string) {
 	}
 }
 
+// peerMatches reports whether every peer region holds what the model says
+// (no failure is reported: for checks that accept more than one outcome).
+func (f *fixture) peerMatches() bool {
+	f.t.Helper()
+	for i := range numRegions {
+		got, err := f.peer.Sum(i, 0, regionSize)
+		if err != nil {
+			f.t.Fatalf("checksum of peer region %d: %v", i, err)
+		}
+		if !bytes.Equal(got, sum(f.rmodel[i])) {
+			return false
+		}
+	}
+	return true
+}
+
 // run posts x and waits for it.
 func (f *fixture) run(what string, x *plugin.Xfer) {
 	f.t.Helper()
