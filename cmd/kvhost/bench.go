@@ -35,7 +35,9 @@ func init() {
 			"elsewhere hits both alike: memcpy (Go's copy and libc's memcpy, the faster counts) with both\n" +
 			"agents in this process, process_vm_writev/readv with the target agent in a second process\n" +
 			"(--procs 2: kvhost re-executed, metadata over a pipe). B/W and Base are medians over\n" +
-			"--rounds rounds, Eff. the median of the per-round ratios. After a row the destination is\n" +
+			"--rounds rounds of bytes over time; Eff. is the median over all iterations of the paired\n" +
+			"ratio (the baseline copy's time over the transfer's, microseconds apart), which a hiccup on\n" +
+			"a shared machine does not move, so it need not equal B/W over Base. After a row the destination is\n" +
 			"cleared, moved once more and checked byte for byte (Verified; in the target process for\n" +
 			"--procs 2). Any failed transfer or check fails the run (exit status 1).\n\n" +
 			"Sizes take K, M, G suffixes (binary); LO..HI is every power of two times LO up to HI.\n" +

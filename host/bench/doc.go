@@ -39,8 +39,14 @@
 //     from this process into the target process, up to IOV_MAX blocks per
 //     system call, as the fake plugin issues them.
 //
-// A row's GB/s and its baseline's are medians over rounds; its efficiency
-// is the median over rounds of the ratio subject/baseline within a round.
+// A row's GB/s and its baseline's are medians over rounds of those rates
+// (nixlbench's bandwidth: bytes over time, hiccups included). Its
+// efficiency is the median, over every iteration, of the paired ratio:
+// the best baseline copy's time in that iteration over the transfer's
+// latency. The two sides of a pair run microseconds apart, so a hiccup
+// that hits one side of one pair (a preemption on a shared machine) moves
+// the median not at all; that makes the efficiency steadier than the ratio
+// of the two rates, which it need not equal.
 //
 // # Verification
 //

@@ -35,8 +35,13 @@ type Row struct {
 
 	Baseline     string  `json:"baseline"` // memcpy, process_vm_writev or process_vm_readv
 	BaselineGBps float64 `json:"baseline_gb_per_s"`
-	Efficiency   float64 `json:"efficiency"` // median over rounds of subject/baseline
-	Verified     bool    `json:"verified"`
+	// Efficiency is the median, over every iteration of every round and
+	// thread, of the paired ratio: the time the best baseline copy of the
+	// same blocks took in that iteration over the transfer's latency. A
+	// hiccup that hits one side of one iteration moves the median not at
+	// all, so on a loaded machine it is steadier than GBps/BaselineGBps.
+	Efficiency float64 `json:"efficiency"`
+	Verified   bool    `json:"verified"`
 
 	// The plugin's own view (Config.Telemetry only): post_xfer time and
 	// post-to-completion time from its telemetry, averaged.
@@ -53,6 +58,9 @@ type Row struct {
 type Round struct {
 	GBps     float64            `json:"gb_per_s"`
 	Baseline map[string]float64 `json:"baseline_gb_per_s"` // by copier: go-copy, libc-memcpy, process_vm_*
+	// Efficiency is the median over the round's iterations of the paired
+	// ratio: the best baseline copy's time over the transfer's time.
+	Efficiency float64 `json:"efficiency"`
 }
 
 // Label names the row's configuration (without the block size), e.g.
@@ -305,10 +313,12 @@ type worker struct {
 	plugN               int
 
 	// Per round: iterations done, time spent in the subject's iterations
-	// (latency, i.e. make to release) and in each copier's.
+	// (latency, i.e. make to release) and in each copier's, and the paired
+	// ratio of each iteration (best copier time over transfer time).
 	iters      int
 	subject    time.Duration
 	base       []time.Duration // by copier index
+	ratio      phase           // in parts per million (ratioScale)
 	start, end time.Time
 }
 
@@ -317,9 +327,9 @@ type namedCopier struct {
 	copier
 }
 
-// transfer runs one iteration: make, post, poll to completion, close.
-// A recorded iteration adds its latency to w.subject.
-func (w *worker) transfer(record bool) error {
+// transfer runs one iteration: make, post, poll to completion, close, and
+// returns its latency. A recorded iteration adds it to w.subject.
+func (w *worker) transfer(record bool) (time.Duration, error) {
 	t0 := time.Now()
 	var x *plugin.Xfer
 	var err error
@@ -329,7 +339,7 @@ func (w *worker) transfer(record bool) error {
 		x, err = w.ag.MakeBatchXfer(w.op, w.pairs, w.entries, nil)
 	}
 	if err != nil {
-		return fmt.Errorf("making the transfer: %w", err)
+		return 0, fmt.Errorf("making the transfer: %w", err)
 	}
 	t1 := time.Now()
 	done, err := x.Post()
@@ -343,20 +353,20 @@ func (w *worker) transfer(record bool) error {
 	t3 := time.Now()
 	if err != nil {
 		x.Close()
-		return fmt.Errorf("transfer: %w", err)
+		return 0, fmt.Errorf("transfer: %w", err)
 	}
 	if w.telemetry && record {
 		tel, err := x.Telemetry()
 		if err != nil {
 			x.Close()
-			return fmt.Errorf("telemetry: %w", err)
+			return 0, fmt.Errorf("telemetry: %w", err)
 		}
 		w.plugPost += tel.Post
 		w.plugXfer += tel.Xfer
 		w.plugN++
 	}
 	if err := x.Close(); err != nil {
-		return fmt.Errorf("releasing the transfer: %w", err)
+		return 0, fmt.Errorf("releasing the transfer: %w", err)
 	}
 	t4 := time.Now()
 	if record {
@@ -366,7 +376,7 @@ func (w *worker) transfer(record bool) error {
 		w.lat.add(t4.Sub(t0))
 		w.subject += t4.Sub(t0)
 	}
-	return nil
+	return t4.Sub(t0), nil
 }
 
 // interleaved runs iterations until it has done at least minIters and
@@ -375,32 +385,41 @@ func (w *worker) transfer(record bool) error {
 // down slows the subject and the baselines alike.
 func (w *worker) interleaved(rr *rowRun, minIters int, d time.Duration) {
 	w.iters, w.subject = 0, 0
+	w.ratio = phase{keep: w.ratio.keep[:0]}
 	w.base = w.base[:0]
 	for range w.copiers {
 		w.base = append(w.base, 0)
 	}
 	n := len(w.copiers) + 1
 	for w.iters < minIters || time.Since(w.start) < d {
+		var subject, best time.Duration
 		for k := range n {
 			if rr.stop.Load() {
 				return
 			}
 			j := (k + w.iters) % n
 			if j == 0 {
-				if err := w.transfer(true); err != nil {
+				lat, err := w.transfer(true)
+				if err != nil {
 					rr.fail(err)
 					return
 				}
+				subject = lat
 				continue
 			}
 			t0 := time.Now()
 			err := w.copiers[j-1].run()
-			w.base[j-1] += time.Since(t0)
+			took := time.Since(t0)
+			w.base[j-1] += took
 			if err != nil {
 				rr.fail(fmt.Errorf("baseline %s: %w", w.copiers[j-1].name, err))
 				return
 			}
+			if best == 0 || took < best {
+				best = took
+			}
 		}
+		w.ratio.add(time.Duration(float64(best) / float64(max(subject, 1)) * ratioScale))
 		w.iters++
 	}
 }
@@ -550,7 +569,7 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 			if rr.stop.Load() {
 				return
 			}
-			if err := w.transfer(false); err != nil {
+			if _, err := w.transfer(false); err != nil {
 				rr.fail(err)
 				return
 			}
@@ -569,7 +588,8 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	perRound := c.Time / time.Duration(c.Rounds)
 	minIters := (c.Iters + c.Rounds - 1) / c.Rounds
 	rowBytes := float64(block) * float64(batch)
-	var ratios, rates, baseRates []float64
+	var rates, baseRates []float64
+	var ratios phase // every iteration's paired ratio, all rounds and threads
 	for range c.Rounds {
 		rr.parallel(func(w *worker) { w.interleaved(rr, minIters, perRound) })
 		if err := rr.firstErr(); err != nil {
@@ -591,10 +611,16 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 			rd.Baseline[rr.workers[0].copiers[j].name] = r
 			best = max(best, r)
 		}
+		var rs []*phase
+		for _, w := range rr.workers {
+			rs = append(rs, &w.ratio)
+		}
+		round := merge(rs...)
+		rd.Efficiency = float64(round.quantile(0.5)) / ratioScale
+		ratios.keep = append(ratios.keep, round.keep...)
 		spec.Rounds = append(spec.Rounds, rd)
 		rates = append(rates, rd.GBps)
 		baseRates = append(baseRates, best)
-		ratios = append(ratios, rd.GBps/best)
 		e.done++
 		if c.Progress != nil {
 			c.Progress(e.done, e.total, fmt.Sprintf("%s %s", spec.Label(), FormatSize(block)))
@@ -605,7 +631,7 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	}
 	spec.GBps = median(rates)
 	spec.BaselineGBps = median(baseRates)
-	spec.Efficiency = median(ratios)
+	spec.Efficiency = float64(ratios.quantile(0.5)) / ratioScale
 
 	var prepS, postS, txS, latS []*phase
 	var plugPost, plugXfer time.Duration
@@ -639,7 +665,7 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 		return spec, err
 	}
 	for _, w := range rr.workers {
-		if err := w.transfer(false); err != nil {
+		if _, err := w.transfer(false); err != nil {
 			return spec, fmt.Errorf("verification transfer: %w", err)
 		}
 	}

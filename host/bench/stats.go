@@ -58,14 +58,21 @@ func (p *phase) avgUs() float64 {
 
 // pctUs returns the q-quantile (0..1) in µs, nearest rank as bench_direct.cc
 // computes it: index round(q*(n-1)). It sorts the samples.
-func (p *phase) pctUs(q float64) float64 {
+func (p *phase) pctUs(q float64) float64 { return float64(p.quantile(q)) / 1e3 }
+
+// quantile returns the q-quantile (0..1) of the samples, nearest rank. It
+// sorts them.
+func (p *phase) quantile(q float64) int64 {
 	if len(p.keep) == 0 {
 		return 0
 	}
 	slices.Sort(p.keep)
 	i := int(q*float64(len(p.keep)-1) + 0.5)
-	return float64(p.keep[min(i, len(p.keep)-1)]) / 1e3
+	return p.keep[min(i, len(p.keep)-1)]
 }
+
+// ratioScale stores a ratio in a phase as an integer: parts per million.
+const ratioScale = 1e6
 
 // median returns the median of xs (the mean of the middle two for an even
 // count), 0 for none. It sorts a copy.

@@ -177,11 +177,12 @@ func TestMetricsDuringRun(t *testing.T) {
 	}
 }
 
-// kvhostBinary builds kvhost for the separate-process runs.
+// kvhostBinary builds kvhost for the separate-process runs, with the
+// Makefile's flags so that `make`'s compiled packages are reused.
 func kvhostBinary(t *testing.T) string {
 	t.Helper()
 	exe := filepath.Join(t.TempDir(), "kvhost")
-	cmd := exec.Command("go", "build", "-o", exe, "github.com/kvhost/kvhost/cmd/kvhost")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", exe, "github.com/kvhost/kvhost/cmd/kvhost")
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building kvhost: %v\n%s", err, out)
