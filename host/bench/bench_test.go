@@ -198,7 +198,7 @@ func checkRows(t *testing.T, res *Result, want int) {
 			t.Errorf("%s %d: rates %v / %v, efficiency %v", r.Label(), r.Block, r.GBps, r.BaselineGBps, r.Efficiency)
 		case r.Iters < r.Threads*2 || len(r.Rounds) != res.Rounds:
 			t.Errorf("%s %d: %d iterations in %d rounds", r.Label(), r.Block, r.Iters, len(r.Rounds))
-		case r.AvgLatUs < r.AvgTxUs || r.AvgTxUs < r.AvgPostUs || r.P99TxUs < r.AvgTxUs*0 || r.AvgPrepUs <= 0:
+		case r.AvgLatUs < r.AvgTxUs || r.AvgTxUs < r.AvgPostUs || r.AvgPrepUs <= 0 || r.CPUUs <= 0:
 			t.Errorf("%s %d: inconsistent times %+v", r.Label(), r.Block, r)
 		}
 		wantBase := BaselineMemcpy
@@ -368,7 +368,7 @@ func TestOutputs(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := tab.String()
-	for _, want := range []string{"# same-process, WRITE, prepped, 1 thread; baseline memcpy", "Block Size (B)", "B/W (GB/Sec)", "P99 Tx (us)", "Eff.", "65536 "} {
+	for _, want := range []string{"# same-process, WRITE, prepped, 1 thread; baseline memcpy", "Block Size (B)", "B/W (GB/Sec)", "P99 Tx (us)", "CPU/op (us)", "Eff.", "65536 "} {
 		if !strings.Contains(s, want) {
 			t.Errorf("table lacks %q:\n%s", want, s)
 		}
@@ -381,7 +381,7 @@ func TestOutputs(t *testing.T) {
 		t.Fatal(err)
 	}
 	recs, err := csv.NewReader(&cb).ReadAll()
-	if err != nil || len(recs) != 1+len(res.Rows) || len(recs[0]) != len(CSVHeader) || recs[1][4] != "4096" {
+	if err != nil || len(recs) != 1+len(res.Rows) || len(recs[0]) != len(CSVHeader) || recs[1][4] != "4096" || recs[0][14] != "cpu_us_per_op" {
 		t.Errorf("csv %v, %v", recs, err)
 	}
 	var jb bytes.Buffer

@@ -17,7 +17,9 @@
 //   - post: Post;
 //   - transfer (tx): from before Post until a Poll reports completion
 //     (polling back to back, as nixlbench does);
-//   - latency: prep + transfer + releasing the transfer (Close).
+//   - latency: prep + transfer + releasing the transfer (Close);
+//   - CPU/op: the posting thread's CPU time per iteration (as bench_direct's
+//     CPU/op; a plugin's own threads are not in it).
 //
 // Descriptors are contiguous blocks: descriptor i of thread t covers
 // [(t*batch+i)*block, +block) on both sides.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -31,7 +32,12 @@ type Row struct {
 	P99PostUs float64 `json:"p99_post_us"`
 	AvgTxUs   float64 `json:"avg_tx_us"`
 	P99TxUs   float64 `json:"p99_tx_us"`
-	Iters     int     `json:"iters"` // timed transfers, all threads
+	// CPUUs is the CPU time (user + system) the posting thread spent per
+	// transfer, as bench_direct.cc's CPU/op: unlike wall time it hardly
+	// moves when other processes compete for the cores. A plugin's own
+	// threads (the fake's workers) are not in it.
+	CPUUs float64 `json:"cpu_us_per_op"`
+	Iters int     `json:"iters"` // timed transfers, all threads
 
 	Baseline     string  `json:"baseline"` // memcpy, process_vm_writev or process_vm_readv
 	BaselineGBps float64 `json:"baseline_gb_per_s"`
@@ -311,6 +317,7 @@ type worker struct {
 	prep, post, tx, lat phase
 	plugPost, plugXfer  time.Duration
 	plugN               int
+	cpu                 time.Duration // thread CPU time of recorded transfers
 
 	// Per round: iterations done, time spent in the subject's iterations
 	// (latency, i.e. make to release) and in each copier's, and the paired
@@ -330,6 +337,7 @@ type namedCopier struct {
 // transfer runs one iteration: make, post, poll to completion, close, and
 // returns its latency. A recorded iteration adds it to w.subject.
 func (w *worker) transfer(record bool) (time.Duration, error) {
+	cpu0 := threadCPU()
 	t0 := time.Now()
 	var x *plugin.Xfer
 	var err error
@@ -370,6 +378,7 @@ func (w *worker) transfer(record bool) (time.Duration, error) {
 	}
 	t4 := time.Now()
 	if record {
+		w.cpu += threadCPU() - cpu0
 		w.prep.add(t1.Sub(t0))
 		w.post.add(t2.Sub(t1))
 		w.tx.add(t3.Sub(t1))
@@ -456,6 +465,10 @@ func (rr *rowRun) parallel(f func(w *worker)) time.Duration {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			// One OS thread per worker, so that its thread CPU time is
+			// the worker's.
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
 			<-gate
 			w.start = time.Now()
 			f(w)
@@ -634,9 +647,10 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	spec.Efficiency = float64(ratios.quantile(0.5)) / ratioScale
 
 	var prepS, postS, txS, latS []*phase
-	var plugPost, plugXfer time.Duration
+	var plugPost, plugXfer, cpu time.Duration
 	var plugN int
 	for _, w := range rr.workers {
+		cpu += w.cpu
 		prepS, postS, txS, latS = append(prepS, &w.prep), append(postS, &w.post), append(txS, &w.tx), append(latS, &w.lat)
 		plugPost += w.plugPost
 		plugXfer += w.plugXfer
@@ -644,6 +658,9 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	}
 	prep, post, tx, lat := merge(prepS...), merge(postS...), merge(txS...), merge(latS...)
 	spec.Iters = int(lat.n)
+	if lat.n > 0 {
+		spec.CPUUs = float64(cpu.Nanoseconds()) / float64(lat.n) / 1e3
+	}
 	spec.AvgLatUs = lat.avgUs()
 	spec.AvgPrepUs, spec.P99PrepUs = prep.avgUs(), prep.pctUs(0.99)
 	spec.AvgPostUs, spec.P99PostUs = post.avgUs(), post.pctUs(0.99)
@@ -682,4 +699,14 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	}
 	spec.Verified = true
 	return spec, nil
+}
+
+// threadCPU returns the CPU time the calling OS thread has used (the
+// goroutine must be locked to it).
+func threadCPU() time.Duration {
+	var ts unix.Timespec
+	if unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts) != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
 }

@@ -18,7 +18,7 @@ type TableWriter struct {
 // NewTableWriter returns a TableWriter printing to w.
 func NewTableWriter(w io.Writer) *TableWriter { return &TableWriter{w: w} }
 
-const tableFormat = "%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-14s %-6s %-8s %s\n"
+const tableFormat = "%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-12s %-14s %-6s %-8s %s\n"
 
 // Row prints one row (and the header of its configuration if it is new).
 func (t *TableWriter) Row(r Row) error {
@@ -28,7 +28,7 @@ func (t *TableWriter) Row(r Row) error {
 		}
 		if _, err := fmt.Fprintf(t.w, tableFormat, "Block Size (B)", "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)",
 			"Avg Prep (us)", "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)", "P99 Tx (us)",
-			"Base (GB/Sec)", "Eff.", "Iters", "Verified"); err != nil {
+			"CPU/op (us)", "Base (GB/Sec)", "Eff.", "Iters", "Verified"); err != nil {
 			return err
 		}
 		t.last = l
@@ -39,7 +39,7 @@ func (t *TableWriter) Row(r Row) error {
 	}
 	_, err := fmt.Fprintf(t.w, tableFormat, strconv.FormatUint(r.Block, 10), strconv.Itoa(r.Batch),
 		f3(r.GBps), f1(r.AvgLatUs), f1(r.AvgPrepUs), f1(r.P99PrepUs), f1(r.AvgPostUs), f1(r.P99PostUs),
-		f1(r.AvgTxUs), f1(r.P99TxUs), f3(r.BaselineGBps), f2(r.Efficiency), strconv.Itoa(r.Iters), verified)
+		f1(r.AvgTxUs), f1(r.P99TxUs), f1(r.CPUUs), f3(r.BaselineGBps), f2(r.Efficiency), strconv.Itoa(r.Iters), verified)
 	return err
 }
 
@@ -71,7 +71,7 @@ func WriteFooter(w io.Writer, res *Result) error {
 
 // CSVHeader is the header line of WriteCSV, one column per Row field.
 var CSVHeader = []string{"procs", "op", "path", "threads", "block_size", "batch_size", "gb_per_s", "avg_lat_us",
-	"avg_prep_us", "p99_prep_us", "avg_post_us", "p99_post_us", "avg_tx_us", "p99_tx_us", "iters",
+	"avg_prep_us", "p99_prep_us", "avg_post_us", "p99_post_us", "avg_tx_us", "p99_tx_us", "cpu_us_per_op", "iters",
 	"baseline", "baseline_gb_per_s", "efficiency", "verified", "plugin_post_us", "plugin_xfer_us"}
 
 // WriteCSV prints the rows as CSV with CSVHeader.
@@ -85,7 +85,7 @@ func WriteCSV(w io.Writer, rows []Row) error {
 		rec := []string{strconv.Itoa(r.Procs), r.Op, string(r.Path), strconv.Itoa(r.Threads),
 			strconv.FormatUint(r.Block, 10), strconv.Itoa(r.Batch), g(r.GBps), g(r.AvgLatUs),
 			g(r.AvgPrepUs), g(r.P99PrepUs), g(r.AvgPostUs), g(r.P99PostUs), g(r.AvgTxUs), g(r.P99TxUs),
-			strconv.Itoa(r.Iters), r.Baseline, g(r.BaselineGBps), g(r.Efficiency), strconv.FormatBool(r.Verified),
+			g(r.CPUUs), strconv.Itoa(r.Iters), r.Baseline, g(r.BaselineGBps), g(r.Efficiency), strconv.FormatBool(r.Verified),
 			g(r.PluginPostUs), g(r.PluginXferUs)}
 		if err := cw.Write(rec); err != nil {
 			return err
