@@ -29,7 +29,8 @@ func init() {
 			"(contiguous), posts it, polls it to completion and releases it, per thread. Columns follow\n" +
 			"nixlbench (and bin/nixl-bench-direct, the direct-NIXL baseline): block size, batch size,\n" +
 			"bandwidth (1e9 bytes/s), average latency of a whole iteration, average and p99 of the prep\n" +
-			"(making the transfer), post, and transfer (post to completion) times in µs.\n\n" +
+			"(making the transfer), post, and transfer (post to completion) times in µs, and the posting\n" +
+			"thread's CPU time per iteration (CPU/op).\n\n" +
 			"The raw baseline of this machine is measured in the same run: every thread alternates one\n" +
 			"transfer with one raw copy of the same blocks between the same buffers, so load from\n" +
 			"elsewhere hits both alike: memcpy (Go's copy and libc's memcpy, the faster counts) with both\n" +
