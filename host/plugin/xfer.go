@@ -329,9 +329,11 @@ func (x *Xfer) Post() (done bool, err error) {
 	return x.status("post_xfer", x.post.Status)
 }
 
-// Poll reports whether the transfer completed, without blocking. A failed
-// transfer returns the failure (every poll after it the same); one never
-// posted is ErrNotPosted.
+// Poll reports whether the transfer completed, without waiting for it. As
+// kvplugin.h allows, a poll may drive the transfer in the calling goroutine
+// (the fake plugin copies up to 16 MiB there); each plugin documents its
+// bound. A failed transfer returns the failure (every poll after it the
+// same); a cancelled one ErrCanceled; one never posted ErrNotPosted.
 func (x *Xfer) Poll() (done bool, err error) {
 	if err := x.lock(); err != nil {
 		return false, err
