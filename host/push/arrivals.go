@@ -21,10 +21,15 @@ const (
 // prefill rank puts in its tags (the reference's "pp_rank" field). Not safe
 // for concurrent use; the decode manager guards it.
 type arrivals struct {
-	receivedKV    map[int]map[int]struct{} // sender -> chunk ids received
-	expectedKV    map[int]int              // sender -> chunk count (set by the last chunk or aux nokv)
-	numExpected   int                      // senders expected; 0 until known
-	receivedAux   bool
+	receivedKV  map[int]map[int]struct{} // sender -> chunk ids received
+	expectedKV  map[int]int              // sender -> chunk count (set by the last chunk or aux nokv)
+	numExpected int                      // senders expected; 0 until known
+	// auxFrom holds the agents that sent aux. SGLang marks aux received on
+	// the first one; kvhost waits for one per expected sender, because
+	// every prefill rank that sends KV also writes the aux slot, and a late
+	// write from a slower rank (another PP stage) must not land after the
+	// room completed and the slot went to another request.
+	auxFrom       map[string]struct{}
 	receivedState map[int]struct{} // senders whose state arrived
 	expectsState  bool
 	parts         map[[2]int]*partSet // (sender, chunk) of mixed-kind chunks
@@ -36,10 +41,11 @@ type partSet struct {
 	cnt  int
 }
 
-// apply records one notification. responses is the number of prefill ranks
-// that answer this room (required_prefill_response_num). An error means the
-// notification contradicts what arrived before; the caller fails the room.
-func (a *arrivals) apply(n sglang.Notif, responses int) error {
+// apply records one notification from agent from. responses is the number
+// of prefill ranks that answer this room (required_prefill_response_num).
+// An error means the notification contradicts what arrived before; the
+// caller fails the room.
+func (a *arrivals) apply(n sglang.Notif, from string, responses int) error {
 	switch n.Kind {
 	case sglang.NotifKV:
 		if n.NumParts > 1 {
@@ -47,7 +53,13 @@ func (a *arrivals) apply(n sglang.Notif, responses int) error {
 		}
 		return a.kv(n.Chunk, n.Last, n.PPRank, responses)
 	case sglang.NotifAux:
-		a.receivedAux = true
+		if a.auxFrom == nil {
+			a.auxFrom = make(map[string]struct{})
+		}
+		if _, ok := a.auxFrom[from]; !ok && len(a.auxFrom) >= maxSenders {
+			return fmt.Errorf("more than %d prefill ranks sent aux", maxSenders)
+		}
+		a.auxFrom[from] = struct{}{}
 		if n.NoKV {
 			if err := a.checkSender(n.PPRank); err != nil {
 				return err
@@ -153,9 +165,9 @@ func (a *arrivals) part(n sglang.Notif, responses int) error {
 	return a.kv(n.Chunk, n.Last, n.PPRank, responses)
 }
 
-// done is TransferStatus.is_done.
+// done is TransferStatus.is_done, with aux counted per sender.
 func (a *arrivals) done() bool {
-	if a.numExpected == 0 || !a.receivedAux {
+	if a.numExpected == 0 || len(a.auxFrom) < a.numExpected {
 		return false
 	}
 	if a.expectsState && len(a.receivedState) < a.numExpected {

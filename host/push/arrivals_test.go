@@ -1,6 +1,7 @@
 package push
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -28,12 +29,12 @@ func TestArrivals(t *testing.T) {
 		{"one sender, three chunks", 1, false, []string{"5_kv_0_0_0", "5_kv_1_0_0", "5_kv_2_1_0", "5_aux"}, 3},
 		{"aux first, last chunk early", 1, false, []string{"5_aux", "5_kv_2_1_0", "5_kv_0_0_0", "5_kv_1_0_0"}, 3},
 		{"missing chunk", 1, false, []string{"5_kv_0_0_0", "5_kv_2_1_0", "5_aux"}, -1},
-		{"two senders (PP or TP fan-in)", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1", "5_kv_1_1_1"}, 3},
-		{"two senders, one missing", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1"}, -1},
+		{"two senders (PP or TP fan-in)", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1", "5_kv_1_1_1", "b:5_aux"}, 4},
+		{"two senders, one missing", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1", "b:5_aux"}, -1},
+		{"two senders, aux from one only", 2, false, []string{"5_kv_0_1_0", "5_aux", "5_kv_0_0_1", "5_kv_1_1_1", "5_aux"}, -1},
 		{"full prefix hit", 1, false, []string{"5_aux_nokv_0"}, 0},
-		// As in the reference, one aux notification (here the nokv one of stage
-		// 1) satisfies received_aux for the room.
-		{"prefix hit on one stage", 2, false, []string{"5_aux_nokv_1", "5_kv_0_1_0", "5_aux"}, 1},
+		// Aux must come from both stages (the reference takes any one).
+		{"prefix hit on one stage", 2, false, []string{"b:5_aux_nokv_1", "5_kv_0_1_0", "5_aux"}, 2},
 		{"state expected", 1, true, []string{"5_kv_0_1_0", "5_aux", "5_state_0_0"}, 2},
 		{"state missing", 1, true, []string{"5_kv_0_1_0", "5_aux"}, -1},
 		{"mixed-kind parts", 1, false, []string{"5_kv_0_1_0_part_0_2", "5_aux", "5_kv_0_1_0_part_1_2"}, 2},
@@ -44,7 +45,11 @@ func TestArrivals(t *testing.T) {
 			a := arrivals{expectsState: c.state}
 			got := -1
 			for i, s := range c.tags {
-				if err := a.apply(tag(t, s), c.responses); err != nil {
+				from := "a"
+				if f, rest, ok := strings.Cut(s, ":"); ok {
+					from, s = f, rest
+				}
+				if err := a.apply(tag(t, s), from, c.responses); err != nil {
 					t.Fatalf("%q: %v", s, err)
 				}
 				if a.done() && got < 0 {
@@ -60,26 +65,26 @@ func TestArrivals(t *testing.T) {
 
 func TestArrivalsRejects(t *testing.T) {
 	a := arrivals{}
-	if err := a.apply(tag(t, "5_kv_0_0_0_part_0_2"), 1); err != nil {
+	if err := a.apply(tag(t, "5_kv_0_0_0_part_0_2"), "a", 1); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.apply(tag(t, "5_kv_0_0_0_part_1_3"), 1); err == nil {
+	if err := a.apply(tag(t, "5_kv_0_0_0_part_1_3"), "a", 1); err == nil {
 		t.Fatal("a part count that changed was accepted")
 	}
-	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, Chunk: maxChunkID}, 1); err == nil {
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, Chunk: maxChunkID}, "a", 1); err == nil {
 		t.Fatal("a huge chunk id was accepted")
 	}
-	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: -1}, 1); err == nil {
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: -1}, "a", 1); err == nil {
 		t.Fatal("a negative sender was accepted")
 	}
-	if err := a.apply(sglang.Notif{Kind: sglang.NotifStaging}, 1); err == nil {
+	if err := a.apply(sglang.Notif{Kind: sglang.NotifStaging}, "a", 1); err == nil {
 		t.Fatal("staging was accepted")
 	}
 	// Memory stays bounded whatever a peer sends.
 	b := arrivals{}
 	var err error
 	for i := 0; i < 2*maxSenders && err == nil; i++ {
-		err = b.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: i}, 1)
+		err = b.apply(sglang.Notif{Kind: sglang.NotifKV, PPRank: i}, "a", 1)
 	}
 	if err == nil || len(b.receivedKV) > maxSenders {
 		t.Fatalf("senders not bounded: %d kept, err %v", len(b.receivedKV), err)

@@ -562,7 +562,7 @@ func (d *Decode) handleNotif(n plugin.Notif) {
 		d.log.Debug("notification for an unknown room", "room", tag.Room, "from", n.From)
 		return
 	}
-	r.notif(tag)
+	r.notif(tag, n.From)
 }
 
 func (d *Decode) wakeNotif() {

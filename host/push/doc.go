@@ -104,6 +104,10 @@
 //     variants (MORI's rule; SGLang NIXL overwrites it).
 //   - An ABORT that arrives before the prefill engine opened the room is
 //     remembered, and the room fails as soon as it is opened.
+//   - With notifications, decode waits for aux from every prefill rank that
+//     answers the room (counted by sender agent), not just the first: every
+//     such rank writes the aux slot, and a slower one (another PP stage)
+//     must not write it after the room completed and the slot was reused.
 //   - Notifications for rooms this rank does not hold are dropped instead
 //     of creating tracking state, and per-room tracking is bounded.
 //   - The heartbeat interval may be set below SGLang's 2 s floor (tests do).

@@ -346,14 +346,15 @@ func (r *Receiver) statusSuccess(unique int) {
 	}
 }
 
-// notif applies one notification (TransferStatus tracking).
-func (r *Receiver) notif(n sglang.Notif) {
+// notif applies one notification from agent from (TransferStatus
+// tracking).
+func (r *Receiver) notif(n sglang.Notif, from string) {
 	r.mu.Lock()
 	if r.done || r.sent.IsZero() {
 		r.mu.Unlock()
 		return
 	}
-	err := r.arr.apply(n, r.responses)
+	err := r.arr.apply(n, from, r.responses)
 	complete := err == nil && r.arr.done()
 	r.mu.Unlock()
 	switch {
