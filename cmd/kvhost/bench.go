@@ -18,8 +18,11 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
-func init() {
-	register(&cli.Command{
+func init() { register(benchCommand) }
+
+// benchCommand builds `kvhost bench`.
+func benchCommand() *cli.Command {
+	return &cli.Command{
 		Name:  "bench",
 		Usage: "sweep a transfer plugin over block sizes, batches, READ/WRITE, paths and threads, beside this machine's raw copy rate",
 		UsageText: "kvhost [--backend NAME] bench [--procs 1,2] [--ops WRITE,READ] [--paths prepped,batch]\n" +
@@ -64,7 +67,7 @@ func init() {
 			&cli.BoolFlag{Name: "serve-target", Hidden: true, Usage: "serve as the target process of --procs 2"},
 		},
 		Action: runBench,
-	})
+	}
 }
 
 func runBench(c *cli.Context) error {
@@ -158,8 +161,8 @@ func writeBenchResult(c *cli.Context, out io.Writer, res *bench.Result, machine 
 // benchConfig turns the flags into a bench.Config.
 func benchConfig(c *cli.Context) (bench.Config, error) {
 	cfg := bench.Defaults()
-	cfg.Plugin = c.String(flagBackend.Name)
-	cfg.Dirs = plugin.SearchDirs(c.String(flagPluginPath.Name))
+	cfg.Plugin = c.String(flagBackend)
+	cfg.Dirs = plugin.SearchDirs(c.String(flagPluginPath))
 	var err error
 	if cfg.Procs, err = bench.ParseInts(c.String("procs")); err != nil {
 		return cfg, fmt.Errorf("--procs: %w", err)

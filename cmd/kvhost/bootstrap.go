@@ -14,8 +14,11 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 )
 
-func init() {
-	register(&cli.Command{
+func init() { register(bootstrapCommand) }
+
+// bootstrapCommand builds `kvhost bootstrap`.
+func bootstrapCommand() *cli.Command {
+	return &cli.Command{
 		Name:      "bootstrap",
 		Usage:     "serve SGLang's disaggregation bootstrap server on its own",
 		UsageText: "kvhost bootstrap [--host 127.0.0.1] [--port 8998] [--addr-file FILE]",
@@ -48,5 +51,5 @@ func init() {
 			defer scancel()
 			return srv.Close(sctx)
 		},
-	})
+	}
 }

@@ -12,7 +12,10 @@ import (
 	"github.com/kvhost/kvhost/host/push/worker"
 )
 
-func init() {
+func init() { register(decodeCommand) }
+
+// decodeCommand builds `kvhost decode`.
+func decodeCommand() *cli.Command {
 	flags := workerFlags("decode")
 	flags = append(flags,
 		&cli.StringFlag{Name: "bootstrap-addr", Required: true, EnvVars: []string{"KVHOST_BOOTSTRAP_ADDR"}, Category: "Bootstrap:",
@@ -26,7 +29,7 @@ func init() {
 		&cli.IntFlag{Name: "heartbeat-max-failure", Value: push.DefaultHeartbeatMaxFailures, EnvVars: push.EnvHeartbeatFailures[:], Category: "Runtime (reference defaults):",
 			Usage: "failed heartbeats in a row after which every unfinished request of that prefill fails"},
 	)
-	register(&cli.Command{
+	return &cli.Command{
 		Name:  "decode",
 		Usage: "run a demo decode worker: synthetic KV pool, push runtime, every byte verified",
 		UsageText: "kvhost [--backend fake] decode --bootstrap-addr HOST:PORT [--tp-size 4] [--tp-ranks 0-3]\n" +
@@ -40,7 +43,7 @@ func init() {
 			"succeeded or was a planned abort, and every byte was right.",
 		Flags:  flags,
 		Action: runDecode,
-	})
+	}
 }
 
 func runDecode(c *cli.Context) error {
@@ -50,12 +53,8 @@ func runDecode(c *cli.Context) error {
 	}
 	o := worker.DecodeOptions{Common: common, BootstrapAddr: c.String("bootstrap-addr"), InitTimeout: c.Duration("init-timeout")}
 	o.Settings = push.Settings{HeartbeatMaxFailures: c.Int("heartbeat-max-failure")}
-	if o.Settings.WaitingTimeout, err = secondsValue(c, "waiting-timeout"); err != nil {
-		return err
-	}
-	if o.Settings.HeartbeatInterval, err = secondsValue(c, "heartbeat-interval"); err != nil {
-		return err
-	}
+	o.Settings.WaitingTimeout = secondsValue(c, "waiting-timeout")
+	o.Settings.HeartbeatInterval = secondsValue(c, "heartbeat-interval")
 	if o.Settings.HeartbeatInterval < push.MinReferenceHeartbeat {
 		slog.Warn("heartbeat interval below SGLang's 2 s floor", "interval", o.Settings.HeartbeatInterval)
 	}

@@ -17,9 +17,12 @@ import (
 	"github.com/kvhost/kvhost/host/metrics"
 )
 
-func init() {
+func init() { register(demoCommand) }
+
+// demoCommand builds `kvhost demo`.
+func demoCommand() *cli.Command {
 	d := demo.Defaults()
-	register(&cli.Command{
+	return &cli.Command{
 		Name:  "demo",
 		Usage: "run prefill and decode workers on a realistic synthetic workload and verify every byte",
 		UsageText: "kvhost [--backend fake] demo [--style sglang|vllm] [--attention mha|mla] [--prefill-tp 2]\n" +
@@ -62,7 +65,7 @@ func init() {
 			&cli.BoolFlag{Name: "json", Usage: "print the summary as JSON (no progress bar)"},
 		},
 		Action: runDemo,
-	})
+	}
 }
 
 func runDemo(c *cli.Context) error {
@@ -75,7 +78,7 @@ func runDemo(c *cli.Context) error {
 		Layers: c.Int("layers"), KVHeads: c.Int("kv-heads"), HeadDim: c.Int("head-dim"), DTypeBytes: c.Int("dtype-bytes"),
 		PageSize: c.Int("page-size"), Requests: c.Int("requests"), Seed: c.Uint64("seed"),
 		MinTokens: c.Int("min-tokens"), MaxTokens: c.Int("max-tokens"), ChunkPages: c.Int("chunk-pages"),
-		Concurrency: c.Int("concurrency"), Plugin: c.String(flagBackend.Name), PluginPath: c.String(flagPluginPath.Name),
+		Concurrency: c.Int("concurrency"), Plugin: c.String(flagBackend), PluginPath: c.String(flagPluginPath),
 		AgentParams: c.StringSlice("agent-param"), InProcess: c.Bool("in-process"), WorkDir: c.String("work-dir"),
 		Timeout: c.Duration("timeout"), Log: slog.Default(),
 	}

@@ -12,47 +12,67 @@ import (
 	"github.com/urfave/cli/v2"
 )
 
-// commands holds every subcommand. Each lives in its own file and adds
-// itself with register from an init function, so adding a command touches
-// no other file.
-var commands []*cli.Command
+// commands holds a constructor per subcommand. Each command lives in its
+// own file and registers its constructor from an init function, so adding
+// a command touches no other file. newApp calls every constructor: urfave/cli
+// keeps parsed values (from the command line and the environment) inside
+// the flag structs, so an app must never share a flag with another run.
+var commands []func() *cli.Command
 
-func register(c *cli.Command) { commands = append(commands, c) }
+func register(newCommand func() *cli.Command) { commands = append(commands, newCommand) }
 
-// Global flags shared by every command.
-var (
-	flagBackend = &cli.StringFlag{
-		Name:    "backend",
-		Usage:   "transfer plugin to use (fake, nixl, mori, or any plugin found in the plugin path)",
-		Value:   "fake",
-		EnvVars: []string{"KVHOST_BACKEND"},
-	}
-	flagPluginPath = &cli.StringFlag{
-		Name:    "plugin-path",
-		Usage:   "colon-separated folders searched for plugins before the binary's own folder, ../lib/kvhost beside it and the build tree",
-		EnvVars: []string{"KVHOST_PLUGIN_PATH"},
-	}
-	flagLogLevel = &cli.StringFlag{
-		Name:    "log-level",
-		Usage:   "debug, info, warn or error",
-		Value:   "info",
-		EnvVars: []string{"KVHOST_LOG_LEVEL"},
-	}
-	flagLogFormat = &cli.StringFlag{
-		Name:    "log-format",
-		Usage:   "text or json",
-		Value:   "text",
-		EnvVars: []string{"KVHOST_LOG_FORMAT"},
-	}
+// Names of the global flags, read by commands with c.String.
+const (
+	flagBackend    = "backend"
+	flagPluginPath = "plugin-path"
+	flagLogLevel   = "log-level"
+	flagLogFormat  = "log-format"
 )
 
+// globalFlags are the flags every command shares (given before it).
+func globalFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{
+			Name:    flagBackend,
+			Usage:   "transfer plugin `NAME` (fake, nixl, mori, or any libkvhost_NAME.so in the plugin path)",
+			Value:   "fake",
+			EnvVars: []string{"KVHOST_BACKEND"},
+		},
+		&cli.StringFlag{
+			Name: flagPluginPath,
+			Usage: "colon-separated `DIRS` searched for plugins before the binary's own folder, ../lib/kvhost beside it " +
+				"and lib/kvhost of the kvhost checkout holding the working directory (see kvhost plugins)",
+			EnvVars: []string{"KVHOST_PLUGIN_PATH"},
+		},
+		&cli.StringFlag{
+			Name:    flagLogLevel,
+			Usage:   "debug, info, warn or error",
+			Value:   "info",
+			EnvVars: []string{"KVHOST_LOG_LEVEL"},
+		},
+		&cli.StringFlag{
+			Name:    flagLogFormat,
+			Usage:   "text or json (logs go to stderr)",
+			Value:   "text",
+			EnvVars: []string{"KVHOST_LOG_FORMAT"},
+		},
+	}
+}
+
+// newApp builds the whole command tree afresh: every command and flag is
+// new, so one process may run several apps (tests) without one run's
+// values leaking into the next.
 func newApp() *cli.App {
-	sort.Slice(commands, func(i, j int) bool { return commands[i].Name < commands[j].Name })
+	cmds := make([]*cli.Command, 0, len(commands))
+	for _, newCommand := range commands {
+		cmds = append(cmds, newCommand())
+	}
+	sort.Slice(cmds, func(i, j int) bool { return cmds[i].Name < cmds[j].Name })
 	return &cli.App{
 		Name:                 "kvhost",
 		Usage:                "KV-cache transfer host for disaggregated LLM serving",
-		Flags:                []cli.Flag{flagBackend, flagPluginPath, flagLogLevel, flagLogFormat},
-		Commands:             commands,
+		Flags:                globalFlags(),
+		Commands:             cmds,
 		Before:               setupLogging,
 		EnableBashCompletion: true,
 	}
@@ -62,18 +82,18 @@ func newApp() *cli.App {
 // --log-format. Logs go to stderr so stdout stays machine-readable.
 func setupLogging(c *cli.Context) error {
 	var level slog.Level
-	if err := level.UnmarshalText([]byte(c.String(flagLogLevel.Name))); err != nil {
+	if err := level.UnmarshalText([]byte(c.String(flagLogLevel))); err != nil {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	opts := &slog.HandlerOptions{Level: level}
 	var h slog.Handler
-	switch strings.ToLower(c.String(flagLogFormat.Name)) {
+	switch strings.ToLower(c.String(flagLogFormat)) {
 	case "text":
 		h = slog.NewTextHandler(os.Stderr, opts)
 	case "json":
 		h = slog.NewJSONHandler(os.Stderr, opts)
 	default:
-		return fmt.Errorf("--log-format: want text or json, got %q", c.String(flagLogFormat.Name))
+		return fmt.Errorf("--log-format: want text or json, got %q", c.String(flagLogFormat))
 	}
 	slog.SetDefault(slog.New(h))
 	return nil

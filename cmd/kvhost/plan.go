@@ -15,8 +15,11 @@ import (
 // a few million indices fit easily; anything larger is a mistake.
 const maxPlanRequest = 256 << 20
 
-func init() {
-	register(&cli.Command{
+func init() { register(planCommand) }
+
+// planCommand builds `kvhost plan`.
+func planCommand() *cli.Command {
+	return &cli.Command{
 		Name:      "plan",
 		Usage:     "print the transfer plan of one KV, aux or state request (JSON in, JSON out)",
 		UsageText: "kvhost plan [--in FILE] [--summary] < request.json",
@@ -28,7 +31,7 @@ func init() {
 			&cli.BoolFlag{Name: "summary", Usage: "print everything but the copies"},
 		},
 		Action: runPlan,
-	})
+	}
 }
 
 func runPlan(c *cli.Context) error {

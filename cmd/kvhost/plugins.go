@@ -15,8 +15,11 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
-func init() {
-	register(&cli.Command{
+func init() { register(pluginsCommand) }
+
+// pluginsCommand builds `kvhost plugins`.
+func pluginsCommand() *cli.Command {
+	return &cli.Command{
 		Name:  "plugins",
 		Usage: "list the transfer plugins in the plugin path, or prove one with the conformance suite",
 		UsageText: "kvhost plugins [--json]\n" +
@@ -37,7 +40,7 @@ func init() {
 			&cli.BoolFlag{Name: "conformance-helper", Hidden: true, Usage: "serve as the helper process of --check"},
 		},
 		Action: runPlugins,
-	})
+	}
 }
 
 func runPlugins(c *cli.Context) error {
@@ -50,7 +53,7 @@ func runPlugins(c *cli.Context) error {
 		}
 		return conformance.ServeHelperStdio()
 	}
-	dirs := plugin.SearchDirs(c.String(flagPluginPath.Name))
+	dirs := plugin.SearchDirs(c.String(flagPluginPath))
 	if name := c.String("check"); name != "" {
 		return checkPlugin(c, name, dirs)
 	}

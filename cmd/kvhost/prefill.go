@@ -98,24 +98,16 @@ func upper(s string) string {
 	return string(b)
 }
 
-// secondsFlag is a duration flag that also accepts SGLang's plain seconds,
-// so the reference env vars work as aliases. It is a string flag parsed in
-// the action: urfave/cli keeps a Generic flag's value in the flag itself,
-// which would carry one run's value into the next in a process that runs
-// the app twice (tests).
-func secondsFlag(name, usage string, def time.Duration, envs ...string) *cli.StringFlag {
-	v := strconv.FormatFloat(def.Seconds(), 'f', -1, 64)
-	return &cli.StringFlag{Name: name, Usage: usage + "; plain numbers are seconds, or a duration like 500ms",
-		EnvVars: envs, Category: "Runtime (reference defaults):", Value: v}
+// secondsFlag is a duration flag that also takes SGLang's plain seconds
+// ("300", "2.5"), so the reference env vars work as its aliases.
+func secondsFlag(name, usage string, def time.Duration, envs ...string) *cli.GenericFlag {
+	return &cli.GenericFlag{Name: name, Usage: usage + "; plain numbers are seconds, or a duration like 500ms",
+		EnvVars: envs, Category: "Runtime (reference defaults):", Value: &push.Seconds{D: def}}
 }
 
-// secondsValue parses a secondsFlag.
-func secondsValue(c *cli.Context, name string) (time.Duration, error) {
-	d, err := push.ParseSeconds(c.String(name), time.Second)
-	if err != nil {
-		return 0, fmt.Errorf("--%s: %w", name, err)
-	}
-	return d, nil
+// secondsValue reads a secondsFlag.
+func secondsValue(c *cli.Context, name string) time.Duration {
+	return c.Generic(name).(*push.Seconds).D
 }
 
 // parseCommon turns the shared flags into worker options (plugin loaded).
@@ -170,9 +162,9 @@ func parseCommon(c *cli.Context) (worker.Common, error) {
 		return o, err
 	}
 	o.Logger = slog.Default()
-	o.Plugin, err = plugin.Load(c.String(flagBackend.Name), plugin.SearchDirs(c.String(flagPluginPath.Name)))
+	o.Plugin, err = plugin.Load(c.String(flagBackend), plugin.SearchDirs(c.String(flagPluginPath)))
 	if err != nil {
-		return o, fmt.Errorf("load plugin %q: %w", c.String(flagBackend.Name), err)
+		return o, fmt.Errorf("load plugin %q: %w", c.String(flagBackend), err)
 	}
 	return o, nil
 }
@@ -223,7 +215,10 @@ func finish(c *cli.Context, s *worker.Summary, runErr error) error {
 	return nil
 }
 
-func init() {
+func init() { register(prefillCommand) }
+
+// prefillCommand builds `kvhost prefill`.
+func prefillCommand() *cli.Command {
 	flags := workerFlags("prefill")
 	flags = append(flags,
 		&cli.StringFlag{Name: "xfer", Value: "batch", EnvVars: []string{"KVHOST_XFER"}, Category: "Wire and plugin:",
@@ -243,7 +238,7 @@ func init() {
 			Usage: "mori variant: write aux by RDMA instead of AUX_DATA messages"},
 		&cli.DurationFlag{Name: "linger", Category: "Bootstrap:", Usage: "keep serving the bootstrap server this long after the workload ends"},
 	)
-	register(&cli.Command{
+	return &cli.Command{
 		Name:  "prefill",
 		Usage: "run a demo prefill worker: synthetic KV pool, push runtime, SGLang-compatible wire",
 		UsageText: "kvhost [--backend fake] prefill [--tp-size 2] [--tp-ranks 0,1] [--bootstrap-port 8998]\n" +
@@ -258,7 +253,7 @@ func init() {
 			"a planned abort and no room was leaked.",
 		Flags:  flags,
 		Action: runPrefill,
-	})
+	}
 }
 
 func runPrefill(c *cli.Context) error {
@@ -271,12 +266,8 @@ func runPrefill(c *cli.Context) error {
 		return err
 	}
 	o.Settings = push.Settings{QueueSize: c.Int("queue-size"), MoriAuxRDMA: c.Bool("mori-aux-rdma")}
-	if o.Settings.BootstrapTimeout, err = secondsValue(c, "bootstrap-timeout"); err != nil {
-		return err
-	}
-	if o.Settings.TransferTimeout, err = secondsValue(c, "transfer-timeout"); err != nil {
-		return err
-	}
+	o.Settings.BootstrapTimeout = secondsValue(c, "bootstrap-timeout")
+	o.Settings.TransferTimeout = secondsValue(c, "transfer-timeout")
 	// The SGLang transfer SLA variable is in milliseconds.
 	if v, ok := os.LookupEnv(push.EnvTransferTimeout[1]); ok && !c.IsSet("transfer-timeout") {
 		d, err := push.ParseSeconds(v, time.Millisecond)

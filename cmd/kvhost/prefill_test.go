@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/push/worker"
 )
 
@@ -80,9 +81,7 @@ func TestPrefillDecodeCLI(t *testing.T) {
 }
 
 // TestPrefillEnvAlias: SGLang's variables are the env aliases of the
-// timeout flags, and their plain-seconds values parse. (The env itself is
-// not set here: urfave/cli writes env values into the shared flag structs,
-// which would leak into the other tests of this process.)
+// timeout flags, and their plain-seconds values parse.
 func TestPrefillEnvAlias(t *testing.T) {
 	want := map[string][]string{
 		"prefill/bootstrap-timeout":    {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"},
@@ -93,7 +92,7 @@ func TestPrefillEnvAlias(t *testing.T) {
 		"decode/heartbeat-max-failure": {"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"},
 	}
 	found := 0
-	for _, cmd := range commands {
+	for _, cmd := range newApp().Commands {
 		for _, f := range cmd.Flags {
 			df, ok := f.(cli.DocGenerationFlag)
 			if !ok {
@@ -112,19 +111,57 @@ func TestPrefillEnvAlias(t *testing.T) {
 	if found != len(want) {
 		t.Fatalf("found %d of %d aliased flags", found, len(want))
 	}
-	// A short bootstrap timeout given as SGLang writes it (plain seconds):
-	// no decode comes, every request fails in Bootstrapping, exit non-zero.
+	// A short bootstrap timeout given as SGLang writes it (plain seconds, in
+	// its variable): no decode comes, every request fails in Bootstrapping,
+	// exit non-zero.
 	dir := t.TempDir()
 	ps := filepath.Join(dir, "p.json")
+	t.Setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "0.2")
 	start := time.Now()
-	_, err := runKvhost(t, "", append([]string{"--log-level", "error", "prefill", "--bootstrap-port", "0", "--summary", ps,
-		"--bootstrap-timeout", "0.2"}, smallWorker...)...)
+	_, err := runKvhost(t, "", append([]string{"--log-level", "error", "prefill", "--bootstrap-port", "0", "--summary", ps}, smallWorker...)...)
 	if err == nil || time.Since(start) > 10*time.Second {
 		t.Fatalf("err %v after %v", err, time.Since(start))
 	}
 	p := readSummary(t, ps)
 	if p.Failed != 16 || !strings.Contains(p.Failures[0].Reason, "in KVPoll.Bootstrapping") {
 		t.Fatalf("%+v", p)
+	}
+}
+
+// TestRunsDoNotShareFlags: a value one run of the app took from the command
+// line or the environment does not reach the next run in the same process.
+func TestRunsDoNotShareFlags(t *testing.T) {
+	type seen struct {
+		backend string
+		timeout time.Duration
+	}
+	capture := func(args ...string) seen {
+		t.Helper()
+		app := newApp()
+		var got seen
+		for _, cmd := range app.Commands {
+			if cmd.Name == "prefill" {
+				cmd.Action = func(c *cli.Context) error {
+					got = seen{c.String(flagBackend), secondsValue(c, "bootstrap-timeout")}
+					return nil
+				}
+			}
+		}
+		if err := app.Run(append([]string{"kvhost"}, args...)); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	if got := capture("--backend", "nixl", "prefill", "--bootstrap-timeout", "7"); got != (seen{"nixl", 7 * time.Second}) {
+		t.Fatalf("first run saw %+v", got)
+	}
+	t.Setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "9")
+	if got := capture("prefill"); got != (seen{"fake", 9 * time.Second}) {
+		t.Fatalf("second run saw %+v, want the defaults and the env's 9 s", got)
+	}
+	os.Unsetenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+	if got := capture("prefill"); got != (seen{"fake", push.DefaultBootstrapTimeout}) {
+		t.Fatalf("third run saw %+v, want the defaults", got)
 	}
 }
 

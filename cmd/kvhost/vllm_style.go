@@ -97,49 +97,55 @@ var sglangOnlyFlags = []string{"variant", "completion", "aux-bytes", "room-base"
 	"xfer", "bootstrap-port", "bootstrap-addr", "bootstrap-addr-file", "bootstrap-timeout", "transfer-timeout", "queue-size",
 	"mori-aux-rdma", "linger", "init-timeout", "waiting-timeout", "heartbeat-interval", "heartbeat-max-failure"}
 
-func init() { installVLLMStyle() }
+func init() {
+	for i, newCommand := range commands {
+		commands[i] = func() *cli.Command {
+			cmd := newCommand()
+			installVLLMStyle(cmd)
+			return cmd
+		}
+	}
+}
 
-// installVLLMStyle adds --style vllm to the prefill and decode commands
-// that do not dispatch on --style themselves.
-func installVLLMStyle() {
-	for _, cmd := range commands {
-		var run cli.ActionFunc
-		switch cmd.Name {
-		case "prefill":
-			run = runPrefillVLLM
-		case "decode":
-			run = runDecodeVLLM
-		default:
-			continue
+// installVLLMStyle adds --style vllm to a prefill or decode command that
+// does not dispatch on --style itself.
+func installVLLMStyle(cmd *cli.Command) {
+	var run cli.ActionFunc
+	switch cmd.Name {
+	case "prefill":
+		run = runPrefillVLLM
+	case "decode":
+		run = runDecodeVLLM
+	default:
+		return
+	}
+	if hasFlag(cmd, "style") {
+		return
+	}
+	for _, f := range cmd.Flags {
+		// --bootstrap-addr is required by the sglang decode only.
+		if sf, ok := f.(*cli.StringFlag); ok && sf.Name == "bootstrap-addr" && sf.Required {
+			sf.Required = false
+			sf.Usage += " (required with --style sglang)"
 		}
-		if hasFlag(cmd, "style") {
-			continue
-		}
-		for _, f := range cmd.Flags {
-			// --bootstrap-addr is required by the sglang decode only.
-			if sf, ok := f.(*cli.StringFlag); ok && sf.Name == "bootstrap-addr" && sf.Required {
-				sf.Required = false
-				sf.Usage += " (required with --style sglang)"
+	}
+	cmd.Flags = append(append(cmd.Flags, styleFlag()), vllmFlags(cmd.Name)...)
+	cmd.Usage += "; --style vllm: vLLM NIXL connector model, decode pulls"
+	cmd.Description += "\n\nWith --style vllm the worker follows vLLM's NIXL connector instead: see the \"" + vllmCategory + "\" flags.\n" +
+		vllmDescription(cmd.Name)
+	sglang := cmd.Action
+	name := cmd.Name
+	cmd.Action = func(c *cli.Context) error {
+		switch c.String("style") {
+		case "vllm":
+			return run(c)
+		case "sglang", "":
+			if name == "decode" && c.String("bootstrap-addr") == "" {
+				return fmt.Errorf("decode --style sglang needs --bootstrap-addr")
 			}
+			return sglang(c)
 		}
-		cmd.Flags = append(append(cmd.Flags, styleFlag()), vllmFlags(cmd.Name)...)
-		cmd.Usage += "; --style vllm: vLLM NIXL connector model, decode pulls"
-		cmd.Description += "\n\nWith --style vllm the worker follows vLLM's NIXL connector instead: see the \"" + vllmCategory + "\" flags.\n" +
-			vllmDescription(cmd.Name)
-		sglang := cmd.Action
-		name := cmd.Name
-		cmd.Action = func(c *cli.Context) error {
-			switch c.String("style") {
-			case "vllm":
-				return run(c)
-			case "sglang", "":
-				if name == "decode" && c.String("bootstrap-addr") == "" {
-					return fmt.Errorf("decode --style sglang needs --bootstrap-addr")
-				}
-				return sglang(c)
-			}
-			return fmt.Errorf("--style: want sglang or vllm, got %q", c.String("style"))
-		}
+		return fmt.Errorf("--style: want sglang or vllm, got %q", c.String("style"))
 	}
 }
 
@@ -279,9 +285,9 @@ func parseVLLMCommon(c *cli.Context, role string) (*vllmCommon, error) {
 		_, _ = rand.Read(b[:])
 		o.engineID = role + "-" + hex.EncodeToString(b[:])
 	}
-	o.plugin, err = plugin.Load(c.String(flagBackend.Name), plugin.SearchDirs(c.String(flagPluginPath.Name)))
+	o.plugin, err = plugin.Load(c.String(flagBackend), plugin.SearchDirs(c.String(flagPluginPath)))
 	if err != nil {
-		return nil, fmt.Errorf("load plugin %q: %w", c.String(flagBackend.Name), err)
+		return nil, fmt.Errorf("load plugin %q: %w", c.String(flagBackend), err)
 	}
 	return o, nil
 }
