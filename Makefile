@@ -81,6 +81,9 @@ NIXL_STRIDE_TEST = printf '%s\n' '\#include <nixl.h>' \
   | $(CXX) $(NIXL_CXXFLAGS) -fsyntax-only -x c++ - >/dev/null 2>&1 && echo 1 || echo 0
 
 FAKE_TEST_SRC := plugins/fake/test_fake.c plugins/fake/fake.c $(COMMON_SRC)
+# The C tests build fake.c with its test hooks (see KVP_FAKE_TEST_HOOKS in
+# fake.c); the plugin libraries never have them.
+FAKE_TEST_FLAGS := -DKVP_FAKE_TEST_HOOKS
 FAKE_TEST_DEPS := $(FAKE_TEST_SRC) $(COMMON_HDR)
 FAKE_SO_ARGS := --so $(PLUGIN_DIR)/libkvhost_fake.so --so-abi2 $(TESTPLUGIN_DIR)/libkvhost_fakeabi2.so
 
@@ -97,15 +100,15 @@ plugin-bench: $(PLUGIN_TEST_DIR)/test_fake_opt
 
 $(PLUGIN_TEST_DIR)/test_fake_asan: $(FAKE_TEST_DEPS)
 	@mkdir -p $(PLUGIN_TEST_DIR)
-	$(CC) $(CFLAGS_PTEST) $(SAN_ASAN) -o $@ $(FAKE_TEST_SRC) -ldl
+	$(CC) $(CFLAGS_PTEST) $(FAKE_TEST_FLAGS) $(SAN_ASAN) -o $@ $(FAKE_TEST_SRC) -ldl
 
 $(PLUGIN_TEST_DIR)/test_fake_tsan: $(FAKE_TEST_DEPS)
 	@mkdir -p $(PLUGIN_TEST_DIR)
-	$(CC) $(CFLAGS_PTEST) $(SAN_TSAN) -o $@ $(FAKE_TEST_SRC) -ldl
+	$(CC) $(CFLAGS_PTEST) $(FAKE_TEST_FLAGS) $(SAN_TSAN) -o $@ $(FAKE_TEST_SRC) -ldl
 
 $(PLUGIN_TEST_DIR)/test_fake_opt: $(FAKE_TEST_DEPS)
 	@mkdir -p $(PLUGIN_TEST_DIR)
-	$(CC) $(subst -O1,-O2,$(CFLAGS_PTEST)) -o $@ $(FAKE_TEST_SRC) -ldl
+	$(CC) $(subst -O1,-O2,$(CFLAGS_PTEST)) $(FAKE_TEST_FLAGS) -o $@ $(FAKE_TEST_SRC) -ldl
 
 plugin-nixl:
 	@if [ -z "$(NIXL_PREFIX)" ]; then \

@@ -331,8 +331,8 @@ func (x *Xfer) Post() (done bool, err error) {
 
 // Poll reports whether the transfer completed, without waiting for it. As
 // kvplugin.h allows, a poll may drive the transfer in the calling goroutine
-// (the fake plugin copies up to 16 MiB there); each plugin documents its
-// bound. A failed transfer returns the failure (every poll after it the
+// (the fake plugin copies one slice of up to 16 MiB there per poll); each
+// plugin documents its bound. A failed transfer returns the failure (every poll after it the
 // same); a cancelled one ErrCanceled; one never posted ErrNotPosted.
 func (x *Xfer) Poll() (done bool, err error) {
 	if err := x.lock(); err != nil {
@@ -348,7 +348,10 @@ func (x *Xfer) Poll() (done bool, err error) {
 
 // Backoff of Wait: poll back to back (yielding the processor) for spinFor,
 // so that short transfers are not delayed by timer granularity, then sleep
-// from minSleep, doubling up to maxSleep.
+// from minSleep, doubling up to maxSleep. A poll that itself took spinFor
+// or longer drove the transfer (kvplugin.h lets a poll move bytes; the fake
+// plugin copies a slice of up to 16 MiB there): the next poll follows at
+// once, as sleeping then would only leave the rest of the transfer waiting.
 const (
 	spinFor  = 50 * time.Microsecond
 	minSleep = 20 * time.Microsecond
@@ -362,6 +365,7 @@ func (x *Xfer) Wait(ctx context.Context) error {
 	var timer *time.Timer
 	sleep := minSleep
 	for {
+		t0 := time.Now()
 		done, err := x.Poll()
 		if err != nil || done {
 			if timer != nil {
@@ -371,6 +375,10 @@ func (x *Xfer) Wait(ctx context.Context) error {
 		}
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if now := time.Now(); now.Sub(t0) >= spinFor {
+			start, sleep = now, minSleep // the poll moved bytes: keep driving
+			continue
 		}
 		if time.Since(start) < spinFor {
 			runtime.Gosched()

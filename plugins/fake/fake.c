@@ -4,8 +4,10 @@
  * Real byte movement without vendor libraries, for CI, laptops and tests:
  *   - agents of one process copy with memcpy; agents of different processes
  *     on one host copy with process_vm_writev / process_vm_readv;
- *   - transfers complete asynchronously on per-agent worker threads, so
- *     poll_xfer really reports KVP_IN_PROG before KVP_SUCCESS;
+ *   - transfers complete asynchronously, so poll_xfer really reports
+ *     KVP_IN_PROG before KVP_SUCCESS: the caller's later polls move them
+ *     in bounded slices, and per-agent worker threads take over what
+ *     nobody polls (see "Scheduling" below);
  *   - notifications reach the remote agent after every byte landed: directly
  *     into its queue in this process, else over a unix datagram socket in
  *     the abstract namespace whose name travels in the metadata;
@@ -20,12 +22,13 @@
  * Concurrency. Plugin-wide state is five handle tables (one per handle kind)
  * and two process identity values, set once. Each agent has:
  *   mem_lock   (rwlock)  its registration table; writers: register/deregister;
- *                        readers: validation and the worker while it copies,
- *                        so memory cannot be deregistered under a copy;
+ *                        readers: validation and a transfer's runner while it
+ *                        copies a slice, so memory cannot be deregistered
+ *                        under a copy;
  *   peers_lock (rwlock)  its loaded peers and their metadata;
  *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove);
  *   qlock      (mutex)   its transfer queue, transfer states and telemetry.
- * No thread holds two of these at once, except a worker that read-locks the
+ * No thread holds two of these at once, except a runner that read-locks the
  * mem_lock of its own agent and of a same-process peer, always in address
  * order. Handle-table mutexes are leaves. Every API call holds a reference
  * on the agent handle it names (and on other handles it uses) for its whole
@@ -73,17 +76,20 @@
 #define FAKE_MAX_NOTIF (64u * 1024u)
 /* Received notifications an agent keeps while nobody drains them. */
 #define FAKE_NQ_MAX_BYTES (64u * 1024u * 1024u)
-/* Scheduling (see worker_next and poll_steal). A same-process transfer of
- * at most FAKE_STEAL_MAX_BYTES without delay_us is "stealable": for
- * FAKE_GRACE_NS after its post it is left to the caller's polls (the second
- * poll after the post runs it in the polling thread: no cross-thread
- * hand-off, warm caches); after that a worker runs it, so transfers nobody
- * polls still complete and notify. Every other transfer goes to a worker
- * at once. After running a transfer a worker spins FAKE_SPIN_NS for the
- * next urgent one before it sleeps; while the agent is active (a post
- * within FAKE_ACTIVE_NS) an idle worker sleeps at most FAKE_GRACE_NS at a
- * time, so posting a stealable transfer never needs a futex wake-up. */
-#define FAKE_STEAL_MAX_BYTES (16ull << 20)
+/* Scheduling (see poll_drive and worker_next). A transfer without delay_us
+ * is "pollable": the caller's polls move it, one slice of at most
+ * FAKE_SLICE_BYTES per poll from the second poll after the post on (no
+ * cross-thread hand-off, warm caches, and no other thread competing with a
+ * spinning caller for the CPU). FAKE_GRACE_NS after its post, or after the
+ * last slice a poll ran, with nobody polling, a worker takes it over and
+ * runs the rest, so transfers nobody polls still complete and notify.
+ * Transfers of an agent with delay_us go to a worker at once ("urgent").
+ * After running a transfer a worker spins FAKE_SPIN_NS for the next urgent
+ * one before it sleeps; while the agent is active (a post or a slice within
+ * FAKE_ACTIVE_NS, or a poll running a slice) an idle worker sleeps at most
+ * FAKE_GRACE_NS at a time, so neither posting nor requeueing a pollable
+ * transfer needs a futex wake-up. */
+#define FAKE_SLICE_BYTES (16ull << 20)
 #define FAKE_GRACE_NS 1000000ull
 #define FAKE_SPIN_NS 20000ull
 #define FAKE_ACTIVE_NS 20000000ull
@@ -121,7 +127,8 @@ static const char PARAMS_DOC[] =
     "(0..60000000)\n"
     "drop_notif_rate=0\tprobability in [0,1] that the notification of a successful "
     "transfer is silently dropped\n"
-    "workers=1\tworker threads per agent (1..64); each transfer runs on one worker\n";
+    "workers=1\tworker threads per agent (1..64); they take over transfers nobody polls, and "
+    "every transfer of an agent with delay_us\n";
 
 static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
                                          "delay_us", "drop_notif_rate", "workers"};
@@ -257,24 +264,32 @@ typedef struct xfer {
   uint8_t *notif;
 
   /* Validation cache: generations at which the blocks were last checked.
-   * Written by the poster while idle and by the worker while running. */
+   * Written by the poster while idle and by the runner (see below). */
   uint64_t local_gen, peer_gen, live_gen;
   int live_valid;
 
   /* Execution. state is read without a lock by poll; everything else below
-   * changes under ag->qlock (or by the one worker running it). */
+   * changes under ag->qlock, or, while the transfer is X_RUNNING, by the
+   * one thread running it (its "runner": a worker, or a poll running a
+   * slice); X_RUNNING is entered and left under qlock. */
   atomic_int state;
   atomic_int cancel;
   int fail, drop_notif; /* drawn at post */
   int polled;           /* polls since the last post; only calls on this xfer touch it */
-  int stealable;        /* see FAKE_GRACE_NS; set at post */
+  int pollable;         /* polls may run it (no delay_us); set at post */
+  /* Progress of the current post, reset at post, advanced by the runner:
+   * the next byte to move is byte cur_off of block cur_blk of pair
+   * cur_pair; `moved` bytes moved so far; the post stops at `limit` bytes
+   * (total_bytes, or half of it when an injected failure was drawn). */
+  size_t cur_pair;
+  uint64_t cur_blk, cur_off, moved, limit;
   /* Why the transfer is being cancelled (under qlock): set by
    * xfer_cancel_locked before it tells the runner to stop, used by
    * xfer_finish as the message of the KVP_ERR_CANCELED outcome, cleared at
    * post. Written before the outcome is published, so poll, which reads
    * err_msg without a lock once it sees X_FAILED, never races with it. */
   char cancel_msg[KVP_MAX_NAME_LEN + 64];
-  uint64_t enq_ns;      /* when it was queued (monotonic ns) */
+  uint64_t enq_ns;      /* when it was (re)queued (monotonic ns) */
   route rt;
   struct xfer *qprev, *qnext;
   int waiters;
@@ -307,12 +322,16 @@ typedef struct agent {
 
   pthread_mutex_t qlock;
   pthread_cond_t qcv;      /* work queued or stopping */
-  pthread_cond_t donecv;   /* a transfer with waiters left the worker */
+  pthread_cond_t donecv;   /* a transfer with waiters left its runner */
   pthread_cond_t cancelcv; /* a transfer was cancelled (wakes delay waits) */
   xfer *qhead, *qtail;
-  atomic_size_t urgent; /* queued transfers that are not stealable */
+  atomic_size_t urgent; /* queued transfers that are not pollable */
   int stopping, sleepers, untimed_sleepers;
-  uint64_t last_post_ns;
+  int driving;          /* polls running a slice now */
+  uint64_t last_active_ns; /* last post, or end of a slice a poll ran */
+  struct iovbuf *iov_free; /* iovec arrays for polls running cross-process
+                              slices: one per concurrent poll, kept until
+                              the agent is freed */
   pthread_t *workers;
   unsigned workers_started;
 
@@ -374,6 +393,25 @@ static void fake_init(void) {
   pthread_atfork(NULL, NULL, after_fork_child);
   g_init_ok = g_agents && g_regions && g_rregions && g_dlists && g_xfers;
 }
+
+/* Test hooks. test_fake.c compiles this file with -DKVP_FAKE_TEST_HOOKS
+ * (the plugin built by `make` never has them): it tunes the slice size and
+ * the grace period so that tests of poll-driven progress are deterministic. */
+#ifdef KVP_FAKE_TEST_HOOKS
+static atomic_uint_fast64_t g_test_slice = FAKE_SLICE_BYTES, g_test_grace = FAKE_GRACE_NS;
+static uint64_t slice_bytes(void) { return atomic_load_explicit(&g_test_slice, memory_order_relaxed); }
+static uint64_t grace_ns(void) { return atomic_load_explicit(&g_test_grace, memory_order_relaxed); }
+
+/* Sets the slice a poll runs (bytes) and the grace period before a worker
+ * takes over a pollable transfer (ns); 0 restores a default. */
+void fake_test_tune(uint64_t slice, uint64_t grace) {
+  atomic_store(&g_test_slice, slice ? slice : FAKE_SLICE_BYTES);
+  atomic_store(&g_test_grace, grace ? grace : FAKE_GRACE_NS);
+}
+#else
+static uint64_t slice_bytes(void) { return FAKE_SLICE_BYTES; }
+static uint64_t grace_ns(void) { return FAKE_GRACE_NS; }
+#endif
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -881,41 +919,62 @@ static void *rx_main(void *arg) {
 /* Transfer execution                                                       */
 /* ------------------------------------------------------------------------ */
 
-typedef struct worker {
+/* iovec arrays for one cross-process slice: each worker owns one; polls
+ * borrow one from their agent's free list (ag->iov_free), so no transfer
+ * allocates. */
+typedef struct iovbuf {
+  struct iovbuf *next; /* in ag->iov_free */
+  struct iovec l[FAKE_IOV_MAX], r[FAKE_IOV_MAX];
+} iovbuf;
+
+/* The thread running a transfer (a worker, or a poll running a slice) and
+ * its iovecs (NULL for same-process transfers run by a poll). */
+typedef struct runner {
   agent *ag;
-  struct iovec *liov, *riov; /* FAKE_IOV_MAX each, reused for every transfer */
-} worker;
+  iovbuf *iov;
+} runner;
 
 static kvp_error *canceled_err(void) {
   return kvp_err(KVP_ERR_CANCELED, "transfer cancelled");
 }
 
-/* Same-process copy: one memcpy per block, up to limit bytes. */
-static kvp_error *copy_local(xfer *x, uint64_t limit, uint64_t *moved) {
+static int canceled(xfer *x) { return atomic_load_explicit(&x->cancel, memory_order_relaxed) != 0; }
+
+/* Advances the cursor of x by n bytes within the current block. */
+static void cursor_advance(xfer *x, uint64_t n) {
+  const xpair *p = &x->pairs[x->cur_pair];
+  x->cur_off += n;
+  if (x->cur_off < p->len) return;
+  x->cur_off = 0;
+  if (++x->cur_blk < p->count) return;
+  x->cur_blk = 0;
+  x->cur_pair++;
+}
+
+/* Same-process copy from the cursor: one memcpy per block (or piece of a
+ * block), up to budget bytes. A block whose source and destination overlap
+ * (a loopback peer, one buffer) is moved by one memmove, never in pieces,
+ * so it moves as it would in one call. */
+static kvp_error *copy_local(xfer *x, uint64_t budget) {
   uint64_t done = 0;
-  for (size_t i = 0; i < x->npairs; i++) {
-    const xpair *p = &x->pairs[i];
-    for (uint64_t k = 0; k < p->count; k++) {
-      if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) {
-        *moved = done;
-        return canceled_err();
-      }
-      uint64_t la = p->laddr + k * p->lstride, ra = p->raddr + k * p->rstride;
-      uint64_t n = p->len;
-      if (n > limit - done) n = limit - done;
-      uint64_t dst = x->op == KVP_OP_WRITE ? ra : la, src = x->op == KVP_OP_WRITE ? la : ra;
-      if (dst - src >= n && src - dst >= n) /* disjoint (unsigned wrap-around) */
-        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
-      else
-        memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); /* loopback, one buffer */
-      done += n;
-      if (done == limit) {
-        *moved = done;
-        return NULL;
-      }
-    }
+  while (x->cur_pair < x->npairs && done < budget && x->moved < x->limit) {
+    if (canceled(x)) return canceled_err();
+    const xpair *p = &x->pairs[x->cur_pair];
+    uint64_t la = p->laddr + x->cur_blk * p->lstride + x->cur_off;
+    uint64_t ra = p->raddr + x->cur_blk * p->rstride + x->cur_off;
+    uint64_t dst = x->op == KVP_OP_WRITE ? ra : la, src = x->op == KVP_OP_WRITE ? la : ra;
+    uint64_t n = p->len - x->cur_off, room = x->limit - x->moved;
+    int disjoint = dst - src >= n && src - dst >= n; /* unsigned wrap-around */
+    if (n > room) n = room;
+    if (disjoint && n > budget - done) n = budget - done;
+    if (disjoint)
+      memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    else
+      memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    done += n;
+    x->moved += n;
+    cursor_advance(x, n);
   }
-  *moved = done;
   return NULL;
 }
 
@@ -935,9 +994,10 @@ static kvp_error *pvm_error(int err, const route *rt, int write) {
   return kvp_err(KVP_ERR_BACKEND, "%s to peer process %u: %s", call, rt->pid, strerror(err));
 }
 
-/* Moves the iovecs [0, n) with as many calls as partial transfers need. */
-static kvp_error *pvm_flush(worker *w, const xfer *x, int n, uint64_t *moved) {
-  struct iovec *l = w->liov, *r = w->riov;
+/* Moves the iovecs [0, n) with as many calls as partial transfers need,
+ * adding the bytes moved to x->moved. */
+static kvp_error *pvm_flush(iovbuf *iov, xfer *x, int n) {
+  struct iovec *l = iov->l, *r = iov->r;
   int write = x->op == KVP_OP_WRITE;
   while (n > 0) {
     ssize_t got = write ? process_vm_writev((pid_t)x->rt.pid, l, (unsigned long)n, r, (unsigned long)n, 0)
@@ -947,7 +1007,7 @@ static kvp_error *pvm_flush(worker *w, const xfer *x, int n, uint64_t *moved) {
       return pvm_error(errno, &x->rt, write);
     }
     if (got == 0) return pvm_error(EFAULT, &x->rt, write);
-    *moved += (uint64_t)got;
+    x->moved += (uint64_t)got;
     /* Partial: drop the iovecs moved whole, trim the one moved in part.
      * Paired iovecs have equal lengths, so both sides advance alike. */
     size_t left = (size_t)got;
@@ -967,45 +1027,31 @@ static kvp_error *pvm_flush(worker *w, const xfer *x, int n, uint64_t *moved) {
   return NULL;
 }
 
-/* Cross-process copy: up to FAKE_IOV_MAX blocks per system call. */
-static kvp_error *copy_pvm(worker *w, xfer *x, uint64_t limit, uint64_t *moved) {
-  uint64_t queued = 0, batch = 0;
-  int n = 0;
-  kvp_error *e;
-  *moved = 0;
-  for (size_t i = 0; i < x->npairs; i++) {
-    const xpair *p = &x->pairs[i];
-    for (uint64_t k = 0; k < p->count; k++) {
-      uint64_t la = p->laddr + k * p->lstride, ra = p->raddr + k * p->rstride;
-      uint64_t left = p->len;
-      while (left > 0 && queued < limit) {
-        uint64_t piece = left;
-        if (piece > limit - queued) piece = limit - queued;
-        if (piece > FAKE_PVM_MAX_BYTES - batch) piece = FAKE_PVM_MAX_BYTES - batch;
-        w->liov[n].iov_base = (void *)(uintptr_t)la;
-        w->liov[n].iov_len = (size_t)piece;
-        w->riov[n].iov_base = (void *)(uintptr_t)ra;
-        w->riov[n].iov_len = (size_t)piece;
-        n++;
-        la += piece;
-        ra += piece;
-        left -= piece;
-        queued += piece;
-        batch += piece;
-        if (n == FAKE_IOV_MAX || batch == FAKE_PVM_MAX_BYTES) {
-          if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) return canceled_err();
-          if ((e = pvm_flush(w, x, n, moved))) return e;
-          n = 0;
-          batch = 0;
-        }
-      }
-      if (queued == limit) break;
+/* Cross-process copy from the cursor, up to budget bytes: up to
+ * FAKE_IOV_MAX blocks (or pieces of blocks) per system call. */
+static kvp_error *copy_pvm(iovbuf *iov, xfer *x, uint64_t budget) {
+  uint64_t queued = 0;
+  uint64_t room = x->limit - x->moved;
+  if (budget > room) budget = room;
+  while (queued < budget && x->cur_pair < x->npairs) {
+    int n = 0;
+    uint64_t batch = 0;
+    while (n < FAKE_IOV_MAX && batch < FAKE_PVM_MAX_BYTES && queued < budget && x->cur_pair < x->npairs) {
+      const xpair *p = &x->pairs[x->cur_pair];
+      uint64_t piece = p->len - x->cur_off;
+      if (piece > budget - queued) piece = budget - queued;
+      if (piece > FAKE_PVM_MAX_BYTES - batch) piece = FAKE_PVM_MAX_BYTES - batch;
+      iov->l[n].iov_base = (void *)(uintptr_t)(p->laddr + x->cur_blk * p->lstride + x->cur_off);
+      iov->r[n].iov_base = (void *)(uintptr_t)(p->raddr + x->cur_blk * p->rstride + x->cur_off);
+      iov->l[n].iov_len = iov->r[n].iov_len = (size_t)piece;
+      n++;
+      queued += piece;
+      batch += piece;
+      cursor_advance(x, piece);
     }
-    if (queued == limit) break;
-  }
-  if (n > 0) {
-    if (atomic_load_explicit(&x->cancel, memory_order_relaxed)) return canceled_err();
-    if ((e = pvm_flush(w, x, n, moved))) return e;
+    if (canceled(x)) return canceled_err();
+    kvp_error *e = pvm_flush(iov, x, n);
+    if (e) return e;
   }
   return NULL;
 }
@@ -1025,50 +1071,85 @@ static int delay_wait(agent *ag, xfer *x) {
   return canceled;
 }
 
-/* Runs one transfer on a worker; returns NULL on success. */
-static kvp_error *xfer_run(worker *w, xfer *x) {
-  agent *ag = w->ag;
-  if (ag->delay_us && delay_wait(ag, x)) return canceled_err();
-  if (x->rt.kind == ROUTE_NONE) return NULL; /* an empty transfer */
-
+/* Runs one slice of a transfer: moves up to budget bytes from its cursor,
+ * under the registration locks of both sides (so that memory cannot be
+ * deregistered under the copy) after re-checking them if registrations
+ * changed. Sets *done once every byte moved; then it has also delivered
+ * the notification. Returns the transfer's failure, if any. The caller is
+ * the transfer's runner. */
+static kvp_error *xfer_step(runner *r, xfer *x, uint64_t budget, int *done) {
+  agent *ag = r->ag;
+  *done = 0;
+  if (x->rt.kind == ROUTE_NONE) { /* an empty transfer without a peer */
+    *done = 1;
+    return NULL;
+  }
   agent *peer_ag = NULL;
   if (x->rt.kind == ROUTE_LOCAL) {
     peer_ag = route_agent(&x->rt);
     if (!peer_ag)
-      return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
-                     "transfer: peer agent no longer exists in this process; no byte moved");
+      return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "transfer: peer agent no longer exists in this process; %" PRIu64
+                     " of %" PRIu64 " bytes moved", x->moved, x->total_bytes);
   }
   mem_rdlock2(ag, peer_ag);
-  /* Registrations may have changed between post and now. */
+  /* Registrations may have changed since the post or the last slice. */
   kvp_error *e = check_local_locked(ag, x, "transfer");
   if (!e && peer_ag) e = check_live_locked(peer_ag, x, "transfer");
-  uint64_t moved = 0;
-  uint64_t limit = x->fail ? x->total_bytes / 2 : UINT64_MAX;
-  if (!e) e = x->rt.kind == ROUTE_LOCAL ? copy_local(x, limit, &moved) : copy_pvm(w, x, limit, &moved);
+  if (!e && x->moved < x->limit) e = x->rt.kind == ROUTE_LOCAL ? copy_local(x, budget) : copy_pvm(r->iov, x, budget);
   mem_unlock2(ag, peer_ag);
   if (peer_ag) agent_put(peer_ag);
-  if (e) return e;
+  if (e || x->moved < x->limit) return e;
   if (x->fail)
     return kvp_err(KVP_ERR_BACKEND,
                    "fake: injected failure (fail_rate) after moving %" PRIu64 " of %" PRIu64 " bytes",
-                   moved, x->total_bytes);
+                   x->moved, x->total_bytes);
+  *done = 1;
   if (x->has_notif && !x->drop_notif) return notif_deliver(ag, &x->rt, x->notif, x->notif_len);
   return NULL;
 }
 
+/* Runs a transfer to its end on a worker (delay first, if the agent has
+ * one); returns NULL on success. It may have been started by polls. */
+static kvp_error *worker_run(runner *r, xfer *x) {
+  if (r->ag->delay_us && delay_wait(r->ag, x)) return canceled_err();
+  int done = 0;
+  kvp_error *e = NULL;
+  while (!e && !done) e = canceled(x) ? canceled_err() : xfer_step(r, x, slice_bytes(), &done);
+  return e;
+}
+
 static void queue_unlink_locked(agent *ag, xfer *x);
 
+/* Appends a transfer to the queue as X_QUEUED. qlock held. */
+static void queue_push_locked(agent *ag, xfer *x, uint64_t now) {
+  atomic_store_explicit(&x->state, X_QUEUED, memory_order_relaxed);
+  x->enq_ns = ag->last_active_ns = now;
+  x->qnext = NULL;
+  x->qprev = ag->qtail;
+  if (ag->qtail)
+    ag->qtail->qnext = x;
+  else
+    ag->qhead = x;
+  ag->qtail = x;
+  if (!x->pollable) atomic_fetch_add_explicit(&ag->urgent, 1, memory_order_release);
+  /* A spinning worker sees `urgent` by itself, and a worker in a timed
+   * sleep wakes within a grace period anyway; only an urgent transfer with
+   * a sleeping worker, or any transfer with a worker in an untimed sleep,
+   * needs the futex. */
+  if ((!x->pollable && ag->sleepers) || ag->untimed_sleepers) pthread_cond_signal(&ag->qcv);
+}
+
 /* The first queued transfer a worker may run now; else NULL and *wake_ns
- * the time the first stealable one leaves its grace period. qlock held. */
+ * the time the first pollable one leaves its grace period. qlock held. */
 static xfer *queue_pick_locked(agent *ag, uint64_t now, uint64_t *wake_ns) {
   *wake_ns = UINT64_MAX;
   for (xfer *x = ag->qhead; x; x = x->qnext) {
-    if (!x->stealable || now >= x->enq_ns + FAKE_GRACE_NS) {
+    if (!x->pollable || now >= x->enq_ns + grace_ns()) {
       queue_unlink_locked(ag, x);
       atomic_store(&x->state, X_RUNNING);
       return x;
     }
-    if (x->enq_ns + FAKE_GRACE_NS < *wake_ns) *wake_ns = x->enq_ns + FAKE_GRACE_NS;
+    if (x->enq_ns + grace_ns() < *wake_ns) *wake_ns = x->enq_ns + grace_ns();
   }
   return NULL;
 }
@@ -1100,9 +1181,11 @@ static xfer *worker_next(agent *ag, int spin) {
       pthread_mutex_unlock(&ag->qlock);
       return x;
     }
-    /* While active, wake at least every grace period: then a post of a
-     * stealable transfer needs no signal (see fake_post_xfer). */
-    if (now - ag->last_post_ns < FAKE_ACTIVE_NS && now + FAKE_GRACE_NS < wake) wake = now + FAKE_GRACE_NS;
+    /* While active, wake at least every grace period: then neither a post
+     * of a pollable transfer nor a poll requeueing one after a slice needs
+     * a signal (see queue_push_locked). */
+    int active = ag->driving || now - ag->last_active_ns < FAKE_ACTIVE_NS;
+    if (active && now + grace_ns() < wake) wake = now + grace_ns();
     ag->sleepers++;
     if (wake == UINT64_MAX) {
       ag->untimed_sleepers++;
@@ -1117,10 +1200,9 @@ static xfer *worker_next(agent *ag, int spin) {
   }
 }
 
-/* Records the outcome of a run (consuming e) and wakes waiters. */
-static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
-  uint64_t end = now_ns();
-  pthread_mutex_lock(&ag->qlock);
+/* Records the outcome of a run (consuming e) and wakes waiters. qlock
+ * held. */
+static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
   if (e) {
     x->err_code = kvp_err_code(e);
     const char *msg = kvp_err_message(e, NULL);
@@ -1132,26 +1214,30 @@ static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
     x->done.valid = 1;
     x->done.start_us = x->start_us;
     x->done.post_us = x->post_us;
-    x->done.xfer_us = (end - x->t0_ns) / 1000u;
+    x->done.xfer_us = (now_ns() - x->t0_ns) / 1000u;
     x->done.bytes = x->total_bytes;
     x->done.descs = x->desc_count;
     atomic_store_explicit(&x->state, X_DONE, memory_order_release);
   }
   if (x->waiters) pthread_cond_broadcast(&ag->donecv);
+}
+
+static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
+  pthread_mutex_lock(&ag->qlock);
+  xfer_finish_locked(ag, x, e);
   pthread_mutex_unlock(&ag->qlock);
 }
 
 static void *worker_main(void *arg) {
-  worker *w = (worker *)arg;
+  runner *w = (runner *)arg;
   agent *ag = w->ag;
   xfer *x;
   int ran = 0;
   while ((x = worker_next(ag, ran))) {
-    xfer_finish(ag, x, xfer_run(w, x));
+    xfer_finish(ag, x, worker_run(w, x));
     ran = 1;
   }
-  free(w->liov);
-  free(w->riov);
+  free(w->iov);
   free(w);
   return NULL;
 }
@@ -1167,7 +1253,7 @@ static void queue_unlink_locked(agent *ag, xfer *x) {
   else
     ag->qtail = x->qprev;
   x->qnext = x->qprev = NULL;
-  if (!x->stealable) atomic_fetch_sub(&ag->urgent, 1);
+  if (!x->pollable) atomic_fetch_sub(&ag->urgent, 1);
 }
 
 /* Cancels a transfer and returns once no thread runs it any more. qlock
@@ -1375,18 +1461,14 @@ static kvp_error *fake_agent_create(kvp_agent_create_args *a) {
     ag->rx_started = 1;
   }
   for (unsigned i = 0; i < ag->nworkers; i++) {
-    worker *w = (worker *)calloc(1, sizeof *w);
+    runner *w = (runner *)calloc(1, sizeof *w);
     if (w) {
       w->ag = ag;
-      w->liov = (struct iovec *)malloc(FAKE_IOV_MAX * sizeof(struct iovec));
-      w->riov = (struct iovec *)malloc(FAKE_IOV_MAX * sizeof(struct iovec));
+      w->iov = (iovbuf *)malloc(sizeof(iovbuf));
     }
-    if (!w || !w->liov || !w->riov || pthread_create(&ag->workers[i], NULL, worker_main, w) != 0) {
-      if (w) {
-        free(w->liov);
-        free(w->riov);
-        free(w);
-      }
+    if (!w || !w->iov || pthread_create(&ag->workers[i], NULL, worker_main, w) != 0) {
+      if (w) free(w->iov);
+      free(w);
       e = kvp_err(KVP_ERR_BACKEND, "agent_create: cannot start worker thread %u", i);
       goto fail;
     }
@@ -1427,6 +1509,11 @@ static void agent_free(agent *ag) {
     peer *next = p->next;
     peer_unref(p);
     p = next;
+  }
+  while (ag->iov_free) {
+    iovbuf *b = ag->iov_free;
+    ag->iov_free = b->next;
+    free(b);
   }
   kvp_nq_destroy(ag->nq);
   free(ag->workers);
@@ -2375,24 +2462,13 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   x->cancel_msg[0] = 0;
   x->fail = ag->fail_rate > 0 && rng_next(ag) < ag->fail_rate;
   x->drop_notif = x->has_notif && ag->drop_notif_rate > 0 && rng_next(ag) < ag->drop_notif_rate;
-  x->post_us = (now_ns() - t0) / 1000u;
-  atomic_store_explicit(&x->state, X_QUEUED, memory_order_relaxed);
-  x->stealable = !ag->delay_us && x->total_bytes <= FAKE_STEAL_MAX_BYTES &&
-                 (x->rt.kind == ROUTE_LOCAL || x->rt.kind == ROUTE_NONE);
-  x->enq_ns = ag->last_post_ns = now_ns();
-  x->qnext = NULL;
-  x->qprev = ag->qtail;
-  if (ag->qtail)
-    ag->qtail->qnext = x;
-  else
-    ag->qhead = x;
-  ag->qtail = x;
-  if (!x->stealable) atomic_fetch_add_explicit(&ag->urgent, 1, memory_order_release);
-  /* A spinning worker sees `urgent` by itself, and a worker in a timed
-   * sleep wakes within a grace period anyway; only an urgent transfer with
-   * a sleeping worker, or any transfer with a worker in an untimed sleep,
-   * needs the futex. */
-  if ((!x->stealable && ag->sleepers) || ag->untimed_sleepers) pthread_cond_signal(&ag->qcv);
+  x->cur_pair = 0;
+  x->cur_blk = x->cur_off = x->moved = 0;
+  x->limit = x->fail ? x->total_bytes / 2 : x->total_bytes;
+  x->pollable = !ag->delay_us;
+  uint64_t now = now_ns();
+  x->post_us = (now - t0) / 1000u;
+  queue_push_locked(ag, x, now);
   pthread_mutex_unlock(&ag->qlock);
   a->status = KVP_IN_PROG;
 out:
@@ -2401,26 +2477,59 @@ out:
   return e;
 }
 
-/* Progress by poll (the header lets poll drive it): a stealable transfer
- * (see FAKE_GRACE_NS) still queued at the second poll after its post runs
- * in the polling thread. A hand-off to a worker costs a scheduler round
- * trip whenever the worker is not on a CPU (tens of microseconds on a
- * loaded machine) and copies through another core's cache; the caller is
- * polling anyway. The first poll never runs it, so an unfinished transfer
- * is always seen in progress once. Such a poll takes as long as the copy
- * (at most FAKE_STEAL_MAX_BYTES). */
-static void poll_steal(agent *ag, xfer *x) {
-  if (!x->stealable) return;
+/* Progress by poll (kvplugin.h lets a poll drive the transfer): a
+ * pollable transfer still queued at the second poll after its post, or at
+ * any later poll, has one slice (at most FAKE_SLICE_BYTES) run in the
+ * polling thread, and goes back to the queue if bytes remain. A hand-off
+ * to a worker costs a scheduler round trip whenever the worker is not on a
+ * CPU (on a loaded machine the wake-up also preempts the caller, which
+ * then spins while another thread copies) and copies through another
+ * core's cache; the caller is polling anyway. The first poll never runs
+ * it, so an unfinished transfer is always seen in progress once. A poll
+ * thus takes as long as one slice (plus, for the last one, the
+ * notification's delivery). A cross-process slice borrows iovec arrays
+ * from the agent's free list, allocated only when more polls run slices
+ * at once than ever before on this agent. */
+static void poll_drive(agent *ag, xfer *x) {
+  iovbuf *iov = NULL;
+  int pvm = x->rt.kind == ROUTE_PVM;
   pthread_mutex_lock(&ag->qlock);
+  if (pvm && !(iov = ag->iov_free)) {
+    pthread_mutex_unlock(&ag->qlock);
+    if (!(iov = (iovbuf *)malloc(sizeof *iov))) return; /* a worker will run it */
+    pthread_mutex_lock(&ag->qlock);
+  } else if (iov) {
+    ag->iov_free = iov->next;
+  }
   int mine = atomic_load(&x->state) == X_QUEUED;
   if (mine) {
     queue_unlink_locked(ag, x);
     atomic_store(&x->state, X_RUNNING);
+    ag->driving++;
   }
   pthread_mutex_unlock(&ag->qlock);
-  if (!mine) return;
-  worker w = {ag, NULL, NULL}; /* a same-process run needs no iovecs */
-  xfer_finish(ag, x, xfer_run(&w, x));
+  int done = 0;
+  kvp_error *e = NULL;
+  if (mine) {
+    runner r = {ag, iov};
+    e = xfer_step(&r, x, slice_bytes(), &done);
+  }
+  pthread_mutex_lock(&ag->qlock);
+  if (iov) {
+    iov->next = ag->iov_free;
+    ag->iov_free = iov;
+  }
+  if (mine) {
+    ag->driving--;
+    /* A cancellation during the slice waits for it under qlock (see
+     * xfer_cancel_locked): finish it here rather than requeue it. */
+    if (!e && !done && canceled(x)) e = canceled_err();
+    if (e || done)
+      xfer_finish_locked(ag, x, e);
+    else
+      queue_push_locked(ag, x, now_ns());
+  }
+  pthread_mutex_unlock(&ag->qlock);
 }
 
 static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
@@ -2431,8 +2540,8 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
   if (!ag) return e;
   xfer *x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e);
   if (x) {
-    if (x->polled++ > 0 && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
-      poll_steal(ag, x);
+    if (x->polled++ > 0 && x->pollable && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
+      poll_drive(ag, x);
     switch (atomic_load_explicit(&x->state, memory_order_acquire)) {
       case X_IDLE:
         e = kvp_err(KVP_ERR_NOT_POSTED, "%s: transfer 0x%" PRIx64 " was never posted", fn, a->xfer);

@@ -1174,6 +1174,166 @@ static void test_faults_and_progress(void) {
   free(before);
 }
 
+/* Poll-driven progress in slices (fake_test_tune makes it deterministic: a
+ * slice of SL bytes, and a grace period of an hour so that no worker takes
+ * a pollable transfer). The transfer: one strided descriptor of 8 blocks
+ * of 30000 bytes (local stride 32768, remote 40000) and one of 50000
+ * bytes, 290000 bytes in all: slices of 100000, 100000 and 90000 bytes, two
+ * of them ending inside a block. */
+void fake_test_tune(uint64_t slice, uint64_t grace);
+
+enum { SL = 100000, SL_TOTAL = 290000 };
+#define HOUR_NS 3600000000000ull
+
+/* What B's buffer holds once the first `moved` bytes of the slice test's
+ * transfer (in transfer order) went from a's buffer to b's. */
+static void slices_expect(uint8_t *want, const uint8_t *bbuf, const uint8_t *abuf, size_t len, uint64_t moved) {
+  memcpy(want, bbuf, len);
+  uint64_t left = moved;
+  for (int k = 0; k < 8 && left; k++) {
+    uint64_t n = left < 30000 ? left : 30000;
+    memcpy(want + (size_t)k * 40000, abuf + (size_t)k * 32768, n);
+    left -= n;
+  }
+  if (left) memcpy(want + 400000, abuf + 300000, left < 50000 ? left : 50000);
+}
+
+static uint64_t slices_xfer(pair_env *E, int32_t *idx, uint64_t *ldl, uint64_t *rdl) {
+  kvp_xfer_desc l[2] = {XD(E->abuf, 30000, 32768, 8), XD(E->abuf + 300000, 50000, 0, 1)};
+  kvp_xfer_desc r[2] = {XD(E->bbuf, 30000, 40000, 8), XD(E->bbuf + 400000, 50000, 0, 1)};
+  r[0].dev_id = r[1].dev_id = 5;
+  OK(dlist_new(E->a, NULL, KVP_MEM_DRAM, l, 2, ldl));
+  OK(dlist_new(E->a, "B", KVP_MEM_VRAM, r, 2, rdl));
+  idx[0] = 0;
+  idx[1] = 1;
+  uint64_t x = 0;
+  OK(xfer_prepped(E->a, KVP_OP_WRITE, *ldl, idx, 2, *rdl, idx, 2, NOTIF("sliced"), &x));
+  return x;
+}
+
+static void test_poll_slices(void) {
+  pair_env E;
+  int32_t idx[2];
+  uint64_t ldl, rdl, x;
+  kvp_status st;
+  env_open(&E, 1 << 20, NULL, NULL);
+  uint8_t *orig = (uint8_t *)malloc(E.len), *want = (uint8_t *)malloc(E.len);
+  memcpy(orig, E.bbuf, E.len);
+  fake_test_tune(SL, HOUR_NS);
+  x = slices_xfer(&E, idx, &ldl, &rdl);
+
+  /* The first poll moves nothing; each later one moves one slice; the
+   * notification comes with the last byte. */
+  notes ns = {0};
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG && memcmp(E.bbuf, orig, E.len) == 0);
+  for (uint64_t moved = SL; moved < SL_TOTAL; moved += SL) {
+    OK(poll1(E.a, x, &st));
+    slices_expect(want, orig, E.abuf, E.len, moved);
+    CHECK(st == KVP_IN_PROG && memcmp(E.bbuf, want, E.len) == 0);
+    OK(get_notes(E.b, &ns, 4096, NULL));
+    CHECK(ns.n == 0);
+  }
+  OK(poll1(E.a, x, &st));
+  slices_expect(want, orig, E.abuf, E.len, SL_TOTAL);
+  CHECK(st == KVP_SUCCESS && memcmp(E.bbuf, want, E.len) == 0);
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
+  kvp_xfer_telemetry_args t;
+  OK(telemetry(E.a, x, &t));
+  CHECK(t.total_bytes == SL_TOTAL && t.desc_count == 2);
+
+  /* Released between slices: no byte moves after release returns, no
+   * notification. */
+  memcpy(E.bbuf, orig, E.len);
+  OK(post(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  OK(xfer_del(E.a, x));
+  slices_expect(want, orig, E.abuf, E.len, SL);
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+
+  /* remove_remote between slices cancels it; polls say so. */
+  memcpy(E.bbuf, orig, E.len);
+  x = slices_xfer(&E, idx, &ldl, &rdl);
+  OK(post(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(remove_peer(E.a, "B"));
+  EXPECT(poll1(E.a, x, NULL), KVP_ERR_CANCELED, "peer \"B\" was removed");
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  OK(xfer_del(E.a, x));
+  load_peer(E.a, E.b);
+
+  /* B deregisters its memory between slices (against the contract): the
+   * next slice re-checks and fails; no further byte moves. */
+  memcpy(E.bbuf, orig, E.len);
+  x = slices_xfer(&E, idx, &ldl, &rdl);
+  OK(post(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(dereg_n(E.b, &E.br, 1));
+  EXPECT(poll1(E.a, x, NULL), KVP_ERR_NOT_FOUND, "deregistered?");
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  OK(xfer_del(E.a, x));
+  E.br = reg1(E.b, E.bbuf, E.len, KVP_MEM_VRAM, 5);
+
+  env_close(&E);
+
+  /* Nobody polls after the first slice: a worker takes over after the
+   * grace period and moves the rest, then the notification comes. (New
+   * agents: workers of the old ones may sleep an hour, the old grace.) */
+  fake_test_tune(SL, 2000000);
+  env_open(&E, 1 << 20, NULL, NULL);
+  memcpy(orig, E.bbuf, E.len);
+  x = slices_xfer(&E, idx, &ldl, &rdl);
+  ns.n = 0;
+  OK(post(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  OK(poll1(E.a, x, NULL));
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
+  slices_expect(want, orig, E.abuf, E.len, SL_TOTAL);
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_SUCCESS);
+  OK(xfer_del(E.a, x));
+  env_close(&E);
+
+  /* An injected failure stops at half of the bytes, across slices. */
+  fake_test_tune(SL, HOUR_NS);
+  env_open(&E, 1 << 20, "fail_rate", "1");
+  memcpy(orig, E.bbuf, E.len);
+  x = slices_xfer(&E, idx, &ldl, &rdl);
+  OK(post(E.a, x, NULL));
+  int in_prog = 0;
+  EXPECT(wait_xfer(E.a, x, &in_prog), KVP_ERR_BACKEND, "after moving 145000 of 290000 bytes");
+  CHECK(in_prog == 2); /* the first poll, then a full slice */
+  slices_expect(want, orig, E.abuf, E.len, SL_TOTAL / 2);
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  env_close(&E);
+
+  /* Loopback with overlapping source and destination: a block moves as one
+   * memmove even when it is longer than a slice. */
+  env_open(&E, 1 << 20, NULL, NULL);
+  load_peer(E.a, E.a);
+  memcpy(orig, E.abuf, E.len);
+  kvp_xfer_desc lo = XD(E.abuf, 250000, 0, 1), ro = XD(E.abuf + 50000, 250000, 0, 1);
+  uint64_t ldo, rdo;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &lo, 1, &ldo));
+  OK(dlist_new(E.a, "A", KVP_MEM_DRAM, &ro, 1, &rdo));
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldo, idx, 1, rdo, idx, 1, NOTIF(NULL), &x));
+  OK(run_xfer(E.a, x));
+  memcpy(want, orig, E.len);
+  memmove(want + 50000, want, 250000);
+  CHECK(memcmp(E.abuf, want, E.len) == 0);
+  env_close(&E);
+  fake_test_tune(0, 0);
+  free(orig);
+  free(want);
+}
+
 /* A thread that polls a transfer until it leaves IN_PROG, then reads its
  * error again, as a host waiting on it does while another thread removes
  * the peer (TSan checks that the outcome is published race-free). */
@@ -1628,6 +1788,45 @@ static int child_main(void) {
   return failures ? 1 : 0;
 }
 
+/* One of 4 threads moving bytes to and from the child at once, each over
+ * its own 256 KiB: WRITE 64 blocks of 4000 bytes (4096 apart here, packed
+ * there), READ them back elsewhere, compare; 10 rounds. Failures are
+ * counted in bad (CHECK is not thread-safe). */
+typedef struct xp_ctx {
+  uint64_t ag, caddr;
+  uint8_t *buf;
+  int id, bad;
+} xp_ctx;
+
+static void *xp_conc_main(void *p) {
+  xp_ctx *c = (xp_ctx *)p;
+  const size_t chunk = 256u << 10;
+  uint8_t *src = c->buf + (size_t)c->id * chunk, *back = c->buf + (2u << 20) + (size_t)c->id * chunk;
+  kvp_xfer_desc l = XD(src, 4000, 4096, 64), lb = XD(back, 4000, 4096, 64);
+  kvp_xfer_desc r = {c->caddr + (uint64_t)c->id * chunk, 4000, 4000, 64, 0};
+  uint64_t ldl = 0, lbdl = 0, rdl = 0, xw = 0, xr = 0;
+  int32_t z = 0;
+  kvp_error *e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl);
+  if (!e) e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &lb, 1, &lbdl);
+  if (!e) e = dlist_new(c->ag, "child", KVP_MEM_DRAM, &r, 1, &rdl);
+  if (!e) e = xfer_prepped(c->ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xw);
+  if (!e) e = xfer_prepped(c->ag, KVP_OP_READ, lbdl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xr);
+  for (int round = 0; !e && round < 10; round++) {
+    fill(src, chunk, (uint32_t)(c->id * 100 + round));
+    memset(back, 0, chunk);
+    if ((e = run_xfer(c->ag, xw)) || (e = run_xfer(c->ag, xr))) break;
+    for (int k = 0; k < 64; k++) c->bad += memcmp(back + k * 4096, src + k * 4096, 4000) != 0;
+  }
+  if (e) c->bad++;
+  kvp_err_free(e);
+  uint64_t xs[2] = {xw, xr}, ds[3] = {ldl, lbdl, rdl};
+  for (int i = 0; i < 2; i++)
+    if (xs[i] && (e = xfer_del(c->ag, xs[i]))) c->bad++, kvp_err_free(e);
+  for (int i = 0; i < 3; i++)
+    if (ds[i] && (e = dlist_del(c->ag, ds[i]))) c->bad++, kvp_err_free(e);
+  return NULL;
+}
+
 static void test_two_processes(void) {
   int to_child[2], from_child[2];
   if (pipe(to_child) || pipe(from_child)) {
@@ -1717,6 +1916,22 @@ static void test_two_processes(void) {
   uint8_t *okp = recv_msg(in, &n);
   CHECK(okp && n == 1 && okp[0] == 1);
   free(okp);
+
+  /* The child has checked its memory; now 4 threads move bytes to and from
+   * it at once, each transfer run by its own polls in slices that split
+   * blocks (no worker takes them), borrowing iovec arrays from the agent. */
+  fake_test_tune(99999, HOUR_NS);
+  xp_ctx xc[4];
+  pthread_t xth[4];
+  for (int i = 0; i < 4; i++) {
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(xth[i], NULL);
+    CHECK(xc[i].bad == 0);
+  }
+  fake_test_tune(0, 0);
 
   /* The child exits: transfers and notifications report the disconnect. */
   close(out);
@@ -1860,6 +2075,7 @@ int main(int argc, char **argv) {
       {"batch_same_process", test_batch_same_process},
       {"notifications", test_notifications},
       {"faults_and_progress", test_faults_and_progress},
+      {"poll_slices", test_poll_slices},
       {"cancel_running", test_cancel_running},
       {"reload_and_restart", test_reload_and_restart},
       {"parser_fuzz", test_parser_fuzz},
