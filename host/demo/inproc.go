@@ -189,18 +189,22 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 	return nil
 }
 
-// vllmModel is the model both vLLM-style workers share, as the CLI makes it.
-func vllmModel(cfg *Config) pulldemo.Model {
-	dtype := map[int]string{1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}[cfg.DTypeBytes]
-	return pulldemo.Model{Name: "kvhost/synthetic-llama", VLLMVersion: "0.13.0", DType: dtype, CacheDType: "auto",
+// vllmModel is the model both vLLM-style workers share, as the CLI makes
+// it from the same flags.
+func vllmModel(cfg *Config) (pulldemo.Model, error) {
+	dtype, err := pulldemo.DTypeOfBytes(cfg.DTypeBytes)
+	if err != nil {
+		return pulldemo.Model{}, err
+	}
+	m := pulldemo.Model{Name: "kvhost/synthetic-llama", VLLMVersion: "0.13.0", DType: dtype, CacheDType: "auto",
 		MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads, HeadDim: cfg.HeadDim}
+	return m, m.Validate()
 }
 
-// vllmEngine sizes an engine as the CLI does: room for twice the requests
-// in flight at the longest prompt.
+// vllmEngine sizes an engine as the CLI does.
 func vllmEngine(cfg *Config, tp int) pulldemo.Engine {
-	per := (cfg.MaxTokens + cfg.PageSize - 1) / cfg.PageSize
-	return pulldemo.Engine{TPSize: tp, BlockSize: cfg.PageSize, NumBlocks: max(64, 2*cfg.Concurrency*per), Layout: pull.LayoutHND}
+	return pulldemo.Engine{TPSize: tp, BlockSize: cfg.PageSize, Layout: pull.LayoutHND,
+		NumBlocks: pulldemo.DefaultNumBlocks(cfg.MaxTokens, cfg.PageSize, cfg.Concurrency)}
 }
 
 func (r *inProc) runPull(ctx context.Context, s *Summary) error {
@@ -209,8 +213,8 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	if cfg.Metrics != nil {
 		obs = cfg.Metrics.PullObserver()
 	}
-	model := vllmModel(cfg)
-	if err := model.Validate(); err != nil {
+	model, err := vllmModel(cfg)
+	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
 	work := pulldemo.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens, MaxTokens: cfg.MaxTokens}

@@ -73,6 +73,20 @@ func DTypeBytes(dtype string) (int, error) {
 	return 0, fmt.Errorf("dtype %q: want bfloat16, float16, float32, float8_e4m3fn or float8_e5m2", dtype)
 }
 
+// DTypeOfBytes names the usual model dtype with elements of n bytes:
+// float8_e4m3fn, bfloat16 or float32.
+func DTypeOfBytes(n int) (string, error) {
+	switch n {
+	case 1:
+		return "float8_e4m3fn", nil
+	case 2:
+		return "bfloat16", nil
+	case 4:
+		return "float32", nil
+	}
+	return "", fmt.Errorf("%d-byte elements: want 1, 2 or 4", n)
+}
+
 // Validate reports the first unusable field.
 func (m Model) Validate() error {
 	if _, err := DTypeBytes(m.DType); err != nil {
@@ -138,6 +152,13 @@ type Engine struct {
 	BlockSize int // tokens per block
 	NumBlocks int // blocks per rank
 	Layout    string
+}
+
+// DefaultNumBlocks sizes a synthetic cache when none is given: room for
+// twice concurrency requests of maxTokens, and at least 64 blocks.
+func DefaultNumBlocks(maxTokens, blockSize, concurrency int) int {
+	per := (maxTokens + blockSize - 1) / max(blockSize, 1)
+	return max(64, 2*concurrency*per)
 }
 
 // Validate reports the first unusable field.
