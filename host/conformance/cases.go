@@ -29,7 +29,7 @@ var cases = []Case{
 	{"batch-read", "make_batch_xfer READ over region pairs, bytes verified, reposted", caseBatch(abi.Read)},
 	{"strided", "strided descriptors in prepped and batch transfers, READ and WRITE", caseStrided},
 	{"xfer-errors", "index out of range, length mismatch, pair and offset out of range: errors, and no byte moves", caseXferErrors},
-	{"notif-attached", "notifications attached to transfers (prepped and batch, WRITE and READ, empty, reposted)", caseNotifAttached},
+	{"notif-attached", "notifications attached to transfers (prepped and batch, WRITE and READ, empty, reposted); an agent without notif refuses them and every notification call", caseNotifAttached},
 	{"notif-standalone", "send_notif both ways, binary messages, unknown peer", caseNotifStandalone},
 	{"notif-grouping", "get_notifs groups records by sender and keeps each sender's order", caseNotifGrouping},
 	{"notif-buffer", "get_notifs with records larger than the host's buffer and more records than fit", caseNotifBuffer},

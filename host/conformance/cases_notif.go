@@ -24,6 +24,10 @@ const settle = 50 * time.Millisecond
 
 func caseNotifAttached(t TB, s *Suite) {
 	f := s.newFixture(t)
+	if !f.local.a.Caps().Has(abi.CapNotif) {
+		notifRefused(t, f)
+		return
+	}
 	needNotif(t, f)
 	from := f.local.a.Name()
 	for _, op := range []abi.Op{abi.Write, abi.Read} {
@@ -86,6 +90,28 @@ func caseNotifAttached(t TB, s *Suite) {
 		t.Fatalf("%v", err)
 	}
 	expectNotifs(t, "after a transfer without notification", batches, from, nil)
+}
+
+// notifRefused checks an agent without notifications (MORI-IO as SGLang
+// runs it: completion is seen by polling only): get_notifs, send_notif and
+// transfers that ask for a notification are refused with NOT_SUPPORTED
+// before anything moves, and the same transfers without one complete.
+func notifRefused(t TB, f *fixture) {
+	a := f.local.a
+	_, err := a.Notifs()
+	expectCode(t, "get_notifs", err, abi.ErrNotSupported)
+	expectCode(t, "send_notif", a.SendNotif(f.peerName, []byte("x")), abi.ErrNotSupported)
+	runs := f.genRuns(3, abi.Write, false)
+	p := f.prepRuns(runs)
+	_, err = a.MakePreppedXfer(abi.Write, p.local, p.li, p.remote, p.ri, []byte("kv-done"))
+	expectCode(t, "make_prepped_xfer with a notification", err, abi.ErrNotSupported)
+	pairs, entries := f.batchOf(runs)
+	_, err = a.MakeBatchXfer(abi.Write, pairs, entries, []byte{})
+	expectCode(t, "make_batch_xfer with an empty notification", err, abi.ErrNotSupported)
+	f.verify("after the refused transfers") // nothing moved
+	f.run("prepped transfer without a notification", f.makePrepped(abi.Write, runs, nil))
+	f.apply(abi.Write, runs)
+	f.verify("prepped transfer without a notification")
 }
 
 func caseNotifStandalone(t TB, s *Suite) {

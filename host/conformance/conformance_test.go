@@ -46,8 +46,11 @@ var ciConfigurations = []configuration{
 	{"caps_off=prepped", []plugin.Param{{Key: "caps_off", Value: "prepped"}}},
 	{"caps_off=batch", []plugin.Param{{Key: "caps_off", Value: "batch"}}},
 	{"caps_off=strided", []plugin.Param{{Key: "caps_off", Value: "strided"}}},
-	// The MORI-IO profile: batch only, regions named by blobs, no strides.
-	{"caps_off=prepped,strided,remote_addr", []plugin.Param{{Key: "caps_off", Value: "prepped,strided,remote_addr"}}},
+	// The MORI-IO profile, as plugins/mori reports it: batch transfers
+	// with native strides, regions named by blobs (no remote addresses), no
+	// prepped lists and no notifications (SGLang runs MORI-IO without
+	// them).
+	{"caps_off=prepped,notif,remote_addr", []plugin.Param{{Key: "caps_off", Value: "prepped,notif,remote_addr"}}},
 }
 
 // splitParams parses -params: comma-separated k=v pieces, where a piece

@@ -16,7 +16,7 @@
 //	go test ./host/conformance                     # fake: all caps, caps_off=prepped,
 //	                                               # caps_off=batch, caps_off=strided and
 //	                                               # the MORI-IO profile (caps_off=prepped,
-//	                                               # strided,remote_addr); each in-process
+//	                                               # notif,remote_addr); each in-process
 //	                                               # and two-process
 //	go test ./host/conformance -plugin=nixl -params backend=UCX
 //	go test ./host/conformance -params caps_off=prepped,remote_addr -mode two-process
