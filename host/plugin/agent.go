@@ -146,6 +146,9 @@ func (a *Agent) Emulated() abi.Caps {
 // Close destroys the agent: the plugin cancels its transfers and releases
 // every handle it owns. Every Region, RemoteRegion, DList and Xfer of the
 // agent is closed with it (their methods return ErrClosed afterwards).
+// agent_destroy cannot be refused (kvplugin.h): an error the plugin
+// reports (e.g. NIXL's "the agent is gone, but NIXL failed") is returned,
+// and the agent is closed all the same.
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	if a.closed {
@@ -266,7 +269,9 @@ func (a *Agent) Register(descs []abi.MemDesc) ([]*Region, error) {
 // Deregister deregisters regions in one plugin call. It fails without
 // deregistering anything if any region is closed, belongs to another agent,
 // or is still used by a prepared list the host emulates. Close the transfers
-// that use a region first; the plugin may refuse with ErrNotAllowed.
+// that use a region first; a plugin that tracks such use refuses with
+// ErrNotAllowed. When the plugin returns an error the regions stay open, so
+// the call can be repeated once the transfers are closed.
 func (a *Agent) Deregister(regions ...*Region) error {
 	if err := a.useExclusive(); err != nil {
 		return err
@@ -525,7 +530,8 @@ func (a *Agent) importLocked(peerName string, blob []byte, d abi.MemDesc) (*Remo
 }
 
 // Close releases the remote region. It fails if a prepared list the host
-// emulates still uses it.
+// emulates still uses it. When the plugin refuses the release the region
+// stays open, to be closed again later.
 func (r *RemoteRegion) Close() error {
 	a := r.a
 	if err := a.useExclusive(); err != nil {

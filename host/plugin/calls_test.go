@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/ebitengine/purego"
@@ -28,7 +29,7 @@ var callNames = [cNumCalls]string{"register_mem", "deregister_mem", "remote_regi
 
 // callCounter reads the call counts of a TP_WORKING test plugin.
 type callCounter struct {
-	calls, last uintptr
+	calls, last, refuse uintptr
 }
 
 func newCallCounter(t *testing.T, path string) callCounter {
@@ -44,6 +45,9 @@ func newCallCounter(t *testing.T, path string) callCounter {
 	if c.last, err = purego.Dlsym(lib, "testplugin_last"); err != nil {
 		t.Fatal(err)
 	}
+	if c.refuse, err = purego.Dlsym(lib, "testplugin_refuse"); err != nil {
+		t.Fatal(err)
+	}
 	return c
 }
 
@@ -54,6 +58,11 @@ func (c callCounter) snapshot() [cNumCalls]int {
 		s[i] = int(int32(r))
 	}
 	return s
+}
+
+// refuseNext makes the next call of plugin function fn fail with code.
+func (c callCounter) refuseNext(fn int, code abi.Status) {
+	purego.SyscallN(c.refuse, uintptr(fn), uintptr(int64(code)))
 }
 
 // lastCall returns the item count, pair count and strided count of the
@@ -211,4 +220,164 @@ func fmtCaps(c abi.Caps) string {
 		s += n
 	}
 	return s
+}
+
+// TestRefusedReleasesStayRetryable: a plugin may refuse a release (MORI-IO
+// and NIXL keep a transfer still in flight after their release timeout; a
+// plugin that tracks use refuses deregister_mem and release_dlist with
+// NOT_ALLOWED). The host then returns the error and keeps the handle open
+// and usable, and a later Close releases it, exactly once.
+func TestRefusedReleasesStayRetryable(t *testing.T) {
+	path := buildTestPlugin(t, t.TempDir(), "working", "TP_WORKING",
+		"TP_CAPS=(KVP_CAP_PREPPED|KVP_CAP_BATCH|KVP_CAP_STRIDED|KVP_CAP_REMOTE_ADDR)")
+	p, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	cc := newCallCounter(t, path)
+	const localBase, remoteBase, otherRemote, size = 1 << 30, 1 << 40, 1 << 41, 1 << 20
+	desc := []abi.XferDesc{{Addr: 0, Len: 4096, Count: 1}}
+	at := func(base uint64) []abi.XferDesc { d := desc[0]; d.Addr += base; return []abi.XferDesc{d} }
+	entries := []abi.BatchEntry{{Len: 4096, Count: 1}}
+	expectErr := func(what string, err, want error) {
+		t.Helper()
+		if !errors.Is(err, want) {
+			t.Errorf("%s: %v, want %v", what, err, want)
+		}
+	}
+	for _, caps := range []abi.Caps{
+		abi.CapPrepped | abi.CapBatch | abi.CapStrided | abi.CapRemoteAddr,
+		abi.CapPrepped | abi.CapStrided | abi.CapRemoteAddr, // batch emulated: lists per transfer
+		abi.CapBatch | abi.CapStrided | abi.CapRemoteAddr,   // prepped emulated: lists in Go
+	} {
+		t.Run(fmtCaps(caps), func(t *testing.T) {
+			a, err := p.NewAgent("a", Param{"agent_caps", itoa(uint32(caps))})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			regions, err := a.Register([]abi.MemDesc{{Addr: localBase, Len: size}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			peer, err := a.LoadRemote([]byte("md"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			rr, err := a.ImportRange(peer, remoteBase, size, 0, abi.DRAM)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pairs := []Pair{{regions[0], rr}}
+
+			// A transfer the plugin keeps: open, usable, released by the
+			// second Close.
+			x, err := a.MakeBatchXfer(abi.Write, pairs, entries, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := x.Post(); err != nil {
+				t.Fatal(err)
+			}
+			cc.refuseNext(cReleaseXfer, abi.ErrBackend)
+			cc.expectCalls(t, "a refused Close", map[int]int{cReleaseXfer: 1}, func() { expectErr("refused Close", x.Close(), ErrBackend) })
+			if done, err := x.Poll(); !done || err != nil {
+				t.Errorf("Poll after a refused Close: %v, %v; want the transfer still usable", done, err)
+			}
+			closeCalls := map[int]int{cReleaseXfer: 1}
+			if !caps.Has(abi.CapBatch) {
+				closeCalls[cReleaseDList] = 2
+			}
+			cc.expectCalls(t, "Close again", closeCalls, func() {
+				if err := x.Close(); err != nil {
+					t.Errorf("Close again: %v", err)
+				}
+			})
+			cc.expectCalls(t, "Close of a closed transfer", nil, func() { expectErr("third Close", x.Close(), ErrClosed) })
+
+			// ErrInvalidParam: the plugin no longer knows the handle; closed.
+			y, err := a.MakeBatchXfer(abi.Write, pairs, entries, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cc.refuseNext(cReleaseXfer, abi.ErrInvalidParam)
+			expectErr("Close answered INVALID_PARAM", y.Close(), ErrInvalidParam)
+			cc.expectCalls(t, "using it after", nil, func() {
+				_, err := y.Poll()
+				expectErr("Poll", err, ErrClosed)
+				expectErr("Close", y.Close(), ErrClosed)
+			})
+
+			if !caps.Has(abi.CapBatch) {
+				// A list of the emulation refused: the transfer is released
+				// and closed to use; Close releases the remaining list.
+				z, err := a.MakeBatchXfer(abi.Write, pairs, entries, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cc.refuseNext(cReleaseDList, abi.ErrNotAllowed)
+				cc.expectCalls(t, "Close with a refused list", map[int]int{cReleaseXfer: 1, cReleaseDList: 2}, func() {
+					expectErr("Close with a refused list", z.Close(), ErrNotAllowed)
+				})
+				cc.expectCalls(t, "Close again", map[int]int{cReleaseDList: 1}, func() {
+					_, err := z.Post()
+					expectErr("Post of a released transfer", err, ErrClosed)
+					if err := z.Close(); err != nil {
+						t.Errorf("Close again: %v", err)
+					}
+					expectErr("third Close", z.Close(), ErrClosed)
+				})
+			}
+
+			// Lists: a native list the plugin refuses to release stays
+			// usable; an emulated remote list whose imported region the
+			// plugin refuses to release stays open.
+			l, err := a.PrepLocal(abi.DRAM, at(localBase))
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := a.PrepRemote(peer, abi.DRAM, at(otherRemote)) // emulated: imports a range
+			if err != nil {
+				t.Fatal(err)
+			}
+			if caps.Has(abi.CapPrepped) {
+				cc.refuseNext(cReleaseDList, abi.ErrNotAllowed)
+				expectErr("refused list Close", l.Close(), ErrNotAllowed)
+			} else {
+				cc.refuseNext(cReleaseRR, abi.ErrBackend)
+				expectErr("list Close with a refused region release", r.Close(), ErrBackend)
+			}
+			idx := []int32{0}
+			if x, err = a.MakePreppedXfer(abi.Write, l, idx, r, idx, nil); err != nil {
+				t.Errorf("a list whose release was refused is not usable: %v", err)
+			} else if err := x.Close(); err != nil {
+				t.Error(err)
+			}
+			for _, d := range []*DList{l, r} {
+				if err := d.Close(); err != nil {
+					t.Errorf("Close of %s: %v", d.describe(), err)
+				}
+				expectErr("Close of a closed list", d.Close(), ErrClosed)
+			}
+
+			// Regions.
+			cc.refuseNext(cDeregister, abi.ErrNotAllowed)
+			expectErr("refused deregister", regions[0].Close(), ErrNotAllowed)
+			cc.expectCalls(t, "deregister again", map[int]int{cDeregister: 1}, func() {
+				if err := regions[0].Close(); err != nil {
+					t.Errorf("deregister again: %v", err)
+				}
+			})
+			expectErr("deregister a closed region", regions[0].Close(), ErrClosed)
+			cc.refuseNext(cReleaseRR, abi.ErrBackend)
+			expectErr("refused remote region release", rr.Close(), ErrBackend)
+			cc.expectCalls(t, "remote region release again", map[int]int{cReleaseRR: 1}, func() {
+				if err := rr.Close(); err != nil {
+					t.Errorf("remote region release again: %v", err)
+				}
+			})
+			expectErr("release a closed remote region", rr.Close(), ErrClosed)
+		})
+	}
 }

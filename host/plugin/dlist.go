@@ -173,7 +173,8 @@ func (a *Agent) prepEmulatedRemote(d *DList, descs []abi.XferDesc) (err error) {
 		}
 		defer func() {
 			if err != nil {
-				a.releaseOwned(emu)
+				a.releaseOwned(emu) // best effort: the error at hand says more
+				emu.unref()
 			}
 		}()
 		imported, ierr := a.importCovering(d, descs, missing, emu)
@@ -261,9 +262,10 @@ func (a *Agent) importSpan(d *DList, pieces []memRange, emu *emuList) error {
 	return a.importSpan(d, pieces[split:], emu)
 }
 
-// releaseOwned releases the remote regions an emulated list imported, and
-// drops its claims on the others. Needs a.mu held; the owned regions are
-// used by no one else, so shared is enough.
+// releaseOwned releases the remote regions an emulated list imported
+// that are not released yet (a region the plugin refuses stays open, so a
+// later call retries it). Needs a.mu held; the owned regions are used by no
+// one else, so shared is enough.
 func (a *Agent) releaseOwned(emu *emuList) error {
 	var errs []error
 	for _, rr := range emu.owned {
@@ -271,13 +273,14 @@ func (a *Agent) releaseOwned(emu *emuList) error {
 			errs = append(errs, a.releaseRRegionLocked(rr))
 		}
 	}
-	emu.unref()
 	return errors.Join(errs...)
 }
 
 // Close releases the list (and, for an emulated remote list, the remote
-// regions imported for it). Close the transfers made from it first; the
-// plugin may refuse with ErrNotAllowed.
+// regions imported for it). Close the transfers made from it first: a
+// plugin may refuse (e.g. ErrNotAllowed while a transfer uses the list, or
+// a refused release of an imported region); then Close returns the error
+// and the list stays open, to be closed again later.
 func (d *DList) Close() error {
 	a := d.a
 	if err := a.useExclusive(); err != nil {
@@ -287,13 +290,13 @@ func (d *DList) Close() error {
 	if d.closed {
 		return closedError(d.describe())
 	}
-	var err error
 	if d.emu != nil {
-		err = a.releaseOwned(d.emu)
-	} else {
-		if err = a.p.releaseDList(a.h, d.h); err != nil {
+		if err := a.releaseOwned(d.emu); err != nil {
 			return err
 		}
+		d.emu.unref()
+	} else if err := a.p.releaseDList(a.h, d.h); err != nil {
+		return err
 	}
 	d.closed = true
 	if d.peer != "" {
@@ -303,7 +306,7 @@ func (d *DList) Close() error {
 		}
 		a.book.Unlock()
 	}
-	return err
+	return nil
 }
 
 func (d *DList) describe() string {

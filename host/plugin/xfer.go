@@ -24,7 +24,10 @@ type Xfer struct {
 	mu     sync.Mutex
 	h      abi.Xfer
 	closed bool
-	tmp    [2]abi.DList // lists made by batch emulation, released with the transfer
+	// released: release_xfer succeeded but a list of tmp did not release
+	// yet; the transfer is unusable and Close retries the lists.
+	released bool
+	tmp      [2]abi.DList // lists made by batch emulation, released with the transfer; 0 once released
 	// tmpPeer is the peer of tmp[1]. RemoveRemote leaves tmp[1] a dead
 	// handle that Close still releases; a plugin that released it with the
 	// peer answers ErrInvalidParam, which Close then ignores.
@@ -286,7 +289,7 @@ func (x *Xfer) Agent() *Agent { return x.a }
 // must call x.unlock.
 func (x *Xfer) lock() error {
 	x.mu.Lock()
-	if x.closed {
+	if x.closed || x.released {
 		x.mu.Unlock()
 		return closedError("transfer")
 	}
@@ -430,23 +433,50 @@ func (x *Xfer) Telemetry() (Telemetry, error) {
 // Close releases the transfer, cancelling it if active; on return the
 // plugin no longer touches its memory. Lists the host made for it are
 // released too.
+//
+// A plugin may refuse: MORI-IO and NIXL cannot cancel posted work and keep
+// a transfer still in flight after their release timeout (ErrBackend,
+// ErrRepostActive). Then Close returns that error and the transfer stays
+// open and usable (Poll it, Close it again later). Only ErrInvalidParam
+// (the plugin no longer knows the handle) closes it with the error. A list
+// of an emulated batch transfer that the plugin refuses to release keeps
+// the transfer closed to every use but Close, which releases the rest.
 func (x *Xfer) Close() error {
-	if err := x.lock(); err != nil {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.closed {
+		return closedError("transfer")
+	}
+	if err := x.a.use(); err != nil {
+		x.closed = true // the agent released it
 		return err
 	}
-	defer x.unlock()
-	x.closed = true
-	args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
-	errs := []error{x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))}
-	if x.tmp[0] != 0 {
-		errs = append(errs, x.a.p.releaseDList(x.a.h, x.tmp[0]))
+	defer x.a.mu.RUnlock()
+	var errs []error
+	if !x.released {
+		args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
+		err := x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))
+		if err != nil && !errors.Is(err, ErrInvalidParam) {
+			return err // the plugin kept the transfer: it stays open
+		}
+		errs = append(errs, err)
+		x.released = true
 	}
-	if x.tmp[1] != 0 {
-		err := x.a.p.releaseDList(x.a.h, x.tmp[1])
-		if x.tmpPeer.removed && errors.Is(err, ErrInvalidParam) {
+	for i, d := range x.tmp {
+		if d == 0 {
+			continue
+		}
+		err := x.a.p.releaseDList(x.a.h, d)
+		// RemoveRemote leaves tmp[1] a dead handle that is still released;
+		// a plugin that released it with the peer answers ErrInvalidParam.
+		if i == 1 && x.tmpPeer.removed && errors.Is(err, ErrInvalidParam) {
 			err = nil
+		}
+		if err == nil || errors.Is(err, ErrInvalidParam) {
+			x.tmp[i] = 0 // released, or unknown to the plugin: nothing to retry
 		}
 		errs = append(errs, err)
 	}
+	x.closed = x.tmp == [2]abi.DList{}
 	return errors.Join(errs...)
 }

@@ -111,15 +111,28 @@ static kvp_error *agent_destroy(kvp_agent_destroy_args *a) {
  * count their calls, so tests can see exactly which calls the host makes.
  * testplugin_calls(i) is the count of function i (the enum below);
  * testplugin_last(j) the last call's item count (0), pair count (1) and
- * number of strided descriptors or entries (2). */
+ * number of strided descriptors or entries (2). testplugin_refuse(i, code)
+ * makes the next call of function i fail with code (once; the call is
+ * counted and changes nothing), as a plugin refuses a release: MORI-IO and
+ * NIXL keep a transfer still in flight after their release timeout, and a
+ * plugin that tracks use refuses deregister_mem or release_dlist with
+ * KVP_ERR_NOT_ALLOWED. */
 enum { C_REGISTER, C_DEREGISTER, C_IMPORT, C_RELEASE_RR, C_PREP, C_RELEASE_DLIST, C_MAKE_PREPPED,
        C_MAKE_BATCH, C_POST, C_POLL, C_RELEASE_XFER, C_NCALLS };
 static int calls[C_NCALLS];
+static kvp_status refuse[C_NCALLS];
 static uint64_t last[3];
 static uint64_t next_handle = 1000;
 KVP_EXPORT int testplugin_calls(int i) { return __atomic_load_n(&calls[i], __ATOMIC_SEQ_CST); }
 KVP_EXPORT uint64_t testplugin_last(int i) { return last[i]; }
+KVP_EXPORT void testplugin_refuse(int i, int code) { __atomic_store_n(&refuse[i], code, __ATOMIC_SEQ_CST); }
 static void count(int i) { __atomic_add_fetch(&calls[i], 1, __ATOMIC_SEQ_CST); }
+/* Counts a call of function i and returns the armed refusal, if any. */
+static kvp_error *count_or_refuse(int i, const char *msg) {
+  count(i);
+  kvp_status code = __atomic_exchange_n(&refuse[i], 0, __ATOMIC_SEQ_CST);
+  return code ? mkerr(code, msg, strlen(msg)) : NULL;
+}
 static uint64_t handle(void) { return __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST); }
 
 static kvp_error *w_register(kvp_register_mem_args *a) {
@@ -127,7 +140,10 @@ static kvp_error *w_register(kvp_register_mem_args *a) {
   for (size_t i = 0; i < a->num_descs; i++) a->regions[i] = handle();
   return NULL;
 }
-static kvp_error *w_deregister(kvp_deregister_mem_args *a) { (void)a; count(C_DEREGISTER); return NULL; }
+static kvp_error *w_deregister(kvp_deregister_mem_args *a) {
+  (void)a;
+  return count_or_refuse(C_DEREGISTER, "region used by a transfer");
+}
 static kvp_error *w_metadata(kvp_local_metadata_args *a) {
   a->size = 4;
   if (a->cap >= 4) memcpy(a->buf, "tpmd", 4);
@@ -144,7 +160,10 @@ static kvp_error *w_import(kvp_remote_region_import_args *a) {
   a->rregion = handle();
   return NULL;
 }
-static kvp_error *w_release_rr(kvp_remote_region_release_args *a) { (void)a; count(C_RELEASE_RR); return NULL; }
+static kvp_error *w_release_rr(kvp_remote_region_release_args *a) {
+  (void)a;
+  return count_or_refuse(C_RELEASE_RR, "remote region in use");
+}
 static kvp_error *w_prep(kvp_prep_dlist_args *a) {
   count(C_PREP);
   last[0] = a->num_descs;
@@ -153,7 +172,10 @@ static kvp_error *w_prep(kvp_prep_dlist_args *a) {
   a->dlist = handle();
   return NULL;
 }
-static kvp_error *w_release_dlist(kvp_release_dlist_args *a) { (void)a; count(C_RELEASE_DLIST); return NULL; }
+static kvp_error *w_release_dlist(kvp_release_dlist_args *a) {
+  (void)a;
+  return count_or_refuse(C_RELEASE_DLIST, "dlist used by a transfer");
+}
 static kvp_error *w_make_prepped(kvp_make_prepped_xfer_args *a) {
   count(C_MAKE_PREPPED);
   last[0] = a->num_local_indices;
@@ -171,7 +193,10 @@ static kvp_error *w_make_batch(kvp_make_batch_xfer_args *a) {
 }
 static kvp_error *w_post(kvp_post_xfer_args *a) { count(C_POST); a->status = KVP_SUCCESS; return NULL; }
 static kvp_error *w_poll(kvp_poll_xfer_args *a) { count(C_POLL); a->status = KVP_SUCCESS; return NULL; }
-static kvp_error *w_release_xfer(kvp_release_xfer_args *a) { (void)a; count(C_RELEASE_XFER); return NULL; }
+static kvp_error *w_release_xfer(kvp_release_xfer_args *a) {
+  (void)a;
+  return count_or_refuse(C_RELEASE_XFER, "transfer still in flight; release it again later");
+}
 #define FN(working, fallback) working
 #else
 #define FN(working, fallback) fallback
