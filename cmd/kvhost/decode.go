@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/push/worker"
@@ -85,6 +86,15 @@ func runDecodeSGLang(c *cli.Context) error {
 	}
 	ctx, cancel := signalContext()
 	defer cancel()
+	m, err := startMetrics(ctx, c, "decode", styleSGLang)
+	if err != nil {
+		return err
+	}
+	o.Observer = m.PushObserver()
+	o.OnReady = func(rooms worker.RoomCounter) {
+		m.SetRoomSource(metrics.RoomSource(rooms))
+		m.SetReady(true)
+	}
 	rep, closeRep, err := openReport(c)
 	if err != nil {
 		return err
@@ -109,6 +119,10 @@ func runDecodeVLLM(c *cli.Context) error {
 	defer closeRep()
 	ctx, cancel := signalContext()
 	defer cancel()
+	m, err := startMetrics(ctx, c, "decode", styleVLLM)
+	if err != nil {
+		return err
+	}
 	slog.Info("decode worker starting", "style", styleVLLM, "prefill", c.String("prefill-url"),
 		"ranks", len(o.ranks), "requests", o.work.Requests)
 	sum, runErr := demo.RunDecode(ctx, demo.DecodeConfig{
@@ -117,6 +131,7 @@ func runDecodeVLLM(c *cli.Context) error {
 		HandshakeTimeout: c.Duration("handshake-timeout"), ReadTimeout: c.Duration("read-timeout"),
 		ConnectTimeout: c.Duration("connect-timeout"), SkipCompatCheck: !c.Bool("enforce-compat"),
 		MemKind: o.memKind, Logger: slog.Default(), Report: rep,
+		Observer: m.PullObserver(), OnReady: func() { m.SetReady(true) },
 	})
 	if sum != nil {
 		if err := writeSummary(c, sum); err != nil {

@@ -13,11 +13,15 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
-// TestMain lets this test binary stand in for kvhost as the helper process
+// asKvhostEnv makes this test binary run as kvhost (see kvhostProcess).
+const asKvhostEnv = "KVHOST_TEST_RUN_AS_KVHOST"
+
+// TestMain lets this test binary stand in for kvhost: as the helper process
 // of `plugins --check` (which starts os.Executable() with
-// "plugins --conformance-helper" and conformance.HelperEnv set).
+// "plugins --conformance-helper" and conformance.HelperEnv set), and as the
+// worker processes tests start with asKvhostEnv set.
 func TestMain(m *testing.M) {
-	if os.Getenv(conformance.HelperEnv) != "" {
+	if os.Getenv(conformance.HelperEnv) != "" || os.Getenv(asKvhostEnv) != "" {
 		main()
 		os.Exit(0)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
@@ -103,6 +104,15 @@ func runPrefillSGLang(c *cli.Context) error {
 	}
 	ctx, cancel := signalContext()
 	defer cancel()
+	m, err := startMetrics(ctx, c, "prefill", styleSGLang)
+	if err != nil {
+		return err
+	}
+	o.Observer = m.PushObserver()
+	o.OnReady = func(rooms worker.RoomCounter) {
+		m.SetRoomSource(metrics.RoomSource(rooms))
+		m.SetReady(true)
+	}
 
 	o.BootstrapAddr = c.String("bootstrap-addr")
 	if o.BootstrapAddr == "" {
@@ -132,6 +142,7 @@ func runPrefillSGLang(c *cli.Context) error {
 	slog.Info("prefill worker starting", "style", styleSGLang, "bootstrap", o.BootstrapAddr,
 		"ranks", len(o.TPRanks)*len(o.PPRanks), "requests", o.Workload.Requests)
 	s, runErr := worker.RunPrefill(ctx, o)
+	m.SetReady(false) // the ranks are closed
 	if d := c.Duration("linger"); d > 0 && ctx.Err() == nil {
 		select {
 		case <-time.After(d):
@@ -160,14 +171,19 @@ func runPrefillVLLM(c *cli.Context) error {
 		return err
 	}
 	defer closeRep()
+	ctx, cancel := signalContext()
+	defer cancel()
+	m, err := startMetrics(ctx, c, "prefill", styleVLLM)
+	if err != nil {
+		return err
+	}
 	cfg := demo.PrefillConfig{
 		Plugin: o.plugin, AgentParams: o.params, Model: o.model, Engine: o.engine, EngineID: o.engineID,
 		SideChannel:  "tcp://" + net.JoinHostPort(sideHost, strconv.Itoa(c.Int("side-channel-port"))),
 		APIAddr:      net.JoinHostPort(host, strconv.Itoa(c.Int("api-port"))),
 		AbortTimeout: abort, Workload: o.work, MemKind: o.memKind, Logger: slog.Default(), Report: rep,
+		Observer: m.PullObserver(), OnReady: func() { m.SetReady(true) },
 	}
-	ctx, cancel := signalContext()
-	defer cancel()
 	pf, err := demo.StartPrefill(cfg)
 	if err != nil {
 		return err

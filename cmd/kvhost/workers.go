@@ -27,6 +27,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/pull/demo"
@@ -141,6 +142,8 @@ func workerFlags(role string) []cli.Flag {
 
 		&cli.StringFlag{Category: catOutput, Name: "summary", Value: "-", EnvVars: roleEnv(role, "SUMMARY"),
 			Usage: "write the JSON summary to `FILE` (- for stdout, empty for none)"},
+		&cli.StringFlag{Category: catOutput, Name: "metrics-addr", EnvVars: append(roleEnv(role, "METRICS_ADDR"), env("METRICS_ADDR")...),
+			Usage: "serve Prometheus /metrics and /health (503 until the worker is ready, then 200) on `HOST:PORT` (port 0 picks one, logged; empty: off)"},
 		&cli.StringFlag{Category: catOutput, Name: "report", EnvVars: roleEnv(role, "REPORT"),
 			Usage: "write one JSON line per request to `FILE` as each finishes: its outcome (a vllm prefill: its release)"},
 
@@ -401,6 +404,20 @@ func vllmModel(c *cli.Context) (demo.Model, error) {
 		return m, fmt.Errorf("--dtype %s has %d-byte elements, --dtype-bytes says %d", m.DType, b, bytes)
 	}
 	return m, m.Validate()
+}
+
+// startMetrics makes the worker's metric set and serves it on
+// --metrics-addr until ctx ends (not at all when the flag is empty). The
+// caller feeds it through an observer and marks it ready.
+func startMetrics(ctx context.Context, c *cli.Context, role, style string) (*metrics.Metrics, error) {
+	m, srv, err := metrics.Start(ctx, c.String("metrics-addr"), map[string]string{"role": role, "style": style})
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr: %w", err)
+	}
+	if srv != nil {
+		slog.Info("serving metrics", "addr", srv.Addr(), "url", "http://"+srv.Addr()+"/metrics")
+	}
+	return m, nil
 }
 
 // signalContext is cancelled by SIGINT or SIGTERM.

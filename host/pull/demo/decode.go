@@ -47,8 +47,13 @@ type DecodeConfig struct {
 	// Progress, when set, is called after each request with the number
 	// finished so far.
 	Progress func(done, total int)
-	// Report, when set, gets one JSON line per request (RequestReport).
+	// Report, when set, gets one JSON line per request (RequestReport), as
+	// it finishes.
 	Report io.Writer
+	// OnReady, when set, is called once, when every rank is set up (agent,
+	// registered cache, receiver), before the worker waits for the prefill
+	// and starts the workload.
+	OnReady func()
 }
 
 // RequestReport is one line of DecodeConfig.Report.
@@ -164,6 +169,9 @@ func RunDecode(ctx context.Context, cfg DecodeConfig) (*DecodeSummary, error) {
 	defer d.close()
 	if err := d.setup(); err != nil {
 		return nil, err
+	}
+	if cfg.OnReady != nil {
+		cfg.OnReady()
 	}
 	hctx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
 	err := d.client.waitHealthy(hctx)

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -286,12 +287,17 @@ func TestWorkloadDeterministic(t *testing.T) {
 func TestPrefillAPI(t *testing.T) {
 	work := Workload{Seed: 3, Requests: 2, MinTokens: 10, MaxTokens: 20}
 	reqs := work.Generate()
+	ready := 0
 	pf, err := StartPrefill(PrefillConfig{Plugin: fake(t), Model: smallModel, Engine: engine(1, 16, "HND"), EngineID: "p",
-		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", AbortTimeout: 200 * time.Millisecond, Workload: work, Logger: testLog()})
+		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", AbortTimeout: 200 * time.Millisecond, Workload: work, Logger: testLog(),
+		OnReady: func() { ready++ }})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pf.Close()
+	if ready != 1 {
+		t.Fatalf("OnReady called %d times by the time StartPrefill returned", ready)
+	}
 	c := newPrefillClient("http://"+pf.APIAddr(), 0)
 	if err := c.waitHealthy(t.Context()); err != nil {
 		t.Fatal(err)
@@ -342,16 +348,23 @@ func TestPrefillKilled(t *testing.T) {
 	var ready struct{ API string }
 	pc.line(t, &ready)
 	var once sync.Once
+	var readyCalls, earlyProgress atomic.Int32
 	start := time.Now()
 	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: fake(t), Model: smallModel, Engine: engine(2, 16, "HND"),
 		EngineID: "decode", PrefillURL: "http://" + ready.API, Workload: work, Concurrency: 2, ConnectTimeout: time.Second,
-		Logger: testLog(), Progress: func(done, _ int) {
+		Logger: testLog(), OnReady: func() { readyCalls.Add(1) }, Progress: func(done, _ int) {
+			if readyCalls.Load() == 0 {
+				earlyProgress.Add(1)
+			}
 			if done == 4 {
 				once.Do(func() { pc.cmd.Process.Kill() })
 			}
 		}})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if readyCalls.Load() != 1 || earlyProgress.Load() != 0 {
+		t.Errorf("OnReady called %d times, %d requests finished before it", readyCalls.Load(), earlyProgress.Load())
 	}
 	took := time.Since(start)
 	if ds.OK < 4 || ds.Failed == 0 || ds.OK+ds.Failed != work.Requests {

@@ -49,8 +49,11 @@ type PrefillConfig struct {
 	Logger    *slog.Logger
 	Observer  pull.Observer
 	// Report, when set, gets one JSON line per released request
-	// (ReleaseReport).
+	// (ReleaseReport), as it is released.
 	Report io.Writer
+	// OnReady, when set, is called once, when the side channel and the API
+	// listen, before StartPrefill returns.
+	OnReady func()
 }
 
 // ReleaseReport is one line of PrefillConfig.Report.
@@ -205,6 +208,9 @@ func StartPrefill(cfg PrefillConfig) (_ *Prefill, err error) {
 	p.log.Info("prefill worker ready", "api", p.ln.Addr().String(), "side_channel", p.sender.Endpoint(),
 		"tp_size", cfg.Engine.TPSize, "block_size", cfg.Engine.BlockSize, "num_blocks", cfg.Engine.NumBlocks,
 		"layout", cfg.Engine.Layout, "expected_requests", len(p.expected))
+	if cfg.OnReady != nil {
+		cfg.OnReady()
+	}
 	return p, nil
 }
 

@@ -63,11 +63,13 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 		}
 		drs = append(drs, &decodeRank{rank: r, m: m})
 	}
+	live := newLiveRooms()
+	o.ready(live)
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
 	start := time.Now()
 	runRanks(ctx, len(drs), reqs, o.Concurrency, o.Progress, func(i int, req Request) {
-		drs[i].serve(ctx, &o, req, t)
+		drs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
 	s := &Summary{Role: "decode", Variant: o.Variant.String(), Completion: o.Completion.String(), Checked: !o.NoBytes}
@@ -86,7 +88,7 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 }
 
 // serve runs one request on one decode rank.
-func (d *decodeRank) serve(ctx context.Context, o *DecodeOptions, req Request, t *tally) {
+func (d *decodeRank) serve(ctx context.Context, o *DecodeOptions, req Request, t *tally, live *liveRooms) {
 	fail := func(reason string, verify bool) {
 		t.fail(RequestFailure{Room: req.Room, Rank: d.String(), Reason: reason, Abort: req.Abort}, verify)
 	}
@@ -96,6 +98,7 @@ func (d *decodeRank) serve(ctx context.Context, o *DecodeOptions, req Request, t
 		return
 	}
 	defer r.Close()
+	defer live.hold(r)()
 	ictx, cancel := context.WithTimeout(ctx, o.InitTimeout)
 	err = r.Init(ictx)
 	cancel()

@@ -4,14 +4,17 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/push/rooms"
 )
 
 func loadFake(t testing.TB) *plugin.Plugin {
@@ -167,3 +170,89 @@ func TestInProcMoriPPEqual(t *testing.T) {
 }
 
 func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// TestOnReady: each worker calls OnReady once, before its first request
+// finishes, with a room counter naming every KVPoll state; no room is held
+// then or after the run.
+func TestOnReady(t *testing.T) {
+	pl := loadFake(t)
+	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		srv.Close(ctx)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	type side struct {
+		mu       sync.Mutex
+		ready    int
+		early    bool // a request finished before OnReady
+		rooms    RoomCounter
+		atReady  map[string]int
+		progress int
+	}
+	held := func(rc RoomCounter) map[string]int {
+		m := map[string]int{}
+		rc(func(state string, n int) { m[state] += n })
+		return m
+	}
+	common := func(tp int, s *side) Common {
+		return Common{Plugin: pl, Shape: smallShape(), Workload: smallWL(), TPSize: tp, Logger: discard(),
+			OnReady: func(rc RoomCounter) {
+				s.mu.Lock()
+				defer s.mu.Unlock()
+				s.ready++
+				s.early = s.progress > 0
+				s.rooms, s.atReady = rc, held(rc)
+			},
+			Progress: func(int) { s.mu.Lock(); s.progress++; s.mu.Unlock() },
+		}
+	}
+	var ps, ds side
+	errc := make(chan error, 1)
+	go func() {
+		_, err := RunPrefill(ctx, PrefillOptions{Common: common(2, &ps), BootstrapAddr: srv.Addr()})
+		errc <- err
+	}()
+	if _, err := RunDecode(ctx, DecodeOptions{Common: common(2, &ds), BootstrapAddr: srv.Addr()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int{"Failed": 0, "Bootstrapping": 0, "WaitingForInput": 0, "Transferring": 0, "Success": 0}
+	for name, s := range map[string]*side{"prefill": &ps, "decode": &ds} {
+		if s.ready != 1 || s.early || s.progress != smallWL().Requests {
+			t.Errorf("%s: OnReady called %d times, after a request: %v, %d requests", name, s.ready, s.early, s.progress)
+			continue
+		}
+		if !maps.Equal(s.atReady, want) || !maps.Equal(held(s.rooms), want) {
+			t.Errorf("%s: rooms at ready %v, after the run %v, want %v", name, s.atReady, held(s.rooms), want)
+		}
+	}
+}
+
+func TestLiveRooms(t *testing.T) {
+	l := newLiveRooms()
+	a, b := fixedRoom(rooms.Transferring), fixedRoom(rooms.Transferring)
+	releaseA, releaseB := l.hold(&a), l.hold(&b)
+	got := map[string]int{}
+	l.count(func(state string, n int) { got[state] = n })
+	if got["Transferring"] != 2 || len(got) != 5 {
+		t.Fatalf("count %v", got)
+	}
+	releaseA()
+	releaseB()
+	l.count(func(state string, n int) { got[state] = n })
+	if got["Transferring"] != 0 {
+		t.Fatalf("count after release %v", got)
+	}
+}
+
+type fixedRoom rooms.Status
+
+func (f *fixedRoom) Poll() rooms.Status { return rooms.Status(*f) }

@@ -47,6 +47,19 @@ type Common struct {
 	// decode, to measure the runtime alone (benchmarks). The summary then
 	// says Checked false.
 	NoBytes bool
+	// OnReady, if set, is called once, when every rank of the worker is
+	// set up and serving (prefill: registered with the bootstrap server),
+	// before the first request starts. rooms counts the rooms the worker
+	// holds at each call (for a metrics gauge); it may be called from any
+	// goroutine, also after the run (it then counts none).
+	OnReady func(rooms RoomCounter)
+}
+
+// ready calls OnReady, if set.
+func (c *Common) ready(live *liveRooms) {
+	if c.OnReady != nil {
+		c.OnReady(live.count)
+	}
 }
 
 func (c *Common) check() error {
@@ -168,11 +181,13 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 		}
 		prs = append(prs, &prefillRank{rank: r, m: m})
 	}
+	live := newLiveRooms()
+	o.ready(live)
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
 	start := time.Now()
 	runRanks(ctx, len(prs), reqs, o.Concurrency, o.Progress, func(i int, req Request) {
-		prs[i].serve(ctx, &o, req, t)
+		prs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
 
@@ -195,7 +210,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 }
 
 // serve runs one request on one prefill rank.
-func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request, t *tally) {
+func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request, t *tally, live *liveRooms) {
 	fail := func(reason string) {
 		t.fail(RequestFailure{Room: req.Room, Rank: p.String(), Reason: reason, Abort: req.Abort}, false)
 	}
@@ -205,6 +220,7 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 		return
 	}
 	defer s.Close()
+	defer live.hold(s)()
 	st, err := s.WaitReady(ctx)
 	if err != nil {
 		fail(err.Error())
