@@ -31,6 +31,14 @@ type conn struct {
 	// peers we do not choose). Waiting for a message has no bound.
 	msgTimeout time.Duration
 
+	// budget, when set (connections of bound sockets), is charged for the
+	// memory of every received message before it is allocated; stop ends
+	// a wait for it (the socket's done channel). held is what the message
+	// being read holds so far; only the read loop touches it.
+	budget *recvBudget
+	stop   <-chan struct{}
+	held   int64
+
 	wmu sync.Mutex
 
 	closeOnce sync.Once
@@ -124,17 +132,46 @@ func errorReason(body []byte) string {
 	return fmt.Sprintf("%q", body[1:1+int(body[0])])
 }
 
-// recv returns the next data message. PING is answered with PONG; ERROR
+// useBudget makes c charge received messages to b, waiting for it until
+// stop is closed. Call before the read loop starts.
+func (c *conn) useBudget(b *recvBudget, stop <-chan struct{}) {
+	c.budget, c.stop = b, stop
+	c.lim.reserve = c.reserve
+}
+
+// reserve charges n bytes of the message being read to the budget. Time
+// spent waiting for the budget is the socket's, not the peer's: the
+// message deadline starts afresh after a wait.
+func (c *conn) reserve(n int64) error {
+	waited, err := c.budget.reserve(c, c.held, n, c.stop)
+	if err != nil {
+		return err
+	}
+	c.held += n
+	if waited > 0 && c.msgTimeout > 0 {
+		return c.nc.SetReadDeadline(time.Now().Add(c.msgTimeout))
+	}
+	return nil
+}
+
+// recv returns the next data message and the bytes it holds of the
+// connection's receive budget (0 without one; the receiver of the message
+// gives them back with budget.release). PING is answered with PONG; ERROR
 // ends the connection; other commands are ignored. Any error means the
 // connection is unusable; the caller closes it.
-func (c *conn) recv() ([][]byte, error) {
+func (c *conn) recv() ([][]byte, int64, error) {
 	for {
 		frames, cmd, err := c.readMessage()
+		held := c.held
+		c.held = 0
+		if c.budget != nil {
+			c.budget.endMessage(c, held, err == nil)
+		}
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		if cmd == nil {
-			return frames, nil
+			return frames, held, nil
 		}
 		switch cmd.name {
 		case "PING":
@@ -145,10 +182,10 @@ func (c *conn) recv() ([][]byte, error) {
 				ctxBytes = cmd.body[2:]
 			}
 			if err := c.writeRaw(context.Background(), [][]byte{encodeCommand("PONG", ctxBytes)}, time.Now().Add(5*time.Second)); err != nil {
-				return nil, err
+				return nil, 0, err
 			}
 		case "ERROR":
-			return nil, fmt.Errorf("zmq: peer %s closed the connection with ERROR %s", c.peer, errorReason(cmd.body))
+			return nil, 0, fmt.Errorf("zmq: peer %s closed the connection with ERROR %s", c.peer, errorReason(cmd.body))
 		}
 	}
 }

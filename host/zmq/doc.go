@@ -41,8 +41,16 @@
 //     panic. Handshakes run per connection under a deadline, and until
 //     READY only a command (at most 64 KiB) is read. A peer of a bound
 //     socket (PULL, ROUTER) that starts a message must finish it within
-//     30 s or is dropped; between messages a peer may stay idle, as with
-//     libzmq.
+//     30 s or is dropped (time the socket itself spends waiting for its
+//     receive budget does not count); between messages a peer may stay
+//     idle, as with libzmq.
+//   - What all peers send together is bounded too. A bound socket keeps
+//     at most MaxConns connections (more are refused) and holds at most
+//     its receive budget plus one message of received data, queued or
+//     being read: while the budget is spent it stops reading, so the
+//     senders are held back by TCP flow control, and nothing is dropped.
+//     With the defaults that is at most about 256 MiB per socket (see
+//     the Default constants).
 //   - Push.Send returns nil only after the whole message was handed to the
 //     kernel on a live connection. A failed write closes the connection and
 //     the message is re-sent on a new one (a partially written message is

@@ -7,16 +7,20 @@ import (
 )
 
 // FuzzReadMessage feeds arbitrary bytes to the frame reader: it must never
-// panic, and what it returns must respect the limits.
+// panic, what it returns must respect the limits, and it must reserve
+// exactly the memory a message keeps (what a socket's receive budget is
+// charged).
 func FuzzReadMessage(f *testing.F) {
 	f.Add(encodeMessage([][]byte{[]byte("a"), bytes.Repeat([]byte("b"), 300)}))
 	f.Add(encodeCommand("PING", []byte{0, 1, 'c'}))
 	f.Add([]byte{flagLong, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
 	f.Add([]byte{flagMore, 0, flagMore, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, wire []byte) {
-		lim := limits{maxMessageSize: 4096, maxFrames: 8}
+		var reserved int64
+		lim := limits{maxMessageSize: 4096, maxFrames: 8, reserve: func(n int64) error { reserved += n; return nil }}
 		r := bufio.NewReader(bytes.NewReader(wire))
 		for range 64 {
+			reserved = 0
 			frames, cmd, err := readMessage(r, lim)
 			if err != nil {
 				return
@@ -29,6 +33,11 @@ func FuzzReadMessage(f *testing.F) {
 				if len(frames) == 0 || len(frames) > lim.maxFrames || int64(total) > lim.maxMessageSize {
 					t.Fatalf("limits broken: %d frames, %d bytes", len(frames), total)
 				}
+				if want := int64(total + frameOverhead*len(frames)); reserved != want {
+					t.Fatalf("reserved %d bytes for a message that keeps %d", reserved, want)
+				}
+			} else if reserved != 0 {
+				t.Fatalf("reserved %d bytes for a command", reserved)
 			}
 		}
 	})

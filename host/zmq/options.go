@@ -5,18 +5,37 @@ import (
 	"time"
 )
 
-// Defaults of the options. They are generous for control messages: the
-// largest SGLang message is a registration carrying agent metadata and
-// pointer lists (kilobytes to a few megabytes).
+// Defaults of the options, sized for a control plane: every bound socket
+// (PULL, ROUTER) holds at most DefaultRecvBudget + DefaultMaxMessageSize
+// bytes of received messages plus a 64 KiB read buffer per connection
+// (DefaultMaxConns of them): about 256 MiB at worst, whatever its peers
+// send.
+//
+// The largest legitimate messages are SGLang's: a NIXL KV registration
+// carries the agent's metadata blob (connection info plus a serialized
+// descriptor with a remote key for each registered region: of the order
+// of a kilobyte per region, so about 10 MiB for ten thousand regions); a
+// MORI registration one msgpack MemoryDesc of about 150 bytes per region;
+// transfer info one int32 per KV page (4 MiB for a million pages, 40 MiB
+// for ten million). DefaultMaxMessageSize covers all of these with room to
+// spare; raise it with WithMaxMessageSize for anything larger.
 const (
 	DefaultHandshakeTimeout = 5 * time.Second
-	DefaultMaxMessageSize   = 256 << 20 // bytes, all frames of one message together
-	DefaultMaxFrames        = 4096      // frames per message
-	DefaultRecvQueue        = 128       // messages buffered between connections and Recv
-	DefaultSendTimeout      = 30 * time.Second
-	DefaultReconnectMin     = 50 * time.Millisecond
-	DefaultReconnectMax     = time.Second
-	DefaultKeepAlive        = 30 * time.Second
+	DefaultMaxMessageSize   = 64 << 20 // bytes, all frames of one message together
+	DefaultMaxFrames        = 4096     // frames per message
+	DefaultRecvQueue        = 128      // messages buffered between connections and Recv
+	// DefaultRecvBudget bounds, in bytes, the received messages a bound
+	// socket holds (queued for Recv or being read): two of the largest.
+	DefaultRecvBudget = 2 * DefaultMaxMessageSize
+	// DefaultMaxConns bounds the connections of a bound socket, handshakes
+	// included. A prefill rank's PULL socket has one per decode rank
+	// that talks to it (hundreds in a large deployment); a vLLM handshake
+	// ROUTER one per decode worker in its handshake.
+	DefaultMaxConns     = 1024
+	DefaultSendTimeout  = 30 * time.Second
+	DefaultReconnectMin = 50 * time.Millisecond
+	DefaultReconnectMax = time.Second
+	DefaultKeepAlive    = 30 * time.Second
 )
 
 // messageTimeout bounds how long a peer of a bound socket (PULL, ROUTER)
@@ -34,6 +53,8 @@ type options struct {
 	maxMessageSize   int64
 	maxFrames        int
 	recvQueue        int
+	recvBudget       int64
+	maxConns         int
 	sendTimeout      time.Duration
 	reconnectMin     time.Duration
 	reconnectMax     time.Duration
@@ -48,6 +69,8 @@ func buildOptions(opts []Option) options {
 		maxMessageSize:   DefaultMaxMessageSize,
 		maxFrames:        DefaultMaxFrames,
 		recvQueue:        DefaultRecvQueue,
+		recvBudget:       DefaultRecvBudget,
+		maxConns:         DefaultMaxConns,
 		sendTimeout:      DefaultSendTimeout,
 		reconnectMin:     DefaultReconnectMin,
 		reconnectMax:     DefaultReconnectMax,
@@ -81,7 +104,9 @@ func WithHandshakeTimeout(d time.Duration) Option {
 }
 
 // WithMaxMessageSize bounds the total size in bytes of one received message
-// (all frames). A peer that exceeds it is disconnected.
+// (all frames). A peer that exceeds it is disconnected (the oversized
+// message is refused by its frame header, before it is read).
+// Default: DefaultMaxMessageSize.
 func WithMaxMessageSize(n int64) Option {
 	return func(o *options) {
 		if n > 0 {
@@ -106,6 +131,33 @@ func WithRecvQueue(n int) Option {
 	return func(o *options) {
 		if n > 0 {
 			o.recvQueue = n
+		}
+	}
+}
+
+// WithRecvBudget bounds the memory in bytes that a PULL or ROUTER socket
+// holds for received messages, those waiting for Recv and those still
+// being read. While it is spent the socket stops reading from its
+// connections until Recv frees some (back-pressure on the senders, as
+// with WithRecvQueue); nothing is dropped. One message may go past the
+// budget when nothing else could free it, so the socket holds at most the
+// budget plus one message. Default: DefaultRecvBudget.
+func WithRecvBudget(n int64) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.recvBudget = n
+		}
+	}
+}
+
+// WithMaxConns bounds the connections a PULL or ROUTER socket keeps open
+// at once, handshakes in progress included. A connection past the bound is
+// closed as soon as it is accepted, with a log line (at most one a second,
+// counting the others). Default: DefaultMaxConns.
+func WithMaxConns(n int) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.maxConns = n
 		}
 	}
 }

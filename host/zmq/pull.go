@@ -9,15 +9,23 @@ import (
 // delivers their messages, fair-queued, through Recv. Safe for concurrent
 // use.
 type Pull struct {
-	srv  *server
-	msgs chan [][]byte
+	srv    *server
+	msgs   chan received
+	budget *recvBudget
+}
+
+// received is a message waiting for Recv and the bytes of the receive
+// budget it holds.
+type received struct {
+	frames [][]byte
+	size   int64
 }
 
 // ListenPull binds a PULL socket to endpoint ("tcp://host:port",
 // "tcp://*:port"; port 0 picks a free port, see Endpoint).
 func ListenPull(endpoint string, opts ...Option) (*Pull, error) {
 	o := buildOptions(opts)
-	p := &Pull{msgs: make(chan [][]byte, o.recvQueue)}
+	p := &Pull{msgs: make(chan received, o.recvQueue), budget: newRecvBudget(o.recvBudget)}
 	srv, err := listen(endpoint, typePull, o, p.serve)
 	if err != nil {
 		return nil, err
@@ -28,14 +36,15 @@ func ListenPull(endpoint string, opts ...Option) (*Pull, error) {
 }
 
 func (p *Pull) serve(c *conn) {
+	c.useBudget(p.budget, p.srv.done)
 	for {
-		frames, err := c.recv()
+		frames, size, err := c.recv()
 		if err != nil {
 			p.srv.readError(c, err)
 			return
 		}
 		select {
-		case p.msgs <- frames:
+		case p.msgs <- received{frames, size}:
 		case <-p.srv.done:
 			return
 		}
@@ -53,12 +62,14 @@ func (p *Pull) Recv(ctx context.Context) ([][]byte, error) {
 	}
 	select {
 	case m := <-p.msgs: // a waiting message wins over an expired ctx
-		return m, nil
+		p.budget.release(m.size)
+		return m.frames, nil
 	default:
 	}
 	select {
 	case m := <-p.msgs:
-		return m, nil
+		p.budget.release(m.size)
+		return m.frames, nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-p.srv.done:

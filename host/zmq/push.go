@@ -153,7 +153,7 @@ func (p *Push) connect(ctx context.Context) (*conn, error) {
 func (p *Push) watch(c *conn) {
 	defer p.wg.Done()
 	defer c.close()
-	frames, err := c.recv()
+	frames, _, err := c.recv()
 	switch {
 	case err != nil && !isClosedErr(err):
 		p.log.Warn("zmq connection failed", "peer", c.peer, "err", err)

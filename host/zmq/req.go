@@ -60,7 +60,7 @@ func Request(ctx context.Context, endpoint string, frames [][]byte, opts ...Opti
 	} else {
 		nc.SetReadDeadline(time.Time{})
 	}
-	reply, err := c.recv()
+	reply, _, err := c.recv()
 	if err != nil {
 		return nil, fail(err)
 	}

@@ -27,8 +27,9 @@ type RouterMsg struct {
 // counter, like libzmq's generated ids; ids are never reused). Safe for
 // concurrent use; a slow or stuck peer only delays replies to itself.
 type Router struct {
-	srv  *server
-	msgs chan RouterMsg
+	srv    *server
+	msgs   chan routerItem
+	budget *recvBudget
 
 	mu     sync.RWMutex
 	peers  map[string]*conn
@@ -38,7 +39,7 @@ type Router struct {
 // ListenRouter binds a ROUTER socket to endpoint.
 func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 	o := buildOptions(opts)
-	r := &Router{msgs: make(chan RouterMsg, o.recvQueue), peers: make(map[string]*conn)}
+	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget), peers: make(map[string]*conn)}
 	srv, err := listen(endpoint, typeRouter, o, r.serve)
 	if err != nil {
 		return nil, err
@@ -48,17 +49,25 @@ func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 	return r, nil
 }
 
+// routerItem is a message waiting for Recv and the bytes of the receive
+// budget it holds.
+type routerItem struct {
+	msg  RouterMsg
+	size int64
+}
+
 func (r *Router) serve(c *conn) {
+	c.useBudget(r.budget, r.srv.done)
 	id := r.register(c)
 	defer r.unregister(id)
 	for {
-		frames, err := c.recv()
+		frames, size, err := c.recv()
 		if err != nil {
 			r.srv.readError(c, err)
 			return
 		}
 		select {
-		case r.msgs <- RouterMsg{Peer: []byte(id), Frames: frames}:
+		case r.msgs <- routerItem{RouterMsg{Peer: []byte(id), Frames: frames}, size}:
 		case <-r.srv.done:
 			return
 		}
@@ -91,12 +100,14 @@ func (r *Router) Recv(ctx context.Context) (RouterMsg, error) {
 	}
 	select {
 	case m := <-r.msgs: // a waiting message wins over an expired ctx
-		return m, nil
+		r.budget.release(m.size)
+		return m.msg, nil
 	default:
 	}
 	select {
 	case m := <-r.msgs:
-		return m, nil
+		r.budget.release(m.size)
+		return m.msg, nil
 	case <-ctx.Done():
 		return RouterMsg{}, ctx.Err()
 	case <-r.srv.done:

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -28,6 +29,12 @@ type server struct {
 	serve func(c *conn)
 
 	pending chan struct{} // semaphore of handshakes in progress
+	live    atomic.Int64  // connections accepted and not yet ended (≤ o.maxConns)
+
+	// Refusals are logged at most once a second; the accept loop alone
+	// touches these.
+	lastRefusalLog time.Time
+	refusedQuietly int
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -91,20 +98,40 @@ func (s *server) acceptLoop() {
 			continue
 		}
 		backoff = 5 * time.Millisecond
+		if s.live.Load() >= int64(s.o.maxConns) {
+			s.refuse(nc, "zmq connection limit reached; refusing a connection", "max_conns", s.o.maxConns)
+			continue
+		}
 		select {
 		case s.pending <- struct{}{}:
 		default:
-			s.log.Warn("zmq too many connections in handshake; dropping one", "peer", nc.RemoteAddr())
-			nc.Close()
+			s.refuse(nc, "zmq too many connections in handshake; refusing a connection", "max_handshakes", maxPendingHandshakes)
 			continue
 		}
+		s.live.Add(1)
 		s.wg.Add(1)
 		go s.handle(nc)
 	}
 }
 
+// refuse closes a connection the socket will not serve and logs it, at
+// most once a second: a flood of connections must not flood the log.
+func (s *server) refuse(nc net.Conn, msg string, args ...any) {
+	nc.Close()
+	now := time.Now()
+	if now.Sub(s.lastRefusalLog) < time.Second {
+		s.refusedQuietly++
+		return
+	}
+	args = append(args, "peer", nc.RemoteAddr(), "unlogged_refusals", s.refusedQuietly)
+	s.log.Warn(msg, args...)
+	s.lastRefusalLog = now
+	s.refusedQuietly = 0
+}
+
 func (s *server) handle(nc net.Conn) {
 	defer s.wg.Done()
+	defer s.live.Add(-1)
 	// Closing the server interrupts a handshake in progress.
 	handshaking := make(chan struct{})
 	go func() {

@@ -178,6 +178,17 @@ func encodeCommand(name string, body []byte) []byte {
 type limits struct {
 	maxMessageSize int64
 	maxFrames      int
+	// reserve, when set, is called before memory for a data frame is
+	// allocated, with the bytes about to be allocated; it may wait (for a
+	// receive budget) and fails the read when it returns an error.
+	reserve func(n int64) error
+}
+
+func (l limits) take(n int64) error {
+	if l.reserve == nil {
+		return nil
+	}
+	return l.reserve(n)
 }
 
 // readMessage reads the next message or command from r. Exactly one of
@@ -236,7 +247,7 @@ func readMessage(r *bufio.Reader, lim limits) (frames [][]byte, cmd *command, er
 			return nil, nil, protoErr("message larger than %d bytes", lim.maxMessageSize)
 		}
 		total += int64(size)
-		body, err := readBody(r, int64(size))
+		body, err := readBody(r, int64(size), lim)
 		if err != nil {
 			return nil, nil, truncated(err, true)
 		}
@@ -248,19 +259,43 @@ func readMessage(r *bufio.Reader, lim limits) (frames [][]byte, cmd *command, er
 }
 
 // readBody reads exactly n bytes, allocating as they arrive for large n.
-func readBody(r io.Reader, n int64) ([]byte, error) {
+// Every allocation is reserved through lim first (with frameOverhead for
+// the frame itself), so what is charged is the memory actually held.
+func readBody(r io.Reader, n int64, lim limits) ([]byte, error) {
 	if n <= smallFrame {
+		if err := lim.take(frameOverhead + n); err != nil {
+			return nil, err
+		}
 		b := make([]byte, n)
 		_, err := io.ReadFull(r, b)
 		return b, err
 	}
-	var buf bytes.Buffer
-	buf.Grow(smallFrame)
-	got, err := io.CopyN(&buf, r, n)
-	if err == nil && got != n {
-		err = io.ErrUnexpectedEOF
+	if err := lim.take(frameOverhead); err != nil {
+		return nil, err
 	}
-	return buf.Bytes(), err
+	var buf []byte
+	for int64(len(buf)) < n {
+		if len(buf) == cap(buf) {
+			// Grow by doubling, never past n: the capacity held is at most
+			// twice the bytes received and never more than n.
+			grown := min(n, max(2*int64(cap(buf)), smallFrame))
+			if err := lim.take(grown - int64(cap(buf))); err != nil {
+				return nil, err
+			}
+			nb := make([]byte, len(buf), grown)
+			copy(nb, buf)
+			buf = nb
+		}
+		m, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+m]
+		if err != nil && int64(len(buf)) < n {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
+	}
+	return buf, nil
 }
 
 // truncated turns an EOF inside a message into io.ErrUnexpectedEOF; a
