@@ -57,8 +57,8 @@ type Agent struct {
 	regions []*Region        // registered on this agent, sorted by Addr
 	peers   map[string]*peer // peers with remote regions or lists
 
-	notifMu  sync.Mutex // serialises Notifs (which reuses notifBuf)
-	notifBuf []byte
+	notifMu sync.Mutex // serialises Notifs (which reuses notif)
+	notif   notifState
 
 	scratch sync.Pool // *scratch: per-call buffers of the hot paths
 }

@@ -3,6 +3,7 @@ package plugin
 import (
 	"context"
 	"fmt"
+	"runtime/metrics"
 	"slices"
 	"testing"
 	"time"
@@ -340,6 +341,52 @@ func BenchmarkMakeXfer(b *testing.B) {
 				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(n), "ns/desc")
 			})
 		}
+	}
+}
+
+// BenchmarkNotifs measures Agent.Notifs: "empty" is one call of an idle
+// polling loop (nothing queued: one get_notifs, no allocation); "recv-N"
+// receives N notifications of one sender per call (sent outside the
+// timing, interleaved in chunks), reported per notification.
+func BenchmarkNotifs(b *testing.B) {
+	p := openFake(b)
+	a := newSide(b, p, "a", []int{4096})
+	s := newSide(b, p, "b", []int{4096})
+	peer := connect(b, s, a)
+	b.Run("empty", func(b *testing.B) {
+		b.ReportAllocs()
+		for range b.N {
+			if got, err := a.a.Notifs(); err != nil || got != nil {
+				b.Fatal(got, err)
+			}
+		}
+	})
+	msg := []byte("kv-done:bootstrap-room-1234567")
+	for _, n := range []int{1, 64} {
+		b.Run(fmt.Sprintf("recv-%d", n), func(b *testing.B) {
+			var inNotifs time.Duration
+			var allocs uint64
+			// runtime/metrics, not ReadMemStats: it does not stop the world.
+			sample := []metrics.Sample{{Name: "/gc/heap/allocs:objects"}}
+			objects := func() uint64 { metrics.Read(sample); return sample[0].Value.Uint64() }
+			for range b.N {
+				for range n {
+					if err := s.a.SendNotif(peer, msg); err != nil {
+						b.Fatal(err)
+					}
+				}
+				before := objects()
+				t0 := time.Now()
+				got, err := a.a.Notifs()
+				inNotifs += time.Since(t0)
+				allocs += objects() - before
+				if err != nil || len(got) != n {
+					b.Fatal(len(got), err)
+				}
+			}
+			b.ReportMetric(float64(inNotifs.Nanoseconds())/float64(b.N*n), "ns/notif")
+			b.ReportMetric(float64(allocs)/float64(b.N), "allocs/Notifs")
+		})
 	}
 }
 

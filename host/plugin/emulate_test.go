@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"testing"
+	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
 	"pgregory.net/rapid"
@@ -589,7 +590,8 @@ func encodeNotifs(ns []Notif) []byte {
 func TestDecodeNotifs(t *testing.T) {
 	in := []Notif{{"a", []byte("hello")}, {"a", []byte{}}, {"peer-b", []byte{0, 1, 2}}}
 	buf := encodeNotifs(in)
-	got, err := decodeNotifs(buf, 3, nil)
+	senders := map[string]string{}
+	got, err := decodeNotifs(buf, 3, nil, senders)
 	if err != nil || len(got) != 3 {
 		t.Fatalf("%v %v", got, err)
 	}
@@ -602,6 +604,17 @@ func TestDecodeNotifs(t *testing.T) {
 	if got[0].Msg[0] != 'h' {
 		t.Error("message aliases the buffer")
 	}
+	// Messages share one block but not their capacity: appending to one
+	// leaves the next alone.
+	_ = append(got[0].Msg, '!')
+	if string(got[2].Msg) != "\x00\x01\x02" || got[1].Msg == nil {
+		t.Errorf("append to a message changed another: %q %v", got[2].Msg, got[1].Msg)
+	}
+	// Sender names are kept: decoded again, the same string data.
+	again, err := decodeNotifs(encodeNotifs(in), 3, nil, senders)
+	if err != nil || unsafe.StringData(again[2].From) != unsafe.StringData(got[2].From) || len(senders) != 2 {
+		t.Errorf("sender names not reused (%d kept): %v", len(senders), err)
+	}
 	for _, tc := range []struct {
 		name  string
 		buf   []byte
@@ -613,11 +626,11 @@ func TestDecodeNotifs(t *testing.T) {
 		{"count too high", buf, 4},
 		{"count too low", buf, 2},
 	} {
-		if _, err := decodeNotifs(tc.buf, tc.count, nil); err == nil {
+		if _, err := decodeNotifs(tc.buf, tc.count, nil, nil); err == nil {
 			t.Errorf("%s: accepted", tc.name)
 		}
 	}
-	if got, err := decodeNotifs(nil, 0, nil); err != nil || len(got) != 0 {
+	if got, err := decodeNotifs(nil, 0, nil, nil); err != nil || len(got) != 0 {
 		t.Errorf("empty: %v %v", got, err)
 	}
 }
@@ -629,7 +642,7 @@ func FuzzDecodeNotifs(f *testing.F) {
 		if count < 0 || count > 1<<16 {
 			return
 		}
-		got, err := decodeNotifs(buf, count, nil)
+		got, err := decodeNotifs(buf, count, nil, map[string]string{})
 		if err != nil {
 			return
 		}

@@ -511,6 +511,52 @@ func TestFakeHotPathAllocations(t *testing.T) {
 	}
 }
 
+// Notifs in an idle polling loop (nothing arrived) allocates nothing, and
+// receiving costs a few allocations however many records arrive.
+func TestFakeNotifsAllocations(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are meaningless under the race detector; run without -race")
+	}
+	p := openFake(t)
+	a := newSide(t, p, "a", []int{4096})
+	b := newSide(t, p, "b", []int{4096})
+	peer := connect(t, b, a) // b sends to a
+	if allocs := testing.AllocsPerRun(200, func() {
+		if got, err := a.a.Notifs(); err != nil || got != nil {
+			t.Fatal(got, err)
+		}
+	}); allocs != 0 {
+		t.Errorf("Notifs with nothing queued allocates %v times, want 0", allocs)
+	}
+	msg := []byte("kv-done:room-17")
+	send := testing.AllocsPerRun(100, func() {
+		if err := b.a.SendNotif(peer, msg); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if got, err := a.a.Notifs(); err != nil || len(got) != 101 { // AllocsPerRun runs once more to warm up
+		t.Fatalf("draining: %d notifications, %v", len(got), err)
+	}
+	for _, n := range []int{1, 64} {
+		allocs := testing.AllocsPerRun(20, func() {
+			for range n {
+				if err := b.a.SendNotif(peer, msg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got, err := a.a.Notifs()
+			if err != nil || len(got) != n || got[n-1].From != b.a.Name() || string(got[n-1].Msg) != string(msg) {
+				t.Fatalf("%d notifications: %d, %v", n, len(got), err)
+			}
+		})
+		// The result slice and the message block; the sender's name is
+		// kept from the first call.
+		if recv := allocs - float64(n)*send; recv > 2 {
+			t.Errorf("receiving %d notifications in one Notifs allocates %v times, want at most 2", n, recv)
+		}
+	}
+}
+
 // procCounts returns this process's open file descriptors and OS threads.
 func procCounts(t *testing.T) (fds, threads int) {
 	t.Helper()
