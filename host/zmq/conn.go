@@ -263,6 +263,11 @@ func (c *conn) writeRaw(ctx context.Context, bufs net.Buffers, deadline time.Tim
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return fmt.Errorf("zmq: write to %s: %w", c.peer, ctxErr)
 		}
+		if errors.Is(err, os.ErrDeadlineExceeded) && !deadline.IsZero() && !time.Now().Before(deadline) {
+			// The socket deadline is ctx's (or the PONG's) and can fire a
+			// moment before ctx reports it.
+			return fmt.Errorf("zmq: write to %s: %w", c.peer, context.DeadlineExceeded)
+		}
 		return fmt.Errorf("zmq: write to %s: %w", c.peer, err)
 	}
 	return nil

@@ -162,9 +162,10 @@ func WithMaxConns(n int) Option {
 	}
 }
 
-// WithSendTimeout bounds a Push.Send whose context has no deadline
-// (SGLang uses SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's
-// status sockets). Zero means no bound.
+// WithSendTimeout bounds a Push.Send or Router.Send whose context has no
+// deadline (SGLang uses SNDTIMEO 30 s for prefill-side sockets, 5 s for
+// MORI's status sockets). Zero means no bound. Default:
+// DefaultSendTimeout.
 func WithSendTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {

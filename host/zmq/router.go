@@ -117,12 +117,20 @@ func (r *Router) Recv(ctx context.Context) (RouterMsg, error) {
 
 // Send sends frames to the peer with the given id. To answer a REQ peer,
 // the first frame must be the empty delimiter: Send(ctx, peer, nil, reply).
-// ctx bounds the write; a write that fails closes that peer's connection.
+// ctx bounds the write, and a ctx without a deadline is bounded by
+// WithSendTimeout, so a peer that stopped reading cannot hold Send
+// forever; a write that fails or runs out of time closes that peer's
+// connection (a partly written message leaves it unusable).
 func (r *Router) Send(ctx context.Context, peer []byte, frames ...[]byte) error {
 	select {
 	case <-r.srv.done:
 		return ErrClosed
 	default:
+	}
+	if _, ok := ctx.Deadline(); !ok && r.srv.o.sendTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, r.srv.o.sendTimeout)
+		defer cancel()
 	}
 	r.mu.RLock()
 	c := r.peers[string(peer)]

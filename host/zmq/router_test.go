@@ -197,3 +197,52 @@ func TestRequestBadReply(t *testing.T) {
 		t.Fatalf("Request: %v, want ErrProtocol", err)
 	}
 }
+
+// A peer that never reads cannot hold Router.Send forever: a context
+// without a deadline is bounded by the send timeout, the peer's connection
+// is closed, and the router keeps serving others.
+func TestRouterSendTimeoutOnStuckPeer(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	r := newRouter(t, WithSendTimeout(timeout))
+	stuck, _ := rawPeer(t, r.Addr().String(), typeReq) // never reads
+	stuck.Write(encodeMessage([][]byte{{}, []byte("hello")}))
+	m, err := r.Recv(testCtx(t, 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, 4<<20)
+	errc := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		for {
+			// Fills the kernel's buffers, then blocks on the stuck peer.
+			if err := r.Send(context.Background(), m.Peer, nil, big); err != nil {
+				errc <- err
+				return
+			}
+		}
+	}()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("Send to a stuck peer: %v, want deadline exceeded", err)
+		}
+		if el := time.Since(start); el > 20*timeout {
+			t.Fatalf("Send gave up after %v", el)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Send to a peer that never reads did not return")
+	}
+	if err := r.Send(context.Background(), m.Peer, nil, []byte("x")); !errors.Is(err, ErrUnknownPeer) && !errors.Is(err, ErrClosed) {
+		t.Fatalf("Send after the timeout: %v, want the peer's connection gone", err)
+	}
+	var failed atomic.Int64
+	ctx := testCtx(t, 10*time.Second)
+	go echoServer(ctx, r, &failed)
+	if rep, err := Request(ctx, r.Endpoint(), [][]byte{[]byte("other")}, quiet()); err != nil || string(rep[1]) != "other" {
+		t.Fatalf("another client after the stuck one: %q %v", rep, err)
+	}
+	if DefaultSendTimeout != 30*time.Second {
+		t.Fatalf("DefaultSendTimeout = %v", DefaultSendTimeout)
+	}
+}
