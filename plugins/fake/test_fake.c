@@ -39,6 +39,10 @@ static const kvp_api *A;
 static int failures, checks;
 static const char *g_role = "parent";
 
+/* Test hooks of fake.c (built with -DKVP_FAKE_TEST_HOOKS). */
+void fake_test_tune(uint64_t slice, uint64_t grace);
+void fake_test_handle_counts(size_t out[5]);
+
 #define CHECK(cond)                                                                    \
   do {                                                                                 \
     checks++;                                                                          \
@@ -84,6 +88,26 @@ static uint64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Checks that the plugin's handle tables hold no handle: every agent and
+ * everything it owned was released. LeakSanitizer cannot see a leaked
+ * handle (the tables keep it reachable); this can. */
+#define EXPECT_NO_HANDLES(what) expect_no_handles((what), __LINE__)
+static int expect_no_handles(const char *what, int line) {
+  static const char *const names[5] = {"agents", "regions", "remote regions", "dlists", "transfers"};
+  size_t n[5];
+  fake_test_handle_counts(n);
+  int ok = 1;
+  for (int i = 0; i < 5; i++) {
+    checks++;
+    if (n[i]) {
+      failures++;
+      ok = 0;
+      fprintf(stderr, "[%s] %s:%d: %s: %zu %s still live\n", g_role, __FILE__, line, what, n[i], names[i]);
+    }
+  }
+  return ok;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1174,13 +1198,47 @@ static void test_faults_and_progress(void) {
   free(before);
 }
 
+/* agent_destroy releases every handle the agent owns, whatever state it is
+ * in: regions, remote regions (by blob and by address), local and remote
+ * dlists, idle, finished, queued and delayed transfers. The tables prove it
+ * (LeakSanitizer cannot: the tables keep objects reachable). */
+static void test_destroy_releases_handles(void) {
+  EXPECT_NO_HANDLES("before");
+  pair_env E;
+  env_open(&E, 1 << 16, "delay_us", "200000");
+  uint64_t rr_blob, rr_addr, ldl, rdl, x_idle, x_run, x_batch;
+  uint8_t blob[48];
+  size_t bs;
+  OK(export_blob(E.b, E.br, blob, sizeof blob, &bs));
+  OK(import_rr(E.a, "B", blob, bs, 0, 0, 0, &rr_blob, NULL));
+  OK(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf, 4096, KVP_MEM_VRAM, &rr_addr, NULL));
+  x_idle = simple_write(&E, "idle", 4096, &ldl, &rdl);
+  int32_t z = 0;
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF("running"), &x_run));
+  OK(post(E.a, x_run, NULL)); /* waits 200 ms on a worker: destroyed in flight */
+  kvp_region_pair pr = {E.ar, rr_blob};
+  kvp_batch_entry be = BE(0, 0, 0, 4096, 0, 0, 1);
+  OK(xfer_batch(E.a, KVP_OP_WRITE, &pr, 1, &be, 1, NOTIF(NULL), &x_batch));
+  size_t n[5];
+  fake_test_handle_counts(n);
+  CHECK(n[0] == 2 && n[1] == 2 && n[2] == 2 && n[3] == 2 && n[4] == 3);
+  OK(agent_del(E.a));
+  fake_test_handle_counts(n); /* B and its region remain */
+  CHECK(n[0] == 1 && n[1] == 1 && n[2] == 0 && n[3] == 0 && n[4] == 0);
+  EXPECT(xfer_del(E.a, x_idle), KVP_ERR_INVALID_PARAM, NULL);
+  EXPECT(poll1(E.a, x_run, NULL), KVP_ERR_INVALID_PARAM, NULL);
+  OK(agent_del(E.b));
+  EXPECT_NO_HANDLES("after destroying both agents");
+  free(E.abuf);
+  free(E.bbuf);
+}
+
 /* Poll-driven progress in slices (fake_test_tune makes it deterministic: a
  * slice of SL bytes, and a grace period of an hour so that no worker takes
  * a pollable transfer). The transfer: one strided descriptor of 8 blocks
  * of 30000 bytes (local stride 32768, remote 40000) and one of 50000
  * bytes, 290000 bytes in all: slices of 100000, 100000 and 90000 bytes, two
  * of them ending inside a block. */
-void fake_test_tune(uint64_t slice, uint64_t grace);
 
 enum { SL = 100000, SL_TOTAL = 290000 };
 #define HOUR_NS 3600000000000ull
@@ -1783,6 +1841,7 @@ static int child_main(void) {
   while (read(in, &tmp, 1) > 0) {
   }
   OK(agent_del(ag));
+  EXPECT_NO_HANDLES("child, after its agent was destroyed");
   free(buf);
   free(pbuf);
   return failures ? 1 : 0;
@@ -2046,6 +2105,7 @@ int main(int argc, char **argv) {
   if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
     double min_ratio = argc > 2 ? atof(argv[2]) : 0;
     double ratio = bench(0);
+    EXPECT_NO_HANDLES("after the benchmark");
     if (failures) return 1;
     if (ratio < min_ratio) {
       fprintf(stderr, "bench: ratio %.3f below the required %.2f\n", ratio, min_ratio);
@@ -2076,6 +2136,7 @@ int main(int argc, char **argv) {
       {"notifications", test_notifications},
       {"faults_and_progress", test_faults_and_progress},
       {"poll_slices", test_poll_slices},
+      {"destroy_releases_handles", test_destroy_releases_handles},
       {"cancel_running", test_cancel_running},
       {"reload_and_restart", test_reload_and_restart},
       {"parser_fuzz", test_parser_fuzz},
@@ -2086,6 +2147,7 @@ int main(int argc, char **argv) {
     int before = failures;
     uint64_t t0 = now_ns();
     tests[i].fn();
+    EXPECT_NO_HANDLES(tests[i].name); /* every test releases what it made */
     printf("%-24s %s (%.0f ms)\n", tests[i].name, failures == before ? "ok" : "FAILED",
            (double)(now_ns() - t0) / 1e6);
     fflush(stdout);
@@ -2102,6 +2164,7 @@ int main(int argc, char **argv) {
            sos[i].path, sos[i].major);
   }
   if (!no_bench) bench(0);
+  EXPECT_NO_HANDLES("after every test");
   if (failures) {
     fprintf(stderr, "test_fake: %d of %d checks FAILED\n", failures, checks);
     return 1;
