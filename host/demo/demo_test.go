@@ -203,8 +203,21 @@ func TestSeparateProcesses(t *testing.T) {
 			cfg.Style, cfg.InProcess, cfg.Exe = style, false, exe
 			cfg.PluginPath = filepath.Dir(path)
 			cfg.WorkDir = t.TempDir()
+			var mu sync.Mutex
+			last := 0
+			cfg.Progress = func(done, total int) {
+				mu.Lock()
+				defer mu.Unlock()
+				if done < last || total != cfg.Requests*cfg.DecodeTP {
+					t.Errorf("progress %d of %d after %d", done, total, last)
+				}
+				last = done
+			}
 			s, err := Run(context.Background(), cfg)
 			check(t, s, err)
+			if last != cfg.Requests*cfg.DecodeTP {
+				t.Errorf("progress ended at %d of %d", last, cfg.Requests*cfg.DecodeTP)
+			}
 			want := 1 + 1 + cfg.DecodeTP // bootstrap, prefill, decodes
 			if style == "vllm" {
 				want-- // the prefill's API stands in for the bootstrap server
@@ -234,5 +247,29 @@ func TestTally(t *testing.T) {
 	}
 	if err := newTally().addReport(strings.NewReader("{bad")); err == nil {
 		t.Error("a broken report line was accepted")
+	}
+}
+
+// TestLineTail: the progress of separate processes counts the lines of a
+// report another process appends to, each byte read once.
+func TestLineTail(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "r")
+	lt := &lineTail{path: path}
+	defer lt.close()
+	if n := lt.count(); n != 0 {
+		t.Fatalf("no file yet: %d", n)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for i, chunk := range []string{"{\"room\":1}\n", "{\"room\":2", "}\n{\"room\":3}\n", ""} {
+		if _, err := f.WriteString(chunk); err != nil {
+			t.Fatal(err)
+		}
+		if n, want := lt.count(), []int{1, 1, 3, 3}[i]; n != want {
+			t.Fatalf("after chunk %d: %d lines, want %d", i, n, want)
+		}
 	}
 }

@@ -39,6 +39,7 @@ type procRun struct {
 	dir      string
 	global   []string // kvhost's global flags for every child
 	children []*child
+	tails    []*lineTail // the decode ranks' request reports (progress)
 }
 
 func (r *procRun) path(name string) string { return filepath.Join(r.dir, name) }
@@ -158,6 +159,9 @@ func runProcs(ctx context.Context, cfg *Config, pluginDir string, s *Summary) (e
 		for _, c := range r.children {
 			c.stop()
 		}
+		for _, t := range r.tails {
+			t.close()
+		}
 	}()
 	var prefill *child
 	var decodes []*child
@@ -253,17 +257,56 @@ func (r *procRun) wait(ctx context.Context, workers []*child) error {
 	}
 }
 
-// progress counts the request lines the decode ranks wrote so far.
+// progress reports the request lines the decode ranks wrote so far (each
+// writes one as a request finishes), reading only what is new.
 func (r *procRun) progress() {
 	if r.cfg.Progress == nil {
 		return
 	}
+	if r.tails == nil {
+		for rank := range r.cfg.DecodeTP {
+			r.tails = append(r.tails, &lineTail{path: r.path(fmt.Sprintf("decode-%d.requests", rank))})
+		}
+	}
 	done := 0
-	for rank := range r.cfg.DecodeTP {
-		b, _ := os.ReadFile(r.path(fmt.Sprintf("decode-%d.requests", rank)))
-		done += bytes.Count(b, []byte("\n"))
+	for _, t := range r.tails {
+		done += t.count()
 	}
 	r.cfg.Progress(min(done, r.cfg.total()), r.cfg.total())
+}
+
+// lineTail counts the lines of a file another process appends to,
+// reading each byte once.
+type lineTail struct {
+	path  string
+	f     *os.File // nil until the file exists
+	lines int
+	buf   []byte
+}
+
+// count reads what was appended since the last call and returns the lines
+// so far.
+func (t *lineTail) count() int {
+	if t.f == nil {
+		f, err := os.Open(t.path)
+		if err != nil {
+			return 0 // not created yet
+		}
+		t.f, t.buf = f, make([]byte, 64<<10)
+	}
+	for {
+		n, err := t.f.Read(t.buf)
+		t.lines += bytes.Count(t.buf[:n], []byte("\n"))
+		if n == 0 || err != nil {
+			return t.lines
+		}
+	}
+}
+
+func (t *lineTail) close() {
+	if t.f != nil {
+		t.f.Close()
+	}
 }
 
 // collect reads the workers' summaries and request reports into s.

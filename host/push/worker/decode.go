@@ -68,7 +68,7 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
 	start := time.Now()
-	runRanks(ctx, len(drs), reqs, o.Concurrency, o.Progress, func(i int, req Request) {
+	runRanks(ctx, len(drs), reqs, o.Concurrency, o.finished(t), func(i int, req Request) {
 		drs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
@@ -78,12 +78,11 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 		s.Dropped += d.m.Dropped()
 		s.Leaked += d.m.Rooms()
 	}
-	results := t.finish(s, reqs, elapsed)
+	t.finish(s, reqs, elapsed)
 	s.Bytes = t.bytes
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9
 	}
-	writeReport(o.Report, results)
 	return s, ctx.Err()
 }
 

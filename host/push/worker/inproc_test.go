@@ -2,10 +2,12 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"log/slog"
 	"maps"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -256,3 +258,81 @@ func TestLiveRooms(t *testing.T) {
 type fixedRoom rooms.Status
 
 func (f *fixedRoom) Poll() rooms.Status { return rooms.Status(*f) }
+
+// lineCounter counts the report lines written so far.
+type lineCounter struct {
+	mu    sync.Mutex
+	lines []RequestResult
+}
+
+func (l *lineCounter) Write(b []byte) (int, error) {
+	var r RequestResult
+	if err := json.Unmarshal(b, &r); err != nil {
+		return 0, err
+	}
+	l.mu.Lock()
+	l.lines = append(l.lines, r)
+	l.mu.Unlock()
+	return len(b), nil
+}
+
+func (l *lineCounter) n() int { l.mu.Lock(); defer l.mu.Unlock(); return len(l.lines) }
+
+// TestReportAsRequestsFinish: each request's report line is written when
+// the request finished on every rank (before the progress call counting
+// it), not at the end of the run.
+func TestReportAsRequestsFinish(t *testing.T) {
+	pl := loadFake(t)
+	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		srv.Close(ctx)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	wl := smallWL()
+	wl.AbortRate = 0.25
+	var prep, drep lineCounter
+	var mu sync.Mutex
+	var seen []int // lines written at each decode progress call
+	errc := make(chan error, 1)
+	go func() {
+		_, err := RunPrefill(ctx, PrefillOptions{BootstrapAddr: srv.Addr(), Common: Common{Plugin: pl, Shape: smallShape(),
+			Workload: wl, TPSize: 2, Logger: discard(), Report: &prep}})
+		errc <- err
+	}()
+	ds, err := RunDecode(ctx, DecodeOptions{BootstrapAddr: srv.Addr(), Common: Common{Plugin: pl, Shape: smallShape(),
+		Workload: wl, TPSize: 2, Logger: discard(), Report: &drep,
+		Progress: func(done int) {
+			mu.Lock()
+			seen = append(seen, drep.n()-done)
+			mu.Unlock()
+		}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if len(seen) != wl.Requests || slices.ContainsFunc(seen, func(d int) bool { return d != 0 }) {
+		t.Fatalf("lines written minus requests done at each progress call: %v", seen)
+	}
+	rooms := map[uint64]bool{}
+	failed := 0
+	for _, r := range drep.lines {
+		rooms[r.Room] = true
+		if !r.OK {
+			failed++
+			if r.Reason == "" {
+				t.Errorf("room %d failed without a reason", r.Room)
+			}
+		}
+	}
+	if len(rooms) != wl.Requests || failed != ds.Failed || failed == 0 || prep.n() != wl.Requests {
+		t.Fatalf("decode lines for %d rooms (%d failed, summary %d), prefill %d lines; want %d each", len(rooms), failed, ds.Failed, prep.n(), wl.Requests)
+	}
+}

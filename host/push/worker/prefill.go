@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
@@ -38,7 +39,8 @@ type Common struct {
 	// Observer, if set, also sees every runtime event (metrics).
 	Observer push.Observer
 	Logger   *slog.Logger
-	// Report, if set, receives one JSON line per request (RequestResult).
+	// Report, if set, receives one JSON line per request (RequestResult)
+	// as soon as the request finished on every rank of the worker.
 	Report io.Writer
 	// Progress, if set, is called after each request finishes on this
 	// worker (all its ranks), with the number finished so far.
@@ -186,7 +188,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
 	start := time.Now()
-	runRanks(ctx, len(prs), reqs, o.Concurrency, o.Progress, func(i int, req Request) {
+	runRanks(ctx, len(prs), reqs, o.Concurrency, o.finished(t), func(i int, req Request) {
 		prs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
@@ -197,7 +199,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 		s.Dropped += p.m.Dropped()
 		s.Leaked += p.m.Rooms() + p.m.Pending()
 	}
-	results := t.finish(s, reqs, elapsed)
+	t.finish(s, reqs, elapsed)
 	st.mu.Lock()
 	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
 	s.XferP50us, s.XferP99us, s.PostP50us = percentile(st.xfer, 50), percentile(st.xfer, 99), percentile(st.post, 50)
@@ -205,8 +207,19 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9
 	}
-	writeReport(o.Report, results)
 	return s, ctx.Err()
+}
+
+// finished returns what runRanks calls when a request finished on every
+// rank: it writes the request's report line and reports progress.
+func (c *Common) finished(t *tally) func(req Request, done int) {
+	rep := synth.NewLines(c.Report, c.Logger)
+	return func(req Request, done int) {
+		rep.Write(t.result(req))
+		if c.Progress != nil {
+			c.Progress(done)
+		}
+	}
 }
 
 // serve runs one request on one prefill rank.
@@ -306,9 +319,10 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 }
 
 // runRanks runs fn for every request on every rank, each rank working on
-// up to conc requests at once, in workload order. progress is called when
-// a request finished on every rank.
-func runRanks(ctx context.Context, nRanks int, reqs []Request, conc int, progress func(int), fn func(rank int, req Request)) {
+// up to conc requests at once, in workload order. finished is called, one
+// call at a time, when a request finished on every rank, with the number
+// of requests finished so far.
+func runRanks(ctx context.Context, nRanks int, reqs []Request, conc int, finished func(req Request, done int), fn func(rank int, req Request)) {
 	remaining := make([]int, len(reqs))
 	for i := range remaining {
 		remaining[i] = nRanks
@@ -339,9 +353,7 @@ func runRanks(ctx context.Context, nRanks int, reqs []Request, conc int, progres
 					remaining[i]--
 					if remaining[i] == 0 {
 						done++
-						if progress != nil {
-							progress(done)
-						}
+						finished(req, done)
 					}
 					mu.Unlock()
 				}()
@@ -350,14 +362,4 @@ func runRanks(ctx context.Context, nRanks int, reqs []Request, conc int, progres
 		}()
 	}
 	wg.Wait()
-}
-
-func writeReport(w io.Writer, results []RequestResult) {
-	if w == nil {
-		return
-	}
-	for _, r := range results {
-		b, _ := jsonLine(r)
-		w.Write(b)
-	}
 }

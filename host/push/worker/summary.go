@@ -184,17 +184,21 @@ func (t *tally) ok(latency time.Duration, bytes uint64) {
 	t.mu.Unlock()
 }
 
+// result is req's outcome over the worker's ranks so far.
+func (t *tally) result(req Request) RequestResult {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	f, failed := t.failed[req.Room]
+	return RequestResult{Room: req.Room, OK: !failed, Reason: f.Reason}
+}
+
 // finish fills the request counts of s from the tally.
-func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) []RequestResult {
+func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	s.Requests = len(reqs)
-	results := make([]RequestResult, 0, len(reqs))
 	for _, r := range reqs {
-		f, failed := t.failed[r.Room]
-		res := RequestResult{Room: r.Room, OK: !failed}
-		if failed {
-			res.Reason = f.Reason
+		if _, failed := t.failed[r.Room]; failed {
 			s.Failed++
 			if r.Abort {
 				s.Aborted++
@@ -204,17 +208,10 @@ func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) []Requ
 		} else {
 			s.OK++
 		}
-		results = append(results, res)
 	}
 	s.VerifyErrors = len(t.verify)
 	s.Failures = t.failures
 	s.LatencyP50us = percentile(t.latency, 50)
 	s.LatencyP99us = percentile(t.latency, 99)
 	s.DurationSec = elapsed.Seconds()
-	return results
-}
-
-func jsonLine(v any) ([]byte, error) {
-	b, err := json.Marshal(v)
-	return append(b, '\n'), err
 }
