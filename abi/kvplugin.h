@@ -356,7 +356,10 @@ typedef struct kvp_load_remote_args {
  * the caller still releases, but they are dead: poll of a cancelled
  * transfer returns KVP_ERR_CANCELED, and new transfers, posts and imports
  * that name the peer return KVP_ERR_NOT_FOUND. Unknown peer:
- * KVP_ERR_NOT_FOUND. */
+ * KVP_ERR_NOT_FOUND. A peer loaded again after remove_remote (even under
+ * the same name, with the same metadata) is a new peer: the old handles
+ * stay dead (posting or building transfers from them is still
+ * KVP_ERR_NOT_FOUND); make new dlists, regions and transfers against it. */
 typedef struct kvp_remove_remote_args {
   size_t struct_size;
   void *ext;

@@ -1322,8 +1322,16 @@ static void test_poll_slices(void) {
   OK(remove_peer(E.a, "B"));
   EXPECT(poll1(E.a, x, NULL), KVP_ERR_CANCELED, "peer \"B\" was removed");
   CHECK(memcmp(E.bbuf, want, E.len) == 0);
-  OK(xfer_del(E.a, x));
+  /* Loaded again, B is a new peer: the old handles stay dead. */
   load_peer(E.a, E.b);
+  EXPECT(post(E.a, x, NULL), KVP_ERR_NOT_FOUND, "was removed");
+  uint64_t dead = 0;
+  EXPECT(xfer_prepped(E.a, KVP_OP_WRITE, ldl, idx, 2, rdl, idx, 2, NOTIF(NULL), &dead), KVP_ERR_NOT_FOUND,
+         "was removed");
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  OK(xfer_del(E.a, x));
+  OK(dlist_del(E.a, rdl));
+  OK(dlist_del(E.a, ldl));
 
   /* B deregisters its memory between slices (against the contract): the
    * next slice re-checks and fails; no further byte moves. */
