@@ -29,13 +29,13 @@ const frameOverhead = 24
 type recvBudget struct {
 	limit int64 // bytes
 
-	mu        sync.Mutex
-	used      int64         // bytes reserved: queued messages plus partial ones
-	queued    int64         // the part of used held by complete messages awaiting Recv
-	overdraft *conn         // the reader allowed past limit, nil when none
-	freed     chan struct{} // closed (and replaced) when memory is given back
-	peak       int64        // largest used seen (tests)
-	overdrafts int          // times a reader was let past the limit (tests)
+	mu         sync.Mutex
+	used       int64         // bytes reserved: queued messages plus partial ones
+	queued     int64         // the part of used held by complete messages awaiting Recv
+	overdraft  *conn         // the reader allowed past limit, nil when none
+	freed      chan struct{} // closed (and replaced) when memory is given back
+	peak       int64         // largest used seen (tests)
+	overdrafts int           // times a reader was let past the limit (tests)
 }
 
 func newRecvBudget(limit int64) *recvBudget {

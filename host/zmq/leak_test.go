@@ -127,3 +127,39 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	}
 	stalled.Close()
 }
+
+// A router closed while Enqueue's writers are blocked on a peer that never
+// reads (no send timeout) ends them: Close returns and no goroutine
+// survives.
+func TestRouterCloseEndsQueuedWriters(t *testing.T) {
+	before := runtime.NumGoroutine()
+	r, err := ListenRouter("tcp://127.0.0.1:0", quiet(), WithSendTimeout(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stuck, _ := rawPeer(t, r.Addr().String(), typeReq)
+	stuck.Write(encodeMessage([][]byte{{}, []byte("q")}))
+	m, err := r.Recv(testCtx(t, 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, 8<<20)
+	for range 4 {
+		if err := r.Enqueue(m.Peer, nil, big); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // the writer is blocked now
+	done := make(chan error, 1)
+	go func() { done <- r.Close() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not end a blocked writer")
+	}
+	stuck.Close()
+	goroutinesSettle(t, before)
+}

@@ -31,7 +31,11 @@ const (
 	// included. A prefill rank's PULL socket has one per decode rank
 	// that talks to it (hundreds in a large deployment); a vLLM handshake
 	// ROUTER one per decode worker in its handshake.
-	DefaultMaxConns     = 1024
+	DefaultMaxConns = 1024
+	// DefaultSendQueue bounds the messages Router.Enqueue keeps waiting
+	// for one peer. A REQ peer has one request, so one reply, at a time;
+	// a peer with this many waiting is not reading them.
+	DefaultSendQueue    = 16
 	DefaultSendTimeout  = 30 * time.Second
 	DefaultReconnectMin = 50 * time.Millisecond
 	DefaultReconnectMax = time.Second
@@ -54,6 +58,7 @@ type options struct {
 	maxFrames        int
 	recvQueue        int
 	recvBudget       int64
+	sendQueue        int
 	maxConns         int
 	sendTimeout      time.Duration
 	reconnectMin     time.Duration
@@ -70,6 +75,7 @@ func buildOptions(opts []Option) options {
 		maxFrames:        DefaultMaxFrames,
 		recvQueue:        DefaultRecvQueue,
 		recvBudget:       DefaultRecvBudget,
+		sendQueue:        DefaultSendQueue,
 		maxConns:         DefaultMaxConns,
 		sendTimeout:      DefaultSendTimeout,
 		reconnectMin:     DefaultReconnectMin,
@@ -162,10 +168,21 @@ func WithMaxConns(n int) Option {
 	}
 }
 
+// WithSendQueue bounds the messages Router.Enqueue keeps waiting to be
+// written to one peer; past it Enqueue fails with ErrPeerBusy. Default:
+// DefaultSendQueue.
+func WithSendQueue(n int) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.sendQueue = n
+		}
+	}
+}
+
 // WithSendTimeout bounds a Push.Send or Router.Send whose context has no
-// deadline (SGLang uses SNDTIMEO 30 s for prefill-side sockets, 5 s for
-// MORI's status sockets). Zero means no bound. Default:
-// DefaultSendTimeout.
+// deadline, and each message written for Router.Enqueue (SGLang uses
+// SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's status sockets).
+// Zero means no bound. Default: DefaultSendTimeout.
 func WithSendTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d >= 0 {

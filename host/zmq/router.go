@@ -13,6 +13,11 @@ import (
 // no longer) connected. libzmq drops such messages silently; we say so.
 var ErrUnknownPeer = errors.New("zmq: unknown or disconnected peer")
 
+// ErrPeerBusy is returned by Router.Enqueue when the peer's send queue is
+// full: it is not reading what it was sent. libzmq's ROUTER drops a
+// message to a peer at its high-water mark silently; we say so.
+var ErrPeerBusy = errors.New("zmq: peer's send queue is full")
+
 // RouterMsg is a message received by a Router: the id of the connection it
 // came from and its frames. From a REQ peer the frames are the empty
 // delimiter followed by the request body, exactly as libzmq's ROUTER
@@ -25,21 +30,37 @@ type RouterMsg struct {
 // Router is a bound ROUTER socket: any number of REQ/DEALER peers, each
 // addressed by the id the router gave its connection (5 bytes, 0x00 and a
 // counter, like libzmq's generated ids; ids are never reused). Safe for
-// concurrent use; a slow or stuck peer only delays replies to itself.
+// concurrent use.
+//
+// A slow or stuck peer only delays messages to itself: Send blocks only
+// its caller, and Enqueue never blocks, so one loop can receive requests
+// and answer them without a peer that stopped reading holding up the
+// others.
 type Router struct {
 	srv    *server
 	msgs   chan routerItem
 	budget *recvBudget
 
-	mu     sync.RWMutex
-	peers  map[string]*conn
-	nextID uint32
+	mu      sync.RWMutex
+	peers   map[string]*routerPeer
+	nextID  uint32
+	closing bool           // set by Close before it waits for writers
+	writers sync.WaitGroup // goroutines draining send queues
+}
+
+// routerPeer is one connection of a Router and its send queue (Enqueue).
+type routerPeer struct {
+	c *conn
+
+	mu      sync.Mutex
+	queue   [][][]byte // messages waiting to be written, oldest first
+	writing bool       // a goroutine is draining queue
 }
 
 // ListenRouter binds a ROUTER socket to endpoint.
 func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 	o := buildOptions(opts)
-	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget), peers: make(map[string]*conn)}
+	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget), peers: make(map[string]*routerPeer)}
 	srv, err := listen(endpoint, typeRouter, o, r.serve)
 	if err != nil {
 		return nil, err
@@ -80,7 +101,7 @@ func (r *Router) register(c *conn) string {
 	r.nextID++
 	var id [5]byte
 	binary.BigEndian.PutUint32(id[1:], r.nextID)
-	r.peers[string(id[:])] = c
+	r.peers[string(id[:])] = &routerPeer{c: c}
 	return string(id[:])
 }
 
@@ -133,12 +154,90 @@ func (r *Router) Send(ctx context.Context, peer []byte, frames ...[]byte) error 
 		defer cancel()
 	}
 	r.mu.RLock()
-	c := r.peers[string(peer)]
+	p := r.peers[string(peer)]
 	r.mu.RUnlock()
-	if c == nil {
+	if p == nil {
 		return fmt.Errorf("%w: %x", ErrUnknownPeer, peer)
 	}
-	return c.send(ctx, frames)
+	return p.c.send(ctx, frames)
+}
+
+// Enqueue queues frames for the peer with the given id and returns at
+// once; a goroutine of that peer writes its queue in order, each message
+// within the send timeout (WithSendTimeout). A write that fails or runs
+// out of time closes the peer's connection and drops what is still queued
+// for it (logged at debug level). Enqueue fails with ErrUnknownPeer for a
+// peer that is not (or no longer) connected, with ErrPeerBusy when the
+// peer already has WithSendQueue messages waiting (it is not reading
+// them), and with ErrClosed after Close.
+//
+// The frames are written after Enqueue returns: the caller must not
+// modify them afterwards. Messages of Send and Enqueue to one peer are
+// never interleaved, but their order between the two is not defined.
+func (r *Router) Enqueue(peer []byte, frames ...[]byte) error {
+	if len(frames) == 0 {
+		return errors.New("zmq: a message needs at least one frame")
+	}
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if r.closing {
+		return ErrClosed
+	}
+	p := r.peers[string(peer)]
+	if p == nil || p.c.closed() {
+		return fmt.Errorf("%w: %x", ErrUnknownPeer, peer)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.queue) >= r.srv.o.sendQueue {
+		return fmt.Errorf("%w: %x has %d messages waiting", ErrPeerBusy, peer, len(p.queue))
+	}
+	p.queue = append(p.queue, frames)
+	if !p.writing {
+		// Under r.mu's read lock with closing unset: Close's Wait comes
+		// after this Add.
+		p.writing = true
+		r.writers.Add(1)
+		go r.drain(p)
+	}
+	return nil
+}
+
+// drain writes p's queue until it is empty or a write fails.
+func (r *Router) drain(p *routerPeer) {
+	defer r.writers.Done()
+	for {
+		p.mu.Lock()
+		if len(p.queue) == 0 {
+			p.writing = false
+			p.mu.Unlock()
+			return
+		}
+		frames := p.queue[0]
+		p.queue[0] = nil
+		p.queue = p.queue[1:]
+		p.mu.Unlock()
+
+		ctx, cancel := context.Background(), context.CancelFunc(func() {})
+		if t := r.srv.o.sendTimeout; t > 0 {
+			ctx, cancel = context.WithTimeout(ctx, t)
+		}
+		err := p.c.send(ctx, frames) // closes the connection on failure
+		cancel()
+		if err != nil {
+			p.mu.Lock()
+			dropped := len(p.queue)
+			p.queue = nil
+			p.writing = false
+			p.mu.Unlock()
+			select {
+			case <-r.srv.done:
+			default:
+				r.srv.log.Debug("zmq dropping peer: queued message not written", "peer", p.c.peer, "err", err, "also_dropped", dropped)
+			}
+			return
+		}
+	}
 }
 
 // Endpoint is the endpoint peers connect to.
@@ -150,6 +249,14 @@ func (r *Router) Addr() net.Addr { return r.srv.ln.Addr() }
 // Port is the TCP port the socket listens on.
 func (r *Router) Port() int { return r.srv.ln.Addr().(*net.TCPAddr).Port }
 
-// Close stops listening, closes every connection and waits for the
-// socket's goroutines. Calling it again returns nil.
-func (r *Router) Close() error { return r.srv.close() }
+// Close stops listening, closes every connection (messages still queued
+// by Enqueue are dropped) and waits for the socket's goroutines. Calling
+// it again returns nil.
+func (r *Router) Close() error {
+	r.mu.Lock()
+	r.closing = true
+	r.mu.Unlock()
+	err := r.srv.close()
+	r.writers.Wait()
+	return err
+}

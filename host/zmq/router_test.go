@@ -246,3 +246,109 @@ func TestRouterSendTimeoutOnStuckPeer(t *testing.T) {
 		t.Fatalf("DefaultSendTimeout = %v", DefaultSendTimeout)
 	}
 }
+
+// A peer that pipelines requests and never reads its replies does not
+// hold up anyone else when the server answers with Enqueue from one loop:
+// its queue fills (ErrPeerBusy), its connection is closed once a write
+// runs out of the send timeout, and honest clients are answered at once
+// meanwhile.
+func TestRouterEnqueueIsolatesStuckPeer(t *testing.T) {
+	const sendTimeout = 2 * time.Second
+	var logs logBuffer
+	r := newRouter(t, WithLogger(logs.logger()), WithSendTimeout(sendTimeout), WithSendQueue(4))
+	ctx := testCtx(t, 30*time.Second)
+	reply := make([]byte, 1<<20) // a few fill the stuck peer's socket buffers
+	var busy, gone atomic.Int64
+	serverDone := make(chan struct{})
+	go func() {
+		defer close(serverDone)
+		for {
+			m, err := r.Recv(ctx)
+			if err != nil {
+				return
+			}
+			body := reply
+			if len(m.Frames) == 2 && string(m.Frames[1]) != "stuck" {
+				body = append([]byte("echo "), m.Frames[1]...)
+			}
+			switch err := r.Enqueue(m.Peer, nil, body); {
+			case errors.Is(err, ErrPeerBusy):
+				busy.Add(1)
+			case errors.Is(err, ErrUnknownPeer):
+				gone.Add(1)
+			case err != nil:
+				t.Errorf("Enqueue: %v", err)
+			}
+		}
+	}()
+
+	stuck, _ := rawPeer(t, r.Addr().String(), typeReq) // never reads
+	stuck.SetDeadline(time.Time{})
+	stop := make(chan struct{})
+	pipelined := make(chan struct{})
+	go func() {
+		defer close(pipelined)
+		req := encodeMessage([][]byte{{}, []byte("stuck")})
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := stuck.Write(req); err != nil {
+				return // closed by the router
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	waitFor(t, "the stuck peer's queue to fill", func() bool { return busy.Load() > 0 })
+
+	// Honest clients, while the stuck peer is stuck: each answered fast.
+	var slowest time.Duration
+	for i := range 20 {
+		start := time.Now()
+		body := []byte(fmt.Sprint("client ", i))
+		rep, err := Request(ctx, r.Endpoint(), [][]byte{body}, quiet())
+		if err != nil || string(rep[0]) != "echo "+string(body) {
+			t.Fatalf("client %d: %q %v", i, rep, err)
+		}
+		slowest = max(slowest, time.Since(start))
+	}
+	if slowest > sendTimeout/2 {
+		t.Fatalf("an honest client waited %v with a stuck peer connected (send timeout %v)", slowest, sendTimeout)
+	}
+	// The stuck peer is dropped once a write runs out of time.
+	select {
+	case <-pipelined:
+	case <-time.After(10 * sendTimeout):
+		t.Fatal("the stuck peer was never disconnected")
+	}
+	close(stop)
+	waitFor(t, "the drop to be logged", func() bool { return strings.Contains(logs.String(), "queued message not written") })
+	t.Logf("slowest honest client %v; %d replies refused as busy, %d to a gone peer", slowest, busy.Load(), gone.Load())
+}
+
+func TestRouterEnqueueErrors(t *testing.T) {
+	r := newRouter(t)
+	if err := r.Enqueue([]byte{0, 0, 0, 0, 9}, []byte("x")); !errors.Is(err, ErrUnknownPeer) {
+		t.Fatalf("unknown peer: %v", err)
+	}
+	if err := r.Enqueue([]byte{0, 0, 0, 0, 9}); err == nil {
+		t.Fatal("a message without frames was accepted")
+	}
+	// Queued replies reach a REQ client in order.
+	ctx := testCtx(t, 10*time.Second)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err == nil {
+			r.Enqueue(m.Peer, nil, []byte("one"))
+		}
+	}()
+	if rep, err := Request(ctx, r.Endpoint(), [][]byte{[]byte("q")}, quiet()); err != nil || string(rep[0]) != "one" {
+		t.Fatalf("queued reply: %q %v", rep, err)
+	}
+	r.Close()
+	if err := r.Enqueue([]byte{0, 0, 0, 0, 1}, []byte("x")); !errors.Is(err, ErrClosed) {
+		t.Fatalf("after Close: %v", err)
+	}
+}

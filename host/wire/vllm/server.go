@@ -11,9 +11,15 @@ import (
 	"github.com/kvhost/kvhost/host/zmq"
 )
 
-// replyTimeout bounds one reply write; a client that stops reading only
-// delays its own reply.
+// replyTimeout bounds one reply write; a client that stops reading loses
+// its connection after it. Replies are queued per client (zmq's
+// Router.Enqueue), so a client that stops reading delays nobody else.
 const replyTimeout = time.Second
+
+// replyQueue bounds the replies waiting for one client: a REQ client has
+// one request, so one reply, at a time; a client that pipelines requests
+// without reading the replies has the excess ones refused.
+const replyQueue = 2
 
 // maxRequestMessage bounds a received handshake request (all frames): a real
 // one is the empty delimiter and about 20 bytes of msgpack, so anything
@@ -25,9 +31,10 @@ const maxRequestMessage = 4 << 10
 // that answers every [get_meta_msg, tp_rank] request with the encoded
 // handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
 // It serves any number of clients; a request it cannot answer (garbage,
-// wrong tag, unknown rank) is logged and refused with an empty reply, so a
-// REQ client fails at once instead of waiting for its timeout, and the
-// server keeps serving.
+// wrong tag, unknown rank) is logged and refused with an empty reply, so a REQ client fails at once
+// instead of waiting for its timeout, and the server keeps serving.
+// Replies never block the server: a client that does not read them only
+// loses its own (and its connection after replyTimeout).
 type HandshakeServer struct {
 	router   *zmq.Router
 	payloads map[int][]byte
@@ -46,7 +53,8 @@ func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger,
 	if log == nil {
 		log = slog.Default()
 	}
-	defaults := []zmq.Option{zmq.WithLogger(log), zmq.WithMaxMessageSize(maxRequestMessage), zmq.WithMaxFrames(4)}
+	defaults := []zmq.Option{zmq.WithLogger(log), zmq.WithMaxMessageSize(maxRequestMessage), zmq.WithMaxFrames(4),
+		zmq.WithSendTimeout(replyTimeout), zmq.WithSendQueue(replyQueue)}
 	r, err := zmq.ListenRouter(endpoint, append(defaults, opts...)...)
 	if err != nil {
 		return nil, err
@@ -77,30 +85,29 @@ func (s *HandshakeServer) serve() {
 			}
 			return
 		}
-		s.handle(ctx, m)
+		s.handle(m)
 	}
 }
 
-func (s *HandshakeServer) handle(ctx context.Context, m zmq.RouterMsg) {
+func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 	// A REQ peer's message is [empty delimiter, request].
 	if len(m.Frames) != 2 || len(m.Frames[0]) != 0 {
 		s.log.Warn("refusing handshake request: not a REQ message", "peer", m.Peer, "frames", len(m.Frames))
 		return // not a REQ peer: there is no reply shape it expects
 	}
 	reply := []byte{}
-	rank, err := DecodeMetaRequest(m.Frames[1])
-	switch {
-	case err != nil:
+	if rank, err := DecodeMetaRequest(m.Frames[1]); err != nil {
 		s.log.Warn("refusing handshake request", "peer", m.Peer, "err", err)
-	case s.payloads[rank] == nil:
+	} else if s.payloads[rank] == nil {
 		s.log.Warn("refusing handshake request for an unknown TP rank", "peer", m.Peer, "tp_rank", rank)
-	default:
+	} else {
 		s.log.Debug("serving handshake", "peer", m.Peer, "tp_rank", rank)
-		reply = s.payloads[rank]
+		reply = s.payloads[rank] // never modified: safe to queue without a copy
 	}
-	wctx, cancel := context.WithTimeout(ctx, replyTimeout)
-	defer cancel()
-	if err := s.router.Send(wctx, m.Peer, nil, reply); err != nil {
+	switch err := s.router.Enqueue(m.Peer, nil, reply); {
+	case errors.Is(err, zmq.ErrPeerBusy):
+		s.log.Warn("dropping handshake request: the client is not reading its replies", "peer", m.Peer)
+	case err != nil:
 		s.log.Debug("handshake reply not delivered", "peer", m.Peer, "err", err)
 	}
 }
