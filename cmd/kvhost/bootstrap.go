@@ -24,14 +24,15 @@ func bootstrapCommand() *cli.Command {
 		UsageText: "kvhost bootstrap [--host 127.0.0.1] [--port 8998] [--addr-file FILE]",
 		Description: "Prefill ranks register where their ZeroMQ sockets listen (PUT /route); decode ranks ask\n" +
 			"for the prefill layout and for each rank (GET /route) and check /health as a heartbeat.\n" +
-			"`kvhost prefill` serves this itself by default, as SGLang's prefill server does, so the\n" +
-			"heartbeat notices a dead prefill. Run it alone when prefill ranks live in several\n" +
-			"processes (each started with --bootstrap-addr); decode's heartbeat then watches this\n" +
-			"process, not the prefill ones.",
+			"`kvhost prefill` (--style sglang) serves this itself by default, as SGLang's prefill server\n" +
+			"does, so the heartbeat notices a dead prefill. Run it alone when prefill ranks live in\n" +
+			"several processes (each started with --bootstrap-addr); decode's heartbeat then watches\n" +
+			"this process, not the prefill ones. Prints the address it serves (host:port) on stdout and\n" +
+			"serves until SIGINT or SIGTERM.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "host", Value: "127.0.0.1", EnvVars: []string{"KVHOST_HOST"}, Usage: "address to listen on"},
 			&cli.IntFlag{Name: "port", Value: 8998, EnvVars: []string{"KVHOST_BOOTSTRAP_PORT"}, Usage: "port (0 picks a free one)"},
-			&cli.StringFlag{Name: "addr-file", Usage: "write the address served (host:port) to `FILE`"},
+			&cli.StringFlag{Name: "addr-file", EnvVars: env("BOOTSTRAP_ADDR_FILE"), Usage: "write the address served (host:port) to `FILE`"},
 		},
 		Action: func(c *cli.Context) error {
 			srv, err := bootstrap.NewServer(bootstrap.WithLogger(slog.Default())).Start(net.JoinHostPort(c.String("host"), strconv.Itoa(c.Int("port"))))

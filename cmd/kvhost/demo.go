@@ -26,25 +26,29 @@ func demoCommand() *cli.Command {
 		Name:  "demo",
 		Usage: "run prefill and decode workers on a realistic synthetic workload and verify every byte",
 		UsageText: "kvhost [--backend fake] demo [--style sglang|vllm] [--attention mha|mla] [--prefill-tp 2]\n" +
-			"    [--decode-tp 4] [--requests 300] [--in-process] [--json]",
-		Description: "Starts a bootstrap server, a prefill worker (hosting every prefill TP rank) and one decode\n" +
-			"worker per decode TP rank as separate kvhost processes (--in-process: goroutines of this one),\n" +
-			"runs a synthetic workload through the transfer plugin chosen with --backend, has every decode\n" +
-			"rank check every byte it received against a formula that knows nothing of transfer plans,\n" +
-			"and prints a summary: requests ok and failed, bytes moved and verified, GB/s, transfer latency\n" +
-			"p50/p99, descriptors per request, and this machine's raw memcpy rate measured in the same run.\n\n" +
+			"    [--decode-tp 4] [--requests 300] [--in-process [--metrics-addr HOST:PORT]] [--json]",
+		Description: "Runs a disaggregated deployment on this machine and moves a synthetic workload's KV cache\n" +
+			"through the transfer plugin chosen with --backend: a prefill worker hosting every prefill TP\n" +
+			"rank and one decode worker per decode TP rank, each a separate kvhost process (plus a kvhost\n" +
+			"bootstrap process with --style sglang), or goroutines of this process with --in-process. Every\n" +
+			"decode rank checks every byte it received against a formula that knows nothing of transfer\n" +
+			"plans. A progress bar (stderr, on a terminal) counts requests verified; at the end a summary\n" +
+			"says: requests ok and failed, bytes moved and verified, GB/s, transfer latency p50/p99,\n" +
+			"descriptors per request, and this machine's raw memcpy rate measured in the same run (--json:\n" +
+			"the same as JSON, with every worker's own summary).\n\n" +
 			"The default is a small Llama-like MHA model (16 layers, 8 KV heads of 128 bf16 elements),\n" +
 			"prefill TP 2 -> decode TP 4, 16-token pages, 300 requests of 16..512 tokens with random page\n" +
-			"allocations, chunked prefill of 8 pages. --style sglang moves KV the SGLang way (prefill\n" +
-			"WRITEs into decode, bootstrap server, ZMQ control messages); --style vllm the vLLM NIXL\n" +
-			"connector's way (decode READs after a handshake; the prefill's HTTP API stands in for the\n" +
-			"proxy).\n\n" +
+			"allocations, chunked prefill of 8 pages, on the fake plugin. --style sglang moves KV the SGLang\n" +
+			"way (prefill WRITEs into decode; bootstrap server, ZMQ control messages); --style vllm the vLLM\n" +
+			"NIXL connector's way (decode READs after a handshake; the prefill's HTTP API stands in for the\n" +
+			"proxy). The workers' logs, summaries and per-request reports stay in --work-dir if given; a\n" +
+			"failing worker's last log lines are in the summary.\n\n" +
 			"Exits 0 only when every request was verified on every decode rank.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "style", Value: d.Style, EnvVars: []string{"KVHOST_STYLE"}, Usage: "sglang (push) or vllm (pull)"},
 			&cli.StringFlag{Name: "attention", Value: d.Attention, EnvVars: []string{"KVHOST_ATTENTION"}, Usage: "mha (K and V, heads split over TP) or mla (one latent per layer, replicated)"},
-			&cli.IntFlag{Name: "prefill-tp", Value: d.PrefillTP, Usage: "prefill TP size (one process hosts every prefill rank)"},
-			&cli.IntFlag{Name: "decode-tp", Value: d.DecodeTP, Usage: "decode TP size (one process per decode rank)"},
+			&cli.IntFlag{Name: "prefill-tp", EnvVars: env("PREFILL_TP_SIZE"), Value: d.PrefillTP, Usage: "prefill TP size (one process hosts every prefill rank)"},
+			&cli.IntFlag{Name: "decode-tp", EnvVars: env("DECODE_TP_SIZE"), Value: d.DecodeTP, Usage: "decode TP size (one process per decode rank)"},
 			&cli.IntFlag{Name: "requests", Value: d.Requests, EnvVars: []string{"KVHOST_REQUESTS"}, Usage: "requests in the workload"},
 			&cli.Uint64Flag{Name: "seed", Value: d.Seed, EnvVars: []string{"KVHOST_SEED"}, Usage: "workload seed: request ids, lengths, page allocations"},
 			&cli.IntFlag{Name: "layers", Value: d.Layers, EnvVars: []string{"KVHOST_LAYERS"}, Usage: "model layers"},
@@ -55,14 +59,15 @@ func demoCommand() *cli.Command {
 			&cli.IntFlag{Name: "min-tokens", Value: d.MinTokens, EnvVars: []string{"KVHOST_MIN_TOKENS"}, Usage: "shortest prompt (tokens)"},
 			&cli.IntFlag{Name: "max-tokens", Value: d.MaxTokens, EnvVars: []string{"KVHOST_MAX_TOKENS"}, Usage: "longest prompt (tokens)"},
 			&cli.IntFlag{Name: "chunk-pages", Value: d.ChunkPages, EnvVars: []string{"KVHOST_CHUNK_PAGES"}, Usage: "chunked-prefill chunk size in pages (sglang style; 0: one chunk per request)"},
-			&cli.IntFlag{Name: "concurrency", Value: d.Concurrency, EnvVars: []string{"KVHOST_CONCURRENCY"}, Usage: "requests in flight per worker"},
-			&cli.StringSliceFlag{Name: "agent-param", Usage: "plugin agent parameter `key=value` for every worker (repeatable), e.g. caps_off=notif"},
-			&cli.BoolFlag{Name: "in-process", Usage: "run every worker in this process instead of separate processes"},
-			&cli.StringFlag{Name: "metrics-addr", EnvVars: []string{"KVHOST_METRICS_ADDR"}, Usage: "with --in-process: serve the workers' Prometheus /metrics and /health on `HOST:PORT`"},
-			&cli.StringFlag{Name: "work-dir", Usage: "keep the workers' summaries, request reports and logs in `DIR` (default: a temporary folder, removed)"},
-			&cli.DurationFlag{Name: "timeout", Value: d.Timeout, Usage: "give up after this long"},
-			&cli.BoolFlag{Name: "verbose", Usage: "show the workers' logs (stderr) as they run"},
-			&cli.BoolFlag{Name: "json", Usage: "print the summary as JSON (no progress bar)"},
+			&cli.IntFlag{Name: "concurrency", Value: d.Concurrency, EnvVars: []string{"KVHOST_CONCURRENCY"}, Usage: "requests in flight per worker rank"},
+			&cli.StringSliceFlag{Name: "agent-param", EnvVars: env("AGENT_PARAMS"), Usage: "plugin agent parameter `key=value` for every worker (repeatable), e.g. caps_off=notif"},
+			&cli.BoolFlag{Name: "in-process", EnvVars: env("DEMO_IN_PROCESS"), Usage: "run every worker in this process instead of separate processes"},
+			&cli.StringFlag{Name: "metrics-addr", EnvVars: []string{"KVHOST_METRICS_ADDR"}, Usage: "with --in-process: serve the workers' Prometheus /metrics and /health on `HOST:PORT` " +
+				"(separate workers: run kvhost prefill/decode --metrics-addr yourself)"},
+			&cli.StringFlag{Name: "work-dir", EnvVars: env("DEMO_WORK_DIR"), Usage: "keep the workers' summaries, request reports and logs in `DIR` (default: a temporary folder, removed)"},
+			&cli.DurationFlag{Name: "timeout", EnvVars: env("DEMO_TIMEOUT"), Value: d.Timeout, Usage: "give up after this long"},
+			&cli.BoolFlag{Name: "verbose", EnvVars: env("DEMO_VERBOSE"), Usage: "show the workers' logs (stderr) as they run"},
+			&cli.BoolFlag{Name: "json", EnvVars: env("DEMO_JSON"), Usage: "print the summary as JSON (no progress bar)"},
 		},
 		Action: runDemo,
 	}
@@ -118,7 +123,12 @@ func runDemo(c *cli.Context) error {
 			progressbar.OptionClearOnFinish(),
 			progressbar.OptionSetWidth(30),
 		)
-		cfg.Progress = func(done, total int) { bar.ChangeMax(total); bar.Set(done) }
+		cfg.Progress = func(done, total int) {
+			if total != bar.GetMax() {
+				bar.ChangeMax(total)
+			}
+			bar.Set(done)
+		}
 	}
 	s, err := demo.Run(ctx, cfg)
 	if bar != nil {

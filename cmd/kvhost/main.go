@@ -71,6 +71,13 @@ func newApp() *cli.App {
 	return &cli.App{
 		Name:                 "kvhost",
 		Usage:                "KV-cache transfer host for disaggregated LLM serving",
+		Description: "kvhost moves KV cache between the prefill and decode workers of a disaggregated LLM\n" +
+			"deployment through a transfer plugin loaded at run time (fake, nixl, mori: --backend), on\n" +
+			"the wire of SGLang's NIXL/MORI connectors (push) or vLLM's NIXL connector (pull).\n\n" +
+			"Start with `kvhost demo`: a prefill and a decode deployment on this machine, every byte\n" +
+			"verified. `kvhost plugins` lists the plugins found and why one is rejected; `kvhost bench`\n" +
+			"measures one. `kvhost COMMAND --help` describes each command; every flag that an\n" +
+			"environment variable can set shows it in brackets.",
 		Flags:                globalFlags(),
 		Commands:             cmds,
 		Before:               setupLogging,

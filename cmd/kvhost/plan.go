@@ -27,8 +27,8 @@ func planCommand() *cli.Command {
 			"move where: the reference code path chosen, descriptor counts, bytes and every copy as\n" +
 			"[prefill_addr, decode_addr, len]. Nothing is transferred.",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "in", Usage: "read the request from `FILE` instead of stdin"},
-			&cli.BoolFlag{Name: "summary", Usage: "print everything but the copies"},
+			&cli.StringFlag{Name: "in", EnvVars: env("PLAN_IN"), Usage: "read the request from `FILE` instead of stdin"},
+			&cli.BoolFlag{Name: "summary", EnvVars: env("PLAN_SUMMARY"), Usage: "print everything but the copies"},
 		},
 		Action: runPlan,
 	}

@@ -32,11 +32,11 @@ func pluginsCommand() *cli.Command {
 			"this process and in a helper process, and exits non-zero if any case fails. Cases the\n" +
 			"plugin's capabilities rule out are skipped with the reason.",
 		Flags: []cli.Flag{
-			&cli.BoolFlag{Name: "json", Usage: "print the list as JSON"},
-			&cli.StringFlag{Name: "check", Usage: "run the conformance suite against plugin `NAME`"},
-			&cli.StringSliceFlag{Name: "param", Usage: "agent parameter `key=value` for --check (repeatable), e.g. backend=UCX"},
-			&cli.StringFlag{Name: "mode", Value: "both", Usage: "where --check's peer agents live: in-process, two-process or both"},
-			&cli.StringSliceFlag{Name: "abi-variant", Usage: "for --check: a build of the plugin for another ABI major (`FILE`), which must be refused"},
+			&cli.BoolFlag{Name: "json", EnvVars: env("PLUGINS_JSON"), Usage: "print the list as JSON"},
+			&cli.StringFlag{Name: "check", EnvVars: env("PLUGINS_CHECK"), Usage: "run the conformance suite against plugin `NAME`"},
+			&cli.StringSliceFlag{Name: "param", EnvVars: env("PLUGINS_PARAMS"), Usage: "agent parameter `key=value` for --check (repeatable), e.g. backend=UCX"},
+			&cli.StringFlag{Name: "mode", EnvVars: env("PLUGINS_MODE"), Value: "both", Usage: "where --check's peer agents live: in-process, two-process or both"},
+			&cli.StringSliceFlag{Name: "abi-variant", EnvVars: env("PLUGINS_ABI_VARIANTS"), Usage: "for --check: a build of the plugin for another ABI major (`FILE`), which must be refused"},
 			&cli.BoolFlag{Name: "conformance-helper", Hidden: true, Usage: "serve as the helper process of --check"},
 		},
 		Action: runPlugins,

@@ -199,6 +199,11 @@ func TestSeparateProcesses(t *testing.T) {
 	}
 	for _, style := range []string{"sglang", "vllm"} {
 		t.Run(style, func(t *testing.T) {
+			// Variables meant for a deployment's workers must not reach the
+			// demo's: each of these would break them.
+			t.Setenv("KVHOST_STYLE", map[string]string{"sglang": "vllm", "vllm": "sglang"}[style])
+			t.Setenv("KVHOST_METRICS_ADDR", "256.0.0.1:1")
+			t.Setenv("KVHOST_DECODE_TP_SIZE", "3")
 			cfg := small(t)
 			cfg.Style, cfg.InProcess, cfg.Exe = style, false, exe
 			cfg.PluginPath = filepath.Dir(path)

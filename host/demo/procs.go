@@ -55,6 +55,7 @@ func (r *procRun) start(name string, args ...string) (*child, error) {
 		stderr = io.MultiWriter(logf, &prefixWriter{w: r.cfg.WorkerLog, prefix: name + ": "})
 	}
 	c.cmd = exec.Command(r.cfg.Exe, append(append([]string{}, r.global...), args...)...)
+	c.cmd.Env = childEnv(os.Environ())
 	c.cmd.Stdout = io.Discard
 	c.cmd.Stderr = stderr
 	if err := c.cmd.Start(); err != nil {
@@ -68,6 +69,21 @@ func (r *procRun) start(name string, args ...string) (*child, error) {
 		close(c.done)
 	}()
 	return c, nil
+}
+
+// childEnv is the environment of a worker process: this one's without the
+// KVHOST_ variables. The demo gives every setting on the command line, and
+// a variable meant for a deployment's workers (KVHOST_METRICS_ADDR,
+// KVHOST_STYLE, KVHOST_PREFIX_RATE, ...) must not change or break the
+// demo's workers behind its back.
+func childEnv(env []string) []string {
+	out := make([]string, 0, len(env))
+	for _, kv := range env {
+		if !strings.HasPrefix(kv, "KVHOST_") {
+			out = append(out, kv)
+		}
+	}
+	return out
 }
 
 // stop asks c to exit (SIGTERM) and kills it if it has not after 3 s.
@@ -125,11 +141,9 @@ func (r *procRun) modelArgs() []string {
 		"--head-dim", itoa(c.HeadDim), "--dtype-bytes", itoa(c.DTypeBytes), "--page-size", itoa(c.PageSize),
 		"--requests", itoa(c.Requests), "--seed", strconv.FormatUint(c.Seed, 10),
 		"--min-tokens", itoa(c.MinTokens), "--max-tokens", itoa(c.MaxTokens), "--concurrency", itoa(c.Concurrency),
-		"--host", "127.0.0.1"}
+		"--host", "127.0.0.1", "--style", c.Style}
 	if c.Style == "sglang" {
 		a = append(a, "--chunk-pages", itoa(c.ChunkPages))
-	} else {
-		a = append(a, "--style", "vllm")
 	}
 	for _, p := range c.AgentParams {
 		a = append(a, "--agent-param", p)
@@ -190,7 +204,7 @@ func runProcs(ctx context.Context, cfg *Config, pluginDir string, s *Summary) (e
 		}
 	} else {
 		if prefill, err = r.start("prefill", append([]string{"prefill", "--tp-size", itoa(cfg.PrefillTP),
-			"--engine-id", "demo-prefill", "--api-port", "0", "--side-channel-port", "0",
+			"--engine-id", "demo-prefill", "--api-port", "0", "--side-channel-host", "127.0.0.1", "--side-channel-port", "0",
 			"--api-url-file", r.path("prefill.url"), "--summary", r.path("prefill.json")}, model...)...); err != nil {
 			return err
 		}
