@@ -69,8 +69,8 @@ func newApp() *cli.App {
 	}
 	sort.Slice(cmds, func(i, j int) bool { return cmds[i].Name < cmds[j].Name })
 	return &cli.App{
-		Name:                 "kvhost",
-		Usage:                "KV-cache transfer host for disaggregated LLM serving",
+		Name:  "kvhost",
+		Usage: "KV-cache transfer host for disaggregated LLM serving",
 		Description: "kvhost moves KV cache between the prefill and decode workers of a disaggregated LLM\n" +
 			"deployment through a transfer plugin loaded at run time (fake, nixl, mori: --backend), on\n" +
 			"the wire of SGLang's NIXL/MORI connectors (push) or vLLM's NIXL connector (pull).\n\n" +
