@@ -32,6 +32,11 @@ const maxRanks = 1 << 20
 type httpLimits struct {
 	readHeader, read, write, idle time.Duration
 	maxHeaderBytes                int
+	// closeGrace is how long Close waits for requests in flight before it
+	// drops them. Every handler answers from memory in microseconds, so
+	// only a stalled client (trickling its body, not reading its answer)
+	// is still in flight after a few milliseconds.
+	closeGrace time.Duration
 }
 
 var defaultHTTPLimits = httpLimits{
@@ -40,6 +45,7 @@ var defaultHTTPLimits = httpLimits{
 	write:          30 * time.Second,
 	idle:           2 * time.Minute,
 	maxHeaderBytes: 64 << 10,
+	closeGrace:     250 * time.Millisecond,
 }
 
 // rankKey identifies a prefill rank: DP group, CP rank, TP rank, PP rank.
@@ -551,9 +557,17 @@ func (f *fieldReader) int64(key string) (uint64, bool) {
 
 // Running is a Server listening on a TCP address.
 type Running struct {
-	hs        *http.Server
-	ln        net.Listener
-	done      chan error
+	hs    *http.Server
+	ln    net.Listener
+	log   *slog.Logger
+	grace time.Duration // see httpLimits.closeGrace
+	done  chan error    // Serve's result
+
+	mu      sync.Mutex
+	conns   map[net.Conn]http.ConnState // open connections and their states
+	closing bool                        // Close has begun
+	drained chan struct{}               // closed when closing and conns is empty
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -568,7 +582,15 @@ func (s *Server) Start(addr string) (*Running, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bootstrap: listen on %s: %w", addr, err)
 	}
-	hs := &http.Server{
+	rs := &Running{
+		ln:      ln,
+		log:     s.log,
+		grace:   s.limits.closeGrace,
+		done:    make(chan error, 1),
+		conns:   make(map[net.Conn]http.ConnState),
+		drained: make(chan struct{}),
+	}
+	rs.hs = &http.Server{
 		Handler:           s,
 		ReadHeaderTimeout: s.limits.readHeader,
 		ReadTimeout:       s.limits.read,
@@ -576,29 +598,94 @@ func (s *Server) Start(addr string) (*Running, error) {
 		IdleTimeout:       s.limits.idle,
 		MaxHeaderBytes:    s.limits.maxHeaderBytes,
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ConnState:         rs.connState,
 	}
-	rs := &Running{hs: hs, ln: ln, done: make(chan error, 1)}
-	go func() { rs.done <- hs.Serve(ln) }()
+	go func() { rs.done <- rs.hs.Serve(ln) }()
 	s.log.Info("bootstrap server listening", "addr", ln.Addr().String())
 	return rs, nil
+}
+
+// connState tracks every connection (http.Server's ConnState hook). Once
+// Close has begun, a connection that is new or idle (between requests)
+// is closed at once: it has no request in flight. http.Server.Shutdown
+// alone would wait for a new connection until it is 5 s old, and a
+// client's dial race routinely leaves one that is never used.
+func (rs *Running) connState(c net.Conn, st http.ConnState) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	switch st {
+	case http.StateClosed, http.StateHijacked:
+		delete(rs.conns, c)
+		if rs.closing && len(rs.conns) == 0 {
+			rs.closeDrained()
+		}
+		return
+	case http.StateNew, http.StateIdle:
+		if rs.closing {
+			c.Close()
+		}
+	}
+	rs.conns[c] = st
+}
+
+func (rs *Running) closeDrained() {
+	select {
+	case <-rs.drained:
+	default:
+		close(rs.drained)
+	}
 }
 
 // Addr is the host:port clients use (SGLang's bootstrap_addr).
 func (rs *Running) Addr() string { return rs.ln.Addr().String() }
 
-// Close shuts the server down, waiting for requests in flight until ctx
-// ends.
-// Calling it again returns the first result.
+// Close stops listening and closes every connection. Connections with no
+// request in flight (idle keep-alive ones, ones never used) are closed at
+// once; requests in flight get a short grace (250 ms, less if ctx ends
+// sooner) to finish, and whatever is still in flight after it (stalled
+// clients) is dropped. Close returns once every connection's goroutine
+// has ended, so it takes at most about the grace, whatever the clients
+// do. It returns ctx's error if ctx ended before that. Calling it again
+// returns the first result.
 func (rs *Running) Close(ctx context.Context) error {
 	rs.closeOnce.Do(func() {
-		err := rs.hs.Shutdown(ctx)
+		rs.mu.Lock()
+		rs.closing = true
+		for c, st := range rs.conns {
+			if st == http.StateNew || st == http.StateIdle {
+				c.Close()
+			}
+		}
+		if len(rs.conns) == 0 {
+			rs.closeDrained()
+		}
+		rs.mu.Unlock()
+
+		gctx, cancel := context.WithTimeout(ctx, rs.grace)
+		err := rs.hs.Shutdown(gctx)
+		cancel()
 		if err != nil {
-			rs.hs.Close() // ctx ended: drop what is still in flight
+			// Stalled clients: drop them.
+			rs.mu.Lock()
+			n := len(rs.conns)
+			rs.mu.Unlock()
+			rs.log.Info("bootstrap server closing: dropping requests still in flight", "connections", n, "grace", rs.grace)
+			rs.hs.Close()
 		}
-		if serr := <-rs.done; serr != nil && !errors.Is(serr, http.ErrServerClosed) && err == nil {
-			err = serr
+		if serr := <-rs.done; serr != nil && !errors.Is(serr, http.ErrServerClosed) {
+			rs.closeErr = serr
 		}
-		rs.closeErr = err
+		// Every connection is closed now; wait for their goroutines
+		// (handlers see their reads and writes fail at once).
+		select {
+		case <-rs.drained:
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+			rs.log.Warn("bootstrap server closing: connections did not end within 1 s")
+		}
+		if rs.closeErr == nil {
+			rs.closeErr = ctx.Err()
+		}
 	})
 	return rs.closeErr
 }
