@@ -61,6 +61,8 @@
 //
 // The target process is started by Config.TargetCommand (kvhost re-executes
 // itself with a hidden flag; tests re-execute the test binary) and serves
-// ServeTargetStdio: one JSON request per line on its stdin, one response per
-// line on its stdout. It owns the target agent and its memory.
+// ServeTargetStdio: it is the peer process of host/internal/peerproc (the
+// same as the conformance suite's helper), one JSON request per line on its
+// stdin, one response per line on its stdout. It owns the target agent and
+// its memory.
 package bench

@@ -216,7 +216,7 @@ func (e *engine) countRows() int {
 // peerSide is a connected target: its agent's name as the initiator knows
 // it, and the remote region for batch transfers.
 type peerSide struct {
-	t      target
+	t      *target
 	name   string
 	meta   targetMeta
 	remote *plugin.RemoteRegion // nil until a batch row needs it
@@ -224,9 +224,9 @@ type peerSide struct {
 }
 
 func (e *engine) runProcs(ctx context.Context, procs int, size uint64) (err error) {
-	var t target
+	var t *target
 	if procs == 1 {
-		t, err = newTargetSide(e.p, false, e.cfg.Params, size)
+		t, err = newLocalTarget(e.p, e.cfg.Params, size)
 	} else {
 		t, err = startProcTarget(e.cfg, size)
 	}

@@ -5,9 +5,9 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
-	"syscall"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/peerproc"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -192,22 +192,22 @@ func caseAgents(t TB, s *Suite) {
 // the agent that registers it).
 func mmapForTest(t TB, size int) []byte {
 	t.Helper()
-	b, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS)
+	b, err := peerproc.Map(uint64(size))
 	if err != nil {
-		t.Fatalf("mmap: %v", err)
+		t.Fatalf("%v", err)
 	}
-	t.Cleanup(func() { syscall.Munmap(b) })
+	t.Cleanup(func() { peerproc.Unmap(b) })
 	return b
 }
 
 func caseRegister(t TB, s *Suite) {
 	s.needDRAM(t)
 	buf := mmapForTest(t, 64<<10)
-	base := addrOf(buf)
+	base := peerproc.Addr(buf)
 	m := s.newLocal(t, []int{64 << 10})
 	other := s.newLocal(t, []int{4096})
-	a, raw := m.a, s.p.Raw()
-	r0 := m.regions[0]
+	a, raw := m.Agent, s.p.Raw()
+	r0 := m.Registered[0]
 	if r0.Handle() == 0 {
 		t.Errorf("register_mem returned handle 0")
 	}
@@ -236,7 +236,7 @@ func caseRegister(t TB, s *Suite) {
 	expectClosed(t, "second Close of a region", rs[0].Close())
 	expectCode(t, "deregister_mem of a released region (raw)", raw.DeregisterMem(a.Handle(), stale), abi.ErrInvalidParam)
 	expectCode(t, "deregister_mem of handle 0 (raw)", raw.DeregisterMem(a.Handle(), 0), abi.ErrInvalidParam)
-	expectCode(t, "deregister_mem of a region of another agent (raw)", raw.DeregisterMem(a.Handle(), other.regions[0].Handle()), abi.ErrInvalidParam)
+	expectCode(t, "deregister_mem of a region of another agent (raw)", raw.DeregisterMem(a.Handle(), other.Registered[0].Handle()), abi.ErrInvalidParam)
 	expectCode(t, "deregister_mem of a live and a released region (raw)", raw.DeregisterMem(a.Handle(), rs[1].Handle(), stale), abi.ErrInvalidParam)
 	// The live one is still registered: registering over it is refused.
 	_, err = a.Register([]abi.MemDesc{{Addr: base + 8192, Len: 4096, MemKind: abi.DRAM}})
@@ -252,14 +252,14 @@ func caseRegister(t TB, s *Suite) {
 		t.Errorf("deregister_mem: %v", err)
 	}
 	// The other agent's region was not touched by the foreign call.
-	if err := other.regions[0].Close(); err != nil {
+	if err := other.Registered[0].Close(); err != nil {
 		t.Errorf("deregistering the other agent's region: %v", err)
 	}
 }
 
 func caseMetadata(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a := f.local.a
+	a := f.local.Agent
 	md, err := f.peer.Metadata()
 	if err != nil {
 		t.Fatalf("%v", err)
@@ -321,7 +321,7 @@ func expectAnyPluginError(t TB, what string, err error) {
 
 func caseImportBlob(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a := f.local.a
+	a := f.local.Agent
 	if !a.Caps().Has(abi.CapRemoteBlob) {
 		t.Skipf("agent lacks remote_blob (caps %v)", a.Caps().Names())
 	}
@@ -348,7 +348,7 @@ func caseImportBlob(t TB, s *Suite) {
 	expectAnyPluginError(t, "import of a garbage blob", err)
 	_, err = a.ImportRegion("conf-no-such-peer", f.rinfo[0].Blob)
 	expectCode(t, "import from a peer never loaded", err, abi.ErrNotFound)
-	n, err := s.p.Raw().RegionExport(a.Handle(), f.local.regions[0].Handle())
+	n, err := s.p.Raw().RegionExport(a.Handle(), f.local.Registered[0].Handle())
 	if err != nil || n == 0 {
 		t.Errorf("region_export with no buffer: size %d, %v; want the size it needs", n, err)
 	}
@@ -364,7 +364,7 @@ func caseImportBlob(t TB, s *Suite) {
 
 func caseImportRange(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a := f.local.a
+	a := f.local.Agent
 	if !a.Caps().Has(abi.CapRemoteAddr) {
 		t.Skipf("agent lacks remote_addr (caps %v)", a.Caps().Names())
 	}
@@ -377,7 +377,7 @@ func caseImportRange(t TB, s *Suite) {
 		t.Errorf("imported range %#x+%d dev %d %v, want %#x+5000", rr.Addr(), rr.Len(), rr.DevID(), rr.Kind(), ri.Addr+100)
 	}
 	// A transfer into the imported range lands at the right place.
-	loc := f.local.regions[0]
+	loc := f.local.Registered[0]
 	x, err := a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: loc, Remote: rr}}, []abi.BatchEntry{{LocalOffset: 7, RemoteOffset: 11, Len: 4989, Count: 1}}, nil)
 	if err != nil {
 		t.Fatalf("batch over an imported range: %v", err)
@@ -407,11 +407,11 @@ func caseImportRange(t TB, s *Suite) {
 
 func caseDLists(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a := f.local.a
+	a := f.local.Agent
 	if !a.Caps().Has(abi.CapPrepped) {
 		t.Logf("agent lacks native prepped lists: the host emulates them (remote descriptors over imported regions)")
 	}
-	loc, rem := f.local.regions[0], f.rinfo[0]
+	loc, rem := f.local.Registered[0], f.rinfo[0]
 	good := []abi.XferDesc{{Addr: loc.Addr(), Len: 100, Count: 1}, {Addr: loc.Addr() + regionSize - 100, Len: 100, Count: 1}, {Addr: loc.Addr() + 1000, Len: 10, Stride: 100, Count: 5}}
 	d, err := a.PrepLocal(abi.DRAM, good)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/peerproc"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -13,8 +14,8 @@ import (
 // exchange notifications.
 func needNotif(t TB, f *fixture) {
 	t.Helper()
-	if !f.local.a.Caps().Has(abi.CapNotif) || !f.peer.Caps().Has(abi.CapNotif) {
-		t.Skipf("agents lack notif (local %v, peer %v)", f.local.a.Caps().Names(), f.peer.Caps().Names())
+	if !f.local.Agent.Caps().Has(abi.CapNotif) || !f.peer.Caps().Has(abi.CapNotif) {
+		t.Skipf("agents lack notif (local %v, peer %v)", f.local.Agent.Caps().Names(), f.peer.Caps().Names())
 	}
 }
 
@@ -24,12 +25,12 @@ const settle = 50 * time.Millisecond
 
 func caseNotifAttached(t TB, s *Suite) {
 	f := s.newFixture(t)
-	if !f.local.a.Caps().Has(abi.CapNotif) {
+	if !f.local.Agent.Caps().Has(abi.CapNotif) {
 		notifRefused(t, f)
 		return
 	}
 	needNotif(t, f)
-	from := f.local.a.Name()
+	from := f.local.Agent.Name()
 	for _, op := range []abi.Op{abi.Write, abi.Read} {
 		for _, path := range []string{"prepped", "batch"} {
 			for _, msg := range [][]byte{[]byte(fmt.Sprintf("kv-done:%s:%s", path, op)), {}} {
@@ -69,7 +70,7 @@ func caseNotifAttached(t TB, s *Suite) {
 	for _, op := range []abi.Op{abi.Write, abi.Read} {
 		what := fmt.Sprintf("notification-only prepped %s", op)
 		msg := []byte(what)
-		x, err := f.local.a.MakePreppedXfer(op, p.local, []int32{}, p.remote, []int32{}, msg)
+		x, err := f.local.Agent.MakePreppedXfer(op, p.local, []int32{}, p.remote, []int32{}, msg)
 		if err != nil {
 			t.Fatalf("%s: make_prepped_xfer with no indices: %v", what, err)
 		}
@@ -97,7 +98,7 @@ func caseNotifAttached(t TB, s *Suite) {
 // transfers that ask for a notification are refused with NOT_SUPPORTED
 // before anything moves, and the same transfers without one complete.
 func notifRefused(t TB, f *fixture) {
-	a := f.local.a
+	a := f.local.Agent
 	_, err := a.Notifs()
 	expectCode(t, "get_notifs", err, abi.ErrNotSupported)
 	expectCode(t, "send_notif", a.SendNotif(f.peerName, []byte("x")), abi.ErrNotSupported)
@@ -117,7 +118,7 @@ func notifRefused(t TB, f *fixture) {
 func caseNotifStandalone(t TB, s *Suite) {
 	f := s.newFixture(t)
 	needNotif(t, f)
-	a := f.local.a
+	a := f.local.Agent
 	msgs := [][]byte{[]byte("hello"), {}, {0, 1, 2, 255, 0}, bytes.Repeat([]byte("kv"), 1000)}
 	for _, m := range msgs {
 		if err := a.SendNotif(f.peerName, m); err != nil {
@@ -138,7 +139,7 @@ func caseNotifStandalone(t TB, s *Suite) {
 			t.Fatalf("peer send_notif of %d bytes: %v", len(m), err)
 		}
 	}
-	got, err := drainNotifs(a, len(msgs), s.cfg.Timeout)
+	got, err := peerproc.DrainNotifs(a, len(msgs), s.cfg.Timeout)
 	if err != nil {
 		t.Fatalf("%v", err)
 	}
@@ -155,10 +156,10 @@ func caseNotifGrouping(t TB, s *Suite) {
 	if err != nil {
 		t.Fatalf("%v", err)
 	}
-	if _, err := second.a.LoadRemote(md); err != nil {
+	if _, err := second.Agent.LoadRemote(md); err != nil {
 		t.Fatalf("%v", err)
 	}
-	senders := []*plugin.Agent{f.local.a, second.a}
+	senders := []*plugin.Agent{f.local.Agent, second.Agent}
 	const perSender = 4
 	for attempt := 1; ; attempt++ {
 		for i := range perSender {
@@ -208,9 +209,9 @@ func caseNotifGrouping(t TB, s *Suite) {
 func caseNotifBuffer(t TB, s *Suite) {
 	f := s.newFixture(t)
 	needNotif(t, f)
-	a := f.local.a
+	a := f.local.Agent
 	big := make([]byte, 48<<10) // larger than the host's first 4 KiB buffer
-	fillPattern(big, 42)
+	peerproc.Fill(big, 42)
 	msgs := [][]byte{big}
 	for i := range 300 { // about 30 KiB of small records: several get_notifs rounds
 		msgs = append(msgs, []byte(fmt.Sprintf("small notification %03d %s", i, bytes.Repeat([]byte{'.'}, i%64))))
@@ -221,7 +222,7 @@ func caseNotifBuffer(t TB, s *Suite) {
 			t.Fatalf("peer send_notif of %d bytes: %v", len(m), err)
 		}
 	}
-	got, err := drainNotifs(a, len(msgs), s.cfg.Timeout)
+	got, err := peerproc.DrainNotifs(a, len(msgs), s.cfg.Timeout)
 	if err != nil {
 		t.Fatalf("%v", err)
 	}

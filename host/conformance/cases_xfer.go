@@ -21,7 +21,7 @@ func describeAgent(t TB, a *plugin.Agent) {
 func casePrepped(op abi.Op) func(TB, *Suite) {
 	return func(t TB, s *Suite) {
 		f := s.newFixture(t)
-		describeAgent(t, f.local.a)
+		describeAgent(t, f.local.Agent)
 		runs := f.genRuns(48, op, false)
 		x := f.makePrepped(op, runs, nil)
 		f.run("prepped "+op.String(), x)
@@ -37,7 +37,7 @@ func casePrepped(op abi.Op) func(TB, *Suite) {
 func caseBatch(op abi.Op) func(TB, *Suite) {
 	return func(t TB, s *Suite) {
 		f := s.newFixture(t)
-		describeAgent(t, f.local.a)
+		describeAgent(t, f.local.Agent)
 		runs := f.genRuns(48, op, false)
 		x := f.makeBatch(op, runs, nil)
 		f.run("batch "+op.String(), x)
@@ -52,7 +52,7 @@ func caseBatch(op abi.Op) func(TB, *Suite) {
 
 func caseStrided(t TB, s *Suite) {
 	f := s.newFixture(t)
-	if !f.local.a.Caps().Has(abi.CapStrided) {
+	if !f.local.Agent.Caps().Has(abi.CapStrided) {
 		t.Logf("agent lacks native strides: the host expands strided descriptors")
 	}
 	for _, op := range []abi.Op{abi.Write, abi.Read} {
@@ -68,7 +68,7 @@ func caseStrided(t TB, s *Suite) {
 		f.refillSource(op)
 	}
 	// Paired descriptors must agree in length and count (strides may differ).
-	a, loc, rem := f.local.a, f.local.regions[0].Addr(), f.rinfo[0]
+	a, loc, rem := f.local.Agent, f.local.Registered[0].Addr(), f.rinfo[0]
 	l, err := a.PrepLocal(abi.DRAM, []abi.XferDesc{{Addr: loc, Len: 64, Stride: 128, Count: 2}, {Addr: loc + 4096, Len: 64, Stride: 128, Count: 3}, {Addr: loc + 8192, Len: 32, Stride: 128, Count: 2}})
 	if err != nil {
 		t.Fatalf("prep_dlist (local, strided): %v", err)
@@ -111,7 +111,7 @@ func expectXferFails(t TB, f *fixture, what string, code abi.Status, make func()
 
 func caseXferErrors(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a := f.local.a
+	a := f.local.Agent
 	runs := f.genRuns(4, abi.Write, false)
 	p := f.prepRuns(runs)
 	nl, nr := int32(p.local.Len()), int32(p.remote.Len())
@@ -205,7 +205,7 @@ func casePollProgress(t TB, s *Suite) {
 		f := s.newFixture(t)
 		runs := f.genRuns(8, abi.Write, false)
 		x := f.makePrepped(abi.Write, runs, nil)
-		checkNotPosted(t, f.local.a, x)
+		checkNotPosted(t, f.local.Agent, x)
 		f.run("transfer", x)
 		f.apply(abi.Write, runs)
 		f.verify("transfer")
@@ -271,7 +271,7 @@ func checkNotPosted(t TB, a *plugin.Agent, x *plugin.Xfer) {
 // by the time they ran (then they prove nothing).
 func pollProgressOnce(t TB, s *Suite, delay time.Duration) (problems []string, late bool) {
 	f := s.newFixture(t, plugin.Param{Key: "delay_us", Value: fmt.Sprint(delay.Microseconds())})
-	a := f.local.a
+	a := f.local.Agent
 	runs := f.genRuns(8, abi.Write, false)
 	x := f.makePrepped(abi.Write, runs, nil)
 	checkNotPosted(t, a, x)
@@ -321,8 +321,8 @@ func pollProgressOnce(t TB, s *Suite, delay time.Duration) (problems []string, l
 
 func caseTelemetry(t TB, s *Suite) {
 	f := s.newFixture(t)
-	if !f.local.a.Caps().Has(abi.CapTelemetry) {
-		t.Skipf("agent lacks telemetry (caps %v)", f.local.a.Caps().Names())
+	if !f.local.Agent.Caps().Has(abi.CapTelemetry) {
+		t.Skipf("agent lacks telemetry (caps %v)", f.local.Agent.Caps().Names())
 	}
 	for _, path := range []string{"prepped", "batch"} {
 		for _, strided := range []bool{false, true} {
@@ -388,11 +388,11 @@ func caseConcurrency(t TB, s *Suite) {
 		go func() {
 			defer wg.Done()
 			<-start
-			if _, err := f.local.a.LocalMetadata(); err != nil {
+			if _, err := f.local.Agent.LocalMetadata(); err != nil {
 				t.Errorf("local_metadata during transfers: %v", err)
 			}
-			if f.local.a.Caps().Has(abi.CapNotif) {
-				if _, err := f.local.a.Notifs(); err != nil {
+			if f.local.Agent.Caps().Has(abi.CapNotif) {
+				if _, err := f.local.Agent.Notifs(); err != nil {
 					t.Errorf("get_notifs during transfers: %v", err)
 				}
 			}
@@ -420,7 +420,7 @@ func caseRemoveRemote(t TB, s *Suite) {
 		t.Logf("plugin has no delay_us parameter: cancellation of a transfer in flight is not checked")
 	}
 	f := s.newFixture(t, extra...)
-	a, raw := f.local.a, s.p.Raw()
+	a, raw := f.local.Agent, s.p.Raw()
 	// Two transfers, so that one may wait behind the other: both kinds of
 	// active transfer are cancelled. They are posted newest first, so that
 	// a plugin that runs one at a time and cancels in creation order (the
@@ -444,7 +444,7 @@ func caseRemoveRemote(t TB, s *Suite) {
 		t.Fatalf("remote_region_import (raw): %v", err)
 	}
 	if a.Caps().Has(abi.CapPrepped) {
-		loc := f.local.regions[0]
+		loc := f.local.Registered[0]
 		if rawLocal, err = raw.PrepDList(a.Handle(), "", abi.DRAM, []abi.XferDesc{{Addr: loc.Addr(), Len: 64, Count: 1}}); err != nil {
 			t.Fatalf("prep_dlist (raw, local): %v", err)
 		}
@@ -490,7 +490,7 @@ func caseRemoveRemote(t TB, s *Suite) {
 	}
 	if rawRR != 0 {
 		if a.Caps().Has(abi.CapBatch) {
-			_, err := raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: f.local.regions[0].Handle(), Remote: rawRR}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+			_, err := raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: f.local.Registered[0].Handle(), Remote: rawRR}}, []abi.BatchEntry{{Len: 8, Count: 1}})
 			expectCode(t, "make_batch_xfer with a region of a removed peer (raw)", err, abi.ErrNotFound)
 		}
 		if err := raw.RemoteRegionRelease(a.Handle(), rawRR); err != nil {
@@ -542,16 +542,16 @@ func caseFaultInjection(t TB, s *Suite) {
 
 func caseBadHandles(t TB, s *Suite) {
 	f := s.newFixture(t)
-	a, raw := f.local.a, s.p.Raw()
+	a, raw := f.local.Agent, s.p.Raw()
 	other := s.newLocal(t, []int{4096})
 	runs := f.genRuns(2, abi.Write, false)
 	x := f.makeBatch(abi.Write, runs, nil)
 	f.run("transfer", x)
 	f.apply(abi.Write, runs)
 	// Another agent's handle is foreign: refused, and the transfer survives.
-	_, err := raw.PollXfer(other.a.Handle(), x.Handle())
+	_, err := raw.PollXfer(other.Agent.Handle(), x.Handle())
 	expectCode(t, "poll_xfer of another agent's transfer", err, abi.ErrInvalidParam)
-	expectCode(t, "release_xfer of another agent's transfer", raw.ReleaseXfer(other.a.Handle(), x.Handle()), abi.ErrInvalidParam)
+	expectCode(t, "release_xfer of another agent's transfer", raw.ReleaseXfer(other.Agent.Handle(), x.Handle()), abi.ErrInvalidParam)
 	if done, err := x.Poll(); !done || err != nil {
 		t.Errorf("the transfer after foreign calls: done %v, %v", done, err)
 	}
@@ -579,12 +579,12 @@ func caseBadHandles(t TB, s *Suite) {
 	rrs := f.importRemote()
 	if s.p.Info().Caps&(abi.CapRemoteAddr|abi.CapRemoteBlob) != 0 {
 		expectCode(t, "remote_region_release of handle 0", raw.RemoteRegionRelease(a.Handle(), 0), abi.ErrInvalidParam)
-		expectCode(t, "remote_region_release with another agent", raw.RemoteRegionRelease(other.a.Handle(), rrs[0].Handle()), abi.ErrInvalidParam)
+		expectCode(t, "remote_region_release with another agent", raw.RemoteRegionRelease(other.Agent.Handle(), rrs[0].Handle()), abi.ErrInvalidParam)
 	}
 	if a.Caps().Has(abi.CapBatch) {
-		_, err = raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: other.regions[0].Handle(), Remote: rrs[0].Handle()}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+		_, err = raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: other.Registered[0].Handle(), Remote: rrs[0].Handle()}}, []abi.BatchEntry{{Len: 8, Count: 1}})
 		expectCode(t, "make_batch_xfer with another agent's region", err, abi.ErrInvalidParam)
-		_, err = raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: f.local.regions[0].Handle(), Remote: 0}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+		_, err = raw.MakeBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: f.local.Registered[0].Handle(), Remote: 0}}, []abi.BatchEntry{{Len: 8, Count: 1}})
 		expectCode(t, "make_batch_xfer with remote region 0", err, abi.ErrInvalidParam)
 	}
 	if a.Caps().Has(abi.CapPrepped) {
@@ -608,7 +608,7 @@ func caseAgentClose(t TB, s *Suite) {
 		extra = append(extra, plugin.Param{Key: "delay_us", Value: "5000000"})
 	}
 	f := s.newFixture(t, extra...)
-	a := f.local.a
+	a := f.local.Agent
 	runs := f.genRuns(4, abi.Write, false)
 	p := f.prepRuns(runs)
 	x, err := a.MakePreppedXfer(abi.Write, p.local, p.li, p.remote, p.ri, nil)
@@ -629,7 +629,7 @@ func caseAgentClose(t TB, s *Suite) {
 	expectClosed(t, "Close of a list of a closed agent", p.local.Close())
 	expectClosed(t, "Close of a remote list of a closed agent", p.remote.Close())
 	expectClosed(t, "Close of a remote region of a closed agent", rrs[0].Close())
-	expectClosed(t, "Close of a region of a closed agent", f.local.regions[0].Close())
+	expectClosed(t, "Close of a region of a closed agent", f.local.Registered[0].Close())
 	_, err = a.LocalMetadata()
 	expectClosed(t, "local_metadata of a closed agent", err)
 	_, err = a.MakeBatchXfer(abi.Write, nil, nil, nil)
@@ -660,7 +660,7 @@ func casePeerExit(t TB, s *Suite) {
 	}
 	t.Cleanup(func() { h.Close() })
 	local := s.newLocal(t, []int{regionSize})
-	a := local.a
+	a := local.Agent
 	peer, err := h.NewAgent(s.agentName("doomed"), s.params(), []int{regionSize})
 	if err != nil {
 		t.Fatalf("creating an agent in the second helper: %v", err)
@@ -693,7 +693,7 @@ func casePeerExit(t TB, s *Suite) {
 	if err != nil {
 		t.Fatalf("importing a region of the doomed peer: %v", err)
 	}
-	x, err := a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: local.regions[0], Remote: rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
+	x, err := a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: local.Registered[0], Remote: rr}}, []abi.BatchEntry{{Len: 4096, Count: 1}}, nil)
 	if err != nil {
 		t.Fatalf("make_batch_xfer: %v", err)
 	}
@@ -713,8 +713,7 @@ func casePeerExit(t TB, s *Suite) {
 
 	// The peer process dies: the transfer fails (it must not hang, and
 	// must not claim success), and the agent stays usable.
-	h.cmd.Process.Kill()
-	h.cmd.Process.Wait()
+	h.Kill()
 	err = post()
 	if errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a transfer to a dead peer process did not end within %v", s.cfg.Timeout)

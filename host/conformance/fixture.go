@@ -9,6 +9,7 @@ import (
 	"slices"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/peerproc"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -27,12 +28,12 @@ const (
 type fixture struct {
 	t        TB
 	s        *Suite
-	local    *memAgent
-	peer     peerAgent
-	peerName string       // the peer as the local agent knows it
-	rinfo    []regionInfo // the peer's regions
-	lmodel   [][]byte     // expected bytes of the local regions
-	rmodel   [][]byte     // expected bytes of the peer's regions
+	local    *peerproc.MemAgent
+	peer     peerproc.Peer
+	peerName string                // the peer as the local agent knows it
+	rinfo    []peerproc.RegionInfo // the peer's regions
+	lmodel   [][]byte              // expected bytes of the local regions
+	rmodel   [][]byte              // expected bytes of the peer's regions
 	rng      *rand.Rand
 	seed     uint64
 	rregions []*plugin.RemoteRegion // imported by importRemote
@@ -52,20 +53,20 @@ func (s *Suite) newFixture(t TB, extra ...plugin.Param) *fixture {
 	if err != nil {
 		t.Fatalf("peer metadata: %v", err)
 	}
-	if f.peerName, err = f.local.a.LoadRemote(md); err != nil {
+	if f.peerName, err = f.local.Agent.LoadRemote(md); err != nil {
 		t.Fatalf("loading the peer's metadata: %v", err)
 	}
 	if f.peerName != f.peer.Name() {
 		t.Errorf("load_remote named the peer %q, want %q", f.peerName, f.peer.Name())
 	}
-	lmd, err := f.local.a.LocalMetadata()
+	lmd, err := f.local.Agent.LocalMetadata()
 	if err != nil {
 		t.Fatalf("local metadata: %v", err)
 	}
 	if name, err := f.peer.LoadRemote(lmd); err != nil {
 		t.Fatalf("peer loading the local metadata: %v", err)
-	} else if name != f.local.a.Name() {
-		t.Errorf("the peer's load_remote named the local agent %q, want %q", name, f.local.a.Name())
+	} else if name != f.local.Agent.Name() {
+		t.Errorf("the peer's load_remote named the local agent %q, want %q", name, f.local.Agent.Name())
 	}
 	f.lmodel = make([][]byte, numRegions)
 	f.rmodel = make([][]byte, numRegions)
@@ -83,17 +84,17 @@ func (f *fixture) nextSeed() uint64 { f.seed++; return f.seed*1000003 + uint64(f
 // fillLocal writes a fresh pattern into local region i.
 func (f *fixture) fillLocal(i int) {
 	seed := f.nextSeed()
-	fillPattern(f.local.bufs[i], seed)
-	fillPattern(f.lmodel[i], seed)
+	peerproc.Fill(f.local.Bufs[i], seed)
+	peerproc.Fill(f.lmodel[i], seed)
 }
 
 // fillRemote writes a fresh pattern into peer region i.
 func (f *fixture) fillRemote(i int) {
 	seed := f.nextSeed()
-	if err := f.peer.Fill(i, seed); err != nil {
+	if err := f.peer.Fill(i, 0, regionSize, seed); err != nil {
 		f.t.Fatalf("filling peer region %d: %v", i, err)
 	}
-	fillPattern(f.rmodel[i], seed)
+	peerproc.Fill(f.rmodel[i], seed)
 }
 
 // refillSource gives the source side of op fresh patterns.
@@ -111,14 +112,14 @@ func (f *fixture) refillSource(op abi.Op) {
 func (f *fixture) verify(what string) {
 	f.t.Helper()
 	for i := range numRegions {
-		if !bytes.Equal(f.local.bufs[i], f.lmodel[i]) {
-			f.t.Errorf("%s: local region %d: %s", what, i, firstDiff(f.local.bufs[i], f.lmodel[i]))
+		if !bytes.Equal(f.local.Bufs[i], f.lmodel[i]) {
+			f.t.Errorf("%s: local region %d: %s", what, i, firstDiff(f.local.Bufs[i], f.lmodel[i]))
 		}
 		got, err := f.peer.Sum(i, 0, regionSize)
 		if err != nil {
 			f.t.Fatalf("%s: checksum of peer region %d: %v", what, i, err)
 		}
-		if !bytes.Equal(got, sum(f.rmodel[i])) {
+		if !bytes.Equal(got, peerproc.Sum(f.rmodel[i])) {
 			b, err := f.peer.Bytes(i, 0, regionSize)
 			if err != nil {
 				f.t.Fatalf("%s: reading peer region %d: %v", what, i, err)
@@ -137,7 +138,7 @@ func (f *fixture) peerMatches() bool {
 		if err != nil {
 			f.t.Fatalf("checksum of peer region %d: %v", i, err)
 		}
-		if !bytes.Equal(got, sum(f.rmodel[i])) {
+		if !bytes.Equal(got, peerproc.Sum(f.rmodel[i])) {
 			return false
 		}
 	}
@@ -224,7 +225,7 @@ func (f *fixture) apply(op abi.Op, runs []run) {
 }
 
 func (r run) localDesc(f *fixture) abi.XferDesc {
-	d := abi.XferDesc{Addr: f.local.regions[r.lreg].Addr() + r.loff, Len: r.len, Count: r.count}
+	d := abi.XferDesc{Addr: f.local.Registered[r.lreg].Addr() + r.loff, Len: r.len, Count: r.count}
 	if r.count > 1 {
 		d.Stride = r.lstride
 	}
@@ -263,15 +264,15 @@ func (f *fixture) prepRuns(runs []run) prepped {
 		p.ri = append(p.ri, int32(rpos[i]))
 	}
 	for i := 0; i < 2*n; i += 2 { // unused local descriptors
-		ldescs[i] = abi.XferDesc{Addr: f.local.regions[0].Addr() + uint64(i), Len: 8, Count: 1}
+		ldescs[i] = abi.XferDesc{Addr: f.local.Registered[0].Addr() + uint64(i), Len: 8, Count: 1}
 	}
 	rdescs[n] = abi.XferDesc{Addr: f.rinfo[1].Addr, Len: 64, Count: 1, DevID: f.rinfo[1].DevID}
 	var err error
-	if p.local, err = f.local.a.PrepLocal(abi.DRAM, ldescs); err != nil {
+	if p.local, err = f.local.Agent.PrepLocal(abi.DRAM, ldescs); err != nil {
 		f.t.Fatalf("prep_dlist (local, %d descriptors): %v", len(ldescs), err)
 	}
 	f.t.Cleanup(func() { closeQuietly(f.t, "local list", p.local.Close) })
-	if p.remote, err = f.local.a.PrepRemote(f.peerName, abi.DRAM, rdescs); err != nil {
+	if p.remote, err = f.local.Agent.PrepRemote(f.peerName, abi.DRAM, rdescs); err != nil {
 		f.t.Fatalf("prep_dlist (remote, %d descriptors): %v", len(rdescs), err)
 	}
 	f.t.Cleanup(func() { closeQuietly(f.t, "remote list", p.remote.Close) })
@@ -282,7 +283,7 @@ func (f *fixture) prepRuns(runs []run) prepped {
 func (f *fixture) makePrepped(op abi.Op, runs []run, notif []byte) *plugin.Xfer {
 	f.t.Helper()
 	p := f.prepRuns(runs)
-	x, err := f.local.a.MakePreppedXfer(op, p.local, p.li, p.remote, p.ri, notif)
+	x, err := f.local.Agent.MakePreppedXfer(op, p.local, p.li, p.remote, p.ri, notif)
 	if err != nil {
 		f.t.Fatalf("make_prepped_xfer (%v, %d descriptors): %v", op, len(runs), err)
 	}
@@ -295,7 +296,7 @@ func (f *fixture) makePrepped(op abi.Op, runs []run, notif []byte) *plugin.Xfer 
 // MORI-IO profile: lists are built over regions imported from blobs).
 func (f *fixture) importForLists() {
 	f.t.Helper()
-	if caps := f.local.a.Caps(); !caps.Has(abi.CapPrepped) && !caps.Has(abi.CapRemoteAddr) {
+	if caps := f.local.Agent.Caps(); !caps.Has(abi.CapPrepped) && !caps.Has(abi.CapRemoteAddr) {
 		f.importRemote()
 	}
 }
@@ -307,7 +308,7 @@ func (f *fixture) importRemote() []*plugin.RemoteRegion {
 	if f.rregions != nil {
 		return f.rregions
 	}
-	caps := f.local.a.Caps()
+	caps := f.local.Agent.Caps()
 	useBlob := caps.Has(abi.CapRemoteBlob) && f.rinfo[0].Blob != nil
 	if !useBlob && !caps.Has(abi.CapRemoteAddr) {
 		f.t.Skipf("agent cannot name remote regions: no remote_blob (with a peer that exports) and no remote_addr (caps %v)", caps.Names())
@@ -316,9 +317,9 @@ func (f *fixture) importRemote() []*plugin.RemoteRegion {
 		var rr *plugin.RemoteRegion
 		var err error
 		if useBlob {
-			rr, err = f.local.a.ImportRegion(f.peerName, ri.Blob)
+			rr, err = f.local.Agent.ImportRegion(f.peerName, ri.Blob)
 		} else {
-			rr, err = f.local.a.ImportRange(f.peerName, ri.Addr, ri.Len, ri.DevID, ri.Kind)
+			rr, err = f.local.Agent.ImportRange(f.peerName, ri.Addr, ri.Len, ri.DevID, ri.Kind)
 		}
 		if err != nil {
 			f.t.Fatalf("importing peer region %d: %v", i, err)
@@ -341,7 +342,7 @@ func (f *fixture) batchOf(runs []run) ([]plugin.Pair, []abi.BatchEntry) {
 		if !ok {
 			pi = uint32(len(pairs))
 			index[key] = pi
-			pairs = append(pairs, plugin.Pair{Local: f.local.regions[r.lreg], Remote: rrs[r.rreg]})
+			pairs = append(pairs, plugin.Pair{Local: f.local.Registered[r.lreg], Remote: rrs[r.rreg]})
 		}
 		e := abi.BatchEntry{Pair: pi, LocalOffset: r.loff, RemoteOffset: r.roff, Len: r.len, Count: r.count}
 		if r.count > 1 {
@@ -356,7 +357,7 @@ func (f *fixture) batchOf(runs []run) ([]plugin.Pair, []abi.BatchEntry) {
 func (f *fixture) makeBatch(op abi.Op, runs []run, notif []byte) *plugin.Xfer {
 	f.t.Helper()
 	pairs, entries := f.batchOf(runs)
-	x, err := f.local.a.MakeBatchXfer(op, pairs, entries, notif)
+	x, err := f.local.Agent.MakeBatchXfer(op, pairs, entries, notif)
 	if err != nil {
 		f.t.Fatalf("make_batch_xfer (%v, %d entries): %v", op, len(entries), err)
 	}

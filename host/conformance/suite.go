@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/peerproc"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -174,7 +175,7 @@ func (s *Suite) params(extra ...plugin.Param) []plugin.Param {
 
 // newLocal makes an agent of this process with buffers of the given sizes,
 // closed when the case ends.
-func (s *Suite) newLocal(t TB, sizes []int, extra ...plugin.Param) *memAgent {
+func (s *Suite) newLocal(t TB, sizes []int, extra ...plugin.Param) *peerproc.MemAgent {
 	t.Helper()
 	m, err := newMemAgent(s.p, s.agentName("local"), s.params(extra...), sizes)
 	if err != nil {
@@ -182,7 +183,7 @@ func (s *Suite) newLocal(t TB, sizes []int, extra ...plugin.Param) *memAgent {
 	}
 	t.Cleanup(func() {
 		if err := m.Close(); err != nil {
-			t.Errorf("closing local agent %s: %v", m.a.Name(), err)
+			t.Errorf("closing local agent %s: %v", m.Agent.Name(), err)
 		}
 	})
 	return m
@@ -190,7 +191,7 @@ func (s *Suite) newLocal(t TB, sizes []int, extra ...plugin.Param) *memAgent {
 
 // newPeer makes a peer agent (in this process or the helper), closed when
 // the case ends.
-func (s *Suite) newPeer(t TB, sizes []int, extra ...plugin.Param) peerAgent {
+func (s *Suite) newPeer(t TB, sizes []int, extra ...plugin.Param) peerproc.Peer {
 	t.Helper()
 	p, err := s.peers.NewAgent(s.agentName("peer"), s.params(extra...), sizes)
 	if err != nil {
