@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -140,5 +141,38 @@ func TestCloseWaitsOnlyForRequestsInFlight(t *testing.T) {
 	}
 	if err := <-closed; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The case the push tests hit: decode-side clients (the default HTTP
+// client) made concurrent requests, which leaves connections that were
+// dialled but never used; Close took over 5 s (http.Server.Shutdown
+// waits for a new connection until it is 5 s old). Now nothing is in
+// flight, so Close does not even wait for the grace.
+func TestCloseAfterConcurrentClients(t *testing.T) {
+	rs, err := NewServer(WithLogger(quiet)).Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewClient(rs.Addr())
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 5 {
+				if err := c.Health(context.Background()); err != nil {
+					t.Error(err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	start := time.Now()
+	if err := rs.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el >= defaultHTTPLimits.closeGrace {
+		t.Fatalf("Close took %v", el)
 	}
 }
