@@ -79,7 +79,8 @@ func (m *MoriRegistration) EngineKey() (string, error) { return MoriEngineKey(m.
 
 // MoriEngineKey extracts the key from a packed EngineDesc: MORI
 // serializes EngineDesc as a msgpack array whose first element is the key
-// (MSGPACK_DEFINE(key, gpuId, hostname, backends, tcpHandle)).
+// (MORI ≥ 1.1.1: MSGPACK_DEFINE(key, nodeId, hostname, host, port, pid)).
+// Only the key is read, so the other fields may change between versions.
 func MoriEngineKey(desc []byte) (string, error) {
 	v, err := msgpack.Decode(desc)
 	if err != nil {

@@ -31,7 +31,8 @@ const maxRequestMessage = 4 << 10
 // that answers every [get_meta_msg, tp_rank] request with the encoded
 // handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
 // It serves any number of clients; a request it cannot answer (garbage,
-// wrong tag, unknown rank) is logged and refused with an empty reply, so a REQ client fails at once
+// wrong tag, unknown rank, no frame or more than one after the REQ
+// delimiter) is logged and refused with an empty reply, so a REQ client fails at once
 // instead of waiting for its timeout, and the server keeps serving.
 // Replies never block the server: a client that does not read them only
 // loses its own (and its connection after replyTimeout).
@@ -91,12 +92,16 @@ func (s *HandshakeServer) serve() {
 
 func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 	// A REQ peer's message is [empty delimiter, request].
-	if len(m.Frames) != 2 || len(m.Frames[0]) != 0 {
-		s.log.Warn("refusing handshake request: not a REQ message", "peer", m.Peer, "frames", len(m.Frames))
+	if len(m.Frames) == 0 || len(m.Frames[0]) != 0 {
+		s.log.Warn("refusing handshake request: not a REQ message (no empty delimiter)", "peer", m.Peer, "frames", len(m.Frames))
 		return // not a REQ peer: there is no reply shape it expects
 	}
 	reply := []byte{}
-	if rank, err := DecodeMetaRequest(m.Frames[1]); err != nil {
+	if len(m.Frames) != 2 {
+		// A REQ client waits for a reply whatever it sent: refuse with an
+		// empty one so that it fails at once, not at its timeout.
+		s.log.Warn("refusing handshake request: want one frame after the delimiter", "peer", m.Peer, "frames", len(m.Frames)-1)
+	} else if rank, err := DecodeMetaRequest(m.Frames[1]); err != nil {
 		s.log.Warn("refusing handshake request", "peer", m.Peer, "err", err)
 	} else if s.payloads[rank] == nil {
 		s.log.Warn("refusing handshake request for an unknown TP rank", "peer", m.Peer, "tp_rank", rank)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/host/zmq/zmqtest"
 )
 
@@ -68,4 +69,40 @@ func TestHandshakeStuckClientsDelayNobody(t *testing.T) {
 	}
 	wg.Wait()
 	t.Logf("slowest honest handshake %v", slowest)
+}
+
+// A REQ request with no frame or more than one after the delimiter is
+// refused with an empty reply at once (it used to get no reply, so the
+// client waited out its whole timeout); the server keeps serving.
+func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
+	s, mds := startServer(t, "H")
+	for _, frames := range [][][]byte{
+		{EncodeMetaRequest(0), []byte("extra")},
+		{EncodeMetaRequest(0), {}, {}},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), DefaultHandshakeTimeout)
+		start := time.Now()
+		rep, err := zmq.Request(ctx, s.Endpoint(), frames, quietZMQ()...)
+		cancel()
+		if err != nil || len(rep) != 1 || len(rep[0]) != 0 {
+			t.Fatalf("%d frames: reply %q, %v; want one empty frame", len(frames), rep, err)
+		}
+		if el := time.Since(start); el > time.Second {
+			t.Fatalf("%d frames: refused after %v", len(frames), el)
+		}
+	}
+	// The delimiter alone, from a raw REQ peer (a REQ socket always sends
+	// a body frame).
+	c := zmqtest.DialRaw(t, s.Endpoint(), "REQ")
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := c.Send(nil); err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := c.Recv(); err != nil || len(rep) != 2 || len(rep[0]) != 0 || len(rep[1]) != 0 {
+		t.Fatalf("delimiter only: reply %q, %v; want the delimiter and an empty frame", rep, err)
+	}
+	got, err := FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H"))
+	if err != nil || !reflect.DeepEqual(got, mds[1]) {
+		t.Fatalf("after refusals: %v", err)
+	}
 }
