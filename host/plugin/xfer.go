@@ -38,6 +38,7 @@ type Xfer struct {
 	post abi.PostXferArgs
 	poll abi.PollXferArgs
 	tel  abi.XferTelemetryArgs
+	rel  abi.ReleaseXferArgs
 	slot [1]uintptr // callHeap's argument buffer, guarded by mu
 }
 
@@ -78,6 +79,7 @@ func (a *Agent) newXfer(h abi.Xfer, op abi.Op, descs int, shaped bool) *Xfer {
 	x.post = abi.PostXferArgs{StructSize: abi.PostXferArgsSize, Agent: a.h, Xfer: h}
 	x.poll = abi.PollXferArgs{StructSize: abi.PollXferArgsSize, Agent: a.h, Xfer: h}
 	x.tel = abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: a.h, Xfer: h}
+	x.rel = abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: a.h, Xfer: h}
 	return x
 }
 
@@ -452,14 +454,13 @@ func (x *Xfer) Close() error {
 		return err
 	}
 	defer x.a.mu.RUnlock()
-	var errs []error
+	var errs [3]error // release_xfer, then the lists; allocated only when joined
 	if !x.released {
-		args := &abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: x.a.h, Xfer: x.h}
-		err := x.a.check("release_xfer", callC(x.a.p.api.ReleaseXfer, unsafe.Pointer(args)))
+		err := x.a.check("release_xfer", callHeap(x.a.p.api.ReleaseXfer, unsafe.Pointer(&x.rel), &x.slot))
 		if err != nil && !errors.Is(err, ErrInvalidParam) {
 			return err // the plugin kept the transfer: it stays open
 		}
-		errs = append(errs, err)
+		errs[0] = err
 		x.released = true
 	}
 	for i, d := range x.tmp {
@@ -475,8 +476,11 @@ func (x *Xfer) Close() error {
 		if err == nil || errors.Is(err, ErrInvalidParam) {
 			x.tmp[i] = 0 // released, or unknown to the plugin: nothing to retry
 		}
-		errs = append(errs, err)
+		errs[1+i] = err
 	}
 	x.closed = x.tmp == [2]abi.DList{}
-	return errors.Join(errs...)
+	if errs[0] == nil && errs[1] == nil && errs[2] == nil {
+		return nil
+	}
+	return errors.Join(errs[:]...)
 }
