@@ -7,8 +7,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"os/signal"
-	"syscall"
 
 	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
@@ -119,7 +117,7 @@ func runBench(c *cli.Context) error {
 			table.Row(r)
 		}
 	}
-	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	ctx, stop := signalContext(c)
 	defer stop()
 	res, runErr := runner.Run(ctx)
 	if bar != nil {

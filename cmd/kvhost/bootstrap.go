@@ -45,7 +45,7 @@ func bootstrapCommand() *cli.Command {
 				}
 			}
 			fmt.Fprintln(c.App.Writer, srv.Addr())
-			ctx, cancel := signalContext()
+			ctx, cancel := signalContext(c)
 			defer cancel()
 			<-ctx.Done()
 			sctx, scancel := context.WithTimeout(context.Background(), time.Second)

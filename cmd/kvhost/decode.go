@@ -8,7 +8,6 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/push/worker"
@@ -84,26 +83,15 @@ func runDecodeSGLang(c *cli.Context) error {
 	if o.Settings.HeartbeatInterval < push.MinReferenceHeartbeat {
 		slog.Warn("heartbeat interval below SGLang's 2 s floor", "interval", o.Settings.HeartbeatInterval)
 	}
-	ctx, cancel := signalContext()
-	defer cancel()
-	m, err := startMetrics(ctx, c, "decode", styleSGLang)
+	run, err := startWorkerRun(c, "decode", styleSGLang)
 	if err != nil {
 		return err
 	}
-	o.Observer = m.PushObserver()
-	o.OnReady = func(rooms worker.RoomCounter) {
-		m.SetRoomSource(metrics.RoomSource(rooms))
-		m.SetReady(true)
-	}
-	rep, closeRep, err := openReport(c)
-	if err != nil {
-		return err
-	}
-	defer closeRep()
-	o.Report = rep
+	defer run.close()
+	run.wirePush(&o.Common)
 	slog.Info("decode worker starting", "style", styleSGLang, "bootstrap", o.BootstrapAddr,
 		"ranks", len(o.TPRanks)*len(o.PPRanks), "requests", o.Workload.Requests)
-	s, runErr := worker.RunDecode(ctx, o)
+	s, runErr := worker.RunDecode(run.ctx, o)
 	return finishSGLang(c, s, runErr)
 }
 
@@ -112,26 +100,20 @@ func runDecodeVLLM(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	rep, closeRep, err := openReport(c)
+	run, err := startWorkerRun(c, "decode", styleVLLM)
 	if err != nil {
 		return err
 	}
-	defer closeRep()
-	ctx, cancel := signalContext()
-	defer cancel()
-	m, err := startMetrics(ctx, c, "decode", styleVLLM)
-	if err != nil {
-		return err
-	}
+	defer run.close()
 	slog.Info("decode worker starting", "style", styleVLLM, "prefill", c.String("prefill-url"),
 		"ranks", len(o.ranks), "requests", o.work.Requests)
-	sum, runErr := demo.RunDecode(ctx, demo.DecodeConfig{
+	sum, runErr := demo.RunDecode(run.ctx, demo.DecodeConfig{
 		Plugin: o.plugin, AgentParams: o.params, Model: o.model, Engine: o.engine, Ranks: o.ranks, EngineID: o.engineID,
 		PrefillURL: c.String("prefill-url"), Workload: o.work, Concurrency: o.conc,
 		HandshakeTimeout: c.Duration("handshake-timeout"), ReadTimeout: c.Duration("read-timeout"),
 		ConnectTimeout: c.Duration("connect-timeout"), SkipCompatCheck: !c.Bool("enforce-compat"),
-		MemKind: o.memKind, Logger: slog.Default(), Report: rep,
-		Observer: m.PullObserver(), OnReady: func() { m.SetReady(true) },
+		MemKind: o.memKind, Logger: slog.Default(), Report: run.report,
+		Observer: run.metrics.PullObserver(), OnReady: run.ready,
 	})
 	if sum != nil {
 		if err := writeSummary(c, sum); err != nil {

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/schollz/progressbar/v3"
 	"github.com/urfave/cli/v2"
@@ -90,7 +88,7 @@ func runDemo(c *cli.Context) error {
 	if c.Bool("verbose") {
 		cfg.WorkerLog = os.Stderr
 	}
-	ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
+	ctx, stop := signalContext(c)
 	defer stop()
 	if addr := c.String("metrics-addr"); addr != "" {
 		if !cfg.InProcess {

@@ -3,11 +3,14 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"sort"
 	"strings"
+	"syscall"
 
 	"github.com/urfave/cli/v2"
 )
@@ -104,6 +107,12 @@ func setupLogging(c *cli.Context) error {
 	}
 	slog.SetDefault(slog.New(h))
 	return nil
+}
+
+// signalContext is the command's context, also cancelled by SIGINT or
+// SIGTERM.
+func signalContext(c *cli.Context) (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 }
 
 func main() {

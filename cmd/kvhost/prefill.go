@@ -12,7 +12,6 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
-	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
@@ -102,17 +101,12 @@ func runPrefillSGLang(c *cli.Context) error {
 		}
 		o.Settings.TransferTimeout = d
 	}
-	ctx, cancel := signalContext()
-	defer cancel()
-	m, err := startMetrics(ctx, c, "prefill", styleSGLang)
+	run, err := startWorkerRun(c, "prefill", styleSGLang)
 	if err != nil {
 		return err
 	}
-	o.Observer = m.PushObserver()
-	o.OnReady = func(rooms worker.RoomCounter) {
-		m.SetRoomSource(metrics.RoomSource(rooms))
-		m.SetReady(true)
-	}
+	defer run.close()
+	run.wirePush(&o.Common)
 
 	o.BootstrapAddr = c.String("bootstrap-addr")
 	if o.BootstrapAddr == "" {
@@ -133,20 +127,14 @@ func runPrefillSGLang(c *cli.Context) error {
 			return fmt.Errorf("--bootstrap-addr-file: %w", err)
 		}
 	}
-	rep, closeRep, err := openReport(c)
-	if err != nil {
-		return err
-	}
-	defer closeRep()
-	o.Report = rep
 	slog.Info("prefill worker starting", "style", styleSGLang, "bootstrap", o.BootstrapAddr,
 		"ranks", len(o.TPRanks)*len(o.PPRanks), "requests", o.Workload.Requests)
-	s, runErr := worker.RunPrefill(ctx, o)
-	m.SetReady(false) // the ranks are closed
-	if d := c.Duration("linger"); d > 0 && ctx.Err() == nil {
+	s, runErr := worker.RunPrefill(run.ctx, o)
+	run.metrics.SetReady(false) // the ranks are closed
+	if d := c.Duration("linger"); d > 0 && run.ctx.Err() == nil {
 		select {
 		case <-time.After(d):
-		case <-ctx.Done():
+		case <-run.ctx.Done():
 		}
 	}
 	return finishSGLang(c, s, runErr)
@@ -166,23 +154,17 @@ func runPrefillVLLM(c *cli.Context) error {
 	if sideHost == "" {
 		sideHost = host
 	}
-	rep, closeRep, err := openReport(c)
+	run, err := startWorkerRun(c, "prefill", styleVLLM)
 	if err != nil {
 		return err
 	}
-	defer closeRep()
-	ctx, cancel := signalContext()
-	defer cancel()
-	m, err := startMetrics(ctx, c, "prefill", styleVLLM)
-	if err != nil {
-		return err
-	}
+	defer run.close()
 	cfg := demo.PrefillConfig{
 		Plugin: o.plugin, AgentParams: o.params, Model: o.model, Engine: o.engine, EngineID: o.engineID,
 		SideChannel:  "tcp://" + net.JoinHostPort(sideHost, strconv.Itoa(c.Int("side-channel-port"))),
 		APIAddr:      net.JoinHostPort(host, strconv.Itoa(c.Int("api-port"))),
-		AbortTimeout: abort, Workload: o.work, MemKind: o.memKind, Logger: slog.Default(), Report: rep,
-		Observer: m.PullObserver(), OnReady: func() { m.SetReady(true) },
+		AbortTimeout: abort, Workload: o.work, MemKind: o.memKind, Logger: slog.Default(), Report: run.report,
+		Observer: run.metrics.PullObserver(), OnReady: run.ready,
 	}
 	pf, err := demo.StartPrefill(cfg)
 	if err != nil {
@@ -194,7 +176,7 @@ func runPrefillVLLM(c *cli.Context) error {
 			return fmt.Errorf("--api-url-file: %w", err)
 		}
 	}
-	sum := pf.Wait(ctx)
+	sum := pf.Wait(run.ctx)
 	if err := writeSummary(c, sum); err != nil {
 		return err
 	}

@@ -19,9 +19,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
@@ -171,13 +169,13 @@ func workerFlags(role string) []cli.Flag {
 			Usage: "KV block layout: HND (what vLLM's NIXL connector asks for; needed for heterogeneous TP) or NHD"},
 		&cli.BoolFlag{Category: catVLLM, Name: "blocks-first", EnvVars: env("BLOCKS_FIRST"),
 			Usage: "FlashInfer's layout: one region per layer, K and V halves in every block"},
-		&cli.StringFlag{Category: catVLLM, Name: "model", Value: "kvhost/synthetic-llama", EnvVars: env("MODEL"),
+		&cli.StringFlag{Category: catVLLM, Name: "model", Value: demo.DefaultModelName, EnvVars: env("MODEL"),
 			Usage: "model name (a compatibility hash factor)"},
-		&cli.StringFlag{Category: catVLLM, Name: "vllm-version", Value: "0.13.0", EnvVars: env("VLLM_VERSION"),
+		&cli.StringFlag{Category: catVLLM, Name: "vllm-version", Value: demo.DefaultVLLMVersion, EnvVars: env("VLLM_VERSION"),
 			Usage: "vLLM version the compatibility hash claims (match the vLLM peers)"},
 		&cli.StringFlag{Category: catVLLM, Name: "dtype", EnvVars: env("DTYPE"),
 			Usage: "model dtype: bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (default: from --dtype-bytes)"},
-		&cli.StringFlag{Category: catVLLM, Name: "cache-dtype", Value: "auto", EnvVars: env("CACHE_DTYPE"),
+		&cli.StringFlag{Category: catVLLM, Name: "cache-dtype", Value: demo.DefaultCacheDType, EnvVars: env("CACHE_DTYPE"),
 			Usage: "KV cache dtype (a compatibility hash factor)"},
 		&cli.StringFlag{Category: catVLLM, Name: "attn-backend", EnvVars: env("ATTN_BACKEND"),
 			Usage: "attention backend name for the hash (default FLASH_ATTN, FLASHINFER with --blocks-first, FLASHMLA with mla)"},
@@ -406,24 +404,58 @@ func vllmModel(c *cli.Context) (demo.Model, error) {
 	return m, m.Validate()
 }
 
-// startMetrics makes the worker's metric set and serves it on
-// --metrics-addr until ctx ends (not at all when the flag is empty). The
-// caller feeds it through an observer and marks it ready.
-func startMetrics(ctx context.Context, c *cli.Context, role, style string) (*metrics.Metrics, error) {
+// workerRun is what every worker command sets up around its runtime.
+type workerRun struct {
+	// ctx ends on SIGINT or SIGTERM, or when the run is closed.
+	ctx context.Context
+	// metrics is the worker's metric set, served on --metrics-addr (when
+	// given) until the run is closed. The runtime feeds it through its
+	// observer and marks it ready.
+	metrics *metrics.Metrics
+	// report is --report's file (nil when not given).
+	report io.Writer
+	close  func()
+}
+
+// startWorkerRun sets up a run of a role's worker in style.
+func startWorkerRun(c *cli.Context, role, style string) (*workerRun, error) {
+	ctx, cancel := signalContext(c)
 	m, srv, err := metrics.Start(ctx, c.String("metrics-addr"), map[string]string{"role": role, "style": style})
 	if err != nil {
+		cancel()
 		return nil, fmt.Errorf("--metrics-addr: %w", err)
 	}
 	if srv != nil {
 		slog.Info("serving metrics", "addr", srv.Addr(), "url", "http://"+srv.Addr()+"/metrics")
 	}
-	return m, nil
+	rep, closeRep, err := openOutput(c, c.String("report"))
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("--report: %w", err)
+	}
+	r := &workerRun{ctx: ctx, metrics: m, report: rep}
+	r.close = func() {
+		if err := closeRep(); err != nil {
+			slog.Error("closing the request report", "file", c.String("report"), "err", err)
+		}
+		cancel()
+	}
+	return r, nil
 }
 
-// signalContext is cancelled by SIGINT or SIGTERM.
-func signalContext() (context.Context, context.CancelFunc) {
-	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+// wirePush hands the run's observer, readiness hook and report to a push
+// worker.
+func (r *workerRun) wirePush(o *worker.Common) {
+	o.Observer = r.metrics.PushObserver()
+	o.OnReady = func(rooms worker.RoomCounter) {
+		r.metrics.SetRoomSource(metrics.RoomSource(rooms))
+		r.metrics.SetReady(true)
+	}
+	o.Report = r.report
 }
+
+// ready is the pull workers' readiness hook.
+func (r *workerRun) ready() { r.metrics.SetReady(true) }
 
 // openOutput opens name for writing ("-" is stdout, "" nothing).
 func openOutput(c *cli.Context, name string) (io.Writer, func() error, error) {
@@ -438,15 +470,6 @@ func openOutput(c *cli.Context, name string) (io.Writer, func() error, error) {
 		return nil, nil, err
 	}
 	return f, f.Close, nil
-}
-
-// openReport opens --report (nil writer when not given).
-func openReport(c *cli.Context) (io.Writer, func() error, error) {
-	w, closeFn, err := openOutput(c, c.String("report"))
-	if err != nil {
-		return nil, nil, fmt.Errorf("--report: %w", err)
-	}
-	return w, closeFn, nil
 }
 
 // writeSummary writes a worker's summary as indented JSON where --summary

@@ -154,27 +154,12 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 		ps, err := worker.RunPrefill(ctx, worker.PrefillOptions{Common: common(cfg.PrefillTP, nil), BootstrapAddr: srv.Addr()})
 		pch <- result{ps, err}
 	}()
-	dch := make([]chan result, cfg.DecodeTP)
-	for rank := range cfg.DecodeTP {
-		dch[rank] = make(chan result, 1)
+	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*worker.Summary, error) {
 		o := worker.DecodeOptions{Common: common(cfg.DecodeTP, []int{rank}), BootstrapAddr: srv.Addr()}
 		o.Report = r.reports[rank]
 		o.Progress = r.rankProgress()
-		go func() {
-			ds, err := worker.RunDecode(ctx, o)
-			dch[rank] <- result{ds, err}
-		}()
-	}
-	var decodes []*worker.Summary
-	for rank, ch := range dch {
-		d := <-ch
-		if d.err != nil {
-			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, d.err))
-		}
-		if d.s != nil {
-			decodes = append(decodes, d.s)
-		}
-	}
+		return worker.RunDecode(ctx, o)
+	})
 	p := <-pch
 	if p.err != nil {
 		s.addFailure(fmt.Sprintf("prefill: %v", p.err))
@@ -189,6 +174,34 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 	return nil
 }
 
+// runDecodeRanks runs one decode worker per rank at once and returns the
+// summaries they made, in rank order; their errors go to s.
+func runDecodeRanks[S any](s *Summary, ranks int, run func(rank int) (*S, error)) []*S {
+	type result struct {
+		s   *S
+		err error
+	}
+	results := make([]chan result, ranks)
+	for rank := range ranks {
+		results[rank] = make(chan result, 1)
+		go func() {
+			sum, err := run(rank)
+			results[rank] <- result{sum, err}
+		}()
+	}
+	var out []*S
+	for rank, ch := range results {
+		r := <-ch
+		if r.err != nil {
+			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, r.err))
+		}
+		if r.s != nil {
+			out = append(out, r.s)
+		}
+	}
+	return out
+}
+
 // vllmModel is the model both vLLM-style workers share, as the CLI makes
 // it from the same flags.
 func vllmModel(cfg *Config) (pulldemo.Model, error) {
@@ -196,7 +209,7 @@ func vllmModel(cfg *Config) (pulldemo.Model, error) {
 	if err != nil {
 		return pulldemo.Model{}, err
 	}
-	m := pulldemo.Model{Name: "kvhost/synthetic-llama", VLLMVersion: "0.13.0", DType: dtype, CacheDType: "auto",
+	m := pulldemo.Model{Name: pulldemo.DefaultModelName, VLLMVersion: pulldemo.DefaultVLLMVersion, DType: dtype, CacheDType: pulldemo.DefaultCacheDType,
 		MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads, HeadDim: cfg.HeadDim}
 	return m, m.Validate()
 }
@@ -227,35 +240,15 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 		return fmt.Errorf("demo: prefill: %w", err)
 	}
 	defer pf.Close()
-	type result struct {
-		s   *pulldemo.DecodeSummary
-		err error
-	}
-	dch := make([]chan result, cfg.DecodeTP)
-	for rank := range cfg.DecodeTP {
-		dch[rank] = make(chan result, 1)
+	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*pulldemo.DecodeSummary, error) {
 		progress := r.rankProgress()
-		dc := pulldemo.DecodeConfig{
+		return pulldemo.RunDecode(ctx, pulldemo.DecodeConfig{
 			Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.DecodeTP), Ranks: []int{rank},
 			EngineID: "demo-decode", PrefillURL: "http://" + pf.APIAddr(), Workload: work, Concurrency: cfg.Concurrency,
 			MemKind: abi.VRAM, Logger: r.log, Observer: obs, Report: r.reports[rank],
 			Progress: func(done, _ int) { progress(done) },
-		}
-		go func() {
-			ds, err := pulldemo.RunDecode(ctx, dc)
-			dch[rank] <- result{ds, err}
-		}()
-	}
-	var decodes []*pulldemo.DecodeSummary
-	for rank, ch := range dch {
-		d := <-ch
-		if d.err != nil {
-			s.addFailure(fmt.Sprintf("decode rank %d: %v", rank, d.err))
-		}
-		if d.s != nil {
-			decodes = append(decodes, d.s)
-		}
-	}
+		})
+	})
 	// Every decode rank notified (or failed): the prefill releases the rest
 	// on its own; give it a moment, not the abort timeout.
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)

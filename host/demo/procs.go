@@ -325,59 +325,10 @@ func (t *lineTail) close() {
 
 // collect reads the workers' summaries and request reports into s.
 func (r *procRun) collect(s *Summary, ranks int) error {
-	raw := func(name string) []byte {
-		b, err := os.ReadFile(r.path(name))
-		if err != nil || len(bytes.TrimSpace(b)) == 0 {
-			s.addFailure(fmt.Sprintf("no summary %s", name))
-			return nil
-		}
-		s.Workers = append(s.Workers, json.RawMessage(bytes.TrimSpace(b)))
-		return b
-	}
-	decode := func(b []byte, v any, name string) bool {
-		if b == nil {
-			return false
-		}
-		if err := json.Unmarshal(b, v); err != nil {
-			s.addFailure(fmt.Sprintf("summary %s: %v", name, err))
-			return false
-		}
-		return true
-	}
 	if r.cfg.Style == "sglang" {
-		var p *worker.Summary
-		if b := raw("prefill.json"); b != nil {
-			p = new(worker.Summary)
-			if !decode(b, p, "prefill.json") {
-				p = nil
-			}
-		}
-		var ds []*worker.Summary
-		for rank := range ranks {
-			name := fmt.Sprintf("decode-%d.json", rank)
-			d := new(worker.Summary)
-			if decode(raw(name), d, name) {
-				ds = append(ds, d)
-			}
-		}
-		s.addPush(p, ds)
+		s.addPush(readSummaries[worker.Summary, worker.Summary](r, s, ranks))
 	} else {
-		var p *pulldemo.PrefillSummary
-		if b := raw("prefill.json"); b != nil {
-			p = new(pulldemo.PrefillSummary)
-			if !decode(b, p, "prefill.json") {
-				p = nil
-			}
-		}
-		var ds []*pulldemo.DecodeSummary
-		for rank := range ranks {
-			name := fmt.Sprintf("decode-%d.json", rank)
-			d := new(pulldemo.DecodeSummary)
-			if decode(raw(name), d, name) {
-				ds = append(ds, d)
-			}
-		}
-		s.addPull(p, ds)
+		s.addPull(readSummaries[pulldemo.PrefillSummary, pulldemo.DecodeSummary](r, s, ranks))
 	}
 	t := newTally()
 	for rank := range ranks {
@@ -394,6 +345,36 @@ func (r *procRun) collect(s *Summary, ranks int) error {
 	}
 	t.apply(s, ranks)
 	return nil
+}
+
+// readSummaries reads the prefill's and the decode ranks' JSON summaries
+// (nil or absent for a worker that wrote none or a broken one, which s
+// then names) and keeps them raw in s.Workers.
+func readSummaries[P, D any](r *procRun, s *Summary, ranks int) (*P, []*D) {
+	prefill := readSummary[P](r, s, "prefill.json")
+	var decodes []*D
+	for rank := range ranks {
+		if d := readSummary[D](r, s, fmt.Sprintf("decode-%d.json", rank)); d != nil {
+			decodes = append(decodes, d)
+		}
+	}
+	return prefill, decodes
+}
+
+func readSummary[T any](r *procRun, s *Summary, name string) *T {
+	b, err := os.ReadFile(r.path(name))
+	b = bytes.TrimSpace(b)
+	if err != nil || len(b) == 0 {
+		s.addFailure(fmt.Sprintf("no summary %s", name))
+		return nil
+	}
+	s.Workers = append(s.Workers, json.RawMessage(b))
+	v := new(T)
+	if err := json.Unmarshal(b, v); err != nil {
+		s.addFailure(fmt.Sprintf("summary %s: %v", name, err))
+		return nil
+	}
+	return v
 }
 
 // prefixWriter prefixes every line written to w (workers' logs).

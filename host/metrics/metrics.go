@@ -113,34 +113,27 @@ func New(constLabels prometheus.Labels) *Metrics {
 	m.descs = hist("nixl_num_descriptors")
 	m.failedXfers = counter("nixl_num_failed_transfers")
 	m.failedNotifs = counter("nixl_num_failed_notifications")
-	m.roomTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: Prefix + "room_transitions_total", ConstLabels: constLabels,
-		Help: "Rooms (requests) entering each KVPoll state.",
-	}, []string{"state"})
-	m.roomFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: Prefix + "room_failures_total", ConstLabels: constLabels,
-		Help: "Rooms (requests) that failed, by where the failure was detected (local, or remote: reported by the peer).",
-	}, []string{"origin"})
-	m.handshake = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name: Prefix + "handshake_duration_seconds", Buckets: latencyBuckets, ConstLabels: constLabels,
-		Help: "Duration of handshakes with peer workers (metadata exchange, loading, list preparation), by kind and result.",
-	}, []string{"kind", "result"})
-	m.bootstrap = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name: Prefix + "bootstrap_duration_seconds", Buckets: latencyBuckets, ConstLabels: constLabels,
-		Help: "Duration of calls to the bootstrap server (registration, parallel info, route lookup, heartbeat), by step and result.",
-	}, []string{"step", "result"})
-	m.pluginErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: Prefix + "plugin_errors_total", ConstLabels: constLabels,
-		Help: "Errors returned by the transfer plugin, by ABI function and status code.",
-	}, []string{"op", "code"})
-	m.released = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: Prefix + "requests_released_total", ConstLabels: constLabels,
-		Help: "Requests a pull-style prefill stopped holding, by reason (notified, expired, aborted).",
-	}, []string{"reason"})
-	m.badNotifs = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: Prefix + "bad_notifications_total", ConstLabels: constLabels,
-		Help: "Notifications a pull-style prefill could not use, by reason.",
-	}, []string{"reason"})
+	counterVec := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: Prefix + name, Help: help, ConstLabels: constLabels}, labels)
+	}
+	latencyVec := func(name, help string, labels ...string) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: Prefix + name, Help: help, Buckets: latencyBuckets, ConstLabels: constLabels}, labels)
+	}
+	m.roomTransitions = counterVec("room_transitions_total",
+		"Rooms (requests) entering each KVPoll state.", "state")
+	m.roomFailures = counterVec("room_failures_total",
+		"Rooms (requests) that failed, by where the failure was detected (local, or remote: reported by the peer).", "origin")
+	m.handshake = latencyVec("handshake_duration_seconds",
+		"Duration of handshakes with peer workers (metadata exchange, loading, list preparation), by kind and result.", "kind", "result")
+	m.bootstrap = latencyVec("bootstrap_duration_seconds",
+		"Duration of calls to the bootstrap server (registration, parallel info, route lookup, heartbeat), by step and result.", "step", "result")
+	m.pluginErrors = counterVec("plugin_errors_total",
+		"Errors returned by the transfer plugin, by ABI function and status code.", "op", "code")
+	m.released = counterVec("requests_released_total",
+		"Requests a pull-style prefill stopped holding, by reason (notified, expired, aborted).", "reason")
+	m.badNotifs = counterVec("bad_notifications_total",
+		"Notifications a pull-style prefill could not use, by reason.", "reason")
 	m.ready = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: Prefix + "ready", ConstLabels: constLabels,
 		Help: "1 once the worker is registered and serving, else 0.",

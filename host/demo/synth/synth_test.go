@@ -2,12 +2,14 @@ package synth
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"log/slog"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 type failAfter struct {
@@ -57,4 +59,45 @@ func TestLines(t *testing.T) {
 		t.Fatal("a value JSON cannot encode was accepted")
 	}
 	NewLines(nil, nil).Write("nothing") // a nil writer discards
+}
+
+func TestAllocator(t *testing.T) {
+	a := NewAllocator(8, 1)
+	got, err := a.Get(t.Context(), 5)
+	if err != nil || len(got) != 5 || a.Free() != 3 {
+		t.Fatalf("%v %v, %d free", got, err, a.Free())
+	}
+	seen := map[int32]bool{}
+	for _, p := range got {
+		if p < 0 || p >= 8 || seen[p] {
+			t.Fatalf("pages %v: not distinct slots of 0..7", got)
+		}
+		seen[p] = true
+	}
+	if _, err := a.Get(t.Context(), 9); err == nil || !strings.Contains(err.Error(), "9 pages needed, the pool has 8") {
+		t.Fatalf("more than the pool: %v", err)
+	}
+	// Too few free: Get waits until Put gives some back.
+	done := make(chan []int32)
+	go func() {
+		more, err := a.Get(t.Context(), 4)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- more
+	}()
+	select {
+	case <-done:
+		t.Fatal("Get returned with 3 free of 4")
+	case <-time.After(20 * time.Millisecond):
+	}
+	a.Put(got[:1])
+	if more := <-done; len(more) != 4 || a.Free() != 0 {
+		t.Fatalf("after Put: %v, %d free", more, a.Free())
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
+	defer cancel()
+	if _, err := a.Get(ctx, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("an empty pool past the deadline: %v", err)
+	}
 }

@@ -2,7 +2,6 @@ package demo
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
@@ -139,7 +139,7 @@ type decodeRun struct {
 	log    *slog.Logger
 	ranks  []decodeRank
 	agents []*plugin.Agent
-	alloc  *blockAlloc
+	alloc  *synth.Allocator
 	client *prefillClient
 
 	mu        sync.Mutex
@@ -149,8 +149,7 @@ type decodeRun struct {
 	descs     uint64
 	finished  int
 
-	reportMu  sync.Mutex
-	reportErr error
+	report *synth.Lines // RequestReport lines
 }
 
 // RunDecode runs the decode worker over the whole workload and returns its
@@ -160,12 +159,13 @@ func RunDecode(ctx context.Context, cfg DecodeConfig) (*DecodeSummary, error) {
 	if err := checkDecodeConfig(&cfg); err != nil {
 		return nil, fmt.Errorf("decode: %w", err)
 	}
-	d := &decodeRun{cfg: cfg, log: cfg.Logger, alloc: newBlockAlloc(cfg.Engine.NumBlocks, cfg.Workload.Seed^0xdec0de),
+	d := &decodeRun{cfg: cfg, log: cfg.Logger, alloc: synth.NewAllocator(cfg.Engine.NumBlocks, cfg.Workload.Seed^0xdec0de),
 		client: newPrefillClient(cfg.PrefillURL, cfg.ConnectTimeout)}
 	if d.log == nil {
 		d.log = slog.Default()
 	}
 	d.log = d.log.With("role", "decode", "engine_id", cfg.EngineID)
+	d.report = synth.NewLines(cfg.Report, d.log)
 	defer d.close()
 	if err := d.setup(); err != nil {
 		return nil, err
@@ -307,19 +307,11 @@ func (d *decodeRun) runOne(ctx context.Context, req Request) {
 		d.requestMs = append(d.requestMs, ms)
 	}
 	d.mu.Unlock()
-	if d.cfg.Report != nil {
-		rep := RequestReport{RequestID: req.ID, OK: err == nil, Tokens: req.Tokens, PrefixHit: req.Hit.String(), Ms: ms}
-		if err != nil {
-			rep.Error = err.Error()
-		}
-		line, _ := json.Marshal(rep)
-		d.reportMu.Lock()
-		if _, werr := d.cfg.Report.Write(append(line, '\n')); werr != nil && d.reportErr == nil {
-			d.reportErr = werr
-			d.log.Error("writing the request report", "err", werr)
-		}
-		d.reportMu.Unlock()
+	rep := RequestReport{RequestID: req.ID, OK: err == nil, Tokens: req.Tokens, PrefixHit: req.Hit.String(), Ms: ms}
+	if err != nil {
+		rep.Error = err.Error()
 	}
+	d.report.Write(rep)
 	if err != nil {
 		d.log.Warn("request failed", "request_id", req.ID, "err", err)
 	} else {

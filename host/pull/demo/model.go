@@ -36,6 +36,14 @@ import (
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
+// What a synthetic worker's model claims in the compatibility hash unless
+// told otherwise: a vLLM peer must claim the same to pair with it.
+const (
+	DefaultModelName   = "kvhost/synthetic-llama"
+	DefaultVLLMVersion = "0.13.0"
+	DefaultCacheDType  = "auto"
+)
+
 // Model is what both engines share: the facts of the compatibility hash and
 // the KV cache shape per layer.
 type Model struct {

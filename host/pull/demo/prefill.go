@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
@@ -98,7 +99,8 @@ type Prefill struct {
 	agents []*plugin.Agent
 	pools  []*kvpool.Pool
 	sender *pull.Sender
-	alloc  *blockAlloc
+	alloc  *synth.Allocator
+	report *synth.Lines // ReleaseReport lines
 	ln     net.Listener
 	srv    *http.Server
 	start  time.Time
@@ -116,8 +118,6 @@ type Prefill struct {
 	filled     uint64
 	allDone    chan struct{}
 	closeOnce  sync.Once
-	// reportFailed: a Report write failed (logged once).
-	reportFailed bool
 }
 
 type prefillReq struct {
@@ -151,7 +151,7 @@ func StartPrefill(cfg PrefillConfig) (_ *Prefill, err error) {
 	p := &Prefill{
 		cfg:       cfg,
 		log:       cfg.Logger,
-		alloc:     newBlockAlloc(cfg.Engine.NumBlocks, cfg.Workload.Seed),
+		alloc:     synth.NewAllocator(cfg.Engine.NumBlocks, cfg.Workload.Seed),
 		reqs:      make(map[string]*prefillReq),
 		byPrefill: make(map[string]string),
 		allDone:   make(chan struct{}),
@@ -161,6 +161,7 @@ func StartPrefill(cfg PrefillConfig) (_ *Prefill, err error) {
 		p.log = slog.Default()
 	}
 	p.log = p.log.With("role", "prefill", "engine_id", cfg.EngineID)
+	p.report = synth.NewLines(cfg.Report, p.log)
 	if cfg.Workload.Requests > 0 {
 		p.expected = make(map[string]int)
 		for _, r := range cfg.Workload.Generate() {
@@ -375,14 +376,8 @@ func (p *Prefill) onRelease(rel pull.Release) {
 	case pull.ReleaseExpired:
 		p.expired = append(p.expired, id)
 	}
-	if p.cfg.Report != nil {
-		line, _ := json.Marshal(ReleaseReport{RequestID: id, Released: string(rel.Reason), Notifications: rel.Notified,
-			HeldMs: float64(rel.Held.Microseconds()) / 1e3})
-		if _, err := p.cfg.Report.Write(append(line, '\n')); err != nil && !p.reportFailed {
-			p.reportFailed = true
-			p.log.Error("writing the release report", "err", err)
-		}
-	}
+	p.report.Write(ReleaseReport{RequestID: id, Released: string(rel.Reason), Notifications: rel.Notified,
+		HeldMs: float64(rel.Held.Microseconds()) / 1e3})
 	if e := p.reqs[id]; e != nil {
 		e.released = rel.Reason
 		if p.expected == nil {

@@ -1,12 +1,10 @@
 package demo
 
 import (
-	"context"
 	"fmt"
 	"hash/fnv"
 	"math/rand/v2"
 	"slices"
-	"sync"
 )
 
 // Workload is the deterministic request stream both workers derive from
@@ -111,71 +109,6 @@ func KVSeed(id string) uint64 {
 	h := fnv.New64a()
 	h.Write([]byte(id))
 	return h.Sum64()
-}
-
-// blockAlloc hands out random free blocks, waiting while too few are free.
-type blockAlloc struct {
-	mu      sync.Mutex
-	free    []int32
-	total   int
-	rng     *rand.Rand
-	changed chan struct{} // closed and replaced whenever blocks come back
-}
-
-func newBlockAlloc(n int, seed uint64) *blockAlloc {
-	a := &blockAlloc{total: n, rng: rand.New(rand.NewPCG(seed, 0xb10c)), changed: make(chan struct{})}
-	for i := range n {
-		a.free = append(a.free, int32(i))
-	}
-	return a
-}
-
-// Get returns n distinct random free blocks, waiting for them until ctx
-// ends.
-func (a *blockAlloc) Get(ctx context.Context, n int) ([]int32, error) {
-	if n > a.total {
-		return nil, fmt.Errorf("%d blocks needed, the cache has %d", n, a.total)
-	}
-	for {
-		a.mu.Lock()
-		if len(a.free) >= n {
-			out := make([]int32, n)
-			for i := range out {
-				j := a.rng.IntN(len(a.free))
-				out[i] = a.free[j]
-				a.free[j] = a.free[len(a.free)-1]
-				a.free = a.free[:len(a.free)-1]
-			}
-			a.mu.Unlock()
-			return out, nil
-		}
-		ch := a.changed
-		a.mu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return nil, fmt.Errorf("waiting for %d free blocks: %w", n, ctx.Err())
-		}
-	}
-}
-
-// Put returns blocks.
-func (a *blockAlloc) Put(ids []int32) {
-	if len(ids) == 0 {
-		return
-	}
-	a.mu.Lock()
-	a.free = append(a.free, ids...)
-	close(a.changed)
-	a.changed = make(chan struct{})
-	a.mu.Unlock()
-}
-
-// Free returns the number of free blocks.
-func (a *blockAlloc) Free() int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return len(a.free)
 }
 
 // sortedCopy returns ids sorted (for stable summaries).

@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 )
@@ -41,15 +40,7 @@ func BenchmarkPush(b *testing.B) {
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			pl := loadFake(b)
-			srv, err := bootstrap.NewServer(bootstrap.WithLogger(discard())).Start("127.0.0.1:0")
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer func() {
-				ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-				defer cancel()
-				srv.Close(ctx)
-			}()
+			addr := startBootstrap(b)
 			shape := benchShape
 			shape.MLA = c.mla
 			wl := Workload{Seed: 3, Requests: b.N, MinTokens: 1024, MaxTokens: 1024, ChunkPages: 8}
@@ -62,13 +53,13 @@ func BenchmarkPush(b *testing.B) {
 			start := time.Now()
 			pch := make(chan *Summary, 1)
 			go func() {
-				s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp), XferMode: c.xfer, BootstrapAddr: srv.Addr()})
+				s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp), XferMode: c.xfer, BootstrapAddr: addr})
 				if err != nil {
 					b.Error(err)
 				}
 				pch <- s
 			}()
-			ds, err := RunDecode(ctx, DecodeOptions{Common: common(c.dtp), BootstrapAddr: srv.Addr()})
+			ds, err := RunDecode(ctx, DecodeOptions{Common: common(c.dtp), BootstrapAddr: addr})
 			ps := <-pch
 			elapsed := time.Since(start)
 			b.StopTimer()

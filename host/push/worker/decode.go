@@ -107,20 +107,20 @@ func (d *decodeRank) serve(ctx context.Context, o *DecodeOptions, req Request, t
 	}
 	ps := o.Shape.PageSize
 	total := pagesFor(req.Tokens, ps)
-	pages, err := d.pages.alloc(ctx, total)
+	pages, err := d.pages.Get(ctx, total)
 	if err != nil {
 		r.Abort()
 		fail(err.Error(), false)
 		return
 	}
-	defer d.pages.release(pages)
-	auxSlot, err := d.aux.alloc(ctx, 1)
+	defer d.pages.Put(pages)
+	auxSlot, err := d.aux.Get(ctx, 1)
 	if err != nil {
 		r.Abort()
 		fail(err.Error(), false)
 		return
 	}
-	defer d.aux.release(auxSlot)
+	defer d.aux.Put(auxSlot)
 	// Stale bytes of earlier requests must not pass the check.
 	if !o.NoBytes {
 		if err := d.pool.ClearPages(pages); err != nil {

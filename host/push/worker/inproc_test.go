@@ -19,6 +19,24 @@ import (
 	"github.com/kvhost/kvhost/host/push/rooms"
 )
 
+// startBootstrap serves a bootstrap server until the test ends and returns
+// its address.
+func startBootstrap(t testing.TB) string {
+	t.Helper()
+	srv, err := bootstrap.NewServer(bootstrap.WithLogger(discard())).Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// A client's unused keep-alive connection makes http.Server.Shutdown
+		// wait 5 s; nothing is in flight here.
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		srv.Close(ctx)
+	})
+	return srv.Addr()
+}
+
 func loadFake(t testing.TB) *plugin.Plugin {
 	t.Helper()
 	p, err := plugin.Load("fake", plugin.SearchDirs(""))
@@ -45,17 +63,7 @@ type pair struct {
 func runPair(t *testing.T, c pair) (*Summary, *Summary) {
 	t.Helper()
 	pl := loadFake(t)
-	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		// A client's unused keep-alive connection makes http.Server.Shutdown
-		// wait 5 s; nothing is in flight here.
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-		defer cancel()
-		srv.Close(ctx)
-	}()
+	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -78,10 +86,10 @@ func runPair(t *testing.T, c pair) (*Summary, *Summary) {
 	}
 	pch := make(chan res, 1)
 	go func() {
-		s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp, c.ppp, c.pparams), XferMode: c.xfer, BootstrapAddr: srv.Addr()})
+		s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp, c.ppp, c.pparams), XferMode: c.xfer, BootstrapAddr: addr})
 		pch <- res{s, err}
 	}()
-	ds, derr := RunDecode(ctx, DecodeOptions{Common: common(c.dtp, c.dpp, c.dparams), BootstrapAddr: srv.Addr()})
+	ds, derr := RunDecode(ctx, DecodeOptions{Common: common(c.dtp, c.dpp, c.dparams), BootstrapAddr: addr})
 	pr := <-pch
 	if derr != nil {
 		t.Fatalf("decode: %v", derr)
@@ -178,15 +186,7 @@ func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, ni
 // then or after the run.
 func TestOnReady(t *testing.T) {
 	pl := loadFake(t)
-	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-		defer cancel()
-		srv.Close(ctx)
-	}()
+	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	type side struct {
@@ -217,10 +217,10 @@ func TestOnReady(t *testing.T) {
 	var ps, ds side
 	errc := make(chan error, 1)
 	go func() {
-		_, err := RunPrefill(ctx, PrefillOptions{Common: common(2, &ps), BootstrapAddr: srv.Addr()})
+		_, err := RunPrefill(ctx, PrefillOptions{Common: common(2, &ps), BootstrapAddr: addr})
 		errc <- err
 	}()
-	if _, err := RunDecode(ctx, DecodeOptions{Common: common(2, &ds), BootstrapAddr: srv.Addr()}); err != nil {
+	if _, err := RunDecode(ctx, DecodeOptions{Common: common(2, &ds), BootstrapAddr: addr}); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-errc; err != nil {
@@ -283,15 +283,7 @@ func (l *lineCounter) n() int { l.mu.Lock(); defer l.mu.Unlock(); return len(l.l
 // it), not at the end of the run.
 func TestReportAsRequestsFinish(t *testing.T) {
 	pl := loadFake(t)
-	srv, err := bootstrap.NewServer().Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-		defer cancel()
-		srv.Close(ctx)
-	}()
+	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	wl := smallWL()
@@ -301,11 +293,11 @@ func TestReportAsRequestsFinish(t *testing.T) {
 	var seen []int // lines written at each decode progress call
 	errc := make(chan error, 1)
 	go func() {
-		_, err := RunPrefill(ctx, PrefillOptions{BootstrapAddr: srv.Addr(), Common: Common{Plugin: pl, Shape: smallShape(),
+		_, err := RunPrefill(ctx, PrefillOptions{BootstrapAddr: addr, Common: Common{Plugin: pl, Shape: smallShape(),
 			Workload: wl, TPSize: 2, Logger: discard(), Report: &prep}})
 		errc <- err
 	}()
-	ds, err := RunDecode(ctx, DecodeOptions{BootstrapAddr: srv.Addr(), Common: Common{Plugin: pl, Shape: smallShape(),
+	ds, err := RunDecode(ctx, DecodeOptions{BootstrapAddr: addr, Common: Common{Plugin: pl, Shape: smallShape(),
 		Workload: wl, TPSize: 2, Logger: discard(), Report: &drep,
 		Progress: func(done int) {
 			mu.Lock()

@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/push/rooms"
 )
@@ -202,7 +203,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	t.finish(s, reqs, elapsed)
 	st.mu.Lock()
 	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
-	s.XferP50us, s.XferP99us, s.PostP50us = percentile(st.xfer, 50), percentile(st.xfer, 99), percentile(st.post, 50)
+	s.XferP50us, s.XferP99us, s.PostP50us = pull.Percentile(st.xfer, 50), pull.Percentile(st.xfer, 99), pull.Percentile(st.post, 50)
 	st.mu.Unlock()
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9
@@ -252,20 +253,20 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 	}
 	total := pagesFor(req.Tokens, ps)
 	send := total - prefix/ps
-	pages, err := p.pages.alloc(ctx, send)
+	pages, err := p.pages.Get(ctx, send)
 	if err != nil {
 		s.Abort()
 		fail(err.Error())
 		return
 	}
-	defer p.pages.release(pages)
-	auxSlot, err := p.aux.alloc(ctx, 1)
+	defer p.pages.Put(pages)
+	auxSlot, err := p.aux.Get(ctx, 1)
 	if err != nil {
 		s.Abort()
 		fail(err.Error())
 		return
 	}
-	defer p.aux.release(auxSlot)
+	defer p.aux.Put(auxSlot)
 	if !o.NoBytes {
 		if err := p.pool.FillAux(req.Room, int(auxSlot[0])); err != nil {
 			s.Abort()

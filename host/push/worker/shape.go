@@ -5,6 +5,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/push"
 )
@@ -53,8 +54,8 @@ type rank struct {
 	pool   *kvpool.Pool
 	args   push.KVArgs
 	par    push.Parallel
-	pages  *allocator
-	aux    *allocator
+	pages  *synth.Allocator // KV pages
+	aux    *synth.Allocator // aux slots
 }
 
 func (r *rank) String() string { return fmt.Sprintf("tp%d/pp%d", r.tp, r.pp) }
@@ -96,8 +97,8 @@ func newRank(s Shape, prefill bool, tpSize, tp, ppSize, pp, pages, auxSlots int,
 		return nil, err
 	}
 	r := &rank{tp: tp, pp: pp, pool: pool,
-		pages: newAllocator(pages, seed^uint64(tp)<<32^uint64(pp)<<48),
-		aux:   newAllocator(auxSlots, seed^0xa0a0^uint64(tp)<<32^uint64(pp)<<48)}
+		pages: synth.NewAllocator(pages, seed^uint64(tp)<<32^uint64(pp)<<48),
+		aux:   synth.NewAllocator(auxSlots, seed^0xa0a0^uint64(tp)<<32^uint64(pp)<<48)}
 	r.par = push.Parallel{TPSize: tpSize, TPRank: tp, PPSize: ppSize, PPRank: pp}
 	regions := pool.Regions()
 	kinds := strings.ToLower(s.MemKinds)

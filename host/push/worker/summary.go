@@ -3,11 +3,10 @@ package worker
 import (
 	"encoding/json"
 	"io"
-	"slices"
-	"sort"
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 )
 
@@ -137,18 +136,6 @@ func (s *stats) Handshake(e push.HandshakeEvent) {
 	}
 }
 
-// percentile returns the p-th percentile (0..100) of v (sorted in place).
-func percentile(v []float64, p float64) float64 {
-	if len(v) == 0 {
-		return 0
-	}
-	if !sort.Float64sAreSorted(v) {
-		slices.Sort(v)
-	}
-	i := int(p / 100 * float64(len(v)-1))
-	return v[i]
-}
-
 // tally aggregates per-request outcomes across a worker's ranks.
 type tally struct {
 	mu       sync.Mutex
@@ -211,7 +198,7 @@ func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) {
 	}
 	s.VerifyErrors = len(t.verify)
 	s.Failures = t.failures
-	s.LatencyP50us = percentile(t.latency, 50)
-	s.LatencyP99us = percentile(t.latency, 99)
+	s.LatencyP50us = pull.Percentile(t.latency, 50)
+	s.LatencyP99us = pull.Percentile(t.latency, 99)
 	s.DurationSec = elapsed.Seconds()
 }
