@@ -43,7 +43,12 @@
 // lists, which are closed with it.
 //
 // Hot paths make one plugin call per transfer on native paths and pass the
-// caller's index and entry slices to C unchanged; Post, Poll and Telemetry
-// allocate nothing. Strided descriptors the host expands are bounded (16 Mi
-// plain descriptors per list or transfer).
+// caller's index and entry slices to C unchanged; Post, Poll, Telemetry,
+// Close of a transfer and Notifs with nothing queued allocate nothing.
+// Strided descriptors the host expands are bounded (16 Mi plain
+// descriptors per list or transfer).
+//
+// Releases a plugin refuses (a transfer still in flight after MORI-IO's or
+// NIXL's release timeout, a region or list still in use: ErrNotAllowed)
+// leave the handle open and usable; Close it again later.
 package plugin
