@@ -30,8 +30,8 @@ func bootstrapCommand() *cli.Command {
 			"this process, not the prefill ones. Prints the address it serves (host:port) on stdout and\n" +
 			"serves until SIGINT or SIGTERM.",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "host", Value: "127.0.0.1", EnvVars: []string{"KVHOST_HOST"}, Usage: "address to listen on"},
-			&cli.IntFlag{Name: "port", Value: 8998, EnvVars: []string{"KVHOST_BOOTSTRAP_PORT"}, Usage: "port (0 picks a free one)"},
+			&cli.StringFlag{Name: "host", Value: "127.0.0.1", EnvVars: env("HOST"), Usage: "address to listen on"},
+			&cli.IntFlag{Name: "port", Value: 8998, EnvVars: env("BOOTSTRAP_PORT"), Usage: "port (0 picks a free one)"},
 			&cli.StringFlag{Name: "addr-file", EnvVars: env("BOOTSTRAP_ADDR_FILE"), Usage: "write the address served (host:port) to `FILE`"},
 		},
 		Action: func(c *cli.Context) error {

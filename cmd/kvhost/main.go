@@ -32,6 +32,9 @@ const (
 	flagLogFormat  = "log-format"
 )
 
+// env names a flag's variable: KVHOST_ and the name.
+func env(name string) []string { return []string{"KVHOST_" + name} }
+
 // globalFlags are the flags every command shares (given before it).
 func globalFlags() []cli.Flag {
 	return []cli.Flag{
@@ -39,25 +42,25 @@ func globalFlags() []cli.Flag {
 			Name:    flagBackend,
 			Usage:   "transfer plugin `NAME` (fake, nixl, mori, or any libkvhost_NAME.so in the plugin path)",
 			Value:   "fake",
-			EnvVars: []string{"KVHOST_BACKEND"},
+			EnvVars: env("BACKEND"),
 		},
 		&cli.StringFlag{
 			Name: flagPluginPath,
 			Usage: "colon-separated `DIRS` searched for plugins before the binary's own folder, ../lib/kvhost beside it " +
 				"and lib/kvhost of the kvhost checkout holding the working directory (see kvhost plugins)",
-			EnvVars: []string{"KVHOST_PLUGIN_PATH"},
+			EnvVars: env("PLUGIN_PATH"),
 		},
 		&cli.StringFlag{
 			Name:    flagLogLevel,
 			Usage:   "debug, info, warn or error",
 			Value:   "info",
-			EnvVars: []string{"KVHOST_LOG_LEVEL"},
+			EnvVars: env("LOG_LEVEL"),
 		},
 		&cli.StringFlag{
 			Name:    flagLogFormat,
 			Usage:   "text or json (logs go to stderr)",
 			Value:   "text",
-			EnvVars: []string{"KVHOST_LOG_FORMAT"},
+			EnvVars: env("LOG_FORMAT"),
 		},
 	}
 }

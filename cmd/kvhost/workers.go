@@ -66,8 +66,6 @@ func styleOfCategory(cat string) string {
 	return ""
 }
 
-func env(name string) []string { return []string{"KVHOST_" + name} }
-
 // roleEnv names a variable per role, e.g. KVHOST_PREFILL_TP_SIZE, for the
 // flags a prefill and a decode started from one environment set apart.
 func roleEnv(role, name string) []string {
