@@ -197,11 +197,27 @@ build/mori/kvp_util.o: $(COMMON_SRC) $(COMMON_HDR)
 vet:
 	$(GO) vet ./...
 
+# DEMO_ARGS changes the demo's scenario, e.g. make demo DEMO_ARGS="--style vllm".
+DEMO_ARGS ?=
+
+demo: all
+	$(BIN) demo $(DEMO_ARGS)
+
+bench: all
+	$(BIN) bench $(BENCH_ARGS)
+
+# test runs everything CI runs: vet, the plugins' C tests under sanitizers,
+# every Go test under the race detector, an install from a temporary prefix,
+# and the end-to-end demo at CI scale in both styles (separate processes,
+# every byte verified).
 test: all vet plugin-fake-abi2 plugin-test
 	$(GO) test -race -count=1 ./...
+	$(MAKE) --no-print-directory install-check
+	$(BIN) demo --requests 48 --layers 4
+	$(BIN) demo --requests 48 --layers 4 --style vllm
 
 clean:
-	rm -rf bin lib dist
+	rm -rf bin lib dist build
 
 # --- install and dist ---------------------------------------------------------
 # `make install PREFIX=/opt/kvhost` puts bin/kvhost and every plugin built
