@@ -39,7 +39,6 @@ package planner
 //     *Error values here.
 
 import (
-	"fmt"
 	"math"
 	"math/bits"
 )
@@ -563,51 +562,4 @@ func (r *VLLMReader) setWindows(windows []int) error {
 		}
 	}
 	return nil
-}
-
-// VLLMNotification returns the notification a decode rank attaches to its
-// READ (or sends alone on a full prefix hit): "{remote_request_id}:{tp_ratio}".
-func VLLMNotification(remoteRequestID string, tpRatio int) string {
-	return fmt.Sprintf("%s:%d", remoteRequestID, tpRatio)
-}
-
-// ParseVLLMNotification splits a notification received by a prefill worker
-// into the request id and the number of decode ranks that will read it
-// (_get_new_notifs: rsplit on the last ':', so request ids may contain ':').
-// The count must be a positive decimal integer.
-func ParseVLLMNotification(msg []byte) (requestID string, consumers int, err error) {
-	colon := -1
-	for i := len(msg) - 1; i >= 0; i-- {
-		if msg[i] == ':' {
-			colon = i
-			break
-		}
-	}
-	if colon < 0 {
-		return "", 0, errorf("notification", "%q has no ':' before the consumer count", truncate(msg))
-	}
-	digits := msg[colon+1:]
-	if len(digits) == 0 || len(digits) > 9 {
-		return "", 0, errorf("notification", "consumer count %q is not a positive integer below 10^9", truncate(digits))
-	}
-	n := 0
-	for _, c := range digits {
-		if c < '0' || c > '9' {
-			return "", 0, errorf("notification", "consumer count %q is not a positive integer", truncate(digits))
-		}
-		n = n*10 + int(c-'0')
-	}
-	if n == 0 {
-		return "", 0, errorf("notification", "consumer count is 0")
-	}
-	return string(msg[:colon]), n, nil
-}
-
-// truncate keeps error messages about network bytes short.
-func truncate(b []byte) string {
-	const max = 64
-	if len(b) > max {
-		return string(b[:max]) + "..."
-	}
-	return string(b)
 }

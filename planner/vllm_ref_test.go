@@ -8,6 +8,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // Reference equivalence: random geometries and requests run through
@@ -256,7 +258,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 			errs++
 			continue
 		}
-		if r.TPRatio() != w.TPRatio || r.RemoteRank() != w.RemoteRank || VLLMNotification(c.RemoteRequestID, r.TPRatio()) != w.Notif {
+		if r.TPRatio() != w.TPRatio || r.RemoteRank() != w.RemoteRank || vllm.ReadNotif(c.RemoteRequestID, r.TPRatio()) != w.Notif {
 			fail("tp_ratio %d rank %d, reference %d %d %q", r.TPRatio(), r.RemoteRank(), w.TPRatio, w.RemoteRank, w.Notif)
 		}
 		if rd.NotifyOnly != w.NotifyOnly {

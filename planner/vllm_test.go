@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"sort"
-	"strconv"
 	"strings"
 	"testing"
 )
@@ -711,69 +710,6 @@ func TestVLLMTPHelpers(t *testing.T) {
 			t.Errorf("VLLMTargetRemoteRank%v accepted", bad)
 		}
 	}
-	if got := VLLMNotification("cmpl-1:x", 4); got != "cmpl-1:x:4" {
-		t.Errorf("VLLMNotification = %q", got)
-	}
-}
-
-func TestParseVLLMNotification(t *testing.T) {
-	for _, tc := range []struct {
-		in   string
-		id   string
-		n    int
-		fail bool
-	}{
-		{"req-1:2", "req-1", 2, false},
-		{"a:b:c:16", "a:b:c", 16, false},
-		{":1", "", 1, false},
-		{"req", "", 0, true},
-		{"req:", "", 0, true},
-		{"req:0", "", 0, true},
-		{"req:-1", "", 0, true},
-		{"req:1x", "", 0, true},
-		{"req:1234567890", "", 0, true},
-		{"", "", 0, true},
-	} {
-		id, n, err := ParseVLLMNotification([]byte(tc.in))
-		if (err != nil) != tc.fail || (!tc.fail && (id != tc.id || n != tc.n)) {
-			t.Errorf("ParseVLLMNotification(%q) = %q, %d, %v", tc.in, id, n, err)
-		}
-		if tc.fail {
-			var pe *Error
-			if !errors.As(err, &pe) || pe.Field != "notification" {
-				t.Errorf("%q: error %v is not a notification *Error", tc.in, err)
-			}
-		}
-	}
-	// Round trip.
-	for _, ratio := range []int{1, 2, 8} {
-		id := fmt.Sprintf("chatcmpl-%d:xyz", ratio)
-		gid, gn, err := ParseVLLMNotification([]byte(VLLMNotification(id, ratio)))
-		if err != nil || gid != id || gn != ratio {
-			t.Errorf("round trip %q %d: %q %d %v", id, ratio, gid, gn, err)
-		}
-	}
-}
-
-func FuzzParseVLLMNotification(f *testing.F) {
-	for _, s := range []string{"req-1:2", "a:b:3", "x", "x:", "x:0", "x:99999999999"} {
-		f.Add([]byte(s))
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		id, n, err := ParseVLLMNotification(b)
-		if err != nil {
-			var pe *Error
-			if !errors.As(err, &pe) {
-				t.Fatalf("%q: error %v is not an *Error", b, err)
-			}
-			return
-		}
-		colon := strings.LastIndexByte(string(b), ':')
-		want, aerr := strconv.Atoi(string(b[colon+1:]))
-		if n <= 0 || id != string(b[:colon]) || aerr != nil || want != n {
-			t.Fatalf("%q parsed to %q, %d", b, id, n)
-		}
-	})
 }
 
 // More runs than FillPlan's stack batch: runs spill over batches, windows

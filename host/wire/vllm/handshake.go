@@ -22,7 +22,6 @@ package vllm
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
@@ -354,29 +353,4 @@ func truncate(b []byte) []byte {
 		return b[:40]
 	}
 	return b
-}
-
-// ReadNotif formats the notification a decode worker attaches to its
-// READ: "{remote_request_id}:{tp_ratio}". Prefill frees the request's
-// blocks once tp_ratio such notifications arrived.
-func ReadNotif(remoteRequestID string, tpRatio int) string {
-	return fmt.Sprintf("%s:%d", remoteRequestID, tpRatio)
-}
-
-// ParseReadNotif parses a READ notification the way the reference does
-// (utf-8, split at the last ':'); the request id may itself contain ':'.
-func ParseReadNotif(b []byte) (requestID string, tpRatio int, err error) {
-	if !utf8.Valid(b) {
-		return "", 0, fmt.Errorf("%w: notification %q is not UTF-8", ErrMalformed, truncate(b))
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ':')
-	if i < 0 {
-		return "", 0, fmt.Errorf("%w: notification %q has no ':'", ErrMalformed, truncate(b))
-	}
-	var n int
-	if _, err := fmt.Sscanf(s[i+1:], "%d", &n); err != nil || fmt.Sprint(n) != s[i+1:] || n <= 0 {
-		return "", 0, fmt.Errorf("%w: notification %q: tp_ratio %q is not a positive integer", ErrMalformed, truncate(b), s[i+1:])
-	}
-	return s[:i], n, nil
 }

@@ -198,21 +198,6 @@ func TestDecodeRejects(t *testing.T) {
 	}
 }
 
-func TestReadNotif(t *testing.T) {
-	if got := ReadNotif("cmpl-abc:1", 2); got != "cmpl-abc:1:2" {
-		t.Fatalf("format %q", got)
-	}
-	id, n, err := ParseReadNotif([]byte("cmpl-abc:1:2"))
-	if err != nil || id != "cmpl-abc:1" || n != 2 {
-		t.Fatalf("parse: %q %d %v", id, n, err)
-	}
-	for _, bad := range []string{"noratio", "id:", "id:0", "id:x", "id:+2", "id: 2", "id:-1", "\xff:1"} {
-		if _, _, err := ParseReadNotif([]byte(bad)); !errors.Is(err, ErrMalformed) {
-			t.Errorf("%q: %v", bad, err)
-		}
-	}
-}
-
 // Golden hash from Python: hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest().
 func TestCompatibilityHashGolden(t *testing.T) {
 	f := CompatFactors{VLLMVersion: "0.13.0", ConnectorVersion: ConnectorVersion, Model: "meta-llama/Llama-3.1-8B-Instruct",
@@ -249,16 +234,6 @@ func FuzzDecodeHandshake(f *testing.F) {
 			if err != nil || !reflect.DeepEqual(again, md) {
 				t.Fatalf("metadata does not round-trip: %+v vs %+v (%v)", md, again, err)
 			}
-		}
-	})
-}
-
-func FuzzParseReadNotif(f *testing.F) {
-	f.Add([]byte("req-1:2"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		id, n, err := ParseReadNotif(b)
-		if err == nil && ReadNotif(id, n) != string(b) {
-			t.Fatalf("%q does not round-trip", b)
 		}
 	})
 }

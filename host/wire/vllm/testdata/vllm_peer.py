@@ -14,6 +14,9 @@ what this peer uses (Debian has python3-msgpack, not msgspec).
   badreq ENDPOINT         send malformed requests; each must get a reply
                           (empty) within 2 s; print "OK"
   hash SPEC               print the compatibility hash of each factor set
+  notif SPEC              parse each notification of SPEC (hex strings) as
+                          _get_new_notifs does; print [[id, tp_ratio] or
+                          null, ...] (tp_ratio as a decimal string)
 """
 import hashlib
 import json
@@ -60,6 +63,15 @@ def typed(obj, fields, what):
             raise SystemExit(f"{what} lacks field {name}")
         if not isinstance(obj[name], ty) or (ty is int and isinstance(obj[name], bool)):
             raise SystemExit(f"{what}.{name} is {type(obj[name]).__name__}, want {ty.__name__}")
+
+
+def parse_notif(notif):
+    # NixlConnectorWorker._get_new_notifs: the request id and the count.
+    try:
+        req_id, tp_ratio = notif.decode("utf-8").rsplit(":", 1)
+        return [req_id, str(int(tp_ratio))]
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        return None
 
 
 def main():
@@ -124,6 +136,10 @@ def main():
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         print(json.dumps([hash_factors(items) for items in spec]), flush=True)
+    elif mode == "notif":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        print(json.dumps([parse_notif(bytes.fromhex(h)) for h in spec]), flush=True)
     else:
         raise SystemExit(f"unknown mode {mode}")
     ctx.term()
