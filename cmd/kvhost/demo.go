@@ -41,6 +41,10 @@ func demoCommand() *cli.Command {
 			"NIXL connector's way (decode READs after a handshake; the prefill's HTTP API stands in for the\n" +
 			"proxy). The workers' logs, summaries and per-request reports stay in --work-dir if given; a\n" +
 			"failing worker's last log lines are in the summary.\n\n" +
+			"The KV pools are host memory, registered as VRAM when the plugin accepts that (the fake does)\n" +
+			"and as DRAM otherwise (nixl: UCX checks the memory's real type); --mem-kinds chooses. SGLang's\n" +
+			"NIXL connector moves heterogeneous-TP MHA KV only into VRAM, so on DRAM pools the sglang style\n" +
+			"needs equal TP sizes or --attention mla (the vllm style takes any decode TP >= prefill TP).\n\n" +
 			"Exits 0 only when every request was verified on every decode rank.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "style", Value: d.Style, EnvVars: env("STYLE"), Usage: "sglang (push) or vllm (pull)"},
@@ -58,6 +62,8 @@ func demoCommand() *cli.Command {
 			&cli.IntFlag{Name: "max-tokens", Value: d.MaxTokens, EnvVars: env("MAX_TOKENS"), Usage: "longest prompt (tokens)"},
 			&cli.IntFlag{Name: "chunk-pages", Value: d.ChunkPages, EnvVars: env("CHUNK_PAGES"), Usage: "chunked-prefill chunk size in pages (sglang style; 0: one chunk per request)"},
 			&cli.IntFlag{Name: "concurrency", Value: d.Concurrency, EnvVars: env("CONCURRENCY"), Usage: "requests in flight per worker rank"},
+			&cli.StringFlag{Name: "mem-kinds", EnvVars: env("DEMO_MEM_KINDS"), Usage: "register the KV pools as vram, dram or (sglang) mixed: K vram, V dram on decode " +
+				"(default: vram when the plugin accepts host memory as VRAM, as the fake does; dram otherwise, e.g. NIXL over UCX)"},
 			&cli.StringSliceFlag{Name: "agent-param", EnvVars: env("AGENT_PARAMS"), Usage: "plugin agent parameter `key=value` for every worker (repeatable), e.g. caps_off=notif"},
 			&cli.BoolFlag{Name: "in-process", EnvVars: env("DEMO_IN_PROCESS"), Usage: "run every worker in this process instead of separate processes"},
 			&cli.StringFlag{Name: "metrics-addr", EnvVars: env("METRICS_ADDR"), Usage: "with --in-process: serve the workers' Prometheus /metrics and /health on `HOST:PORT` " +
@@ -81,7 +87,7 @@ func runDemo(c *cli.Context) error {
 		Layers: c.Int("layers"), KVHeads: c.Int("kv-heads"), HeadDim: c.Int("head-dim"), DTypeBytes: c.Int("dtype-bytes"),
 		PageSize: c.Int("page-size"), Requests: c.Int("requests"), Seed: c.Uint64("seed"),
 		MinTokens: c.Int("min-tokens"), MaxTokens: c.Int("max-tokens"), ChunkPages: c.Int("chunk-pages"),
-		Concurrency: c.Int("concurrency"), Plugin: c.String(flagBackend), PluginPath: c.String(flagPluginPath),
+		Concurrency: c.Int("concurrency"), MemKinds: c.String("mem-kinds"), Plugin: c.String(flagBackend), PluginPath: c.String(flagPluginPath),
 		AgentParams: c.StringSlice("agent-param"), InProcess: c.Bool("in-process"), WorkDir: c.String("work-dir"),
 		Timeout: c.Duration("timeout"), Log: slog.Default(),
 	}

@@ -21,12 +21,12 @@ func TestDemoCommand(t *testing.T) {
 			t.Errorf("summary lacks %q:\n%s", want, out)
 		}
 	}
-	out, err = runKvhost(t, "", append(quickDemo, "--json", "--style", "vllm", "--attention", "mla", "--decode-tp", "2")...)
+	out, err = runKvhost(t, "", append(quickDemo, "--json", "--style", "vllm", "--attention", "mla", "--decode-tp", "2", "--mem-kinds", "dram")...)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
 	var s demo.Summary
-	if err := json.Unmarshal([]byte(out), &s); err != nil || !s.Success() || s.Style != "vllm" || s.DecodeTP != 2 || s.BytesVerified == 0 {
+	if err := json.Unmarshal([]byte(out), &s); err != nil || !s.Success() || s.Style != "vllm" || s.DecodeTP != 2 || s.MemKinds != "dram" || s.BytesVerified == 0 {
 		t.Fatalf("json %v: %s", err, out)
 	}
 }
@@ -45,6 +45,8 @@ func TestDemoCommandFailures(t *testing.T) {
 		{[]string{"demo", "--metrics-addr", "127.0.0.1:0"}, "--in-process"},
 		{[]string{"demo", "--in-process", "--requests", "0"}, "requests"},
 		{[]string{"demo", "extra"}, "unexpected argument"},
+		{[]string{"demo", "--in-process", "--mem-kinds", "hbm"}, "memory kinds"},
+		{[]string{"demo", "--in-process", "--mem-kinds", "dram"}, "needs VRAM decode pools"},
 	} {
 		out, err := runKvhost(t, "", c.args...)
 		if err == nil || !strings.Contains(err.Error(), c.want) {

@@ -47,6 +47,15 @@ type Config struct {
 	ChunkPages           int
 	Concurrency          int
 
+	// MemKinds is the memory kind the workers register their KV pools as:
+	// "vram", "dram" or (sglang only) "mixed" (K VRAM, V DRAM on decode).
+	// The pools are host memory either way; "" picks VRAM when the plugin
+	// accepts host memory registered as VRAM (the fake does: it models GPU
+	// pools) and DRAM when it refuses it (NIXL's UCX checks the memory's
+	// real type, and without CUDA cannot register VRAM at all).
+	MemKinds string
+	kindsWhy string // why Run chose MemKinds, for kindsErr
+
 	Plugin      string   // plugin name, e.g. "fake"
 	PluginPath  string   // plugin search folders (colon-separated), "" for the default
 	AgentParams []string // "key=value" agent parameters for every worker
@@ -104,6 +113,12 @@ func (c *Config) Validate() error {
 		// The reference raises this for every request (vLLM's NIXL
 		// connector reads from one or more prefill ranks, never merges).
 		return fmt.Errorf("demo: vllm style: decode TP %d is smaller than prefill TP %d; vLLM's NIXL connector needs decode TP >= prefill TP", c.DecodeTP, c.PrefillTP)
+	case c.MemKinds != "" && c.MemKinds != "vram" && c.MemKinds != "dram" && c.MemKinds != "mixed":
+		return fmt.Errorf("demo: memory kinds %q: want vram, dram or mixed", c.MemKinds)
+	case c.Style == "vllm" && c.MemKinds == "mixed":
+		return errors.New("demo: vllm style: vLLM registers every KV region with one memory type, want vram or dram")
+	case c.MemKinds != "" && c.kindsErr() != nil:
+		return c.kindsErr()
 	case c.Requests < 1:
 		return fmt.Errorf("demo: requests must be at least 1, got %d", c.Requests)
 	case c.Layers < 1 || c.HeadDim < 1 || c.PageSize < 1 || c.Concurrency < 1:
@@ -122,6 +137,18 @@ func (c *Config) Validate() error {
 		return errors.New("demo: separate processes need the kvhost binary (Exe)")
 	case !c.InProcess && c.Metrics != nil:
 		return errors.New("demo: Metrics observes in-process workers only")
+	}
+	return nil
+}
+
+// kindsErr refuses what SGLang's NIXL connector refuses for every request
+// (and the push workers with it): heterogeneous-TP MHA into decode pools
+// that are not all VRAM (its head-sliced path writes VRAM only).
+func (c *Config) kindsErr() error {
+	if c.Style == "sglang" && c.Attention == "mha" && c.PrefillTP != c.DecodeTP && c.MemKinds != "vram" {
+		return fmt.Errorf("demo: sglang style, MHA, prefill TP %d -> decode TP %d needs VRAM decode pools "+
+			"(SGLang's NIXL connector does not move heterogeneous-TP KV into host memory), and the pools are %s%s; "+
+			"use equal TP sizes, --attention mla or --style vllm", c.PrefillTP, c.DecodeTP, c.MemKinds, c.kindsWhy)
 	}
 	return nil
 }

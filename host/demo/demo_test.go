@@ -102,6 +102,10 @@ func TestValidateAndMissingPlugin(t *testing.T) {
 		"dtype":    func(c *Config) { c.DTypeBytes = 3 },
 		"exe":      func(c *Config) { c.InProcess = false },
 		"metrics":  func(c *Config) { c.InProcess = false; c.Exe = "x"; c.Metrics = metrics.New(nil) },
+		"kinds":    func(c *Config) { c.MemKinds = "hbm" },
+		"vllm mix": func(c *Config) { c.Style = "vllm"; c.MemKinds = "mixed" },
+		// SGLang's NIXL connector refuses heterogeneous-TP MHA into host memory.
+		"hetero dram": func(c *Config) { c.MemKinds = "dram" },
 	} {
 		c := Defaults()
 		c.InProcess = true
@@ -114,6 +118,38 @@ func TestValidateAndMissingPlugin(t *testing.T) {
 	c.Plugin = "nosuchplugin"
 	if _, err := Run(context.Background(), c); err == nil || !strings.Contains(err.Error(), "nosuchplugin") {
 		t.Errorf("missing plugin: %v", err)
+	}
+}
+
+// MemKinds: the fake accepts host memory as VRAM, so the default probe
+// picks VRAM; DRAM pools (what a real backend gets) move and verify the
+// same; MLA and heterogeneous TP in vLLM style take DRAM; a bad agent
+// parameter fails at the probe, before any worker starts.
+func TestMemKinds(t *testing.T) {
+	cfg := small(t)
+	s, err := Run(context.Background(), cfg)
+	check(t, s, err)
+	if s.MemKinds != "vram" {
+		t.Errorf("fake, default: pools %q, want vram", s.MemKinds)
+	}
+	for _, c := range []struct {
+		style, attn string
+		decodeTP    int
+	}{{"sglang", "mha", 2}, {"sglang", "mla", 4}, {"vllm", "mha", 4}} {
+		cfg := small(t)
+		cfg.Style, cfg.Attention, cfg.DecodeTP, cfg.MemKinds = c.style, c.attn, c.decodeTP, "dram"
+		s, err := Run(context.Background(), cfg)
+		check(t, s, err)
+		var b strings.Builder
+		s.WriteText(&b)
+		if s.MemKinds != "dram" || !strings.Contains(b.String(), "DRAM pools") {
+			t.Errorf("%+v: pools %q, text:\n%s", c, s.MemKinds, b.String())
+		}
+	}
+	cfg = small(t)
+	cfg.AgentParams = []string{"no_such_param=1"}
+	if _, err := Run(context.Background(), cfg); err == nil || !strings.Contains(err.Error(), "probe agent") {
+		t.Errorf("bad agent parameter: %v", err)
 	}
 }
 

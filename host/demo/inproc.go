@@ -138,7 +138,7 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 		return worker.Common{
 			Plugin: r.p, AgentParams: r.params,
 			Shape: worker.Shape{MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads,
-				HeadBytes: cfg.HeadDim * cfg.DTypeBytes, PageSize: cfg.PageSize},
+				HeadBytes: cfg.HeadDim * cfg.DTypeBytes, PageSize: cfg.PageSize, MemKinds: cfg.MemKinds},
 			Workload: worker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens,
 				MaxTokens: cfg.MaxTokens, ChunkPages: cfg.ChunkPages},
 			TPSize: tp, TPRanks: ranks, PPSize: 1, Host: "127.0.0.1", Concurrency: cfg.Concurrency,
@@ -233,7 +233,7 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	work := pulldemo.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens, MaxTokens: cfg.MaxTokens}
 	pf, err := pulldemo.StartPrefill(pulldemo.PrefillConfig{
 		Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.PrefillTP), EngineID: "demo-prefill",
-		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", MemKind: abi.VRAM, Workload: work,
+		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", MemKind: pullMemKind(cfg), Workload: work,
 		Logger: r.log, Observer: obs,
 	})
 	if err != nil {
@@ -245,7 +245,7 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 		return pulldemo.RunDecode(ctx, pulldemo.DecodeConfig{
 			Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.DecodeTP), Ranks: []int{rank},
 			EngineID: "demo-decode", PrefillURL: "http://" + pf.APIAddr(), Workload: work, Concurrency: cfg.Concurrency,
-			MemKind: abi.VRAM, Logger: r.log, Observer: obs, Report: r.reports[rank],
+			MemKind: pullMemKind(cfg), Logger: r.log, Observer: obs, Report: r.reports[rank],
 			Progress: func(done, _ int) { progress(done) },
 		})
 	})
@@ -260,4 +260,12 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	}
 	s.addPull(&ps, decodes)
 	return nil
+}
+
+// pullMemKind is the vLLM workers' memory kind (Validate refused mixed).
+func pullMemKind(cfg *Config) abi.MemKind {
+	if cfg.MemKinds == "dram" {
+		return abi.DRAM
+	}
+	return abi.VRAM
 }

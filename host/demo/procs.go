@@ -141,7 +141,7 @@ func (r *procRun) modelArgs() []string {
 		"--head-dim", itoa(c.HeadDim), "--dtype-bytes", itoa(c.DTypeBytes), "--page-size", itoa(c.PageSize),
 		"--requests", itoa(c.Requests), "--seed", strconv.FormatUint(c.Seed, 10),
 		"--min-tokens", itoa(c.MinTokens), "--max-tokens", itoa(c.MaxTokens), "--concurrency", itoa(c.Concurrency),
-		"--host", "127.0.0.1", "--style", c.Style}
+		"--host", "127.0.0.1", "--style", c.Style, "--mem-kinds", c.MemKinds}
 	if c.Style == "sglang" {
 		a = append(a, "--chunk-pages", itoa(c.ChunkPages))
 	}

@@ -32,8 +32,9 @@ func Run(ctx context.Context, cfg Config) (*Summary, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	// Find the plugin first: a missing one is an error before anything
-	// starts, and every process then loads this very file.
+	// Find and open the plugin first: a missing one is an error before
+	// anything starts, every process then loads this very file, and the
+	// memory kind the pools are registered as may depend on it.
 	dirs := plugin.SearchDirs(cfg.PluginPath)
 	path, err := plugin.Find(cfg.Plugin, dirs)
 	if err != nil {
@@ -41,17 +42,24 @@ func Run(ctx context.Context, cfg Config) (*Summary, error) {
 	}
 	s := &Summary{Style: cfg.Style, Attention: cfg.Attention, Plugin: cfg.Plugin, PrefillTP: cfg.PrefillTP,
 		DecodeTP: cfg.DecodeTP, Requests: cfg.Requests}
+	p, err := plugin.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("demo: %w", err)
+	}
+	defer p.Close()
+	if cfg.MemKinds, err = memKinds(&cfg, p); err != nil {
+		return nil, err
+	}
+	if err := cfg.kindsErr(); err != nil {
+		return nil, err
+	}
+	s.MemKinds = cfg.MemKinds
 	if cfg.InProcess {
-		p, err := plugin.Open(path)
-		if err != nil {
-			return nil, fmt.Errorf("demo: %w", err)
-		}
-		defer p.Close()
 		err = runInProcess(ctx, &cfg, p, s)
-		if err != nil {
-			return nil, err
-		}
-	} else if err := runProcs(ctx, &cfg, filepath.Dir(path), s); err != nil {
+	} else {
+		err = runProcs(ctx, &cfg, filepath.Dir(path), s)
+	}
+	if err != nil {
 		return nil, err
 	}
 	s.finish()

@@ -16,6 +16,7 @@ type Summary struct {
 	Style     string `json:"style"`
 	Attention string `json:"attention"`
 	Plugin    string `json:"plugin"`
+	MemKinds  string `json:"mem_kinds"` // what the KV pools were registered as: vram, dram or mixed
 	PrefillTP int    `json:"prefill_tp"`
 	DecodeTP  int    `json:"decode_tp"`
 	// Processes is how many processes ran workers (and the bootstrap
@@ -198,8 +199,8 @@ func (s *Summary) WriteText(w io.Writer) error {
 		where = "one process"
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "kvhost demo (%s style, %s, prefill TP %d -> decode TP %d, %s plugin, %s): %s\n",
-		s.Style, strings.ToUpper(s.Attention), s.PrefillTP, s.DecodeTP, s.Plugin, where, verdict)
+	fmt.Fprintf(&b, "kvhost demo (%s style, %s, prefill TP %d -> decode TP %d, %s plugin, %s pools, %s): %s\n",
+		s.Style, strings.ToUpper(s.Attention), s.PrefillTP, s.DecodeTP, s.Plugin, strings.ToUpper(s.MemKinds), where, verdict)
 	fmt.Fprintf(&b, "  requests      %d ok, %d failed (of %d)\n", s.OK, s.Failed, s.Requests)
 	fmt.Fprintf(&b, "  bytes         %s moved, %s verified on decode\n", human(float64(s.BytesMoved)), human(float64(s.BytesVerified)))
 	fmt.Fprintf(&b, "  throughput    %.2f GB/s over %.2f s   (raw memcpy on this machine: %.2f GB/s)\n", s.GBps, s.Seconds, s.MemcpyGBps)
