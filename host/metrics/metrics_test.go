@@ -17,6 +17,7 @@ import (
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 // gather returns the metric families of m by name.
@@ -144,9 +145,9 @@ func TestPushObserver(t *testing.T) {
 	o := m.PushObserver()
 	o.Transfer(push.TransferEvent{Room: 1, Bytes: 4096, Descs: 2, Post: time.Microsecond, Xfer: time.Millisecond})
 	o.Transfer(push.TransferEvent{Room: 1, Err: &plugin.Error{Op: "poll_xfer", Code: abi.ErrRemoteDisconnect}})
-	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: rooms.Bootstrapping, To: rooms.Bootstrapping, New: true}})
-	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: rooms.Bootstrapping, To: rooms.WaitingForInput}})
-	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: rooms.WaitingForInput, To: rooms.WaitingForInput}})
+	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollBootstrapping, To: sglang.KVPollBootstrapping, New: true}})
+	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollBootstrapping, To: sglang.KVPollWaitingForInput}})
+	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollWaitingForInput, To: sglang.KVPollWaitingForInput}})
 	o.Failure(push.FailureEvent{Role: push.RoleDecode, Room: 2, Remote: true})
 	o.Handshake(push.HandshakeEvent{Kind: push.HandshakePeer, Latency: 2 * time.Millisecond})
 	o.Handshake(push.HandshakeEvent{Kind: push.HandshakeRoute, Latency: time.Millisecond, Err: errors.New("404")})

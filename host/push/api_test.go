@@ -10,7 +10,6 @@ import (
 
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/host/zmq"
 )
@@ -25,13 +24,13 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 type events struct {
 	push.NopObserver
 	mu        sync.Mutex
-	rooms     map[uint64][]rooms.Status
+	rooms     map[uint64][]sglang.KVPoll
 	transfers []push.TransferEvent
 	failures  []push.FailureEvent
 	shakes    []push.HandshakeEvent
 }
 
-func newEvents() *events { return &events{rooms: map[uint64][]rooms.Status{}} }
+func newEvents() *events { return &events{rooms: map[uint64][]sglang.KVPoll{}} }
 
 func (e *events) Room(ev push.RoomEvent) {
 	e.mu.Lock()
@@ -102,7 +101,7 @@ func TestTransferVariants(t *testing.T) {
 			pe.mu.Lock()
 			defer pe.mu.Unlock()
 			for room, seq := range pe.rooms {
-				want := []rooms.Status{rooms.Bootstrapping, rooms.WaitingForInput, rooms.Transferring, rooms.Success}
+				want := []sglang.KVPoll{sglang.KVPollBootstrapping, sglang.KVPollWaitingForInput, sglang.KVPollTransferring, sglang.KVPollSuccess}
 				if !equalStatus(seq, want) {
 					t.Errorf("prefill room %d went %v, want %v", room, seq, want)
 				}
@@ -128,7 +127,7 @@ func TestTransferVariants(t *testing.T) {
 	}
 }
 
-func equalStatus(a, b []rooms.Status) bool {
+func equalStatus(a, b []sglang.KVPoll) bool {
 	if len(a) != len(b) {
 		return false
 	}
@@ -150,7 +149,7 @@ func TestBootstrapTimeout(t *testing.T) {
 	}
 	defer s.Close()
 	st, err := s.Wait(ctxT(t, 5*time.Second))
-	if err != nil || st != rooms.Failed {
+	if err != nil || st != sglang.KVPollFailed {
 		t.Fatalf("%v %v", st, err)
 	}
 	if e := s.Failure(); e == nil || !strings.Contains(e.Error(), "in KVPoll.Bootstrapping") {
@@ -173,10 +172,10 @@ func TestWaitingTimeoutAborts(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Prefill never sends.
-	if st, _ := q.rcv.Wait(ctx); st != rooms.Failed || !strings.Contains(q.rcv.Failure().Error(), "in KVPoll.WaitingForInput") {
+	if st, _ := q.rcv.Wait(ctx); st != sglang.KVPollFailed || !strings.Contains(q.rcv.Failure().Error(), "in KVPoll.WaitingForInput") {
 		t.Fatalf("decode %v: %v", st, q.rcv.Failure())
 	}
-	if st, _ := q.s.Wait(ctx); st != rooms.Failed || !strings.Contains(q.s.Failure().Error(), "Aborted by decode") {
+	if st, _ := q.s.Wait(ctx); st != sglang.KVPollFailed || !strings.Contains(q.s.Failure().Error(), "Aborted by decode") {
 		t.Fatalf("prefill %v: %v", st, q.s.Failure())
 	}
 	if te := q.s.Failure().(*push.TransferError); !te.Remote {
@@ -216,7 +215,7 @@ func TestAbortFromPrefill(t *testing.T) {
 	}
 	q.s.WaitReady(ctx)
 	q.s.Abort()
-	if st, _ := q.rcv.Wait(ctx); st != rooms.Failed || !strings.Contains(q.rcv.Failure().Error(), "Aborted by AbortReq.") {
+	if st, _ := q.rcv.Wait(ctx); st != sglang.KVPollFailed || !strings.Contains(q.rcv.Failure().Error(), "Aborted by AbortReq.") {
 		t.Fatalf("decode %v: %v", st, q.rcv.Failure())
 	}
 	if te := q.rcv.Failure().(*push.TransferError); !te.Remote {

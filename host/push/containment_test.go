@@ -10,7 +10,6 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/kvpool"
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/host/zmq"
 )
@@ -116,7 +115,7 @@ func TestContainment(t *testing.T) {
 		defer s.Close()
 		e.send(&sglang.NixlTransferInfo{Room: room, Endpoint: "127.0.0.1", Port: e.pull.Port(), AgentName: e.agent.Name(),
 			DstKVIndices: dst, DstAuxIndex: dstAux, RequiredDstInfoNum: 1, DecodePrefixLenSet: true})
-		if st, _ := s.WaitReady(ctx); st != rooms.WaitingForInput {
+		if st, _ := s.WaitReady(ctx); st != sglang.KVPollWaitingForInput {
 			t.Fatalf("room %d: %v %v", room, st, s.Failure())
 		}
 		if err := s.Init(len(src), prefillAux); err != nil {
@@ -125,7 +124,7 @@ func TestContainment(t *testing.T) {
 		if err := s.Send(src, nil); err != nil {
 			t.Fatal(err)
 		}
-		if st, _ := s.Wait(ctx); st == rooms.Success {
+		if st, _ := s.Wait(ctx); st == sglang.KVPollSuccess {
 			return nil
 		}
 		return s.Failure()

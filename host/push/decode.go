@@ -650,7 +650,7 @@ func (d *Decode) nodeFailure(addr string) {
 	}
 	n := 0
 	for _, r := range affected {
-		if st, _ := d.rooms.Get(r.room); st != rooms.Success && st != rooms.Failed {
+		if st, _ := d.rooms.Get(r.room); st != sglang.KVPollSuccess && st != sglang.KVPollFailed {
 			r.fail(reason, false)
 			n++
 		}

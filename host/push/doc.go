@@ -29,7 +29,7 @@
 //
 // # Semantics (the reference's, see ../shared/reference)
 //
-// Room status is KVPoll (package rooms): monotonic, Failed terminal.
+// Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed terminal.
 // Chunks go to transfer worker shards by room (room % QueueSize), so a
 // room's chunks are processed in order. Each chunk is planned with package
 // planner, checked against the region tables of both sides (Plan.Validate:

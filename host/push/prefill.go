@@ -414,7 +414,7 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 		m.drops.drop("transfer info", fmt.Errorf("room %d: required_dst_info_num %d", room, in.required))
 		return
 	}
-	if st, ok := m.rooms.Get(room); ok && st != rooms.Bootstrapping {
+	if st, ok := m.rooms.Get(room); ok && st != sglang.KVPollBootstrapping {
 		// Metadata for a room already past bootstrap (or failed) is stale;
 		// the worker may be using the infos (MORI's rule).
 		m.log.Debug("ignoring stale transfer info", "room", room, "status", st, "peer", in.peer)
@@ -459,7 +459,7 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 	_, open := m.senders[room]
 	m.mu.Unlock()
 	if ready && open {
-		m.rooms.Update(room, rooms.WaitingForInput)
+		m.rooms.Update(room, sglang.KVPollWaitingForInput)
 	}
 }
 
@@ -533,8 +533,8 @@ func (m *Prefill) janitor() {
 		}
 		now := time.Now()
 		var expired []uint64
-		m.rooms.Each(func(room uint64, s rooms.Status, created time.Time) {
-			if s == rooms.Bootstrapping && now.Sub(created) >= m.set.BootstrapTimeout {
+		m.rooms.Each(func(room uint64, s sglang.KVPoll, created time.Time) {
+			if s == sglang.KVPollBootstrapping && now.Sub(created) >= m.set.BootstrapTimeout {
 				expired = append(expired, room)
 			}
 		})

@@ -9,7 +9,6 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
 )
@@ -110,7 +109,7 @@ func (m *Prefill) runWorker(sh *shard) {
 func (w *worker) run(c *chunk) {
 	m := w.m
 	st, ok := m.rooms.Get(c.room)
-	if !ok || st == rooms.Failed || c.s.ctx.Err() != nil {
+	if !ok || st == sglang.KVPollFailed || c.s.ctx.Err() != nil {
 		return // closed or failed: nothing more to do for this room
 	}
 	m.mu.Lock()
@@ -129,7 +128,7 @@ func (w *worker) run(c *chunk) {
 		c.s.fail(fmt.Sprintf("No transfer info found for bootstrap_room=%d (chunk sent before decode's metadata arrived)", c.room), false)
 		return
 	}
-	m.rooms.Update(c.room, rooms.Transferring)
+	m.rooms.Update(c.room, sglang.KVPollTransferring)
 
 	ctx := c.s.ctx
 	if m.set.TransferTimeout > 0 {
@@ -165,7 +164,7 @@ func (w *worker) run(c *chunk) {
 			return
 		}
 	}
-	if _, ok := m.rooms.Update(c.room, rooms.Success); ok {
+	if _, ok := m.rooms.Update(c.room, sglang.KVPollSuccess); ok {
 		m.mu.Lock()
 		if ri := m.infos[c.room]; ri != nil {
 			ri.notified = true // nothing to tell decode any more

@@ -7,7 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
 )
@@ -56,7 +55,7 @@ func (d *Decode) NewReceiver(bootstrapAddr string, room uint64) (*Receiver, erro
 		d.addrRooms[bootstrapAddr] = rs
 	}
 	rs[room] = struct{}{}
-	d.rooms.Create(room, rooms.Bootstrapping)
+	d.rooms.Create(room, sglang.KVPollBootstrapping)
 	d.mu.Unlock()
 	return r, nil
 }
@@ -103,7 +102,7 @@ func (r *Receiver) Init(ctx context.Context) error {
 		}
 	}
 	r.mu.Unlock()
-	d.rooms.Update(r.room, rooms.WaitingForInput)
+	d.rooms.Update(r.room, sglang.KVPollWaitingForInput)
 	return nil
 }
 
@@ -127,7 +126,7 @@ func (r *Receiver) Targets() (all, real int) {
 // waiting timeout starts now.
 func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int64, stateIndices [][]int32, prefixLen int64) error {
 	d := r.d
-	if st, _ := d.rooms.Get(r.room); st != rooms.WaitingForInput {
+	if st, _ := d.rooms.Get(r.room); st != sglang.KVPollWaitingForInput {
 		return fmt.Errorf("%w: SendMetadata in state %v (call Init first)", ErrState, st)
 	}
 	r.mu.Lock()
@@ -184,24 +183,24 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 }
 
 // Poll returns the room's status (KVPoll).
-func (r *Receiver) Poll() rooms.Status {
+func (r *Receiver) Poll() sglang.KVPoll {
 	st, ok := r.d.rooms.Get(r.room)
 	if !ok {
-		return rooms.Failed
+		return sglang.KVPollFailed
 	}
 	return st
 }
 
 // Wait blocks until the room succeeded or failed, or ctx ends.
-func (r *Receiver) Wait(ctx context.Context) (rooms.Status, error) {
-	st, _, err := r.d.rooms.Wait(ctx, r.room, rooms.Status.Terminal)
+func (r *Receiver) Wait(ctx context.Context) (sglang.KVPoll, error) {
+	st, _, err := r.d.rooms.Wait(ctx, r.room, sglang.KVPoll.Terminal)
 	return st, err
 }
 
 // Failure returns the room's failure as a *TransferError (nil if it did
 // not fail).
 func (r *Receiver) Failure() error {
-	if r.Poll() != rooms.Failed {
+	if r.Poll() != sglang.KVPollFailed {
 		return nil
 	}
 	reason := r.d.rooms.Reason(r.room)
@@ -273,7 +272,7 @@ func (r *Receiver) succeed() {
 	u := r.finishLocked()
 	r.mu.Unlock()
 	r.uncount(u)
-	r.d.rooms.Update(r.room, rooms.Success)
+	r.d.rooms.Update(r.room, sglang.KVPollSuccess)
 }
 
 func (r *Receiver) fail(reason string, remote bool) { r.failWith(reason, remote, false) }

@@ -16,7 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -206,7 +206,7 @@ func (r *rig) transfer(ctx context.Context, q *request) error {
 	if err := q.rcv.SendMetadata(ctx, q.dpages, q.daux, q.dstate, 0); err != nil {
 		return err
 	}
-	if st, err := q.s.WaitReady(ctx); err != nil || st == rooms.Failed {
+	if st, err := q.s.WaitReady(ctx); err != nil || st == sglang.KVPollFailed {
 		return fmt.Errorf("prefill not ready: %v %v", st, err)
 	}
 	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
@@ -236,7 +236,7 @@ func (r *rig) transfer(ctx context.Context, q *request) error {
 	if err != nil {
 		return err
 	}
-	if ps != rooms.Success || ds != rooms.Success {
+	if ps != sglang.KVPollSuccess || ds != sglang.KVPollSuccess {
 		return fmt.Errorf("room %d: prefill %v (%v), decode %v (%v)", q.room, ps, q.s.Failure(), ds, q.rcv.Failure())
 	}
 	if err := r.d.pool.Verify(kvpool.Tokens{Request: q.room, Pages: q.dpages, Count: q.tokens}); err != nil {

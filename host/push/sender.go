@@ -6,7 +6,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -54,13 +54,13 @@ func (m *Prefill) NewSender(room uint64) (*Sender, error) {
 	if ri != nil {
 		aborted = ri.aborted
 	}
-	m.rooms.Create(room, rooms.Bootstrapping)
+	m.rooms.Create(room, sglang.KVPollBootstrapping)
 	m.mu.Unlock()
 	switch {
 	case aborted != "":
 		s.fail(aborted, true)
 	case ready:
-		m.rooms.Update(room, rooms.WaitingForInput)
+		m.rooms.Update(room, sglang.KVPollWaitingForInput)
 	}
 	return s, nil
 }
@@ -115,7 +115,7 @@ func (s *Sender) Send(pages []int32, stateIndices [][]int32) error {
 	case s.curr+len(pages) > s.numPages:
 		return fmt.Errorf("%w: %d pages sent after %d exceed the %d of Init", ErrState, len(pages), s.curr, s.numPages)
 	}
-	if st, _ := s.m.rooms.Get(s.room); st == rooms.Failed {
+	if st, _ := s.m.rooms.Get(s.room); st == sglang.KVPollFailed {
 		return nil
 	}
 	start := s.curr
@@ -145,31 +145,31 @@ func (s *Sender) Send(pages []int32, stateIndices [][]int32) error {
 }
 
 // Poll returns the room's status (KVPoll).
-func (s *Sender) Poll() rooms.Status {
+func (s *Sender) Poll() sglang.KVPoll {
 	st, ok := s.m.rooms.Get(s.room)
 	if !ok {
-		return rooms.Failed
+		return sglang.KVPollFailed
 	}
 	return st
 }
 
 // Wait blocks until the room succeeded or failed, or ctx ends.
-func (s *Sender) Wait(ctx context.Context) (rooms.Status, error) {
-	st, _, err := s.m.rooms.Wait(ctx, s.room, rooms.Status.Terminal)
+func (s *Sender) Wait(ctx context.Context) (sglang.KVPoll, error) {
+	st, _, err := s.m.rooms.Wait(ctx, s.room, sglang.KVPoll.Terminal)
 	return st, err
 }
 
 // WaitReady blocks until decode's transfer info arrived (WaitingForInput or
 // later) or the room failed, or ctx ends.
-func (s *Sender) WaitReady(ctx context.Context) (rooms.Status, error) {
-	st, _, err := s.m.rooms.Wait(ctx, s.room, func(st rooms.Status) bool { return st != rooms.Bootstrapping })
+func (s *Sender) WaitReady(ctx context.Context) (sglang.KVPoll, error) {
+	st, _, err := s.m.rooms.Wait(ctx, s.room, func(st sglang.KVPoll) bool { return st != sglang.KVPollBootstrapping })
 	return st, err
 }
 
 // Failure returns the room's failure as a *TransferError (nil if it did
 // not fail).
 func (s *Sender) Failure() error {
-	if s.Poll() != rooms.Failed {
+	if s.Poll() != sglang.KVPollFailed {
 		return nil
 	}
 	reason := s.m.rooms.Reason(s.room)

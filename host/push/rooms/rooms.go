@@ -1,8 +1,8 @@
 // Package rooms keeps the transfer state of every request ("room") of one
-// kvhost worker, with SGLang's KVPoll numbering and rules: a room's status
-// only moves up (the maximum of the old and the new status), except Failed,
-// which always wins and is terminal. A failure carries a reason, kept with
-// the room until the room is removed.
+// kvhost worker: its sglang.KVPoll status, with the reference's update
+// rule: a room's status only moves up (the maximum of the old and the new
+// status), except Failed, which always wins and is terminal. A failure
+// carries a reason, kept with the room until the room is removed.
 //
 // A Table is safe for concurrent use. Waiting for a status change blocks on
 // a channel (never a busy loop) and honours a context.
@@ -10,48 +10,17 @@ package rooms
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"time"
+
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
-
-// Status is SGLang's KVPoll.
-type Status int8
-
-// KVPoll values, with the reference numbering (sglang base/conn.py).
-const (
-	Failed          Status = 0
-	Bootstrapping   Status = 1
-	WaitingForInput Status = 2
-	Transferring    Status = 3
-	Success         Status = 4
-)
-
-// String returns the reference name, e.g. "WaitingForInput".
-func (s Status) String() string {
-	switch s {
-	case Failed:
-		return "Failed"
-	case Bootstrapping:
-		return "Bootstrapping"
-	case WaitingForInput:
-		return "WaitingForInput"
-	case Transferring:
-		return "Transferring"
-	case Success:
-		return "Success"
-	}
-	return fmt.Sprintf("KVPoll(%d)", int(s))
-}
-
-// Terminal reports whether no later update can change s.
-func (s Status) Terminal() bool { return s == Failed || s == Success }
 
 // Merge is the reference's update rule: Failed always wins (and stays),
 // otherwise the status never moves down.
-func Merge(old, next Status) Status {
-	if old == Failed || next == Failed {
-		return Failed
+func Merge(old, next sglang.KVPoll) sglang.KVPoll {
+	if old == sglang.KVPollFailed || next == sglang.KVPollFailed {
+		return sglang.KVPollFailed
 	}
 	return max(old, next)
 }
@@ -60,7 +29,7 @@ func Merge(old, next Status) Status {
 // observer. Reason is set when To is Failed.
 type Change struct {
 	Room     uint64
-	From, To Status
+	From, To sglang.KVPoll
 	Reason   string
 	// New is set when the room was just created (From == To then).
 	New bool
@@ -76,7 +45,7 @@ type Table struct {
 }
 
 type entry struct {
-	status  Status
+	status  sglang.KVPoll
 	reason  string
 	created time.Time
 	// changed is closed (and replaced) on every status change; nil until
@@ -95,7 +64,7 @@ func NewTable(onChange func(Change)) *Table {
 // Create adds a room with status s, or, if the room exists, merges s into
 // it (the reference's update_status on a room that exists). It reports
 // whether the room was created.
-func (t *Table) Create(room uint64, s Status) bool {
+func (t *Table) Create(room uint64, s sglang.KVPoll) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
@@ -116,7 +85,7 @@ func (t *Table) Create(room uint64, s Status) bool {
 // abort) must not resurrect it for a future request reusing its id. It
 // returns the room's status after the update and false if the room does not
 // exist.
-func (t *Table) Update(room uint64, s Status) (Status, bool) {
+func (t *Table) Update(room uint64, s sglang.KVPoll) (sglang.KVPoll, bool) {
 	return t.update(room, s, "")
 }
 
@@ -124,16 +93,16 @@ func (t *Table) Update(room uint64, s Status) (Status, bool) {
 // it is the root cause, later ones are consequences. It returns false if the
 // room does not exist.
 func (t *Table) Fail(room uint64, reason string) bool {
-	_, ok := t.update(room, Failed, reason)
+	_, ok := t.update(room, sglang.KVPollFailed, reason)
 	return ok
 }
 
-func (t *Table) update(room uint64, s Status, reason string) (Status, bool) {
+func (t *Table) update(room uint64, s sglang.KVPoll, reason string) (sglang.KVPoll, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
 	if !ok {
-		return Failed, false
+		return sglang.KVPollFailed, false
 	}
 	if c, changed := t.setLocked(room, e, s, reason); changed {
 		t.report(c)
@@ -141,8 +110,8 @@ func (t *Table) update(room uint64, s Status, reason string) (Status, bool) {
 	return e.status, true
 }
 
-func (t *Table) setLocked(room uint64, e *entry, s Status, reason string) (Change, bool) {
-	if s == Failed && e.reason == "" {
+func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string) (Change, bool) {
+	if s == sglang.KVPollFailed && e.reason == "" {
 		e.reason = reason
 	}
 	next := Merge(e.status, s)
@@ -150,7 +119,7 @@ func (t *Table) setLocked(room uint64, e *entry, s Status, reason string) (Chang
 		return Change{}, false
 	}
 	c := Change{Room: room, From: e.status, To: next, Age: time.Since(e.created)}
-	if next == Failed {
+	if next == sglang.KVPollFailed {
 		c.Reason = e.reason
 	}
 	e.status = next
@@ -168,13 +137,13 @@ func (t *Table) report(c Change) {
 }
 
 // Get returns the room's status and whether it exists.
-func (t *Table) Get(room uint64) (Status, bool) {
+func (t *Table) Get(room uint64) (sglang.KVPoll, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if e, ok := t.rooms[room]; ok {
 		return e.status, true
 	}
-	return Failed, false
+	return sglang.KVPollFailed, false
 }
 
 // Reason returns the failure reason recorded for the room ("" if none).
@@ -218,7 +187,7 @@ func (t *Table) Len() int {
 
 // Each calls fn for every room with its status and creation time, under
 // the table's lock: fn must be quick and must not call the table.
-func (t *Table) Each(fn func(room uint64, s Status, created time.Time)) {
+func (t *Table) Each(fn func(room uint64, s sglang.KVPoll, created time.Time)) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for r, e := range t.rooms {
@@ -228,13 +197,13 @@ func (t *Table) Each(fn func(room uint64, s Status, created time.Time)) {
 
 // Wait blocks until done(status) is true for the room, the room is
 // removed (then it returns Failed, false), or ctx ends (ctx.Err()).
-func (t *Table) Wait(ctx context.Context, room uint64, done func(Status) bool) (Status, bool, error) {
+func (t *Table) Wait(ctx context.Context, room uint64, done func(sglang.KVPoll) bool) (sglang.KVPoll, bool, error) {
 	for {
 		t.mu.Lock()
 		e, ok := t.rooms[room]
 		if !ok {
 			t.mu.Unlock()
-			return Failed, false, nil
+			return sglang.KVPollFailed, false, nil
 		}
 		if done(e.status) {
 			s := e.status

@@ -5,16 +5,18 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 func TestMergeRules(t *testing.T) {
-	all := []Status{Failed, Bootstrapping, WaitingForInput, Transferring, Success}
+	all := []sglang.KVPoll{sglang.KVPollFailed, sglang.KVPollBootstrapping, sglang.KVPollWaitingForInput, sglang.KVPollTransferring, sglang.KVPollSuccess}
 	for _, old := range all {
 		for _, next := range all {
 			got := Merge(old, next)
 			switch {
-			case old == Failed || next == Failed:
-				if got != Failed {
+			case old == sglang.KVPollFailed || next == sglang.KVPollFailed:
+				if got != sglang.KVPollFailed {
 					t.Errorf("Merge(%v, %v) = %v, want Failed (terminal, always wins)", old, next, got)
 				}
 			case next > old:
@@ -28,37 +30,30 @@ func TestMergeRules(t *testing.T) {
 			}
 		}
 	}
-	// The reference numbering.
-	if Failed != 0 || Bootstrapping != 1 || WaitingForInput != 2 || Transferring != 3 || Success != 4 {
-		t.Fatal("KVPoll numbering differs from SGLang's")
-	}
-	if !Success.Terminal() || !Failed.Terminal() || Transferring.Terminal() {
-		t.Fatal("Terminal")
-	}
 }
 
 func TestTableLifecycle(t *testing.T) {
 	var mu sync.Mutex
 	var changes []Change
 	tb := NewTable(func(c Change) { mu.Lock(); changes = append(changes, c); mu.Unlock() })
-	if _, ok := tb.Update(7, WaitingForInput); ok {
+	if _, ok := tb.Update(7, sglang.KVPollWaitingForInput); ok {
 		t.Fatal("Update created a room")
 	}
-	if !tb.Create(7, Bootstrapping) || tb.Create(7, WaitingForInput) {
+	if !tb.Create(7, sglang.KVPollBootstrapping) || tb.Create(7, sglang.KVPollWaitingForInput) {
 		t.Fatal("Create")
 	}
-	if s, _ := tb.Get(7); s != WaitingForInput {
+	if s, _ := tb.Get(7); s != sglang.KVPollWaitingForInput {
 		t.Fatalf("Create on an existing room merges: got %v", s)
 	}
-	tb.Update(7, Bootstrapping) // never down
-	tb.Update(7, Transferring)
-	if s, _ := tb.Get(7); s != Transferring {
+	tb.Update(7, sglang.KVPollBootstrapping) // never down
+	tb.Update(7, sglang.KVPollTransferring)
+	if s, _ := tb.Get(7); s != sglang.KVPollTransferring {
 		t.Fatalf("got %v", s)
 	}
 	tb.Fail(7, "first")
 	tb.Fail(7, "second")
-	tb.Update(7, Success)
-	if s, _ := tb.Get(7); s != Failed || tb.Reason(7) != "first" {
+	tb.Update(7, sglang.KVPollSuccess)
+	if s, _ := tb.Get(7); s != sglang.KVPollFailed || tb.Reason(7) != "first" {
 		t.Fatalf("got %v %q, want Failed with the first reason", s, tb.Reason(7))
 	}
 	tb.Remove(7)
@@ -68,9 +63,14 @@ func TestTableLifecycle(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	want := []struct {
-		from, to Status
+		from, to sglang.KVPoll
 		isNew    bool
-	}{{Bootstrapping, Bootstrapping, true}, {Bootstrapping, WaitingForInput, false}, {WaitingForInput, Transferring, false}, {Transferring, Failed, false}}
+	}{
+		{sglang.KVPollBootstrapping, sglang.KVPollBootstrapping, true},
+		{sglang.KVPollBootstrapping, sglang.KVPollWaitingForInput, false},
+		{sglang.KVPollWaitingForInput, sglang.KVPollTransferring, false},
+		{sglang.KVPollTransferring, sglang.KVPollFailed, false},
+	}
 	if len(changes) != len(want) {
 		t.Fatalf("changes %+v", changes)
 	}
@@ -87,36 +87,36 @@ func TestTableLifecycle(t *testing.T) {
 
 func TestWait(t *testing.T) {
 	tb := NewTable(nil)
-	tb.Create(1, Bootstrapping)
-	done := make(chan Status)
+	tb.Create(1, sglang.KVPollBootstrapping)
+	done := make(chan sglang.KVPoll)
 	go func() {
-		s, ok, err := tb.Wait(context.Background(), 1, Status.Terminal)
+		s, ok, err := tb.Wait(context.Background(), 1, sglang.KVPoll.Terminal)
 		if !ok || err != nil {
 			t.Error(ok, err)
 		}
 		done <- s
 	}()
 	time.Sleep(10 * time.Millisecond)
-	tb.Update(1, Transferring)
+	tb.Update(1, sglang.KVPollTransferring)
 	select {
 	case s := <-done:
 		t.Fatalf("woke at %v", s)
 	case <-time.After(20 * time.Millisecond):
 	}
-	tb.Update(1, Success)
-	if s := <-done; s != Success {
+	tb.Update(1, sglang.KVPollSuccess)
+	if s := <-done; s != sglang.KVPollSuccess {
 		t.Fatalf("got %v", s)
 	}
 	// Removal wakes a waiter; a cancelled context ends the wait.
-	tb.Create(2, Bootstrapping)
+	tb.Create(2, sglang.KVPollBootstrapping)
 	go func() { time.Sleep(10 * time.Millisecond); tb.Remove(2) }()
-	if _, ok, _ := tb.Wait(context.Background(), 2, Status.Terminal); ok {
+	if _, ok, _ := tb.Wait(context.Background(), 2, sglang.KVPoll.Terminal); ok {
 		t.Fatal("Wait on a removed room reported it present")
 	}
-	tb.Create(3, Bootstrapping)
+	tb.Create(3, sglang.KVPollBootstrapping)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
 	defer cancel()
-	if _, _, err := tb.Wait(ctx, 3, Status.Terminal); err == nil {
+	if _, _, err := tb.Wait(ctx, 3, sglang.KVPoll.Terminal); err == nil {
 		t.Fatal("Wait ignored its context")
 	}
 }
@@ -124,7 +124,7 @@ func TestWait(t *testing.T) {
 func TestConcurrentUpdates(t *testing.T) {
 	tb := NewTable(nil)
 	for r := uint64(0); r < 64; r++ {
-		tb.Create(r, Bootstrapping)
+		tb.Create(r, sglang.KVPollBootstrapping)
 	}
 	var wg sync.WaitGroup
 	for g := 0; g < 8; g++ {
@@ -132,7 +132,7 @@ func TestConcurrentUpdates(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for r := uint64(0); r < 64; r++ {
-				for _, s := range []Status{WaitingForInput, Transferring, Success} {
+				for _, s := range []sglang.KVPoll{sglang.KVPollWaitingForInput, sglang.KVPollTransferring, sglang.KVPollSuccess} {
 					tb.Update(r, s)
 				}
 				if r%7 == 0 {
@@ -144,7 +144,7 @@ func TestConcurrentUpdates(t *testing.T) {
 	wg.Wait()
 	for r := uint64(0); r < 64; r++ {
 		s, _ := tb.Get(r)
-		if (r%7 == 0) != (s == Failed) || (r%7 != 0 && s != Success) {
+		if (r%7 == 0) != (s == sglang.KVPollFailed) || (r%7 != 0 && s != sglang.KVPollSuccess) {
 			t.Fatalf("room %d: %v", r, s)
 		}
 	}

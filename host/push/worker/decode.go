@@ -7,7 +7,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 // DecodeOptions configures a decode worker.
@@ -154,7 +154,7 @@ func (d *decodeRank) serve(ctx context.Context, o *DecodeOptions, req Request, t
 	case err != nil:
 		fail(err.Error(), false)
 		return
-	case st != rooms.Success:
+	case st != sglang.KVPollSuccess:
 		fail(r.Failure().Error(), false)
 		return
 	}

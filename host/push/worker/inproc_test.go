@@ -16,7 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 // startBootstrap serves a bootstrap server until the test ends and returns
@@ -240,7 +240,7 @@ func TestOnReady(t *testing.T) {
 
 func TestLiveRooms(t *testing.T) {
 	l := newLiveRooms()
-	a, b := fixedRoom(rooms.Transferring), fixedRoom(rooms.Transferring)
+	a, b := fixedRoom(sglang.KVPollTransferring), fixedRoom(sglang.KVPollTransferring)
 	releaseA, releaseB := l.hold(&a), l.hold(&b)
 	got := map[string]int{}
 	l.count(func(state string, n int) { got[state] = n })
@@ -255,9 +255,9 @@ func TestLiveRooms(t *testing.T) {
 	}
 }
 
-type fixedRoom rooms.Status
+type fixedRoom sglang.KVPoll
 
-func (f *fixedRoom) Poll() rooms.Status { return rooms.Status(*f) }
+func (f *fixedRoom) Poll() sglang.KVPoll { return sglang.KVPoll(*f) }
 
 // lineCounter counts the report lines written so far.
 type lineCounter struct {

@@ -14,7 +14,7 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 // Common are the options both sides share.
@@ -240,7 +240,7 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 		fail(err.Error())
 		return
 	}
-	if st == rooms.Failed {
+	if st == sglang.KVPollFailed {
 		fail(s.Failure().Error())
 		return
 	}
@@ -312,7 +312,7 @@ func (p *prefillRank) serve(ctx context.Context, o *PrefillOptions, req Request,
 	switch {
 	case err != nil:
 		fail(err.Error())
-	case st != rooms.Success:
+	case st != sglang.KVPollSuccess:
 		fail(s.Failure().Error())
 	default:
 		t.ok(time.Since(begin), 0)

@@ -3,7 +3,7 @@ package worker
 import (
 	"sync"
 
-	"github.com/kvhost/kvhost/host/push/rooms"
+	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
 // RoomCounter calls count once per KVPoll state (by its reference name)
@@ -11,7 +11,7 @@ import (
 type RoomCounter func(count func(state string, n int))
 
 // roomPoller is a room a rank holds: a push Sender or Receiver.
-type roomPoller interface{ Poll() rooms.Status }
+type roomPoller interface{ Poll() sglang.KVPoll }
 
 // liveRooms is the set of rooms a worker's ranks hold now. Safe for
 // concurrent use.
@@ -37,15 +37,15 @@ func (l *liveRooms) hold(r roomPoller) (release func()) {
 // count is the worker's RoomCounter. It polls under the lock, so no room
 // is polled after its release.
 func (l *liveRooms) count(fn func(state string, n int)) {
-	var n [rooms.Success + 1]int
+	var n [sglang.KVPollSuccess + 1]int
 	l.mu.Lock()
 	for r := range l.set {
-		if st := r.Poll(); st >= 0 && st <= rooms.Success {
+		if st := r.Poll(); st >= 0 && st <= sglang.KVPollSuccess {
 			n[st]++
 		}
 	}
 	l.mu.Unlock()
-	for st := rooms.Failed; st <= rooms.Success; st++ {
+	for st := sglang.KVPollFailed; st <= sglang.KVPollSuccess; st++ {
 		fn(st.String(), n[st])
 	}
 }

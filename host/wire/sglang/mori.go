@@ -15,34 +15,6 @@ const MoriGuard = "MoriMsgGuard"
 // (prefill to decode).
 const AuxDataHeader = "AUX_DATA"
 
-// KVPoll is SGLang's transfer state, as carried in MORI status messages.
-type KVPoll int
-
-// KVPoll values, with the reference numbering.
-const (
-	KVPollFailed          KVPoll = 0
-	KVPollBootstrapping   KVPoll = 1
-	KVPollWaitingForInput KVPoll = 2
-	KVPollTransferring    KVPoll = 3
-	KVPollSuccess         KVPoll = 4
-)
-
-func (p KVPoll) String() string {
-	switch p {
-	case KVPollFailed:
-		return "Failed"
-	case KVPollBootstrapping:
-		return "Bootstrapping"
-	case KVPollWaitingForInput:
-		return "WaitingForInput"
-	case KVPollTransferring:
-		return "Transferring"
-	case KVPollSuccess:
-		return "Success"
-	}
-	return fmt.Sprintf("KVPoll(%d)", int(p))
-}
-
 // MoriRegistration is the MORI variant of the once-per-prefill-rank
 // registration (room "None"). Frame layout after the guard
 // (MoriKVReceiver._register_kv_args):
