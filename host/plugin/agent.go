@@ -18,10 +18,17 @@ type Param struct {
 }
 
 // ParseParams parses "key=value" strings (as given to --param) into Params.
+// A string without "=" continues the previous value after a comma: the CLI
+// splits repeatable flags (and their environment variables) on commas, and
+// values such as caps_off=prepped,notif are comma lists themselves.
 func ParseParams(kvs []string) ([]Param, error) {
 	out := make([]Param, 0, len(kvs))
 	for _, kv := range kvs {
 		k, v, ok := strings.Cut(kv, "=")
+		if !ok && len(out) > 0 {
+			out[len(out)-1].Value += "," + kv
+			continue
+		}
 		if !ok || k == "" {
 			return nil, fmt.Errorf("agent parameter %q: want key=value", kv)
 		}

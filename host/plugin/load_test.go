@@ -359,6 +359,11 @@ func TestParseParams(t *testing.T) {
 			t.Errorf("ParseParams(%q) accepted", bad)
 		}
 	}
+	// What the CLI hands over for --param caps_off=prepped,notif,remote_addr --param workers=2.
+	got, err = ParseParams([]string{"caps_off=prepped", "notif", "remote_addr", "workers=2"})
+	if err != nil || len(got) != 2 || got[0] != (Param{"caps_off", "prepped,notif,remote_addr"}) || got[1] != (Param{"workers", "2"}) {
+		t.Errorf("ParseParams of a comma-split list = %+v, %v", got, err)
+	}
 }
 
 func TestParseParamsDoc(t *testing.T) {
