@@ -84,10 +84,10 @@ func benchCases() []benchCase {
 	}
 }
 
-func BenchmarkNixlKVPlan(b *testing.B) {
+func BenchmarkNIXLKVPlan(b *testing.B) {
 	for _, bc := range benchCases() {
 		b.Run(bc.name, func(b *testing.B) {
-			n, err := NewNixlKV(bc.g, true)
+			n, err := NewNIXLKV(bc.g, true)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -131,10 +131,10 @@ func BenchmarkNixlKVPlan(b *testing.B) {
 	}
 }
 
-func BenchmarkMoriKVPlan(b *testing.B) {
+func BenchmarkMORIKVPlan(b *testing.B) {
 	for _, bc := range benchCases()[:2] {
 		b.Run(bc.name, func(b *testing.B) {
-			m, err := NewMoriKV(bc.g)
+			m, err := NewMORIKV(bc.g)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -164,7 +164,7 @@ func TestRealisticShapes(t *testing.T) {
 	cases := benchCases()
 	wantRef := []uint64{61 * 4096, 160 * 1024 * 16, 64 * 1024}
 	for i, bc := range cases {
-		n, err := NewNixlKV(bc.g, true)
+		n, err := NewNIXLKV(bc.g, true)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -102,7 +102,7 @@ type PreppedPart struct {
 	SrcGroup uint64
 }
 
-// PreppedKV is the prepped representation of a NixlKV peer.
+// PreppedKV is the prepped representation of a NIXLKV peer.
 type PreppedKV struct {
 	// Parts holds one part per separately posted transfer: one, or one per
 	// memory segment on nixl-prepped-mixed (notification suffix
@@ -118,13 +118,13 @@ type PreppedKV struct {
 // *Error when the path is not prepped or the reference's lists would be
 // rejected by NIXL (a descriptor outside its region, or more than 2^31-1
 // descriptors). The strided-copy Plan does not depend on this.
-func (n *NixlKV) Prepped() (*PreppedKV, error) {
+func (n *NIXLKV) Prepped() (*PreppedKV, error) {
 	if !n.prepped {
 		return nil, errorf("prepped", "path %s uses no prepped dlists", n.path)
 	}
 	pk := &PreppedKV{SrcShared: true}
 	srcPages, dstPages := n.g.Prefill.NumPages, n.g.Decode.NumPages
-	if n.path == PathNixlPreppedSlice {
+	if n.path == PathNIXLPreppedSlice {
 		h := &n.slice
 		part := PreppedPart{SrcGroup: h.groupIdx}
 		part.Src = Dlist{Kind: n.segments[0].SrcKind, Regions: n.src}
@@ -171,9 +171,9 @@ func (n *NixlKV) Prepped() (*PreppedKV, error) {
 // Indices appends to srcIdx and dstIdx the index arrays of part for one
 // chunk, exactly as the reference computes them (repeat_indices_over_layers
 // for whole pages, expand_page_indices_for_slice for head slices), after
-// the same chunk rules as NixlKV.Plan. Pass reused slices to avoid
+// the same chunk rules as NIXLKV.Plan. Pass reused slices to avoid
 // allocating.
-func (n *NixlKV) Indices(pk *PreppedKV, part int, srcIdx, dstIdx []int32, prefillPages, decodePages []int32) ([]int32, []int32, error) {
+func (n *NIXLKV) Indices(pk *PreppedKV, part int, srcIdx, dstIdx []int32, prefillPages, decodePages []int32) ([]int32, []int32, error) {
 	if part < 0 || part >= len(pk.Parts) {
 		return srcIdx, dstIdx, errorf("part", "part %d of %d", part, len(pk.Parts))
 	}

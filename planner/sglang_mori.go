@@ -2,15 +2,15 @@ package planner
 
 // Paths of SGLang's MORI-IO connector (sglang_mori_conn.py).
 const (
-	// PathMoriRuns: MHA with equal attention TP: grouped index plans
+	// PathMORIRuns: MHA with equal attention TP: grouped index plans
 	// materialized with kv_item_lens[0] for K and V of every layer.
-	PathMoriRuns = "mori-runs"
-	// PathMoriRunsMLA: MLA, one grouped plan per layer with that layer's
+	PathMORIRuns = "mori-runs"
+	// PathMORIRunsMLA: MLA, one grouped plan per layer with that layer's
 	// item length.
-	PathMoriRunsMLA = "mori-runs-mla"
-	// PathMoriTPSlice: MHA with different attention TP: the TP-slice plan
+	PathMORIRunsMLA = "mori-runs-mla"
+	// PathMORITPSlice: MHA with different attention TP: the TP-slice plan
 	// (per page, per token head slices) for K and V of every layer.
-	PathMoriTPSlice = "mori-tp-slice"
+	PathMORITPSlice = "mori-tp-slice"
 )
 
 // TPSliceConfig is MORI's heterogeneous-TP slice geometry
@@ -25,21 +25,21 @@ type TPSliceConfig struct {
 	HeadsBytesPerTokenToSend uint64
 }
 
-// MoriKV plans the KV pages one SGLang prefill rank writes to one decode
+// MORIKV plans the KV pages one SGLang prefill rank writes to one decode
 // peer with MORI-IO batch_write. Copies are region-relative (local offset,
 // remote offset, size) with strides; consecutive copies of one
 // (SrcRegion, DstRegion) form one batch_write region pair. Build once per
 // peer; immutable and safe for concurrent use.
-type MoriKV struct {
+type MORIKV struct {
 	sglangPair
 	path  string
 	pairs []pagePair
 	slice headSlice
 }
 
-// NewMoriKV checks the geometry of a (prefill rank, decode peer) pair and
+// NewMORIKV checks the geometry of a (prefill rank, decode peer) pair and
 // chooses MORI's path (MoriKVManager.send_kvcache).
-func NewMoriKV(g SGLangKV) (*MoriKV, error) {
+func NewMORIKV(g SGLangKV) (*MORIKV, error) {
 	for _, side := range []struct {
 		name  string
 		kinds []MemKind
@@ -54,22 +54,22 @@ func NewMoriKV(g SGLangKV) (*MoriKV, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &MoriKV{sglangPair: sp}
+	m := &MORIKV{sglangPair: sp}
 	switch {
 	case g.MLA:
-		m.path = PathMoriRunsMLA
+		m.path = PathMORIRunsMLA
 		for i, d := range m.pairOf {
 			item := g.Prefill.ItemLens[i]
 			m.pairs = append(m.pairs, pagePair{src: int32(i), dst: d, srcStride: item, dstStride: item, xfer: item})
 		}
 	case g.Prefill.TPSize == g.Decode.TPSize:
-		m.path = PathMoriRuns
+		m.path = PathMORIRuns
 		item := g.Prefill.ItemLens[0]
 		for i, d := range m.pairOf {
 			m.pairs = append(m.pairs, pagePair{src: int32(i), dst: d, srcStride: item, dstStride: item, xfer: item})
 		}
 	default:
-		m.path = PathMoriTPSlice
+		m.path = PathMORITPSlice
 		if m.slice, err = m.headSlice(sliceMORI); err != nil {
 			return nil, err
 		}
@@ -78,41 +78,41 @@ func NewMoriKV(g SGLangKV) (*MoriKV, error) {
 }
 
 // Path names the reference path this peer uses.
-func (m *MoriKV) Path() string { return m.path }
+func (m *MORIKV) Path() string { return m.path }
 
 // Regions returns the prefill and decode region tables (borrowed).
-func (m *MoriKV) Regions() (src, dst []Region) { return m.src, m.dst }
+func (m *MORIKV) Regions() (src, dst []Region) { return m.src, m.dst }
 
 // TPSlice returns the slice configuration of the mori-tp-slice path.
-func (m *MoriKV) TPSlice() (TPSliceConfig, bool) {
+func (m *MORIKV) TPSlice() (TPSliceConfig, bool) {
 	h := &m.slice
 	return TPSliceConfig{
 		PageSize: h.pageSize, SrcItemLen: h.srcItem, DstItemLen: h.dstItem,
 		BytesPerTokenSrc: h.srcToken, BytesPerTokenDst: h.dstToken,
 		SrcHeadSliceOffset: h.srcOff, DstHeadSliceOffset: h.dstOff,
 		HeadsBytesPerTokenToSend: h.length,
-	}, m.path == PathMoriTPSlice
+	}, m.path == PathMORITPSlice
 }
 
-// Plan fills p with the copies of one chunk (see NixlKV.Plan). The
+// Plan fills p with the copies of one chunk (see NIXLKV.Plan). The
 // grouped paths need equally long page lists (group_concurrent_contiguous
 // raises otherwise); the slice path sends the first min(len) pairs, as the
 // reference does.
-func (m *MoriKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
+func (m *MORIKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	p.Reset()
 	p.Path, p.Src, p.Dst = m.path, m.src, m.dst
 	src, dst := prefillPages, decodePages
 	if len(src) == 0 || len(dst) == 0 {
 		return nil
 	}
-	if m.path == PathMoriTPSlice {
+	if m.path == PathMORITPSlice {
 		n := min(len(src), len(dst))
 		src, dst = src[:n], dst[:n]
 	}
 	if err := CheckPagePairs(src, m.g.Prefill.NumPages, dst, m.g.Decode.NumPages); err != nil {
 		return err
 	}
-	if m.path == PathMoriTPSlice {
+	if m.path == PathMORITPSlice {
 		runs := p.pageRuns(src, dst, !m.slice.tokensAligned())
 		for i, d := range m.pairOf {
 			addSliceRuns(p, &m.slice, int32(i), d, runs)

@@ -7,29 +7,29 @@ import (
 
 // Paths of SGLang's NIXL connector (sglang_nixl_conn.py).
 const (
-	// PathNixlPreppedEqualTP: MHA with equal attention TP, prepped dlists of
+	// PathNIXLPreppedEqualTP: MHA with equal attention TP, prepped dlists of
 	// every slot of every region (send_kvcache, prepped branch).
-	PathNixlPreppedEqualTP = "nixl-prepped-equal-tp"
-	// PathNixlPreppedMLA: MLA (any TP), the same prepped whole-page path.
-	PathNixlPreppedMLA = "nixl-prepped-mla"
-	// PathNixlPreppedSlice: MHA with different attention TP, per-token head
+	PathNIXLPreppedEqualTP = "nixl-prepped-equal-tp"
+	// PathNIXLPreppedMLA: MLA (any TP), the same prepped whole-page path.
+	PathNIXLPreppedMLA = "nixl-prepped-mla"
+	// PathNIXLPreppedSlice: MHA with different attention TP, per-token head
 	// slices (send_kvcache_slice).
-	PathNixlPreppedSlice = "nixl-prepped-slice"
-	// PathNixlPreppedMixed: equal TP or MLA where decode regions mix VRAM
+	PathNIXLPreppedSlice = "nixl-prepped-slice"
+	// PathNIXLPreppedMixed: equal TP or MLA where decode regions mix VRAM
 	// and DRAM: one prepped pair and one transfer per segment
 	// (send_kvcache_mixed).
-	PathNixlPreppedMixed = "nixl-prepped-mixed"
-	// PathNixlRuns / PathNixlRunsMLA: the non-prepped path
+	PathNIXLPreppedMixed = "nixl-prepped-mixed"
+	// PathNIXLRuns / PathNIXLRunsMLA: the non-prepped path
 	// (_send_kvcache_generic): group_concurrent_contiguous runs x layers.
-	PathNixlRuns    = "nixl-runs"
-	PathNixlRunsMLA = "nixl-runs-mla"
+	PathNIXLRuns    = "nixl-runs"
+	PathNIXLRunsMLA = "nixl-runs-mla"
 )
 
-// NixlKV plans the KV pages one SGLang prefill rank pushes to one decode
+// NIXLKV plans the KV pages one SGLang prefill rank pushes to one decode
 // peer with NIXL WRITEs. Build it once per peer (when the peer registers),
 // then call Plan for every chunk. It is immutable after construction and
 // safe for concurrent use.
-type NixlKV struct {
+type NIXLKV struct {
 	sglangPair
 	path  string
 	pairs []pagePair // whole-page paths, in prefill region order
@@ -40,12 +40,12 @@ type NixlKV struct {
 	prepped  bool
 }
 
-// NewNixlKV checks the geometry of a (prefill rank, decode peer) pair and
+// NewNIXLKV checks the geometry of a (prefill rank, decode peer) pair and
 // chooses the reference's path (NixlKVManager._prepare_payload_xfer).
 // prepped false selects the non-prepped path, which the reference keeps for
 // state buffers; it moves whole pages, so it needs MLA or equal TP.
 // Geometry the reference rejects is an *Error with the same meaning.
-func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
+func NewNIXLKV(g SGLangKV, prepped bool) (*NIXLKV, error) {
 	// The reference checks kinds and region counts when the peer
 	// registers, before it slices pointers for PP.
 	if err := g.Prefill.check("prefill"); err != nil {
@@ -66,7 +66,7 @@ func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &NixlKV{sglangPair: sp, prepped: prepped}
+	n := &NIXLKV{sglangPair: sp, prepped: prepped}
 	decodeOnlySpecDec := nDst > nSrc
 
 	if !prepped {
@@ -77,9 +77,9 @@ func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
 		if err != nil {
 			return nil, err
 		}
-		n.path = PathNixlRuns
+		n.path = PathNIXLRuns
 		if g.MLA {
-			n.path = PathNixlRunsMLA
+			n.path = PathNIXLRunsMLA
 		}
 		// _send_kvcache_generic addresses K and V of layer j, on both
 		// sides, with kv_item_lens[j] of the prefill side.
@@ -102,15 +102,15 @@ func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
 			if decodeOnlySpecDec {
 				return nil, errorf("decode.mem_kinds", "NIXL PD transfer does not support HiSparse combined with decode-only speculative decoding")
 			}
-			n.path = PathNixlPreppedMixed
+			n.path = PathNIXLPreppedMixed
 			n.segments = memSegments(g.Prefill.Kinds, dstKinds)
 		} else {
 			if decodeOnlySpecDec && dstKind != VRAM {
 				return nil, errorf("decode.mem_kinds", "NIXL PD transfer does not support HiSparse combined with decode-only speculative decoding")
 			}
-			n.path = PathNixlPreppedEqualTP
+			n.path = PathNIXLPreppedEqualTP
 			if g.MLA {
-				n.path = PathNixlPreppedMLA
+				n.path = PathNIXLPreppedMLA
 			}
 			n.segments = []Part{{Start: 0, End: nSrc, SrcKind: srcKind, DstKind: dstKind}}
 		}
@@ -136,14 +136,14 @@ func NewNixlKV(g SGLangKV, prepped bool) (*NixlKV, error) {
 	if n.slice, err = n.headSlice(sliceNIXL); err != nil {
 		return nil, err
 	}
-	n.path = PathNixlPreppedSlice
+	n.path = PathNIXLPreppedSlice
 	n.segments = []Part{{Start: 0, End: nSrc, SrcKind: srcKind, DstKind: dstKind}}
 	return n, nil
 }
 
 // pairedKinds returns the memory kinds of the decode regions paired with
 // the prefill regions, in prefill order.
-func (n *NixlKV) pairedKinds() []MemKind {
+func (n *NIXLKV) pairedKinds() []MemKind {
 	kinds := make([]MemKind, len(n.pairOf))
 	for i, d := range n.pairOf {
 		kinds[i] = n.g.Decode.kind(int(d))
@@ -187,15 +187,15 @@ func memSegments(src, dst []MemKind) []Part {
 }
 
 // Path names the reference path this peer uses.
-func (n *NixlKV) Path() string { return n.path }
+func (n *NIXLKV) Path() string { return n.path }
 
 // Regions returns the prefill and decode region tables (borrowed).
-func (n *NixlKV) Regions() (src, dst []Region) { return n.src, n.dst }
+func (n *NIXLKV) Regions() (src, dst []Region) { return n.src, n.dst }
 
 // Parts returns the segments of prefill regions posted as separate
 // transfers (one unless the path is nixl-prepped-mixed), with their kinds.
 // Start and End index prefill regions. Callers must not modify it.
-func (n *NixlKV) Parts() []Part { return n.segments }
+func (n *NIXLKV) Parts() []Part { return n.segments }
 
 // chunkPages applies the transfer worker's chunk rules: prefill indices
 // beyond the decode ones are dropped (the reference warns and truncates),
@@ -216,7 +216,7 @@ func chunkPages(src []int32, srcPages uint64, dst []int32, dstPages uint64) ([]i
 // are reused, so a warm Plan allocates nothing. Copies are in prefill
 // region order (the reference's descriptor order), one strided copy per
 // region per page run; mixed paths split them into parts.
-func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
+func (n *NIXLKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	p.Reset()
 	p.Path, p.Src, p.Dst = n.path, n.src, n.dst
 	src, dst, err := chunkPages(prefillPages, n.g.Prefill.NumPages, decodePages, n.g.Decode.NumPages)
@@ -226,7 +226,7 @@ func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	if len(src) == 0 {
 		return nil
 	}
-	if n.path == PathNixlPreppedSlice {
+	if n.path == PathNIXLPreppedSlice {
 		runs := p.pageRuns(src, dst, !n.slice.tokensAligned())
 		for i, d := range n.pairOf {
 			addSliceRuns(p, &n.slice, int32(i), d, runs)
@@ -251,7 +251,7 @@ func (n *NixlKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		for _, pp := range n.pairs[seg.Start:seg.End] {
 			addPageRuns(p, pp, runs)
 		}
-		if n.path == PathNixlPreppedMixed {
+		if n.path == PathNIXLPreppedMixed {
 			p.ClosePart(seg.SrcKind, seg.DstKind)
 		}
 	}

@@ -123,13 +123,13 @@ func TestPropHeteroTPHeadsReachTheirOwners(t *testing.T) {
 				plan := new(Plan)
 				var err error
 				if style == StyleSGLangNIXL {
-					var nk *NixlKV
-					if nk, err = NewNixlKV(g, true); err == nil {
+					var nk *NIXLKV
+					if nk, err = NewNIXLKV(g, true); err == nil {
 						err = nk.Plan(plan, src, dst)
 					}
 				} else {
-					var mk *MoriKV
-					if mk, err = NewMoriKV(g); err == nil {
+					var mk *MORIKV
+					if mk, err = NewMORIKV(g); err == nil {
 						err = mk.Plan(plan, src, dst)
 					}
 				}
@@ -228,13 +228,13 @@ func TestPropWholePagePlans(t *testing.T) {
 		plan := new(Plan)
 		var err error
 		if style == StyleSGLangNIXL {
-			var nk *NixlKV
-			if nk, err = NewNixlKV(g, prepped); err == nil {
+			var nk *NIXLKV
+			if nk, err = NewNIXLKV(g, prepped); err == nil {
 				err = nk.Plan(plan, src, dst)
 			}
 		} else {
-			var mk *MoriKV
-			if mk, err = NewMoriKV(g); err == nil {
+			var mk *MORIKV
+			if mk, err = NewMORIKV(g); err == nil {
 				err = mk.Plan(plan, src, dst)
 			}
 		}
@@ -265,7 +265,7 @@ func TestPropWholePagePlans(t *testing.T) {
 			}
 		}
 		// Parts, when present, are one per run of decode kinds.
-		if len(plan.Parts) > 0 && plan.Path != PathNixlPreppedMixed {
+		if len(plan.Parts) > 0 && plan.Path != PathNIXLPreppedMixed {
 			t.Fatalf("%s has parts", plan.Path)
 		}
 	})

@@ -312,8 +312,8 @@ func TestSGLangMatchesReference(t *testing.T) {
 			t.Errorf("case %d (%s): ReferenceDescriptors %d, reference handed %d", i, p.Path, p.ReferenceDescriptors, refDescs)
 		}
 	}
-	for _, path := range []string{PathNixlPreppedEqualTP, PathNixlPreppedMLA, PathNixlPreppedSlice, PathNixlPreppedMixed,
-		PathNixlRuns, PathNixlRunsMLA, PathMoriRuns, PathMoriRunsMLA, PathMoriTPSlice} {
+	for _, path := range []string{PathNIXLPreppedEqualTP, PathNIXLPreppedMLA, PathNIXLPreppedSlice, PathNIXLPreppedMixed,
+		PathNIXLRuns, PathNIXLRunsMLA, PathMORIRuns, PathMORIRunsMLA, PathMORITPSlice} {
 		if paths[path] < 3 {
 			t.Errorf("path %s drawn %d times; widen the generator", path, paths[path])
 		}
@@ -398,7 +398,7 @@ func TestSGLangPreppedMatchesReference(t *testing.T) {
 		if err != nil {
 			t.Fatalf("case %d: %v", i, err)
 		}
-		n, err := NewNixlKV(geo, true)
+		n, err := NewNIXLKV(geo, true)
 		if err != nil {
 			t.Fatalf("case %d: %v", i, err)
 		}

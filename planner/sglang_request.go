@@ -3,8 +3,8 @@ package planner
 import "encoding/json"
 
 func init() {
-	registerHandler(StyleSGLangNIXL, KindKV, planSGLangNixlKV)
-	registerHandler(StyleSGLangMORI, KindKV, planSGLangMoriKV)
+	registerHandler(StyleSGLangNIXL, KindKV, planSGLangNIXLKV)
+	registerHandler(StyleSGLangMORI, KindKV, planSGLangMORIKV)
 }
 
 // sglangKVRequest decodes a KV request of an SGLang style into geometry
@@ -60,13 +60,13 @@ func sglangKVRequest(raw json.RawMessage, style string) (SGLangKV, []int32, []in
 	return g, src, dst, &req, nil
 }
 
-func planSGLangNixlKV(raw json.RawMessage) (*Plan, error) {
+func planSGLangNIXLKV(raw json.RawMessage) (*Plan, error) {
 	g, src, dst, req, err := sglangKVRequest(raw, StyleSGLangNIXL)
 	if err != nil {
 		return nil, err
 	}
 	prepped := req.Prepped == nil || *req.Prepped
-	n, err := NewNixlKV(g, prepped)
+	n, err := NewNIXLKV(g, prepped)
 	if err != nil {
 		return nil, err
 	}
@@ -77,12 +77,12 @@ func planSGLangNixlKV(raw json.RawMessage) (*Plan, error) {
 	return p, nil
 }
 
-func planSGLangMoriKV(raw json.RawMessage) (*Plan, error) {
+func planSGLangMORIKV(raw json.RawMessage) (*Plan, error) {
 	g, src, dst, _, err := sglangKVRequest(raw, StyleSGLangMORI)
 	if err != nil {
 		return nil, err
 	}
-	m, err := NewMoriKV(g)
+	m, err := NewMORIKV(g)
 	if err != nil {
 		return nil, err
 	}

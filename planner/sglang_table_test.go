@@ -50,7 +50,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// 2 layers (K0 K1 V0 V1), 64-byte pages. Runs (1..3 -> 4..6)
 			// and (6 -> 0): one block per region per run.
-			name: "equal TP", path: PathNixlPreppedEqualTP,
+			name: "equal TP", path: PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(2, 0, 4, 4, 64, 8), sideOf(2, 0, 4, 4, 64, 8),
 				[]int64{1, 2, 3, 6}, []int64{4, 5, 6, 0}),
 			want: []Copy{
@@ -63,7 +63,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		},
 		{
 			// Decode (HiSparse) slots are 128 bytes apart; 64 move per page.
-			name: "equal TP, wider decode slots", path: PathNixlPreppedEqualTP,
+			name: "equal TP, wider decode slots", path: PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 2, 64, 8), sideOf(1, 0, 4, 2, 128, 8),
 				[]int64{1, 2, 3}, []int64{4, 5, 6}),
 			want: []Copy{
@@ -75,7 +75,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// Decode runs speculative decoding: 2 draft layers after the
 			// main K and V; only the first 4 regions receive.
-			name: "equal TP, decode-only draft layers", path: PathNixlPreppedEqualTP,
+			name: "equal TP, decode-only draft layers", path: PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{0}, []int64{7}),
 			want: []Copy{
@@ -87,7 +87,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// MLA ignores TP. Pages 0, 2, 4 -> 1, 3, 5: equal gaps become
 			// one strided copy per layer.
-			name: "MLA", path: PathNixlPreppedMLA,
+			name: "MLA", path: PathNIXLPreppedMLA,
 			req: kvReq(StyleSGLangNIXL, "mla", 64, sideOf(2, 1, 1, 3, 32, 8), sideOf(4, 3, 1, 3, 32, 8),
 				[]int64{0, 2, 4}, []int64{1, 3, 5}),
 			want: []Copy{
@@ -100,7 +100,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// tokens are 16 bytes (4 heads), decode tokens 8 (2 heads).
 			// Decode rank 1 owns heads 2-3: offset 8 of every prefill
 			// token. Pages 3, 4 -> 0, 1 are one run: 4 tokens.
-			name: "slice, prefill TP < decode TP", path: PathNixlPreppedSlice,
+			name: "slice, prefill TP < decode TP", path: PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(1, 0, 4, 4, 32, 8), sideOf(2, 1, 2, 4, 16, 8),
 				[]int64{3, 4}, []int64{0, 1}),
 			want: []Copy{
@@ -113,7 +113,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// TP 4 -> 2, 4 heads of 4 bytes: prefill rank 3 holds head 3,
 			// decode rank 1 holds heads 2-3: rank 3 writes the second head
 			// slot (offset 4) of every 8-byte decode token.
-			name: "slice, prefill TP > decode TP", path: PathNixlPreppedSlice,
+			name: "slice, prefill TP > decode TP", path: PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(4, 3, 1, 2, 8, 8), sideOf(2, 1, 2, 2, 16, 8),
 				[]int64{0, 1, 2, 5}, []int64{5, 6, 7, 0}),
 			want: []Copy{
@@ -126,7 +126,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// TP 4 -> 2 with 2 KV heads: prefill ranks 2 and 3 both hold
 			// (replicated) head 1; decode rank 1 holds head 1 alone, so
 			// rank 3 writes the whole decode token.
-			name: "slice, prefill TP > KV heads (replicated)", path: PathNixlPreppedSlice,
+			name: "slice, prefill TP > KV heads (replicated)", path: PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(4, 3, 1, 2, 8, 8), sideOf(2, 1, 1, 2, 8, 8),
 				[]int64{2}, []int64{3}),
 			mutate:   func(r *KVRequest) { r.TotalKVHeads = 2 },
@@ -136,7 +136,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// TP 2 -> 8 with 2 KV heads: decode ranks hold one replicated
 			// head; rank 5 takes prefill rank 1's only head, whole tokens.
-			name: "slice, decode TP > KV heads (replicated)", path: PathNixlPreppedSlice,
+			name: "slice, decode TP > KV heads (replicated)", path: PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(2, 1, 1, 2, 8, 8), sideOf(8, 5, 1, 2, 8, 8),
 				[]int64{4, 5}, []int64{1, 2}),
 			want:     []Copy{{0, 0, 32, 8, 16, 0, 0, 1}, {1, 1, 32, 8, 16, 0, 0, 1}},
@@ -147,7 +147,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// head 0, ranks 2-3 head 1. Rank 1 takes head 0 (offset 0 of
 			// the 8-byte prefill token); the reference would send it head
 			// 1 (offset 4), see referenceView.
-			name: "slice, decode TP > KV heads, rank holding a replica", path: PathNixlPreppedSlice,
+			name: "slice, decode TP > KV heads, rank holding a replica", path: PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(1, 0, 2, 2, 16, 8), sideOf(4, 1, 1, 2, 8, 8),
 				[]int64{1}, []int64{2}),
 			want:     []Copy{{0, 0, 16, 16, 4, 8, 4, 2}, {1, 1, 16, 16, 4, 8, 4, 2}},
@@ -156,7 +156,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// Decode mixes memory kinds: (VRAM,VRAM) (VRAM,DRAM)x2
 			// (VRAM,VRAM): three parts, posted and notified apart.
-			name: "mixed memory kinds", path: PathNixlPreppedMixed,
+			name: "mixed memory kinds", path: PathNIXLPreppedMixed,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 4, 64, 8),
 				[]int64{1}, []int64{2}),
 			mutate: func(r *KVRequest) { r.Decode.MemKinds = []string{"VRAM", "DRAM", "DRAM", "VRAM"} },
@@ -170,7 +170,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// Non-prepped, prefill PP stage holding layer 1 of 3, decode
 			// PP 1: K1 -> decode region 1, V1 -> decode region 4.
-			name: "non-prepped runs with PP", path: PathNixlRuns,
+			name: "non-prepped runs with PP", path: PathNIXLRuns,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 2, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{2, 3}, []int64{0, 1}),
 			mutate:   func(r *KVRequest) { r.Prefill.StartLayer = 1; r.Prepped = &f },
@@ -178,7 +178,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			refDescs: 2,
 		},
 		{
-			name: "non-prepped MLA runs with PP", path: PathNixlRunsMLA,
+			name: "non-prepped MLA runs with PP", path: PathNIXLRunsMLA,
 			req: kvReq(StyleSGLangNIXL, "mla", 16, sideOf(1, 0, 1, 2, 32, 8), sideOf(1, 0, 1, 4, 32, 8),
 				[]int64{0, 1, 5}, []int64{6, 7, 2}),
 			mutate: func(r *KVRequest) { r.Prefill.StartLayer = 2; r.Prepped = &f },
@@ -191,7 +191,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// Uneven PP (2 of 3 layers): the reference heuristic would pair
 			// V with K2/V0; draft_layers 0 makes the pairing exact.
-			name: "runs with uneven PP and known draft layers", path: PathNixlRuns,
+			name: "runs with uneven PP and known draft layers", path: PathNIXLRuns,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{0}, []int64{1}),
 			mutate: func(r *KVRequest) { zero := 0; r.Decode.DraftLayers = &zero; r.Prepped = &f },
@@ -202,7 +202,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			refDescs: 4,
 		},
 		{
-			name: "MORI equal TP", path: PathMoriRuns,
+			name: "MORI equal TP", path: PathMORIRuns,
 			req: kvReq(StyleSGLangMORI, "mha", 16, sideOf(2, 0, 4, 2, 64, 8), sideOf(2, 0, 4, 2, 64, 8),
 				[]int64{3, 4, 7}, []int64{0, 1, 5}),
 			want: []Copy{
@@ -213,7 +213,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		},
 		{
 			// MORI MLA with PP: prefill layers 1-2 of decode's 3.
-			name: "MORI MLA with PP", path: PathMoriRunsMLA,
+			name: "MORI MLA with PP", path: PathMORIRunsMLA,
 			req: kvReq(StyleSGLangMORI, "mla", 16, sideOf(1, 0, 1, 2, 32, 8), sideOf(1, 0, 1, 3, 32, 8),
 				[]int64{1}, []int64{2}),
 			mutate:   func(r *KVRequest) { r.Prefill.StartLayer = 1 },
@@ -223,7 +223,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// MORI TP 1 -> 2 (as the NIXL slice case); only min(len)
 			// pages move: page 3 -> 0.
-			name: "MORI TP slice truncates to the shorter list", path: PathMoriTPSlice,
+			name: "MORI TP slice truncates to the shorter list", path: PathMORITPSlice,
 			req: kvReq(StyleSGLangMORI, "mha", 2, sideOf(1, 0, 4, 2, 32, 8), sideOf(2, 1, 2, 2, 16, 8),
 				[]int64{3, 4, 5}, []int64{0}),
 			want:     []Copy{{0, 0, 104, 0, 8, 16, 8, 2}, {1, 1, 104, 0, 8, 16, 8, 2}},

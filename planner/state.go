@@ -282,7 +282,7 @@ func NewStatePlannerNIXL(types []StateType, src, dst StateBuffers, t StateTopolo
 				c.preErr = errorf("decode.tp_size", "PD disaggregation does not support different prefill/decode TP sizes (%d/%d) for non-MLA %s hybrid models",
 					t.PrefillTPSize, t.DecodeTPSize, st)
 			}
-			c.resolveNixlPaged(&v, t, !t.MLA, st)
+			c.resolveNIXLPaged(&v, t, !t.MLA, st)
 		case StateMiniMaxIndexK:
 			c.kind, c.path = kindPaged, PathNIXLPaged
 			switch {
@@ -292,7 +292,7 @@ func NewStatePlannerNIXL(types []StateType, src, dst StateBuffers, t StateTopolo
 				c.preErr = errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
 			}
 			// force_flat: sliced like MLA KV, without a state type.
-			c.resolveNixlPaged(&v, t, false, "")
+			c.resolveNIXLPaged(&v, t, false, "")
 		default:
 			c.kind = kindError
 			c.preErr = errorf(stateField("state_types", i), "PD disaggregation via NIXL does not support %q hybrid models", string(st))
@@ -352,7 +352,7 @@ func NewStatePlannerMORI(types []StateType, src, dst StateBuffers, t StateTopolo
 			case st == StateMiniMaxIndexK && t.tpMismatch():
 				c.preErr = errorf("decode.tp_size", "heterogeneous TP not supported for MiniMax sparse index")
 			}
-			c.resolveMoriPaged(&v, t)
+			c.resolveMORIPaged(&v, t)
 		default:
 			c.kind = kindError
 			c.preErr = errorf(stateField("state_types", i), "PD state transfer failed: unknown state_type=%q", string(st))
@@ -391,11 +391,11 @@ func stateFieldError(err error, i int) error {
 	return err
 }
 
-// resolveNixlPaged pairs a paged component's tensors as the NIXL
+// resolveNIXLPaged pairs a paged component's tensors as the NIXL
 // connector's non-prepped _send_kvcache_generic does: mha selects
 // K/V-halved PP slicing (the V half uses the K layer's item length, as the
 // reference does); otherwise MLA slicing, compressed-MLA aware for st.
-func (c *stateComp) resolveNixlPaged(v *stateView, t StateTopology, mha bool, st StateType) {
+func (c *stateComp) resolveNIXLPaged(v *stateView, t StateTopology, mha bool, st StateType) {
 	pairs, ok, err := statePairs(v, t)
 	if err != nil {
 		c.setErr(err)
@@ -434,9 +434,9 @@ func (c *stateComp) resolveNixlPaged(v *stateView, t StateTopology, mha bool, st
 	}
 }
 
-// resolveMoriPaged pairs a paged component's tensors as the MORI
+// resolveMORIPaged pairs a paged component's tensors as the MORI
 // connector's _send_swa_dsa_state does: tensor i with tensor i.
-func (c *stateComp) resolveMoriPaged(v *stateView, t StateTopology) {
+func (c *stateComp) resolveMORIPaged(v *stateView, t StateTopology) {
 	pairs, ok, err := statePairs(v, t)
 	if err != nil {
 		c.setErr(err)

@@ -39,7 +39,7 @@ func prefillCommand() *cli.Command {
 			0, push.EnvTransferTimeout[0]),
 		&cli.IntFlag{Category: catSGLangRuntime, Name: "queue-size", Value: push.DefaultQueueSize, EnvVars: push.EnvQueueSize[:],
 			Usage: "transfer worker shards (requests go to shard room % N)"},
-		&cli.BoolFlag{Category: catSGLangRuntime, Name: "mori-aux-rdma", EnvVars: push.EnvMoriAuxRDMA[:],
+		&cli.BoolFlag{Category: catSGLangRuntime, Name: "mori-aux-rdma", EnvVars: push.EnvMORIAuxRDMA[:],
 			Usage: "mori variant: write aux by RDMA instead of AUX_DATA messages"},
 
 		&cli.IntFlag{Category: catVLLM, Name: "side-channel-port", Value: 5600, EnvVars: []string{"VLLM_NIXL_SIDE_CHANNEL_PORT"},
@@ -91,7 +91,7 @@ func runPrefillSGLang(c *cli.Context) error {
 	if o.XferMode, err = push.ParseXferMode(c.String("xfer")); err != nil {
 		return err
 	}
-	o.Settings = push.Settings{QueueSize: c.Int("queue-size"), MoriAuxRDMA: c.Bool("mori-aux-rdma"),
+	o.Settings = push.Settings{QueueSize: c.Int("queue-size"), MORIAuxRDMA: c.Bool("mori-aux-rdma"),
 		BootstrapTimeout: secondsValue(c, "bootstrap-timeout"), TransferTimeout: secondsValue(c, "transfer-timeout")}
 	// SGLang MORI's transfer SLA variable is in milliseconds.
 	if v, ok := os.LookupEnv(push.EnvTransferTimeout[1]); ok && !c.IsSet("transfer-timeout") {

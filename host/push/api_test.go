@@ -272,16 +272,16 @@ func hostile(t *testing.T, endpoint string, stop, round chan struct{}) {
 	defer p.Close()
 	msgs := [][][]byte{
 		{[]byte("garbage")},
-		{[]byte(sglang.NixlGuard)},
-		{[]byte(sglang.MoriGuard)},
-		{[]byte(sglang.NixlGuard), []byte("None"), []byte("1.2.3.4")},
-		{[]byte(sglang.NixlGuard), []byte("12x"), []byte("h"), []byte("1"), []byte("a"), {1, 2, 3}, []byte("0"), []byte("1")},
-		{[]byte(sglang.MoriGuard), []byte("None"), []byte("h"), []byte("1"), {0xc1}, {0xff}, nil, nil, []byte("0"), []byte("1"), []byte("0"), []byte("8")},
+		{[]byte(sglang.NIXLGuard)},
+		{[]byte(sglang.MORIGuard)},
+		{[]byte(sglang.NIXLGuard), []byte("None"), []byte("1.2.3.4")},
+		{[]byte(sglang.NIXLGuard), []byte("12x"), []byte("h"), []byte("1"), []byte("a"), {1, 2, 3}, []byte("0"), []byte("1")},
+		{[]byte(sglang.MORIGuard), []byte("None"), []byte("h"), []byte("1"), {0xc1}, {0xff}, nil, nil, []byte("0"), []byte("1"), []byte("0"), []byte("8")},
 		{[]byte(sglang.AbortHeader), []byte("500"), []byte("10.0.0.1"), []byte("99999")},
 		{[]byte(sglang.AbortHeader), []byte("501"), []byte("10.0.0.9"), []byte("5555")},     // unknown decode: ignored
 		{[]byte(sglang.AbortHeader), []byte("502"), []byte("127.0.0.1"), []byte("1")},       // before the room exists, not a peer
-		{[]byte(sglang.MoriGuard), []byte("500"), []byte("7"), []byte("0"), []byte("")},     // unknown status code
-		{[]byte(sglang.MoriGuard), []byte("999999"), []byte("0"), []byte("0"), []byte("x")}, // failure of an unknown room
+		{[]byte(sglang.MORIGuard), []byte("500"), []byte("7"), []byte("0"), []byte("")},     // unknown status code
+		{[]byte(sglang.MORIGuard), []byte("999999"), []byte("0"), []byte("0"), []byte("x")}, // failure of an unknown room
 		{[]byte(sglang.AuxDataHeader), []byte("500"), []byte("0"), []byte("0"), {0, 0, 0, 9}, []byte("short")},
 		{[]byte(sglang.AuxDataHeader), []byte("503"), []byte("7"), []byte("1"), {0, 0, 0, 1}, []byte("x")},
 		{[]byte("WATERMARK"), []byte("1")},

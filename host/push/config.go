@@ -140,7 +140,7 @@ var (
 	EnvQueueSize         = [2]string{"KVHOST_QUEUE_SIZE", "SGLANG_DISAGGREGATION_QUEUE_SIZE"}
 	// The transfer SLA: SGLang's MORI variable is in milliseconds.
 	EnvTransferTimeout = [2]string{"KVHOST_TRANSFER_TIMEOUT", "SGLANG_MORI_TRANSFER_TIMEOUT_MS"}
-	EnvMoriAuxRDMA     = [2]string{"KVHOST_MORI_SEND_AUX_RDMA", "SGLANG_MORI_SEND_AUX_RDMA"}
+	EnvMORIAuxRDMA     = [2]string{"KVHOST_MORI_SEND_AUX_RDMA", "SGLANG_MORI_SEND_AUX_RDMA"}
 )
 
 // Settings are the runtime's tunables. The zero value means "reference
@@ -164,9 +164,9 @@ type Settings struct {
 	HeartbeatMaxFailures int
 	// QueueSize is the number of transfer worker shards (prefill). Default 4.
 	QueueSize int
-	// MoriAuxRDMA sends MORI aux by RDMA write instead of AUX_DATA messages
+	// MORIAuxRDMA sends MORI aux by RDMA write instead of AUX_DATA messages
 	// over ZeroMQ (SGLANG_MORI_SEND_AUX_RDMA, default false).
-	MoriAuxRDMA bool
+	MORIAuxRDMA bool
 	// MaxPeers bounds the decode ranks one prefill rank accepts
 	// registrations from (a hostile peer must not grow memory without
 	// bound). Default 4096.
@@ -252,12 +252,12 @@ func (s *Settings) LoadEnv(lookup func(string) (string, bool), log *slog.Logger)
 			s.TransferTimeout = d
 		}
 	}
-	if n, v, ok := get(EnvMoriAuxRDMA); ok {
+	if n, v, ok := get(EnvMORIAuxRDMA); ok {
 		b, err := parseBool(v)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", n, err))
 		} else {
-			s.MoriAuxRDMA = b
+			s.MORIAuxRDMA = b
 		}
 	}
 	if s.HeartbeatInterval > 0 && s.HeartbeatInterval < MinReferenceHeartbeat && log != nil {

@@ -43,7 +43,7 @@ func TestLoadEnv(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Settings{BootstrapTimeout: 600 * time.Second, WaitingTimeout: 45 * time.Second, HeartbeatInterval: 3 * time.Second,
-		HeartbeatMaxFailures: 5, QueueSize: 8, TransferTimeout: 1500 * time.Millisecond, MoriAuxRDMA: true}
+		HeartbeatMaxFailures: 5, QueueSize: 8, TransferTimeout: 1500 * time.Millisecond, MORIAuxRDMA: true}
 	if s != want {
 		t.Fatalf("got %+v\nwant %+v", s, want)
 	}

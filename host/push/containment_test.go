@@ -73,9 +73,9 @@ func (e *evilPeer) send(m sglang.Message, extra ...[]byte) {
 
 // registration claims 4 KV regions of slots x item bytes each, laid out
 // from off in the evil buffer, and one aux buffer.
-func (e *evilPeer) registration(off uint64, slots uint64) *sglang.NixlRegistration {
+func (e *evilPeer) registration(off uint64, slots uint64) *sglang.NIXLRegistration {
 	item := e.r.p.args.KV[0].ItemLen
-	reg := &sglang.NixlRegistration{Endpoint: "127.0.0.1", Port: e.pull.Port(), AgentName: e.agent.Name(), AgentMetadata: e.md,
+	reg := &sglang.NIXLRegistration{Endpoint: "127.0.0.1", Port: e.pull.Port(), AgentName: e.agent.Name(), AgentMetadata: e.md,
 		DecodeTPSize: 1, KVItemLen: item, NumSlots: slots}
 	for i := uint64(0); i < 4; i++ {
 		reg.KVPtrs = append(reg.KVPtrs, e.base+off+i*slots*item)
@@ -113,7 +113,7 @@ func TestContainment(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		e.send(&sglang.NixlTransferInfo{Room: room, Endpoint: "127.0.0.1", Port: e.pull.Port(), AgentName: e.agent.Name(),
+		e.send(&sglang.NIXLTransferInfo{Room: room, Endpoint: "127.0.0.1", Port: e.pull.Port(), AgentName: e.agent.Name(),
 			DstKVIndices: dst, DstAuxIndex: dstAux, RequiredDstInfoNum: 1, DecodePrefixLenSet: true})
 		if st, _ := s.WaitReady(ctx); st != sglang.KVPollWaitingForInput {
 			t.Fatalf("room %d: %v %v", room, st, s.Failure())

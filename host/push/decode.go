@@ -227,7 +227,7 @@ func (d *Decode) registration() ([][]byte, error) {
 	}
 	n, _ := a.numPages()
 	if d.cfg.Variant == VariantMORI {
-		reg := &sglang.MoriRegistration{
+		reg := &sglang.MORIRegistration{
 			Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineDesc: moriEngineDesc(md, d.agent.Name(), a.GPUID),
 			GPUID: a.GPUID, DecodeTPSize: d.cfg.Parallel.TPSize, DecodeTPRank: d.cfg.Parallel.TPRank,
 			KVItemLen: a.KV[0].ItemLen,
@@ -260,7 +260,7 @@ func (d *Decode) registration() ([][]byte, error) {
 		}
 		return reg.Frames()
 	}
-	reg := &sglang.NixlRegistration{
+	reg := &sglang.NIXLRegistration{
 		Endpoint: d.cfg.Host, Port: d.pull.Port(), AgentName: d.agent.Name(), AgentMetadata: md,
 		GPUID: a.GPUID, DecodeTPSize: d.cfg.Parallel.TPSize, DecodeTPRank: d.cfg.Parallel.TPRank,
 		KVItemLen: a.KV[0].ItemLen, NumSlots: n,
@@ -433,13 +433,13 @@ func (d *Decode) controlLoop() {
 			}
 			continue
 		}
-		msg, err := sglang.ParseMoriToDecode(frames)
+		msg, err := sglang.ParseMORIToDecode(frames)
 		if err != nil {
 			d.drops.drop("message", err)
 			continue
 		}
 		switch v := msg.(type) {
-		case *sglang.MoriStatus:
+		case *sglang.MORIStatus:
 			d.handleStatus(v)
 		case *sglang.AuxData:
 			d.handleAux(v)
@@ -453,7 +453,7 @@ func (d *Decode) receiver(room uint64) *Receiver {
 	return d.recvs[room]
 }
 
-func (d *Decode) handleStatus(st *sglang.MoriStatus) {
+func (d *Decode) handleStatus(st *sglang.MORIStatus) {
 	r := d.receiver(st.Room)
 	if r == nil {
 		d.log.Debug("status for an unknown room", "room", st.Room, "status", st.Status)

@@ -21,7 +21,7 @@ const wrappedHost = "kvhost-wrapped"
 // moriEngineDesc returns what decode sends as EngineDesc: the plugin's
 // metadata itself when it already is an EngineDesc, else the wrapper.
 func moriEngineDesc(md []byte, key string, gpu int) []byte {
-	if _, err := sglang.MoriEngineKey(md); err == nil {
+	if _, err := sglang.MORIEngineKey(md); err == nil {
 		return md
 	}
 	b := []byte{0x95}

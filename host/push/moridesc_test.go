@@ -10,7 +10,7 @@ import (
 func TestEngineDescWrap(t *testing.T) {
 	md := []byte("KVFM\x01 plugin metadata that is not msgpack")
 	desc := moriEngineDesc(md, "decode-agent-0", 3)
-	key, err := sglang.MoriEngineKey(desc)
+	key, err := sglang.MORIEngineKey(desc)
 	if err != nil || key != "decode-agent-0" {
 		t.Fatalf("wrapped desc key %q, %v", key, err)
 	}
@@ -52,16 +52,16 @@ func FuzzUnwrapEngineDesc(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		unwrapEngineDesc(b)
 		if md, err := parseWrapped(moriEngineDesc(b, "key", 2)); err == nil && !bytes.Equal(md, b) {
-			if _, kerr := sglang.MoriEngineKey(b); kerr != nil {
+			if _, kerr := sglang.MORIEngineKey(b); kerr != nil {
 				t.Fatalf("round trip changed the metadata")
 			}
 		}
 	})
 }
 
-// FuzzNixlExtLens: kvhost's extension frames of a NIXL registration are
+// FuzzNIXLExtLens: kvhost's extension frames of a NIXL registration are
 // parsed without panics whatever they hold.
-func FuzzNixlExtLens(f *testing.F) {
+func FuzzNIXLExtLens(f *testing.F) {
 	f.Add([]byte(kvhostExt), []byte{1, 0, 0, 0, 0, 0, 0, 0}, []byte{})
 	f.Add([]byte(kvhostExt), []byte{1, 2, 3}, []byte{1, 0, 0, 0, 9, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, a, b, c []byte) {

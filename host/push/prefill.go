@@ -373,27 +373,27 @@ func (m *Prefill) handle(frames [][]byte) {
 	var msg sglang.Message
 	var err error
 	if m.cfg.Variant == VariantMORI {
-		msg, err = sglang.ParseMoriToPrefill(frames)
+		msg, err = sglang.ParseMORIToPrefill(frames)
 	} else {
-		msg, err = sglang.ParseNixlToPrefill(frames)
+		msg, err = sglang.ParseNIXLToPrefill(frames)
 	}
 	if err != nil {
 		m.drops.drop("control message", err)
 		return
 	}
 	switch v := msg.(type) {
-	case *sglang.NixlRegistration:
+	case *sglang.NIXLRegistration:
 		m.addPeer(func() (*peer, error) { return m.nixlPeer(v, frames) }, v.AgentName)
-	case *sglang.MoriRegistration:
+	case *sglang.MORIRegistration:
 		m.addPeer(func() (*peer, error) { return m.moriPeer(v) }, "")
-	case *sglang.NixlTransferInfo:
+	case *sglang.NIXLTransferInfo:
 		m.addInfo(v.Room, &xferInfo{
 			peer: v.AgentName, endpoint: zmq.TCPEndpoint(v.Endpoint, v.Port),
 			dstPages: v.DstKVIndices, dstAux: v.DstAuxIndex, required: v.RequiredDstInfoNum,
 			dstState: v.DstStateIndices, prefixLen: v.DecodePrefixLen, prefixSet: v.DecodePrefixLenSet,
 			dummy: v.IsDummy(),
 		})
-	case *sglang.MoriTransferInfo:
+	case *sglang.MORITransferInfo:
 		m.addInfo(v.Room, &xferInfo{
 			peer: v.EngineKey, endpoint: zmq.TCPEndpoint(v.Endpoint, v.Port),
 			dstPages: v.DstKVIndices, dstAux: v.DstAuxIndex, required: v.RequiredDstInfoNum,
@@ -612,7 +612,7 @@ func endpointsOf(infos []*xferInfo, realOnly bool) []string {
 }
 
 func (m *Prefill) sendStatus(ctx context.Context, endpoint string, room uint64, st sglang.KVPoll, reason string) error {
-	frames, _ := (&sglang.MoriStatus{Room: room, Status: st, PrefillUniqueRank: m.unique, Reason: reason}).Frames()
+	frames, _ := (&sglang.MORIStatus{Room: room, Status: st, PrefillUniqueRank: m.unique, Reason: reason}).Frames()
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	return m.push.Send(ctx, endpoint, frames...)

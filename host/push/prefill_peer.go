@@ -25,7 +25,7 @@ type peer struct {
 	tpRank   int
 
 	kv    kvPlanner
-	nixl  *planner.NixlKV // NIXL variant: for prepped transfers
+	nixl  *planner.NIXLKV // NIXL variant: for prepped transfers
 	aux   *planner.AuxPlanner
 	state *planner.StatePlanner
 
@@ -39,7 +39,7 @@ type peer struct {
 	prepped *preppedPeer
 }
 
-// kvPlanner is what NixlKV and MoriKV have in common.
+// kvPlanner is what NIXLKV and MORIKV have in common.
 type kvPlanner interface {
 	Plan(p *planner.Plan, prefillPages, decodePages []int32) error
 	Regions() (src, dst []planner.Region)
@@ -154,7 +154,7 @@ func (m *Prefill) devID(kind abi.MemKind, gpu int) uint64 {
 // nixlPeer builds a peer from SGLang NIXL's registration: decode's agent
 // metadata is loaded, and its KV, aux and state buffers are imported by
 // address, each exactly the range the registration declares.
-func (m *Prefill) nixlPeer(r *sglang.NixlRegistration, frames [][]byte) (p *peer, err error) {
+func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer, err error) {
 	name, err := m.agent.LoadRemote(r.AgentMetadata)
 	if err != nil {
 		return nil, fmt.Errorf("load agent metadata of %s: %w", r.AgentName, err)
@@ -203,7 +203,7 @@ func (m *Prefill) nixlPeer(r *sglang.NixlRegistration, frames [][]byte) (p *peer
 		dst.Kinds = append(dst.Kinds, plannerKind(kind))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
-	nk, err := planner.NewNixlKV(g, true)
+	nk, err := planner.NewNIXLKV(g, true)
 	if err != nil {
 		return p, fmt.Errorf("KV geometry: %w", err)
 	}
@@ -251,7 +251,7 @@ func (m *Prefill) nixlPeer(r *sglang.NixlRegistration, frames [][]byte) (p *peer
 	return p, nil
 }
 
-func (m *Prefill) nixlState(p *peer, r *sglang.NixlRegistration, lens [][]uint64) error {
+func (m *Prefill) nixlState(p *peer, r *sglang.NIXLRegistration, lens [][]uint64) error {
 	if len(m.stateTypes) == 0 || len(r.StatePtrs) == 0 {
 		return nil
 	}
@@ -355,7 +355,7 @@ func nixlExtFrames(a *KVArgs) [][]byte {
 // moriPeer builds a peer from SGLang MORI's registration: the engine
 // descriptor is the plugin's metadata and every memory descriptor a region
 // blob the plugin exported, imported as is.
-func (m *Prefill) moriPeer(r *sglang.MoriRegistration) (p *peer, err error) {
+func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 	name, err := m.agent.LoadRemote(unwrapEngineDesc(r.EngineDesc))
 	if err != nil {
 		return nil, fmt.Errorf("load engine descriptor: %w", err)
@@ -409,7 +409,7 @@ func (m *Prefill) moriPeer(r *sglang.MoriRegistration) (p *peer, err error) {
 		dst.Kinds = append(dst.Kinds, plannerKind(rr.Kind()))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
-	if p.kv, err = planner.NewMoriKV(g); err != nil {
+	if p.kv, err = planner.NewMORIKV(g); err != nil {
 		return p, fmt.Errorf("KV geometry: %w", err)
 	}
 	var dstAux planner.AuxBuffers
@@ -429,7 +429,7 @@ func (m *Prefill) moriPeer(r *sglang.MoriRegistration) (p *peer, err error) {
 		// SGLang MORI sends aux over ZeroMQ unless SGLANG_MORI_SEND_AUX_RDMA
 		// is set and both sides have the same aux buffers.
 		var probe planner.Plan
-		p.auxTCP = !m.set.MoriAuxRDMA
+		p.auxTCP = !m.set.MORIAuxRDMA
 		if !p.auxTCP && p.aux.Plan(&probe, 0, 0) == nil && probe.Path == planner.PathMORIAuxTCP {
 			p.auxTCP = true
 		}

@@ -153,7 +153,7 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 	for _, t := range ts {
 		var msg sglang.Message
 		if d.cfg.Variant == VariantMORI {
-			m := &sglang.MoriTransferInfo{Room: r.room, Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineKey: name,
+			m := &sglang.MORITransferInfo{Room: r.room, Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineKey: name,
 				DstAuxIndex: auxIndex, RequiredDstInfoNum: required, DecodePrefixLen: prefixLen}
 			if !t.Dummy {
 				m.DstKVIndices, m.DstStateIndices = pages, stateIndices
@@ -162,7 +162,7 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 			}
 			msg = m
 		} else {
-			m := &sglang.NixlTransferInfo{Room: r.room, Endpoint: d.cfg.Host, Port: d.pull.Port(), AgentName: name,
+			m := &sglang.NIXLTransferInfo{Room: r.room, Endpoint: d.cfg.Host, Port: d.pull.Port(), AgentName: name,
 				DstAuxIndex: auxIndex, RequiredDstInfoNum: required, DecodePrefixLen: prefixLen}
 			if !t.Dummy {
 				m.DstKVIndices, m.DstStateIndices = pages, stateIndices

@@ -151,7 +151,7 @@ func TestInProcMatrix(t *testing.T) {
 		"mori-tp4to2":     {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
 		"mori-mla":        {variant: push.VariantMORI, shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
 		"mori-pp2":        {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2},
-		"mori-rdma-aux":   {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 2, set: push.Settings{MoriAuxRDMA: true}},
+		"mori-rdma-aux":   {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 2, set: push.Settings{MORIAuxRDMA: true}},
 		"nixl-status-pp2": {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 1, ppp: 2, pparams: noNotif, dparams: noNotif},
 	}
 	for name, c := range cases {
@@ -166,7 +166,7 @@ func TestInProcMatrix(t *testing.T) {
 // SGLang MORI slices the decode list by the prefill stage's start layer,
 // so it only supports decode PP 1 under prefill PP > 1; PP 2 -> 2 is
 // refused at registration with the reference's reason.
-func TestInProcMoriPPEqual(t *testing.T) {
+func TestInProcMORIPPEqual(t *testing.T) {
 	ps, _ := runPair(t, pair{variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2, dpp: 2,
 		set: push.Settings{BootstrapTimeout: 2 * time.Second}})
 	if ps.OK != 0 && ps.Failed == 0 {

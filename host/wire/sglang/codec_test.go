@@ -52,11 +52,11 @@ func TestGoldenLayouts(t *testing.T) {
 	if hex.EncodeToString(f[4]) != "00000005" {
 		t.Errorf("aux length frame %x", f[4])
 	}
-	f, _ = (&NixlTransferInfo{Room: 1, DstKVIndices: []int32{1, -1}, RequiredDstInfoNum: 1}).Frames()
+	f, _ = (&NIXLTransferInfo{Room: 1, DstKVIndices: []int32{1, -1}, RequiredDstInfoNum: 1}).Frames()
 	if hex.EncodeToString(f[5]) != "01000000ffffffff" || string(f[9]) != "0" || string(f[6]) != "0" {
 		t.Errorf("transfer info frames %q", f)
 	}
-	f, _ = (&NixlRegistration{KVPtrs: []uint64{0x0102030405060708}, KVItemLen: 9}).Frames()
+	f, _ = (&NIXLRegistration{KVPtrs: []uint64{0x0102030405060708}, KVItemLen: 9}).Frames()
 	if len(f) != 20 || string(f[1]) != "None" || hex.EncodeToString(f[6]) != "0807060504030201" {
 		t.Errorf("registration frames %q", f)
 	}
@@ -111,46 +111,46 @@ func TestParseRejects(t *testing.T) {
 		want   string
 	}
 	cases := map[string]tc{
-		"empty":                 {ParseNixlToPrefill, nil, "empty message"},
-		"wrong guard":           {ParseNixlToPrefill, with(nxfer, 0, "MoriMsgGuard"), "foreign traffic"},
-		"guard only":            {ParseNixlToPrefill, nxfer[:1], "guard without payload"},
-		"nixl reg too short":    {ParseNixlToPrefill, nreg[:12], "needs at least 12"},
-		"nixl reg bad port":     {ParseNixlToPrefill, with(nreg, 3, "70000"), "out of range"},
-		"nixl reg text port":    {ParseNixlToPrefill, with(nreg, 3, "http"), "frame 3 (port)"},
-		"nixl reg ptr bytes":    {ParseNixlToPrefill, with(nreg, 6, "1234567"), "whole number"},
-		"nixl reg kinds count":  {ParseNixlToPrefill, with(nreg, 18, "VRAM"), "1 kinds for 4"},
-		"nixl reg kind unknown": {ParseNixlToPrefill, with(nreg, 18, "VRAM,HBM,DRAM,DRAM"), "HBM"},
-		"nixl reg item lens":    {ParseNixlToPrefill, with(nreg, 19, "12345678"), "1 item lens for 4"},
-		"nixl reg state lists":  {ParseNixlToPrefill, with(nreg, 8, "\x09\x00\x00\x00"), "declare 9 lists"},
-		"nixl reg staging ptr":  {ParseNixlToPrefill, with(nreg, 15, "123"), "want 8"},
-		"nixl reg non-ascii":    {ParseNixlToPrefill, with(nreg, 4, "agent\xff"), "not ASCII"},
-		"nixl xfer too short":   {ParseNixlToPrefill, nxfer[:7], "needs at least 7"},
-		"nixl xfer room":        {ParseNixlToPrefill, with(nxfer, 1, "12a"), "frame 1 (room)"},
-		"nixl xfer neg room":    {ParseNixlToPrefill, with(nxfer, 1, "-5"), "non-negative"},
-		"nixl xfer aux None":    {ParseNixlToPrefill, with(nxfer, 6, "None"), "dst aux index"},
-		"nixl xfer indices":     {ParseNixlToPrefill, with(nxfer, 5, "abc"), "whole number"},
-		"nixl xfer huge number": {ParseNixlToPrefill, with(nxfer, 7, "99999999999999999999"), "out of range"},
-		"nixl xfer prefix":      {ParseNixlToPrefill, with(nxfer, 9, "1.5"), "decode_prefix_len"},
-		"nixl xfer neg prefix":  {ParseNixlToPrefill, with(nxfer, 9, "-5"), "(decode_prefix_len): negative"},
-		"mori xfer neg prefix":  {ParseMoriToPrefill, with(mxfer, 9, "-5"), "(decode_prefix_len): negative"},
-		"mori reg too short":    {ParseMoriToPrefill, mreg[:11], "needs at least 11"},
-		"mori reg engine desc":  {ParseMoriToPrefill, with(mreg, 4, "\x91\x01"), "want str"},
-		"mori reg desc list":    {ParseMoriToPrefill, with(mreg, 5, "\x91\xa1x"), "want bin"},
-		"mori reg desc garbage": {ParseMoriToPrefill, with(mreg, 6, "\xc1"), "frame 6 (aux mem descs)"},
-		"mori reg nested":       {ParseMoriToPrefill, with(mreg, 7, "\x91\xc4\x00"), "component 0"},
-		"mori xfer too short":   {ParseMoriToPrefill, mxfer[:6], "needs at least 6"},
-		"mori xfer empty req":   {ParseMoriToPrefill, with(mxfer, 8, ""), "required_dst_info_num"},
-		"mori xfer engine key":  {ParseMoriToPrefill, with(mxfer, 4, "k\x80"), "not ASCII"},
-		"staging message":       {ParseNixlToPrefill, [][]byte{[]byte("WATERMARK"), {}}, "staging"},
-		"abort too short":       {ParseMoriToPrefill, abort[:3], "needs 4"},
-		"abort bad port":        {ParseMoriToPrefill, with(abort, 3, ""), "empty number"},
-		"status too short":      {ParseMoriToDecode, status[:3], "needs at least 3"},
-		"status bad code":       {ParseMoriToDecode, with(status, 2, "x"), "frame 2 (status)"},
-		"status bad utf8":       {ParseMoriToDecode, append(append([][]byte{}, status...)[:4], []byte("\xff\xfe")), "not UTF-8"},
-		"aux too short":         {ParseMoriToDecode, aux[:5], "needs 6"},
-		"aux length mismatch":   {ParseMoriToDecode, with(aux, 4, "\x00\x00\x00\x01"), "length frame says 1"},
-		"aux length width":      {ParseMoriToDecode, with(aux, 4, "\x01"), "4-byte"},
-		"decode foreign":        {ParseMoriToDecode, with(status, 0, "NixlMsgGuard"), "neither"},
+		"empty":                 {ParseNIXLToPrefill, nil, "empty message"},
+		"wrong guard":           {ParseNIXLToPrefill, with(nxfer, 0, "MoriMsgGuard"), "foreign traffic"},
+		"guard only":            {ParseNIXLToPrefill, nxfer[:1], "guard without payload"},
+		"nixl reg too short":    {ParseNIXLToPrefill, nreg[:12], "needs at least 12"},
+		"nixl reg bad port":     {ParseNIXLToPrefill, with(nreg, 3, "70000"), "out of range"},
+		"nixl reg text port":    {ParseNIXLToPrefill, with(nreg, 3, "http"), "frame 3 (port)"},
+		"nixl reg ptr bytes":    {ParseNIXLToPrefill, with(nreg, 6, "1234567"), "whole number"},
+		"nixl reg kinds count":  {ParseNIXLToPrefill, with(nreg, 18, "VRAM"), "1 kinds for 4"},
+		"nixl reg kind unknown": {ParseNIXLToPrefill, with(nreg, 18, "VRAM,HBM,DRAM,DRAM"), "HBM"},
+		"nixl reg item lens":    {ParseNIXLToPrefill, with(nreg, 19, "12345678"), "1 item lens for 4"},
+		"nixl reg state lists":  {ParseNIXLToPrefill, with(nreg, 8, "\x09\x00\x00\x00"), "declare 9 lists"},
+		"nixl reg staging ptr":  {ParseNIXLToPrefill, with(nreg, 15, "123"), "want 8"},
+		"nixl reg non-ascii":    {ParseNIXLToPrefill, with(nreg, 4, "agent\xff"), "not ASCII"},
+		"nixl xfer too short":   {ParseNIXLToPrefill, nxfer[:7], "needs at least 7"},
+		"nixl xfer room":        {ParseNIXLToPrefill, with(nxfer, 1, "12a"), "frame 1 (room)"},
+		"nixl xfer neg room":    {ParseNIXLToPrefill, with(nxfer, 1, "-5"), "non-negative"},
+		"nixl xfer aux None":    {ParseNIXLToPrefill, with(nxfer, 6, "None"), "dst aux index"},
+		"nixl xfer indices":     {ParseNIXLToPrefill, with(nxfer, 5, "abc"), "whole number"},
+		"nixl xfer huge number": {ParseNIXLToPrefill, with(nxfer, 7, "99999999999999999999"), "out of range"},
+		"nixl xfer prefix":      {ParseNIXLToPrefill, with(nxfer, 9, "1.5"), "decode_prefix_len"},
+		"nixl xfer neg prefix":  {ParseNIXLToPrefill, with(nxfer, 9, "-5"), "(decode_prefix_len): negative"},
+		"mori xfer neg prefix":  {ParseMORIToPrefill, with(mxfer, 9, "-5"), "(decode_prefix_len): negative"},
+		"mori reg too short":    {ParseMORIToPrefill, mreg[:11], "needs at least 11"},
+		"mori reg engine desc":  {ParseMORIToPrefill, with(mreg, 4, "\x91\x01"), "want str"},
+		"mori reg desc list":    {ParseMORIToPrefill, with(mreg, 5, "\x91\xa1x"), "want bin"},
+		"mori reg desc garbage": {ParseMORIToPrefill, with(mreg, 6, "\xc1"), "frame 6 (aux mem descs)"},
+		"mori reg nested":       {ParseMORIToPrefill, with(mreg, 7, "\x91\xc4\x00"), "component 0"},
+		"mori xfer too short":   {ParseMORIToPrefill, mxfer[:6], "needs at least 6"},
+		"mori xfer empty req":   {ParseMORIToPrefill, with(mxfer, 8, ""), "required_dst_info_num"},
+		"mori xfer engine key":  {ParseMORIToPrefill, with(mxfer, 4, "k\x80"), "not ASCII"},
+		"staging message":       {ParseNIXLToPrefill, [][]byte{[]byte("WATERMARK"), {}}, "staging"},
+		"abort too short":       {ParseMORIToPrefill, abort[:3], "needs 4"},
+		"abort bad port":        {ParseMORIToPrefill, with(abort, 3, ""), "empty number"},
+		"status too short":      {ParseMORIToDecode, status[:3], "needs at least 3"},
+		"status bad code":       {ParseMORIToDecode, with(status, 2, "x"), "frame 2 (status)"},
+		"status bad utf8":       {ParseMORIToDecode, append(append([][]byte{}, status...)[:4], []byte("\xff\xfe")), "not UTF-8"},
+		"aux too short":         {ParseMORIToDecode, aux[:5], "needs 6"},
+		"aux length mismatch":   {ParseMORIToDecode, with(aux, 4, "\x00\x00\x00\x01"), "length frame says 1"},
+		"aux length width":      {ParseMORIToDecode, with(aux, 4, "\x01"), "4-byte"},
+		"decode foreign":        {ParseMORIToDecode, with(status, 0, "NixlMsgGuard"), "neither"},
 	}
 	for name, c := range cases {
 		_, err := c.parse(c.frames)
@@ -171,39 +171,39 @@ func TestParseRejects(t *testing.T) {
 func TestParseOptionalFramesMissing(t *testing.T) {
 	fx := fixtures()
 	reg := mustFrames(t, fx[0])[:13] // through the KV item len
-	m, err := ParseNixlToPrefill(reg)
+	m, err := ParseNIXLToPrefill(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := m.(*NixlRegistration)
+	r := m.(*NIXLRegistration)
 	if r.NumSlots != 0 || r.Staging != nil || len(r.KVMemKinds) != 4 || r.KVMemKinds[2] != VRAM || r.KVItemLens[3] != 65536 {
 		t.Fatalf("defaults: %+v", r)
 	}
 	xfer := mustFrames(t, fx[2])[:8]
-	m, err = ParseNixlToPrefill(xfer)
+	m, err = ParseNIXLToPrefill(xfer)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if x := m.(*NixlTransferInfo); x.DecodePrefixLenSet || x.DstStateIndices != nil {
+	if x := m.(*NIXLTransferInfo); x.DecodePrefixLenSet || x.DstStateIndices != nil {
 		t.Fatalf("defaults: %+v", x)
 	}
 	mx := mustFrames(t, fx[6])[:7]
-	m, err = ParseMoriToPrefill(mx)
+	m, err = ParseMORIToPrefill(mx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if x := m.(*MoriTransferInfo); x.RequiredDstInfoNum != 1 || x.DecodePrefixLenSet {
+	if x := m.(*MORITransferInfo); x.RequiredDstInfoNum != 1 || x.DecodePrefixLenSet {
 		t.Fatalf("defaults: %+v", x)
 	}
 }
 
 func TestBuildRejects(t *testing.T) {
 	bad := []Message{
-		&NixlRegistration{Endpoint: "hôst"},
-		&NixlRegistration{KVPtrs: []uint64{1}, KVMemKinds: []MemKind{"HBM"}},
-		&NixlRegistration{KVPtrs: []uint64{1}, KVItemLens: []uint64{1, 2}},
-		&NixlTransferInfo{AgentName: "ä"},
-		&MoriTransferInfo{EngineKey: "ä"},
+		&NIXLRegistration{Endpoint: "hôst"},
+		&NIXLRegistration{KVPtrs: []uint64{1}, KVMemKinds: []MemKind{"HBM"}},
+		&NIXLRegistration{KVPtrs: []uint64{1}, KVItemLens: []uint64{1, 2}},
+		&NIXLTransferInfo{AgentName: "ä"},
+		&MORITransferInfo{EngineKey: "ä"},
 		&Abort{Endpoint: "ä"},
 	}
 	for i, m := range bad {
@@ -213,21 +213,21 @@ func TestBuildRejects(t *testing.T) {
 	}
 }
 
-func TestMoriIsDummy(t *testing.T) {
+func TestMORIIsDummy(t *testing.T) {
 	for _, c := range []struct {
-		m    MoriTransferInfo
+		m    MORITransferInfo
 		want bool
 	}{
-		{MoriTransferInfo{DstAuxIndex: -1}, true},
-		{MoriTransferInfo{DstAuxIndex: 0}, false},
-		{MoriTransferInfo{DstAuxIndex: -1, DecodePrefixLen: 16}, false},
-		{MoriTransferInfo{DstAuxIndex: -1, DstKVIndices: []int32{1}}, false},
+		{MORITransferInfo{DstAuxIndex: -1}, true},
+		{MORITransferInfo{DstAuxIndex: 0}, false},
+		{MORITransferInfo{DstAuxIndex: -1, DecodePrefixLen: 16}, false},
+		{MORITransferInfo{DstAuxIndex: -1, DstKVIndices: []int32{1}}, false},
 	} {
 		if c.m.IsDummy() != c.want {
 			t.Errorf("%+v: IsDummy = %v", c.m, !c.want)
 		}
 	}
-	if !(&NixlTransferInfo{}).IsDummy() || (&NixlTransferInfo{DecodePrefixLen: 3}).IsDummy() {
+	if !(&NIXLTransferInfo{}).IsDummy() || (&NIXLTransferInfo{DecodePrefixLen: 3}).IsDummy() {
 		t.Error("NIXL IsDummy")
 	}
 }
@@ -327,7 +327,7 @@ func fuzzParser(f *testing.F, parse func([][]byte) (Message, error)) {
 		}
 		// The NIXL sender writes str(decode_prefix_len or 0), so a missing
 		// prefix length (an older sender) comes back as 0.
-		if ti, ok := m.(*NixlTransferInfo); ok && !ti.DecodePrefixLenSet {
+		if ti, ok := m.(*NIXLTransferInfo); ok && !ti.DecodePrefixLenSet {
 			norm := *ti
 			norm.DecodePrefixLenSet = true
 			m = &norm
@@ -338,9 +338,9 @@ func fuzzParser(f *testing.F, parse func([][]byte) (Message, error)) {
 	})
 }
 
-func FuzzParseNixlToPrefill(f *testing.F) { fuzzParser(f, ParseNixlToPrefill) }
-func FuzzParseMoriToPrefill(f *testing.F) { fuzzParser(f, ParseMoriToPrefill) }
-func FuzzParseMoriToDecode(f *testing.F)  { fuzzParser(f, ParseMoriToDecode) }
+func FuzzParseNIXLToPrefill(f *testing.F) { fuzzParser(f, ParseNIXLToPrefill) }
+func FuzzParseMORIToPrefill(f *testing.F) { fuzzParser(f, ParseMORIToPrefill) }
+func FuzzParseMORIToDecode(f *testing.F)  { fuzzParser(f, ParseMORIToDecode) }
 
 func FuzzUnpackIntLists(f *testing.F) {
 	f.Add(PackInt32Lists([][]int32{{1, 2}, {}, {3}}))

@@ -29,7 +29,7 @@ func fixtures() []Message {
 		big[i] = int32(i * 3)
 	}
 	return []Message{
-		&NixlRegistration{
+		&NIXLRegistration{
 			Endpoint: "10.1.2.3", Port: 17001, AgentName: "9f1c2a0e-agent",
 			AgentMetadata: []byte("\x00nixl-agent-metadata\xff"),
 			KVPtrs:        []uint64{0x7f0000001000, 0x7f0000002000, math.MaxUint64, 0},
@@ -38,26 +38,26 @@ func fixtures() []Message {
 			GPUID:         3, DecodeTPSize: 4, DecodeTPRank: 2, KVItemLen: 65536,
 			StateItemLens:     [][]uint32{{128, 256}, {}, {4096}},
 			StateDimPerTensor: [][]uint32{{8}, {}, {1, 2}},
-			Staging:           &NixlStaging{BasePtr: 0x7d0000000000, TotalSize: 1 << 30},
+			Staging:           &NIXLStaging{BasePtr: 0x7d0000000000, TotalSize: 1 << 30},
 			NumSlots:          4096,
 			KVMemKinds:        []MemKind{VRAM, VRAM, DRAM, DRAM},
 			KVItemLens:        []uint64{65536, 65536, 32768, 32768},
 		},
-		&NixlRegistration{ // no state, no staging
+		&NIXLRegistration{ // no state, no staging
 			Endpoint: "::1", Port: 1, AgentName: "a", AgentMetadata: []byte{},
 			KVPtrs: []uint64{4096}, AuxPtrs: []uint64{}, GPUID: 0, DecodeTPSize: 1, DecodeTPRank: 0,
 			KVItemLen: 8, NumSlots: 1, KVMemKinds: []MemKind{VRAM}, KVItemLens: []uint64{8},
 		},
-		&NixlTransferInfo{
+		&NIXLTransferInfo{
 			Room: 1<<63 - 1, Endpoint: "10.1.2.3", Port: 17001, AgentName: "9f1c2a0e-agent",
 			DstKVIndices: big, DstAuxIndex: 17, RequiredDstInfoNum: 2,
 			DstStateIndices: [][]int32{{5, -1}, {}, {7}}, DecodePrefixLen: 64, DecodePrefixLenSet: true,
 		},
-		&NixlTransferInfo{ // dummy MLA rank: no pages, no prefix
+		&NIXLTransferInfo{ // dummy MLA rank: no pages, no prefix
 			Room: 42, Endpoint: "10.1.2.3", Port: 17001, AgentName: "x",
 			DstKVIndices: []int32{}, DstAuxIndex: 0, RequiredDstInfoNum: 1, DecodePrefixLenSet: true,
 		},
-		&MoriRegistration{
+		&MORIRegistration{
 			Endpoint: "10.9.8.7", Port: 30000,
 			EngineDesc:    moriDesc("decode-engine-7", 0, 1),
 			KVMemDescs:    [][]byte{moriDesc("decode-engine-7", 1), moriDesc("decode-engine-7", 2)},
@@ -66,21 +66,21 @@ func fixtures() []Message {
 			GPUID:         1, DecodeTPSize: 2, DecodeTPRank: 1, KVItemLen: 1 << 20,
 			StateItemLens: [][]uint32{{64}, {}}, StateDimPerTensor: [][]uint32{{2}, {}},
 		},
-		&MoriRegistration{ // nothing optional
+		&MORIRegistration{ // nothing optional
 			Endpoint: "h", Port: 2, EngineDesc: moriDesc("k"), KVItemLen: 1, DecodeTPSize: 1,
 		},
-		&MoriTransferInfo{
+		&MORITransferInfo{
 			Room: 7, Endpoint: "10.9.8.7", Port: 30000, EngineKey: "decode-engine-7",
 			DstKVIndices: []int32{1, 2, 3, 100}, DstAuxIndex: 5, DstStateIndices: [][]int32{{9}},
 			RequiredDstInfoNum: 1, DecodePrefixLen: 32, DecodePrefixLenSet: true,
 		},
-		&MoriTransferInfo{ // dummy: empty indices, no aux, no prefix
+		&MORITransferInfo{ // dummy: empty indices, no aux, no prefix
 			Room: 8, Endpoint: "10.9.8.7", Port: 30000, EngineKey: "decode-engine-7",
 			DstKVIndices: []int32{}, DstAuxIndex: -1, RequiredDstInfoNum: 2,
 		},
 		&Abort{Room: 123456789, Endpoint: "10.1.2.3", Port: 17001},
-		&MoriStatus{Room: 7, Status: KVPollSuccess, PrefillUniqueRank: 3},
-		&MoriStatus{Room: 8, Status: KVPollFailed, PrefillUniqueRank: 0, Reason: "Aborted by AbortReq. — üñí"},
+		&MORIStatus{Room: 7, Status: KVPollSuccess, PrefillUniqueRank: 3},
+		&MORIStatus{Room: 8, Status: KVPollFailed, PrefillUniqueRank: 0, Reason: "Aborted by AbortReq. — üñí"},
 		&AuxData{Room: 7, BufferIndex: 1, AuxIndex: 12, Data: []byte("aux bytes \x00\x01")},
 		&AuxData{Room: 9, BufferIndex: 0, AuxIndex: 0, Data: []byte{}},
 	}
@@ -89,17 +89,17 @@ func fixtures() []Message {
 // kindOf names a message kind the way the Python peer does.
 func kindOf(m Message) string {
 	switch m.(type) {
-	case *NixlRegistration:
+	case *NIXLRegistration:
 		return "nixl_register"
-	case *NixlTransferInfo:
+	case *NIXLTransferInfo:
 		return "nixl_transfer"
-	case *MoriRegistration:
+	case *MORIRegistration:
 		return "mori_register"
-	case *MoriTransferInfo:
+	case *MORITransferInfo:
 		return "mori_transfer"
 	case *Abort:
 		return "abort"
-	case *MoriStatus:
+	case *MORIStatus:
 		return "mori_status"
 	case *AuxData:
 		return "aux_data"
@@ -120,7 +120,7 @@ func toSpec(m Message) map[string]any {
 	}
 	s := map[string]any{"kind": kindOf(m)}
 	switch m := m.(type) {
-	case *NixlRegistration:
+	case *NIXLRegistration:
 		s["endpoint"], s["port"], s["agent_name"] = m.Endpoint, m.Port, m.AgentName
 		s["agent_metadata"] = hx(m.AgentMetadata)
 		s["kv_ptrs"], s["aux_ptrs"], s["state_ptrs"] = list(m.KVPtrs), list(m.AuxPtrs), lists(m.StatePtrs)
@@ -140,12 +140,12 @@ func toSpec(m Message) map[string]any {
 			kinds = append(kinds, string(k))
 		}
 		s["kv_mem_kinds"], s["kv_item_lens"] = kinds, list(m.KVItemLens)
-	case *NixlTransferInfo:
+	case *NIXLTransferInfo:
 		s["room"], s["endpoint"], s["port"], s["agent_name"] = m.Room, m.Endpoint, m.Port, m.AgentName
 		s["dst_kv_indices"], s["dst_aux_index"] = list(m.DstKVIndices), m.DstAuxIndex
 		s["required_dst_info_num"], s["dst_state_indices"] = m.RequiredDstInfoNum, lists(m.DstStateIndices)
 		s["decode_prefix_len"] = optional(m.DecodePrefixLen, m.DecodePrefixLenSet)
-	case *MoriRegistration:
+	case *MORIRegistration:
 		key, _ := m.EngineKey()
 		s["endpoint"], s["port"], s["engine_desc"], s["engine_key"] = m.Endpoint, m.Port, hx(m.EngineDesc), key
 		s["kv_mem_descs"], s["aux_mem_descs"] = hexes(m.KVMemDescs), hexes(m.AuxMemDescs)
@@ -157,7 +157,7 @@ func toSpec(m Message) map[string]any {
 		s["gpu_id"], s["decode_tp_size"], s["decode_tp_rank"] = m.GPUID, m.DecodeTPSize, m.DecodeTPRank
 		s["kv_item_len"] = m.KVItemLen
 		s["state_item_lens"], s["state_dim_per_tensor"] = lists(m.StateItemLens), lists(m.StateDimPerTensor)
-	case *MoriTransferInfo:
+	case *MORITransferInfo:
 		s["room"], s["endpoint"], s["port"], s["engine_key"] = m.Room, m.Endpoint, m.Port, m.EngineKey
 		s["dst_kv_indices"], s["dst_aux_index"] = list(m.DstKVIndices), m.DstAuxIndex
 		s["dst_state_indices"], s["required_dst_info_num"] = lists(m.DstStateIndices), m.RequiredDstInfoNum
@@ -165,7 +165,7 @@ func toSpec(m Message) map[string]any {
 		s["is_dummy"] = m.IsDummy()
 	case *Abort:
 		s["room"], s["endpoint"], s["port"] = m.Room, m.Endpoint, m.Port
-	case *MoriStatus:
+	case *MORIStatus:
 		s["room"], s["status"], s["prefill_unique_rank"] = m.Room, int(m.Status), m.PrefillUniqueRank
 		s["reason"] = nil
 		if m.Reason != "" {

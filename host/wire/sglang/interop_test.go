@@ -53,14 +53,14 @@ func jsonNormal(t *testing.T, v any) any {
 // variant.
 func parseAs(m Message, frames [][]byte) (Message, error) {
 	switch m.(type) {
-	case *NixlRegistration, *NixlTransferInfo:
-		return ParseNixlToPrefill(frames)
-	case *MoriRegistration, *MoriTransferInfo:
-		return ParseMoriToPrefill(frames)
+	case *NIXLRegistration, *NIXLTransferInfo:
+		return ParseNIXLToPrefill(frames)
+	case *MORIRegistration, *MORITransferInfo:
+		return ParseMORIToPrefill(frames)
 	case *Abort:
-		return ParseNixlToPrefill(frames)
+		return ParseNIXLToPrefill(frames)
 	default:
-		return ParseMoriToDecode(frames)
+		return ParseMORIToDecode(frames)
 	}
 }
 

@@ -38,20 +38,20 @@ func parseAbort(frames [][]byte) (*Abort, error) {
 	return m, nil
 }
 
-// Message is one parsed control message: *NixlRegistration,
-// *NixlTransferInfo, *MoriRegistration, *MoriTransferInfo, *Abort,
-// *MoriStatus or *AuxData. Frames rebuilds its multipart form.
+// Message is one parsed control message: *NIXLRegistration,
+// *NIXLTransferInfo, *MORIRegistration, *MORITransferInfo, *Abort,
+// *MORIStatus or *AuxData. Frames rebuilds its multipart form.
 type Message interface {
 	Frames() ([][]byte, error)
 }
 
 var (
-	_ Message = (*NixlRegistration)(nil)
-	_ Message = (*NixlTransferInfo)(nil)
-	_ Message = (*MoriRegistration)(nil)
-	_ Message = (*MoriTransferInfo)(nil)
+	_ Message = (*NIXLRegistration)(nil)
+	_ Message = (*NIXLTransferInfo)(nil)
+	_ Message = (*MORIRegistration)(nil)
+	_ Message = (*MORITransferInfo)(nil)
 	_ Message = (*Abort)(nil)
-	_ Message = (*MoriStatus)(nil)
+	_ Message = (*MORIStatus)(nil)
 	_ Message = (*AuxData)(nil)
 )
 
@@ -59,21 +59,21 @@ var (
 // implement.
 var stagingHeaders = []string{"WATERMARK", "STAGING_REQ", "STAGING_RSP"}
 
-// ParseNixlToPrefill parses a message a NIXL-variant prefill rank receives
-// on its PULL socket: *NixlRegistration (room "None"),
-// *NixlTransferInfo, or *Abort.
-func ParseNixlToPrefill(frames [][]byte) (Message, error) {
-	return parseToPrefill(frames, NixlGuard,
-		func(p [][]byte) (Message, error) { return parseNixlRegistration(p) },
-		func(p [][]byte) (Message, error) { return parseNixlTransferInfo(p) })
+// ParseNIXLToPrefill parses a message a NIXL-variant prefill rank receives
+// on its PULL socket: *NIXLRegistration (room "None"),
+// *NIXLTransferInfo, or *Abort.
+func ParseNIXLToPrefill(frames [][]byte) (Message, error) {
+	return parseToPrefill(frames, NIXLGuard,
+		func(p [][]byte) (Message, error) { return parseNIXLRegistration(p) },
+		func(p [][]byte) (Message, error) { return parseNIXLTransferInfo(p) })
 }
 
-// ParseMoriToPrefill parses a message a MORI-variant prefill rank receives:
-// *MoriRegistration (room "None"), *MoriTransferInfo, or *Abort.
-func ParseMoriToPrefill(frames [][]byte) (Message, error) {
-	return parseToPrefill(frames, MoriGuard,
-		func(p [][]byte) (Message, error) { return parseMoriRegistration(p) },
-		func(p [][]byte) (Message, error) { return parseMoriTransferInfo(p) })
+// ParseMORIToPrefill parses a message a MORI-variant prefill rank receives:
+// *MORIRegistration (room "None"), *MORITransferInfo, or *Abort.
+func ParseMORIToPrefill(frames [][]byte) (Message, error) {
+	return parseToPrefill(frames, MORIGuard,
+		func(p [][]byte) (Message, error) { return parseMORIRegistration(p) },
+		func(p [][]byte) (Message, error) { return parseMORITransferInfo(p) })
 }
 
 func parseToPrefill(frames [][]byte, guard string, reg, xfer func([][]byte) (Message, error)) (Message, error) {
@@ -103,17 +103,17 @@ func parseToPrefill(frames [][]byte, guard string, reg, xfer func([][]byte) (Mes
 	return xfer(payload)
 }
 
-// ParseMoriToDecode parses a message a MORI-variant decode rank receives
-// on its PULL socket: *MoriStatus or *AuxData.
-func ParseMoriToDecode(frames [][]byte) (Message, error) {
+// ParseMORIToDecode parses a message a MORI-variant decode rank receives
+// on its PULL socket: *MORIStatus or *AuxData.
+func ParseMORIToDecode(frames [][]byte) (Message, error) {
 	if len(frames) == 0 {
 		return nil, fmt.Errorf("%w: empty message", ErrMalformed)
 	}
 	switch string(frames[0]) {
 	case AuxDataHeader:
 		return parseAuxData(frames)
-	case MoriGuard:
-		return parseMoriStatus(frames[1:])
+	case MORIGuard:
+		return parseMORIStatus(frames[1:])
 	}
-	return nil, fmt.Errorf("%w: first frame %q is neither %q nor %q", ErrMalformed, truncate(frames[0]), MoriGuard, AuxDataHeader)
+	return nil, fmt.Errorf("%w: first frame %q is neither %q nor %q", ErrMalformed, truncate(frames[0]), MORIGuard, AuxDataHeader)
 }

@@ -7,15 +7,15 @@ import (
 	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
 )
 
-// MoriGuard is the first frame of MORI-variant messages (decode to prefill,
+// MORIGuard is the first frame of MORI-variant messages (decode to prefill,
 // and status messages prefill to decode).
-const MoriGuard = "MoriMsgGuard"
+const MORIGuard = "MoriMsgGuard"
 
 // AuxDataHeader is the first frame of MORI's aux-over-ZMQ messages
 // (prefill to decode).
 const AuxDataHeader = "AUX_DATA"
 
-// MoriRegistration is the MORI variant of the once-per-prefill-rank
+// MORIRegistration is the MORI variant of the once-per-prefill-rank
 // registration (room "None"). Frame layout after the guard
 // (MoriKVReceiver._register_kv_args):
 //
@@ -29,7 +29,7 @@ const AuxDataHeader = "AUX_DATA"
 // opaquely to the MORI plugin. The descriptor lists are msgpack arrays of
 // those blobs (bin), nested one level for state; an empty list is sent as
 // no bytes.
-type MoriRegistration struct {
+type MORIRegistration struct {
 	Endpoint      string
 	Port          int
 	EngineDesc    []byte
@@ -47,13 +47,13 @@ type MoriRegistration struct {
 
 // EngineKey is the MORI engine key inside EngineDesc, which the prefill
 // side uses to name this peer (MoriKVManager keys decode peers by it).
-func (m *MoriRegistration) EngineKey() (string, error) { return MoriEngineKey(m.EngineDesc) }
+func (m *MORIRegistration) EngineKey() (string, error) { return MORIEngineKey(m.EngineDesc) }
 
-// MoriEngineKey extracts the key from a packed EngineDesc: MORI
+// MORIEngineKey extracts the key from a packed EngineDesc: MORI
 // serializes EngineDesc as a msgpack array whose first element is the key
 // (MORI ≥ 1.1.1: MSGPACK_DEFINE(key, nodeId, hostname, host, port, pid)).
 // Only the key is read, so the other fields may change between versions.
-func MoriEngineKey(desc []byte) (string, error) {
+func MORIEngineKey(desc []byte) (string, error) {
 	v, err := msgpack.Decode(desc)
 	if err != nil {
 		return "", fmt.Errorf("%w: MORI EngineDesc: %v", ErrMalformed, err)
@@ -69,12 +69,12 @@ func MoriEngineKey(desc []byte) (string, error) {
 }
 
 // Frames builds the multipart message, guard included.
-func (m *MoriRegistration) Frames() ([][]byte, error) {
+func (m *MORIRegistration) Frames() ([][]byte, error) {
 	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
 		return nil, err
 	}
 	return [][]byte{
-		[]byte(MoriGuard),
+		[]byte(MORIGuard),
 		[]byte("None"),
 		[]byte(m.Endpoint),
 		itoaInt(m.Port),
@@ -178,12 +178,12 @@ func (r *frameReader) descLists(i int, field string) [][][]byte {
 	return out
 }
 
-func parseMoriRegistration(payload [][]byte) (*MoriRegistration, error) {
+func parseMORIRegistration(payload [][]byte) (*MORIRegistration, error) {
 	if len(payload) < 11 {
 		return nil, fmt.Errorf("%w: MORI registration has %d frames after the guard, needs at least 11", ErrMalformed, len(payload))
 	}
 	r := &frameReader{kind: "MORI registration", frames: payload, base: 1}
-	m := &MoriRegistration{
+	m := &MORIRegistration{
 		Endpoint:      r.ascii(1, "endpoint"),
 		Port:          r.port(2, "port"),
 		EngineDesc:    r.raw(3),
@@ -210,14 +210,14 @@ func parseMoriRegistration(payload [][]byte) (*MoriRegistration, error) {
 	return m, nil
 }
 
-// MoriTransferInfo is the MORI variant of the per-request transfer info.
+// MORITransferInfo is the MORI variant of the per-request transfer info.
 // Frame layout after the guard (MoriKVReceiver.send_metadata):
 //
 //	0 room   2 decode port   4 dst KV page indices (int32 each, may be empty)
 //	1 decode IP   3 engine key   5 dst aux index (empty: none)
 //	6 dst state indices ("i" lists, optional)   7 required_dst_info_num (optional, default 1)
 //	8 decode_prefix_len (optional; empty when 0 or unknown)
-type MoriTransferInfo struct {
+type MORITransferInfo struct {
 	Room               uint64
 	Endpoint           string
 	Port               int
@@ -231,14 +231,14 @@ type MoriTransferInfo struct {
 }
 
 // IsDummy is the reference's test: no pages, no aux, no prefix hit.
-func (m *MoriTransferInfo) IsDummy() bool {
+func (m *MORITransferInfo) IsDummy() bool {
 	return len(m.DstKVIndices) == 0 && m.DstAuxIndex < 0 && m.DecodePrefixLen == 0
 }
 
 // Frames builds the multipart message, guard included. A negative
 // DstAuxIndex and a DecodePrefixLen of 0 or less are sent as empty
 // frames, as the reference does.
-func (m *MoriTransferInfo) Frames() ([][]byte, error) {
+func (m *MORITransferInfo) Frames() ([][]byte, error) {
 	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
 		return nil, err
 	}
@@ -253,7 +253,7 @@ func (m *MoriTransferInfo) Frames() ([][]byte, error) {
 		prefix = itoa(m.DecodePrefixLen)
 	}
 	return [][]byte{
-		[]byte(MoriGuard),
+		[]byte(MORIGuard),
 		utoa(m.Room),
 		[]byte(m.Endpoint),
 		itoaInt(m.Port),
@@ -266,12 +266,12 @@ func (m *MoriTransferInfo) Frames() ([][]byte, error) {
 	}, nil
 }
 
-func parseMoriTransferInfo(payload [][]byte) (*MoriTransferInfo, error) {
+func parseMORITransferInfo(payload [][]byte) (*MORITransferInfo, error) {
 	if len(payload) < 6 {
 		return nil, fmt.Errorf("%w: MORI transfer info has %d frames after the guard, needs at least 6", ErrMalformed, len(payload))
 	}
 	r := &frameReader{kind: "MORI transfer info", frames: payload, base: 1}
-	m := &MoriTransferInfo{
+	m := &MORITransferInfo{
 		Room:               r.uint(0, "room"),
 		Endpoint:           r.ascii(1, "endpoint"),
 		Port:               r.port(2, "port"),
@@ -301,9 +301,9 @@ func parseMoriTransferInfo(payload [][]byte) (*MoriTransferInfo, error) {
 	return m, nil
 }
 
-// MoriStatus is prefill's out-of-band completion message to decode:
+// MORIStatus is prefill's out-of-band completion message to decode:
 // [guard, room, status, prefill_unique_rank, reason].
-type MoriStatus struct {
+type MORIStatus struct {
 	Room              uint64
 	Status            KVPoll
 	PrefillUniqueRank int    // tp_rank*(pp_size*cp_size) + pp_rank*cp_size + cp_rank
@@ -311,9 +311,9 @@ type MoriStatus struct {
 }
 
 // Frames builds the multipart message, guard included.
-func (m *MoriStatus) Frames() ([][]byte, error) {
+func (m *MORIStatus) Frames() ([][]byte, error) {
 	return [][]byte{
-		[]byte(MoriGuard),
+		[]byte(MORIGuard),
 		utoa(m.Room),
 		itoaInt(int(m.Status)),
 		itoaInt(m.PrefillUniqueRank),
@@ -321,12 +321,12 @@ func (m *MoriStatus) Frames() ([][]byte, error) {
 	}, nil
 }
 
-func parseMoriStatus(payload [][]byte) (*MoriStatus, error) {
+func parseMORIStatus(payload [][]byte) (*MORIStatus, error) {
 	if len(payload) < 3 {
 		return nil, fmt.Errorf("%w: MORI status has %d frames after the guard, needs at least 3", ErrMalformed, len(payload))
 	}
 	r := &frameReader{kind: "MORI status", frames: payload, base: 1}
-	m := &MoriStatus{
+	m := &MORIStatus{
 		Room:              r.uint(0, "room"),
 		Status:            KVPoll(r.smallInt(1, "status")),
 		PrefillUniqueRank: r.smallInt(2, "prefill unique rank"),

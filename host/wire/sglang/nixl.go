@@ -6,9 +6,9 @@ import (
 	"strings"
 )
 
-// NixlGuard is the first frame of every NIXL-variant message from decode
+// NIXLGuard is the first frame of every NIXL-variant message from decode
 // to prefill.
-const NixlGuard = "NixlMsgGuard"
+const NIXLGuard = "NixlMsgGuard"
 
 // MemKind is where a KV region lives, as NIXL's SGLang connector names it.
 type MemKind string
@@ -19,7 +19,7 @@ const (
 	DRAM MemKind = "DRAM"
 )
 
-// NixlRegistration is the message a decode rank sends once to each prefill
+// NIXLRegistration is the message a decode rank sends once to each prefill
 // rank it will receive from (room "None"): where its KV, aux and state
 // buffers are, and how to reach its NIXL agent. Frame layout after the
 // guard (SGLang's NixlKVReceiver._register_kv_args):
@@ -34,7 +34,7 @@ const (
 //
 // Frames 12 and later may be missing (older senders); the parser fills the
 // defaults the reference uses.
-type NixlRegistration struct {
+type NIXLRegistration struct {
 	Endpoint      string // decode's IP
 	Port          int    // decode's PULL port
 	AgentName     string
@@ -52,7 +52,7 @@ type NixlRegistration struct {
 
 	// Staging is the decode staging buffer, nil when not sent. kvhost does
 	// not implement staging; it is carried so nothing is lost.
-	Staging *NixlStaging
+	Staging *NIXLStaging
 
 	// NumSlots is the number of pages per KV region (kv_data_lens[0] /
 	// kv_item_lens[0]); 0 when the sender did not include it.
@@ -65,15 +65,15 @@ type NixlRegistration struct {
 	KVItemLens []uint64
 }
 
-// NixlStaging is the optional staging buffer of a NIXL registration.
-type NixlStaging struct {
+// NIXLStaging is the optional staging buffer of a NIXL registration.
+type NIXLStaging struct {
 	BasePtr   uint64
 	TotalSize uint64
 }
 
 // Frames builds the multipart message, guard included, as SGLang's decode
 // sends it (all 20 frames).
-func (m *NixlRegistration) Frames() ([][]byte, error) {
+func (m *NIXLRegistration) Frames() ([][]byte, error) {
 	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
 		return nil, err
 	}
@@ -103,7 +103,7 @@ func (m *NixlRegistration) Frames() ([][]byte, error) {
 		numSlots = utoa(m.NumSlots)
 	}
 	return [][]byte{
-		[]byte(NixlGuard),
+		[]byte(NIXLGuard),
 		[]byte("None"),
 		[]byte(m.Endpoint),
 		itoaInt(m.Port),
@@ -126,14 +126,14 @@ func (m *NixlRegistration) Frames() ([][]byte, error) {
 	}, nil
 }
 
-// NixlTransferInfo is what decode sends for each request (room) to each
+// NIXLTransferInfo is what decode sends for each request (room) to each
 // target prefill rank: where in decode's KV pool the pages go. Frame
 // layout after the guard (NixlKVReceiver.send_metadata):
 //
 //	0 room   2 decode port   4 dst KV page indices (int32 each)   6 required_dst_info_num
 //	1 decode IP   3 agent name   5 dst aux index   7 dst state indices ("i" lists, optional)
 //	8 decode_prefix_len (optional)
-type NixlTransferInfo struct {
+type NIXLTransferInfo struct {
 	Room               uint64
 	Endpoint           string
 	Port               int
@@ -152,12 +152,12 @@ type NixlTransferInfo struct {
 
 // IsDummy reports a transfer that needs nothing delivered: no KV pages and
 // no prefix hit (the reference's TransferInfo.is_dummy).
-func (m *NixlTransferInfo) IsDummy() bool {
+func (m *NIXLTransferInfo) IsDummy() bool {
 	return len(m.DstKVIndices) == 0 && m.DecodePrefixLen == 0
 }
 
 // Frames builds the multipart message, guard included.
-func (m *NixlTransferInfo) Frames() ([][]byte, error) {
+func (m *NIXLTransferInfo) Frames() ([][]byte, error) {
 	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
 		return nil, err
 	}
@@ -165,7 +165,7 @@ func (m *NixlTransferInfo) Frames() ([][]byte, error) {
 		return nil, err
 	}
 	return [][]byte{
-		[]byte(NixlGuard),
+		[]byte(NIXLGuard),
 		utoa(m.Room),
 		[]byte(m.Endpoint),
 		itoaInt(m.Port),
@@ -178,12 +178,12 @@ func (m *NixlTransferInfo) Frames() ([][]byte, error) {
 	}, nil
 }
 
-func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
+func parseNIXLRegistration(payload [][]byte) (*NIXLRegistration, error) {
 	r := &frameReader{kind: "NIXL registration", frames: payload, base: 1}
 	if len(payload) < 12 {
 		return nil, fmt.Errorf("%w: NIXL registration has %d frames after the guard, needs at least 12", ErrMalformed, len(payload))
 	}
-	m := &NixlRegistration{
+	m := &NIXLRegistration{
 		Endpoint:      r.ascii(1, "endpoint"),
 		Port:          r.port(2, "port"),
 		AgentName:     r.ascii(3, "agent name"),
@@ -204,7 +204,7 @@ func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
 	if r.present(13) {
 		m.StateDimPerTensor = r.uint32Lists(13, "state dims per tensor")
 	}
-	var staging NixlStaging
+	var staging NIXLStaging
 	if r.has(14) && len(payload[14]) > 0 {
 		if len(payload[14]) != 8 {
 			r.fail(14, "staging base ptr", "%d bytes, want 8", len(payload[14]))
@@ -215,7 +215,7 @@ func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
 	if r.present(15) {
 		staging.TotalSize = r.uint(15, "staging total size")
 	}
-	if staging != (NixlStaging{}) {
+	if staging != (NIXLStaging{}) {
 		m.Staging = &staging
 	}
 	if r.present(16) {
@@ -261,12 +261,12 @@ func parseNixlRegistration(payload [][]byte) (*NixlRegistration, error) {
 	return m, nil
 }
 
-func parseNixlTransferInfo(payload [][]byte) (*NixlTransferInfo, error) {
+func parseNIXLTransferInfo(payload [][]byte) (*NIXLTransferInfo, error) {
 	if len(payload) < 7 {
 		return nil, fmt.Errorf("%w: NIXL transfer info has %d frames after the guard, needs at least 7", ErrMalformed, len(payload))
 	}
 	r := &frameReader{kind: "NIXL transfer info", frames: payload, base: 1}
-	m := &NixlTransferInfo{
+	m := &NIXLTransferInfo{
 		Room:               r.uint(0, "room"),
 		Endpoint:           r.ascii(1, "endpoint"),
 		Port:               r.port(2, "port"),
