@@ -287,7 +287,8 @@ func (r *Receiver) failWith(reason string, remote, abort bool) {
 	if first {
 		r.failNoted, r.remote = true, remote
 	}
-	if !d.rooms.Fail(r.room, reason) {
+	recorded, ok := d.rooms.Fail(r.room, reason)
+	if !ok {
 		r.mu.Unlock()
 		return
 	}
@@ -300,7 +301,6 @@ func (r *Receiver) failWith(reason string, remote, abort bool) {
 	r.mu.Unlock()
 	r.uncount(u)
 	if first {
-		recorded := d.rooms.Reason(r.room)
 		d.obs.Failure(FailureEvent{Role: RoleDecode, Room: r.room, Reason: recorded, Remote: remote})
 		d.log.Debug("room failed", "room", r.room, "reason", recorded)
 	}

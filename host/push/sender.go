@@ -222,7 +222,7 @@ func (s *Sender) fail(reason string, remote bool) {
 	if first {
 		s.failNoted, s.remote = true, remote
 	}
-	ok := m.rooms.Fail(s.room, reason)
+	recorded, ok := m.rooms.Fail(s.room, reason)
 	s.mu.Unlock()
 	if !ok {
 		return
@@ -231,7 +231,6 @@ func (s *Sender) fail(reason string, remote bool) {
 	if !first {
 		return
 	}
-	recorded := m.rooms.Reason(s.room)
 	m.obs.Failure(FailureEvent{Role: RolePrefill, Room: s.room, Reason: recorded, Remote: remote})
 	m.log.Debug("room failed", "room", s.room, "reason", recorded)
 	m.sendFailure(s.room, recorded, eps)

@@ -69,9 +69,7 @@ func (t *Table) Create(room uint64, s sglang.KVPoll) bool {
 	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
 	if ok {
-		if c, changed := t.setLocked(room, e, s, ""); changed {
-			t.report(c)
-		}
+		t.setLocked(room, e, s, "")
 		return false
 	}
 	e = &entry{status: s, created: time.Now()}
@@ -86,37 +84,41 @@ func (t *Table) Create(room uint64, s sglang.KVPoll) bool {
 // returns the room's status after the update and false if the room does not
 // exist.
 func (t *Table) Update(room uint64, s sglang.KVPoll) (sglang.KVPoll, bool) {
-	return t.update(room, s, "")
-}
-
-// Fail marks the room Failed with reason. The first reason recorded is kept:
-// it is the root cause, later ones are consequences. It returns false if the
-// room does not exist.
-func (t *Table) Fail(room uint64, reason string) bool {
-	_, ok := t.update(room, sglang.KVPollFailed, reason)
-	return ok
-}
-
-func (t *Table) update(room uint64, s sglang.KVPoll, reason string) (sglang.KVPoll, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
 	if !ok {
 		return sglang.KVPollFailed, false
 	}
-	if c, changed := t.setLocked(room, e, s, reason); changed {
-		t.report(c)
-	}
+	t.setLocked(room, e, s, "")
 	return e.status, true
 }
 
-func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string) (Change, bool) {
+// Fail marks the room Failed with reason. The first reason recorded is kept:
+// it is the root cause, later ones are consequences. It returns the reason
+// recorded (read in the same step: once the room is Failed, whoever owns it
+// may remove it at any moment, and a later Reason would find nothing), and
+// false if the room does not exist.
+func (t *Table) Fail(room uint64, reason string) (recorded string, ok bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e, ok := t.rooms[room]
+	if !ok {
+		return "", false
+	}
+	t.setLocked(room, e, sglang.KVPollFailed, reason)
+	return e.reason, true
+}
+
+// setLocked merges s (and, for Failed, reason) into e and reports the
+// change, if any.
+func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string) {
 	if s == sglang.KVPollFailed && e.reason == "" {
 		e.reason = reason
 	}
 	next := Merge(e.status, s)
 	if next == e.status {
-		return Change{}, false
+		return
 	}
 	c := Change{Room: room, From: e.status, To: next, Age: time.Since(e.created)}
 	if next == sglang.KVPollFailed {
@@ -127,7 +129,7 @@ func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string)
 		close(e.changed)
 		e.changed = nil
 	}
-	return c, true
+	t.report(c)
 }
 
 func (t *Table) report(c Change) {

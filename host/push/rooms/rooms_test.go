@@ -50,14 +50,18 @@ func TestTableLifecycle(t *testing.T) {
 	if s, _ := tb.Get(7); s != sglang.KVPollTransferring {
 		t.Fatalf("got %v", s)
 	}
-	tb.Fail(7, "first")
-	tb.Fail(7, "second")
+	if got, ok := tb.Fail(7, "first"); !ok || got != "first" {
+		t.Fatalf("Fail = %q, %v", got, ok)
+	}
+	if got, ok := tb.Fail(7, "second"); !ok || got != "first" {
+		t.Fatalf("second Fail = %q, %v: the first reason stays", got, ok)
+	}
 	tb.Update(7, sglang.KVPollSuccess)
 	if s, _ := tb.Get(7); s != sglang.KVPollFailed || tb.Reason(7) != "first" {
 		t.Fatalf("got %v %q, want Failed with the first reason", s, tb.Reason(7))
 	}
 	tb.Remove(7)
-	if tb.Fail(7, "late") || tb.Len() != 0 {
+	if _, ok := tb.Fail(7, "late"); ok || tb.Len() != 0 {
 		t.Fatal("a late failure resurrected a removed room")
 	}
 	mu.Lock()
