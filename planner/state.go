@@ -474,57 +474,69 @@ func (c *stateComp) addPaged(v *stateView, src, dst, item int) {
 
 // PlanStateNIXL plans one request with a fresh NewStatePlannerNIXL.
 func PlanStateNIXL(req *StateRequest) ([]StatePlan, error) {
-	sp, err := NewStatePlannerNIXL(req.Types, req.Src, req.Dst, req.Topology)
-	if err != nil {
-		return nil, err
-	}
-	return sp.Plan(nil, req.SrcIndices, req.DstIndices)
+	return planStateOnce(NewStatePlannerNIXL, req)
 }
 
 // PlanStateMORI plans one request with a fresh NewStatePlannerMORI.
 func PlanStateMORI(req *StateRequest) ([]StatePlan, error) {
-	sp, err := NewStatePlannerMORI(req.Types, req.Src, req.Dst, req.Topology)
+	return planStateOnce(NewStatePlannerMORI, req)
+}
+
+func planStateOnce(newPlanner func([]StateType, StateBuffers, StateBuffers, StateTopology) (*StatePlanner, error), req *StateRequest) ([]StatePlan, error) {
+	sp, err := newPlanner(req.Types, req.Src, req.Dst, req.Topology)
 	if err != nil {
 		return nil, err
 	}
-	return sp.Plan(nil, req.SrcIndices, req.DstIndices)
+	var plans []StatePlan
+	if err := sp.Plan(&plans, req.SrcIndices, req.DstIndices); err != nil {
+		return nil, err
+	}
+	return plans, nil
 }
 
-// Plan plans one request's state: srcIndices and dstIndices are the
+// Plan fills *out with one request's state plans, one per component, like
+// every planner's Plan: prefillIndices and decodeIndices are the
 // per-component indices of the prefill and decode sides (nil entry: None).
 // Components the reference skips have no plan: NIXL skips a component
-// without prefill indices, MORI one without indices on either side. The
-// plans are appended to out[:0], reusing its Plans' capacity, so a caller
-// that keeps out plans without allocating once warm. Region tables are
-// borrowed from the planner. On error the result is out[:0].
-func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) ([]StatePlan, error) {
-	out = out[:0]
-	if sp.none {
-		return out, nil
+// without prefill indices, MORI one without indices on either side. *out is
+// truncated and refilled, reusing the capacity of the slice and of its
+// Plans, so a caller that keeps *out plans without allocating once warm.
+// Region tables are borrowed from the planner. On error *out is empty.
+func (sp *StatePlanner) Plan(out *[]StatePlan, prefillIndices, decodeIndices [][]int32) error {
+	plans, err := sp.plan((*out)[:0], prefillIndices, decodeIndices)
+	if err != nil {
+		plans = plans[:0]
 	}
-	if sp.err != nil {
-		return out[:0], sp.err
+	*out = plans
+	return err
+}
+
+// plan appends the request's plans to plans (reusing the Plans past its
+// length) and returns the extended slice.
+func (sp *StatePlanner) plan(plans []StatePlan, prefillIndices, decodeIndices [][]int32) ([]StatePlan, error) {
+	if sp.none || sp.err != nil {
+		return plans, sp.err
 	}
 	for k := range sp.comps {
 		c := &sp.comps[k]
-		si, di := stateAt(srcIndices, k), stateAt(dstIndices, k)
+		si, di := stateAt(prefillIndices, k), stateAt(decodeIndices, k)
 		if len(si) == 0 || (!sp.nixl && len(di) == 0) {
 			continue
 		}
 		if c.preErr != nil {
-			return out[:0], c.preErr
+			return plans, c.preErr
 		}
 		// Reuse the caller's plan at this position if there is one.
 		var p *Plan
-		if len(out) < cap(out) {
-			out = out[:len(out)+1]
-			p = &out[len(out)-1].Plan
+		if len(plans) < cap(plans) {
+			plans = plans[:len(plans)+1]
+			p = &plans[len(plans)-1].Plan
 			p.Reset()
 		} else {
-			out = append(out, StatePlan{})
-			p = &out[len(out)-1].Plan
+			plans = append(plans, StatePlan{})
+			p = &plans[len(plans)-1].Plan
 		}
-		out[len(out)-1].Component, out[len(out)-1].Type = c.i, c.st
+		plans[len(plans)-1].Component, plans[len(plans)-1].Type = c.i, c.st
 		p.Path, p.Src, p.Dst = c.path, c.src, c.dst
 		var err error
 		switch c.kind {
@@ -534,15 +546,15 @@ func (sp *StatePlanner) Plan(out []StatePlan, srcIndices, dstIndices [][]int32) 
 			err = c.planPaged(p, si, di, sp.nixl)
 		}
 		if err != nil {
-			return out[:0], err
+			return plans, err
 		}
 		if c.kind == kindMamba { // planPaged checks its bounds per tensor
 			if err := checkPlanBounds(p, fieldRef{"prefill_state_indices", c.i}, fieldRef{"decode_state_indices", c.i}); err != nil {
-				return out[:0], err
+				return plans, err
 			}
 		}
 	}
-	return out, nil
+	return plans, nil
 }
 
 // checkStateIndices rejects negative indices up front: the reference would

@@ -133,8 +133,8 @@ func BenchmarkStatePlan(b *testing.B) {
 	for _, c := range stateBenchCases() {
 		b.Run(c.name, func(b *testing.B) {
 			sp := c.planner(b)
-			plans, err := sp.Plan(nil, c.si, c.di)
-			if err != nil {
+			var plans []StatePlan
+			if err := sp.Plan(&plans, c.si, c.di); err != nil {
 				b.Fatal(err)
 			}
 			// Baseline, same run: the reference's plain descriptor list.
@@ -149,7 +149,7 @@ func BenchmarkStatePlan(b *testing.B) {
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				if plans, err = sp.Plan(plans, c.si, c.di); err != nil {
+				if err := sp.Plan(&plans, c.si, c.di); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -198,8 +198,8 @@ func BenchmarkAuxPlan(b *testing.B) {
 func TestStateBenchShapes(t *testing.T) {
 	for _, c := range stateBenchCases() {
 		sp := c.planner(t)
-		plans, err := sp.Plan(nil, c.si, c.di)
-		if err != nil {
+		var plans []StatePlan
+		if err := sp.Plan(&plans, c.si, c.di); err != nil {
 			t.Fatal(err)
 		}
 		var descs int
@@ -218,7 +218,7 @@ func TestStateBenchShapes(t *testing.T) {
 			t.Errorf("%s: %d descriptors (%d expanded), reference %d", c.name, descs, expanded, ref)
 		}
 		allocs := testing.AllocsPerRun(5, func() {
-			if plans, err = sp.Plan(plans, c.si, c.di); err != nil {
+			if err := sp.Plan(&plans, c.si, c.di); err != nil {
 				t.Fatal(err)
 			}
 		})

@@ -167,6 +167,11 @@ func (l *VLLMDescList) Append(dst []VLLMDesc) []VLLMDesc {
 // VLLMReader is the result of one decode rank's handshake with one prefill
 // engine: both prepared descriptor lists and everything per-request planning
 // needs. It is immutable after NewVLLMReader and safe for concurrent use.
+//
+// Argument order: Plan takes the prefill's (remote) block ids first, as
+// every planner's Plan does; Read, ReadLen and AppendRead speak vLLM's
+// prepared-transfer terms and take and return local (decode) ids first, as
+// make_prepped_xfer("READ", local, local_ids, remote, remote_ids) does.
 type VLLMReader struct {
 	tpRatio        int
 	blockSizeRatio int

@@ -81,7 +81,7 @@ func BenchmarkVLLMPlan(b *testing.B) {
 				b.Fatal(err)
 			}
 			p := new(Plan)
-			if err := rd.FillPlan(p, bc.localIDs, bc.remoteIDs); err != nil {
+			if err := rd.Plan(p, bc.remoteIDs, bc.localIDs); err != nil {
 				b.Fatal(err)
 			}
 			if len(p.Copies) > bc.wantCopiesMax {
@@ -91,7 +91,7 @@ func BenchmarkVLLMPlan(b *testing.B) {
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				if err := rd.FillPlan(p, bc.localIDs, bc.remoteIDs); err != nil {
+				if err := rd.Plan(p, bc.remoteIDs, bc.localIDs); err != nil {
 					b.Fatal(err)
 				}
 			}

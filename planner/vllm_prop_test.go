@@ -227,7 +227,7 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 			if err != nil {
 				t.Fatalf("rank %d: %v", rank, err)
 			}
-			p, err := r.Plan(local, remote)
+			p, err := planRead(r, local, remote)
 			if err != nil {
 				t.Fatalf("rank %d: Plan: %v", rank, err)
 			}
@@ -439,7 +439,7 @@ func TestVLLMPropertiesNoPanic(t *testing.T) {
 			l = vDrawDistinct(t, "local", rapid.IntRange(0, min(nbLl, (nr+m.bsr-1)/m.bsr)).Draw(t, "nl"), nbLl)
 		}
 		rd, err := r.Read(l, rm)
-		p, perr := r.Plan(l, rm)
+		p, perr := planRead(r, l, rm)
 		if (err == nil) != (perr == nil) {
 			t.Fatalf("Read %v but Plan %v", err, perr)
 		}

@@ -217,35 +217,30 @@ func (r *VLLMReader) AppendRead(localDst, remoteDst []int32, localBlockIDs, remo
 	return localDst, remoteDst, false, nil
 }
 
-// Plan returns the request's READ as a strided copy plan: Src are the
-// prefill rank's regions, Dst this decode rank's. Runs of consecutive blocks
-// become one copy per region (one plain block when the slices are
-// contiguous, else a strided copy over the blocks' head slices), and the K
-// and V halves of a blocks-first block merge when they are adjacent on both
-// sides. A full prefix hit gives a plan without copies (Path
-// "vllm-notify-only").
-func (r *VLLMReader) Plan(localBlockIDs, remoteBlockIDs []int32) (*Plan, error) {
-	p := &Plan{}
-	if err := r.FillPlan(p, localBlockIDs, remoteBlockIDs); err != nil {
-		return nil, err
-	}
-	return p, nil
-}
-
 // Plan paths of vLLM pull plans.
 const (
 	PathVLLMRead       = "vllm-read"
 	PathVLLMNotifyOnly = "vllm-notify-only"
 )
 
-// FillPlan is Plan into a caller's plan: p is Reset and refilled, keeping its
-// capacity, so planning allocates nothing once p has grown. p.Src and p.Dst
-// are borrowed from the reader.
+// Plan fills p with the request's READ as a strided copy plan, like every
+// planner's Plan: prefill-side indices first (the prefill's
+// remote_block_ids), then decode-side ones (this rank's local block ids),
+// the reverse of Read's vLLM order. Src are the prefill rank's regions, Dst
+// this decode rank's. Runs of consecutive blocks become one copy per
+// region (one plain block when the slices are contiguous, else a strided
+// copy over the blocks' head slices), and the K and V halves of a
+// blocks-first block merge when they are adjacent on both sides. A full
+// prefix hit gives a plan without copies (Path "vllm-notify-only").
+//
+// p is Reset and refilled, keeping its capacity, so planning allocates
+// nothing once p has grown. p.Src and p.Dst are borrowed from the reader.
 //
 // Runs of blocks consecutive on both sides are the same for every region,
 // so they are found once (in batches of vllmRunBatch, on the stack) and
 // then turned into one copy per region each: O(blocks + regions × runs).
-func (r *VLLMReader) FillPlan(p *Plan, localBlockIDs, remoteBlockIDs []int32) error {
+func (r *VLLMReader) Plan(p *Plan, prefillBlockIDs, decodeBlockIDs []int32) error {
+	localBlockIDs, remoteBlockIDs := decodeBlockIDs, prefillBlockIDs
 	p.Reset()
 	q, notify, err := r.resolve(localBlockIDs, remoteBlockIDs)
 	if err != nil {
@@ -284,7 +279,7 @@ func (r *VLLMReader) FillPlan(p *Plan, localBlockIDs, remoteBlockIDs []int32) er
 	return nil
 }
 
-// vllmRunBatch is how many runs FillPlan finds before emitting copies: a
+// vllmRunBatch is how many runs Plan finds before emitting copies: a
 // stack buffer of 16 KiB.
 const vllmRunBatch = 512
 

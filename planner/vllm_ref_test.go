@@ -264,7 +264,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 		if rd.NotifyOnly != w.NotifyOnly {
 			fail("notify only %v, reference %v", rd.NotifyOnly, w.NotifyOnly)
 		}
-		p, err := r.Plan(c.LocalBlockIDs, c.RemoteBlockIDs)
+		p, err := planRead(r, c.LocalBlockIDs, c.RemoteBlockIDs)
 		if err != nil {
 			fail("Plan: %v", err)
 		}

@@ -43,7 +43,7 @@ func planVLLMKVRequest(raw json.RawMessage) (*Plan, error) {
 		return nil, err
 	}
 	p := new(Plan)
-	if err := r.FillPlan(p, local, remote); err != nil {
+	if err := r.Plan(p, remote, local); err != nil {
 		return nil, vllmJSONError(err)
 	}
 	return p, nil

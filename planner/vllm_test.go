@@ -353,7 +353,7 @@ func TestVLLMTable(t *testing.T) {
 			if !reflect.DeepEqual(rd.LocalIDs, tc.wantLocal) || !reflect.DeepEqual(rd.RemoteIDs, tc.wantRemote) {
 				t.Errorf("ids\n local  %v\n remote %v\nwant\n local  %v\n remote %v", rd.LocalIDs, rd.RemoteIDs, tc.wantLocal, tc.wantRemote)
 			}
-			p, err := r.Plan(tc.localIDs, tc.remoteIDs)
+			p, err := planRead(r, tc.localIDs, tc.remoteIDs)
 			if err != nil {
 				t.Fatalf("Plan: %v", err)
 			}
@@ -653,7 +653,7 @@ func TestVLLMRequestErrors(t *testing.T) {
 			if !errors.As(err, &pe) || pe.Field != tc.field {
 				t.Fatalf("got %v, want field %s", err, tc.field)
 			}
-			if _, err := r.Plan(tc.local, tc.remote); err == nil {
+			if _, err := planRead(r, tc.local, tc.remote); err == nil {
 				t.Fatal("Plan accepted what Read refused")
 			}
 		})
@@ -684,12 +684,12 @@ func TestVLLMAppendReadReuse(t *testing.T) {
 		t.Fatalf("AppendRead: %v, %v allocs", err, allocs)
 	}
 	var p Plan
-	if err := r.FillPlan(&p, local, remote); err != nil {
+	if err := r.Plan(&p, remote, local); err != nil {
 		t.Fatal(err)
 	}
-	allocs = testing.AllocsPerRun(100, func() { err = r.FillPlan(&p, local, remote) })
+	allocs = testing.AllocsPerRun(100, func() { err = r.Plan(&p, remote, local) })
 	if err != nil || allocs != 0 {
-		t.Fatalf("FillPlan: %v, %v allocs", err, allocs)
+		t.Fatalf("Plan: %v, %v allocs", err, allocs)
 	}
 	// On error the buffers come back at their original lengths.
 	lb2, rb2, _, err := r.AppendRead(lb[:3], rb[:3], []int32{99}, []int32{0})
@@ -712,7 +712,7 @@ func TestVLLMTPHelpers(t *testing.T) {
 	}
 }
 
-// More runs than FillPlan's stack batch: runs spill over batches, windows
+// More runs than Plan's stack batch: runs spill over batches, windows
 // cut across them, and the plan still moves exactly the prepped bytes.
 func TestVLLMManyRuns(t *testing.T) {
 	for _, windows := range [][]int{nil, {0, 700}, {1999, 3}} {
@@ -733,7 +733,7 @@ func TestVLLMManyRuns(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		p, err := r.Plan(lids, rids)
+		p, err := planRead(r, lids, rids)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -750,14 +750,14 @@ func TestVLLMManyRuns(t *testing.T) {
 }
 
 // A reader is shared by every request to its prefill engine: concurrent
-// Read and FillPlan calls must not interfere (run with -race).
+// Read and Plan calls must not interfere (run with -race).
 func TestVLLMReaderConcurrent(t *testing.T) {
 	r, err := NewVLLMReader(VLLMDecode{Agent: vAgent(vDecodeBase, 4, 32, nil, 64, 16), TPRank: 1, TPSize: 2, TotalKVHeads: 4, BlockWindows: []int{0, 3}},
 		vAgent(vPrefillBase, 4, 64, nil, 64, 16), 1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	want, err := r.Plan([]int32{1, 2, 3, 9, 10}, []int32{5, 6, 7, 8, 20})
+	want, err := planRead(r, []int32{1, 2, 3, 9, 10}, []int32{5, 6, 7, 8, 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -766,7 +766,7 @@ func TestVLLMReaderConcurrent(t *testing.T) {
 		go func() {
 			var p Plan
 			for range 200 {
-				if err := r.FillPlan(&p, []int32{1, 2, 3, 9, 10}, []int32{5, 6, 7, 8, 20}); err != nil {
+				if err := r.Plan(&p, []int32{5, 6, 7, 8, 20}, []int32{1, 2, 3, 9, 10}); err != nil {
 					done <- err
 					return
 				}
@@ -787,4 +787,14 @@ func TestVLLMReaderConcurrent(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// planRead plans one request into a new Plan. Its arguments are in the
+// tables' vLLM order, local (decode) ids first; Plan takes prefill first.
+func planRead(r *VLLMReader, local, remote []int32) (*Plan, error) {
+	p := new(Plan)
+	if err := r.Plan(p, remote, local); err != nil {
+		return nil, err
+	}
+	return p, nil
 }

@@ -209,8 +209,7 @@ func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 			continue
 		}
 		if c.hasState && p.state != nil {
-			var err error
-			if w.states, err = p.state.Plan(w.states, c.state, in.dstState); err != nil {
+			if err := p.state.Plan(&w.states, c.state, in.dstState); err != nil {
 				return fmt.Errorf("plan state for %s: %w", p.name, err)
 			}
 			for k := range w.states {
@@ -381,9 +380,7 @@ func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32
 
 func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
 	m := w.m
-	var err error
-	w.states, err = p.state.Plan(w.states, c.state, in.dstState)
-	if err != nil {
+	if err := p.state.Plan(&w.states, c.state, in.dstState); err != nil {
 		return fmt.Errorf("plan state for %s: %w", p.name, err)
 	}
 	for i := range w.states {
