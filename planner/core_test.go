@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/abi"
 )
 
 func TestPlanAddCoalesces(t *testing.T) {
@@ -76,8 +78,8 @@ func TestPlanAddCoalesces(t *testing.T) {
 
 func TestPlanPartsNeverMergeAcross(t *testing.T) {
 	var p Plan
-	p.Src = []Region{{Len: 64}, {Len: 64, Kind: DRAM}}
-	p.Dst = []Region{{Len: 64}, {Len: 64, Kind: DRAM}}
+	p.Src = []Region{{Len: 64, Kind: VRAM}, {Len: 64, Kind: DRAM}}
+	p.Dst = []Region{{Len: 64, Kind: VRAM}, {Len: 64, Kind: DRAM}}
 	p.Add(Copy{Len: 8, Count: 1})
 	p.ClosePart(VRAM, VRAM)
 	p.Add(Copy{SrcOff: 8, DstOff: 8, Len: 8, Count: 1}) // would continue the first
@@ -240,5 +242,55 @@ func TestKVSideCheck(t *testing.T) {
 		if err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("got %v, want prefix %q", err, tc.want)
 		}
+	}
+}
+
+// MemKind is numbered as NIXL's nixl_mem_t (DRAM_SEG 0, VRAM_SEG 1), so a
+// runtime converts it with a plain conversion; DRAM is therefore the zero
+// value, and every VRAM default is explicit: nil Kinds are VRAM regions,
+// VRAM parts and VRAM prepped lists.
+func TestMemKindNumberingAndDefaults(t *testing.T) {
+	if DRAM != MemKind(abi.DRAM) || VRAM != MemKind(abi.VRAM) {
+		t.Fatalf("DRAM %d VRAM %d, abi (NIXL) DRAM %d VRAM %d: the runtimes convert kinds as they are", DRAM, VRAM, abi.DRAM, abi.VRAM)
+	}
+	for _, k := range []MemKind{DRAM, VRAM} {
+		if got, err := ParseMemKind(k.String()); err != nil || got != k {
+			t.Errorf("%v does not round-trip: %v %v", k, got, err)
+		}
+	}
+	if MemKind(7).String() != "MemKind(7)" {
+		t.Errorf("unknown kind prints %q", MemKind(7))
+	}
+	g := SGLangKV{PageSize: 4, Prefill: mhaSide(2, 2, 3, 4, 8, 16, 1<<30, nil), Decode: mhaSide(2, 2, 3, 4, 8, 16, 1<<40, nil)}
+	n, err := NewNIXLKV(g, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, dst := n.Regions()
+	for _, r := range append(src, dst...) {
+		if r.Kind != VRAM {
+			t.Fatalf("region %+v: nil Kinds must mean VRAM", r)
+		}
+	}
+	pk, err := n.Prepped()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, part := range pk.Parts {
+		if part.Src.Kind != VRAM || part.Dst.Kind != VRAM {
+			t.Errorf("prepped part %d: lists %v -> %v, want VRAM", i, part.Src.Kind, part.Dst.Kind)
+		}
+	}
+	for i, part := range n.Parts() {
+		if part.SrcKind != VRAM || part.DstKind != VRAM {
+			t.Errorf("part %d: %v -> %v, want VRAM", i, part.SrcKind, part.DstKind)
+		}
+	}
+	if _, err := NewMORIKV(g); err != nil {
+		t.Errorf("MORI with default (VRAM) kinds: %v", err)
+	}
+	g.Decode.Kinds = make([]MemKind, len(g.Decode.Ptrs)) // all zero: DRAM
+	if _, err := NewMORIKV(g); err == nil {
+		t.Error("MORI accepted DRAM regions")
 	}
 }

@@ -12,13 +12,19 @@ import (
 )
 
 // MemKind is where a region lives. The planner only uses it to split plans
-// into segments of one (source kind, destination kind).
-type MemKind uint8
+// into segments of one (source kind, destination kind) and to refuse kinds
+// a path cannot serve. It is numbered and sized as NIXL's nixl_mem_t (and
+// kvp_mem_kind), so a runtime converts kinds both ways with a plain
+// conversion. DRAM is the zero value; every default of the planner that
+// is VRAM (nil Kinds, missing mem_kinds in JSON) is spelt out, never
+// left to the zero value.
+type MemKind uint32
 
-// Memory kinds, named as on the SGLang wire ("VRAM", "DRAM").
+// Memory kinds, numbered as NIXL's DRAM_SEG and VRAM_SEG and named as on
+// the SGLang wire ("DRAM", "VRAM").
 const (
-	VRAM MemKind = iota
-	DRAM
+	DRAM MemKind = 0
+	VRAM MemKind = 1
 )
 
 func (k MemKind) String() string {
@@ -28,7 +34,7 @@ func (k MemKind) String() string {
 	case DRAM:
 		return "DRAM"
 	}
-	return fmt.Sprintf("MemKind(%d)", uint8(k))
+	return fmt.Sprintf("MemKind(%d)", uint32(k))
 }
 
 // ParseMemKind parses "VRAM" or "DRAM".

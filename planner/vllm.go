@@ -66,7 +66,8 @@ type VLLMAgent struct {
 	DeviceID uint64
 	// Kind is the memory kind of every region (vLLM registers all KV
 	// regions of a worker with one NIXL memory type). Not part of
-	// NixlAgentMetadata: the caller knows it (VRAM unless a host buffer).
+	// NixlAgentMetadata: the caller knows it and must set it (VRAM for GPU
+	// caches); the zero value is DRAM.
 	Kind MemKind
 }
 

@@ -172,6 +172,7 @@ func (s *vllmSideJSON) agent(name string, pageSize int) (VLLMAgent, error) {
 			return VLLMAgent{}, errorf(fmt.Sprintf("%s.mem_kinds[%d]", name, i), "%v differs from %v: vLLM registers every KV region with one memory type", k, side.Kinds[0])
 		}
 	}
+	a.Kind = VRAM // mem_kinds' default
 	if len(side.Kinds) > 0 {
 		a.Kind = side.Kinds[0]
 	}

@@ -87,8 +87,9 @@ func TestVLLMJSONExtras(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !r.PermuteLocalKV() || r.BlockSizeRatio() != 2 || r.LocalList().DeviceID != 2 || r.RemoteList().DeviceID != 1 || r.LocalList().Kind != DRAM {
-		t.Fatalf("reader: permute %v ratio %d devs %d %d kind %v", r.PermuteLocalKV(), r.BlockSizeRatio(), r.LocalList().DeviceID, r.RemoteList().DeviceID, r.LocalList().Kind)
+	if !r.PermuteLocalKV() || r.BlockSizeRatio() != 2 || r.LocalList().DeviceID != 2 || r.RemoteList().DeviceID != 1 || r.LocalList().Kind != DRAM || r.RemoteList().Kind != VRAM {
+		t.Fatalf("reader: permute %v ratio %d devs %d %d kinds %v %v (prefill has no mem_kinds: VRAM)", r.PermuteLocalKV(), r.BlockSizeRatio(),
+			r.LocalList().DeviceID, r.RemoteList().DeviceID, r.LocalList().Kind, r.RemoteList().Kind)
 	}
 	rd, err := r.Read(local, remote)
 	if err != nil {

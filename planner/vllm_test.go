@@ -22,7 +22,7 @@ const (
 // vAgent builds an agent with n regions of blockLen-byte blocks (blockLens
 // overrides per region when non-nil).
 func vAgent(base uint64, n int, blockLen uint64, blockLens []uint64, numBlocks, blockSize int) VLLMAgent {
-	a := VLLMAgent{NumBlocks: numBlocks, BlockSize: blockSize, KVCacheLayout: "HND"}
+	a := VLLMAgent{NumBlocks: numBlocks, BlockSize: blockSize, KVCacheLayout: "HND", Kind: VRAM}
 	for i := range n {
 		a.BaseAddrs = append(a.BaseAddrs, base+uint64(i)<<20)
 		if blockLens != nil {

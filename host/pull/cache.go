@@ -96,7 +96,7 @@ func (c *Cache) agent() planner.VLLMAgent {
 		BlockSize:     c.BlockSize,
 		KVCacheLayout: c.Layout,
 		DeviceID:      c.DeviceID,
-		Kind:          plannerKind(c.Kind),
+		Kind:          planner.MemKind(c.Kind),
 	}
 }
 
@@ -111,14 +111,4 @@ func register(a *plugin.Agent, c *Cache) ([]*plugin.Region, error) {
 		return nil, fmt.Errorf("pull: register KV cache on agent %s: %w", a.Name(), err)
 	}
 	return regs, nil
-}
-
-// plannerKind maps an ABI memory kind to the planner's (numbered
-// differently). Kinds the planner does not know pass as DRAM, which only
-// labels its plans; the plugin checks kinds when lists are prepared.
-func plannerKind(k abi.MemKind) planner.MemKind {
-	if k == abi.VRAM {
-		return planner.VRAM
-	}
-	return planner.DRAM
 }

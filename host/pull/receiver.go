@@ -474,7 +474,7 @@ func remoteAgent(md *vllm.AgentMetadata, kind abi.MemKind) (planner.VLLMAgent, e
 		BlockSize:     md.BlockSize,
 		KVCacheLayout: md.KVCacheLayout,
 		DeviceID:      uint64(md.DeviceID),
-		Kind:          plannerKind(kind),
+		Kind:          planner.MemKind(kind),
 	}, nil
 }
 

@@ -172,7 +172,7 @@ func (a *KVArgs) kvSide(p Parallel) planner.KVSide {
 	for _, b := range a.KV {
 		s.Ptrs = append(s.Ptrs, b.Addr)
 		s.ItemLens = append(s.ItemLens, b.ItemLen)
-		s.Kinds = append(s.Kinds, plannerKind(b.Kind))
+		s.Kinds = append(s.Kinds, planner.MemKind(b.Kind))
 	}
 	return s
 }
@@ -204,20 +204,6 @@ func (a *KVArgs) stateBuffers() (planner.StateBuffers, []planner.StateType) {
 		s.DimPerTensor = append(s.DimPerTensor, append([]int(nil), c.DimPerTensor...))
 	}
 	return s, types
-}
-
-func plannerKind(k abi.MemKind) planner.MemKind {
-	if k == abi.DRAM {
-		return planner.DRAM
-	}
-	return planner.VRAM
-}
-
-func abiKind(k planner.MemKind) abi.MemKind {
-	if k == planner.DRAM {
-		return abi.DRAM
-	}
-	return abi.VRAM
 }
 
 // registered holds the plugin regions of one rank's buffers, in KVArgs

@@ -200,7 +200,7 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 		p.kvRemote = append(p.kvRemote, rr)
 		dst.Ptrs = append(dst.Ptrs, ptr)
 		dst.ItemLens = append(dst.ItemLens, item)
-		dst.Kinds = append(dst.Kinds, plannerKind(kind))
+		dst.Kinds = append(dst.Kinds, planner.MemKind(kind))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
 	nk, err := planner.NewNIXLKV(g, true)
@@ -406,7 +406,7 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 		}
 		dst.Ptrs = append(dst.Ptrs, rr.Addr())
 		dst.ItemLens = append(dst.ItemLens, r.KVItemLen)
-		dst.Kinds = append(dst.Kinds, plannerKind(rr.Kind()))
+		dst.Kinds = append(dst.Kinds, planner.MemKind(rr.Kind()))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
 	if p.kv, err = planner.NewMORIKV(g); err != nil {
@@ -525,7 +525,7 @@ func (m *Prefill) prepPeer(p *peer) error {
 		m.mu.Unlock()
 		if src == nil {
 			descs := expandDlist(&part.Src, uint64(m.cfg.KV.GPUID))
-			if src, err = m.agent.PrepLocal(abiKind(part.Src.Kind), descs); err != nil {
+			if src, err = m.agent.PrepLocal(abi.MemKind(part.Src.Kind), descs); err != nil {
 				return fmt.Errorf("prepare source list %d: %w", i, err)
 			}
 			m.mu.Lock()
@@ -540,7 +540,7 @@ func (m *Prefill) prepPeer(p *peer) error {
 		}
 		pp.src = append(pp.src, src)
 		descs := expandDlist(&part.Dst, 0)
-		dst, err := m.agent.PrepRemote(p.name, abiKind(part.Dst.Kind), descs)
+		dst, err := m.agent.PrepRemote(p.name, abi.MemKind(part.Dst.Kind), descs)
 		if err != nil {
 			return fmt.Errorf("prepare destination list %d: %w", i, err)
 		}
