@@ -50,6 +50,20 @@ type frameReader struct {
 	err    error
 }
 
+// newFrameReader reads a message of at least min frames. base is 1 for
+// payloads after a guard frame (frame numbers in errors count the guard),
+// 0 for whole messages.
+func newFrameReader(kind string, frames [][]byte, base, min int) (*frameReader, error) {
+	if len(frames) < min {
+		after := ""
+		if base > 0 {
+			after = " after the guard"
+		}
+		return nil, fmt.Errorf("%w: %s has %d frames%s, needs at least %d", ErrMalformed, kind, len(frames), after, min)
+	}
+	return &frameReader{kind: kind, frames: frames, base: base}, nil
+}
+
 func (r *frameReader) fail(i int, field, format string, args ...any) {
 	if r.err == nil {
 		r.err = msgErr(r.kind, i+r.base, field, format, args...)

@@ -27,10 +27,10 @@ func (m *Abort) Frames() ([][]byte, error) {
 }
 
 func parseAbort(frames [][]byte) (*Abort, error) {
-	if len(frames) < 4 {
-		return nil, fmt.Errorf("%w: ABORT has %d frames, needs 4", ErrMalformed, len(frames))
+	r, err := newFrameReader("ABORT", frames, 0, 4)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "ABORT", frames: frames}
 	m := &Abort{Room: r.uint(1, "room"), Endpoint: r.ascii(2, "endpoint"), Port: r.port(3, "port")}
 	if r.err != nil {
 		return nil, r.err
@@ -116,4 +116,38 @@ func ParseMORIToDecode(frames [][]byte) (Message, error) {
 		return parseMORIStatus(frames[1:])
 	}
 	return nil, fmt.Errorf("%w: first frame %q is neither %q nor %q", ErrMalformed, truncate(frames[0]), MORIGuard, AuxDataHeader)
+}
+
+// infoHead is how the transfer info of both variants begins, after the
+// guard: room, decode IP, decode port, the decode rank's id (NIXL: agent
+// name, MORI: engine key), dst KV page indices.
+type infoHead struct {
+	room      uint64
+	endpoint  string
+	port      int
+	peer      string
+	kvIndices []int32
+}
+
+// frames builds guard, the head and rest; peerField names the id in errors.
+func (h infoHead) frames(guard, peerField string, rest ...[]byte) ([][]byte, error) {
+	if err := checkASCII(h.endpoint, "endpoint"); err != nil {
+		return nil, err
+	}
+	if err := checkASCII(h.peer, peerField); err != nil {
+		return nil, err
+	}
+	head := [][]byte{[]byte(guard), utoa(h.room), []byte(h.endpoint), itoaInt(h.port), []byte(h.peer), appendInts(nil, h.kvIndices)}
+	return append(head, rest...), nil
+}
+
+// infoHead reads frames 0 to 4 of a transfer info.
+func (r *frameReader) infoHead(peerField string) infoHead {
+	return infoHead{
+		room:      r.uint(0, "room"),
+		endpoint:  r.ascii(1, "endpoint"),
+		port:      r.port(2, "port"),
+		peer:      r.ascii(3, peerField),
+		kvIndices: r.int32s(4, "dst KV indices"),
+	}
 }

@@ -179,10 +179,10 @@ func (r *frameReader) descLists(i int, field string) [][][]byte {
 }
 
 func parseMORIRegistration(payload [][]byte) (*MORIRegistration, error) {
-	if len(payload) < 11 {
-		return nil, fmt.Errorf("%w: MORI registration has %d frames after the guard, needs at least 11", ErrMalformed, len(payload))
+	r, err := newFrameReader("MORI registration", payload, 1, 11)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "MORI registration", frames: payload, base: 1}
 	m := &MORIRegistration{
 		Endpoint:      r.ascii(1, "endpoint"),
 		Port:          r.port(2, "port"),
@@ -239,12 +239,6 @@ func (m *MORITransferInfo) IsDummy() bool {
 // DstAuxIndex and a DecodePrefixLen of 0 or less are sent as empty
 // frames, as the reference does.
 func (m *MORITransferInfo) Frames() ([][]byte, error) {
-	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
-		return nil, err
-	}
-	if err := checkASCII(m.EngineKey, "engine key"); err != nil {
-		return nil, err
-	}
 	var aux, prefix []byte
 	if m.DstAuxIndex >= 0 {
 		aux = itoa(m.DstAuxIndex)
@@ -252,31 +246,23 @@ func (m *MORITransferInfo) Frames() ([][]byte, error) {
 	if m.DecodePrefixLen > 0 {
 		prefix = itoa(m.DecodePrefixLen)
 	}
-	return [][]byte{
-		[]byte(MORIGuard),
-		utoa(m.Room),
-		[]byte(m.Endpoint),
-		itoaInt(m.Port),
-		[]byte(m.EngineKey),
-		appendInts(nil, m.DstKVIndices),
+	h := infoHead{m.Room, m.Endpoint, m.Port, m.EngineKey, m.DstKVIndices}
+	return h.frames(MORIGuard, "engine key",
 		aux,
 		PackInt32Lists(m.DstStateIndices),
 		itoaInt(m.RequiredDstInfoNum),
 		prefix,
-	}, nil
+	)
 }
 
 func parseMORITransferInfo(payload [][]byte) (*MORITransferInfo, error) {
-	if len(payload) < 6 {
-		return nil, fmt.Errorf("%w: MORI transfer info has %d frames after the guard, needs at least 6", ErrMalformed, len(payload))
+	r, err := newFrameReader("MORI transfer info", payload, 1, 6)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "MORI transfer info", frames: payload, base: 1}
+	h := r.infoHead("engine key")
 	m := &MORITransferInfo{
-		Room:               r.uint(0, "room"),
-		Endpoint:           r.ascii(1, "endpoint"),
-		Port:               r.port(2, "port"),
-		EngineKey:          r.ascii(3, "engine key"),
-		DstKVIndices:       r.int32s(4, "dst KV indices"),
+		Room: h.room, Endpoint: h.endpoint, Port: h.port, EngineKey: h.peer, DstKVIndices: h.kvIndices,
 		DstAuxIndex:        -1,
 		RequiredDstInfoNum: 1,
 	}
@@ -322,10 +308,10 @@ func (m *MORIStatus) Frames() ([][]byte, error) {
 }
 
 func parseMORIStatus(payload [][]byte) (*MORIStatus, error) {
-	if len(payload) < 3 {
-		return nil, fmt.Errorf("%w: MORI status has %d frames after the guard, needs at least 3", ErrMalformed, len(payload))
+	r, err := newFrameReader("MORI status", payload, 1, 3)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "MORI status", frames: payload, base: 1}
 	m := &MORIStatus{
 		Room:              r.uint(0, "room"),
 		Status:            KVPoll(r.smallInt(1, "status")),
@@ -365,10 +351,10 @@ func (m *AuxData) Frames() ([][]byte, error) {
 }
 
 func parseAuxData(frames [][]byte) (*AuxData, error) {
-	if len(frames) < 6 {
-		return nil, fmt.Errorf("%w: AUX_DATA has %d frames, needs 6", ErrMalformed, len(frames))
+	r, err := newFrameReader("AUX_DATA", frames, 0, 6)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "AUX_DATA", frames: frames}
 	m := &AuxData{
 		Room:        r.uint(1, "room"),
 		BufferIndex: r.smallInt(2, "buffer index"),

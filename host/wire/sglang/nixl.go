@@ -158,30 +158,19 @@ func (m *NIXLTransferInfo) IsDummy() bool {
 
 // Frames builds the multipart message, guard included.
 func (m *NIXLTransferInfo) Frames() ([][]byte, error) {
-	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
-		return nil, err
-	}
-	if err := checkASCII(m.AgentName, "agent name"); err != nil {
-		return nil, err
-	}
-	return [][]byte{
-		[]byte(NIXLGuard),
-		utoa(m.Room),
-		[]byte(m.Endpoint),
-		itoaInt(m.Port),
-		[]byte(m.AgentName),
-		appendInts(nil, m.DstKVIndices),
+	h := infoHead{m.Room, m.Endpoint, m.Port, m.AgentName, m.DstKVIndices}
+	return h.frames(NIXLGuard, "agent name",
 		itoa(m.DstAuxIndex),
 		itoaInt(m.RequiredDstInfoNum),
 		PackInt32Lists(m.DstStateIndices),
 		itoa(m.DecodePrefixLen), // str(decode_prefix_len or 0)
-	}, nil
+	)
 }
 
 func parseNIXLRegistration(payload [][]byte) (*NIXLRegistration, error) {
-	r := &frameReader{kind: "NIXL registration", frames: payload, base: 1}
-	if len(payload) < 12 {
-		return nil, fmt.Errorf("%w: NIXL registration has %d frames after the guard, needs at least 12", ErrMalformed, len(payload))
+	r, err := newFrameReader("NIXL registration", payload, 1, 12)
+	if err != nil {
+		return nil, err
 	}
 	m := &NIXLRegistration{
 		Endpoint:      r.ascii(1, "endpoint"),
@@ -262,16 +251,13 @@ func parseNIXLRegistration(payload [][]byte) (*NIXLRegistration, error) {
 }
 
 func parseNIXLTransferInfo(payload [][]byte) (*NIXLTransferInfo, error) {
-	if len(payload) < 7 {
-		return nil, fmt.Errorf("%w: NIXL transfer info has %d frames after the guard, needs at least 7", ErrMalformed, len(payload))
+	r, err := newFrameReader("NIXL transfer info", payload, 1, 7)
+	if err != nil {
+		return nil, err
 	}
-	r := &frameReader{kind: "NIXL transfer info", frames: payload, base: 1}
+	h := r.infoHead("agent name")
 	m := &NIXLTransferInfo{
-		Room:               r.uint(0, "room"),
-		Endpoint:           r.ascii(1, "endpoint"),
-		Port:               r.port(2, "port"),
-		AgentName:          r.ascii(3, "agent name"),
-		DstKVIndices:       r.int32s(4, "dst KV indices"),
+		Room: h.room, Endpoint: h.endpoint, Port: h.port, AgentName: h.peer, DstKVIndices: h.kvIndices,
 		DstAuxIndex:        r.int(5, "dst aux index"),
 		RequiredDstInfoNum: r.smallInt(6, "required_dst_info_num"),
 	}
