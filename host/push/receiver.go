@@ -14,8 +14,8 @@ import (
 // Receiver is one request's transfer on a decode rank (SGLang's
 // KVReceiver). Safe for concurrent use.
 type Receiver struct {
+	roomHandle
 	d    *Decode
-	room uint64
 	addr string // the prefill's bootstrap address
 
 	mu        sync.Mutex
@@ -30,10 +30,8 @@ type Receiver struct {
 	counted   bool // counted in d.waiting
 	done      bool // Success or Failed reached
 	aborted   bool // ABORT sent
-	remote    bool // the failure reason came from prefill
 	closed    bool
 	initDone  bool
-	failNoted bool
 }
 
 // NewReceiver opens the room on this rank (Bootstrapping). bootstrapAddr is
@@ -42,7 +40,7 @@ func (d *Decode) NewReceiver(bootstrapAddr string, room uint64) (*Receiver, erro
 	if d.closed.Load() {
 		return nil, ErrClosed
 	}
-	r := &Receiver{d: d, room: room, addr: bootstrapAddr}
+	r := &Receiver{d: d, roomHandle: roomHandle{room: room, table: d.rooms}, addr: bootstrapAddr}
 	d.mu.Lock()
 	if _, ok := d.recvs[room]; ok {
 		d.mu.Unlock()
@@ -59,9 +57,6 @@ func (d *Decode) NewReceiver(bootstrapAddr string, room uint64) (*Receiver, erro
 	d.mu.Unlock()
 	return r, nil
 }
-
-// Room returns the request's bootstrap room.
-func (r *Receiver) Room() uint64 { return r.room }
 
 // Init learns the prefill deployment's layout (once per bootstrap address,
 // retrying while the server is down or not ready, until ctx ends: give ctx
@@ -182,37 +177,6 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 	return nil
 }
 
-// Poll returns the room's status (KVPoll).
-func (r *Receiver) Poll() sglang.KVPoll {
-	st, ok := r.d.rooms.Get(r.room)
-	if !ok {
-		return sglang.KVPollFailed
-	}
-	return st
-}
-
-// Wait blocks until the room succeeded or failed, or ctx ends.
-func (r *Receiver) Wait(ctx context.Context) (sglang.KVPoll, error) {
-	st, _, err := r.d.rooms.Wait(ctx, r.room, sglang.KVPoll.Terminal)
-	return st, err
-}
-
-// Failure returns the room's failure as a *TransferError (nil if it did
-// not fail).
-func (r *Receiver) Failure() error {
-	if r.Poll() != sglang.KVPollFailed {
-		return nil
-	}
-	reason := r.d.rooms.Reason(r.room)
-	r.mu.Lock()
-	remote := r.remote
-	r.mu.Unlock()
-	if reason == "" {
-		reason, remote = "KV transfer failed", true
-	}
-	return &TransferError{Room: r.room, Reason: reason, Remote: remote}
-}
-
 // Abort fails the room ("Aborted by AbortReq.") and tells every target
 // prefill rank with ABORT, so it stops and releases the room.
 func (r *Receiver) Abort() { r.failAbort("Aborted by AbortReq.") }
@@ -283,11 +247,7 @@ func (r *Receiver) failAbort(reason string) { r.failWith(reason, false, true) }
 func (r *Receiver) failWith(reason string, remote, abort bool) {
 	d := r.d
 	r.mu.Lock()
-	first := !r.failNoted
-	if first {
-		r.failNoted, r.remote = true, remote
-	}
-	recorded, ok := d.rooms.Fail(r.room, reason)
+	recorded, first, ok := r.recordFailure(reason, remote)
 	if !ok {
 		r.mu.Unlock()
 		return

@@ -14,23 +14,21 @@ import (
 // Its methods are safe for concurrent use, but chunks must be sent in order
 // by one caller.
 type Sender struct {
-	m    *Prefill
-	room uint64
+	roomHandle
+	m *Prefill
 	// ctx ends when the room fails or is closed: it cancels the room's
 	// transfers in flight.
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu        sync.Mutex
-	inited    bool
-	numPages  int
-	auxIndex  int64
-	curr      int // pages sent so far
-	chunkID   int
-	sentLast  bool
-	closed    bool
-	remote    bool // the failure reason came from decode
-	failNoted bool
+	mu       sync.Mutex
+	inited   bool
+	numPages int
+	auxIndex int64
+	curr     int // pages sent so far
+	chunkID  int
+	sentLast bool
+	closed   bool
 }
 
 // NewSender opens the room on this rank: Bootstrapping until every decode
@@ -39,7 +37,7 @@ func (m *Prefill) NewSender(room uint64) (*Sender, error) {
 	if m.closed.Load() {
 		return nil, ErrClosed
 	}
-	s := &Sender{m: m, room: room}
+	s := &Sender{m: m, roomHandle: roomHandle{room: room, table: m.rooms}}
 	s.ctx, s.cancel = context.WithCancel(m.ctx)
 	m.mu.Lock()
 	if _, ok := m.senders[room]; ok {
@@ -64,9 +62,6 @@ func (m *Prefill) NewSender(room uint64) (*Sender, error) {
 	}
 	return s, nil
 }
-
-// Room returns the request's bootstrap room.
-func (s *Sender) Room() uint64 { return s.room }
 
 // Init sets the number of pages the request will send in total (after any
 // decode prefix hit, see DecodePrefixLen) and the prefill aux slot, which
@@ -144,42 +139,11 @@ func (s *Sender) Send(pages []int32, stateIndices [][]int32) error {
 	return nil
 }
 
-// Poll returns the room's status (KVPoll).
-func (s *Sender) Poll() sglang.KVPoll {
-	st, ok := s.m.rooms.Get(s.room)
-	if !ok {
-		return sglang.KVPollFailed
-	}
-	return st
-}
-
-// Wait blocks until the room succeeded or failed, or ctx ends.
-func (s *Sender) Wait(ctx context.Context) (sglang.KVPoll, error) {
-	st, _, err := s.m.rooms.Wait(ctx, s.room, sglang.KVPoll.Terminal)
-	return st, err
-}
-
 // WaitReady blocks until decode's transfer info arrived (WaitingForInput or
 // later) or the room failed, or ctx ends.
 func (s *Sender) WaitReady(ctx context.Context) (sglang.KVPoll, error) {
 	st, _, err := s.m.rooms.Wait(ctx, s.room, func(st sglang.KVPoll) bool { return st != sglang.KVPollBootstrapping })
 	return st, err
-}
-
-// Failure returns the room's failure as a *TransferError (nil if it did
-// not fail).
-func (s *Sender) Failure() error {
-	if s.Poll() != sglang.KVPollFailed {
-		return nil
-	}
-	reason := s.m.rooms.Reason(s.room)
-	s.mu.Lock()
-	remote := s.remote
-	s.mu.Unlock()
-	if reason == "" {
-		reason, remote = "KV transfer failed", true
-	}
-	return &TransferError{Room: s.room, Reason: reason, Remote: remote}
 }
 
 // Abort fails the room ("Aborted by AbortReq."), cancels its transfers and
@@ -215,15 +179,7 @@ func (s *Sender) fail(reason string, remote bool) {
 	// Take the decode endpoints before the room is marked failed: from then
 	// on the engine may Close the sender, which drops the room's infos.
 	eps := m.failureTargets(s.room)
-	// remote is set with the status, under s.mu, so whoever sees Failed
-	// sees where the reason came from.
-	s.mu.Lock()
-	first := !s.failNoted
-	if first {
-		s.failNoted, s.remote = true, remote
-	}
-	recorded, ok := m.rooms.Fail(s.room, reason)
-	s.mu.Unlock()
+	recorded, first, ok := s.recordFailure(reason, remote)
 	if !ok {
 		return
 	}
