@@ -7,13 +7,11 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
@@ -49,20 +47,12 @@ type DecodeConfig struct {
 // Decode is one decode rank's transfer manager (SGLang's KVManager in
 // DECODE mode). Safe for concurrent use.
 type Decode struct {
+	rank
 	cfg DecodeConfig
-	set Settings
-	log *slog.Logger
-	obs Observer
 
-	agent   *plugin.Agent
-	regs    *registered
-	useNote bool // track notifications
-	useStat bool // track status messages
-
-	pull  *zmq.Pull
-	push  *zmq.Pushers
-	rooms *rooms.Table
-	reg   [][]byte // registration message, built once
+	useNote bool     // track notifications
+	useStat bool     // track status messages
+	reg     [][]byte // registration message, built once
 
 	mu        sync.Mutex
 	prefills  map[string]*prefillInfo // by bootstrap address
@@ -76,11 +66,6 @@ type Decode struct {
 	initMu  sync.Mutex
 
 	notifWake chan struct{}
-	ctx       context.Context
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup
-	closed    atomic.Bool
-	drops     dropLog
 }
 
 // prefillInfo is one prefill deployment as seen from this decode rank.
@@ -102,47 +87,21 @@ type target struct {
 // bound (status and aux messages), heartbeat, timeouts and the notification
 // loop running.
 func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
-	cfg.Parallel = cfg.Parallel.withDefaults()
-	if err := cfg.Parallel.check(); err != nil {
+	if err := checkConfig(&cfg.Parallel, &cfg.KV, cfg.MLA, cfg.Plugin, &cfg.Host, &cfg.KVCacheDType); err != nil {
 		return nil, err
-	}
-	if err := cfg.KV.check(cfg.MLA); err != nil {
-		return nil, err
-	}
-	if cfg.Plugin == nil {
-		return nil, errors.New("push: no plugin")
-	}
-	if cfg.Host == "" {
-		cfg.Host = "127.0.0.1"
-	}
-	if cfg.KVCacheDType == "" {
-		cfg.KVCacheDType = "auto"
 	}
 	d := &Decode{
-		cfg: cfg, set: cfg.Settings.withDefaults(), log: cfg.Logger, obs: cfg.Observer,
+		cfg:      cfg,
 		prefills: make(map[string]*prefillInfo), conns: make(map[string][]target),
 		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}), dead: make(map[string]bool),
 		notifWake: make(chan struct{}, 1),
 	}
-	if d.log == nil {
-		d.log = slog.Default()
-	}
-	d.log = d.log.With("role", "decode", "tp", cfg.Parallel.TPRank, "pp", cfg.Parallel.PPRank)
-	if d.obs == nil {
-		d.obs = NopObserver{}
-	}
-	d.rooms = rooms.NewTable(func(c rooms.Change) { d.obs.Room(RoomEvent{Role: RoleDecode, Change: c}) })
-	d.drops.log = d.log
-	name := cfg.AgentName
-	if name == "" {
-		name = uniqueName("decode", cfg.Parallel)
-	}
-	var err error
-	if d.agent, err = cfg.Plugin.NewAgent(name, cfg.AgentParams...); err != nil {
-		return nil, fmt.Errorf("push: create agent: %w", err)
+	if err := d.open(rankSetup{role: RoleDecode, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
+		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger}); err != nil {
+		return nil, err
 	}
 	fail := func(err error) (*Decode, error) {
-		d.agent.Close()
+		d.shutdown()
 		return nil, err
 	}
 	hasNotif := d.agent.Caps().Has(abi.CapNotif)
@@ -157,43 +116,24 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	case CompletionStatus:
 		d.useStat = true
 	}
-	if d.regs, err = register(d.agent, &cfg.KV); err != nil {
-		return fail(err)
-	}
-	if d.pull, err = zmq.ListenPull(zmq.TCPEndpoint(cfg.Host, cfg.Port), zmq.WithLogger(d.log)); err != nil {
-		return fail(fmt.Errorf("push: bind PULL socket: %w", err))
-	}
 	// SGLang's decode PUSH sockets: SNDTIMEO 30 s (the zmq default here).
-	d.push = zmq.NewPushers(zmq.WithLogger(d.log))
-	if d.reg, err = d.registration(); err != nil {
-		d.pull.Close()
+	if err := d.listen(&cfg.KV, cfg.Host, cfg.Port); err != nil {
 		return fail(err)
 	}
-	d.ctx, d.cancel = context.WithCancel(context.Background())
-	d.wg.Add(3)
-	go func() { defer d.wg.Done(); d.controlLoop() }()
-	go func() { defer d.wg.Done(); d.heartbeat() }()
-	go func() { defer d.wg.Done(); d.janitor() }()
+	var err error
+	if d.reg, err = d.registration(); err != nil {
+		return fail(err)
+	}
+	d.goServe(d.handle)
+	d.goEvery(d.set.HeartbeatInterval, d.heartbeat)
+	d.goEvery(sweepPeriod(d.set.WaitingTimeout), d.janitor)
 	if d.useNote {
-		d.wg.Add(1)
-		go func() { defer d.wg.Done(); d.notifLoop() }()
+		d.goRun(d.notifLoop)
 	}
 	d.log.Info("decode rank ready", "agent", d.agent.Name(), "endpoint", d.pull.Endpoint(),
 		"variant", cfg.Variant, "notifications", d.useNote)
 	return d, nil
 }
-
-// Agent returns the manager's plugin agent.
-func (d *Decode) Agent() *plugin.Agent { return d.agent }
-
-// Endpoint returns this rank's PULL socket endpoint.
-func (d *Decode) Endpoint() string { return d.pull.Endpoint() }
-
-// Rooms returns the number of rooms held (open receivers).
-func (d *Decode) Rooms() int { return d.rooms.Len() }
-
-// Dropped returns how many malformed or unexpected messages were dropped.
-func (d *Decode) Dropped() int64 { return d.drops.total.Load() }
 
 // Close stops the manager; open receivers report Failed. The agent is
 // destroyed, releasing every plugin handle.
@@ -210,11 +150,7 @@ func (d *Decode) Close() error {
 	for _, r := range open {
 		d.rooms.Fail(r, "decode rank closed")
 	}
-	d.cancel()
-	errs := []error{d.pull.Close()}
-	d.wg.Wait()
-	errs = append(errs, d.push.Close(), d.agent.Close())
-	return errors.Join(errs...)
+	return d.shutdown()
 }
 
 // registration builds the message that registers this rank's buffers with
@@ -423,27 +359,18 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 	return ts, nil
 }
 
-// controlLoop receives prefill's status and aux messages.
-func (d *Decode) controlLoop() {
-	for {
-		frames, err := d.pull.Recv(d.ctx)
-		if err != nil {
-			if d.ctx.Err() != nil || errors.Is(err, zmq.ErrClosed) {
-				return
-			}
-			continue
-		}
-		msg, err := sglang.ParseMORIToDecode(frames)
-		if err != nil {
-			d.drops.drop("message", err)
-			continue
-		}
-		switch v := msg.(type) {
-		case *sglang.MORIStatus:
-			d.handleStatus(v)
-		case *sglang.AuxData:
-			d.handleAux(v)
-		}
+// handle takes one of prefill's status and aux messages.
+func (d *Decode) handle(frames [][]byte) {
+	msg, err := sglang.ParseMORIToDecode(frames)
+	if err != nil {
+		d.drops.drop("message", err)
+		return
+	}
+	switch v := msg.(type) {
+	case *sglang.MORIStatus:
+		d.handleStatus(v)
+	case *sglang.AuxData:
+		d.handleAux(v)
 	}
 }
 
@@ -575,50 +502,41 @@ func (d *Decode) wakeNotif() {
 // heartbeat checks every known bootstrap server; after
 // HeartbeatMaxFailures failed checks in a row, every unfinished room of that
 // prefill fails.
-func (d *Decode) heartbeat() {
-	t := time.NewTicker(d.set.HeartbeatInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-d.ctx.Done():
+func (d *Decode) heartbeat(time.Time) {
+	d.mu.Lock()
+	addrs := make([]string, 0, len(d.prefills))
+	for a := range d.prefills {
+		addrs = append(addrs, a)
+	}
+	d.mu.Unlock()
+	for _, addr := range addrs {
+		d.mu.Lock()
+		pi := d.prefills[addr]
+		d.mu.Unlock()
+		if pi == nil {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(d.ctx, 3*time.Second)
+		start := time.Now()
+		err := pi.client.Health(ctx)
+		cancel()
+		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeHeartbeat, Peer: addr, Latency: time.Since(start), Err: err})
+		if d.ctx.Err() != nil {
 			return
-		case <-t.C:
 		}
 		d.mu.Lock()
-		addrs := make([]string, 0, len(d.prefills))
-		for a := range d.prefills {
-			addrs = append(addrs, a)
+		if err == nil {
+			pi.failures = 0
+		} else {
+			pi.failures++
 		}
+		dead := pi.failures >= d.set.HeartbeatMaxFailures
 		d.mu.Unlock()
-		for _, addr := range addrs {
-			d.mu.Lock()
-			pi := d.prefills[addr]
-			d.mu.Unlock()
-			if pi == nil {
-				continue
-			}
-			ctx, cancel := context.WithTimeout(d.ctx, 3*time.Second)
-			start := time.Now()
-			err := pi.client.Health(ctx)
-			cancel()
-			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeHeartbeat, Peer: addr, Latency: time.Since(start), Err: err})
-			if d.ctx.Err() != nil {
-				return
-			}
-			d.mu.Lock()
-			if err == nil {
-				pi.failures = 0
-			} else {
-				pi.failures++
-			}
-			dead := pi.failures >= d.set.HeartbeatMaxFailures
-			d.mu.Unlock()
-			if err != nil {
-				d.log.Info("heartbeat failed", "bootstrap", addr, "failures", pi.failures, "err", err)
-			}
-			if dead {
-				d.nodeFailure(addr)
-			}
+		if err != nil {
+			d.log.Info("heartbeat failed", "bootstrap", addr, "failures", pi.failures, "err", err)
+		}
+		if dead {
+			d.nodeFailure(addr)
 		}
 	}
 }
@@ -659,32 +577,21 @@ func (d *Decode) nodeFailure(addr string) {
 }
 
 // janitor applies the waiting timeout.
-func (d *Decode) janitor() {
-	tick := min(max(d.set.WaitingTimeout/10, 10*time.Millisecond), time.Second)
-	t := time.NewTicker(tick)
-	defer t.Stop()
-	for {
-		select {
-		case <-d.ctx.Done():
-			return
-		case <-t.C:
+func (d *Decode) janitor(now time.Time) {
+	d.mu.Lock()
+	var late []*Receiver
+	for _, r := range d.recvs {
+		r.mu.Lock()
+		if !r.sent.IsZero() && !r.done && now.Sub(r.sent) >= d.set.WaitingTimeout {
+			late = append(late, r)
 		}
-		now := time.Now()
-		d.mu.Lock()
-		var late []*Receiver
-		for _, r := range d.recvs {
-			r.mu.Lock()
-			if !r.sent.IsZero() && !r.done && now.Sub(r.sent) >= d.set.WaitingTimeout {
-				late = append(late, r)
-			}
-			r.mu.Unlock()
-		}
-		d.mu.Unlock()
-		for _, r := range late {
-			r.mu.Lock()
-			sent := r.sent
-			r.mu.Unlock()
-			r.failAbort(fmt.Sprintf("Request %d timed out after %.1fs in KVPoll.WaitingForInput", r.room, now.Sub(sent).Seconds()))
-		}
+		r.mu.Unlock()
+	}
+	d.mu.Unlock()
+	for _, r := range late {
+		r.mu.Lock()
+		sent := r.sent
+		r.mu.Unlock()
+		r.failAbort(fmt.Sprintf("Request %d timed out after %.1fs in KVPoll.WaitingForInput", r.room, now.Sub(sent).Seconds()))
 	}
 }

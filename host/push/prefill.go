@@ -2,20 +2,15 @@ package push
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
@@ -60,25 +55,17 @@ type PrefillConfig struct {
 // transfer info on its PULL socket and pushes KV to them. Safe for
 // concurrent use.
 type Prefill struct {
+	rank
 	cfg        PrefillConfig
-	set        Settings
-	log        *slog.Logger
-	obs        Observer
 	completion Completion // resolved: notif or status
 	unique     int        // prefill_unique_rank
 
-	agent *plugin.Agent
-	regs  *registered
 	// This rank's buffers in the planner's terms (region tables equal the
 	// registered regions).
 	srcKV      planner.KVSide
 	srcAux     planner.AuxBuffers
 	srcState   planner.StateBuffers
 	stateTypes []planner.StateType
-
-	pull  *zmq.Pull
-	push  *zmq.Pushers
-	rooms *rooms.Table
 
 	shards []*shard
 
@@ -89,15 +76,10 @@ type Prefill struct {
 	senders  map[uint64]*Sender
 	srcLists map[string]*plugin.DList // prepped source lists shared by peers
 
-	ctx    context.Context
-	cancel context.CancelFunc
 	// notifyCtx bounds failure notifications; Close cancels it after
 	// closeGrace so a dead decode endpoint cannot hold Close for long.
 	notifyCtx    context.Context
 	notifyCancel context.CancelFunc
-	wg           sync.WaitGroup
-	closed       atomic.Bool
-	drops        dropLog
 }
 
 // roomInfos is what the decode ranks of one room sent (transfer_infos).
@@ -142,33 +124,17 @@ const maxPendingRooms = 1 << 16
 // control loop, and registers with the bootstrap server (retrying as
 // SGLang does, within ctx).
 func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
-	cfg.Parallel = cfg.Parallel.withDefaults()
-	if err := cfg.Parallel.check(); err != nil {
+	if err := checkConfig(&cfg.Parallel, &cfg.KV, cfg.MLA, cfg.Plugin, &cfg.Host, &cfg.KVCacheDType); err != nil {
 		return nil, err
-	}
-	if err := cfg.KV.check(cfg.MLA); err != nil {
-		return nil, err
-	}
-	if cfg.Plugin == nil {
-		return nil, errors.New("push: no plugin")
 	}
 	if cfg.BootstrapAddr == "" {
 		return nil, errors.New("push: no bootstrap server address")
-	}
-	if cfg.Host == "" {
-		cfg.Host = "127.0.0.1"
-	}
-	if cfg.KVCacheDType == "" {
-		cfg.KVCacheDType = "auto"
 	}
 	if cfg.Variant == VariantMORI && cfg.XferMode == XferPrepped {
 		return nil, errors.New("push: prepped transfers are SGLang NIXL's; the MORI variant posts batch writes")
 	}
 	m := &Prefill{
 		cfg:      cfg,
-		set:      cfg.Settings.withDefaults(),
-		log:      cfg.Logger,
-		obs:      cfg.Observer,
 		unique:   cfg.Parallel.uniqueRank(),
 		peers:    make(map[string]*peer),
 		peerErr:  make(map[string]string),
@@ -176,63 +142,33 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		senders:  make(map[uint64]*Sender),
 		srcLists: make(map[string]*plugin.DList),
 	}
-	if m.log == nil {
-		m.log = slog.Default()
-	}
-	m.log = m.log.With("role", "prefill", "tp", cfg.Parallel.TPRank, "pp", cfg.Parallel.PPRank)
-	if m.obs == nil {
-		m.obs = NopObserver{}
-	}
-	m.rooms = rooms.NewTable(func(c rooms.Change) { m.obs.Room(RoomEvent{Role: RolePrefill, Change: c}) })
-	m.drops.log = m.log
-
-	name := cfg.AgentName
-	if name == "" {
-		name = uniqueName("prefill", cfg.Parallel)
-	}
-	var err error
-	if m.agent, err = cfg.Plugin.NewAgent(name, cfg.AgentParams...); err != nil {
-		return nil, fmt.Errorf("push: create agent: %w", err)
-	}
-	fail := func(err error) (*Prefill, error) {
-		m.agent.Close()
+	if err := m.open(rankSetup{role: RolePrefill, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
+		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger}); err != nil {
 		return nil, err
 	}
+	fail := func(err error) (*Prefill, error) {
+		m.shutdown()
+		return nil, err
+	}
+	var err error
 	if m.completion, err = resolveCompletion(cfg.Variant, cfg.Completion, m.agent.Caps()); err != nil {
 		return fail(err)
 	}
-	if m.regs, err = register(m.agent, &cfg.KV); err != nil {
+	// MORI sends status with SNDTIMEO 5 s.
+	if err := m.listen(&cfg.KV, cfg.Host, cfg.Port, zmq.WithSendTimeout(5*time.Second)); err != nil {
 		return fail(err)
 	}
 	m.srcKV = cfg.KV.kvSide(cfg.Parallel)
 	m.srcAux = cfg.KV.auxBuffers()
 	m.srcState, m.stateTypes = cfg.KV.stateBuffers()
-
-	if m.pull, err = zmq.ListenPull(zmq.TCPEndpoint(cfg.Host, cfg.Port), zmq.WithLogger(m.log)); err != nil {
-		return fail(fmt.Errorf("push: bind PULL socket: %w", err))
-	}
-	// MORI sends status with SNDTIMEO 5 s.
-	m.push = zmq.NewPushers(zmq.WithLogger(m.log), zmq.WithSendTimeout(5*time.Second))
-	m.ctx, m.cancel = context.WithCancel(context.Background())
 	m.notifyCtx, m.notifyCancel = context.WithCancel(context.Background())
 	for i := 0; i < m.set.QueueSize; i++ {
 		sh := newShard()
 		m.shards = append(m.shards, sh)
-		m.wg.Add(1)
-		go func() {
-			defer m.wg.Done()
-			m.runWorker(sh)
-		}()
+		m.goRun(func() { m.runWorker(sh) })
 	}
-	m.wg.Add(2)
-	go func() {
-		defer m.wg.Done()
-		m.controlLoop()
-	}()
-	go func() {
-		defer m.wg.Done()
-		m.janitor()
-	}()
+	m.goServe(m.handle)
+	m.goEvery(sweepPeriod(m.set.BootstrapTimeout), m.janitor)
 
 	if err := m.registerBootstrap(ctx); err != nil {
 		m.Close()
@@ -261,12 +197,6 @@ func resolveCompletion(v Variant, c Completion, caps abi.Caps) (Completion, erro
 	return c, nil
 }
 
-func uniqueName(role string, p Parallel) string {
-	var b [6]byte
-	rand.Read(b[:])
-	return fmt.Sprintf("kvhost-%s-dp%d-tp%d-pp%d-pid%d-%s", role, p.DPRank, p.TPRank, p.PPRank, os.Getpid(), hex.EncodeToString(b[:]))
-}
-
 func (m *Prefill) registerBootstrap(ctx context.Context) error {
 	p := m.cfg.Parallel
 	reg := bootstrap.Registration{
@@ -288,18 +218,8 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 	return nil
 }
 
-// Agent returns the manager's plugin agent.
-func (m *Prefill) Agent() *plugin.Agent { return m.agent }
-
-// Endpoint returns this rank's PULL socket endpoint ("tcp://ip:port").
-func (m *Prefill) Endpoint() string { return m.pull.Endpoint() }
-
 // Completion returns the completion signal this rank uses.
 func (m *Prefill) Completion() Completion { return m.completion }
-
-// Rooms returns the number of rooms the manager holds (open senders and
-// rooms that finished but were not closed yet).
-func (m *Prefill) Rooms() int { return m.rooms.Len() }
 
 // Pending returns the number of rooms with transfer info but no sender
 // yet, plus rooms with both (for leak checks).
@@ -336,39 +256,15 @@ func (m *Prefill) Close() error {
 	for _, s := range open {
 		s.fail("prefill rank closed", false) // decode hears it too
 	}
-	m.cancel()
 	grace := time.AfterFunc(closeGrace, m.notifyCancel)
 	defer grace.Stop()
 	defer m.notifyCancel()
-	var errs []error
-	if m.pull != nil {
-		errs = append(errs, m.pull.Close())
-	}
-	m.wg.Wait()
-	if m.push != nil {
-		errs = append(errs, m.push.Close())
-	}
-	errs = append(errs, m.agent.Close())
-	return errors.Join(errs...)
+	return m.shutdown()
 }
 
-// controlLoop receives decode's messages (registrations, transfer info,
-// ABORT) until the socket closes. A malformed message is logged and
-// dropped; nothing else is affected.
-func (m *Prefill) controlLoop() {
-	for {
-		frames, err := m.pull.Recv(m.ctx)
-		if err != nil {
-			if m.ctx.Err() != nil || errors.Is(err, zmq.ErrClosed) {
-				return
-			}
-			m.log.Warn("receive failed", "err", err)
-			continue
-		}
-		m.handle(frames)
-	}
-}
-
+// handle takes one of decode's messages (registrations, transfer info,
+// ABORT). A malformed message is logged and dropped; nothing else is
+// affected.
 func (m *Prefill) handle(frames [][]byte) {
 	var msg sglang.Message
 	var err error
@@ -521,40 +417,29 @@ func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 
 // janitor applies the bootstrap timeout and drops transfer info nobody
 // claimed.
-func (m *Prefill) janitor() {
-	tick := min(max(m.set.BootstrapTimeout/10, 10*time.Millisecond), time.Second)
-	t := time.NewTicker(tick)
-	defer t.Stop()
-	for {
-		select {
-		case <-m.ctx.Done():
-			return
-		case <-t.C:
+func (m *Prefill) janitor(now time.Time) {
+	var expired []uint64
+	m.rooms.Each(func(room uint64, s sglang.KVPoll, created time.Time) {
+		if s == sglang.KVPollBootstrapping && now.Sub(created) >= m.set.BootstrapTimeout {
+			expired = append(expired, room)
 		}
-		now := time.Now()
-		var expired []uint64
-		m.rooms.Each(func(room uint64, s sglang.KVPoll, created time.Time) {
-			if s == sglang.KVPollBootstrapping && now.Sub(created) >= m.set.BootstrapTimeout {
-				expired = append(expired, room)
-			}
-		})
-		for _, room := range expired {
-			m.mu.Lock()
-			s := m.senders[room]
-			m.mu.Unlock()
-			if s != nil {
-				created, _ := m.rooms.Created(room)
-				s.fail(fmt.Sprintf("Request %d timed out after %.1fs in KVPoll.Bootstrapping", room, now.Sub(created).Seconds()), false)
-			}
-		}
+	})
+	for _, room := range expired {
 		m.mu.Lock()
-		for room, ri := range m.infos {
-			if _, open := m.senders[room]; !open && now.Sub(ri.arrived) >= m.set.BootstrapTimeout {
-				delete(m.infos, room)
-			}
-		}
+		s := m.senders[room]
 		m.mu.Unlock()
+		if s != nil {
+			created, _ := m.rooms.Created(room)
+			s.fail(fmt.Sprintf("Request %d timed out after %.1fs in KVPoll.Bootstrapping", room, now.Sub(created).Seconds()), false)
+		}
 	}
+	m.mu.Lock()
+	for room, ri := range m.infos {
+		if _, open := m.senders[room]; !open && now.Sub(ri.arrived) >= m.set.BootstrapTimeout {
+			delete(m.infos, room)
+		}
+	}
+	m.mu.Unlock()
 }
 
 // failureTargets returns the decode endpoints to tell about the room's
@@ -617,32 +502,3 @@ func (m *Prefill) sendStatus(ctx context.Context, endpoint string, room uint64, 
 	defer cancel()
 	return m.push.Send(ctx, endpoint, frames...)
 }
-
-// dropLog logs dropped messages, at most one line per second with a count
-// of what was dropped in between, so a hostile peer cannot flood the log.
-type dropLog struct {
-	log     *slog.Logger
-	mu      sync.Mutex
-	last    time.Time
-	skipped int
-	total   atomic.Int64
-}
-
-func (d *dropLog) drop(what string, err error) {
-	d.total.Add(1)
-	d.mu.Lock()
-	now := time.Now()
-	if now.Sub(d.last) < time.Second {
-		d.skipped++
-		d.mu.Unlock()
-		return
-	}
-	skipped := d.skipped
-	d.skipped, d.last = 0, now
-	d.mu.Unlock()
-	d.log.Warn("dropped "+what, "err", err, "dropped_since_last_log", skipped)
-}
-
-// Dropped returns how many malformed or unexpected control messages the
-// manager dropped.
-func (m *Prefill) Dropped() int64 { return m.drops.total.Load() }
