@@ -164,7 +164,7 @@ func (d *Decode) registration() ([][]byte, error) {
 	n, _ := a.numPages()
 	if d.cfg.Variant == VariantMORI {
 		reg := &sglang.MORIRegistration{
-			Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineDesc: moriEngineDesc(md, d.agent.Name(), a.GPUID),
+			Endpoint: d.cfg.Host, Port: d.pull.Port(), EngineDesc: sglang.WrapEngineDesc(md, d.agent.Name(), a.GPUID),
 			GPUID: a.GPUID, DecodeTPSize: d.cfg.Parallel.TPSize, DecodeTPRank: d.cfg.Parallel.TPRank,
 			KVItemLen: a.KV[0].ItemLen,
 		}

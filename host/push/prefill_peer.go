@@ -356,7 +356,7 @@ func nixlExtFrames(a *KVArgs) [][]byte {
 // descriptor is the plugin's metadata and every memory descriptor a region
 // blob the plugin exported, imported as is.
 func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
-	name, err := m.agent.LoadRemote(unwrapEngineDesc(r.EngineDesc))
+	name, err := m.agent.LoadRemote(sglang.UnwrapEngineDesc(r.EngineDesc))
 	if err != nil {
 		return nil, fmt.Errorf("load engine descriptor: %w", err)
 	}

@@ -68,6 +68,50 @@ func MORIEngineKey(desc []byte) (string, error) {
 	return key, nil
 }
 
+// A MORI registration carries the decode engine's EngineDesc, a msgpack
+// array whose first element is the engine key (MORIEngineKey). A MORI
+// plugin's metadata is exactly that. Other plugins' metadata (the fake
+// plugin's, NIXL's) is not msgpack, so kvhost sends it wrapped in an
+// EngineDesc-shaped array, which SGLang reads the key from like any other:
+//
+//	[key (str), gpu id (int), "kvhost-wrapped" (str), metadata (bin), nil]
+const wrappedEngineHost = "kvhost-wrapped"
+
+// WrapEngineDesc returns what a decode rank sends as EngineDesc for its
+// plugin's metadata md: md itself when it already is an EngineDesc, else
+// the kvhost wrapper with key and gpuID.
+func WrapEngineDesc(md []byte, key string, gpuID int) []byte {
+	if _, err := MORIEngineKey(md); err == nil {
+		return md
+	}
+	var e msgpack.Encoder
+	e.ArrayHeader(5)
+	e.Str(key)
+	e.Int(int64(gpuID))
+	e.Str(wrappedEngineHost)
+	e.Bin(md)
+	e.Nil()
+	return e.Bytes()
+}
+
+// UnwrapEngineDesc returns the plugin metadata inside a kvhost wrapper, or
+// desc itself when it is not one (a MORI peer's own EngineDesc, for the
+// MORI plugin). The metadata aliases desc.
+func UnwrapEngineDesc(desc []byte) []byte {
+	v, err := msgpack.Decode(desc)
+	if err != nil || v.Kind != msgpack.Array || len(v.Items) != 5 {
+		return desc
+	}
+	_, keyOK := v.Items[0].Str()
+	_, gpuOK := v.Items[1].Int()
+	host, hostOK := v.Items[2].Str()
+	md, mdOK := v.Items[3].Bin()
+	if !keyOK || !gpuOK || !hostOK || host != wrappedEngineHost || !mdOK || v.Items[4].Kind != msgpack.Nil {
+		return desc
+	}
+	return md
+}
+
 // Frames builds the multipart message, guard included.
 func (m *MORIRegistration) Frames() ([][]byte, error) {
 	if err := checkASCII(m.Endpoint, "endpoint"); err != nil {
