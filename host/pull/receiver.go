@@ -589,7 +589,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 func (r *Receiver) poll() {
 	defer r.wg.Done()
 	var active []*readOp
-	sleep := pollMinSleep
+	sleep := newBackoff(pollMinSleep, pollMaxSleep)
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
@@ -605,7 +605,7 @@ func (r *Receiver) poll() {
 			return
 		}
 		if len(active) == 0 {
-			sleep = pollMinSleep
+			sleep.reset()
 			select {
 			case <-r.wake:
 			case <-r.ctx.Done():
@@ -632,15 +632,10 @@ func (r *Receiver) poll() {
 		}
 		clear(active[len(kept):])
 		active = kept
-		if progressed {
-			sleep = pollMinSleep
-		} else {
-			sleep = min(sleep*2, pollMaxSleep)
-		}
-		t.Reset(sleep)
+		t.Reset(sleep.after(progressed))
 		select {
 		case <-r.wake:
-			sleep = pollMinSleep
+			sleep.reset()
 		case <-t.C:
 		case <-r.ctx.Done():
 		}

@@ -404,18 +404,13 @@ func (s *Sender) Counts() SenderCounts {
 // run drains notifications and expires requests until Close.
 func (s *Sender) run() {
 	defer close(s.done)
-	idle := senderMinIdle
-	t := time.NewTimer(idle)
+	idle := newBackoff(senderMinIdle, senderMaxIdle)
+	t := time.NewTimer(senderMinIdle)
 	defer t.Stop()
 	for {
 		got := s.drainNotifs()
 		s.expire(time.Now())
-		if got {
-			idle = senderMinIdle
-		} else {
-			idle = min(idle*2, senderMaxIdle)
-		}
-		t.Reset(idle)
+		t.Reset(idle.after(got))
 		select {
 		case <-s.stop:
 			return
