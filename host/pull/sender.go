@@ -320,15 +320,7 @@ func (s *Sender) Port() int { return s.port }
 // blockIDs holds nothing and returns params without blocks, as the
 // reference does.
 func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, error) {
-	p := KVTransferParams{
-		DoRemotePrefill: true,
-		RemoteBlockIDs:  append([]int32(nil), blockIDs...),
-		RemoteEngineID:  s.cfg.EngineID,
-		RemoteRequestID: requestID,
-		RemoteHost:      s.host,
-		RemotePort:      s.port,
-		TPSize:          s.cfg.TPSize,
-	}
+	p := s.params(requestID, blockIDs)
 	if requestID == "" {
 		return KVTransferParams{}, errors.New("pull: hold: empty request id")
 	}
@@ -366,15 +358,21 @@ func (s *Sender) Params(requestID string) (KVTransferParams, bool) {
 	if !ok {
 		return KVTransferParams{}, false
 	}
+	return s.params(requestID, h.blocks), true
+}
+
+// params is what decode needs to read a request's blocks from this
+// prefill; it holds a copy of blockIDs.
+func (s *Sender) params(requestID string, blockIDs []int32) KVTransferParams {
 	return KVTransferParams{
 		DoRemotePrefill: true,
-		RemoteBlockIDs:  append([]int32(nil), h.blocks...),
+		RemoteBlockIDs:  append([]int32(nil), blockIDs...),
 		RemoteEngineID:  s.cfg.EngineID,
 		RemoteRequestID: requestID,
 		RemoteHost:      s.host,
 		RemotePort:      s.port,
 		TPSize:          s.cfg.TPSize,
-	}, true
+	}
 }
 
 // Abort stops holding a request at once (the reference's
