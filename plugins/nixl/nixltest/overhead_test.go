@@ -4,11 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
-	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -25,12 +25,12 @@ import (
 // bin/nixl-bench-direct --plugin calling the shim's ABI table from C++ (the
 // shim's own cost), and from Go through host/plugin (the shim plus the
 // host), all with two agents in one process and the same NIXL settings,
-// interleaved and repeated. It reports the best bandwidth of
-// each and their ratio, and the CPU time the initiating thread spends per
-// request (user + system; with cma the copy itself runs in that thread) and
-// its ratio: on a shared machine wall time swings with the other processes,
-// CPU time per request much less, so the CPU ratio is the steadier measure
-// of what the plugin path adds. One iteration is the whole per-request cost
+// interleaved and repeated. It reports the median bandwidth of
+// each and their ratios, and the median CPU time the initiating thread
+// spends per request (user + system; with cma the copy itself runs in that
+// thread) and its ratios: on a shared machine wall time swings with the
+// other processes, CPU time per request much less, so the CPU ratio is the
+// steadier measure of what the plugin path adds. One iteration is the whole per-request cost
 // in both: build the request (makeXferReq over dlists prepared once, or
 // createXferReq), post, poll to completion, release.
 //
@@ -40,7 +40,7 @@ import (
 //	KVHOST_NIXL_OVERHEAD=1 go test ./plugins/nixl/nixltest -run Overhead -v -count=1
 //
 // Optional: KVHOST_NIXL_OVERHEAD_BLOCKS (default 64K,256K,1M,4M,16M),
-// _BATCHES (1,16), _SECONDS per measurement (0.3), _REPEAT (2).
+// _BATCHES (1,16), _SECONDS per measurement (0.3), _REPEAT (5).
 func TestOverheadVsDirect(t *testing.T) {
 	if os.Getenv("KVHOST_NIXL_OVERHEAD") != "1" {
 		t.Skip("a measurement: set KVHOST_NIXL_OVERHEAD=1 to run it")
@@ -50,12 +50,14 @@ func TestOverheadVsDirect(t *testing.T) {
 	blocks := envList(t, "KVHOST_NIXL_OVERHEAD_BLOCKS", "64K,256K,1M,4M,16M")
 	batches := envList(t, "KVHOST_NIXL_OVERHEAD_BATCHES", "1,16")
 	seconds := envFloat(t, "KVHOST_NIXL_OVERHEAD_SECONDS", 0.3)
-	repeat := int(envFloat(t, "KVHOST_NIXL_OVERHEAD_REPEAT", 2))
+	repeat := int(envFloat(t, "KVHOST_NIXL_OVERHEAD_REPEAT", 5))
 
 	// The plugin's defaults, spelled out so that the direct run uses the
-	// same: progress thread on, 1 ms wake-up, sync mode rw.
-	params := []plugin.Param{{Key: "progress_thread", Value: "true"}, {Key: "progress_delay_us", Value: "1000"}, {Key: "sync_mode", Value: "rw"}}
-	directFlags := []string{"--procs", "1", "--progress-thread", "--progress-delay-us", "1000", "--sync", "rw"}
+	// same: progress thread on, 1 ms wake-up, sync mode rw, UCX's worker
+	// lock a mutex (the shim adds USE_MT_MUTEX=y to engine_config).
+	params := []plugin.Param{{Key: "progress_thread", Value: "true"}, {Key: "progress_delay_us", Value: "1000"}, {Key: "sync_mode", Value: "rw"},
+		{Key: "engine_config", Value: "USE_MT_MUTEX=y"}}
+	directFlags := []string{"--procs", "1", "--progress-thread", "--progress-delay-us", "1000", "--sync", "rw", "--param", "engine_config=USE_MT_MUTEX=y"}
 
 	var size uint64
 	for _, b := range blocks {
@@ -72,34 +74,32 @@ func TestOverheadVsDirect(t *testing.T) {
 	}
 
 	type row struct {
-		op, path                  string
-		block, batch              uint64
-		shim, dir, cshim          float64 // best GB/s
-		shimLat, dirLat, cshimLat float64 // µs per iteration, at the best run
-		shimCPU, dirCPU, cshimCPU float64 // least CPU µs per iteration
+		op, path     string
+		block, batch uint64
+		// per run: GB/s, µs per iteration, CPU µs per iteration; [0]
+		// direct, [1] C++ shim, [2] Go host
+		gbps, lat, cpu [3][]float64
 	}
 	var rows []row
+	var loads []float64
 	for _, op := range []string{"WRITE", "READ"} {
 		for _, path := range []string{"prepped", "batch"} {
 			for _, b := range blocks {
 				for _, n := range batches {
-					r := row{op: op, path: path, block: b, batch: n, shimCPU: math.Inf(1), dirCPU: math.Inf(1), cshimCPU: math.Inf(1)}
+					r := row{op: op, path: path, block: b, batch: n}
+					record := func(i int, gbps, lat, cpu float64) {
+						r.gbps[i] = append(r.gbps[i], gbps)
+						r.lat[i] = append(r.lat[i], lat)
+						r.cpu[i] = append(r.cpu[i], cpu)
+					}
 					for range repeat {
-						gbps, lat, cpu := runDirect(t, direct, directFlags, op, path, b, n, seconds)
-						if gbps > r.dir {
-							r.dir, r.dirLat = gbps, lat
-						}
-						r.dirCPU = min(r.dirCPU, cpu)
-						gbps, lat, cpu = runDirect(t, direct, append(directFlags[:len(directFlags):len(directFlags)], "--plugin", p.Path()), op, path, b, n, seconds)
-						if gbps > r.cshim {
-							r.cshim, r.cshimLat = gbps, lat
-						}
-						r.cshimCPU = min(r.cshimCPU, cpu)
-						gbps, lat, cpu = runShim(t, init, target, peer, rr, op, path, b, n, seconds)
-						if gbps > r.shim {
-							r.shim, r.shimLat = gbps, lat
-						}
-						r.shimCPU = min(r.shimCPU, cpu)
+						loads = append(loads, loadAvg())
+						g, l, c := runDirect(t, direct, directFlags, op, path, b, n, seconds)
+						record(0, g, l, c)
+						g, l, c = runDirect(t, direct, append(directFlags[:len(directFlags):len(directFlags)], "--plugin", p.Path()), op, path, b, n, seconds)
+						record(1, g, l, c)
+						g, l, c = runShim(t, init, target, peer, rr, op, path, b, n, seconds)
+						record(2, g, l, c)
 					}
 					rows = append(rows, r)
 				}
@@ -107,14 +107,18 @@ func TestOverheadVsDirect(t *testing.T) {
 		}
 	}
 	var out strings.Builder
-	fmt.Fprintf(&out, "\nGB/s: best of the runs; CPU: least CPU time of the initiating thread per request\n")
-	fmt.Fprintf(&out, "%-6s %-8s %9s %5s | %8s %8s %8s %6s | %9s %9s %9s %6s %6s\n", "op", "path", "block", "batch",
-		"direct", "C++shim", "Go host", "ratio", "direct", "C++shim", "Go host", "shim", "total")
+	fmt.Fprintf(&out, "\nmedians of %d interleaved runs of %.2f s each; 1-minute load average during them: min %.1f, median %.1f, max %.1f\n",
+		repeat, seconds, slices.Min(loads), median(loads), slices.Max(loads))
+	fmt.Fprintf(&out, "GB/s, and CPU time of the initiating thread per request; ratios against direct\n")
+	fmt.Fprintf(&out, "%-6s %-8s %9s %5s | %8s %8s %8s %6s %6s | %9s %9s %9s %6s %6s\n", "op", "path", "block", "batch",
+		"direct", "C++shim", "Go host", "shim", "total", "direct", "C++shim", "Go host", "shim", "total")
 	for _, r := range rows {
-		fmt.Fprintf(&out, "%-6s %-8s %9d %5d | %8.3f %8.3f %8.3f %6.3f | %7.1fus %7.1fus %7.1fus %6.3f %6.3f\n", r.op, r.path, r.block, r.batch,
-			r.dir, r.cshim, r.shim, r.shim/r.dir, r.dirCPU, r.cshimCPU, r.shimCPU, r.cshimCPU/r.dirCPU, r.shimCPU/r.dirCPU)
+		g := [3]float64{median(r.gbps[0]), median(r.gbps[1]), median(r.gbps[2])}
+		c := [3]float64{median(r.cpu[0]), median(r.cpu[1]), median(r.cpu[2])}
+		fmt.Fprintf(&out, "%-6s %-8s %9d %5d | %8.3f %8.3f %8.3f %6.3f %6.3f | %7.1fus %7.1fus %7.1fus %6.3f %6.3f\n", r.op, r.path, r.block, r.batch,
+			g[0], g[1], g[2], g[1]/g[0], g[2]/g[0], c[0], c[1], c[2], c[1]/c[0], c[2]/c[0])
 	}
-	t.Logf("best of %d interleaved runs of %.2f s each, two agents in one process, %s%s", repeat, seconds, runtime.GOOS, out.String())
+	t.Logf("two agents in one process, %s%s", runtime.GOOS, out.String())
 }
 
 // runShim times one row through the plugin and returns GB/s, µs per
