@@ -146,15 +146,7 @@ func (a *AuxPlanner) Plan(p *Plan, prefillAuxIndex, dstAuxIndex int64) error {
 
 // PlanAuxNIXL plans one request with a fresh NewAuxPlannerNIXL.
 func PlanAuxNIXL(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
-	a, err := NewAuxPlannerNIXL(src, dst)
-	if err != nil {
-		return nil, err
-	}
-	p := new(Plan)
-	if err := a.Plan(p, prefillAuxIndex, dstAuxIndex); err != nil {
-		return nil, err
-	}
-	return p, nil
+	return planAuxOnce(NewAuxPlannerNIXL, src, dst, prefillAuxIndex, dstAuxIndex)
 }
 
 // PlanAuxMORI plans one request with a fresh NewAuxPlannerMORI. A negative
@@ -166,7 +158,11 @@ func PlanAuxMORI(src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan
 		d, _ := regionTable("decode.aux_data_lens", dst.Ptrs, nil, DRAM)
 		return &Plan{Path: PathMORIAuxSkip, Src: s, Dst: d}, nil
 	}
-	a, err := NewAuxPlannerMORI(src, dst)
+	return planAuxOnce(NewAuxPlannerMORI, src, dst, prefillAuxIndex, dstAuxIndex)
+}
+
+func planAuxOnce(newPlanner func(src, dst AuxBuffers) (*AuxPlanner, error), src, dst AuxBuffers, prefillAuxIndex, dstAuxIndex int64) (*Plan, error) {
+	a, err := newPlanner(src, dst)
 	if err != nil {
 		return nil, err
 	}

@@ -29,48 +29,35 @@ func mambaPairs(v *stateView, t StateTopology, overDst bool) ([]EntryPair, error
 	return pairs, nil
 }
 
-// resolveMambaWhole resolves whole-slot copies (the connectors'
-// _send_mamba_state): each tensor copies the prefill item length from slot
-// to slot, both offsets scaled by the prefill item length. NIXL skips
-// tensors with a zero length or a null pointer on either side.
-func (c *stateComp) resolveMambaWhole(v *stateView, t StateTopology, nixl bool) {
-	pairs, err := mambaPairs(v, t, nixl)
-	if err != nil {
-		c.setErr(err)
-		return
+// resolveMamba resolves a Mamba component: TP-sliced copies when TP sizes
+// differ and both sides publish dims, else whole-slot copies.
+func (c *stateComp) resolveMamba(v *stateView, t StateTopology, nixl bool) {
+	c.kind = kindMamba
+	slice := t.tpMismatch() && len(v.srcDims) > 0 && len(v.dstDims) > 0
+	switch {
+	case slice && nixl:
+		c.path = PathNIXLMambaSlice
+	case slice:
+		c.path = PathMORIMambaSlice
+	case nixl:
+		c.path = PathNIXLMamba
+	default:
+		c.path = PathMORIMamba
 	}
-	for _, p := range pairs {
-		if p.Src >= len(v.srcLens) {
-			c.setErr(errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Src, len(v.srcLens)))
-			return
-		}
-		length := v.srcLens[p.Src]
-		if nixl {
-			if length == 0 {
-				continue
-			}
-			if p.Src >= len(v.srcPtrs) {
-				c.setErr(errorf(stateField("prefill.state_ptrs", v.i), "no prefill tensor %d for decode tensor %d (have %d)", p.Src, p.Dst, len(v.srcPtrs)))
-				return
-			}
-			if v.srcPtrs[p.Src] == 0 || v.dstPtrs[p.Dst] == 0 {
-				continue
-			}
-		}
-		c.refDescs++
-		if length > 0 {
-			c.mamba = append(c.mamba, mambaCopy{src: int32(p.Src), dst: int32(p.Dst), srcItem: length, dstItem: length, length: length, count: 1})
-		}
+	if slice {
+		c.resolveMambaSlice(v, t, nixl)
+	} else {
+		c.resolveMambaWhole(v, t, nixl)
 	}
 }
 
-// resolveMambaSlice resolves TP-slice copies (the connectors'
-// _send_mamba_state_slice, with compute_mamba_state_slice_byte_blocks):
-// one strided copy per logical block of each tensor, over its outer rows;
-// the prefill slot offset is scaled by the prefill item length and the
-// decode one by the decode item length. NIXL skips tensors with a zero
-// prefill length or a null pointer.
-func (c *stateComp) resolveMambaSlice(v *stateView, t StateTopology, nixl bool) {
+// eachMambaMove calls fn, in the connectors' order, for every tensor pair
+// of the component that moves, after their per-tensor checks: a tensor
+// without an item length (prefill's; with dstLens, decode's too) is an
+// error; NIXL skips a tensor with a zero prefill length or a null pointer
+// on either side, and a missing prefill tensor is an error once reached.
+// The first error, of a check or of fn, is recorded and ends the loop.
+func (c *stateComp) eachMambaMove(v *stateView, t StateTopology, nixl, dstLens bool, fn func(EntryPair) error) {
 	pairs, err := mambaPairs(v, t, nixl)
 	if err != nil {
 		c.setErr(err)
@@ -81,7 +68,7 @@ func (c *stateComp) resolveMambaSlice(v *stateView, t StateTopology, nixl bool) 
 			c.setErr(errorf(stateField("prefill.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Src, len(v.srcLens)))
 			return
 		}
-		if p.Dst >= len(v.dstLens) {
+		if dstLens && p.Dst >= len(v.dstLens) {
 			c.setErr(errorf(stateField("decode.state_item_lens", v.i), "no item length for tensor %d (have %d)", p.Dst, len(v.dstLens)))
 			return
 		}
@@ -96,13 +83,39 @@ func (c *stateComp) resolveMambaSlice(v *stateView, t StateTopology, nixl bool) 
 			if v.srcPtrs[p.Src] == 0 || v.dstPtrs[p.Dst] == 0 {
 				continue
 			}
-			c.mambaActive = true
 		}
-		if err := c.addMambaSlice(v, t, p); err != nil {
+		if err := fn(p); err != nil {
 			c.setErr(err)
 			return
 		}
 	}
+}
+
+// resolveMambaWhole resolves whole-slot copies (the connectors'
+// _send_mamba_state): each tensor copies the prefill item length from slot
+// to slot, both offsets scaled by the prefill item length.
+func (c *stateComp) resolveMambaWhole(v *stateView, t StateTopology, nixl bool) {
+	c.eachMambaMove(v, t, nixl, false, func(p EntryPair) error {
+		c.refDescs++
+		if length := v.srcLens[p.Src]; length > 0 {
+			c.mamba = append(c.mamba, mambaCopy{src: int32(p.Src), dst: int32(p.Dst), srcItem: length, dstItem: length, length: length, count: 1})
+		}
+		return nil
+	})
+}
+
+// resolveMambaSlice resolves TP-slice copies (the connectors'
+// _send_mamba_state_slice, with compute_mamba_state_slice_byte_blocks):
+// one strided copy per logical block of each tensor, over its outer rows;
+// the prefill slot offset is scaled by the prefill item length and the
+// decode one by the decode item length.
+func (c *stateComp) resolveMambaSlice(v *stateView, t StateTopology, nixl bool) {
+	c.eachMambaMove(v, t, nixl, true, func(p EntryPair) error {
+		if nixl {
+			c.mambaActive = true
+		}
+		return c.addMambaSlice(v, t, p)
+	})
 }
 
 // addMambaSlice records the slice copies of one tensor pair.

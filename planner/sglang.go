@@ -224,22 +224,43 @@ func addPageRuns(p *Plan, pp pagePair, runs []pageRun) {
 	}
 }
 
-// addSliceRuns adds the head-slice copies of one region pair: one strided
-// copy per run (runs of single pages when page strides do not continue the
-// token stride, see headSlice.tokensAligned).
-func addSliceRuns(p *Plan, h *headSlice, srcReg, dstReg int32, runs []pageRun) {
-	for _, r := range runs {
-		p.Add(Copy{
-			SrcRegion: srcReg, DstRegion: dstReg,
-			SrcOff: r.src*h.srcItem + h.srcOff, DstOff: r.dst*h.dstItem + h.dstOff,
-			Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * r.n,
-		})
+// addSlices adds the head-slice copies of one chunk for every region pair
+// (prefill region i to decode region pairOf[i]): one strided copy per run,
+// runs of single pages when page strides do not continue the token stride
+// (see headSlice.tokensAligned). The reference sends one descriptor per
+// token per region.
+func addSlices(p *Plan, h *headSlice, pairOf []int32, src, dst []int32) {
+	runs := p.pageRuns(src, dst, !h.tokensAligned())
+	for i, d := range pairOf {
+		for _, r := range runs {
+			p.Add(Copy{
+				SrcRegion: int32(i), DstRegion: d,
+				SrcOff: r.src*h.srcItem + h.srcOff, DstOff: r.dst*h.dstItem + h.dstOff,
+				Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * r.n,
+			})
+		}
 	}
+	p.ReferenceDescriptors = uint64(len(pairOf)) * uint64(len(src)) * h.pageSize
+}
+
+// checkPairsFit checks that every page of the chunk, at each region pair's
+// strides, ends inside its regions: the reference addresses some regions
+// with another region's item length, which can run past a shorter region.
+func checkPairsFit(pairs []pagePair, src, dst []int32, srcRegs, dstRegs []Region) error {
+	ms, md := maxPage(src), maxPage(dst)
+	for _, pp := range pairs {
+		if err := checkPagesFit("prefill_pages", ms, pp.srcStride, pp.xfer, srcRegs[pp.src], pp.src); err != nil {
+			return err
+		}
+		if err := checkPagesFit("decode_pages", md, pp.dstStride, pp.xfer, dstRegs[pp.dst], pp.dst); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // checkPagesFit checks that page maxPage at stride bytes, plus xfer bytes,
-// ends inside region r; the reference addresses some regions with another
-// region's item length, which can run past a shorter region.
+// ends inside region r.
 func checkPagesFit(field string, maxPage int32, stride, xfer uint64, r Region, reg int32) error {
 	end, ok := mulAdd64(xfer, uint64(maxPage), stride)
 	if !ok || end > r.Len {

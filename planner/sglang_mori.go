@@ -113,23 +113,13 @@ func (m *MORIKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		return err
 	}
 	if m.path == PathMORITPSlice {
-		runs := p.pageRuns(src, dst, !m.slice.tokensAligned())
-		for i, d := range m.pairOf {
-			addSliceRuns(p, &m.slice, int32(i), d, runs)
-		}
-		p.ReferenceDescriptors = uint64(len(m.pairOf)) * uint64(len(src)) * m.slice.pageSize
+		addSlices(p, &m.slice, m.pairOf, src, dst)
 		return nil
 	}
-	ms, md := maxPage(src), maxPage(dst)
-	for _, pp := range m.pairs {
-		// MORI strides K and V of every layer, on both sides, with one
-		// prefill item length, which may not fit a region of another size.
-		if err := checkPagesFit("prefill_pages", ms, pp.srcStride, pp.xfer, m.src[pp.src], pp.src); err != nil {
-			return err
-		}
-		if err := checkPagesFit("decode_pages", md, pp.dstStride, pp.xfer, m.dst[pp.dst], pp.dst); err != nil {
-			return err
-		}
+	// MORI strides K and V of every layer, on both sides, with one prefill
+	// item length, which may not fit a region of another size.
+	if err := checkPairsFit(m.pairs, src, dst, m.src, m.dst); err != nil {
+		return err
 	}
 	runs := p.pageRuns(src, dst, false)
 	for _, pp := range m.pairs {

@@ -227,23 +227,13 @@ func (n *NIXLKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		return nil
 	}
 	if n.path == PathNIXLPreppedSlice {
-		runs := p.pageRuns(src, dst, !n.slice.tokensAligned())
-		for i, d := range n.pairOf {
-			addSliceRuns(p, &n.slice, int32(i), d, runs)
-		}
-		p.ReferenceDescriptors = uint64(len(n.pairOf)) * uint64(len(src)) * n.slice.pageSize
+		addSlices(p, &n.slice, n.pairOf, src, dst)
 		return nil
 	}
 	if !n.prepped {
 		// Only this path strides a decode region with a prefill item length.
-		ms, md := maxPage(src), maxPage(dst)
-		for _, pp := range n.pairs {
-			if err := checkPagesFit("prefill_pages", ms, pp.srcStride, pp.xfer, n.src[pp.src], pp.src); err != nil {
-				return err
-			}
-			if err := checkPagesFit("decode_pages", md, pp.dstStride, pp.xfer, n.dst[pp.dst], pp.dst); err != nil {
-				return err
-			}
+		if err := checkPairsFit(n.pairs, src, dst, n.src, n.dst); err != nil {
+			return err
 		}
 	}
 	runs := p.pageRuns(src, dst, false)

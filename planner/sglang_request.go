@@ -70,11 +70,7 @@ func planSGLangNIXLKV(raw json.RawMessage) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := new(Plan)
-	if err := n.Plan(p, src, dst); err != nil {
-		return nil, err
-	}
-	return p, nil
+	return planNew(n, src, dst)
 }
 
 func planSGLangMORIKV(raw json.RawMessage) (*Plan, error) {
@@ -86,8 +82,16 @@ func planSGLangMORIKV(raw json.RawMessage) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
+	return planNew(m, src, dst)
+}
+
+// planNew plans one request into a new Plan, with any planner of the
+// index-list shape (NIXLKV, MORIKV, VLLMReader).
+func planNew(pl interface {
+	Plan(p *Plan, prefill, decode []int32) error
+}, prefill, decode []int32) (*Plan, error) {
 	p := new(Plan)
-	if err := m.Plan(p, src, dst); err != nil {
+	if err := pl.Plan(p, prefill, decode); err != nil {
 		return nil, err
 	}
 	return p, nil

@@ -268,14 +268,7 @@ func NewStatePlannerNIXL(types []StateType, src, dst StateBuffers, t StateTopolo
 		c.regions(&v)
 		switch st {
 		case StateMamba:
-			c.kind = kindMamba
-			if t.tpMismatch() && len(v.srcDims) > 0 && len(v.dstDims) > 0 {
-				c.path = PathNIXLMambaSlice
-				c.resolveMambaSlice(&v, t, true)
-			} else {
-				c.path = PathNIXLMamba
-				c.resolveMambaWhole(&v, t, true)
-			}
+			c.resolveMamba(&v, t, true)
 		case StateSWA, StateDSA, StateSWARing, StateC128State:
 			c.kind, c.path = kindPaged, PathNIXLPaged
 			if !t.MLA && t.tpMismatch() {
@@ -334,14 +327,7 @@ func NewStatePlannerMORI(types []StateType, src, dst StateBuffers, t StateTopolo
 		c.regions(&v)
 		switch st {
 		case StateMamba:
-			c.kind = kindMamba
-			if t.tpMismatch() && len(v.srcDims) > 0 && len(v.dstDims) > 0 {
-				c.path = PathMORIMambaSlice
-				c.resolveMambaSlice(&v, t, false)
-			} else {
-				c.path = PathMORIMamba
-				c.resolveMambaWhole(&v, t, false)
-			}
+			c.resolveMamba(&v, t, false)
 		case StateSWA, StateDSA, StateSWARing, StateC128State, StateMiniMaxIndexK:
 			c.kind, c.path = kindPaged, PathMORIPaged
 			switch {

@@ -42,8 +42,8 @@ func planVLLMKVRequest(raw json.RawMessage) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := new(Plan)
-	if err := r.Plan(p, remote, local); err != nil {
+	p, err := planNew(r, remote, local)
+	if err != nil {
 		return nil, vllmJSONError(err)
 	}
 	return p, nil

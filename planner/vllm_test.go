@@ -792,9 +792,5 @@ func TestVLLMReaderConcurrent(t *testing.T) {
 // planRead plans one request into a new Plan. Its arguments are in the
 // tables' vLLM order, local (decode) ids first; Plan takes prefill first.
 func planRead(r *VLLMReader, local, remote []int32) (*Plan, error) {
-	p := new(Plan)
-	if err := r.Plan(p, remote, local); err != nil {
-		return nil, err
-	}
-	return p, nil
+	return planNew(r, remote, local)
 }
