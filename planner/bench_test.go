@@ -95,10 +95,6 @@ func BenchmarkNIXLKVPlan(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			p := new(Plan)
-			if err := n.Plan(p, bc.src, bc.dst); err != nil {
-				b.Fatal(err)
-			}
 			// Baseline, same run: the reference's per-chunk index arrays.
 			var si, di []int32
 			baseline := func() {
@@ -113,20 +109,7 @@ func BenchmarkNIXLKVPlan(b *testing.B) {
 				runs++
 			}
 			baseNs := float64(time.Since(start).Nanoseconds()) / float64(runs)
-
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				if err := n.Plan(p, bc.src, bc.dst); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.StopTimer()
-			perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
-			b.ReportMetric(perOp/float64(p.Descriptors()), "ns/descriptor")
-			b.ReportMetric(float64(p.Descriptors()), "descriptors")
-			b.ReportMetric(float64(p.ReferenceDescriptors), "reference-descriptors")
-			b.ReportMetric(baseNs/perOp, "x-vs-reference-indices")
+			benchPlan(b, n, bc.src, bc.dst, baseNs, "x-vs-reference-indices")
 		})
 	}
 }
@@ -138,24 +121,38 @@ func BenchmarkMORIKVPlan(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			p := new(Plan)
-			if err := m.Plan(p, bc.src, bc.dst); err != nil {
-				b.Fatal(err)
-			}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				if err := m.Plan(p, bc.src, bc.dst); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.StopTimer()
-			perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
-			b.ReportMetric(perOp/float64(p.Descriptors()), "ns/descriptor")
-			b.ReportMetric(float64(p.Descriptors()), "descriptors")
-			b.ReportMetric(float64(p.ReferenceDescriptors), "reference-descriptors")
+			benchPlan(b, m, bc.src, bc.dst, 0, "")
 		})
 	}
+}
+
+// benchPlan times a warm pl.Plan of one chunk and reports ns per
+// descriptor, the plan's and the reference's descriptor counts and, when
+// baseNs (the baseline measured in the same run) is set, the speed ratio
+// against it as ratioUnit. It returns the plan.
+func benchPlan(b *testing.B, pl interface {
+	Plan(p *Plan, prefill, decode []int32) error
+}, prefill, decode []int32, baseNs float64, ratioUnit string) *Plan {
+	p := new(Plan)
+	if err := pl.Plan(p, prefill, decode); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if err := pl.Plan(p, prefill, decode); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+	b.ReportMetric(perOp/float64(p.Descriptors()), "ns/descriptor")
+	b.ReportMetric(float64(p.Descriptors()), "descriptors")
+	b.ReportMetric(float64(p.ReferenceDescriptors), "reference-descriptors")
+	if baseNs > 0 {
+		b.ReportMetric(baseNs/perOp, ratioUnit)
+	}
+	return p
 }
 
 // TestRealisticShapes pins what the benchmarks measure: descriptor counts

@@ -80,27 +80,11 @@ func BenchmarkVLLMPlan(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			p := new(Plan)
-			if err := rd.Plan(p, bc.remoteIDs, bc.localIDs); err != nil {
-				b.Fatal(err)
-			}
+			baseNs := vllmBaselineNs(b, rd, bc)
+			p := benchPlan(b, rd, bc.remoteIDs, bc.localIDs, baseNs, "x-vs-reference-ids")
 			if len(p.Copies) > bc.wantCopiesMax {
 				b.Fatalf("%d copies, want at most %d", len(p.Copies), bc.wantCopiesMax)
 			}
-			baseNs := vllmBaselineNs(b, rd, bc)
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				if err := rd.Plan(p, bc.remoteIDs, bc.localIDs); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.StopTimer()
-			perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
-			b.ReportMetric(perOp/float64(p.Descriptors()), "ns/descriptor")
-			b.ReportMetric(float64(p.Descriptors()), "descriptors")
-			b.ReportMetric(float64(p.ReferenceDescriptors), "reference-descriptors")
-			b.ReportMetric(baseNs/perOp, "x-vs-reference-ids")
 		})
 	}
 }
