@@ -257,12 +257,8 @@ func (m *Prefill) nixlState(p *peer, r *sglang.NIXLRegistration, lens [][]uint64
 	}
 	dst := planner.StateBuffers{Ptrs: r.StatePtrs}
 	for c, ptrs := range r.StatePtrs {
-		var items, dl []uint64
-		var dims []int
+		var dl []uint64
 		for t := range ptrs {
-			if c < len(r.StateItemLens) && t < len(r.StateItemLens[c]) {
-				items = append(items, uint64(r.StateItemLens[c][t]))
-			}
 			switch {
 			case c < len(lens) && t < len(lens[c]):
 				dl = append(dl, lens[c][t])
@@ -272,14 +268,9 @@ func (m *Prefill) nixlState(p *peer, r *sglang.NIXLRegistration, lens [][]uint64
 				dl = append(dl, 0)
 			}
 		}
-		if c < len(r.StateDimPerTensor) {
-			for _, d := range r.StateDimPerTensor[c] {
-				dims = append(dims, int(d))
-			}
-		}
-		dst.ItemLens = append(dst.ItemLens, items)
+		dst.ItemLens = append(dst.ItemLens, peerItemLens(r.StateItemLens, c, len(ptrs)))
 		dst.DataLens = append(dst.DataLens, dl)
-		dst.DimPerTensor = append(dst.DimPerTensor, dims)
+		dst.DimPerTensor = append(dst.DimPerTensor, peerDims(r.StateDimPerTensor, c))
 	}
 	sp, err := planner.NewStatePlannerNIXL(m.stateTypes, m.srcState, dst, m.stateTopology(r.DecodeTPSize, r.DecodeTPRank))
 	if err != nil {
@@ -437,9 +428,8 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 	if len(m.stateTypes) > 0 && len(r.StateMemDescs) > 0 {
 		dstState := planner.StateBuffers{}
 		for c, comp := range r.StateMemDescs {
-			var ptrs, lens, items []uint64
+			var ptrs, lens []uint64
 			var regs []*plugin.RemoteRegion
-			var dims []int
 			for t, blob := range comp {
 				rr, err := m.agent.ImportRegion(name, blob)
 				if err != nil {
@@ -448,20 +438,12 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 				regs = append(regs, rr)
 				ptrs = append(ptrs, rr.Addr())
 				lens = append(lens, rr.Len())
-				if c < len(r.StateItemLens) && t < len(r.StateItemLens[c]) {
-					items = append(items, uint64(r.StateItemLens[c][t]))
-				}
-			}
-			if c < len(r.StateDimPerTensor) {
-				for _, d := range r.StateDimPerTensor[c] {
-					dims = append(dims, int(d))
-				}
 			}
 			p.stateRemote = append(p.stateRemote, regs)
 			dstState.Ptrs = append(dstState.Ptrs, ptrs)
 			dstState.DataLens = append(dstState.DataLens, lens)
-			dstState.ItemLens = append(dstState.ItemLens, items)
-			dstState.DimPerTensor = append(dstState.DimPerTensor, dims)
+			dstState.ItemLens = append(dstState.ItemLens, peerItemLens(r.StateItemLens, c, len(comp)))
+			dstState.DimPerTensor = append(dstState.DimPerTensor, peerDims(r.StateDimPerTensor, c))
 		}
 		if p.state, err = planner.NewStatePlannerMORI(m.stateTypes, m.srcState, dstState, m.stateTopology(r.DecodeTPSize, r.DecodeTPRank)); err != nil {
 			return p, fmt.Errorf("state geometry: %w", err)
@@ -572,5 +554,31 @@ func expandDlist(d *planner.Dlist, dev uint64) []abi.XferDesc {
 		out = append(out, abi.XferDesc{Addr: addr, Len: length, Count: 1, DevID: dev})
 		return true
 	})
+	return out
+}
+
+// peerItemLens returns the item lengths a decode rank sent for the first n
+// tensors of state component c (as many as it sent, nil for none).
+func peerItemLens(lists [][]uint32, c, n int) []uint64 {
+	if c >= len(lists) {
+		return nil
+	}
+	var out []uint64
+	for _, l := range lists[c][:min(n, len(lists[c]))] {
+		out = append(out, uint64(l))
+	}
+	return out
+}
+
+// peerDims returns the dims per tensor a decode rank sent for state
+// component c (nil if none).
+func peerDims(lists [][]uint32, c int) []int {
+	if c >= len(lists) {
+		return nil
+	}
+	var out []int
+	for _, d := range lists[c] {
+		out = append(out, int(d))
+	}
 	return out
 }

@@ -122,13 +122,19 @@ func (r *frameReader) int(i int, field string) int64 {
 // value as a (truthy) prefix hit; no sender writes one (NIXL writes
 // str(x or 0), MORI only x > 0), and a negative token count means nothing,
 // so it is malformed here.
-func (r *frameReader) prefixLen(i int) int64 {
-	v := r.int(i, "decode_prefix_len")
+//
+// The frame is optional: set reports whether it is there and not empty
+// (Python None otherwise).
+func (r *frameReader) prefixLen(i int) (v int64, set bool) {
+	if !r.present(i) {
+		return 0, false
+	}
+	v = r.int(i, "decode_prefix_len")
 	if r.err == nil && v < 0 {
 		r.fail(i, "decode_prefix_len", "negative: %d", v)
-		return 0
+		return 0, true
 	}
-	return v
+	return v, true
 }
 
 func (r *frameReader) uint(i int, field string) uint64 {

@@ -321,10 +321,7 @@ func parseMORITransferInfo(payload [][]byte) (*MORITransferInfo, error) {
 		// one is an error there too.
 		m.RequiredDstInfoNum = r.smallInt(7, "required_dst_info_num")
 	}
-	if r.present(8) {
-		m.DecodePrefixLen = r.prefixLen(8)
-		m.DecodePrefixLenSet = true
-	}
+	m.DecodePrefixLen, m.DecodePrefixLenSet = r.prefixLen(8)
 	if r.err != nil {
 		return nil, r.err
 	}

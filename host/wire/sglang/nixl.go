@@ -264,10 +264,7 @@ func parseNIXLTransferInfo(payload [][]byte) (*NIXLTransferInfo, error) {
 	if r.present(7) {
 		m.DstStateIndices = r.int32Lists(7, "dst state indices")
 	}
-	if r.present(8) {
-		m.DecodePrefixLen = r.prefixLen(8)
-		m.DecodePrefixLenSet = true
-	}
+	m.DecodePrefixLen, m.DecodePrefixLenSet = r.prefixLen(8)
 	if r.err != nil {
 		return nil, r.err
 	}
