@@ -29,7 +29,8 @@
 //
 // # Semantics (the reference's, see ../shared/reference)
 //
-// Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed terminal.
+// Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed
+// terminal.
 // Chunks go to transfer worker shards by room (room % QueueSize), so a
 // room's chunks are processed in order. Each chunk is planned with package
 // planner, checked against the region tables of both sides (Plan.Validate:
@@ -83,8 +84,8 @@
 //   - MORI's EngineDesc is a msgpack array whose first element is the
 //     engine key. A plugin whose metadata is not one (the fake plugin,
 //     NIXL) has it wrapped: [key, gpu id, "kvhost-wrapped", metadata (bin),
-//     nil]; the prefill unwraps it before loading it. A MORI plugin's
-//     metadata goes as is.
+//     nil] (sglang.WrapEngineDesc); the prefill unwraps it before loading
+//     it. A MORI plugin's metadata goes as is.
 //   - Failures travel as MORI status messages in both variants (SGLang NIXL
 //     has no way to tell decode why a room failed); an SGLang NIXL decode
 //     ignores them.
