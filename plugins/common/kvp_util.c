@@ -156,30 +156,42 @@ kvp_error *kvp_check_args(const void *args, size_t min_size, const char *fn) {
 /* Handle table                                                             */
 /* ------------------------------------------------------------------------ */
 
+/* Lookups take no lock: each slot keeps its generation, state and reference
+ * count in one 64-bit word that acquire and put change with one
+ * compare-and-swap (GCC/Clang __atomic builtins, which C11 and C++17 both
+ * accept). The mutex serialises only insert and remove (the free list,
+ * chunk growth, the live count) and the wait of a remove for the last
+ * reference; put takes it only to wake that wait.
+ *
+ * Slot word: generation << 32 | HT_LIVE | HT_REMOVING | references. An
+ * inserted slot is LIVE; remove sets REMOVING (acquire fails from then on),
+ * waits until the references are 0, then stores the next generation with
+ * neither flag (free). A handle matches a slot when its generation equals
+ * the word's. */
 #define HT_CHUNK_BITS 10u
 #define HT_CHUNK (1u << HT_CHUNK_BITS)
 #define HT_MAX_CHUNKS (KVP_HT_MAX_ENTRIES / HT_CHUNK)
 #define HT_INDEX_MASK (KVP_HT_MAX_ENTRIES - 1u)
 
-enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_REMOVING = 2 };
+#define HT_LIVE (1ull << 31)
+#define HT_REMOVING (1ull << 30)
+#define HT_REFS ((1ull << 30) - 1u)
 
 typedef struct ht_slot {
-  void *obj;
-  uint32_t gen;
-  uint32_t refs;
-  uint32_t next_free; /* index + 1 of the next free slot; 0 ends the list */
-  uint32_t state;
+  uint64_t word;      /* atomic: see above */
+  void *obj;          /* set before the word turns LIVE; stable while LIVE */
+  uint32_t next_free; /* index + 1 of the next free slot; 0 ends the list; under mu */
 } ht_slot;
 
 struct kvp_htable {
-  pthread_mutex_t mu;
-  pthread_cond_t cv; /* signalled when a removing slot's refs drop to 0 */
   uint8_t tag;
-  uint32_t nslots;    /* slots ever handed out (all chunks up to here exist) */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;  /* signalled when a removing slot's refs drop to 0 */
+  uint32_t nslots;    /* slots ever handed out; under mu */
   uint32_t free_head; /* index + 1; 0: none */
   uint32_t free_tail;
   size_t live;
-  ht_slot *chunks[HT_MAX_CHUNKS];
+  ht_slot *chunks[HT_MAX_CHUNKS]; /* atomic loads: set once (release) under mu */
 };
 
 kvp_htable *kvp_ht_create(uint8_t tag) {
@@ -208,6 +220,19 @@ static uint64_t ht_handle(const kvp_htable *t, uint32_t idx, uint32_t gen) {
   return ((uint64_t)gen << 32) | ((uint64_t)t->tag << 24) | idx;
 }
 
+/* The slot a handle names if its tag is this table's and its slot exists
+ * (the generation is checked against the slot word by the caller), else
+ * NULL. Takes no lock. */
+static ht_slot *ht_slot_of(kvp_htable *t, uint64_t handle) {
+  uint32_t low = (uint32_t)handle;
+  if (!t || (handle >> 32) == 0 || (low >> 24) != t->tag) return NULL;
+  uint32_t idx = low & HT_INDEX_MASK;
+  ht_slot *chunk = __atomic_load_n(&t->chunks[idx >> HT_CHUNK_BITS], __ATOMIC_ACQUIRE);
+  return chunk ? &chunk[idx & (HT_CHUNK - 1u)] : NULL;
+}
+
+static int ht_gen_is(uint64_t word, uint64_t handle) { return (word >> 32) == (handle >> 32); }
+
 kvp_error *kvp_ht_insert(kvp_htable *t, void *obj, uint64_t *handle) {
   if (!t || !obj || !handle) return kvp_err(KVP_ERR_INVALID_PARAM, "kvp_ht_insert: NULL argument");
   pthread_mutex_lock(&t->mu);
@@ -228,79 +253,74 @@ kvp_error *kvp_ht_insert(kvp_htable *t, void *obj, uint64_t *handle) {
     idx = t->nslots;
     uint32_t c = idx >> HT_CHUNK_BITS;
     if (!t->chunks[c]) {
-      t->chunks[c] = (ht_slot *)calloc(HT_CHUNK, sizeof(ht_slot));
-      if (!t->chunks[c]) {
+      ht_slot *chunk = (ht_slot *)calloc(HT_CHUNK, sizeof(ht_slot));
+      if (!chunk) {
         pthread_mutex_unlock(&t->mu);
         return kvp_err_oom();
       }
-      for (uint32_t i = 0; i < HT_CHUNK; i++) t->chunks[c][i].gen = 1;
+      for (uint32_t i = 0; i < HT_CHUNK; i++) chunk[i].word = 1ull << 32; /* generation 1, free */
+      __atomic_store_n(&t->chunks[c], chunk, __ATOMIC_RELEASE);
     }
     t->nslots++;
   }
   ht_slot *s = ht_slot_at(t, idx);
   s->obj = obj;
-  s->refs = 0;
   s->next_free = 0;
-  s->state = SLOT_LIVE;
+  uint64_t gen = __atomic_load_n(&s->word, __ATOMIC_RELAXED) >> 32;
+  __atomic_store_n(&s->word, (gen << 32) | HT_LIVE, __ATOMIC_RELEASE); /* publishes obj */
   t->live++;
-  *handle = ht_handle(t, idx, s->gen);
+  *handle = ht_handle(t, idx, (uint32_t)gen);
   pthread_mutex_unlock(&t->mu);
   return NULL;
 }
 
-/* The slot of a handle whose tag, index and generation match; mu held. */
-static ht_slot *ht_find(kvp_htable *t, uint64_t handle) {
-  uint32_t gen = (uint32_t)(handle >> 32);
-  uint32_t low = (uint32_t)handle;
-  if (gen == 0 || (low >> 24) != t->tag) return NULL;
-  uint32_t idx = low & HT_INDEX_MASK;
-  if (idx >= t->nslots) return NULL;
-  ht_slot *s = ht_slot_at(t, idx);
-  if (s->gen != gen) return NULL;
-  return s;
-}
-
 void *kvp_ht_acquire(kvp_htable *t, uint64_t handle) {
-  if (!t) return NULL;
-  pthread_mutex_lock(&t->mu);
-  ht_slot *s = ht_find(t, handle);
-  void *obj = NULL;
-  if (s && s->state == SLOT_LIVE) {
-    s->refs++;
-    obj = s->obj;
-  }
-  pthread_mutex_unlock(&t->mu);
-  return obj;
+  ht_slot *s = ht_slot_of(t, handle);
+  if (!s) return NULL;
+  uint64_t w = __atomic_load_n(&s->word, __ATOMIC_RELAXED);
+  do {
+    if (!ht_gen_is(w, handle) || (w & (HT_LIVE | HT_REMOVING)) != HT_LIVE || (w & HT_REFS) == HT_REFS)
+      return NULL;
+  } while (!__atomic_compare_exchange_n(&s->word, &w, w + 1, 1, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED));
+  return s->obj;
 }
 
 void kvp_ht_put(kvp_htable *t, uint64_t handle) {
-  if (!t) return;
-  pthread_mutex_lock(&t->mu);
-  ht_slot *s = ht_find(t, handle);
-  if (s && s->state != SLOT_FREE && s->refs > 0) {
-    s->refs--;
-    if (s->refs == 0 && s->state == SLOT_REMOVING) pthread_cond_broadcast(&t->cv);
+  ht_slot *s = ht_slot_of(t, handle);
+  if (!s) return;
+  uint64_t w = __atomic_load_n(&s->word, __ATOMIC_RELAXED);
+  do {
+    if (!ht_gen_is(w, handle) || !(w & HT_LIVE) || (w & HT_REFS) == 0) return; /* stray put */
+  } while (!__atomic_compare_exchange_n(&s->word, &w, w - 1, 1, __ATOMIC_RELEASE, __ATOMIC_RELAXED));
+  if ((w & HT_REMOVING) && (w & HT_REFS) == 1) {
+    /* The last reference of a slot being removed: wake the remover, which
+     * checks the count under mu before it waits. */
+    pthread_mutex_lock(&t->mu);
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
   }
-  pthread_mutex_unlock(&t->mu);
 }
 
 void *kvp_ht_remove(kvp_htable *t, uint64_t handle) {
-  if (!t) return NULL;
+  ht_slot *s = ht_slot_of(t, handle);
+  if (!s) return NULL;
   pthread_mutex_lock(&t->mu);
-  ht_slot *s = ht_find(t, handle);
-  if (!s || s->state != SLOT_LIVE) {
-    pthread_mutex_unlock(&t->mu);
-    return NULL;
-  }
-  s->state = SLOT_REMOVING;
-  while (s->refs > 0) pthread_cond_wait(&t->cv, &t->mu);
+  uint64_t w = __atomic_load_n(&s->word, __ATOMIC_RELAXED);
+  do {
+    if (!ht_gen_is(w, handle) || (w & (HT_LIVE | HT_REMOVING)) != HT_LIVE) {
+      pthread_mutex_unlock(&t->mu);
+      return NULL;
+    }
+  } while (!__atomic_compare_exchange_n(&s->word, &w, w | HT_REMOVING, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED));
+  while (__atomic_load_n(&s->word, __ATOMIC_ACQUIRE) & HT_REFS) pthread_cond_wait(&t->cv, &t->mu);
   void *obj = s->obj;
   uint32_t idx = (uint32_t)handle & HT_INDEX_MASK;
+  uint32_t gen = (uint32_t)(handle >> 32) + 1u;
+  if (gen == 0) gen = 1;
   s->obj = NULL;
-  s->state = SLOT_FREE;
-  s->gen++;
-  if (s->gen == 0) s->gen = 1;
   s->next_free = 0;
+  __atomic_store_n(&s->word, (uint64_t)gen << 32, __ATOMIC_RELEASE); /* free: the handle is stale */
   if (t->free_tail)
     ht_slot_at(t, t->free_tail - 1)->next_free = idx + 1;
   else

@@ -98,7 +98,12 @@ kvp_error *kvp_check_args(const void *args, size_t min_size, const char *fn);
  * Acquire/put implement reference counting: kvp_ht_remove() marks the entry
  * dead at once (further acquires fail) and then waits until every reference
  * taken before is put back, so an object can be freed safely after remove
- * returns even while other threads were using it. */
+ * returns even while other threads were using it.
+ *
+ * Acquire and put take no lock (one compare-and-swap each on the slot), so
+ * the calls of a hot path that validate several handles cost a few atomic
+ * operations, not a mutex round trip each; insert and remove serialise on
+ * the table's mutex. */
 typedef struct kvp_htable kvp_htable;
 
 #define KVP_HT_MAX_ENTRIES (1u << 24)

@@ -322,6 +322,74 @@ static void test_handles_concurrent(void) {
   kvp_ht_destroy(t);
 }
 
+/* Lock-free acquire and put race with remove and re-insert of the same
+ * slot: a reference, once taken, keeps the object alive (remove waits for
+ * it), and no acquire succeeds on a handle after its remove returned. The
+ * object's `alive` flag is plain memory: ThreadSanitizer checks that the
+ * table orders the readers' accesses before the remover's write. */
+typedef struct {
+  int alive;
+  int id;
+} race_obj;
+
+typedef struct {
+  kvp_htable *t;
+  uint64_t *handle; /* the handle in use now; __atomic */
+  int *stop;        /* __atomic */
+  long hits, bad;
+} race_ctx;
+
+static void *race_reader(void *p) {
+  race_ctx *c = (race_ctx *)p;
+  while (!__atomic_load_n(c->stop, __ATOMIC_ACQUIRE)) {
+    uint64_t h = __atomic_load_n(c->handle, __ATOMIC_ACQUIRE);
+    race_obj *o = (race_obj *)kvp_ht_acquire(c->t, h);
+    if (!o) continue;
+    if (!o->alive || (uint32_t)o->id != (uint32_t)(h >> 32)) c->bad++;
+    c->hits++;
+    kvp_ht_put(c->t, h);
+  }
+  return NULL;
+}
+
+static void test_handles_lockfree_race(void) {
+  kvp_htable *t = kvp_ht_create(9);
+  race_obj obj = {0, 0};
+  uint64_t handle = 0;
+  int stop = 0;
+  race_ctx cs[3];
+  pthread_t th[3];
+  for (int i = 0; i < 3; i++) {
+    cs[i] = (race_ctx){t, &handle, &stop, 0, 0};
+    pthread_create(&th[i], NULL, race_reader, &cs[i]);
+  }
+  int stale_ok = 1;
+  for (int round = 0; round < 3000; round++) {
+    uint64_t h = 0;
+    obj.alive = 1;
+    CHECK_ERR(kvp_ht_insert(t, &obj, &h), 0, NULL);
+    obj.id = (int)(uint32_t)(h >> 32); /* written before the handle is shared */
+    __atomic_store_n(&handle, h, __ATOMIC_RELEASE);
+    for (volatile int spin = 0; spin < 200; spin++) {
+    }
+    if (kvp_ht_remove(t, h) != &obj) stale_ok = 0;
+    obj.alive = 0; /* no reader holds a reference any more */
+    if (kvp_ht_acquire(t, h) != NULL) stale_ok = 0;
+  }
+  __atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
+  long hits = 0, bad = 0;
+  for (int i = 0; i < 3; i++) {
+    pthread_join(th[i], NULL);
+    hits += cs[i].hits;
+    bad += cs[i].bad;
+  }
+  CHECK(stale_ok);
+  CHECK(bad == 0);
+  CHECK(hits > 0);
+  CHECK(kvp_ht_count(t) == 0);
+  kvp_ht_destroy(t);
+}
+
 /* ------------------------------------------------------------------------ */
 
 static void test_params(void) {
@@ -749,6 +817,7 @@ int main(void) {
   test_handles_basic();
   test_handles_remove_waits();
   test_handles_concurrent();
+  test_handles_lockfree_race();
   test_params();
   test_ranges();
   test_out_and_reader();
