@@ -26,11 +26,14 @@
  *                        copies a slice, so memory cannot be deregistered
  *                        under a copy;
  *   peers_lock (rwlock)  its loaded peers and their metadata;
- *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove);
- *   qlock      (mutex)   its transfer queue, transfer states and telemetry.
+ *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove)
+ *                        and its cache of released transfers;
+ *   qlock      (mutex)   its transfer queue, transfer states and telemetry
+ *                        (read without it once a run has ended, see xfer).
  * No thread holds two of these at once, except a runner that read-locks the
  * mem_lock of its own agent and of a same-process peer, always in address
- * order. Handle-table mutexes are leaves. Every API call holds a reference
+ * order. Handle lookups take no lock (kvp_util); the tables' mutexes (insert
+ * and remove only) are leaves. Every API call holds a reference
  * on the agent handle it names (and on other handles it uses) for its whole
  * duration, so a concurrent destroy or release waits for it.
  */
@@ -57,6 +60,23 @@
 
 #include "kvp_util.h"
 #include "kvplugin.h"
+
+/* AddressSanitizer cannot see a use after free of memory an agent keeps
+ * for reuse (released transfers, see xfer_alloc): poison it while it is
+ * cached, so ASan builds still catch such a use. No-ops otherwise. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) && !defined(__SANITIZE_ADDRESS__)
+#define __SANITIZE_ADDRESS__ 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define FAKE_POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define FAKE_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define FAKE_POISON(p, n) ((void)(p), (void)(n))
+#define FAKE_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
 
 /* The ABI major this build claims. A test build sets it to another value to
  * show that hosts refuse it. */
@@ -234,13 +254,15 @@ enum xstate { X_IDLE, X_QUEUED, X_RUNNING, X_DONE, X_FAILED };
 enum { BASIS_ADVERTISED, BASIS_REGIONS };
 enum { ROUTE_NONE, ROUTE_LOCAL, ROUTE_PVM };
 
-/* Where a transfer's peer lives, copied from its metadata at post. */
+/* Where a transfer's peer lives, copied from its metadata at post. sock
+ * (the peer's notification socket) is copied only when the transfer has a
+ * notification to deliver; sock_len is 0 otherwise. */
 typedef struct route {
   int kind;
   uint32_t pid;
   uint64_t agent_handle, agent_id;
-  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
   size_t sock_len;
+  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
 } route;
 
 typedef struct telem {
@@ -248,8 +270,27 @@ typedef struct telem {
   uint64_t start_us, post_us, xfer_us, bytes, descs;
 } telem;
 
+/* Pairs a transfer keeps inside its own struct; more go to a heap array.
+ * Two cover the one-descriptor transfers of benchmarks and the few-region
+ * transfers of small requests without an allocation. */
+#define FAKE_INLINE_PAIRS 2
+/* A released transfer keeps its heap pair array for the next one when the
+ * array holds at most this many pairs (72 bytes each), its notification
+ * buffer when at most this many bytes, and its agent keeps at most
+ * FAKE_XFER_CACHE released transfers for reuse (see xfer_alloc). */
+#define FAKE_KEEP_PAIRS 128
+#define FAKE_KEEP_NOTIF 4096
+#define FAKE_XFER_CACHE 32
+
+/* A transfer. Agents recycle them (see xfer_alloc): everything before
+ * heap_pairs is zeroed for each new transfer; the fields from heap_pairs on
+ * keep their storage across reuse, and the two message buffers at the end
+ * only ever have their first byte reset. The fields a transfer touches on every
+ * make, post, poll and release come first, so that after a large copy has
+ * evicted them a lifecycle reloads a few cache lines, not the whole
+ * struct. */
 typedef struct xfer {
-  own_link link;
+  own_link link; /* in ag->xfers while live, ag->xfree (link.next) while cached */
   struct agent *ag;
   uint64_t handle;
   kvp_op op;
@@ -257,18 +298,19 @@ typedef struct xfer {
   peer *peer;        /* NULL only for an empty batch without a peer */
   uint64_t agent_id; /* peer incarnation the transfer was built against */
   size_t npairs;
-  xpair *pairs;
+  xpair *pairs;      /* inline_pairs or heap_pairs */
   uint64_t desc_count, total_bytes;
   int has_notif;
   size_t notif_len;
-  uint8_t *notif;
 
   /* Validation cache: generations at which the blocks were last checked.
    * Written by the poster while idle and by the runner (see below). */
   uint64_t local_gen, peer_gen, live_gen;
   int live_valid;
 
-  /* Execution. state is read without a lock by poll; everything else below
+  /* Execution. state is read without a lock by poll, telemetry and
+   * release (X_DONE and X_FAILED are stored with release order after the
+   * last write of the run, see xfer_finish_locked); everything else below
    * changes under ag->qlock, or, while the transfer is X_RUNNING, by the
    * one thread running it (its "runner": a worker, or a poll running a
    * slice); X_RUNNING is entered and left under qlock. */
@@ -277,25 +319,32 @@ typedef struct xfer {
   int fail, drop_notif; /* drawn at post */
   int polled;           /* polls since the last post; only calls on this xfer touch it */
   int pollable;         /* polls may run it (no delay_us); set at post */
+  int waiters;
   /* Progress of the current post, reset at post, advanced by the runner:
    * the next byte to move is byte cur_off of block cur_blk of pair
    * cur_pair; `moved` bytes moved so far; the post stops at `limit` bytes
    * (total_bytes, or half of it when an injected failure was drawn). */
   size_t cur_pair;
   uint64_t cur_blk, cur_off, moved, limit;
+  uint64_t enq_ns; /* when it was (re)queued (monotonic ns) */
+  struct xfer *qprev, *qnext;
+  uint64_t t0_ns, start_us, post_us;
+  telem done;
+  kvp_status err_code;
+  route rt; /* sock last: copied only for a notification */
+
+  /* Storage kept across reuse. */
+  xpair *heap_pairs; /* NULL, or heap_cap pairs */
+  size_t heap_cap;
+  uint8_t *notif; /* NULL, or notif_cap bytes; valid while has_notif */
+  size_t notif_cap;
+  xpair inline_pairs[FAKE_INLINE_PAIRS];
   /* Why the transfer is being cancelled (under qlock): set by
    * xfer_cancel_locked before it tells the runner to stop, used by
    * xfer_finish as the message of the KVP_ERR_CANCELED outcome, cleared at
    * post. Written before the outcome is published, so poll, which reads
    * err_msg without a lock once it sees X_FAILED, never races with it. */
   char cancel_msg[KVP_MAX_NAME_LEN + 64];
-  uint64_t enq_ns;      /* when it was (re)queued (monotonic ns) */
-  route rt;
-  struct xfer *qprev, *qnext;
-  int waiters;
-  uint64_t t0_ns, start_us, post_us;
-  telem done;
-  kvp_status err_code;
   char err_msg[512];
 } xfer;
 
@@ -319,6 +368,8 @@ typedef struct agent {
 
   pthread_mutex_t own_lock;
   own_link regions, rregions, dlists, xfers;
+  xfer *xfree;   /* released transfers kept for reuse (link.next), under own_lock */
+  unsigned nxfree;
 
   pthread_mutex_t qlock;
   pthread_cond_t qcv;      /* work queued or stopping */
@@ -1211,8 +1262,10 @@ static xfer *worker_next(agent *ag, int spin) {
 }
 
 /* Records the outcome of a run (consuming e) and wakes waiters. qlock
- * held. */
+ * held. Storing the final state is its last access to x: from then on
+ * telemetry and release may use x without qlock (see xfer_destroy). */
 static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
+  int waiters = x->waiters;
   if (e) {
     x->err_code = kvp_err_code(e);
     const char *msg = kvp_err_message(e, NULL);
@@ -1229,7 +1282,7 @@ static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
     x->done.descs = x->desc_count;
     atomic_store_explicit(&x->state, X_DONE, memory_order_release);
   }
-  if (x->waiters) pthread_cond_broadcast(&ag->donecv);
+  if (waiters) pthread_cond_broadcast(&ag->donecv);
 }
 
 static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
@@ -1298,20 +1351,74 @@ static void own_unlink(agent *ag, own_link *l) {
   pthread_mutex_unlock(&ag->own_lock);
 }
 
+/* Poisons (or unpoisons) for ASan what a cached transfer must not be used
+ * for: all of it but its list link, and its kept buffers. */
+static void xfer_poison(xfer *x, int on) {
+  char *body = (char *)x + sizeof(own_link);
+  size_t n = sizeof *x - sizeof(own_link);
+  if (on) {
+    if (x->heap_pairs) FAKE_POISON(x->heap_pairs, x->heap_cap * sizeof(xpair));
+    if (x->notif) FAKE_POISON(x->notif, x->notif_cap);
+    FAKE_POISON(body, n);
+  } else {
+    FAKE_UNPOISON(body, n);
+    if (x->heap_pairs) FAKE_UNPOISON(x->heap_pairs, x->heap_cap * sizeof(xpair));
+    if (x->notif) FAKE_UNPOISON(x->notif, x->notif_cap);
+  }
+  (void)body;
+  (void)n;
+}
+
+/* Frees a transfer's memory; it refers to no peer any more. */
 static void xfer_free(xfer *x) {
-  peer_unref(x->peer);
-  free(x->pairs);
+  free(x->heap_pairs);
   free(x->notif);
   free(x);
 }
 
-/* Releases a transfer whose handle was removed from the table. */
+/* Ends a transfer that no handle names (never published, or removed from
+ * the table, and not running or queued): drops its peer reference, takes it
+ * out of its agent's list if `linked`, and keeps it in the agent's cache
+ * for the next xfer_alloc, or frees it when the cache is full. */
+static void xfer_retire(agent *ag, xfer *x, int linked) {
+  peer_unref(x->peer);
+  x->peer = NULL;
+  if (x->heap_cap > FAKE_KEEP_PAIRS) {
+    free(x->heap_pairs);
+    x->heap_pairs = NULL;
+    x->heap_cap = 0;
+  }
+  if (x->notif_cap > FAKE_KEEP_NOTIF) {
+    free(x->notif);
+    x->notif = NULL;
+    x->notif_cap = 0;
+  }
+  pthread_mutex_lock(&ag->own_lock);
+  if (linked) list_del(&x->link);
+  int keep = ag->nxfree < FAKE_XFER_CACHE;
+  if (keep) {
+    x->link.next = (own_link *)ag->xfree; /* link is the first member */
+    ag->xfree = x;
+    ag->nxfree++;
+    xfer_poison(x, 1);
+  }
+  pthread_mutex_unlock(&ag->own_lock);
+  if (!keep) xfer_free(x);
+}
+
+/* Releases a transfer whose handle was removed from the table: cancels it
+ * if it is queued or running (and waits for its runner), then retires it.
+ * A transfer seen idle or finished (state read with acquire order) has no
+ * runner and is in no queue, and its last run wrote nothing after
+ * publishing the outcome: no lock is needed to retire it. */
 static void xfer_destroy(agent *ag, xfer *x) {
-  pthread_mutex_lock(&ag->qlock);
-  xfer_cancel_locked(ag, x, "transfer released");
-  pthread_mutex_unlock(&ag->qlock);
-  own_unlink(ag, &x->link);
-  xfer_free(x);
+  int st = atomic_load_explicit(&x->state, memory_order_acquire);
+  if (st == X_QUEUED || st == X_RUNNING) {
+    pthread_mutex_lock(&ag->qlock);
+    xfer_cancel_locked(ag, x, "transfer released");
+    pthread_mutex_unlock(&ag->qlock);
+  }
+  xfer_retire(ag, x, 1);
 }
 
 static void dlist_destroy(agent *ag, dlist *d) {
@@ -1524,6 +1631,12 @@ static void agent_free(agent *ag) {
     iovbuf *b = ag->iov_free;
     ag->iov_free = b->next;
     free(b);
+  }
+  while (ag->xfree) {
+    xfer *x = ag->xfree;
+    ag->xfree = (xfer *)x->link.next;
+    xfer_poison(x, 0);
+    xfer_free(x);
   }
   kvp_nq_destroy(ag->nq);
   free(ag->workers);
@@ -2127,29 +2240,61 @@ static kvp_error *xfer_common_check(agent *ag, kvp_op op, const kvp_notif *nt, c
   return NULL;
 }
 
-/* Allocates a transfer with room for n pairs and a copy of the notif. */
+/* A transfer with room for n pairs and a copy of the notif, not yet
+ * published: one from the agent's cache of released transfers (only the
+ * fields before heap_pairs are cleared; pairs and notification reuse its
+ * buffers when they fit), else a new one. Up to FAKE_INLINE_PAIRS pairs
+ * live inside the struct. A transfer that will not be published goes back
+ * with xfer_retire(ag, x, 0). */
 static kvp_error *xfer_alloc(agent *ag, kvp_op op, size_t n, const kvp_notif *nt, xfer **out) {
-  xfer *x = (xfer *)calloc(1, sizeof *x);
-  if (!x) return kvp_err_oom();
+  xfer *x = NULL;
+  pthread_mutex_lock(&ag->own_lock);
+  if ((x = ag->xfree)) {
+    ag->xfree = (xfer *)x->link.next;
+    ag->nxfree--;
+  }
+  pthread_mutex_unlock(&ag->own_lock);
+  if (x) {
+    xfer_poison(x, 0);
+    memset(x, 0, offsetof(xfer, heap_pairs));
+    x->cancel_msg[0] = 0;
+    x->err_msg[0] = 0;
+  } else if (!(x = (xfer *)calloc(1, sizeof *x))) {
+    return kvp_err_oom();
+  }
   x->ag = ag;
   x->op = op;
   x->npairs = n;
   atomic_init(&x->state, X_IDLE);
   atomic_init(&x->cancel, 0);
   list_init(&x->link);
-  if (!(x->pairs = (xpair *)alloc_array(n, sizeof(xpair)))) {
-    free(x);
-    return kvp_err_oom();
+  if (n <= FAKE_INLINE_PAIRS) {
+    x->pairs = x->inline_pairs;
+  } else {
+    if (n > x->heap_cap) {
+      free(x->heap_pairs);
+      x->heap_cap = 0;
+      if (!(x->heap_pairs = (xpair *)alloc_array(n, sizeof(xpair)))) {
+        xfer_retire(ag, x, 0);
+        return kvp_err_oom();
+      }
+      x->heap_cap = n;
+    }
+    x->pairs = x->heap_pairs;
   }
   if (nt->has_notif) {
+    size_t need = nt->msg_len ? nt->msg_len : 1;
+    if (need > x->notif_cap) {
+      free(x->notif);
+      x->notif_cap = 0;
+      if (!(x->notif = (uint8_t *)malloc(need))) {
+        xfer_retire(ag, x, 0);
+        return kvp_err_oom();
+      }
+      x->notif_cap = need;
+    }
     x->has_notif = 1;
     x->notif_len = nt->msg_len;
-    x->notif = (uint8_t *)malloc(nt->msg_len ? nt->msg_len : 1);
-    if (!x->notif) {
-      free(x->pairs);
-      free(x);
-      return kvp_err_oom();
-    }
     if (nt->msg_len) memcpy(x->notif, nt->msg, nt->msg_len);
   }
   *out = x;
@@ -2159,7 +2304,7 @@ static kvp_error *xfer_alloc(agent *ag, kvp_op op, size_t n, const kvp_notif *nt
 static kvp_error *xfer_publish(agent *ag, xfer *x, uint64_t *out) {
   kvp_error *e = kvp_ht_insert(g_xfers, x, &x->handle);
   if (e) {
-    xfer_free(x);
+    xfer_retire(ag, x, 0);
     return e;
   }
   pthread_mutex_lock(&ag->own_lock);
@@ -2247,7 +2392,7 @@ static kvp_error *fake_make_prepped_xfer(kvp_make_prepped_xfer_args *a) {
   e = xfer_publish(ag, x, &a->xfer);
   x = NULL;
 out:
-  if (x) xfer_free(x);
+  if (x) xfer_retire(ag, x, 0);
   if (ld) kvp_ht_put(g_dlists, a->local_dlist);
   if (rd) kvp_ht_put(g_dlists, a->remote_dlist);
   agent_put(ag);
@@ -2362,7 +2507,7 @@ static kvp_error *fake_make_batch_xfer(kvp_make_batch_xfer_args *a) {
   e = xfer_publish(ag, x, &a->xfer);
   x = NULL;
 out:
-  if (x) xfer_free(x);
+  if (x) xfer_retire(ag, x, 0);
   for (size_t i = 0; i < got && lr && rr; i++) {
     if (lr[i]) kvp_ht_put(g_regions, a->pairs[i].local);
     if (rr[i]) kvp_ht_put(g_rregions, a->pairs[i].remote);
@@ -2382,7 +2527,8 @@ out:
 static kvp_error *xfer_prepare(agent *ag, xfer *x) {
   const char *fn = "post_xfer";
   kvp_error *e = NULL;
-  memset(&x->rt, 0, sizeof x->rt);
+  x->rt.kind = ROUTE_NONE;
+  x->rt.sock_len = 0;
   if (x->peer) {
     pthread_rwlock_rdlock(&ag->peers_lock);
     peer *p = x->peer;
@@ -2411,8 +2557,10 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
       x->rt.pid = md->pid;
       x->rt.agent_handle = md->agent_handle;
       x->rt.agent_id = md->agent_id;
-      memcpy(x->rt.sock, md->sock, md->sock_len);
-      x->rt.sock_len = md->sock_len;
+      if (x->has_notif && !same) { /* only a cross-process notification needs it */
+        memcpy(x->rt.sock, md->sock, md->sock_len);
+        x->rt.sock_len = md->sock_len;
+      }
     }
     pthread_rwlock_unlock(&ag->peers_lock);
     if (e) return e;
@@ -2601,9 +2749,18 @@ static kvp_error *fake_xfer_telemetry(kvp_xfer_telemetry_args *a) {
   xfer *x = NULL;
   if (!(e = need_cap(ag, KVP_CAP_TELEMETRY, fn)) &&
       (x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e))) {
-    pthread_mutex_lock(&ag->qlock);
-    telem t = x->done;
-    pthread_mutex_unlock(&ag->qlock);
+    /* Only a run in progress may write x->done (when it ends); calls on
+     * one transfer are serialised, so a transfer seen idle or finished has
+     * none. */
+    telem t;
+    int st = atomic_load_explicit(&x->state, memory_order_acquire);
+    if (st == X_QUEUED || st == X_RUNNING) {
+      pthread_mutex_lock(&ag->qlock);
+      t = x->done;
+      pthread_mutex_unlock(&ag->qlock);
+    } else {
+      t = x->done;
+    }
     if (!t.valid) {
       e = kvp_err(KVP_ERR_NO_TELEMETRY, "%s: transfer 0x%" PRIx64 " has not completed yet", fn, a->xfer);
     } else {

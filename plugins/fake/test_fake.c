@@ -1202,6 +1202,81 @@ static void test_faults_and_progress(void) {
  * in: regions, remote regions (by blob and by address), local and remote
  * dlists, idle, finished, queued and delayed transfers. The tables prove it
  * (LeakSanitizer cannot: the tables keep objects reachable). */
+/* Agents recycle released transfers (fake.c, xfer_alloc): a transfer made
+ * after others were released must carry nothing of theirs. Shapes
+ * alternate between the struct's inline pairs, a kept heap array and one
+ * too large to keep, and notifications of several lengths (none, empty,
+ * short, one too large to keep); one transfer per round is released while
+ * it may still run (cancelled or not). Each transfer must start unposted
+ * and without telemetry, move exactly its blocks, and deliver exactly its
+ * notification. */
+static void test_xfer_reuse(void) {
+  pair_env E;
+  enum { N = 300, BLK = 64 }; /* N > FAKE_KEEP_PAIRS */
+  env_open(&E, N * BLK, NULL, NULL);
+  static kvp_xfer_desc ld[N], rd[N];
+  static int32_t idx[N];
+  for (int i = 0; i < N; i++) {
+    ld[i] = XD(E.abuf + i * BLK, BLK, 0, 1);
+    rd[i] = XD(E.bbuf + i * BLK, BLK, 0, 1);
+    rd[i].dev_id = 5;
+    idx[i] = i;
+  }
+  uint64_t ldl, rdl;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, ld, N, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, rd, N, &rdl));
+  static char big[5000 + 1];
+  memset(big, 'b', sizeof big - 1);
+  char mid[121];
+  memset(mid, 'm', sizeof mid - 1);
+  mid[sizeof mid - 1] = 0;
+  struct {
+    int n;
+    const char *notif;
+  } shapes[] = {{5, "five"}, {1, NULL}, {N, mid}, {2, ""}, {200, NULL}, {3, big}, {0, "only"}, {1, "x"}};
+  int nshapes = (int)(sizeof shapes / sizeof shapes[0]);
+  uint32_t seed = 10;
+  for (int round = 0; round < 3; round++) {
+    for (int k = 0; k < nshapes; k++) {
+      int n = shapes[k].n;
+      fill(E.abuf, E.len, ++seed);
+      memset(E.bbuf, 0, E.len);
+      uint64_t x;
+      OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, idx, (size_t)n, rdl, idx, (size_t)n, NOTIF(shapes[k].notif), &x));
+      EXPECT(poll1(E.a, x, NULL), KVP_ERR_NOT_POSTED, "never posted");
+      kvp_xfer_telemetry_args t;
+      EXPECT(telemetry(E.a, x, &t), KVP_ERR_NO_TELEMETRY, NULL);
+      if (k == round + 1) { /* released at once: cancelled, or done first */
+        OK(post(E.a, x, NULL));
+        OK(xfer_del(E.a, x));
+        notes drop = {0};
+        OK(get_notes(E.b, &drop, 1 << 17, NULL));
+        continue;
+      }
+      OK(run_xfer(E.a, x));
+      OK(telemetry(E.a, x, &t));
+      CHECK(t.total_bytes == (uint64_t)n * BLK && t.desc_count == (uint64_t)n);
+      CHECK(memcmp(E.bbuf, E.abuf, (size_t)n * BLK) == 0);
+      int rest_clear = 1;
+      for (size_t i = (size_t)n * BLK; i < E.len; i++) rest_clear &= E.bbuf[i] == 0;
+      CHECK(rest_clear);
+      notes got = {0};
+      OK(get_notes(E.b, &got, 1 << 17, NULL)); /* in-process: queued before the poll said done */
+      if (!shapes[k].notif) {
+        CHECK(got.n == 0);
+      } else {
+        size_t len = strlen(shapes[k].notif);
+        CHECK(got.n == 1 && strcmp(got.sender[0], "A") == 0 && got.msg_len[0] == len &&
+              memcmp(got.msg[0], shapes[k].notif, len < 127 ? len : 127) == 0);
+      }
+      OK(xfer_del(E.a, x));
+    }
+  }
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
 static void test_destroy_releases_handles(void) {
   EXPECT_NO_HANDLES("before");
   pair_env E;
@@ -2143,6 +2218,7 @@ int main(int argc, char **argv) {
       {"batch_same_process", test_batch_same_process},
       {"notifications", test_notifications},
       {"faults_and_progress", test_faults_and_progress},
+      {"xfer_reuse", test_xfer_reuse},
       {"poll_slices", test_poll_slices},
       {"destroy_releases_handles", test_destroy_releases_handles},
       {"cancel_running", test_cancel_running},
