@@ -283,9 +283,10 @@ typedef struct telem {
 #define FAKE_XFER_CACHE 32
 
 /* A transfer. Agents recycle them (see xfer_alloc): everything before
- * heap_pairs is zeroed for each new transfer; the fields from heap_pairs on
- * keep their storage across reuse, and the two message buffers at the end
- * only ever have their first byte reset. The fields a transfer touches on every
+ * rt.sock is zeroed for each new transfer (XFER_CLEARED); rt.sock is
+ * meaningful only up to rt.sock_len, the fields from heap_pairs on keep
+ * their storage across reuse, and the two message buffers at the end only
+ * ever have their first byte reset. The fields a transfer touches on every
  * make, post, poll and release come first, so that after a large copy has
  * evicted them a lifecycle reloads a few cache lines, not the whole
  * struct. */
@@ -347,6 +348,9 @@ typedef struct xfer {
   char cancel_msg[KVP_MAX_NAME_LEN + 64];
   char err_msg[512];
 } xfer;
+
+/* Bytes of a transfer cleared when an agent reuses it (see xfer). */
+#define XFER_CLEARED (offsetof(xfer, rt) + offsetof(route, sock))
 
 typedef struct agent {
   uint64_t handle, id;
@@ -2241,8 +2245,8 @@ static kvp_error *xfer_common_check(agent *ag, kvp_op op, const kvp_notif *nt, c
 }
 
 /* A transfer with room for n pairs and a copy of the notif, not yet
- * published: one from the agent's cache of released transfers (only the
- * fields before heap_pairs are cleared; pairs and notification reuse its
+ * published: one from the agent's cache of released transfers (only its
+ * first XFER_CLEARED bytes are cleared; pairs and notification reuse its
  * buffers when they fit), else a new one. Up to FAKE_INLINE_PAIRS pairs
  * live inside the struct. A transfer that will not be published goes back
  * with xfer_retire(ag, x, 0). */
@@ -2256,7 +2260,7 @@ static kvp_error *xfer_alloc(agent *ag, kvp_op op, size_t n, const kvp_notif *nt
   pthread_mutex_unlock(&ag->own_lock);
   if (x) {
     xfer_poison(x, 0);
-    memset(x, 0, offsetof(xfer, heap_pairs));
+    memset(x, 0, XFER_CLEARED);
     x->cancel_msg[0] = 0;
     x->err_msg[0] = 0;
   } else if (!(x = (xfer *)calloc(1, sizeof *x))) {
