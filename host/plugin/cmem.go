@@ -1,41 +1,12 @@
 package plugin
 
-import (
-	"runtime"
-	"unsafe"
+import "unsafe"
 
-	"github.com/ebitengine/purego"
-)
-
-// This file holds the only code that touches the C side directly: calling a
-// table function and reading memory the plugin owns.
-
-// callC calls the C function fn with a single pointer argument (every table
-// function takes one args struct) and returns the raw result: a kvp_error*
-// for the fallible functions, nothing meaningful for the error_* helpers.
-//
-// purego.SyscallN is //go:uintptrescapes: the struct args points to is moved
-// to the heap (Go heap objects never move) and kept alive until the call
-// returns. The args structs keep every Go buffer they reference alive through
-// their unsafe.Pointer fields. Hot paths pass structs that already live on
-// the heap inside their owner (see Xfer), so they allocate nothing here.
-func callC(fn uintptr, args unsafe.Pointer) uintptr {
-	r1, _, _ := purego.SyscallN(fn, uintptr(args))
-	runtime.KeepAlive(args)
-	return r1
-}
-
-// callHeap is callC for hot paths: args must point into a heap object the
-// caller keeps alive for the call (Go never moves heap objects), and slot is
-// a one-element buffer in heap memory the caller owns exclusively for the
-// call. Passing the argument through slot avoids the one small allocation
-// purego.SyscallN's variadic, pointer-escaping argument costs otherwise.
-func callHeap(fn uintptr, args unsafe.Pointer, slot *[1]uintptr) uintptr {
-	slot[0] = uintptr(args)
-	r1, _, _ := purego.SyscallN(fn, slot[:]...)
-	runtime.KeepAlive(args)
-	return r1
-}
+// This file and call_*.go hold the only code that touches the C side
+// directly: calling a table function (callC and callHeap, in call_amd64.go,
+// an assembly trampoline over runtime.cgocall, and call_purego.go,
+// purego.SyscallN, for every other architecture) and reading memory the
+// plugin owns (here).
 
 // cPointer turns an address in C memory into an unsafe.Pointer without a
 // uintptr-to-pointer conversion (which vet rightly flags for Go memory). Only

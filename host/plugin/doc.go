@@ -1,6 +1,10 @@
 // Package plugin loads kvhost transfer plugins (C shared libraries speaking
 // abi/kvplugin.h) with purego, without cgo, and wraps them in Go types that
-// own their handles.
+// own their handles. On amd64 the table functions are called through
+// runtime.cgocall and a ten-instruction assembly trampoline (call_amd64.s):
+// about 40 ns a call against purego.SyscallN's 90, and args structs may stay
+// on the stack; other architectures, and builds with -tags kvhost_purego,
+// call through purego.SyscallN.
 //
 // Finding and loading: SearchDirs gives the folders searched (the
 // --plugin-path flag or $KVHOST_PLUGIN_PATH, the binary's folder,
@@ -43,8 +47,10 @@
 // lists, which are closed with it.
 //
 // Hot paths make one plugin call per transfer on native paths and pass the
-// caller's index and entry slices to C unchanged; Post, Poll, Telemetry,
-// Close of a transfer and Notifs with nothing queued allocate nothing.
+// caller's index and entry slices to C unchanged; making a transfer
+// allocates its *Xfer only (on amd64; the purego path also allocates the
+// args struct and SyscallN's argument slice); Post, Poll, Telemetry, Close
+// of a transfer and Notifs with nothing queued allocate nothing.
 // Strided descriptors the host expands are bounded (16 Mi plain
 // descriptors per list or transfer).
 //
