@@ -59,7 +59,7 @@ func TestCallCStackArgs(t *testing.T) {
 		want := -(int64(i) << 40) - 12345
 		buf := [32]byte{}
 		copy(buf[:], strconv.FormatInt(want, 10)) // NUL-terminated by the zero bytes after
-		growStack(64 + i)                          // the stack may move: &buf follows it
+		growStack(64 + i)                         // the stack may move: &buf follows it
 		if got := int64(callC(atoll, unsafe.Pointer(&buf[0]))); got != want {
 			t.Fatalf("atoll through callC = %d, want %d", got, want)
 		}
