@@ -17,7 +17,10 @@
 // latency per iteration, and average/p99 of the prep (request build), post and
 // transfer (post to completion) phases, and the initiator thread's CPU time
 // per request (steadier than wall time on a shared machine). The bytes of
-// the last iteration are verified.
+// the last iteration are verified. With --raw every request is followed (or
+// preceded, alternately) by a raw copy of the same blocks, as kvhost bench
+// does: the ratio of the two, iteration by iteration, is the efficiency both
+// programs report, so comparing them cancels the load of a shared machine.
 //
 // With --plugin PATH the same rows go through the kvhost plugin ABI instead
 // (dlopen of libkvhost_nixl.so, its function table called from C++): the
@@ -34,12 +37,15 @@
 #include <dlfcn.h>
 #include <poll.h>
 #include <sys/resource.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cinttypes>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -67,6 +73,7 @@ struct Options {
   std::string backend = "UCX";
   nixl_b_params_t bparams;
   std::string plugin;  // --plugin: go through this kvhost plugin's ABI
+  bool raw = false;    // --raw: interleave a raw copy of the same blocks
 };
 
 [[noreturn]] void die(const char *fmt, const std::string &a = "", int b = 0) {
@@ -107,7 +114,8 @@ std::vector<std::string> split(const std::string &s) {
 void usage() {
   std::printf(
       "usage: nixl-bench-direct [options]\n"
-      "  --procs 1|2            agents in one process or two (default 2)\n"
+      "  --procs 1|2            agents in one process or two (default 2); 1 needs\n"
+      "                         --progress-thread\n"
       "  --ops WRITE,READ       operations (default both)\n"
       "  --paths prepped,batch  prepped = prepXferDlist once + makeXferReq per request;\n"
       "                         batch = createXferReq per request (default both)\n"
@@ -125,7 +133,12 @@ void usage() {
       "                         --param ucx_error_handling_mode=none\n"
       "  --plugin PATH          go through the kvhost plugin ABI of PATH\n"
       "                         (lib/kvhost/libkvhost_nixl.so) instead of NIXL directly,\n"
-      "                         with the same NIXL settings\n");
+      "                         with the same NIXL settings\n"
+      "  --raw                  after every request, copy the same blocks the raw way\n"
+      "                         (memcpy with --procs 1, process_vm_writev/readv with 2),\n"
+      "                         as kvhost bench does, and add its rate (Base) and the\n"
+      "                         median per-iteration ratio of raw copy time to request\n"
+      "                         time (Eff.); B/W is then bytes over request time only\n");
 }
 
 Options parse(int argc, char **argv) {
@@ -178,6 +191,8 @@ Options parse(int argc, char **argv) {
       o.backend = val();
     } else if (a == "--plugin") {
       o.plugin = val();
+    } else if (a == "--raw") {
+      o.raw = true;
     } else if (a == "--param") {
       std::string kv = val();
       size_t eq = kv.find('=');
@@ -187,6 +202,11 @@ Options parse(int argc, char **argv) {
       die("unknown option %s (try --help)", a);
     }
   }
+  // In one process the initiator's thread never progresses the target
+  // agent, and UCX's connection set-up needs both: without a progress
+  // thread the first transfer would wait forever.
+  if (o.procs == 1 && !o.progress_thread)
+    die("--procs 1 needs --progress-thread (nothing else makes progress for the target agent)");
   return o;
 }
 
@@ -628,18 +648,78 @@ double thread_cpu_us() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 }
 
+// The same from the thread's CPU clock (nanosecond resolution), for
+// per-request measurements.
+double thread_cpu_ns_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
 struct Row {
   double gbps, lat, prep_avg, prep_p99, post_avg, post_p99, tx_avg, tx_p99, cpu;
+  double base_gbps, eff;  // --raw only
   long iters;
   bool ok;
+};
+
+// RawCopy moves a row's blocks without NIXL, as kvhost bench's baseline
+// does: memcpy per block when the target lives in this process, else
+// process_vm_writev (WRITE) or process_vm_readv (READ) into or out of the
+// target process, up to IOV_MAX blocks per system call.
+struct RawCopy {
+  pid_t pid = 0;            // target process; 0: this one
+  uint8_t *local = nullptr;  // the initiator's buffer
+  uintptr_t remote = 0;     // the target's buffer, in its address space
+  uint64_t block = 0, batch = 0;
+  bool write = true;
+  std::vector<iovec> liov, riov;
+
+  void begin(pid_t p, uint8_t *l, uintptr_t r, uint64_t b, uint64_t n, bool w) {
+    pid = p, local = l, remote = r, block = b, batch = n, write = w;
+    liov.resize(n);
+    riov.resize(n);
+    for (uint64_t i = 0; i < n; i++) {
+      liov[i] = iovec{local + i * b, b};
+      riov[i] = iovec{reinterpret_cast<void *>(remote + i * b), b};
+    }
+  }
+
+  void run() {
+    if (pid == 0) {
+      for (uint64_t i = 0; i < batch; i++) {
+        void *dst = write ? riov[i].iov_base : liov[i].iov_base;
+        const void *src = write ? liov[i].iov_base : riov[i].iov_base;
+        std::memcpy(dst, src, block);
+      }
+      return;
+    }
+    for (uint64_t i = 0; i < batch; i += IOV_MAX) {
+      unsigned long k = static_cast<unsigned long>(std::min<uint64_t>(IOV_MAX, batch - i));
+      ssize_t want = static_cast<ssize_t>(k * block);
+      ssize_t got = write ? process_vm_writev(pid, &liov[i], k, &riov[i], k, 0)
+                          : process_vm_readv(pid, &liov[i], k, &riov[i], k, 0);
+      if (got != want)
+        die("raw copy (process_vm_%s) moved less than asked (errno %d)", write ? "writev" : "readv", errno);
+    }
+  }
+
+  // Zeroes the destination of the row's transfers in the target process
+  // (WRITE), so that a raw copy's bytes cannot pass for the transfer's.
+  void clear_remote(uint64_t bytes) {
+    std::vector<uint8_t> zero(bytes);
+    iovec l{zero.data(), bytes}, r{reinterpret_cast<void *>(remote), bytes};
+    if (process_vm_writev(pid, &l, 1, &r, 1, 0) != static_cast<ssize_t>(bytes))
+      die("clearing the target's buffer (process_vm_writev) failed (errno %d)", "", errno);
+  }
 };
 
 // Runs one row on the initiator. remote_buf is the target's buffer in the
 // target's address space; remote_view is the same buffer when the target
 // lives in this process (--procs 1), else nullptr.
 Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t remote_size,
-            uint8_t *remote_view, const std::string &op, const std::string &path, uint64_t block,
-            uint64_t batch, const Options &o, uint64_t seed) {
+            uint8_t *remote_view, pid_t target_pid, const std::string &op, const std::string &path,
+            uint64_t block, uint64_t batch, const Options &o, uint64_t seed) {
   const bool write = op == "WRITE", prepped = path == "prepped";
   e.begin_row(peer, remote_buf, remote_size, path, block, batch);
   // The source of the data: local for WRITE, remote for READ. The remote
@@ -653,7 +733,9 @@ Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t r
     else std::memset(remote_view, 0, bytes);
   }
 
-  std::vector<double> prep, post, tx, total;
+  RawCopy raw;
+  raw.begin(remote_view ? 0 : target_pid, e.buf, remote_buf, block, batch, write);
+  std::vector<double> prep, post, tx, total, rawt, ratio;
   auto one = [&](bool record) {
     auto t0 = Clock::now();
     e.make(write, prepped);
@@ -671,21 +753,50 @@ Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t r
       total.push_back(us(t4 - t0));
     }
   };
-  for (int i = 0; i < o.warmup; i++) one(false);
+  // With --raw every iteration also copies the same blocks the raw way,
+  // the order alternating, and the CPU time counts the requests only.
+  auto raw_one = [&]() {
+    auto t0 = Clock::now();
+    raw.run();
+    rawt.push_back(us(Clock::now() - t0));
+  };
+  for (int i = 0; i < o.warmup; i++) {
+    one(false);
+    if (o.raw) raw.run();
+  }
   auto start = Clock::now();
-  double cpu0 = thread_cpu_us();
+  double cpu = 0, cpu_row0 = thread_cpu_us();
   long iters = 0;
   while (iters < o.min_iters ||
          std::chrono::duration<double>(Clock::now() - start).count() < o.seconds) {
+    if (!o.raw) {
+      one(true);
+      iters++;
+      continue;
+    }
+    if (iters % 2) raw_one();
+    double c0 = thread_cpu_ns_us();  // the request's CPU time only, as kvhost bench
     one(true);
+    cpu += thread_cpu_ns_us() - c0;
+    if (!(iters % 2)) raw_one();
+    ratio.push_back(rawt.back() / total.back());
     iters++;
   }
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  double cpu = thread_cpu_us() - cpu0;
+  if (!o.raw) cpu = thread_cpu_us() - cpu_row0;
 
   Row r{};
   r.iters = iters;
-  r.gbps = static_cast<double>(bytes) * static_cast<double>(iters) / elapsed / 1e9;
+  double busy = elapsed;  // what the rate's time is: the loop, or the requests only
+  if (o.raw) {
+    busy = 0;
+    for (double t : total) busy += t / 1e6;
+    double raw_busy = 0;
+    for (double t : rawt) raw_busy += t / 1e6;
+    r.base_gbps = static_cast<double>(bytes) * static_cast<double>(iters) / raw_busy / 1e9;
+    r.eff = pct(ratio, 0.5);
+  }
+  r.gbps = static_cast<double>(bytes) * static_cast<double>(iters) / busy / 1e9;
   r.lat = avg(total);
   r.prep_avg = avg(prep);
   r.prep_p99 = pct(prep, 0.99);
@@ -694,6 +805,17 @@ Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t r
   r.tx_avg = avg(tx);
   r.tx_p99 = pct(tx, 0.99);
   r.cpu = cpu / static_cast<double>(iters);
+  if (o.raw) {
+    // The raw copies moved the same bytes: clear the destination and move
+    // it once more, so that only the transfer's bytes can pass.
+    if (!write) std::memset(e.buf, 0, bytes);
+    else if (remote_view) std::memset(remote_view, 0, bytes);
+    else raw.clear_remote(bytes);
+    e.make(write, prepped);
+    bool done = e.post();
+    while (!done) done = e.poll();
+    e.release();
+  }
   // Verify: the destination now holds the pattern.
   std::vector<uint8_t> want(bytes);
   fill(want.data(), bytes, seed);
@@ -714,19 +836,23 @@ Row run_row(Engine &e, const std::string &peer, uintptr_t remote_buf, uint64_t r
   return r;
 }
 
-void print_header(const std::string &op, const std::string &path) {
+// The columns of kvhost bench (with --raw, its Base and Eff. too).
+void print_header(const std::string &op, const std::string &path, bool raw) {
   std::printf("\n# op %s, path %s\n", op.c_str(), path.c_str());
-  std::printf("%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-12s %-8s %s\n",
-              "Block Size (B)", "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)", "Avg Prep (us)",
-              "P99 Prep (us)", "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)", "P99 Tx (us)",
-              "CPU/op (us)", "Iters", "Verified");
+  std::printf("%-14s %-10s %-13s %-14s %-14s %-14s %-14s %-14s %-12s %-12s %-12s ", "Block Size (B)",
+              "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)", "Avg Prep (us)", "P99 Prep (us)",
+              "Avg Post (us)", "P99 Post (us)", "Avg Tx (us)", "P99 Tx (us)", "CPU/op (us)");
+  if (raw) std::printf("%-14s %-6s ", "Base (GB/Sec)", "Eff.");
+  std::printf("%-8s %s\n", "Iters", "Verified");
 }
 
-void print_row(uint64_t b, uint64_t n, const Row &r) {
+void print_row(uint64_t b, uint64_t n, const Row &r, bool raw) {
   std::printf("%-14" PRIu64 " %-10" PRIu64
-              " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f %-8ld %s\n",
+              " %-13.3f %-14.1f %-14.1f %-14.1f %-14.1f %-14.1f %-12.1f %-12.1f %-12.1f ",
               b, n, r.gbps, r.lat, r.prep_avg, r.prep_p99, r.post_avg, r.post_p99, r.tx_avg,
-              r.tx_p99, r.cpu, r.iters, r.ok ? "yes" : "NO");
+              r.tx_p99, r.cpu);
+  if (raw) std::printf("%-14.3f %-6.3f ", r.base_gbps, r.eff);
+  std::printf("%-8ld %s\n", r.iters, r.ok ? "yes" : "NO");
   std::fflush(stdout);
 }
 
@@ -753,14 +879,14 @@ int main(int argc, char **argv) {
     bool all_ok = true;
     for (auto &op : o.ops)
       for (auto &path : o.paths) {
-        print_header(op, path);
+        print_header(op, path, o.raw);
         for (uint64_t b : o.blocks)
           for (uint64_t n : o.batches) {
             if (b * n > o.max_buffer) continue;
             Row r = run_row(*init, name, reinterpret_cast<uintptr_t>(target->buf), target->size,
-                            target->buf, op, path, b, n, o, seed++);
+                            target->buf, 0, op, path, b, n, o, seed++);
             all_ok = all_ok && r.ok;
-            print_row(b, n, r);
+            print_row(b, n, r, o.raw);
           }
       }
     return all_ok ? 0 : 1;
@@ -807,7 +933,7 @@ int main(int argc, char **argv) {
   bool all_ok = true;
   for (auto &op : o.ops)
     for (auto &path : o.paths) {
-      print_header(op, path);
+      print_header(op, path, o.raw);
       for (uint64_t b : o.blocks)
         for (uint64_t n : o.batches) {
           if (b * n > o.max_buffer) continue;
@@ -821,11 +947,11 @@ int main(int argc, char **argv) {
           read_blob(to_parent[0]);
           write_blob(to_child[1], "serve");
           read_blob(to_parent[0]);
-          Row r = run_row(*init, name, remote_buf, size, nullptr, op, path, b, n, o, seed++);
+          Row r = run_row(*init, name, remote_buf, size, nullptr, pid, op, path, b, n, o, seed++);
           write_blob(to_child[1], "stop");
           read_blob(to_parent[0]);
           all_ok = all_ok && r.ok;
-          print_row(b, n, r);
+          print_row(b, n, r, o.raw);
         }
     }
   write_blob(to_child[1], "exit");
