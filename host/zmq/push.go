@@ -88,7 +88,11 @@ func (p *Push) Send(ctx context.Context, frames ...[]byte) error {
 		if p.c == nil {
 			c, err := p.connect(ctx)
 			if err != nil {
-				lastErr = err
+				// A dial cut short by ctx says only "i/o timeout": keep
+				// the reason of the attempt before it (e.g. refused).
+				if lastErr == nil || ctx.Err() == nil {
+					lastErr = err
+				}
 				select {
 				case <-time.After(wait):
 					wait = min(2*wait, p.o.reconnectMax)
