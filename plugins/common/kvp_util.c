@@ -137,6 +137,18 @@ void kvp_util_error_code(kvp_error_code_args *args) {
   args->code = args->error ? args->error->code : KVP_ERR_UNKNOWN;
 }
 
+kvp_status kvp_util_get_api(kvp_get_api_args *args, uint32_t major, const kvp_api *api) {
+  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
+  args->plugin_abi_major_min = major;
+  args->plugin_abi_major_max = major;
+  if (args->host_abi_major != major) {
+    args->api = NULL;
+    return KVP_ERR_NOT_SUPPORTED;
+  }
+  args->api = api;
+  return KVP_SUCCESS;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Args validation                                                          */
 /* ------------------------------------------------------------------------ */

@@ -68,6 +68,12 @@ void kvp_util_error_destroy(kvp_error_destroy_args *args);
 void kvp_util_error_message(kvp_error_message_args *args);
 void kvp_util_error_code(kvp_error_code_args *args);
 
+/* The body of every plugin's kvp_plugin_get_api: checks args, reports the
+ * ABI major this plugin speaks (major..major) and hands out api when the
+ * host speaks the same major, else KVP_ERR_NOT_SUPPORTED with api NULL. A
+ * newer host minor is served: minors only append. */
+kvp_status kvp_util_get_api(kvp_get_api_args *args, uint32_t major, const kvp_api *api);
+
 /* ------------------------------------------------------------------------ */
 /* Args validation                                                          */
 /* ------------------------------------------------------------------------ */

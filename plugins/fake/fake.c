@@ -2863,14 +2863,6 @@ static const kvp_api g_api = {
 };
 
 KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
-  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
   pthread_once(&g_once, fake_init);
-  args->plugin_abi_major_min = KVP_FAKE_ABI_MAJOR;
-  args->plugin_abi_major_max = KVP_FAKE_ABI_MAJOR;
-  if (args->host_abi_major != KVP_FAKE_ABI_MAJOR) {
-    args->api = NULL;
-    return KVP_ERR_NOT_SUPPORTED;
-  }
-  args->api = &g_api;
-  return KVP_SUCCESS;
+  return kvp_util_get_api(args, KVP_FAKE_ABI_MAJOR, &g_api);
 }

@@ -1539,13 +1539,5 @@ const kvp_api kApi = {
 }  // namespace
 
 extern "C" KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
-  if (!args || args->struct_size < KVP_GET_API_ARGS_STRUCT_SIZE) return KVP_ERR_INVALID_PARAM;
-  args->plugin_abi_major_min = KVP_ABI_MAJOR;
-  args->plugin_abi_major_max = KVP_ABI_MAJOR;
-  if (args->host_abi_major != KVP_ABI_MAJOR) {
-    args->api = nullptr;
-    return KVP_ERR_NOT_SUPPORTED;
-  }
-  args->api = &kApi;
-  return KVP_SUCCESS;
+  return kvp_util_get_api(args, KVP_ABI_MAJOR, &kApi);
 }
