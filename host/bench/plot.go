@@ -7,6 +7,7 @@ import (
 	"math"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"gonum.org/v1/plot"
@@ -34,7 +35,7 @@ func Plot(res *Result, file string) error {
 	p.X.Scale = plot.LogScale{}
 	p.X.Tick.Marker = sizeTicks{}
 	p.Y.Scale = plot.LogScale{}
-	p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Y.Tick.Marker = rateTicks{}
 	p.Add(plotter.NewGrid())
 	p.Legend.Top = true
 	p.Legend.Left = true
@@ -116,6 +117,35 @@ func Plot(res *Result, file string) error {
 		return fmt.Errorf("plot: %w", err)
 	}
 	return nil
+}
+
+// rateTicks marks 1..9 × 10^k on a log axis and labels 1, 2 and 5 × 10^k
+// (every mark when the axis spans less than a factor of 5, where 1-2-5
+// could leave one label or none). gonum's LogTicks
+// labels only powers of ten, so a sweep between 10 and 100 GB/s, the usual
+// case, had a bandwidth axis without a single number.
+type rateTicks struct{}
+
+func (rateTicks) Ticks(min, max float64) []plot.Tick {
+	if !(min > 0) || !(max > min) {
+		return nil
+	}
+	every := max/min < 5
+	var ticks []plot.Tick
+	for d := math.Floor(math.Log10(min)); d <= math.Ceil(math.Log10(max)); d++ {
+		for m := 1.0; m <= 9; m++ {
+			v := m * math.Pow(10, d)
+			if v < min || v > max {
+				continue
+			}
+			label := ""
+			if every || m == 1 || m == 2 || m == 5 {
+				label = strconv.FormatFloat(v, 'g', 3, 64)
+			}
+			ticks = append(ticks, plot.Tick{Value: v, Label: label})
+		}
+	}
+	return ticks
 }
 
 // sizeTicks labels powers of two on a log axis as 4K, 1M, 64M.
