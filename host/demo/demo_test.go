@@ -114,6 +114,22 @@ func TestValidateAndMissingPlugin(t *testing.T) {
 			t.Errorf("%s: accepted", name)
 		}
 	}
+	// Heads that do not split over a TP size are refused before any worker
+	// starts, saying so (workers used to fail one by one, 20 s later).
+	for _, tp := range [][2]int{{3, 4}, {2, 3}, {2, 12}} {
+		c := Defaults()
+		c.InProcess = true
+		c.Style = "vllm"
+		c.PrefillTP, c.DecodeTP = tp[0], tp[1]
+		start := time.Now()
+		_, err := Run(context.Background(), c)
+		if err == nil || !strings.Contains(err.Error(), "do not split over") {
+			t.Errorf("8 heads, TP %d -> %d: %v, want the heads refused", tp[0], tp[1], err)
+		}
+		if el := time.Since(start); el > time.Second {
+			t.Errorf("8 heads, TP %d -> %d: refused after %v", tp[0], tp[1], el)
+		}
+	}
 	c := small(t)
 	c.Plugin = "nosuchplugin"
 	if _, err := Run(context.Background(), c); err == nil || !strings.Contains(err.Error(), "nosuchplugin") {
