@@ -485,6 +485,23 @@ kvp_error *RecordFailure(Xfer &x) {
   return kvp_err(x.err_code, "%s", x.err_msg.c_str());
 }
 
+// Asks MORI, without waiting, how a posted transfer stands: sets *status
+// to KVP_IN_PROG or KVP_SUCCESS, or records and returns its first failure.
+// Caller holds x.mu.
+kvp_error *Progress(mio::IOEngine &engine, Xfer &x, kvp_status *status) {
+  mio::StatusCode c = engine.WaitAll(x.status_ptrs, 0);
+  if (c == mio::StatusCode::IN_PROGRESS) {
+    *status = KVP_IN_PROG;
+    return nullptr;
+  }
+  if (c == mio::StatusCode::SUCCESS) {
+    x.Complete();
+    *status = KVP_SUCCESS;
+    return nullptr;
+  }
+  return RecordFailure(x);
+}
+
 // Hands the statuses of the previous post back to the agent (see
 // Agent::status_pool). Caller holds x.mu and has checked that nothing is in
 // flight.
@@ -1285,17 +1302,7 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
                   ": " + thrown;
       return kvp_err(x.err_code, "%s", x.err_msg.c_str());
     }
-    mio::StatusCode c = a->engine->WaitAll(x.status_ptrs, 0);
-    if (c == mio::StatusCode::IN_PROGRESS) {
-      args->status = KVP_IN_PROG;
-      return nullptr;
-    }
-    if (c == mio::StatusCode::SUCCESS) {
-      x.Complete();
-      args->status = KVP_SUCCESS;
-      return nullptr;
-    }
-    return RecordFailure(x);
+    return Progress(*a->engine, x, &args->status);
   });
 }
 
@@ -1336,17 +1343,7 @@ kvp_error *PollXfer(kvp_poll_xfer_args *args) {
     // this poll does no transfer work here. (The XGMI backend, which MORI
     // adds only with MORI_DISABLE_AUTO_XGMI=0, runs a non-blocking event
     // query per status.)
-    mio::StatusCode c = a->engine->WaitAll(x.status_ptrs, 0);
-    if (c == mio::StatusCode::IN_PROGRESS) {
-      args->status = KVP_IN_PROG;
-      return nullptr;
-    }
-    if (c == mio::StatusCode::SUCCESS) {
-      x.Complete();
-      args->status = KVP_SUCCESS;
-      return nullptr;
-    }
-    return RecordFailure(x);
+    return Progress(*a->engine, x, &args->status);
   });
 }
 
