@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/metrics"
 )
 
@@ -125,10 +126,6 @@ func (c *Config) Validate() error {
 		return errors.New("demo: layers, head dim, page size and concurrency must be positive")
 	case c.Attention == "mha" && c.KVHeads < 1:
 		return errors.New("demo: MHA needs at least one KV head")
-	case c.Attention == "mha" && !headsSplit(c.KVHeads, c.PrefillTP):
-		return fmt.Errorf("demo: %d KV heads do not split over prefill TP %d (TP must divide the KV heads or be a multiple of them)", c.KVHeads, c.PrefillTP)
-	case c.Attention == "mha" && !headsSplit(c.KVHeads, c.DecodeTP):
-		return fmt.Errorf("demo: %d KV heads do not split over decode TP %d (TP must divide the KV heads or be a multiple of them)", c.KVHeads, c.DecodeTP)
 	case c.DTypeBytes != 1 && c.DTypeBytes != 2 && c.DTypeBytes != 4:
 		return fmt.Errorf("demo: dtype bytes %d: want 1, 2 or 4", c.DTypeBytes)
 	case c.MinTokens < 1 || c.MaxTokens < c.MinTokens:
@@ -142,17 +139,19 @@ func (c *Config) Validate() error {
 	case !c.InProcess && c.Metrics != nil:
 		return errors.New("demo: Metrics observes in-process workers only")
 	}
-	return nil
-}
-
-// headsSplit reports whether TP ranks can hold heads KV heads: each rank a
-// share of them, or each head replicated over TP/heads ranks (the pools'
-// rule, kvpool.Geometry.Validate, checked here before any worker starts).
-func headsSplit(heads, tp int) bool {
-	if tp <= heads {
-		return heads%tp == 0
+	// Checked here so that a bad shape stops the demo before any worker
+	// starts (each would refuse it on its own, one by one).
+	if c.Attention == "mha" {
+		for _, side := range []struct {
+			name string
+			tp   int
+		}{{"prefill", c.PrefillTP}, {"decode", c.DecodeTP}} {
+			if err := kvpool.CheckHeadSplit(c.KVHeads, side.tp); err != nil {
+				return fmt.Errorf("demo: %s: %w (TP must divide the KV heads or be a multiple of them)", side.name, err)
+			}
+		}
 	}
-	return tp%heads == 0
+	return nil
 }
 
 // kindsErr refuses what SGLang's NIXL connector refuses for every request

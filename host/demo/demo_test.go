@@ -123,7 +123,7 @@ func TestValidateAndMissingPlugin(t *testing.T) {
 		c.PrefillTP, c.DecodeTP = tp[0], tp[1]
 		start := time.Now()
 		_, err := Run(context.Background(), c)
-		if err == nil || !strings.Contains(err.Error(), "do not split over") {
+		if err == nil || !strings.Contains(err.Error(), "TP must divide the KV heads") {
 			t.Errorf("8 heads, TP %d -> %d: %v, want the heads refused", tp[0], tp[1], err)
 		}
 		if el := time.Since(start); el > time.Second {

@@ -97,15 +97,28 @@ func (g Geometry) Validate() error {
 		if g.TotalHeads <= 0 {
 			return fmt.Errorf("kvpool: total heads %d must be > 0", g.TotalHeads)
 		}
-		if g.TPSize <= g.TotalHeads && g.TotalHeads%g.TPSize != 0 {
-			return fmt.Errorf("kvpool: %d KV heads do not split over TP %d", g.TotalHeads, g.TPSize)
-		}
-		if g.TPSize > g.TotalHeads && g.TPSize%g.TotalHeads != 0 {
-			return fmt.Errorf("kvpool: TP %d is not a multiple of %d KV heads", g.TPSize, g.TotalHeads)
+		if err := CheckHeadSplit(g.TotalHeads, g.TPSize); err != nil {
+			return err
 		}
 	}
 	if uint64(g.Pages)*g.itemLen() > 1<<46 {
 		return errors.New("kvpool: pool larger than 64 TiB")
+	}
+	return nil
+}
+
+// CheckHeadSplit reports whether tp ranks can hold heads KV heads (MHA):
+// each rank an equal share, or, with more ranks than heads, each head
+// replicated over tp/heads ranks.
+func CheckHeadSplit(heads, tp int) error {
+	if heads <= 0 || tp <= 0 {
+		return fmt.Errorf("kvpool: %d KV heads over TP %d", heads, tp)
+	}
+	if tp <= heads && heads%tp != 0 {
+		return fmt.Errorf("kvpool: %d KV heads do not split over TP %d", heads, tp)
+	}
+	if tp > heads && tp%heads != 0 {
+		return fmt.Errorf("kvpool: TP %d is not a multiple of %d KV heads", tp, heads)
 	}
 	return nil
 }
