@@ -109,50 +109,66 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 	if err := a.use(); err != nil {
 		return nil, err
 	}
+	// One defer and few returns here keep the defer open-coded (cheap); the
+	// work, with its many returns, is in makePreppedLocked.
 	defer a.mu.RUnlock()
+	return a.makePreppedLocked(op, local, localIdx, remote, remoteIdx, notif)
+}
+
+// makePreppedLocked is MakePreppedXfer past its argument checks. Needs a.mu held
+// (shared).
+func (a *Agent) makePreppedLocked(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+	const opName = "make_prepped_xfer"
 	if local.closed {
 		return nil, closedError(local.describe())
 	}
 	if remote.closed {
 		return nil, closedError(remote.describe())
 	}
-	if local.emu != nil {
+	if local.emu != nil || local.first != nil || remote.first != nil {
 		s := a.getScratch()
 		defer a.putScratch(s)
-		if cerr := s.buildPreppedBatch(local.emu, remote.emu, localIdx, remoteIdx, !a.caps.Has(abi.CapStrided)); cerr != nil {
+		if local.emu != nil {
+			return a.makePreppedEmulated(s, op, local, localIdx, remote, remoteIdx, notif)
+		}
+		if cerr := s.expandIndices(local.first, local.n, localIdx, remote.first, remote.n, remoteIdx); cerr != nil {
 			return nil, a.wrap(opName, cerr)
 		}
-		if len(s.pairs) == 0 && notif != nil {
-			// A notification-only transfer (no indices): make_batch_xfer
-			// learns the peer from a region pair, so give it one that no
-			// entry uses.
-			pair, err := a.notifPair(local, remote)
-			if err != nil {
-				return nil, err
-			}
-			s.pairs = append(s.pairs, pair)
-		}
-		h, err := a.p.makeBatch(a.h, op, s.pairs, s.entries, cNotif(notif))
+		h, err := a.p.makePrepped(a.h, op, local.h, s.local, remote.h, s.remote, cNotif(notif))
 		if err != nil {
 			return nil, err
 		}
 		return a.newXfer(h, op, len(localIdx), true), nil
 	}
-	li, ri := localIdx, remoteIdx
-	shaped := local.first != nil || remote.first != nil
-	if shaped {
-		s := a.getScratch()
-		defer a.putScratch(s)
-		if cerr := s.expandIndices(local.first, local.n, localIdx, remote.first, remote.n, remoteIdx); cerr != nil {
-			return nil, a.wrap(opName, cerr)
-		}
-		li, ri = s.local, s.remote
-	}
-	h, err := a.p.makePrepped(a.h, op, local.h, li, remote.h, ri, cNotif(notif))
+	h, err := a.p.makePrepped(a.h, op, local.h, localIdx, remote.h, remoteIdx, cNotif(notif))
 	if err != nil {
 		return nil, err
 	}
-	return a.newXfer(h, op, len(localIdx), shaped), nil
+	return a.newXfer(h, op, len(localIdx), false), nil
+}
+
+// makePreppedEmulated builds a prepped transfer over emulated lists as one
+// batch transfer, in s. Needs a.mu held (shared).
+func (a *Agent) makePreppedEmulated(s *scratch, op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+	const opName = "make_prepped_xfer"
+	if cerr := s.buildPreppedBatch(local.emu, remote.emu, localIdx, remoteIdx, !a.caps.Has(abi.CapStrided)); cerr != nil {
+		return nil, a.wrap(opName, cerr)
+	}
+	if len(s.pairs) == 0 && notif != nil {
+		// A notification-only transfer (no indices): make_batch_xfer
+		// learns the peer from a region pair, so give it one that no
+		// entry uses.
+		pair, err := a.notifPair(local, remote)
+		if err != nil {
+			return nil, err
+		}
+		s.pairs = append(s.pairs, pair)
+	}
+	h, err := a.p.makeBatch(a.h, op, s.pairs, s.entries, cNotif(notif))
+	if err != nil {
+		return nil, err
+	}
+	return a.newXfer(h, op, len(localIdx), true), nil
 }
 
 // notifPair returns a region pair that names the peer of an emulated
