@@ -115,8 +115,8 @@ func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remot
 	return a.makePreppedLocked(op, local, localIdx, remote, remoteIdx, notif)
 }
 
-// makePreppedLocked is MakePreppedXfer past its argument checks. Needs a.mu held
-// (shared).
+// makePreppedLocked is MakePreppedXfer past its argument checks. Needs a.mu
+// held (shared).
 func (a *Agent) makePreppedLocked(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
 	const opName = "make_prepped_xfer"
 	if local.closed {
