@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
@@ -127,6 +128,21 @@ func TestParallelInfoFieldSet(t *testing.T) {
 	if m["prefill_http_port"] != nil || m["target_tp_ranks"] != nil {
 		t.Fatalf("nulls expected: %v", m)
 	}
+}
+
+// rawConn dials the server at addr and writes first (nothing, or a part of
+// a request) with a deadline on the connection, which the test's cleanup
+// closes.
+func rawConn(t *testing.T, addr, first string, deadline time.Duration) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(deadline))
+	io.WriteString(c, first)
+	return c
 }
 
 func rawDo(t *testing.T, method, url, body string) (int, string) {

@@ -35,16 +35,7 @@ func TestCloseIsPromptWithClientsConnected(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	dial := func(first string) net.Conn {
-		c, err := net.Dial("tcp", rs.Addr())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		c.SetDeadline(time.Now().Add(20 * time.Second))
-		io.WriteString(c, first)
-		return c
-	}
+	dial := func(first string) net.Conn { return rawConn(t, rs.Addr(), first, 20*time.Second) }
 	clients := map[string]net.Conn{
 		"unused":        dial(""),
 		"stalled head":  dial("GET /health HTTP/1.1\r\nHost: x\r\n"),

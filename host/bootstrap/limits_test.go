@@ -46,16 +46,7 @@ func TestSlowAndOversizedClients(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dial := func(first string) net.Conn {
-		c, err := net.Dial("tcp", rs.Addr())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		c.SetDeadline(time.Now().Add(10 * time.Second))
-		io.WriteString(c, first)
-		return c
-	}
+	dial := func(first string) net.Conn { return rawConn(t, rs.Addr(), first, 10*time.Second) }
 	// droppedWithin reads until the server closes c.
 	droppedWithin := func(name string, c net.Conn, max time.Duration) {
 		t.Helper()

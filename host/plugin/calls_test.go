@@ -88,6 +88,33 @@ func (c callCounter) expectCalls(t *testing.T, what string, want map[int]int, f 
 	}
 }
 
+// capsAgent makes an agent of the test plugin p with capabilities caps,
+// one registered region [localBase, +size) and the range [remoteBase, +size)
+// of a loaded peer imported. The caller closes the agent.
+func capsAgent(t *testing.T, p *Plugin, caps abi.Caps, localBase, remoteBase, size uint64) (*Agent, []*Region, string, *RemoteRegion) {
+	t.Helper()
+	a, err := p.NewAgent("a", Param{"agent_caps", itoa(uint32(caps))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	regions, err := a.Register([]abi.MemDesc{{Addr: localBase, Len: size}})
+	if err != nil {
+		a.Close()
+		t.Fatal(err)
+	}
+	peer, err := a.LoadRemote([]byte("md"))
+	if err != nil {
+		a.Close()
+		t.Fatal(err)
+	}
+	rr, err := a.ImportRange(peer, remoteBase, size, 0, abi.DRAM)
+	if err != nil {
+		a.Close()
+		t.Fatal(err)
+	}
+	return a, regions, peer, rr
+}
+
 // TestPluginCallsPerOperation proves how many plugin calls each operation
 // costs on every emulation path: one per transfer made, posted or polled on
 // native paths, whatever the number of descriptors.
@@ -136,23 +163,8 @@ func TestPluginCallsPerOperation(t *testing.T) {
 			map[int]int{cMakePrepped: 1}, map[int]int{cPrep: 2, cMakePrepped: 1}, map[int]int{cReleaseXfer: 1, cReleaseDList: 2}, n, n},
 	} {
 		t.Run(fmtCaps(tc.caps), func(t *testing.T) {
-			a, err := p.NewAgent("a", Param{"agent_caps", itoa(uint32(tc.caps))})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a, regions, peer, rr := capsAgent(t, p, tc.caps, localBase, remoteBase, size)
 			defer a.Close()
-			regions, err := a.Register([]abi.MemDesc{{Addr: localBase, Len: size}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			peer, err := a.LoadRemote([]byte("md"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			rr, err := a.ImportRange(peer, remoteBase, size, 0, abi.DRAM)
-			if err != nil {
-				t.Fatal(err)
-			}
 			var l, r *DList
 			// Native lists cost a call each to make and to release; Go-side
 			// lists none (the remote one is covered by rr).
@@ -252,23 +264,8 @@ func TestRefusedReleasesStayRetryable(t *testing.T) {
 		abi.CapBatch | abi.CapStrided | abi.CapRemoteAddr,   // prepped emulated: lists in Go
 	} {
 		t.Run(fmtCaps(caps), func(t *testing.T) {
-			a, err := p.NewAgent("a", Param{"agent_caps", itoa(uint32(caps))})
-			if err != nil {
-				t.Fatal(err)
-			}
+			a, regions, peer, rr := capsAgent(t, p, caps, localBase, remoteBase, size)
 			defer a.Close()
-			regions, err := a.Register([]abi.MemDesc{{Addr: localBase, Len: size}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			peer, err := a.LoadRemote([]byte("md"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			rr, err := a.ImportRange(peer, remoteBase, size, 0, abi.DRAM)
-			if err != nil {
-				t.Fatal(err)
-			}
 			pairs := []Pair{{regions[0], rr}}
 
 			// A transfer the plugin keeps: open, usable, released by the

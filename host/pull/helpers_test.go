@@ -9,26 +9,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
-
-var (
-	fakeOnce sync.Once
-	fakePlug *plugin.Plugin
-	fakeErr  error
-)
-
-// fake loads the fake plugin that `make plugin-fake` builds.
-func fake(t testing.TB) *plugin.Plugin {
-	t.Helper()
-	fakeOnce.Do(func() { fakePlug, fakeErr = plugin.Load("fake", plugin.SearchDirs("")) })
-	if fakeErr != nil {
-		t.Fatalf("the fake plugin is needed (make plugin-fake): %v", fakeErr)
-	}
-	return fakePlug
-}
 
 func testLogger(t testing.TB) *slog.Logger {
 	if testing.Verbose() || os.Getenv("KVHOST_TEST_LOG") != "" {
@@ -52,7 +37,7 @@ func newAgent(t testing.TB, name string, params ...plugin.Param) *plugin.Agent {
 	agentSeq.n++
 	n := agentSeq.n
 	agentSeq.Unlock()
-	a, err := fake(t).NewAgent(fmt.Sprintf("%s-%d-%d", name, os.Getpid(), n), params...)
+	a, err := faketest.Plugin(t).NewAgent(fmt.Sprintf("%s-%d-%d", name, os.Getpid(), n), params...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -714,12 +715,8 @@ func (r *Receiver) Pending() int { return int(r.pendingLoads.Load()) }
 func (r *Receiver) BlockIDsWithLoadErrors() []int32 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]int32, 0, len(r.invalid))
-	for b := range r.invalid {
-		out = append(out, b)
-	}
+	out := slices.Sorted(maps.Keys(r.invalid))
 	clear(r.invalid)
-	slices.Sort(out)
 	return out
 }
 

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -142,10 +144,7 @@ func (d *Decode) Close() error {
 		return nil
 	}
 	d.mu.Lock()
-	open := make([]uint64, 0, len(d.recvs))
-	for r := range d.recvs {
-		open = append(open, r)
-	}
+	open := slices.Collect(maps.Keys(d.recvs))
 	d.mu.Unlock()
 	for _, r := range open {
 		d.rooms.Fail(r, "decode rank closed")
@@ -504,10 +503,7 @@ func (d *Decode) wakeNotif() {
 // prefill fails.
 func (d *Decode) heartbeat(time.Time) {
 	d.mu.Lock()
-	addrs := make([]string, 0, len(d.prefills))
-	for a := range d.prefills {
-		addrs = append(addrs, a)
-	}
+	addrs := slices.Collect(maps.Keys(d.prefills))
 	d.mu.Unlock()
 	for _, addr := range addrs {
 		d.mu.Lock()

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -233,11 +235,7 @@ func (m *Prefill) Pending() int {
 func (m *Prefill) Peers() []string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	out := make([]string, 0, len(m.peers))
-	for n := range m.peers {
-		out = append(out, n)
-	}
-	return out
+	return slices.Collect(maps.Keys(m.peers))
 }
 
 // Close stops the workers and the control loop, cancels transfers in

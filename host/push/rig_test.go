@@ -13,21 +13,13 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
 )
-
-func loadFake(t testing.TB) *plugin.Plugin {
-	t.Helper()
-	p, err := plugin.Load("fake", plugin.SearchDirs(""))
-	if err != nil {
-		t.Skipf("fake plugin not built (make plugin-fake): %v", err)
-	}
-	return p
-}
 
 func quietLog() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
@@ -119,7 +111,7 @@ type rig struct {
 
 func newRig(t testing.TB, o rigOpts) *rig {
 	t.Helper()
-	r := &rig{t: t, pl: loadFake(t)}
+	r := &rig{t: t, pl: faketest.Plugin(t)}
 	var err error
 	if r.srv, err = bootstrap.NewServer(bootstrap.WithLogger(quietLog())).Start("127.0.0.1:0"); err != nil {
 		t.Fatal(err)

@@ -8,6 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/wire/vllm"
@@ -40,7 +41,7 @@ func benchTwoProcess(b *testing.B, tokens int) {
 		b.Fatal(err)
 	}
 	defer pool.Close()
-	a, err := fake(b).NewAgent(agentName("bench-decode", 0))
+	a, err := faketest.Plugin(b).NewAgent(agentName("bench-decode", 0))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -11,23 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/plugin"
 )
-
-var (
-	fakeOnce sync.Once
-	fakePlug *plugin.Plugin
-	fakeErr  error
-)
-
-func fake(t testing.TB) *plugin.Plugin {
-	t.Helper()
-	fakeOnce.Do(func() { fakePlug, fakeErr = plugin.Load("fake", plugin.SearchDirs("")) })
-	if fakeErr != nil {
-		t.Fatalf("the fake plugin is needed (make plugin-fake): %v", fakeErr)
-	}
-	return fakePlug
-}
 
 func testLog() *slog.Logger {
 	level := slog.LevelError + 4 // quiet: failures are asserted on, not read in logs
@@ -74,7 +60,7 @@ func runE2E(t *testing.T, c e2eCase) (PrefillSummary, *DecodeSummary) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
 	defer cancel()
-	ds, err := RunDecode(ctx, DecodeConfig{Plugin: fake(t), AgentParams: params, Model: c.model, Engine: c.decode,
+	ds, err := RunDecode(ctx, DecodeConfig{Plugin: faketest.Plugin(t), AgentParams: params, Model: c.model, Engine: c.decode,
 		EngineID: "decode-" + c.name, PrefillURL: "http://" + ready.API, Workload: c.work, Concurrency: 4, Logger: testLog()})
 	if err != nil {
 		t.Fatal(err)
@@ -189,7 +175,7 @@ func TestThreeProcessDecodeEngine(t *testing.T) {
 		Ranks: []int{2, 3}, PrefillURL: "http://" + ready.API})
 	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
 	defer cancel()
-	ds, err := RunDecode(ctx, DecodeConfig{Plugin: fake(t), Model: c.model, Engine: c.decode, Ranks: []int{0, 1},
+	ds, err := RunDecode(ctx, DecodeConfig{Plugin: faketest.Plugin(t), Model: c.model, Engine: c.decode, Ranks: []int{0, 1},
 		EngineID: "decode", PrefillURL: "http://" + ready.API, Workload: c.work, Concurrency: 4, Logger: testLog()})
 	if err != nil {
 		t.Fatal(err)
@@ -220,7 +206,7 @@ func TestDecodeMismatchedModel(t *testing.T) {
 		AbortTimeout: 500 * time.Millisecond, Workload: work})
 	var ready struct{ API string }
 	pc.line(t, &ready)
-	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: fake(t), Model: other, Engine: engine(1, 16, "HND"),
+	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: faketest.Plugin(t), Model: other, Engine: engine(1, 16, "HND"),
 		EngineID: "decode", PrefillURL: "http://" + ready.API, Workload: work, Logger: testLog()})
 	if err != nil {
 		t.Fatal(err)
@@ -288,7 +274,7 @@ func TestPrefillAPI(t *testing.T) {
 	work := Workload{Seed: 3, Requests: 2, MinTokens: 10, MaxTokens: 20}
 	reqs := work.Generate()
 	ready := 0
-	pf, err := StartPrefill(PrefillConfig{Plugin: fake(t), Model: smallModel, Engine: engine(1, 16, "HND"), EngineID: "p",
+	pf, err := StartPrefill(PrefillConfig{Plugin: faketest.Plugin(t), Model: smallModel, Engine: engine(1, 16, "HND"), EngineID: "p",
 		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", AbortTimeout: 200 * time.Millisecond, Workload: work, Logger: testLog(),
 		OnReady: func() { ready++ }})
 	if err != nil {
@@ -350,7 +336,7 @@ func TestPrefillKilled(t *testing.T) {
 	var once sync.Once
 	var readyCalls, earlyProgress atomic.Int32
 	start := time.Now()
-	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: fake(t), Model: smallModel, Engine: engine(2, 16, "HND"),
+	ds, err := RunDecode(t.Context(), DecodeConfig{Plugin: faketest.Plugin(t), Model: smallModel, Engine: engine(2, 16, "HND"),
 		EngineID: "decode", PrefillURL: "http://" + ready.API, Workload: work, Concurrency: 2, ConnectTimeout: time.Second,
 		Logger: testLog(), OnReady: func() { readyCalls.Add(1) }, Progress: func(done, _ int) {
 			if readyCalls.Load() == 0 {

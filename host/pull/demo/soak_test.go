@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -47,7 +48,7 @@ func TestSoak(t *testing.T) {
 			ctx, cancel := context.WithTimeout(t.Context(), 15*time.Minute)
 			defer cancel()
 			start := time.Now()
-			ds, err := RunDecode(ctx, DecodeConfig{Plugin: fake(t), AgentParams: params, Model: smallModel,
+			ds, err := RunDecode(ctx, DecodeConfig{Plugin: faketest.Plugin(t), AgentParams: params, Model: smallModel,
 				Engine: Engine{TPSize: 4, BlockSize: 16, NumBlocks: blocks, Layout: "HND"}, EngineID: "soak-decode",
 				PrefillURL: "http://" + ready.API, Workload: work, Concurrency: conc, ReadTimeout: time.Minute, Logger: testLog()})
 			if err != nil {

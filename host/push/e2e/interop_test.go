@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
@@ -57,6 +58,21 @@ type pyResult struct {
 	Reason string  `json:"reason"`
 	Pages  []int32 `json:"pages"`
 	Aux    int     `json:"aux"`
+}
+
+// pySpec is the spec of a Python peer (host/push/testdata/sglang_peer.py): its role,
+// variant, fake plugin library, bootstrap server, pool geometry and
+// requests, plus the role's own files in extra.
+func pySpec(role, variant, lib, bootstrap string, g kvpool.Geometry, reqs []pyRequest, extra map[string]any) map[string]any {
+	spec := map[string]any{
+		"role": role, "variant": variant, "plugin": lib, "bootstrap": bootstrap,
+		"layers": g.Layers, "page_size": g.PageSize, "item_len": g.ItemLen(), "pages": g.Pages,
+		"aux_item_len": g.AuxItemLen, "aux_slots": g.AuxItems, "requests": reqs,
+	}
+	for k, v := range extra {
+		spec[k] = v
+	}
+	return spec
 }
 
 func runPython(t *testing.T, ctx context.Context, spec map[string]any) (*exec.Cmd, chan error) {
@@ -121,12 +137,9 @@ func TestPythonDecode(t *testing.T) {
 			g := interopGeometry(totalPages+4, auxSlots)
 			dir := t.TempDir()
 			out, dump := filepath.Join(dir, "out.json"), filepath.Join(dir, "mem.bin")
-			_, pyDone := runPython(t, ctx, map[string]any{
-				"role": "decode", "variant": variant, "plugin": lib, "bootstrap": srv.Addr(),
-				"layers": g.Layers, "page_size": g.PageSize, "item_len": g.ItemLen(), "pages": g.Pages,
-				"aux_item_len": g.AuxItemLen, "aux_slots": g.AuxItems, "requests": pyReqs, "out": out, "dump": dump,
-			})
-			pl, _ := plugin.Load("fake", plugin.SearchDirs(""))
+			_, pyDone := runPython(t, ctx, pySpec("decode", variant, lib, srv.Addr(), g, pyReqs, map[string]any{
+				"out": out, "dump": dump}))
+			pl := faketest.Plugin(t)
 			v, _ := push.ParseVariant(variant)
 			ps, err := worker.RunPrefill(ctx, worker.PrefillOptions{BootstrapAddr: srv.Addr(), Common: worker.Common{
 				Plugin: pl, Variant: v, Shape: interopShape, Workload: wl, TPSize: 1, Concurrency: 16}})
@@ -225,12 +238,9 @@ func TestPythonPrefill(t *testing.T) {
 			if err := os.WriteFile(content, pool.Bytes(), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			_, pyDone := runPython(t, ctx, map[string]any{
-				"role": "prefill", "variant": variant, "plugin": lib, "bootstrap": srv.Addr(),
-				"layers": g.Layers, "page_size": g.PageSize, "item_len": g.ItemLen(), "pages": g.Pages,
-				"aux_item_len": g.AuxItemLen, "aux_slots": g.AuxItems, "requests": pyReqs, "content": content, "out": out,
-			})
-			pl, _ := plugin.Load("fake", plugin.SearchDirs(""))
+			_, pyDone := runPython(t, ctx, pySpec("prefill", variant, lib, srv.Addr(), g, pyReqs, map[string]any{
+				"content": content, "out": out}))
+			pl := faketest.Plugin(t)
 			v, _ := push.ParseVariant(variant)
 			ds, err := worker.RunDecode(ctx, worker.DecodeOptions{BootstrapAddr: srv.Addr(), Common: worker.Common{
 				Plugin: pl, Variant: v, Shape: interopShape, Workload: wl, TPSize: 1, Concurrency: 4}})

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 )
@@ -39,7 +40,7 @@ func BenchmarkPush(b *testing.B) {
 		{name: "tp2to4-mori", ptp: 2, dtp: 4, variant: push.VariantMORI},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			pl := loadFake(b)
+			pl := faketest.Plugin(b)
 			addr := startBootstrap(b)
 			shape := benchShape
 			shape.MLA = c.mla

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -37,15 +38,6 @@ func startBootstrap(t testing.TB) string {
 	return srv.Addr()
 }
 
-func loadFake(t testing.TB) *plugin.Plugin {
-	t.Helper()
-	p, err := plugin.Load("fake", plugin.SearchDirs(""))
-	if err != nil {
-		t.Skipf("fake plugin not built (make plugin-fake): %v", err)
-	}
-	return p
-}
-
 type pair struct {
 	variant    push.Variant
 	completion push.Completion
@@ -62,7 +54,7 @@ type pair struct {
 
 func runPair(t *testing.T, c pair) (*Summary, *Summary) {
 	t.Helper()
-	pl := loadFake(t)
+	pl := faketest.Plugin(t)
 	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -185,7 +177,7 @@ func discard() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, ni
 // finishes, with a room counter naming every KVPoll state; no room is held
 // then or after the run.
 func TestOnReady(t *testing.T) {
-	pl := loadFake(t)
+	pl := faketest.Plugin(t)
 	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -282,7 +274,7 @@ func (l *lineCounter) n() int { l.mu.Lock(); defer l.mu.Unlock(); return len(l.l
 // the request finished on every rank (before the progress call counting
 // it), not at the end of the run.
 func TestReportAsRequestsFinish(t *testing.T) {
-	pl := loadFake(t)
+	pl := faketest.Plugin(t)
 	addr := startBootstrap(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

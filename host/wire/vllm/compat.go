@@ -3,7 +3,8 @@ package vllm
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"sort"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -48,11 +49,7 @@ func CompatibilityHash(f CompatFactors) string {
 // json.dumps(obj, sort_keys=True) does with its defaults: ", " and ": "
 // separators, keys sorted by code point, ensure_ascii escaping.
 func pythonJSON(m map[string]any) string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys) // byte order of UTF-8 is code point order
+	keys := slices.Sorted(maps.Keys(m)) // byte order of UTF-8 is code point order
 	var b strings.Builder
 	b.WriteByte('{')
 	for i, k := range keys {
