@@ -63,6 +63,10 @@ type Agent struct {
 	book    sync.Mutex
 	regions []*Region        // registered on this agent, sorted by Addr
 	peers   map[string]*peer // peers with remote regions or lists
+	// loaded holds the metadata last loaded for each peer (LoadRemote,
+	// LoadNewRemote) until RemoveRemote, so that LoadNewRemote can put back
+	// a loaded peer's metadata that a stranger's replaced.
+	loaded map[string][]byte
 
 	notifMu sync.Mutex // serialises Notifs (which reuses notif)
 	notif   notifState
@@ -99,7 +103,7 @@ func (p *Plugin) NewAgent(name string, params ...Param) (*Agent, error) {
 	if err := p.check("agent_create", callC(p.api.AgentCreate, unsafe.Pointer(args))); err != nil {
 		return nil, err
 	}
-	a := &Agent{p: p, name: name, h: args.Agent, caps: args.Caps, peers: map[string]*peer{}}
+	a := &Agent{p: p, name: name, h: args.Agent, caps: args.Caps, peers: map[string]*peer{}, loaded: map[string][]byte{}}
 	a.scratch.New = func() any { return new(scratch) }
 	bad := ""
 	if extra := args.Caps &^ p.info.Caps; extra != 0 {
@@ -383,6 +387,53 @@ func (a *Agent) LoadRemote(md []byte) (string, error) {
 		return "", err
 	}
 	defer a.mu.RUnlock()
+	name, err := a.loadLocked(md)
+	if err != nil {
+		return "", err
+	}
+	a.book.Lock()
+	a.loaded[name] = slices.Clone(md)
+	a.book.Unlock()
+	return name, nil
+}
+
+// LoadNewRemote loads the metadata of a peer that is not loaded on this
+// agent and returns its name. Metadata naming a peer that is loaded
+// already (by LoadRemote or LoadNewRemote, and not removed since) is
+// refused with an error matching ErrNotAllowed, and that peer is left as
+// it was. The peer's name is only known once the plugin read the
+// metadata, and load_remote replaces a loaded peer's metadata, so the
+// agent puts the peer's last metadata back at once; it holds the agent
+// exclusively meanwhile, so no other call on the agent (a post, an
+// import) sees the stranger's metadata. Use it where the metadata comes
+// from someone who must not change another peer (a registration).
+func (a *Agent) LoadNewRemote(md []byte) (string, error) {
+	if err := a.useExclusive(); err != nil {
+		return "", err
+	}
+	defer a.mu.Unlock()
+	name, err := a.loadLocked(md)
+	if err != nil {
+		return "", err
+	}
+	a.book.Lock()
+	old, known := a.loaded[name]
+	if !known {
+		a.loaded[name] = slices.Clone(md)
+	}
+	a.book.Unlock()
+	if !known {
+		return name, nil
+	}
+	refused := a.hostErr("load_remote", abi.ErrNotAllowed, "metadata names peer %q, which is loaded already; it was left as it was", name)
+	if _, err := a.loadLocked(old); err != nil {
+		return "", errors.Join(refused, fmt.Errorf("restoring the metadata of %q: %w", name, err))
+	}
+	return "", refused
+}
+
+// loadLocked calls load_remote. Needs a.mu held.
+func (a *Agent) loadLocked(md []byte) (string, error) {
 	args := &abi.LoadRemoteArgs{StructSize: abi.LoadRemoteArgsSize, Agent: a.h, Metadata: sliceData(md), MetadataLen: uintptr(len(md))}
 	if err := a.check("load_remote", callC(a.p.api.LoadRemote, unsafe.Pointer(args))); err != nil {
 		return "", err
@@ -417,6 +468,7 @@ func (a *Agent) forgetPeer(name string) error {
 	a.book.Lock()
 	pr := a.peers[name]
 	delete(a.peers, name)
+	delete(a.loaded, name)
 	a.book.Unlock()
 	if pr == nil {
 		return nil

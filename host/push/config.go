@@ -124,6 +124,10 @@ const (
 	DefaultHeartbeatInterval    = 5 * time.Second
 	DefaultHeartbeatMaxFailures = 2
 	DefaultQueueSize            = 4
+	// Defaults of Settings.MaxPendingInfoBytes and
+	// MaxPendingInfoBytesPerPeer.
+	DefaultMaxPendingInfoBytes        = 64 << 20
+	DefaultMaxPendingInfoBytesPerPeer = 16 << 20
 	// MinReferenceHeartbeat is the floor SGLang puts under the heartbeat
 	// interval. kvhost honours shorter intervals (tests use them) but the
 	// env/flag loaders warn.
@@ -171,6 +175,17 @@ type Settings struct {
 	// registrations from (a hostile peer must not grow memory without
 	// bound). Default 4096.
 	MaxPeers int
+	// MaxPendingInfoBytes bounds the memory that decode ranks' transfer
+	// infos (page lists, state indices) may hold on a prefill rank while
+	// their room is not yet both complete (every decode rank reported) and
+	// opened by the engine (NewSender), in total; MaxPendingInfoBytesPerPeer
+	// bounds it per registered decode agent (infos naming agents that are
+	// not registered share one such budget). An info that does not fit is
+	// dropped, and its room fails with the reason: at once if the engine
+	// holds it, else as soon as the engine opens it (within the bootstrap
+	// timeout). Defaults 64 MiB and 16 MiB (16 MiB is 4M page indices).
+	MaxPendingInfoBytes        int64
+	MaxPendingInfoBytesPerPeer int64
 }
 
 // withDefaults fills zero fields with the reference defaults.
@@ -192,6 +207,12 @@ func (s Settings) withDefaults() Settings {
 	}
 	if s.MaxPeers <= 0 {
 		s.MaxPeers = 4096
+	}
+	if s.MaxPendingInfoBytes <= 0 {
+		s.MaxPendingInfoBytes = DefaultMaxPendingInfoBytes
+	}
+	if s.MaxPendingInfoBytesPerPeer <= 0 {
+		s.MaxPendingInfoBytesPerPeer = DefaultMaxPendingInfoBytesPerPeer
 	}
 	if s.TransferTimeout < 0 {
 		s.TransferTimeout = 0

@@ -71,12 +71,18 @@ type Prefill struct {
 
 	shards []*shard
 
-	mu       sync.Mutex
-	peers    map[string]*peer  // decode ranks by agent (engine) name
-	peerErr  map[string]string // registrations that failed, by name (bounded)
-	infos    map[uint64]*roomInfos
-	senders  map[uint64]*Sender
-	srcLists map[string]*plugin.DList // prepped source lists shared by peers
+	mu      sync.Mutex
+	peers   map[string]*peer  // decode ranks by agent (engine) name
+	peerErr map[string]string // registrations that failed, by name (bounded)
+	infos   map[uint64]*roomInfos
+	senders map[uint64]*Sender
+	// pend is what the transfer infos of rooms not yet both complete and
+	// open hold (see roomInfos.charged), in total and per peer.
+	pend pendingBudget
+	// closedRooms are rooms the engine closed recently: an ABORT for one
+	// of them is late, not early (see abortFromDecode).
+	closedRooms recentRooms
+	srcLists    map[string]*plugin.DList // prepped source lists shared by peers
 
 	// notifyCtx bounds failure notifications; Close cancels it after
 	// closeGrace so a dead decode endpoint cannot hold Close for long.
@@ -97,6 +103,14 @@ type roomInfos struct {
 	aborted string
 	// notified: the failure was sent to decode.
 	notified bool
+	// charged: the infos count against the pending budget (Prefill.pend),
+	// until the room has every info it waits for and the engine opened it.
+	charged bool
+	// overflow is why an info of this room was dropped (the pending budget
+	// was full) and overflowTo where that info came from: the room fails
+	// with the reason once the engine holds it.
+	overflow   string
+	overflowTo string
 }
 
 // xferInfo is one decode rank's per-request transfer info, whatever the
@@ -111,14 +125,95 @@ type xferInfo struct {
 	prefixLen int64
 	prefixSet bool
 	dummy     bool
+	// cost is what the info holds in memory (infoCost); budget the pending
+	// budget it was charged to ("" for agents not registered).
+	cost   int64
+	budget string
+}
+
+// infoOverhead is what one stored transfer info costs beyond its index
+// lists: the structs, the room's map entries and the strings.
+const infoOverhead = 512
+
+// infoCost is the memory one transfer info holds, counted against the
+// pending budget.
+func infoCost(in *xferInfo) int64 {
+	n := int64(infoOverhead + len(in.peer) + len(in.endpoint) + 4*cap(in.dstPages))
+	for _, st := range in.dstState {
+		n += 24 + 4*int64(cap(st))
+	}
+	return n
+}
+
+// pendingBudget is the memory held by transfer infos of rooms that are not
+// yet both complete and open, in total and per budget (a registered
+// decode agent, or "" for every agent that is not registered). Guarded by
+// Prefill.mu.
+type pendingBudget struct {
+	total  int64
+	budget map[string]int64
+}
+
+// recentRooms remembers the rooms the engine closed within a window,
+// bounded in number (the oldest are forgotten first). Guarded by
+// Prefill.mu.
+type recentRooms struct {
+	at    map[uint64]time.Time
+	order []closedRoom // by time
+}
+
+type closedRoom struct {
+	room uint64
+	at   time.Time
+}
+
+// maxClosedRooms bounds how many closed rooms a prefill rank remembers.
+const maxClosedRooms = 1 << 16
+
+func (r *recentRooms) add(room uint64, now time.Time) {
+	if r.at == nil {
+		r.at = make(map[uint64]time.Time)
+	}
+	if len(r.order) >= maxClosedRooms {
+		r.forget(r.order[0])
+		r.order = r.order[1:]
+	}
+	r.at[room] = now
+	r.order = append(r.order, closedRoom{room, now})
+}
+
+func (r *recentRooms) forget(c closedRoom) {
+	if t, ok := r.at[c.room]; ok && t.Equal(c.at) {
+		delete(r.at, c.room)
+	}
+}
+
+func (r *recentRooms) has(room uint64) bool {
+	_, ok := r.at[room]
+	return ok
+}
+
+func (r *recentRooms) remove(room uint64) { delete(r.at, room) }
+
+// expire forgets the rooms closed before cutoff.
+func (r *recentRooms) expire(cutoff time.Time) {
+	i := 0
+	for ; i < len(r.order) && r.order[i].at.Before(cutoff); i++ {
+		r.forget(r.order[i])
+	}
+	if i > 0 {
+		r.order = append(r.order[:0:0], r.order[i:]...)
+	}
 }
 
 // closeGrace is how long Close lets failure notifications in flight try to
 // reach decode.
 const closeGrace = time.Second
 
-// maxPendingRooms bounds rooms whose transfer info arrived but whose sender
-// does not exist yet (a peer announcing rooms nobody will serve).
+// maxPendingRooms bounds rooms whose transfer info (or ABORT) arrived but
+// whose sender does not exist yet (a peer announcing rooms nobody will
+// serve); what their infos hold is bounded in bytes by the pending budget
+// (Settings.MaxPendingInfoBytes and MaxPendingInfoBytesPerPeer).
 const maxPendingRooms = 1 << 16
 
 // NewPrefill starts a prefill rank: it creates the agent and registers the
@@ -143,6 +238,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		infos:    make(map[uint64]*roomInfos),
 		senders:  make(map[uint64]*Sender),
 		srcLists: make(map[string]*plugin.DList),
+		pend:     pendingBudget{budget: make(map[string]int64)},
 	}
 	if err := m.open(rankSetup{role: RolePrefill, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
 		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger}); err != nil {
@@ -223,12 +319,28 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 // Completion returns the completion signal this rank uses.
 func (m *Prefill) Completion() Completion { return m.completion }
 
-// Pending returns the number of rooms with transfer info but no sender
-// yet, plus rooms with both (for leak checks).
+// Pending returns the number of rooms this rank does not hold (no
+// sender) for which a decode rank sent transfer info or an ABORT. They
+// are not the engine's: the infos wait for the engine to open the room,
+// and are dropped after the bootstrap timeout if it never does.
 func (m *Prefill) Pending() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return len(m.infos)
+	n := 0
+	for room := range m.infos {
+		if _, open := m.senders[room]; !open {
+			n++
+		}
+	}
+	return n
+}
+
+// PendingInfoBytes returns what the transfer infos of rooms not yet both
+// complete and open hold (the memory the pending budget bounds).
+func (m *Prefill) PendingInfoBytes() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.pend.total
 }
 
 // Peers returns the names of the registered decode ranks.
@@ -279,7 +391,8 @@ func (m *Prefill) handle(frames [][]byte) {
 	case *sglang.NIXLRegistration:
 		m.addPeer(func() (*peer, error) { return m.nixlPeer(v, frames) }, v.AgentName)
 	case *sglang.MORIRegistration:
-		m.addPeer(func() (*peer, error) { return m.moriPeer(v) }, "")
+		key, _ := v.EngineKey() // moriPeer refuses a descriptor without one
+		m.addPeer(func() (*peer, error) { return m.moriPeer(v) }, key)
 	case *sglang.NIXLTransferInfo:
 		m.addInfo(v.Room, &xferInfo{
 			peer: v.AgentName, endpoint: zmq.TCPEndpoint(v.Endpoint, v.Port),
@@ -302,7 +415,10 @@ func (m *Prefill) handle(frames [][]byte) {
 }
 
 // addInfo stores one decode rank's transfer info; the room becomes
-// WaitingForInput once every decode rank it waits for reported.
+// WaitingForInput once every decode rank it waits for reported. Until the
+// room has every info and the engine opened it, its infos count against
+// the pending budget; an info that does not fit is dropped and its room
+// fails (at once if the engine holds it, else when the engine opens it).
 func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 	if in.required < 1 || in.required > maxSenders {
 		m.drops.drop("transfer info", fmt.Errorf("room %d: required_dst_info_num %d", room, in.required))
@@ -314,22 +430,41 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 		m.log.Debug("ignoring stale transfer info", "room", room, "status", st, "peer", in.peer)
 		return
 	}
+	in.cost = infoCost(in)
 	m.mu.Lock()
 	ri := m.infos[room]
+	s, open := m.senders[room]
 	if ri == nil {
-		if len(m.infos) >= maxPendingRooms+len(m.senders) {
+		if !open && len(m.infos) >= maxPendingRooms+len(m.senders) {
 			m.mu.Unlock()
 			m.drops.drop("transfer info", fmt.Errorf("room %d: too many rooms waiting for a sender", room))
 			return
 		}
-		ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now()}
+		ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now(), charged: true}
 		m.infos[room] = ri
 	}
 	if ri.complete {
 		m.mu.Unlock()
 		return
 	}
-	if old, ok := ri.byPeer[in.peer]; ok {
+	old := ri.byPeer[in.peer]
+	if ri.charged {
+		if err := m.chargeLocked(in, old); err != nil {
+			first := ri.overflow == ""
+			if first {
+				ri.overflow = fmt.Sprintf("Transfer info from decode %s dropped: %v", in.peer, err)
+				ri.overflowTo = in.endpoint
+			}
+			reason := ri.overflow
+			m.mu.Unlock()
+			m.drops.drop("transfer info", fmt.Errorf("room %d: %w", room, err))
+			if open && first {
+				s.fail(reason, false)
+			}
+			return
+		}
+	}
+	if old != nil {
 		for i, o := range ri.order {
 			if o == old {
 				ri.order[i] = in
@@ -349,11 +484,67 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 				break
 			}
 		}
+		if open {
+			m.unchargeLocked(ri)
+		}
 	}
-	_, open := m.senders[room]
 	m.mu.Unlock()
 	if ready && open {
 		m.rooms.Update(room, sglang.KVPollWaitingForInput)
+	}
+}
+
+// chargeLocked counts in against the pending budget in place of old (the
+// same decode rank's earlier info for the room, or nil), or says why it
+// does not fit. Infos of registered decode agents count per agent; those
+// naming any other agent share one budget. Needs m.mu.
+func (m *Prefill) chargeLocked(in, old *xferInfo) error {
+	key := ""
+	if _, ok := m.peers[in.peer]; ok {
+		key = in.peer
+	}
+	perPeer, total := m.pend.budget[key], m.pend.total
+	if old != nil {
+		total -= old.cost
+		if old.budget == key {
+			perPeer -= old.cost
+		}
+	}
+	who := "decode agent " + in.peer
+	if key == "" {
+		who = "unregistered decode agents"
+	}
+	switch {
+	case perPeer+in.cost > m.set.MaxPendingInfoBytesPerPeer:
+		return fmt.Errorf("pending transfer info of %s would hold %d bytes, over the per-peer limit of %d", who, perPeer+in.cost, m.set.MaxPendingInfoBytesPerPeer)
+	case total+in.cost > m.set.MaxPendingInfoBytes:
+		return fmt.Errorf("pending transfer info would hold %d bytes, over the limit of %d", total+in.cost, m.set.MaxPendingInfoBytes)
+	}
+	if old != nil {
+		m.uncharge(old)
+	}
+	in.budget = key
+	m.pend.budget[key] += in.cost
+	m.pend.total += in.cost
+	return nil
+}
+
+func (m *Prefill) uncharge(in *xferInfo) {
+	m.pend.total -= in.cost
+	if m.pend.budget[in.budget] -= in.cost; m.pend.budget[in.budget] <= 0 {
+		delete(m.pend.budget, in.budget)
+	}
+}
+
+// unchargeLocked releases what a room's infos count against the pending
+// budget. Needs m.mu.
+func (m *Prefill) unchargeLocked(ri *roomInfos) {
+	if !ri.charged {
+		return
+	}
+	ri.charged = false
+	for _, in := range ri.order {
+		m.uncharge(in)
 	}
 }
 
@@ -394,6 +585,13 @@ func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 		}
 	}
 	s := m.senders[a.Room]
+	if s == nil && m.closedRooms.has(a.Room) {
+		// After the engine closed the room: nothing left to abort, and
+		// remembering it would fail the next room with that id.
+		m.mu.Unlock()
+		m.log.Debug("ignoring ABORT of a closed room", "room", a.Room, "decode", from)
+		return
+	}
 	if s == nil {
 		// Before the sender exists: remember it so NewSender fails at once.
 		if ri == nil {
@@ -401,7 +599,7 @@ func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 				m.mu.Unlock()
 				return
 			}
-			ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now()}
+			ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now(), charged: true}
 			m.infos[a.Room] = ri
 		}
 		ri.aborted = reason
@@ -434,9 +632,11 @@ func (m *Prefill) janitor(now time.Time) {
 	m.mu.Lock()
 	for room, ri := range m.infos {
 		if _, open := m.senders[room]; !open && now.Sub(ri.arrived) >= m.set.BootstrapTimeout {
+			m.unchargeLocked(ri)
 			delete(m.infos, room)
 		}
 	}
+	m.closedRooms.expire(now.Add(-m.set.BootstrapTimeout))
 	m.mu.Unlock()
 }
 
@@ -446,11 +646,15 @@ func (m *Prefill) failureTargets(room uint64) []string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	ri := m.infos[room]
-	if ri == nil || ri.notified || len(ri.order) == 0 {
+	if ri == nil || ri.notified || (len(ri.order) == 0 && ri.overflowTo == "") {
 		return nil
 	}
 	ri.notified = true
-	return endpointsOf(ri.order, false)
+	eps := endpointsOf(ri.order, false)
+	if ri.overflowTo != "" && !slices.Contains(eps, ri.overflowTo) {
+		eps = append(eps, ri.overflowTo)
+	}
+	return eps
 }
 
 // sendFailure tells decode endpoints that the room failed, with the reason

@@ -33,6 +33,14 @@ type peer struct {
 	auxRemote   []*plugin.RemoteRegion
 	stateRemote [][]*plugin.RemoteRegion
 
+	// auxBySlot: the decode rank did not say how long its aux buffers are
+	// (an SGLang NIXL decode: no kvhost length frames). Its aux regions
+	// are then not imported at registration; each room imports the slot
+	// it writes (see worker.auxRemote), which the plugin checks against
+	// the memory the peer registered, as SGLang's prefill has NIXL check
+	// ptr + item_len * index.
+	auxBySlot bool
+
 	// auxTCP: MORI ships aux as AUX_DATA messages (no RDMA pairs).
 	auxTCP bool
 
@@ -64,6 +72,12 @@ const kvhostExt = "kvhost.lens.v1"
 // maxRemoteRegions bounds the regions one registration may ask us to import.
 const maxRemoteRegions = 1 << 16
 
+// addPeer registers the decode rank build makes. name is the agent (engine)
+// name the registration claims: a registration claiming a registered name
+// is ignored before anything is loaded, and build loads the peer's
+// metadata only if it names an agent not loaded yet (LoadNewRemote), so a
+// registration that is refused or ignored leaves every registered peer as
+// it was.
 func (m *Prefill) addPeer(build func() (*peer, error), name string) {
 	start := time.Now()
 	m.mu.Lock()
@@ -155,7 +169,11 @@ func (m *Prefill) devID(kind abi.MemKind, gpu int) uint64 {
 // metadata is loaded, and its KV, aux and state buffers are imported by
 // address, each exactly the range the registration declares.
 func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer, err error) {
-	name, err := m.agent.LoadRemote(r.AgentMetadata)
+	// Only metadata of an agent that is not loaded: metadata naming a
+	// registered decode agent is refused and leaves it as it was. From here
+	// on name is this registration's own, so removing it on failure touches
+	// nobody else.
+	name, err := m.agent.LoadNewRemote(r.AgentMetadata)
 	if err != nil {
 		return nil, fmt.Errorf("load agent metadata of %s: %w", r.AgentName, err)
 	}
@@ -177,7 +195,10 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 	if len(r.KVPtrs)+len(r.AuxPtrs) > maxRemoteRegions {
 		return p, fmt.Errorf("%d KV and %d aux regions", len(r.KVPtrs), len(r.AuxPtrs))
 	}
-	auxLens, stateLens := nixlExtLens(frames)
+	auxLens, stateLens, err := nixlExtLens(frames)
+	if err != nil {
+		return p, err
+	}
 
 	numPages := r.NumSlots
 	if numPages == 0 {
@@ -209,24 +230,24 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 	}
 	p.kv, p.nixl = nk, nk
 
-	// Aux: SGLang's layout has pointers only. Lengths come from kvhost's
-	// extension frames; for an SGLang decode we assume its aux buffers are
-	// as long as ours (both sides size them from the same model config).
+	// Aux: SGLang's layout has pointers only. With kvhost's extension
+	// frames the decode's aux regions are imported as long as they say and
+	// every slot is checked against them. Without them (an SGLang decode,
+	// whose aux buffers hold as many slots as its own server sized them
+	// for, fewer or more than ours) the lengths stay unknown, as in
+	// SGLang's prefill, which writes at ptr + item_len * index: each room
+	// imports just the slot it writes, and the plugin refuses a slot
+	// outside the memory the peer registered.
 	dstAux := planner.AuxBuffers{Ptrs: r.AuxPtrs, DataLens: auxLens}
-	if dstAux.DataLens == nil {
-		for i := range r.AuxPtrs {
-			if i < len(m.srcAux.DataLens) {
-				dstAux.DataLens = append(dstAux.DataLens, m.srcAux.DataLens[i])
-			} else {
-				dstAux.DataLens = append(dstAux.DataLens, 0)
-			}
-		}
-	}
 	if len(r.AuxPtrs) > 0 {
 		if p.aux, err = planner.NewAuxPlannerNIXL(m.srcAux, dstAux); err != nil {
 			return p, fmt.Errorf("aux geometry: %w", err)
 		}
+		p.auxBySlot = auxLens == nil
 		for i, ptr := range r.AuxPtrs {
+			if p.auxBySlot {
+				break
+			}
 			if dstAux.DataLens[i] == 0 {
 				return p, fmt.Errorf("aux buffer %d: unknown length", i)
 			}
@@ -306,24 +327,30 @@ func (m *Prefill) stateTopology(decodeTP, decodeRank int) planner.StateTopology 
 }
 
 // nixlExtLens reads kvhost's extension frames of a NIXL registration
-// (guard included in frames): aux lengths and state lengths, or nil.
-func nixlExtLens(frames [][]byte) (aux []uint64, state [][]uint64) {
+// (guard included in frames): aux lengths (not nil when the frames are
+// there) and state lengths; nil, nil without them (an SGLang decode).
+// Malformed frames are an error: a decode that sends them gets the strict
+// check or none.
+func nixlExtLens(frames [][]byte) (aux []uint64, state [][]uint64, err error) {
 	const at = 20 // guard + the 19 frames SGLang sends
-	if len(frames) < at+3 || string(frames[at]) != kvhostExt {
-		return nil, nil
+	if len(frames) < at+1 || string(frames[at]) != kvhostExt {
+		return nil, nil, nil
+	}
+	if len(frames) < at+3 {
+		return nil, nil, fmt.Errorf("%s: %d frames, want 3", kvhostExt, len(frames)-at)
 	}
 	b := frames[at+1]
 	if len(b)%8 != 0 {
-		return nil, nil
+		return nil, nil, fmt.Errorf("%s: aux lengths frame of %d bytes", kvhostExt, len(b))
 	}
+	aux = make([]uint64, 0, len(b)/8)
 	for i := 0; i < len(b); i += 8 {
 		aux = append(aux, binary.LittleEndian.Uint64(b[i:]))
 	}
-	state, err := sglang.UnpackUint64Lists(frames[at+2])
-	if err != nil {
-		state = nil
+	if state, err = sglang.UnpackUint64Lists(frames[at+2]); err != nil {
+		return nil, nil, fmt.Errorf("%s: state lengths: %w", kvhostExt, err)
 	}
-	return aux, state
+	return aux, state, nil
 }
 
 // nixlExtFrames builds kvhost's extension frames for a NIXL registration.
@@ -347,16 +374,16 @@ func nixlExtFrames(a *KVArgs) [][]byte {
 // descriptor is the plugin's metadata and every memory descriptor a region
 // blob the plugin exported, imported as is.
 func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
-	name, err := m.agent.LoadRemote(sglang.UnwrapEngineDesc(r.EngineDesc))
-	if err != nil {
-		return nil, fmt.Errorf("load engine descriptor: %w", err)
+	// addPeer ignored a registration whose engine key is registered before
+	// anything was loaded; LoadNewRemote refuses a descriptor naming a
+	// loaded engine under another key, leaving that engine as it was.
+	key, kerr := r.EngineKey()
+	if kerr != nil {
+		return nil, fmt.Errorf("engine descriptor: %w", kerr)
 	}
-	m.mu.Lock()
-	_, dup := m.peers[name]
-	m.mu.Unlock()
-	if dup {
-		m.log.Info("peer already registered, ignoring", "peer", name)
-		return nil, nil
+	name, err := m.agent.LoadNewRemote(sglang.UnwrapEngineDesc(r.EngineDesc))
+	if err != nil {
+		return nil, fmt.Errorf("load engine descriptor of %s: %w", key, err)
 	}
 	p = &peer{name: name, endpoint: zmq.TCPEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
 	defer func() {
@@ -366,7 +393,7 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 			p = &peer{name: name} // for the error report only
 		}
 	}()
-	if key, kerr := r.EngineKey(); kerr != nil || key != name {
+	if key != name {
 		return p, fmt.Errorf("engine descriptor names %q, the plugin loaded %q", key, name)
 	}
 	if !m.agent.Caps().Has(abi.CapRemoteBlob) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/bits"
 	"sync"
 	"time"
 
@@ -84,6 +85,24 @@ type worker struct {
 	srcIdx []int32
 	dstIdx []int32
 	flight []*inflight
+	// aux is the aux copy of the chunk to each decode rank (by info
+	// index), planned and checked by check, posted by postAux.
+	aux []auxJob
+	// imported are remote regions imported for this chunk alone (aux
+	// slots of peers with auxBySlot), released with its transfers.
+	imported []*plugin.RemoteRegion
+}
+
+// auxJob is one decode rank's aux copy of a chunk: the plan and the remote
+// regions its destination table names.
+type auxJob struct {
+	set    bool
+	plan   planner.Plan
+	remote []*plugin.RemoteRegion // the peer's, or slots
+	// slots and dst are the remote regions and destination table of a
+	// by-slot plan (owned by the worker, reused).
+	slots []*plugin.RemoteRegion
+	dst   []planner.Region
 }
 
 // inflight is one posted transfer and what the observer will be told.
@@ -177,6 +196,12 @@ func (w *worker) run(c *chunk) {
 // validates each plan against the region tables, without posting.
 func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 	m := w.m
+	for i := range w.aux {
+		w.aux[i].set = false
+	}
+	for len(w.aux) < len(infos) {
+		w.aux = append(w.aux, auxJob{})
+	}
 	for i, in := range infos {
 		if in.dummy {
 			continue
@@ -223,12 +248,18 @@ func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 			}
 		}
 		if p.aux != nil && len(m.regs.aux) > 0 && w.sendsAuxRDMA(in, p) {
-			if err := p.aux.Plan(&w.plan, c.auxIndex, in.dstAux); err != nil {
+			j := &w.aux[i]
+			if err := p.aux.Plan(&j.plan, c.auxIndex, in.dstAux); err != nil {
 				return fmt.Errorf("plan aux for %s: %w", p.name, err)
 			}
-			if err := checkTables(&w.plan, m.regs.aux, p.auxRemote); err != nil {
+			remote, err := w.auxRemote(p, j)
+			if err != nil {
 				return fmt.Errorf("aux for %s: %w", p.name, err)
 			}
+			if err := checkTables(&j.plan, m.regs.aux, remote); err != nil {
+				return fmt.Errorf("aux for %s: %w", p.name, err)
+			}
+			j.remote, j.set = remote, true
 		}
 		if m.cfg.Variant == VariantMORI && p.auxTCP && in.dstAux >= 0 {
 			for b, buf := range m.cfg.KV.Aux {
@@ -239,6 +270,54 @@ func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 		}
 	}
 	return nil
+}
+
+// auxRemote returns the remote regions the aux plan j.plan writes into:
+// the peer's imported aux regions, or, for a peer with auxBySlot, one
+// region per copy imported now for this chunk (the plugin refuses a slot
+// outside the memory the peer registered), with the plan's destination
+// table rewritten to them.
+func (w *worker) auxRemote(p *peer, j *auxJob) ([]*plugin.RemoteRegion, error) {
+	if !p.auxBySlot {
+		return p.auxRemote, nil
+	}
+	pl := &j.plan
+	j.dst, j.slots = j.dst[:0], j.slots[:0]
+	for k := range pl.Copies {
+		c := &pl.Copies[k]
+		if int(c.DstRegion) < 0 || int(c.DstRegion) >= len(pl.Dst) {
+			return nil, fmt.Errorf("aux copy %d names decode buffer %d of %d", k, c.DstRegion, len(pl.Dst))
+		}
+		span := c.Len
+		if c.Count > 1 {
+			var ok bool
+			if span, ok = mulAdd(c.Count-1, c.DstStride, c.Len); !ok {
+				return nil, fmt.Errorf("aux copy %d spans more than the address space", k)
+			}
+		}
+		buf := pl.Dst[c.DstRegion]
+		addr, carry := bits.Add64(buf.Addr, c.DstOff, 0)
+		if _, carry2 := bits.Add64(addr, span, 0); carry != 0 || carry2 != 0 {
+			return nil, fmt.Errorf("aux buffer %d at %#x: slot at offset %d overflows the address space", c.DstRegion, buf.Addr, c.DstOff)
+		}
+		rr, err := w.m.agent.ImportRange(p.name, addr, span, 0, abi.DRAM)
+		if err != nil {
+			return nil, fmt.Errorf("aux buffer %d slot at %#x (+%d bytes): %w", c.DstRegion, addr, span, err)
+		}
+		w.imported = append(w.imported, rr)
+		j.dst = append(j.dst, planner.Region{Addr: addr, Len: span, Kind: buf.Kind})
+		j.slots = append(j.slots, rr)
+		c.DstRegion, c.DstOff = int32(k), 0
+	}
+	pl.Dst = j.dst
+	return j.slots, nil
+}
+
+// mulAdd returns a*b + c and whether it did not overflow.
+func mulAdd(a, b, c uint64) (uint64, bool) {
+	hi, lo := bits.Mul64(a, b)
+	sum, carry := bits.Add64(lo, c, 0)
+	return sum, hi == 0 && carry == 0
 }
 
 // sendsAuxRDMA reports whether the chunk's aux goes to this decode rank as a
@@ -282,7 +361,7 @@ func (w *worker) post(ctx context.Context, c *chunk, infos []*xferInfo, peers []
 					return err
 				}
 			}
-			if err := w.postAux(ctx, c, in, p, statusMode); err != nil {
+			if err := w.postAux(ctx, c, i, in, p, statusMode); err != nil {
 				return err
 			}
 		}
@@ -408,7 +487,7 @@ func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer,
 	return nil
 }
 
-func (w *worker) postAux(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
+func (w *worker) postAux(ctx context.Context, c *chunk, i int, in *xferInfo, p *peer, statusMode bool) error {
 	m := w.m
 	if p.aux == nil || len(m.regs.aux) == 0 {
 		if m.completion == CompletionNotif {
@@ -422,16 +501,14 @@ func (w *worker) postAux(ctx context.Context, c *chunk, in *xferInfo, p *peer, s
 		// asked for it; the ZeroMQ path is sent after the transfers.
 		return nil
 	}
-	if err := p.aux.Plan(&w.plan, c.auxIndex, in.dstAux); err != nil {
-		return fmt.Errorf("plan aux for %s: %w", p.name, err)
-	}
-	if err := checkTables(&w.plan, m.regs.aux, p.auxRemote); err != nil {
-		return fmt.Errorf("aux for %s: %w", p.name, err)
+	j := &w.aux[i] // planned and checked by check
+	if !j.set {
+		return fmt.Errorf("aux for %s was not planned", p.name)
 	}
 	if !statusMode {
 		w.b.reset()
 	}
-	if err := w.b.add(&w.plan, 0, len(w.plan.Copies), m.regs.aux, p.auxRemote); err != nil {
+	if err := w.b.add(&j.plan, 0, len(j.plan.Copies), m.regs.aux, j.remote); err != nil {
 		return err
 	}
 	if statusMode {
@@ -522,6 +599,18 @@ func (w *worker) release() {
 		w.flight[i] = nil
 	}
 	w.flight = w.flight[:0]
+	for i, rr := range w.imported {
+		if err := rr.Close(); err != nil {
+			w.m.log.Debug("release aux slot region", "err", err)
+		}
+		w.imported[i] = nil
+	}
+	w.imported = w.imported[:0]
+	for i := range w.aux {
+		j := &w.aux[i]
+		j.set, j.remote = false, nil
+		clear(j.slots)
+	}
 }
 
 // finishByStatus ends a room by status message: MORI's aux over ZeroMQ

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -46,17 +47,23 @@ func (m *Prefill) NewSender(room uint64) (*Sender, error) {
 		return nil, fmt.Errorf("%w: %d", ErrRoomExists, room)
 	}
 	m.senders[room] = s
+	m.closedRooms.remove(room)
 	ri := m.infos[room]
 	ready := ri != nil && ri.complete
-	aborted := ""
+	aborted, overflow := "", ""
 	if ri != nil {
-		aborted = ri.aborted
+		aborted, overflow = ri.aborted, ri.overflow
+		if ready {
+			m.unchargeLocked(ri) // the engine holds the room now
+		}
 	}
 	m.rooms.Create(room, sglang.KVPollBootstrapping)
 	m.mu.Unlock()
 	switch {
 	case aborted != "":
 		s.fail(aborted, true)
+	case overflow != "":
+		s.fail(overflow, false)
 	case ready:
 		m.rooms.Update(room, sglang.KVPollWaitingForInput)
 	}
@@ -166,7 +173,11 @@ func (s *Sender) Close() {
 	m.mu.Lock()
 	if m.senders[s.room] == s {
 		delete(m.senders, s.room)
-		delete(m.infos, s.room)
+		if ri := m.infos[s.room]; ri != nil {
+			m.unchargeLocked(ri)
+			delete(m.infos, s.room)
+		}
+		m.closedRooms.add(s.room, time.Now())
 	}
 	m.mu.Unlock()
 	m.rooms.Remove(s.room)

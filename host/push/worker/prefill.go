@@ -198,7 +198,10 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	for _, p := range prs {
 		s.Ranks = append(s.Ranks, p.String())
 		s.Dropped += p.m.Dropped()
-		s.Leaked += p.m.Rooms() + p.m.Pending()
+		// Only rooms this worker opened count: transfer infos or ABORTs a
+		// decode sent for rooms the worker never held (Pending) are a
+		// peer's, and expire with the bootstrap timeout.
+		s.Leaked += p.m.Rooms()
 	}
 	t.finish(s, reqs, elapsed)
 	st.mu.Lock()

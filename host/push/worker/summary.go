@@ -52,8 +52,9 @@ type Summary struct {
 	GBps        float64 `json:"gb_per_sec"`
 	// Dropped counts malformed or unexpected control messages.
 	Dropped int64 `json:"dropped_messages"`
-	// Leaked counts rooms or transfer infos the runtime still held after
-	// every request was closed (must be 0).
+	// Leaked counts rooms of this worker's requests that the runtime still
+	// held after every request was closed (must be 0). What peers sent for
+	// rooms the worker never opened does not count.
 	Leaked int `json:"leaked_rooms"`
 }
 
