@@ -72,15 +72,37 @@
 // dropped; ABORT is honoured only from the room's decode ranks (or, before
 // they sent anything, from a registered decode rank).
 //
+// A registration that is refused or ignored leaves every registered decode
+// rank as it was: one claiming a registered agent (engine) name is ignored
+// before its metadata is loaded, and metadata that names a loaded agent
+// under another name is refused without replacing or removing that agent
+// (plugin.Agent.LoadNewRemote).
+//
+// What decode ranks' transfer infos hold while their room is not yet both
+// complete (every decode rank reported) and opened by the engine is
+// bounded in bytes: Settings.MaxPendingInfoBytes in total (64 MiB) and
+// MaxPendingInfoBytesPerPeer per registered decode agent (16 MiB; infos
+// naming agents that are not registered share one such budget), besides
+// the 65,536 rooms that may wait for the engine. An info over the bound is
+// dropped (logged, rate-limited, and counted by Dropped) and its room
+// fails with the reason: at once if the engine holds it, else as soon as
+// the engine opens it. Infos for rooms the engine never opens are dropped
+// after the bootstrap timeout.
+//
 // # Wire details beyond SGLang's layouts
 //
 //   - SGLang's NIXL registration carries no aux or state buffer lengths. A
 //     kvhost decode appends three frames after the 19 SGLang sends:
 //     "kvhost.lens.v1", the aux lengths (uint64 LE each) and the state
 //     lengths (pack_int_lists "Q"). SGLang ignores them; a kvhost prefill
-//     bounds the decode's aux and state regions with them, and, for an
-//     SGLang decode without them, assumes its buffers are as long as its
-//     own.
+//     bounds the decode's aux and state regions with them (malformed ones
+//     refuse the registration). For an SGLang decode without them, whose
+//     aux buffers hold as many slots as its server sized them for (fewer or
+//     more than the prefill's), the prefill writes aux as SGLang's does, at
+//     ptr + item_len * index: each room imports just the slot it writes,
+//     and the plugin refuses one outside the memory the decode registered
+//     (the room fails with its reason). State buffers without lengths are
+//     assumed as long as the prefill's own.
 //   - MORI's EngineDesc is a msgpack array whose first element is the
 //     engine key. A plugin whose metadata is not one (the fake plugin,
 //     NIXL) has it wrapped: [key, gpu id, "kvhost-wrapped", metadata (bin),
@@ -104,7 +126,10 @@
 //   - Transfer info for a room past Bootstrapping is ignored in both
 //     variants (MORI's rule; SGLang NIXL overwrites it).
 //   - An ABORT that arrives before the prefill engine opened the room is
-//     remembered, and the room fails as soon as it is opened.
+//     remembered, and the room fails as soon as it is opened (or the ABORT
+//     is dropped after the bootstrap timeout). An ABORT for a room the
+//     engine closed within the bootstrap timeout (the last 65,536 closed
+//     rooms) is dropped: it would fail a later room with the same id.
 //   - With notifications, decode waits for aux from every prefill rank that
 //     answers the room (counted by sender agent), not just the first: every
 //     such rank writes the aux slot, and a slower one (another PP stage)

@@ -50,6 +50,9 @@ type pair struct {
 	dparams    []plugin.Param
 	set        push.Settings
 	conc       int
+	// pready, if set, is called when the prefill worker is ready, with the
+	// bootstrap server's address.
+	pready func(bootstrapAddr string)
 }
 
 func runPair(t *testing.T, c pair) (*Summary, *Summary) {
@@ -78,7 +81,11 @@ func runPair(t *testing.T, c pair) (*Summary, *Summary) {
 	}
 	pch := make(chan res, 1)
 	go func() {
-		s, err := RunPrefill(ctx, PrefillOptions{Common: common(c.ptp, c.ppp, c.pparams), XferMode: c.xfer, BootstrapAddr: addr})
+		pc := common(c.ptp, c.ppp, c.pparams)
+		if c.pready != nil {
+			pc.OnReady = func(RoomCounter) { c.pready(addr) }
+		}
+		s, err := RunPrefill(ctx, PrefillOptions{Common: pc, XferMode: c.xfer, BootstrapAddr: addr})
 		pch <- res{s, err}
 	}()
 	ds, derr := RunDecode(ctx, DecodeOptions{Common: common(c.dtp, c.dpp, c.dparams), BootstrapAddr: addr})
