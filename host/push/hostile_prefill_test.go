@@ -129,8 +129,7 @@ func TestPendingInfoBudget(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			r := newRig(t, rigOpts{pset: push.Settings{MaxPendingInfoBytes: c.total, MaxPendingInfoBytesPerPeer: c.perPeer,
-				BootstrapTimeout: 2 * time.Second}})
+			r := newRig(t, rigOpts{pset: push.Settings{MaxPendingInfoBytes: c.total, MaxPendingInfoBytesPerPeer: c.perPeer}})
 			ctx := ctxT(t, 30*time.Second)
 			raw := dialRaw(t, r.pf.Endpoint())
 			f := newInfoFrames(t, pages, "127.0.0.1", 1)
@@ -166,11 +165,21 @@ func TestPendingInfoBudget(t *testing.T) {
 				}
 				q.close()
 			}
-			// Unclaimed infos expire with the bootstrap timeout and give
-			// their bytes back.
-			waitFor(t, ctx, "pending infos expire", func() bool { return r.pf.Pending() == 0 && r.pf.PendingInfoBytes() == 0 })
 		})
 	}
+	// Unclaimed infos expire with the bootstrap timeout and give their
+	// bytes back.
+	t.Run("expiry", func(t *testing.T) {
+		r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: 200 * time.Millisecond}})
+		ctx := ctxT(t, 30*time.Second)
+		raw := dialRaw(t, r.pf.Endpoint())
+		f := newInfoFrames(t, pages, "127.0.0.1", 1)
+		for i := 0; i < 3; i++ {
+			raw.frames(f.with(uint64(9000+i), "ghost"))
+		}
+		waitFor(t, ctx, "infos arrive", func() bool { return r.pf.PendingInfoBytes() > 0 })
+		waitFor(t, ctx, "pending infos expire", func() bool { return r.pf.Pending() == 0 && r.pf.PendingInfoBytes() == 0 })
+	})
 }
 
 // TestPendingInfoFlood: 200 transfer infos of 4 MiB of page indices each
