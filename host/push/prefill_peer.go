@@ -246,10 +246,10 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 		p.auxBySlot = auxLens == nil
 		for i, ptr := range r.AuxPtrs {
 			if p.auxBySlot {
-				break
+				break // imported slot by slot, see worker.auxRemote
 			}
 			if dstAux.DataLens[i] == 0 {
-				return p, fmt.Errorf("aux buffer %d: unknown length", i)
+				return p, fmt.Errorf("aux buffer %d: length 0", i)
 			}
 			rr, err := m.agent.ImportRange(name, ptr, dstAux.DataLens[i], 0, abi.DRAM)
 			if err != nil {
