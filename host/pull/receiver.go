@@ -175,6 +175,14 @@ type Receiver struct {
 	listMu     sync.Mutex
 	localLists map[int]*plugin.DList // by block-size ratio
 
+	// agentMu serialises loading and removing remote agents; agentRefs
+	// counts the peers using each loaded remote agent, by name. Two engine
+	// ids may name the same agent (one of them lying): the agent is
+	// removed only when the last peer using it lets go, so a refused or
+	// released peer never takes another engine's agent with it.
+	agentMu   sync.Mutex
+	agentRefs map[string]int
+
 	scratchMu sync.Mutex
 	lids      []int32
 	rids      []int32
@@ -256,6 +264,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		peers:      make(map[string]*peer),
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
+		agentRefs:  make(map[string]int),
 	}
 	if r.log == nil {
 		r.log = slog.Default()
@@ -431,15 +440,13 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 	if err != nil {
 		return err
 	}
-	name, err := r.cfg.Agent.LoadRemote(md.AgentMetadata)
+	name, err := r.acquireAgent(md.AgentMetadata)
 	if err != nil {
 		return fmt.Errorf("load remote agent metadata: %w", err)
 	}
 	remoteDL, err := r.cfg.Agent.PrepRemote(name, r.cfg.Cache.Kind, xferDescs(&rl))
 	if err != nil {
-		if rerr := r.cfg.Agent.RemoveRemote(name); rerr != nil {
-			r.log.Warn("removing remote agent after a failed handshake", "agent", name, "err", rerr)
-		}
+		r.releaseAgent(name)
 		return fmt.Errorf("prepare the remote descriptor list: %w", err)
 	}
 	ll := reader.LocalList()
@@ -760,10 +767,35 @@ func (r *Receiver) releasePeer(pr *peer) {
 		pr.remoteDL = nil
 	}
 	if pr.name != "" {
-		if err := r.cfg.Agent.RemoveRemote(pr.name); err != nil {
-			r.log.Warn("removing a remote agent", "agent", pr.name, "err", err)
-		}
+		r.releaseAgent(pr.name)
 		pr.name = ""
+	}
+}
+
+// acquireAgent loads a peer's agent metadata and counts one more peer
+// using the agent it names.
+func (r *Receiver) acquireAgent(md []byte) (string, error) {
+	r.agentMu.Lock()
+	defer r.agentMu.Unlock()
+	name, err := r.cfg.Agent.LoadRemote(md)
+	if err != nil {
+		return "", err
+	}
+	r.agentRefs[name]++
+	return name, nil
+}
+
+// releaseAgent counts one peer fewer using a remote agent and removes the
+// agent when none is left.
+func (r *Receiver) releaseAgent(name string) {
+	r.agentMu.Lock()
+	defer r.agentMu.Unlock()
+	if r.agentRefs[name]--; r.agentRefs[name] > 0 {
+		return
+	}
+	delete(r.agentRefs, name)
+	if err := r.cfg.Agent.RemoveRemote(name); err != nil {
+		r.log.Warn("removing a remote agent", "agent", name, "err", err)
 	}
 }
 
