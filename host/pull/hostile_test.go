@@ -3,7 +3,9 @@ package pull
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/wire/vllm"
@@ -79,5 +81,125 @@ func TestRefusedHandshakeSparesOtherEngines(t *testing.T) {
 	}
 	if got := rx.Peers(); len(got) != 1 || got[0].EngineID != "prefill" {
 		t.Fatalf("peers %+v", got)
+	}
+}
+
+// notifRun is one side of TestHostileNotifications: how many of the
+// legitimate decode's requests verified and were released as notified,
+// and each one's time from Load to release.
+type notifRun struct {
+	verified int
+	took     []time.Duration
+	firstErr error
+}
+
+// trimmed sums the durations but the two longest (a scheduling hiccup on
+// a loaded machine is not the attack).
+func trimmed(d []time.Duration) time.Duration {
+	d = slices.Clone(d)
+	slices.Sort(d)
+	var sum time.Duration
+	for _, x := range d[:max(0, len(d)-2)] {
+		sum += x
+	}
+	return sum
+}
+
+// TestHostileNotifications (issue 19.4): a hostile decode that loaded the
+// prefill's metadata sends early and surplus notifications, with other
+// tp_ratio claims, for the legitimate decode's requests. Every request
+// still verifies (the prefill did not free blocks still being read: a
+// released block is overwritten at once here, as an engine reusing it
+// would) and is released on its reader's notification, within 1.5x the
+// unattacked time measured in the same run.
+func TestHostileNotifications(t *testing.T) {
+	const abort = 2 * time.Second
+	var ps *prefillSide
+	ps = newPrefillSide(t, smallGeom, "prefill", func(c *SenderConfig) {
+		c.AbortTimeout = abort
+		c.OnRelease = func(r Release) {
+			// The engine reuses freed blocks at once: overwrite them.
+			for _, p := range ps.pools {
+				p.Fill(kvpool.Tokens{Request: 0xdead, Pages: r.BlockIDs, Count: len(r.BlockIDs) * smallGeom.blockSize})
+			}
+			ps.releases <- r
+		}
+	})
+	ds := newDecodeSide(t, smallGeom, nil)
+	rx, pool := ds.rx[0], ds.pools[0]
+	hostile := newNotifier(t, ps)
+
+	// Unattacked and attacked requests alternate, so that both see the
+	// same machine load.
+	const n = 40
+	var base, att notifRun
+	for j := range 2*n + 4 {
+		out, attack := &base, j%2 == 1
+		if attack {
+			out = &att
+		}
+		i := j / 2
+		id := fmt.Sprintf("r-%d", j)
+		seed := uint64(j + 1)
+		blocks := []int32{int32(2 * (j % 16)), int32(2*(j%16) + 1)}
+		params := ps.hold(t, id, seed, blocks, 8)
+		// The hostile decode's notifications go out before the reader's
+		// on both sides, so both wait alike: for another id when
+		// unattacked, for this one when attacked. Early and surplus: three
+		// claiming tp_ratio 2 (two of them freed the blocks before the
+		// fix), or two claiming 3 (the reader's own notification was then
+		// surplus, and the blocks held until the abort timeout).
+		before := ps.sender.Counts().Notifications
+		claim, sends := 2, 3
+		if i%2 == 1 {
+			claim, sends = 3, 2
+		}
+		target := id
+		if !attack {
+			target = "someone-else-" + id
+		}
+		for range sends {
+			hostile.send(t, 0, vllm.ReadNotif(target, claim))
+		}
+		eventually(t, "the hostile notifications", 5*time.Second, func() bool {
+			return ps.sender.Counts().Notifications >= before+sends
+		})
+		start := time.Now()
+		res := wait(t, rx.Load(LoadRequest{RequestID: id, LocalBlockIDs: []int32{4, 5}, Params: params}))
+		err := res.Err
+		if err == nil {
+			err = pool.Verify(kvpool.Tokens{Request: seed, Pages: []int32{4, 5}, Count: 8})
+		}
+		select {
+		case r := <-ps.releases:
+			if err == nil && (r.RequestID != id || r.Reason != ReleaseNotified) {
+				err = fmt.Errorf("release %+v", r)
+			}
+		case <-time.After(abort + time.Second):
+			if err == nil {
+				err = errors.New("not released")
+			}
+		}
+		if j < 4 {
+			continue // warm-up
+		}
+		out.took = append(out.took, time.Since(start))
+		if err == nil {
+			out.verified++
+		} else if out.firstErr == nil {
+			out.firstErr = fmt.Errorf("%s: %w", id, err)
+		}
+	}
+	bt, at := trimmed(base.took), trimmed(att.took)
+	t.Logf("unattacked: %d/%d ok, %v; attacked: %d/%d ok (verified and released on the reader's notification), %v (%.2fx)",
+		base.verified, n, bt, att.verified, n, at, float64(at)/float64(bt))
+	if base.verified != n {
+		t.Fatalf("unattacked: %d/%d ok (first error: %v)", base.verified, n, base.firstErr)
+	}
+	if att.verified != n {
+		t.Fatalf("attacked: %d/%d ok (first error: %v)", att.verified, n, att.firstErr)
+	}
+	if at > bt*3/2 {
+		t.Fatalf("attacked requests took %v, unattacked %v: more than 1.5x", at, bt)
 	}
 }
