@@ -29,6 +29,18 @@
 //     backoff; a failed read marks the request's blocks invalid
 //     (BlockIDsWithLoadErrors).
 //
+// What a peer can cost a decode is bounded. The declared geometry is
+// checked against MaxDescriptors (per list; by default 16 times the rank's
+// own regions × blocks, within [2^20, 2^26]) and MaxTotalDescriptors (all
+// peers' remote lists together; by default 4 × MaxDescriptors) before a
+// descriptor is built, at about 80 bytes each. HandshakeTimeout bounds the
+// whole handshake (exchange, metadata load, list preparation): its requests
+// fail when it runs out, and what it still builds is released. A peer no
+// request used for PeerIdleTimeout (5 min by default) is released within
+// 1.25 × PeerIdleTimeout; the next request handshakes again. Remote agents
+// are counted per peer using them: a handshake that is refused, times out
+// or is evicted never removes an agent another engine's peer still uses.
+//
 // Both sides record the reference's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
 // wires to Prometheus under the reference's metric names (MetricSpecs).

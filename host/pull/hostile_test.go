@@ -3,11 +3,17 @@ package pull
 import (
 	"errors"
 	"fmt"
+	"os"
+	"runtime"
 	"slices"
+	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
@@ -201,5 +207,178 @@ func TestHostileNotifications(t *testing.T) {
 	}
 	if at > bt*3/2 {
 		t.Fatalf("attacked requests took %v, unattacked %v: more than 1.5x", at, bt)
+	}
+}
+
+// peakRSS resets the process's peak resident set (VmHWM) when reset, and
+// returns it in bytes.
+func peakRSS(t *testing.T, reset bool) int64 {
+	t.Helper()
+	if reset {
+		if err := os.WriteFile("/proc/self/clear_refs", []byte("5"), 0); err != nil {
+			t.Fatalf("cannot reset the peak RSS: %v", err)
+		}
+	}
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmHWM in /proc/self/status")
+	return 0
+}
+
+// TestHugeGeometryRefusedUpFront (issue 19.3): a handshake declaring
+// 2^26 descriptors (the prefill's real agent, num_blocks inflated) is
+// refused on its declared geometry, before a descriptor is built: the
+// decode's peak RSS grows by at most 256 MB and the request fails within
+// the handshake timeout; honest requests go on.
+func TestHugeGeometryRefusedUpFront(t *testing.T) {
+	const timeout = 2 * time.Second
+	ps := newPrefillSide(t, smallGeom, "prefill", nil)
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.HandshakeTimeout = timeout })
+	rx, pool := ds.rx[0], ds.pools[0]
+	if ok, err := honestLoads(t, ps, rx, pool, "before", 2); ok != 2 {
+		t.Fatalf("honest requests: %d/2 ok (%v)", ok, err)
+	}
+	runtime.GC()
+	before := peakRSS(t, true)
+	for _, engine := range []string{"huge-1", "huge-2"} {
+		md := fetchPayload(t, ps.sender.Endpoint(), 0)
+		md.EngineID = engine
+		md.NumBlocks = (1 << 26) / len(md.KVCachesBaseAddr)
+		port := serveHandshake(t, md)
+		p := KVTransferParams{DoRemotePrefill: true, RemoteBlockIDs: []int32{0, 1}, RemoteEngineID: engine,
+			RemoteRequestID: "huge", RemoteHost: "127.0.0.1", RemotePort: port, TPSize: 1}
+		res := wait(t, rx.Load(LoadRequest{RequestID: "huge", LocalBlockIDs: []int32{6, 7}, Params: p}))
+		grew := peakRSS(t, false) - before
+		t.Logf("%s: refused after %v, peak RSS grew %d MB: %v", engine, res.Latency.Round(time.Millisecond), grew>>20, res.Err)
+		if !errors.Is(res.Err, ErrHandshake) {
+			t.Fatalf("%s: a 2^26-descriptor peer was not refused: %v", engine, res.Err)
+		}
+		if grew > 256<<20 {
+			t.Fatalf("%s: peak RSS grew %d MB (bound 256 MB)", engine, grew>>20)
+		}
+		if res.Latency > timeout {
+			t.Fatalf("%s: refused after %v, handshake timeout %v", engine, res.Latency, timeout)
+		}
+	}
+	if ok, err := honestLoads(t, ps, rx, pool, "after", 5); ok != 5 {
+		t.Fatalf("honest requests after: %d/5 ok (%v)", ok, err)
+	}
+}
+
+// TestHandshakeBoundedInTime (issue 19.3): HandshakeTimeout bounds the
+// whole handshake, not only the exchange: a handshake whose later steps
+// are slow fails its requests at the timeout, requests meanwhile fail at
+// once, what it built is released when it returns, and the next request
+// handshakes again.
+func TestHandshakeBoundedInTime(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	ps := newPrefillSide(t, smallGeom, "prefill", nil)
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.HandshakeTimeout = timeout })
+	rx, pool := ds.rx[0], ds.pools[0]
+	release := make(chan struct{})
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	hook := func() { <-release }
+	testHookAfterFetch.Store(&hook)
+	t.Cleanup(func() { testHookAfterFetch.Store(nil); unblock() }) // before the receiver's Close
+
+	params := ps.hold(t, "slow", 7, []int32{1, 2}, 8)
+	l := rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})
+	res := wait(t, l)
+	if !errors.Is(res.Err, ErrHandshake) || res.Latency > timeout+time.Second {
+		t.Fatalf("a handshake stuck past its timeout: after %v: %v", res.Latency, res.Err)
+	}
+	if res := wait(t, rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})); !errors.Is(res.Err, ErrHandshake) {
+		t.Fatalf("a request during the abandoned handshake: %v", res.Err)
+	}
+	testHookAfterFetch.Store(nil)
+	unblock()
+	eventually(t, "the abandoned handshake to go", 5*time.Second, func() bool {
+		rx.mu.Lock()
+		defer rx.mu.Unlock()
+		return len(rx.peers) == 0 && rx.remoteDescs == 0
+	})
+	rx.agentMu.Lock()
+	refs := len(rx.agentRefs)
+	rx.agentMu.Unlock()
+	if refs != 0 {
+		t.Fatalf("the abandoned handshake left %d remote agents", refs)
+	}
+	ps.sender.Abort("slow")
+	if ok, err := honestLoads(t, ps, rx, pool, "after", 3); ok != 3 {
+		t.Fatalf("after: %d/3 ok (%v)", ok, err)
+	}
+}
+
+// TestPeerEviction (issue 19.3): peers no request uses are released after
+// PeerIdleTimeout (never one with a READ in flight), remote descriptors
+// are bounded in total, and an evicted engine handshakes again.
+func TestPeerEviction(t *testing.T) {
+	const idle = 150 * time.Millisecond
+	obs := &countingObserver{}
+	ps := newPrefillSide(t, smallGeom, "prefill", nil)
+	ps2 := newPrefillSide(t, smallGeom, "prefill-2", nil)
+	// 128 remote descriptors per peer (4 regions × 32 blocks): one fits.
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) {
+		c.PeerIdleTimeout = idle
+		c.MaxTotalDescriptors = 200
+		c.Observer = obs
+	}, plugin.Param{Key: "delay_us", Value: "600000"})
+	rx, pool := ds.rx[0], ds.pools[0]
+	peers := func() int {
+		rx.mu.Lock()
+		defer rx.mu.Unlock()
+		return len(rx.peers)
+	}
+
+	// A READ slower than the idle timeout keeps its peer.
+	params := ps.hold(t, "slow", 3, []int32{1, 2}, 8)
+	if res := wait(t, rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})); res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	if err := pool.Verify(kvpool.Tokens{Request: 3, Pages: []int32{4, 5}, Count: 8}); err != nil {
+		t.Fatal(err)
+	}
+	// The budget is taken: another engine is refused.
+	p2 := ps2.hold(t, "other", 4, []int32{1, 2}, 8)
+	res := wait(t, rx.Load(LoadRequest{RequestID: "other", LocalBlockIDs: []int32{6, 7}, Params: p2}))
+	if !errors.Is(res.Err, ErrHandshake) || !strings.Contains(res.Err.Error(), "MaxTotalDescriptors") {
+		t.Fatalf("a peer past the total descriptor bound: %v", res.Err)
+	}
+	start := time.Now()
+	eventually(t, "the idle peer's eviction", 5*time.Second, func() bool { return peers() == 0 })
+	t.Logf("idle peer evicted %v after its last request", time.Since(start).Round(time.Millisecond))
+	rx.agentMu.Lock()
+	refs := len(rx.agentRefs)
+	rx.agentMu.Unlock()
+	if refs != 0 {
+		t.Fatalf("eviction left %d remote agents", refs)
+	}
+	// With the budget back, the other engine is served, then the first
+	// again after a new handshake.
+	if res := wait(t, rx.Load(LoadRequest{RequestID: "other", LocalBlockIDs: []int32{6, 7}, Params: p2})); res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	eventually(t, "the second idle peer's eviction", 5*time.Second, func() bool { return peers() == 0 })
+	params = ps.hold(t, "again", 5, []int32{3}, 4)
+	if res := wait(t, rx.Load(LoadRequest{RequestID: "again", LocalBlockIDs: []int32{8}, Params: params})); res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	if err := pool.Verify(kvpool.Tokens{Request: 5, Pages: []int32{8}, Count: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if n := obs.handshakes.Load(); n != 4 {
+		t.Fatalf("%d handshakes, want 4", n)
 	}
 }
