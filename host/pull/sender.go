@@ -175,7 +175,7 @@ type rankReaders struct {
 // rank (and so the tp_ratio a notification may claim): a rank is read by
 // tp_ratio decode ranks, and no TP size comes near it. Notifications from
 // further agents are surplus.
-const MaxNotifiers = 1024
+const MaxNotifiers = 256
 
 func newHeldReq(seq uint64, blocks []int32, since time.Time, ranks int) *heldReq {
 	return &heldReq{seq: seq, blocks: blocks, since: since, perRank: make([]rankReaders, ranks)}
