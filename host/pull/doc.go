@@ -1,7 +1,7 @@
 // Package pull is kvhost's pull runtime: vLLM's NIXL connector model, in
 // which the decode worker READs KV blocks out of the prefill worker's
 // registered memory and then tells the prefill it may free them
-// (../shared/reference/vllm_nixl_connector.py.txt, vLLM 0.13).
+// (vLLM 0.13's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py).
 //
 // Two types do the work, one per side:
 //
@@ -13,7 +13,10 @@
 //     until the abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by
 //     default) expires. Either way it calls OnRelease once, saying which.
 //     Notifications for unknown, expired or malformed requests are counted
-//     and logged, never fatal.
+//     and logged, never fatal. A request's notifications on a rank count
+//     once per sending agent, and the rank is done when as many distinct
+//     agents as a tp_ratio claimed it (at most MaxNotifiers); see
+//     "Notifications" below.
 //   - Receiver (one decode TP rank). Load takes a request's local block ids
 //     and the kv_transfer_params the prefill returned. The first request
 //     naming a remote engine starts a background handshake with it
@@ -26,6 +29,18 @@
 //     backoff; a failed read marks the request's blocks invalid
 //     (BlockIDsWithLoadErrors).
 //
+// What a peer can cost a decode is bounded. The declared geometry is
+// checked against MaxDescriptors (per list; by default 16 times the rank's
+// own regions × blocks, within [2^20, 2^26]) and MaxTotalDescriptors (all
+// peers' remote lists together; by default 4 × MaxDescriptors) before a
+// descriptor is built, at about 80 bytes each. HandshakeTimeout bounds the
+// whole handshake (exchange, metadata load, list preparation): its requests
+// fail when it runs out, and what it still builds is released. A peer no
+// request used for PeerIdleTimeout (5 min by default) is released within
+// 1.25 × PeerIdleTimeout; the next request handshakes again. Remote agents
+// are counted per peer using them: a handshake that is refused, times out
+// or is evicted never removes an agent another engine's peer still uses.
+//
 // Both sides record the reference's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
 // wires to Prometheus under the reference's metric names (MetricSpecs).
@@ -35,6 +50,27 @@
 // Close, which also releases every transfer, prepared list and remote agent
 // it made. Close the Sender or Receiver before the agent and before
 // unmapping the memory.
+//
+// Notifications: the prefill cannot tell which decode a request was meant
+// for. vLLM's side channel carries no reader identity (a handshake request
+// is [get_meta_msg, tp_rank], answered to anyone who reaches the port), and
+// a notification names only its sending agent. The reference's
+// _get_new_notifs counts every "{request_id}:{tp_ratio}" from any agent, so
+// one peer could free a request by repeating it, or send a larger tp_ratio
+// early so that the real readers' notifications fell short and the blocks
+// stayed held until the abort timeout. kvhost counts each agent once per
+// request and rank, and a rank is done only when k distinct agents claimed
+// the same tp_ratio k: a peer's extra notifications are surplus, and a
+// claim it makes cannot change what the real readers need. What a peer that
+// loaded this prefill's agent metadata and knows a request id (it travels in
+// the kv_transfer_params the proxy hands the decode) can still do is what
+// the reference allows too: claim tp_ratio 1 (or join the readers' own
+// claim with one of its agents) and so release the blocks before the real
+// reader finished; the reader then reads blocks the engine may have
+// reused. Nothing in vLLM's protocol tells the prefill who the reader is;
+// keep side channels and transfer agents on a network only the engines
+// reach. The sending agent's name is the plugin's word: the fake plugin
+// checks it against the sending process, NIXL carries the sender's claim.
 //
 // Where kvhost deliberately differs from the reference:
 //   - decode block size > prefill block size with a partial prefix hit: the
@@ -49,5 +85,7 @@
 //   - heterogeneous TP without replicated KV needs HND on both sides (the
 //     reference asks vLLM for HND but does not check the peer); an NHD
 //     prefill is refused at handshake rather than read as wrong bytes;
-//   - a READ may be given a timeout (the reference waits forever).
+//   - a READ may be given a timeout (the reference waits forever);
+//   - a prefill counts each agent's notification once per request and
+//     rank, per claimed tp_ratio (the reference counts every one).
 package pull

@@ -26,7 +26,7 @@ func FuzzSenderNotification(f *testing.F) {
 			ranks: []senderRank{{tpRank: 0}, {tpRank: 1}}}
 		hold := func(id string) {
 			s.seq++
-			s.held[id] = &heldReq{seq: s.seq, blocks: []int32{1}, perRank: make([]int, 2)}
+			s.held[id] = newHeldReq(s.seq, []int32{1}, time.Now(), 2)
 			s.counts.Held++
 		}
 		hold("a")

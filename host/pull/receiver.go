@@ -56,17 +56,33 @@ type ReceiverConfig struct {
 	// enforce_handshake_compat=false).
 	CompatHash      string
 	SkipCompatCheck bool
-	// HandshakeTimeout bounds one handshake exchange; 0 means vLLM's 5 s.
+	// HandshakeTimeout bounds a whole handshake: the exchange on the side
+	// channel, loading the peer's agent metadata and preparing the
+	// descriptor lists. The requests waiting for it fail when it runs
+	// out, even if a plugin call is still under way (its result is then
+	// released). 0 means vLLM's 5 s (which bounds only the exchange).
 	HandshakeTimeout time.Duration
 	// ReadTimeout fails a READ still running after it; 0 waits forever, as
 	// vLLM does.
 	ReadTimeout time.Duration
-	// MaxDescriptors bounds the descriptor list prepared for a remote rank
-	// (regions × blocks it advertises), so a peer advertising absurd
-	// geometry cannot exhaust memory; 0 means DefaultMaxDescriptors.
+	// MaxDescriptors bounds each descriptor list prepared for a remote
+	// rank (regions × blocks it advertises, and the local list its block
+	// size asks for), checked on the declared geometry before anything is
+	// built, so a peer advertising absurd geometry cannot exhaust memory.
+	// 0 means DefaultMaxDescriptors of this rank's own geometry.
 	MaxDescriptors int
-	Logger         *slog.Logger // nil: slog.Default()
-	Observer       Observer     // nil: NopObserver
+	// MaxTotalDescriptors bounds the remote descriptors of all peers held
+	// at once; a handshake that would pass it is refused. 0 means
+	// DefaultTotalPeers × MaxDescriptors.
+	MaxTotalDescriptors int
+	// PeerIdleTimeout releases a peer (its remote list and, when no other
+	// peer uses it, its remote agent) once no request has used it for this
+	// long; the next request naming the engine handshakes again. 0 means
+	// DefaultPeerIdleTimeout. An evicted peer is gone within 1.25 ×
+	// PeerIdleTimeout of its last request finishing.
+	PeerIdleTimeout time.Duration
+	Logger          *slog.Logger // nil: slog.Default()
+	Observer        Observer     // nil: NopObserver
 	// ZMQ options for handshake sockets.
 	ZMQ []zmq.Option
 }
@@ -111,6 +127,7 @@ type Load struct {
 	start time.Time
 	done  chan struct{}
 	res   LoadResult
+	peer  *peer // the ready peer it uses (counted in peer.inflight)
 }
 
 // Done is closed when the load has finished.
@@ -165,15 +182,26 @@ type Receiver struct {
 	wg     sync.WaitGroup // poller and handshakes
 	wake   chan struct{}
 
-	mu      sync.Mutex
-	closed  bool
-	peers   map[string]*peer
-	pending []*readOp // posted READs not yet with the poller
-	invalid map[int32]struct{}
-	stats   Stats
+	mu     sync.Mutex
+	closed bool
+	peers  map[string]*peer
+	// remoteDescs counts the remote descriptors of the peers in peers
+	// (reserved by a handshake before it builds its list).
+	remoteDescs int
+	pending     []*readOp // posted READs not yet with the poller
+	invalid     map[int32]struct{}
+	stats       Stats
 
 	listMu     sync.Mutex
 	localLists map[int]*plugin.DList // by block-size ratio
+
+	// agentMu serialises loading and removing remote agents; agentRefs
+	// counts the peers using each loaded remote agent, by name. Two engine
+	// ids may name the same agent (one of them lying): the agent is
+	// removed only when the last peer using it lets go, so a refused or
+	// released peer never takes another engine's agent with it.
+	agentMu   sync.Mutex
+	agentRefs map[string]int
 
 	scratchMu sync.Mutex
 	lids      []int32
@@ -194,6 +222,14 @@ type peer struct {
 	tpSize   int
 	ready    bool
 	waiting  []*Load
+	// abandoned: the handshake outlived HandshakeTimeout; its waiters
+	// failed and the peer goes once the handshake returns.
+	abandoned bool
+	// inflight counts the loads using the peer; idleSince is when it last
+	// dropped to 0. descs is the remote descriptors it reserved.
+	inflight  int
+	idleSince time.Time
+	descs     int
 
 	info     PeerInfo
 	reader   *planner.VLLMReader
@@ -217,10 +253,37 @@ type readOp struct {
 	bytes  uint64 // from the descriptors, for agents without telemetry
 }
 
-// DefaultMaxDescriptors is the default ReceiverConfig.MaxDescriptors: 2^26
-// block descriptors (2.5 GiB as the ABI passes them), several times what a
-// 100-layer model with 100k blocks per region needs.
-const DefaultMaxDescriptors = 1 << 26
+// Descriptor bounds. A prepared descriptor costs the decode about 80
+// bytes while a list is built (40 as the ABI passes it, the plugin's own
+// copy) and the plugin's copy for as long as the peer is held.
+const (
+	// MaxDescriptorsCap is the largest default MaxDescriptors: 2^26
+	// descriptors, several times what a 100-layer model with 100k blocks
+	// per region needs.
+	MaxDescriptorsCap = 1 << 26
+	// MinDefaultMaxDescriptors is the smallest default MaxDescriptors.
+	MinDefaultMaxDescriptors = 1 << 20
+	// DefaultDescriptorFactor: by default a peer's list may be this many
+	// times this rank's own (regions × blocks): a prefill with more or
+	// smaller blocks, not one that declares a thousand times our memory.
+	DefaultDescriptorFactor = 16
+	// DefaultTotalPeers: MaxTotalDescriptors is by default this many
+	// peers at MaxDescriptors.
+	DefaultTotalPeers = 4
+	// DefaultPeerIdleTimeout is the default PeerIdleTimeout.
+	DefaultPeerIdleTimeout = 5 * time.Minute
+)
+
+// DefaultMaxDescriptors is MaxDescriptors' default for a rank whose own
+// cache has the given descriptors (regions × blocks):
+// DefaultDescriptorFactor times as many, within [MinDefaultMaxDescriptors,
+// MaxDescriptorsCap].
+func DefaultMaxDescriptors(own int) int {
+	if own > MaxDescriptorsCap/DefaultDescriptorFactor {
+		return MaxDescriptorsCap
+	}
+	return max(own*DefaultDescriptorFactor, MinDefaultMaxDescriptors)
+}
 
 // Poll backoff of the Receiver's poller.
 const (
@@ -241,11 +304,26 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if err := cfg.Cache.check(); err != nil {
 		return nil, err
 	}
-	if cfg.HandshakeTimeout < 0 || cfg.ReadTimeout < 0 || cfg.MaxDescriptors < 0 {
+	if cfg.HandshakeTimeout < 0 || cfg.ReadTimeout < 0 || cfg.PeerIdleTimeout < 0 || cfg.MaxDescriptors < 0 || cfg.MaxTotalDescriptors < 0 {
 		return nil, errors.New("pull: negative timeout or descriptor limit")
 	}
+	if cfg.HandshakeTimeout == 0 {
+		cfg.HandshakeTimeout = vllm.DefaultHandshakeTimeout
+	}
+	if cfg.PeerIdleTimeout == 0 {
+		cfg.PeerIdleTimeout = DefaultPeerIdleTimeout
+	}
 	if cfg.MaxDescriptors == 0 {
-		cfg.MaxDescriptors = DefaultMaxDescriptors
+		own := 0
+		if cfg.Cache.NumBlocks > 0 && len(cfg.Cache.Regions) <= MaxDescriptorsCap/cfg.Cache.NumBlocks {
+			own = len(cfg.Cache.Regions) * cfg.Cache.NumBlocks
+		} else {
+			own = MaxDescriptorsCap
+		}
+		cfg.MaxDescriptors = DefaultMaxDescriptors(own)
+	}
+	if cfg.MaxTotalDescriptors == 0 {
+		cfg.MaxTotalDescriptors = DefaultTotalPeers * cfg.MaxDescriptors
 	}
 	r := &Receiver{
 		cfg:        cfg,
@@ -256,6 +334,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		peers:      make(map[string]*peer),
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
+		agentRefs:  make(map[string]int),
 	}
 	if r.log == nil {
 		r.log = slog.Default()
@@ -288,8 +367,9 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	}
 	r.regions = regs
 	r.ctx, r.cancel = context.WithCancel(context.Background())
-	r.wg.Add(1)
+	r.wg.Add(2)
 	go r.poll()
+	go r.evictIdle()
 	return r, nil
 }
 
@@ -330,11 +410,18 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 		r.mu.Unlock()
 		r.fail(l, fmt.Errorf("%w: tp_size %d, but engine %s has TP size %d", ErrInvalidParams, p.RemoteTPSize(), pr.engineID, pr.tpSize), false)
 		return l
+	case pr.abandoned:
+		r.mu.Unlock()
+		r.fail(l, fmt.Errorf("%w: engine %s at %s: the last handshake is still running past the %v handshake timeout",
+			ErrHandshake, pr.engineID, pr.endpoint, r.cfg.HandshakeTimeout), false)
+		return l
 	case !pr.ready:
 		pr.waiting = append(pr.waiting, l)
 		r.mu.Unlock()
 		return l
 	}
+	pr.inflight++
+	l.peer = pr
 	r.ops.Add(1)
 	r.mu.Unlock()
 	defer r.ops.Done()
@@ -343,23 +430,43 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 }
 
 // handshake runs one engine's handshake, then starts or fails the requests
-// that waited for it.
+// that waited for it. Requests wait at most HandshakeTimeout: past it they
+// fail, and whatever the handshake still builds is released when it
+// returns.
 func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	defer r.wg.Done()
 	start := time.Now()
-	err := r.connect(pr, remoteRank)
+	deadline := start.Add(r.cfg.HandshakeTimeout)
+	result := make(chan error, 1)
+	go func() { result <- r.connect(pr, remoteRank, deadline) }()
+	timer := time.NewTimer(r.cfg.HandshakeTimeout)
+	var err error
+	select {
+	case err = <-result:
+		timer.Stop()
+	case <-timer.C:
+		r.abandon(pr)
+		err = <-result
+	}
 	d := time.Since(start)
 	r.obs.Handshake(d, err)
 
 	r.mu.Lock()
 	waiting := pr.waiting
 	pr.waiting = nil
-	if err == nil && r.closed {
+	if err == nil && (r.closed || pr.abandoned) {
 		r.releasePeer(pr)
 		err = ErrClosed
+		if pr.abandoned {
+			err = fmt.Errorf("took %v, past the %v handshake timeout", d, r.cfg.HandshakeTimeout)
+		}
 	}
 	if err != nil {
-		delete(r.peers, pr.engineID) // the next request tries again
+		if r.peers[pr.engineID] == pr {
+			delete(r.peers, pr.engineID) // the next request tries again
+		}
+		r.remoteDescs -= pr.descs
+		pr.descs = 0
 		r.mu.Unlock()
 		if !errors.Is(err, ErrClosed) {
 			err = fmt.Errorf("%w: engine %s at %s: %w", ErrHandshake, pr.engineID, pr.endpoint, err)
@@ -372,6 +479,11 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 		return
 	}
 	pr.ready = true
+	pr.inflight += len(waiting)
+	pr.idleSince = time.Now()
+	for _, l := range waiting {
+		l.peer = pr
+	}
 	r.ops.Add(1)
 	r.mu.Unlock()
 	defer r.ops.Done()
@@ -383,10 +495,33 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	}
 }
 
+// abandon fails the requests waiting for a handshake that outlived
+// HandshakeTimeout; requests for the engine fail at once until it returns.
+func (r *Receiver) abandon(pr *peer) {
+	r.mu.Lock()
+	pr.abandoned = true
+	waiting := pr.waiting
+	pr.waiting = nil
+	r.mu.Unlock()
+	err := fmt.Errorf("%w: engine %s at %s: not done within the %v handshake timeout: %w",
+		ErrHandshake, pr.engineID, pr.endpoint, r.cfg.HandshakeTimeout, context.DeadlineExceeded)
+	r.log.Error("handshake timed out; failing the requests that waited for it", "remote_engine_id", pr.engineID,
+		"endpoint", pr.endpoint, "requests", len(waiting), "timeout", r.cfg.HandshakeTimeout)
+	for _, l := range waiting {
+		r.fail(l, err, false)
+	}
+}
+
+// testHookAfterFetch, when set by a test, runs after the handshake
+// exchange (to make the rest of a handshake slow).
+var testHookAfterFetch atomic.Pointer[func()]
+
 // connect fetches the remote rank's metadata and sets up everything reads
 // from it need: remote agent, geometry, both prepared lists.
-func (r *Receiver) connect(pr *peer, remoteRank int) error {
-	md, err := vllm.FetchHandshake(r.ctx, pr.endpoint, remoteRank, vllm.FetchOptions{
+func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
+	ctx, cancel := context.WithDeadline(r.ctx, deadline)
+	defer cancel()
+	md, err := vllm.FetchHandshake(ctx, pr.endpoint, remoteRank, vllm.FetchOptions{
 		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
 		Timeout: r.cfg.HandshakeTimeout,
 		ZMQ:     r.cfg.ZMQ,
@@ -397,6 +532,9 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 		}
 		return err
 	}
+	if hook := testHookAfterFetch.Load(); hook != nil {
+		(*hook)()
+	}
 	remote, err := remoteAgent(md, r.cfg.Cache.Kind)
 	if err != nil {
 		return err
@@ -405,11 +543,16 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 	if err != nil {
 		return fmt.Errorf("incompatible KV geometry: %w", err)
 	}
-	// The reader's lists are closed forms; the descriptors are made below.
+	// The reader's lists are closed forms; the descriptors are made below,
+	// once the declared geometry is within the bounds.
 	rl := reader.RemoteList()
 	if rl.Len() > r.cfg.MaxDescriptors {
 		return fmt.Errorf("the prefill advertises %d regions of %d blocks: %d descriptors, more than the %d this decode prepares for a peer (MaxDescriptors)",
 			len(remote.BaseAddrs), remote.NumBlocks, rl.Len(), r.cfg.MaxDescriptors)
+	}
+	if ll := reader.LocalList(); ll.Len() > r.cfg.MaxDescriptors {
+		return fmt.Errorf("the prefill's block size %d needs a local list of %d descriptors, more than the %d this decode prepares for a peer (MaxDescriptors)",
+			remote.BlockSize, ll.Len(), r.cfg.MaxDescriptors)
 	}
 	if reader.RemoteRank() != remoteRank {
 		return fmt.Errorf("reader targets TP rank %d, handshake was with %d", reader.RemoteRank(), remoteRank)
@@ -427,19 +570,20 @@ func (r *Receiver) connect(pr *peer, remoteRank int) error {
 			return err
 		}
 	}
+	if err := r.reserve(pr, rl.Len()); err != nil {
+		return err
+	}
 	localDL, err := r.localList(reader)
 	if err != nil {
 		return err
 	}
-	name, err := r.cfg.Agent.LoadRemote(md.AgentMetadata)
+	name, err := r.acquireAgent(md.AgentMetadata)
 	if err != nil {
 		return fmt.Errorf("load remote agent metadata: %w", err)
 	}
 	remoteDL, err := r.cfg.Agent.PrepRemote(name, r.cfg.Cache.Kind, xferDescs(&rl))
 	if err != nil {
-		if rerr := r.cfg.Agent.RemoveRemote(name); rerr != nil {
-			r.log.Warn("removing remote agent after a failed handshake", "agent", name, "err", rerr)
-		}
+		r.releaseAgent(name)
 		return fmt.Errorf("prepare the remote descriptor list: %w", err)
 	}
 	ll := reader.LocalList()
@@ -698,6 +842,13 @@ func (r *Receiver) fail(l *Load, err error, transfer bool) {
 }
 
 func (r *Receiver) finish(l *Load, res LoadResult) {
+	if pr := l.peer; pr != nil {
+		r.mu.Lock()
+		if pr.inflight--; pr.inflight == 0 {
+			pr.idleSince = time.Now()
+		}
+		r.mu.Unlock()
+	}
 	res.RequestID = l.req.RequestID
 	res.Latency = time.Since(l.start)
 	l.res = res
@@ -750,6 +901,51 @@ func (r *Receiver) Peers() []PeerInfo {
 	return out
 }
 
+// reserve counts a peer's remote descriptors against MaxTotalDescriptors
+// (the handshake gives them back if it fails, eviction when it goes).
+func (r *Receiver) reserve(pr *peer, n int) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if n > r.cfg.MaxTotalDescriptors-r.remoteDescs {
+		return fmt.Errorf("the prefill's %d descriptors would take the peers' %d past the %d this decode holds in all (MaxTotalDescriptors)",
+			n, r.remoteDescs, r.cfg.MaxTotalDescriptors)
+	}
+	r.remoteDescs += n
+	pr.descs = n
+	return nil
+}
+
+// evictIdle releases, every quarter PeerIdleTimeout, the peers no request
+// has used for PeerIdleTimeout.
+func (r *Receiver) evictIdle() {
+	defer r.wg.Done()
+	t := time.NewTicker(max(r.cfg.PeerIdleTimeout/4, time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-r.ctx.Done():
+			return
+		case now := <-t.C:
+			var idle []*peer
+			r.mu.Lock()
+			for id, pr := range r.peers {
+				if pr.ready && pr.inflight == 0 && now.Sub(pr.idleSince) >= r.cfg.PeerIdleTimeout {
+					delete(r.peers, id)
+					r.remoteDescs -= pr.descs
+					pr.descs = 0
+					idle = append(idle, pr)
+				}
+			}
+			r.mu.Unlock()
+			for _, pr := range idle {
+				r.log.Info("releasing an idle peer", "remote_engine_id", pr.engineID, "agent", pr.name,
+					"idle", now.Sub(pr.idleSince).Round(time.Millisecond))
+				r.releasePeer(pr)
+			}
+		}
+	}
+}
+
 // releasePeer releases a peer's remote list and remote agent. The local
 // list is shared and released by Close.
 func (r *Receiver) releasePeer(pr *peer) {
@@ -760,10 +956,35 @@ func (r *Receiver) releasePeer(pr *peer) {
 		pr.remoteDL = nil
 	}
 	if pr.name != "" {
-		if err := r.cfg.Agent.RemoveRemote(pr.name); err != nil {
-			r.log.Warn("removing a remote agent", "agent", pr.name, "err", err)
-		}
+		r.releaseAgent(pr.name)
 		pr.name = ""
+	}
+}
+
+// acquireAgent loads a peer's agent metadata and counts one more peer
+// using the agent it names.
+func (r *Receiver) acquireAgent(md []byte) (string, error) {
+	r.agentMu.Lock()
+	defer r.agentMu.Unlock()
+	name, err := r.cfg.Agent.LoadRemote(md)
+	if err != nil {
+		return "", err
+	}
+	r.agentRefs[name]++
+	return name, nil
+}
+
+// releaseAgent counts one peer fewer using a remote agent and removes the
+// agent when none is left.
+func (r *Receiver) releaseAgent(name string) {
+	r.agentMu.Lock()
+	defer r.agentMu.Unlock()
+	if r.agentRefs[name]--; r.agentRefs[name] > 0 {
+		return
+	}
+	delete(r.agentRefs, name)
+	if err := r.cfg.Agent.RemoveRemote(name); err != nil {
+		r.log.Warn("removing a remote agent", "agent", name, "err", err)
 	}
 }
 

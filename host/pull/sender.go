@@ -156,9 +156,29 @@ type heldReq struct {
 	seq       uint64
 	blocks    []int32
 	since     time.Time
-	perRank   []int // notifications per hosted rank (index into Sender.ranks)
+	perRank   []rankReaders // by hosted rank (index into Sender.ranks)
 	ranksDone int
 	notified  int
+}
+
+// rankReaders are the agents that notified one hosted rank of one request,
+// each with the tp_ratio it claimed. Each agent counts once; a rank is
+// done when, for some tp_ratio k, k distinct agents claimed k. So one
+// agent, whatever it sends, can neither fill another claim's readers nor
+// make the real readers' notifications surplus.
+type rankReaders struct {
+	claims map[string]int // agent name -> tp_ratio it claimed
+	done   bool
+}
+
+// MaxNotifiers bounds the distinct agents counted per request and hosted
+// rank (and so the tp_ratio a notification may claim): a rank is read by
+// tp_ratio decode ranks, and no TP size comes near it. Notifications from
+// further agents are surplus.
+const MaxNotifiers = 256
+
+func newHeldReq(seq uint64, blocks []int32, since time.Time, ranks int) *heldReq {
+	return &heldReq{seq: seq, blocks: blocks, since: since, perRank: make([]rankReaders, ranks)}
 }
 
 type expiry struct {
@@ -344,7 +364,7 @@ func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, err
 		return KVTransferParams{}, fmt.Errorf("pull: hold %s: request already held", requestID)
 	}
 	s.seq++
-	s.held[requestID] = &heldReq{seq: s.seq, blocks: p.RemoteBlockIDs, since: now, perRank: make([]int, len(s.ranks))}
+	s.held[requestID] = newHeldReq(s.seq, p.RemoteBlockIDs, now, len(s.ranks))
 	s.fifo = append(s.fifo, expiry{id: requestID, seq: s.seq, at: now.Add(s.cfg.AbortTimeout)})
 	s.counts.Held++
 	return p, nil
@@ -448,10 +468,18 @@ func (s *Sender) drainNotifs() bool {
 	return got
 }
 
-// applyLocked counts one notification received by hosted rank i.
+// applyLocked counts one notification received by hosted rank i. A
+// request's notifications on a rank count once per sending agent (the
+// name the plugin reports: on NIXL the sender's own claim, on the fake
+// plugin checked against the sending process), and the rank is done when
+// as many distinct agents as a tp_ratio claimed it (see rankReaders and the
+// package doc for what a peer can still do).
 func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, bool) {
 	s.counts.Notifications++
 	id, consumers, err := vllm.ParseReadNotif(n.Msg)
+	if err == nil && consumers > MaxNotifiers {
+		err = fmt.Errorf("tp_ratio %d is more than the %d readers a rank counts", consumers, MaxNotifiers)
+	}
 	if err != nil {
 		s.counts.MalformedNotifications++
 		s.log.Warn("ignoring a malformed notification", "tp_rank", s.ranks[i].tpRank, "from", n.From, "err", err)
@@ -459,11 +487,24 @@ func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, boo
 		return Release{}, false
 	}
 	h, ok := s.held[id]
-	if !ok || h.perRank[i] >= consumers {
+	var rr *rankReaders
+	why := ""
+	if ok {
+		rr = &h.perRank[i]
+		switch _, dup := rr.claims[n.From]; {
+		case rr.done:
+			why = "rank already notified by its readers"
+		case dup:
+			why = "agent already notified this request"
+		case len(rr.claims) >= MaxNotifiers:
+			why = "too many notifying agents"
+		}
+	}
+	if !ok || why != "" {
 		s.counts.UnknownNotifications++
 		if ok {
 			s.log.Warn("surplus notification for a held request", "request_id", id, "tp_rank", s.ranks[i].tpRank,
-				"from", n.From, "consumers", consumers)
+				"from", n.From, "consumers", consumers, "why", why)
 		} else {
 			s.log.Error("potentially invalid KV blocks for an unrecognized request were read by a decode worker; they may have expired",
 				"request_id", id, "tp_rank", s.ranks[i].tpRank, "from", n.From)
@@ -471,11 +512,23 @@ func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, boo
 		s.obs.BadNotification(NotifUnknown)
 		return Release{}, false
 	}
-	h.perRank[i]++
-	h.notified++
-	if h.perRank[i] == consumers {
-		h.ranksDone++
+	if rr.claims == nil {
+		rr.claims = make(map[string]int, consumers)
 	}
+	rr.claims[n.From] = consumers
+	h.notified++
+	same := 0
+	for _, c := range rr.claims {
+		if c == consumers {
+			same++
+		}
+	}
+	if same < consumers {
+		return Release{}, false
+	}
+	rr.done = true
+	rr.claims = nil
+	h.ranksDone++
 	if h.ranksDone < len(s.ranks) {
 		return Release{}, false
 	}

@@ -99,13 +99,17 @@ func TestSenderNotifications(t *testing.T) {
 		t.Fatalf("holding no block: %+v %v (held %d)", p, err, ps.sender.Counts().Held)
 	}
 
+	// Two decode ranks read each prefill rank (tp_ratio 2): each counts
+	// once, whatever it sends.
+	n2 := newNotifier(t, ps)
 	n.send(t, 0, "a:2")
-	n.send(t, 0, "a:2") // rank 0 done
-	n.send(t, 0, "a:2") // surplus
+	n.send(t, 0, "a:2")  // surplus: n already counted
+	n2.send(t, 0, "a:2") // rank 0 done
+	n2.send(t, 0, "a:2") // surplus
 	n.send(t, 1, "a:2")
 	noRelease(t, ps, 50*time.Millisecond)
-	eventually(t, "the surplus notification", time.Second, func() bool { return ps.sender.Counts().UnknownNotifications == 1 })
-	n.send(t, 1, "a:2")
+	eventually(t, "the surplus notifications", time.Second, func() bool { return ps.sender.Counts().UnknownNotifications == 2 })
+	n2.send(t, 1, "a:2")
 	r := nextRelease(t, ps, 2*time.Second)
 	if r.RequestID != "a" || r.Reason != ReleaseNotified || r.Notified != 4 || !reflect.DeepEqual(r.BlockIDs, []int32{3, 1, 2}) {
 		t.Fatalf("release %+v", r)
@@ -127,9 +131,9 @@ func TestSenderNotifications(t *testing.T) {
 	n.send(t, 0, "\xff\xfe:") // malformed
 	eventually(t, "bad notifications counted", 2*time.Second, func() bool {
 		c := ps.sender.Counts()
-		return c.UnknownNotifications == 3 && c.MalformedNotifications == 3
+		return c.UnknownNotifications == 4 && c.MalformedNotifications == 3
 	})
-	if c := ps.sender.Counts(); c.ReleasedNotified != 2 || c.Held != 0 || c.Notifications != 12 {
+	if c := ps.sender.Counts(); c.ReleasedNotified != 2 || c.Held != 0 || c.Notifications != 13 {
 		t.Fatalf("counts %+v", c)
 	}
 

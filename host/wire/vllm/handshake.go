@@ -1,6 +1,6 @@
-// Package vllm speaks vLLM's NIXL connector side channel (see
-// ../shared/reference/vllm_nixl_connector.py.txt, vLLM 0.13): the ZeroMQ
-// ROUTER/REQ handshake in which a decode worker fetches a prefill
+// Package vllm speaks vLLM's NIXL connector side channel (see vLLM 0.13's
+// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): the
+// ZeroMQ ROUTER/REQ handshake in which a decode worker fetches a prefill
 // worker's NIXL agent metadata, its msgpack messages, the compatibility
 // hash both sides compare, and the READ completion notification.
 //

@@ -11,7 +11,7 @@ import (
 // ReadNotif formats the notification a decode worker attaches to its
 // READ (or sends alone on a full prefix hit):
 // "{remote_request_id}:{tp_ratio}". Prefill frees the request's blocks
-// once tp_ratio such notifications arrived.
+// once tp_ratio such notifications arrived (kvhost: from tp_ratio distinct agents).
 func ReadNotif(remoteRequestID string, tpRatio int) string {
 	return fmt.Sprintf("%s:%d", remoteRequestID, tpRatio)
 }
