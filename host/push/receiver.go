@@ -20,19 +20,19 @@ type Receiver struct {
 	d    *Decode
 	addr string // the prefill's bootstrap address
 
-	mu        sync.Mutex
-	targets   []target
-	dstInfos  int // required_dst_info_num
-	expected  map[int]bool
-	got       map[int]bool
-	arr       arrivals
-	sent      time.Time // when the metadata went out (zero: not yet)
-	auxIndex  int64
-	counted   bool // counted in d.waiting
-	done      bool // Success or Failed reached
-	aborted   bool // ABORT sent
-	closed    bool
-	initDone  bool
+	mu       sync.Mutex
+	targets  []target
+	dstInfos int // required_dst_info_num
+	expected map[int]bool
+	got      map[int]bool
+	arr      arrivals
+	sent     time.Time // when the metadata went out (zero: not yet)
+	auxIndex int64
+	counted  bool // counted in d.waiting
+	done     bool // Success or Failed reached
+	aborted  bool // ABORT sent
+	closed   bool
+	initDone bool
 }
 
 // NewReceiver opens the room on this rank (Bootstrapping). bootstrapAddr is
