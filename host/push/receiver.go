@@ -329,7 +329,7 @@ func (r *Receiver) statusSuccess(unique int) {
 // as an error and changes nothing.
 func (r *Receiver) notif(n sglang.Notif, from string) error {
 	r.mu.Lock()
-	if r.done || r.sent.IsZero() {
+	if r.done || r.closed || r.sent.IsZero() {
 		r.mu.Unlock()
 		return nil
 	}
@@ -340,7 +340,7 @@ func (r *Receiver) notif(n sglang.Notif, from string) error {
 		return err
 	}
 	r.mu.Lock()
-	if r.done {
+	if r.done || r.closed {
 		r.mu.Unlock()
 		return nil
 	}

@@ -228,21 +228,161 @@ func TestSpoofedCompletion(t *testing.T) {
 }
 
 // fakeRank is a prefill rank driven by the test: a PULL socket registered
-// with the bootstrap server, and an agent that sends notifications.
+// with the bootstrap server, an agent that sends notifications, and a
+// connection to the decode's PULL socket from the rank's IP.
 type fakeRank struct {
-	ip    string
-	pull  *zmq.Pull
-	agent *plugin.Agent
-	peer  string // the decode's agent, once loaded
+	ip     string
+	pull   *zmq.Pull
+	agent  *plugin.Agent
+	peer   string // the decode's agent, once loaded
+	status *statusSender
 }
 
-// TestSpoofedCompletionFanIn: a TP 2 prefill (rank 0 on 127.0.0.1, rank 1
-// on 127.0.0.3) answers a TP 1 decode, so every room expects a part from
-// each rank. Rank 0 sends its part honestly; then forged Success statuses
-// for both ranks from rank 0's IP (the attacker shares a host with rank 0)
-// and from 127.0.0.2, rank 1's notification tags from an agent that is not
-// rank 1's, and rank 1's tags from rank 0's own agent complete no room.
-// Rank 1's honest part then completes every room.
+// fanIn is a TP 2 prefill of fake ranks (rank 0 on 127.0.0.1, rank 1 on
+// 127.0.0.3) and a TP 1 decode rank, so every room expects a part from
+// each prefill rank.
+type fanIn struct {
+	t      *testing.T
+	ctx    context.Context
+	pl     *plugin.Plugin
+	srv    *bootstrap.Running
+	dec    *push.Decode
+	ranks  []*fakeRank
+	notifs bool // the decode tracks notifications, and the ranks use them
+}
+
+func newFanIn(t *testing.T, ctx context.Context, variant push.Variant, completion push.Completion, set push.Settings) *fanIn {
+	t.Helper()
+	f := &fanIn{t: t, ctx: ctx, pl: faketest.Plugin(t), notifs: completion != push.CompletionStatus}
+	var err error
+	if f.srv, err = bootstrap.NewServer(bootstrap.WithLogger(quietLog())).Start("127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		f.srv.Close(cctx)
+	})
+	f.ranks = []*fakeRank{{ip: "127.0.0.1"}, {ip: "127.0.0.3"}}
+	for i, fr := range f.ranks {
+		if fr.pull, err = zmq.ListenPull(zmq.TCPEndpoint(fr.ip, 0)); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { fr.pull.Close() })
+		f.newAgent(i, "")
+		err = bootstrap.NewClient(f.srv.Addr()).Register(ctx, bootstrap.Registration{
+			AttnTPSize: 2, AttnTPRank: i, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
+			RankIP: fr.ip, RankPort: fr.pull.Port(), PageSize: rigPageSize, KVCacheDType: "auto"})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	d := newSide(t, rigPages, false)
+	if f.dec, err = push.NewDecode(ctx, push.DecodeConfig{Plugin: f.pl, Variant: variant, Completion: completion,
+		KV: d.args, Parallel: push.Parallel{TPSize: 1}, Settings: set, Logger: quietLog()}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.dec.Close() })
+	for _, fr := range f.ranks {
+		fr.status = dialStatus(t, f.dec.Endpoint(), fr.ip)
+	}
+	return f
+}
+
+// newAgent gives rank i a new agent (a restarted prefill rank's).
+func (f *fanIn) newAgent(i int, suffix string) {
+	f.t.Helper()
+	a, err := f.pl.NewAgent(fmt.Sprintf("prefill-tp%d%s", i, suffix))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.t.Cleanup(func() { a.Close() })
+	f.ranks[i].agent, f.ranks[i].peer = a, ""
+}
+
+// open opens a room on the decode and sends its metadata (decode pages
+// 2*slot and 2*slot+1).
+func (f *fanIn) open(room uint64, slot int) *push.Receiver {
+	f.t.Helper()
+	rc, err := f.dec.NewReceiver(f.srv.Addr(), room)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.t.Cleanup(rc.Close)
+	if err := rc.Init(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := rc.SendMetadata(f.ctx, []int32{int32(2 * slot), int32(2*slot + 1)}, int64(slot%rigAuxSlots), nil, 0); err != nil {
+		f.t.Fatal(err)
+	}
+	return rc
+}
+
+// loadDecode makes each rank load the decode's metadata from the next
+// registration it received, as a prefill rank does (messages before it,
+// transfer infos of earlier rooms, are skipped).
+func (f *fanIn) loadDecode() {
+	f.t.Helper()
+	if !f.notifs {
+		return
+	}
+	for _, fr := range f.ranks {
+		for {
+			frames, err := fr.pull.Recv(f.ctx)
+			if err != nil {
+				f.t.Fatal(err)
+			}
+			m, err := sglang.ParseNIXLToPrefill(frames)
+			if err != nil {
+				f.t.Fatal(err)
+			}
+			if reg, ok := m.(*sglang.NIXLRegistration); ok {
+				if fr.peer, err = fr.agent.LoadRemote(reg.AgentMetadata); err != nil {
+					f.t.Fatal(err)
+				}
+				break
+			}
+		}
+	}
+}
+
+// notify sends a notification tag from rank i's agent.
+func (f *fanIn) notify(i int, tag string) {
+	f.t.Helper()
+	if err := f.ranks[i].agent.SendNotif(f.ranks[i].peer, []byte(tag)); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// honest sends rank i's part of a room: notification tags from its
+// agent, or a Success status from its IP.
+func (f *fanIn) honest(i int, room uint64) {
+	f.t.Helper()
+	if !f.notifs {
+		f.ranks[i].status.success(room, i)
+		return
+	}
+	f.notify(i, fmt.Sprintf("%d_kv_0_1_%d", room, i))
+	f.notify(i, fmt.Sprintf("%d_aux", room))
+}
+
+// warm runs one room with both ranks' honest parts.
+func (f *fanIn) warm(room uint64) {
+	f.t.Helper()
+	rc := f.open(room, 0)
+	f.loadDecode()
+	f.honest(0, room)
+	f.honest(1, room)
+	if st, err := rc.Wait(f.ctx); err != nil || st != sglang.KVPollSuccess {
+		f.t.Fatalf("honest room %d: %v %v %v", room, st, err, rc.Failure())
+	}
+}
+
+// TestSpoofedCompletionFanIn: rank 0 sends its part honestly; then forged
+// Success statuses for both ranks from rank 0's IP (the attacker shares a
+// host with rank 0) and from 127.0.0.2, rank 1's notification tags from an
+// agent that is not rank 1's, and rank 1's tags from rank 0's own agent
+// complete no room. Rank 1's honest part then completes every room.
 func TestSpoofedCompletionFanIn(t *testing.T) {
 	for _, c := range []struct {
 		name       string
@@ -256,138 +396,40 @@ func TestSpoofedCompletionFanIn(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := ctxT(t, 60*time.Second)
-			pl := faketest.Plugin(t)
-			srv, err := bootstrap.NewServer(bootstrap.WithLogger(quietLog())).Start("127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				cctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-				defer cancel()
-				srv.Close(cctx)
-			})
-			notifs := c.completion != push.CompletionStatus
-			ranks := []*fakeRank{{ip: "127.0.0.1"}, {ip: "127.0.0.3"}}
-			for i, fr := range ranks {
-				if fr.pull, err = zmq.ListenPull(zmq.TCPEndpoint(fr.ip, 0)); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { fr.pull.Close() })
-				if fr.agent, err = pl.NewAgent(fmt.Sprintf("prefill-tp%d", i)); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { fr.agent.Close() })
-				err = bootstrap.NewClient(srv.Addr()).Register(ctx, bootstrap.Registration{
-					AttnTPSize: 2, AttnTPRank: i, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
-					RankIP: fr.ip, RankPort: fr.pull.Port(), PageSize: rigPageSize, KVCacheDType: "auto"})
-				if err != nil {
-					t.Fatal(err)
-				}
-			}
-			d := newSide(t, rigPages, false)
-			dec, err := push.NewDecode(ctx, push.DecodeConfig{Plugin: pl, Variant: c.variant, Completion: c.completion,
-				KV: d.args, Parallel: push.Parallel{TPSize: 1}, Logger: quietLog()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { dec.Close() })
-			open := func(room uint64, slot int) *push.Receiver {
-				t.Helper()
-				rc, err := dec.NewReceiver(srv.Addr(), room)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(rc.Close)
-				if err := rc.Init(ctx); err != nil {
-					t.Fatal(err)
-				}
-				if err := rc.SendMetadata(ctx, []int32{int32(2 * slot), int32(2*slot + 1)}, int64(slot%rigAuxSlots), nil, 0); err != nil {
-					t.Fatal(err)
-				}
-				return rc
-			}
-			// The honest part of rank i for a room: notification tags from
-			// its agent, or a Success status from its IP.
-			var status []*statusSender
-			for _, fr := range ranks {
-				status = append(status, dialStatus(t, dec.Endpoint(), fr.ip))
-			}
-			honest := func(i int, room uint64) {
-				t.Helper()
-				if !notifs {
-					status[i].success(room, i)
-					return
-				}
-				for _, tag := range []string{fmt.Sprintf("%d_kv_0_1_%d", room, i), fmt.Sprintf("%d_aux", room)} {
-					if err := ranks[i].agent.SendNotif(ranks[i].peer, []byte(tag)); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
-			warm := open(3000, 0)
-			if notifs {
-				// Each rank loads the decode's metadata from its registration,
-				// as a prefill rank does.
-				for _, fr := range ranks {
-					frames, err := fr.pull.Recv(ctx)
-					if err != nil {
-						t.Fatal(err)
-					}
-					m, err := sglang.ParseNIXLToPrefill(frames)
-					if err != nil {
-						t.Fatal(err)
-					}
-					reg, ok := m.(*sglang.NIXLRegistration)
-					if !ok {
-						t.Fatalf("first message to a prefill rank is a %T", m)
-					}
-					if fr.peer, err = fr.agent.LoadRemote(reg.AgentMetadata); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
-			// One honest room first.
-			honest(0, 3000)
-			honest(1, 3000)
-			if st, err := warm.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
-				t.Fatalf("honest room: %v %v %v", st, err, warm.Failure())
-			}
-
+			f := newFanIn(t, ctx, c.variant, c.completion, push.Settings{})
+			f.warm(3000)
 			var rcvs []*push.Receiver
 			for i := range spoofRooms {
-				rcvs = append(rcvs, open(uint64(4000+i), 1+i))
+				rcvs = append(rcvs, f.open(uint64(4000+i), 1+i))
 			}
-			before := dec.Dropped()
-			other := dialStatus(t, dec.Endpoint(), "127.0.0.2")
+			before := f.dec.Dropped()
+			other := dialStatus(t, f.dec.Endpoint(), "127.0.0.2")
 			var tag func(string)
-			if notifs {
-				tag = evilAgent(t, pl, dec)
+			if f.notifs {
+				tag = evilAgent(t, f.pl, f.dec)
 			}
 			want := int64(0)
 			for _, rc := range rcvs {
 				room := rc.Room()
-				honest(0, room)
-				status[0].success(room, 1) // rank 1 lives on another host
+				f.honest(0, room)
+				f.ranks[0].status.success(room, 1) // rank 1 lives on another host
 				other.success(room, 0)
 				other.success(room, 1)
 				want += 3
-				if notifs {
-					status[0].success(room, 0) // rank 0 reports by notification
+				if f.notifs {
+					f.ranks[0].status.success(room, 0) // rank 0 reports by notification
 					tag(fmt.Sprintf("%d_kv_0_1_1", room))
 					tag(fmt.Sprintf("%d_aux", room))
-					// Rank 0's agent claiming rank 1's chunk.
-					if err := ranks[0].agent.SendNotif(ranks[0].peer, []byte(fmt.Sprintf("%d_kv_0_1_1", room))); err != nil {
-						t.Fatal(err)
-					}
+					f.notify(0, fmt.Sprintf("%d_kv_0_1_1", room)) // rank 0's agent claiming rank 1's chunk
 					want += 4
 				}
 			}
-			settle(t, dec, before, want)
+			settle(t, f.dec, before, want)
 			if n := countSuccess(rcvs); n != 0 {
 				t.Errorf("%d of %d rooms reached Success with only rank 0's part arrived", n, len(rcvs))
 			}
 			for _, rc := range rcvs {
-				honest(1, rc.Room())
+				f.honest(1, rc.Room())
 			}
 			for _, rc := range rcvs {
 				if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
@@ -395,5 +437,65 @@ func TestSpoofedCompletionFanIn(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestRestartedPrefillAgent: a prefill rank's agent is known only as long
+// as the decode is registered with the rank. When the heartbeat declares
+// the deployment dead and a restarted rank 0 (a new agent) answers again,
+// the decode registers anew and the new agent's notifications count; the
+// old agent's do not.
+func TestRestartedPrefillAgent(t *testing.T) {
+	ctx := ctxT(t, 60*time.Second)
+	f := newFanIn(t, ctx, push.VariantNIXL, push.CompletionNotif,
+		push.Settings{HeartbeatInterval: 50 * time.Millisecond, HeartbeatMaxFailures: 2})
+	f.warm(5000)
+	// The bootstrap server goes away until the heartbeat gives up.
+	addr := f.srv.Addr()
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	f.srv.Close(cctx)
+	cancel()
+	dead := f.open(5001, 1)
+	if st, err := dead.Wait(ctx); err != nil || st != sglang.KVPollFailed {
+		t.Fatalf("room of a dead prefill: %v %v", st, err)
+	}
+	var err error
+	if f.srv, err = bootstrap.NewServer(bootstrap.WithLogger(quietLog())).Start(addr); err != nil {
+		t.Fatal(err)
+	}
+	for i, fr := range f.ranks {
+		err = bootstrap.NewClient(addr).Register(ctx, bootstrap.Registration{
+			AttnTPSize: 2, AttnTPRank: i, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
+			RankIP: fr.ip, RankPort: fr.pull.Port(), PageSize: rigPageSize, KVCacheDType: "auto"})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := f.ranks[0]
+	oldAgent, oldPeer := old.agent, old.peer
+	f.newAgent(0, "-restarted")
+	rc := f.open(5002, 2)
+	f.loadDecode()
+	f.honest(0, 5002)
+	f.honest(1, 5002)
+	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
+		t.Fatalf("room after the restart: %v %v %v", st, err, rc.Failure())
+	}
+	// The old agent is no rank's agent any more.
+	rc = f.open(5003, 3)
+	before := f.dec.Dropped()
+	for _, tag := range []string{"5003_kv_0_1_0", "5003_aux"} {
+		if err := oldAgent.SendNotif(oldPeer, []byte(tag)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	settle(t, f.dec, before, 2)
+	if got := f.dec.Dropped() - before; got != 2 {
+		t.Fatalf("%d of the old agent's 2 notifications refused", got)
+	}
+	f.honest(0, 5003)
+	f.honest(1, 5003)
+	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
+		t.Fatalf("second room after the restart: %v %v %v", st, err, rc.Failure())
 	}
 }
