@@ -90,9 +90,17 @@ type prefillInfo struct {
 // target is one prefill rank a room's metadata goes to.
 type target struct {
 	planner.BootstrapTarget
-	endpoint string   // its PULL socket
-	unique   int      // its prefill_unique_rank
-	ips      []net.IP // its rank_ip: where its messages must come from
+	endpoint string // its PULL socket
+	unique   int    // its prefill_unique_rank
+	src      sources
+}
+
+// sources is where a prefill rank's messages may come from: the addresses
+// of its rank_ip, and, for a rank on this host, the addresses any process
+// of this host may use as well (see sourcesOf).
+type sources struct {
+	ips      []net.IP
+	loopback bool // any loopback address too
 }
 
 // sentFrom says whether a message that came on a connection from addr
@@ -102,12 +110,49 @@ func (t *target) sentFrom(addr net.Addr) bool {
 	if !ok {
 		return false
 	}
-	for _, ip := range t.ips {
+	for _, ip := range t.src.ips {
 		if ip.Equal(ta.IP) {
 			return true
 		}
 	}
-	return false
+	return t.src.loopback && ta.IP.IsLoopback()
+}
+
+// sourcesOf returns where messages of a prefill rank whose rank_ip has the
+// addresses rankIPs may come from, given this host's own (non-loopback)
+// addresses. Another host's rank: its addresses only. A rank on this host
+// connects to a decode on 127.0.0.1 from a loopback address, and to one on
+// a host address from that address, whatever rank_ip it advertises; since
+// any local process can use any of those, accepting them all for a local
+// rank costs nothing. A rank whose rank_ip is a loopback address is
+// local, and accepts this host's addresses, but not other loopback
+// addresses: on one machine, 127.0.0.2 stands for another host.
+func sourcesOf(rankIPs, hostIPs []net.IP) sources {
+	s := sources{ips: slices.Clone(rankIPs)}
+	for _, ip := range rankIPs {
+		switch {
+		case ip.IsLoopback():
+			s.ips = append(s.ips, hostIPs...)
+		case slices.ContainsFunc(hostIPs, ip.Equal):
+			s.loopback = true
+		}
+	}
+	return s
+}
+
+// hostIPs returns this host's non-loopback interface addresses.
+func hostIPs() []net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	var out []net.IP
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() {
+			out = append(out, n.IP)
+		}
+	}
+	return out
 }
 
 // senderAgent is the agent known to send a prefill rank's notifications.
@@ -366,6 +411,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		return ts, nil
 	}
 	info := pi.info
+	local := hostIPs()
 	for _, bt := range pi.mapping.Targets(d.cfg.MLA) {
 		start := time.Now()
 		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
@@ -381,7 +427,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 			BootstrapTarget: bt,
 			endpoint:        zmq.TCPEndpoint(ri.RankIP, ri.RankPort),
 			unique:          bt.TPRank*(info.PPSize*info.AttnCPSize) + bt.PPRank*info.AttnCPSize + bt.CPRank,
-			ips:             ips,
+			src:             sourcesOf(ips, local),
 		})
 	}
 	for _, t := range ts {

@@ -87,10 +87,14 @@
 //     they name (its prefill_unique_rank), if the room was sent to it and
 //     the message came on a connection from that rank's host: the remote
 //     IP of the connection must be the rank_ip the rank registered with the
-//     bootstrap server. MORI's AUX_DATA is written only when it comes from
-//     the host of a rank that sends the room data. In automatic completion
-//     mode a rank whose notifications come from a known agent (below) does
-//     not complete rooms by status.
+//     bootstrap server (for a rank on the decode's own host, also a
+//     loopback address when rank_ip is one of the host's addresses, or
+//     one of the host's addresses when rank_ip is a loopback address: any
+//     local process can use all of them, and a local rank uses whichever
+//     its route to the decode gives). MORI's AUX_DATA is written only when
+//     it comes from the host of a rank that sends the room data. In
+//     automatic completion mode a rank whose notifications come from a
+//     known agent (below) does not complete rooms by status.
 //   - Notifications count per prefill rank, identified by the agent they
 //     come from, not by the rank a tag names (SGLang keys its
 //     TransferStatus by the tag's rank field, which any sender writes).
@@ -123,7 +127,9 @@
 //   - A peer on the decode's own host is no host of its own: any local
 //     process can connect from any 127.0.0.0/8 address or any of the
 //     host's addresses, so it can send every status message of every
-//     prefill rank whose rank_ip is local. On the fake plugin a process of
+//     prefill rank on that host. (A prefill rank on 127.0.0.1 does not
+//     accept 127.0.0.2, so tests on one machine can stand a peer on
+//     127.0.0.2 for another host.) On the fake plugin a process of
 //     the same user can also write the decode's memory directly
 //     (process_vm_writev); one host and one user is one trust domain.
 //   - The agent name is what the plugin reports: the fake plugin checks it
@@ -141,12 +147,11 @@
 //   - A prefill rank (or its agent) can report its own part before the
 //     bytes landed: it is that rank, and the decode trusts it as SGLang's
 //     does.
-//   - A prefill rank's messages must leave its host from its rank_ip: on a
-//     multi-homed host whose route to the decode leaves by another
-//     address, behind NAT, or with a decode bound to 127.0.0.1 and a
-//     prefill advertising another local address, its status messages are
-//     refused and its rooms fail at the waiting timeout (the drop log
-//     names the address they came from).
+//   - A prefill rank on another host must reach the decode from its
+//     rank_ip: on a multi-homed host whose route to the decode leaves by
+//     another address, or behind NAT, its status messages are refused and
+//     its rooms fail at the waiting timeout (the drop log names the
+//     address they came from).
 //
 // # Wire details beyond SGLang's layouts
 //
