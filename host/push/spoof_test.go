@@ -58,12 +58,19 @@ func (s *statusSender) success(room uint64, rank int) {
 // drops none of them), then a little longer for anything still in flight.
 func settle(t *testing.T, dec *push.Decode, before, want int64) {
 	t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
+	waitDropped(dec, before, want, 3*time.Second)
+	time.Sleep(50 * time.Millisecond)
+	t.Logf("decode dropped %d of the %d forged messages", dec.Dropped()-before, want)
+}
+
+// waitDropped waits until the decode dropped want messages more than
+// before, or timeout passed, and returns how many it dropped.
+func waitDropped(dec *push.Decode, before, want int64, timeout time.Duration) int64 {
+	deadline := time.Now().Add(timeout)
 	for dec.Dropped()-before < want && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	time.Sleep(50 * time.Millisecond)
-	t.Logf("decode dropped %d of the %d forged messages", dec.Dropped()-before, want)
+	return dec.Dropped() - before
 }
 
 // countSuccess counts the receivers in Success.
@@ -489,8 +496,7 @@ func TestRestartedPrefillAgent(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	settle(t, f.dec, before, 2)
-	if got := f.dec.Dropped() - before; got != 2 {
+	if got := waitDropped(f.dec, before, 2, 20*time.Second); got != 2 {
 		t.Fatalf("%d of the old agent's 2 notifications refused", got)
 	}
 	f.honest(0, 5003)
