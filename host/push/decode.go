@@ -28,7 +28,10 @@ type DecodeConfig struct {
 
 	Variant Variant
 	// Completion: CompletionAuto accepts both notifications and status
-	// messages (whatever the prefill uses); the others accept only theirs.
+	// messages (whatever the prefill uses), per prefill rank: once a rank's
+	// notification agent is known, its Success statuses are refused; the
+	// others accept only theirs. Either way only from the room's prefill
+	// ranks (see the package doc, "Who may complete a room").
 	Completion Completion
 
 	KV       KVArgs
