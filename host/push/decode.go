@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -27,7 +28,10 @@ type DecodeConfig struct {
 
 	Variant Variant
 	// Completion: CompletionAuto accepts both notifications and status
-	// messages (whatever the prefill uses); the others accept only theirs.
+	// messages (whatever the prefill uses), per prefill rank: once a rank's
+	// notification agent is known, its Success statuses are refused; the
+	// others accept only theirs. Either way only from the room's prefill
+	// ranks (see the package doc, "Who may complete a room").
 	Completion Completion
 
 	KV       KVArgs
@@ -65,6 +69,14 @@ type Decode struct {
 	// room for one fails at once unless the server answers again.
 	dead    map[string]bool
 	waiting int // receivers waiting for notifications
+	// agents and agentOf tie notification senders to prefill ranks: the
+	// agent that sends the notifications of the prefill rank at an
+	// endpoint (a rank's PULL socket), and the endpoint of each such
+	// agent. One agent per rank and one rank per agent, learned from the
+	// first notification that names one of an open room's prefill ranks
+	// (see senderSlot), forgotten with the rank's registration.
+	agents  map[string]*senderAgent // by agent name
+	agentOf map[string]string       // endpoint -> agent name
 	initMu  sync.Mutex
 
 	notifWake chan struct{}
@@ -83,6 +95,73 @@ type target struct {
 	planner.BootstrapTarget
 	endpoint string // its PULL socket
 	unique   int    // its prefill_unique_rank
+	src      sources
+}
+
+// sources is where a prefill rank's messages may come from: the addresses
+// of its rank_ip, and, for a rank on this host, the addresses any process
+// of this host may use as well (see sourcesOf).
+type sources struct {
+	ips      []net.IP
+	loopback bool // any loopback address too
+}
+
+// sentFrom says whether a message that came on a connection from addr
+// comes from this prefill rank's host.
+func (t *target) sentFrom(addr net.Addr) bool {
+	ta, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return false
+	}
+	for _, ip := range t.src.ips {
+		if ip.Equal(ta.IP) {
+			return true
+		}
+	}
+	return t.src.loopback && ta.IP.IsLoopback()
+}
+
+// sourcesOf returns where messages of a prefill rank whose rank_ip has the
+// addresses rankIPs may come from, given this host's own (non-loopback)
+// addresses. Another host's rank: its addresses only. A rank on this host
+// connects to a decode on 127.0.0.1 from a loopback address, and to one on
+// a host address from that address, whatever rank_ip it advertises; since
+// any local process can use any of those, accepting them all for a local
+// rank costs nothing. A rank whose rank_ip is a loopback address is
+// local, and accepts this host's addresses, but not other loopback
+// addresses: on one machine, 127.0.0.2 stands for another host.
+func sourcesOf(rankIPs, hostIPs []net.IP) sources {
+	s := sources{ips: slices.Clone(rankIPs)}
+	for _, ip := range rankIPs {
+		switch {
+		case ip.IsLoopback():
+			s.ips = append(s.ips, hostIPs...)
+		case slices.ContainsFunc(hostIPs, ip.Equal):
+			s.loopback = true
+		}
+	}
+	return s
+}
+
+// hostIPs returns this host's non-loopback interface addresses.
+func hostIPs() []net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	var out []net.IP
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() {
+			out = append(out, n.IP)
+		}
+	}
+	return out
+}
+
+// senderAgent is the agent known to send a prefill rank's notifications.
+type senderAgent struct {
+	endpoint string // the rank's PULL socket
+	rank     int    // the rank its tags name (-1: none seen yet)
 }
 
 // NewDecode starts a decode rank: agent and buffers registered, PULL socket
@@ -96,6 +175,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 		cfg:      cfg,
 		prefills: make(map[string]*prefillInfo), conns: make(map[string][]target),
 		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}), dead: make(map[string]bool),
+		agents: make(map[string]*senderAgent), agentOf: make(map[string]string),
 		notifWake: make(chan struct{}, 1),
 	}
 	if err := d.open(rankSetup{role: RoleDecode, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
@@ -126,7 +206,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	if d.reg, err = d.registration(); err != nil {
 		return fail(err)
 	}
-	d.goServe(d.handle)
+	d.goServeFrom(d.handle)
 	d.goEvery(d.set.HeartbeatInterval, d.heartbeat)
 	d.goEvery(sweepPeriod(d.set.WaitingTimeout), d.janitor)
 	if d.useNote {
@@ -334,6 +414,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		return ts, nil
 	}
 	info := pi.info
+	local := hostIPs()
 	for _, bt := range pi.mapping.Targets(d.cfg.MLA) {
 		start := time.Now()
 		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
@@ -341,10 +422,15 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		if err != nil {
 			return nil, fmt.Errorf("Could not fetch bootstrap info for: prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d and target_pp_rank %d: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, err)
 		}
+		ips, err := resolveIPs(ctx, ri.RankIP)
+		if err != nil {
+			return nil, fmt.Errorf("prefill rank (prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d target_pp_rank %d) at %q: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, ri.RankIP, err)
+		}
 		ts = append(ts, target{
 			BootstrapTarget: bt,
 			endpoint:        zmq.TCPEndpoint(ri.RankIP, ri.RankPort),
 			unique:          bt.TPRank*(info.PPSize*info.AttnCPSize) + bt.PPRank*info.AttnCPSize + bt.CPRank,
+			src:             sourcesOf(ips, local),
 		})
 	}
 	for _, t := range ts {
@@ -358,8 +444,22 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 	return ts, nil
 }
 
-// handle takes one of prefill's status and aux messages.
-func (d *Decode) handle(frames [][]byte) {
+// resolveIPs returns the addresses of a prefill rank's rank_ip (an IP, or
+// a host name SGLang's get_local_ip_auto would not give but a config may).
+func resolveIPs(ctx context.Context, host string) ([]net.IP, error) {
+	if ip := net.ParseIP(host); ip != nil {
+		return []net.IP{ip}, nil
+	}
+	ips, err := net.DefaultResolver.LookupIP(ctx, "ip", host)
+	if err != nil {
+		return nil, err
+	}
+	return ips, nil
+}
+
+// handle takes one of prefill's status and aux messages, and the address
+// of the connection it came on.
+func (d *Decode) handle(frames [][]byte, from net.Addr) {
 	msg, err := sglang.ParseMORIToDecode(frames)
 	if err != nil {
 		d.drops.drop("message", err)
@@ -367,9 +467,9 @@ func (d *Decode) handle(frames [][]byte) {
 	}
 	switch v := msg.(type) {
 	case *sglang.MORIStatus:
-		d.handleStatus(v)
+		d.handleStatus(v, from)
 	case *sglang.AuxData:
-		d.handleAux(v)
+		d.handleAux(v, from)
 	}
 }
 
@@ -379,10 +479,20 @@ func (d *Decode) receiver(room uint64) *Receiver {
 	return d.recvs[room]
 }
 
-func (d *Decode) handleStatus(st *sglang.MORIStatus) {
+// handleStatus applies a status message: only from the host of the
+// prefill rank it names, and only if that rank is one the room was sent
+// to. Success also needs the rank to send the room data, and, with
+// notifications tracked, a rank whose notifications are known to come
+// reports by them, not by status.
+func (d *Decode) handleStatus(st *sglang.MORIStatus, from net.Addr) {
 	r := d.receiver(st.Room)
 	if r == nil {
 		d.log.Debug("status for an unknown room", "room", st.Room, "status", st.Status)
+		return
+	}
+	t, err := r.source(st.PrefillUniqueRank, from)
+	if err != nil {
+		d.drops.drop("status", fmt.Errorf("room %d, status %d: %w", st.Room, st.Status, err))
 		return
 	}
 	switch st.Status {
@@ -397,27 +507,51 @@ func (d *Decode) handleStatus(st *sglang.MORIStatus) {
 			d.drops.drop("status", fmt.Errorf("room %d: Success status, but only notifications are accepted", st.Room))
 			return
 		}
-		r.statusSuccess(st.PrefillUniqueRank)
+		if t.Dummy {
+			d.log.Debug("Success from a prefill rank that sends this room nothing", "room", st.Room, "rank", t.unique)
+			return
+		}
+		if d.useNote {
+			d.mu.Lock()
+			agent := d.agentOf[t.endpoint]
+			d.mu.Unlock()
+			if agent != "" {
+				d.drops.drop("status", fmt.Errorf("room %d: Success status for prefill rank %d, whose agent %q reports by notification", st.Room, t.unique, agent))
+				return
+			}
+		}
+		r.statusSuccess(t.unique)
 	default:
 		d.drops.drop("status", fmt.Errorf("room %d: unknown status code %d", st.Room, st.Status))
 	}
 }
 
-// handleAux stores MORI's aux bytes into this rank's aux buffer: only into
-// the slot the room asked for, only within the buffer.
-func (d *Decode) handleAux(a *sglang.AuxData) {
+// handleAux stores MORI's aux bytes into this rank's aux buffer: only from
+// the host of a prefill rank that sends the room data, only into the slot
+// the room asked for, only within the buffer.
+func (d *Decode) handleAux(a *sglang.AuxData, from net.Addr) {
 	r := d.receiver(a.Room)
 	if r == nil {
 		d.drops.drop("AUX_DATA", fmt.Errorf("room %d is not open", a.Room))
 		return
 	}
 	r.mu.Lock()
-	sent, want := !r.sent.IsZero(), r.auxIndex
+	sent, want, ts := !r.sent.IsZero(), r.auxIndex, r.targets
 	r.mu.Unlock()
+	fromData := false
+	for i := range ts {
+		if !ts[i].Dummy && ts[i].sentFrom(from) {
+			fromData = true
+			break
+		}
+	}
 	aux := d.cfg.KV.Aux
 	switch {
 	case !sent:
 		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: no metadata sent yet", a.Room))
+		return
+	case !fromData:
+		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: from %v, not the host of a prefill rank that sends this room data", a.Room, from))
 		return
 	case a.AuxIndex != want:
 		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: aux index %d, the room asked for %d", a.Room, a.AuxIndex, want))
@@ -433,6 +567,62 @@ func (d *Decode) handleAux(a *sglang.AuxData) {
 		return
 	}
 	copy(buf.Mem[off:], a.Data)
+}
+
+// senderSlot returns which of a room's prefill ranks (an index into ts,
+// the room's targets) a notification from agent comes from. An agent
+// sends for one prefill rank only, and a rank's notifications come from
+// one agent only: the first agent whose notification for an open room
+// finds one of the room's data-sending ranks without a known agent
+// becomes that rank's agent (the rank its tag names if that one is free,
+// else the first free one: tags of SGLang prefills need not carry the
+// unique rank), for as long as this decode rank is registered with it.
+// Every tag of an agent must name the same rank. An agent that is not the
+// agent of one of the room's data-sending ranks is refused.
+func (d *Decode) senderSlot(ts []target, agent string, n sglang.Notif) (int, error) {
+	rank := -1
+	if n.Kind == sglang.NotifKV || n.Kind == sglang.NotifState || (n.Kind == sglang.NotifAux && n.NoKV) {
+		rank = n.PPRank
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	sa := d.agents[agent]
+	if sa == nil {
+		pick := -1
+		for i := range ts {
+			if ts[i].Dummy || d.agentOf[ts[i].endpoint] != "" {
+				continue
+			}
+			if pick < 0 || (ts[i].unique == rank && ts[pick].unique != rank) {
+				pick = i
+			}
+		}
+		if pick < 0 {
+			return 0, fmt.Errorf("agent %q is not the agent of a prefill rank this room was sent to", agent)
+		}
+		sa = &senderAgent{endpoint: ts[pick].endpoint, rank: -1}
+		d.agents[agent] = sa
+		d.agentOf[sa.endpoint] = agent
+		d.log.Info("prefill rank's notification agent known", "prefill", sa.endpoint, "agent", agent)
+	}
+	slot := -1
+	for i := range ts {
+		if ts[i].endpoint == sa.endpoint && !ts[i].Dummy {
+			slot = i
+			break
+		}
+	}
+	if slot < 0 {
+		return 0, fmt.Errorf("agent %q sends for prefill rank %s, which sends this room no data", agent, sa.endpoint)
+	}
+	if rank >= 0 {
+		if sa.rank < 0 {
+			sa.rank = rank
+		} else if sa.rank != rank {
+			return 0, fmt.Errorf("agent %q of prefill rank %s names rank %d, its earlier tags %d", agent, sa.endpoint, rank, sa.rank)
+		}
+	}
+	return slot, nil
 }
 
 // notifLoop drains the agent's notifications and tracks arrivals. It
@@ -488,7 +678,9 @@ func (d *Decode) handleNotif(n plugin.Notif) {
 		d.log.Debug("notification for an unknown room", "room", tag.Room, "from", n.From)
 		return
 	}
-	r.notif(tag, n.From)
+	if err := r.notif(tag, n.From); err != nil {
+		d.drops.drop("notification", fmt.Errorf("room %d, %q from %s: %w", tag.Room, n.Msg, n.From, err))
+	}
 }
 
 func (d *Decode) wakeNotif() {
@@ -548,6 +740,10 @@ func (d *Decode) nodeFailure(addr string) {
 		if strings.HasPrefix(k, addr+"_") {
 			for _, t := range ts {
 				stale = append(stale, t.endpoint)
+				if a, ok := d.agentOf[t.endpoint]; ok {
+					delete(d.agents, a)
+					delete(d.agentOf, t.endpoint)
+				}
 			}
 			delete(d.conns, k)
 		}

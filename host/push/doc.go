@@ -89,6 +89,87 @@
 // the engine opens it. Infos for rooms the engine never opens are dropped
 // after the bootstrap timeout.
 //
+// # Who may complete a room on a decode rank
+//
+// A decode rank has no byte check: when a room reports Success the engine
+// reads the pages, and when it fails the pages are freed and reused. So a
+// room's completion is accepted only from the prefill ranks the room was
+// sent to (the targets its transfer info went to, found through the
+// bootstrap server), and Success only when every data-sending one of them
+// reported, each counted once (duplicates, and MLA's dummy ranks, count
+// nothing). Refused messages change nothing, are counted in Dropped and
+// logged (rate-limited).
+//
+//   - Status messages (both variants) count only from the prefill rank
+//     they name (its prefill_unique_rank), if the room was sent to it and
+//     the message came on a connection from that rank's host: the remote
+//     IP of the connection must be the rank_ip the rank registered with the
+//     bootstrap server (for a rank on the decode's own host, also a
+//     loopback address when rank_ip is one of the host's addresses, or
+//     one of the host's addresses when rank_ip is a loopback address: any
+//     local process can use all of them, and a local rank uses whichever
+//     its route to the decode gives). MORI's AUX_DATA is written only when
+//     it comes from the host of a rank that sends the room data. In
+//     automatic completion mode a rank whose notifications come from a
+//     known agent (below) does not complete rooms by status.
+//   - Notifications count per prefill rank, identified by the agent they
+//     come from, not by the rank a tag names (SGLang keys its
+//     TransferStatus by the tag's rank field, which any sender writes).
+//     Each data-sending prefill rank has one agent and each agent speaks
+//     for one rank, with one rank in all its tags; the agent of a rank is
+//     learned from the first notification that finds one of an open
+//     room's data-sending ranks without a known agent (the rank the tag
+//     names if that one has none yet), and forgotten when the heartbeat
+//     declares the prefill deployment dead. A notification from an agent
+//     that is not the agent of one of the room's data-sending ranks, or
+//     that names another rank than the agent's earlier tags, is refused.
+//
+// What that guarantees, and what a peer can still do:
+//
+//   - A peer on another host than every prefill rank of a room cannot
+//     complete or fail the room, nor write its aux slot, by status or
+//     AUX_DATA: TCP's handshake keeps a remote host from using another
+//     host's IP (an attacker on the network path, or one that can route
+//     packets as another host, is outside this). Its notifications count
+//     only if it holds this rank's agent metadata (which the decode sends
+//     only to the prefill ranks it registers with) and a room id (known to
+//     the room's prefill ranks and the router), and only as the first
+//     agent to speak for a rank (below).
+//   - A peer on the same host as a prefill rank (the same IP) can send that
+//     rank's status messages: in status mode it can report Success for the
+//     part of every rank on its host, and fail the room. It cannot report
+//     the part of a rank on another host, so a room fed by ranks on several
+//     hosts still waits for the others. In automatic mode it cannot
+//     complete a rank that reports by notification once its agent is known.
+//   - A peer on the decode's own host is no host of its own: any local
+//     process can connect from any 127.0.0.0/8 address or any of the
+//     host's addresses, so it can send every status message of every
+//     prefill rank on that host. (A prefill rank on 127.0.0.1 does not
+//     accept 127.0.0.2, so tests on one machine can stand a peer on
+//     127.0.0.2 for another host.) On the fake plugin a process of
+//     the same user can also write the decode's memory directly
+//     (process_vm_writev); one host and one user is one trust domain.
+//   - The agent name is what the plugin reports: the fake plugin checks it
+//     against the sending process's socket credentials; NIXL reports the
+//     name the remote agent claims (its notification path does not
+//     authenticate it), so on NIXL a sender that can reach this agent can
+//     also claim a known prefill agent's name.
+//   - First contact: SGLang's protocol gives a decode no way to learn a
+//     prefill rank's agent (registration flows from decode to prefill
+//     only), so until the rank's first notification arrives, an agent that
+//     beats it (holding this rank's metadata and a room id) becomes the
+//     rank's agent: it can complete that rank's part of the rooms, and the
+//     honest agent's notifications are refused (its rooms fail at the
+//     waiting timeout) until the heartbeat declares the deployment dead.
+//   - A prefill rank (or its agent) can report its own part before the
+//     bytes landed: it is that rank, and the decode trusts it as SGLang's
+//     does.
+//   - A prefill rank on another host must reach the decode from its
+//     rank_ip: on a multi-homed host whose route to the decode leaves by
+//     another address, or behind NAT, its status messages are refused and
+//     its rooms fail at the waiting timeout (the drop log names the
+//     address they came from).
+//
 // # Wire details beyond SGLang's layouts
 //
 //   - SGLang's NIXL registration carries no aux or state buffer lengths. A
@@ -121,6 +202,11 @@
 //   - Decode counts Success status messages only from the prefill ranks
 //     that send it data: SGLang MORI's dummy ranks (MLA) report Success at
 //     once, which would end a room before its data landed.
+//   - Decode accepts status and AUX_DATA messages only from the host of
+//     the prefill rank they name, and counts notifications per sending
+//     agent, one agent per prefill rank (see "Who may complete a room");
+//     SGLang accepts them from anyone and keys notifications by the rank
+//     their tags name.
 //   - A chunk whose decode rank sent fewer page indices than the chunk has
 //     fails the room (SGLang truncates with a warning).
 //   - Transfer info for a room past Bootstrapping is ignored in both
@@ -131,7 +217,7 @@
 //     engine closed within the bootstrap timeout (the last 65,536 closed
 //     rooms) is dropped: it would fail a later room with the same id.
 //   - With notifications, decode waits for aux from every prefill rank that
-//     answers the room (counted by sender agent), not just the first: every
+//     answers the room (counted per rank's agent), not just the first: every
 //     such rank writes the aux slot, and a slower one (another PP stage)
 //     must not write it after the room completed and the slot was reused.
 //   - Notifications for rooms this rank does not hold are dropped instead

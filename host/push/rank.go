@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -114,11 +115,17 @@ func (r *rank) listen(kv *KVArgs, host string, port int, pushOpts ...zmq.Option)
 // goroutine, until the rank closes. A receive error is logged and the
 // loop goes on.
 func (r *rank) goServe(handle func(frames [][]byte)) {
+	r.goServeFrom(func(frames [][]byte, _ net.Addr) { handle(frames) })
+}
+
+// goServeFrom is goServe for a handler that also takes the remote address
+// of the connection each message came on.
+func (r *rank) goServeFrom(handle func(frames [][]byte, from net.Addr)) {
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
 		for {
-			frames, err := r.pull.Recv(r.ctx)
+			frames, from, err := r.pull.RecvFrom(r.ctx)
 			if err != nil {
 				if r.ctx.Err() != nil || errors.Is(err, zmq.ErrClosed) {
 					return
@@ -126,7 +133,7 @@ func (r *rank) goServe(handle func(frames [][]byte)) {
 				r.log.Warn("receive failed", "err", err)
 				continue
 			}
-			handle(frames)
+			handle(frames, from)
 		}
 	}()
 }

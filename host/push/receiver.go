@@ -2,7 +2,9 @@ package push
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"sync"
 	"time"
@@ -18,20 +20,19 @@ type Receiver struct {
 	d    *Decode
 	addr string // the prefill's bootstrap address
 
-	mu        sync.Mutex
-	targets   []target
-	responses int // required_prefill_response_num
-	dstInfos  int // required_dst_info_num
-	expected  map[int]bool
-	got       map[int]bool
-	arr       arrivals
-	sent      time.Time // when the metadata went out (zero: not yet)
-	auxIndex  int64
-	counted   bool // counted in d.waiting
-	done      bool // Success or Failed reached
-	aborted   bool // ABORT sent
-	closed    bool
-	initDone  bool
+	mu       sync.Mutex
+	targets  []target
+	dstInfos int // required_dst_info_num
+	expected map[int]bool
+	got      map[int]bool
+	arr      arrivals
+	sent     time.Time // when the metadata went out (zero: not yet)
+	auxIndex int64
+	counted  bool // counted in d.waiting
+	done     bool // Success or Failed reached
+	aborted  bool // ABORT sent
+	closed   bool
+	initDone bool
 }
 
 // NewReceiver opens the room on this rank (Bootstrapping). bootstrapAddr is
@@ -88,7 +89,6 @@ func (r *Receiver) Init(ctx context.Context) error {
 	}
 	r.mu.Lock()
 	r.targets = ts
-	r.responses = pi.mapping.RequiredPrefillResponseNum
 	r.dstInfos = pi.mapping.RequiredDstInfoNum
 	r.expected = make(map[int]bool, len(ts))
 	for _, t := range ts {
@@ -132,6 +132,7 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 	r.sent = time.Now()
 	r.auxIndex = auxIndex
 	r.arr.expectsState = len(stateIndices) > 0
+	r.arr.senders = len(r.expected)
 	if d.useNote {
 		r.counted = true
 	}
@@ -280,18 +281,35 @@ func (r *Receiver) failWith(reason string, remote, abort bool) {
 	}
 }
 
-// statusSuccess counts a Success status from a prefill rank; the room
-// succeeds once every rank that sends it data reported (dummy ranks do not
-// count: they receive nothing).
+// source returns the room's prefill rank whose unique rank is rank, if a
+// message from addr may speak for it: the room's metadata went to that
+// rank, and the message came from that rank's host.
+func (r *Receiver) source(rank int, addr net.Addr) (*target, error) {
+	r.mu.Lock()
+	ts := r.targets
+	r.mu.Unlock()
+	for i := range ts {
+		if ts[i].unique != rank {
+			continue
+		}
+		if !ts[i].sentFrom(addr) {
+			return nil, fmt.Errorf("names prefill rank %d (%s) but came from %v", rank, ts[i].endpoint, addr)
+		}
+		return &ts[i], nil
+	}
+	if len(ts) == 0 {
+		return nil, errors.New("the room's prefill ranks are not known yet")
+	}
+	return nil, fmt.Errorf("names prefill rank %d, which this room was not sent to (from %v)", rank, addr)
+}
+
+// statusSuccess counts a Success status from a prefill rank that sends the
+// room data; the room succeeds once each of them reported (duplicates count
+// once).
 func (r *Receiver) statusSuccess(unique int) {
 	r.mu.Lock()
-	if r.done || r.sent.IsZero() {
+	if r.done || r.sent.IsZero() || !r.expected[unique] {
 		r.mu.Unlock()
-		return
-	}
-	if !r.expected[unique] {
-		r.mu.Unlock()
-		r.d.log.Debug("Success from a prefill rank that sends this room nothing", "room", r.room, "rank", unique)
 		return
 	}
 	if r.got == nil {
@@ -306,14 +324,27 @@ func (r *Receiver) statusSuccess(unique int) {
 }
 
 // notif applies one notification from agent from (TransferStatus
-// tracking).
-func (r *Receiver) notif(n sglang.Notif, from string) {
+// tracking, counted per prefill rank: see Decode.senderSlot). A
+// notification that no prefill rank of the room may have sent is returned
+// as an error and changes nothing.
+func (r *Receiver) notif(n sglang.Notif, from string) error {
 	r.mu.Lock()
-	if r.done || r.sent.IsZero() {
+	if r.done || r.closed || r.sent.IsZero() {
 		r.mu.Unlock()
-		return
+		return nil
 	}
-	err := r.arr.apply(n, from, r.responses)
+	ts := r.targets
+	r.mu.Unlock()
+	slot, err := r.d.senderSlot(ts, from, n)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	if r.done || r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	err = r.arr.apply(n, slot, len(ts))
 	complete := err == nil && r.arr.done()
 	r.mu.Unlock()
 	switch {
@@ -322,6 +353,7 @@ func (r *Receiver) notif(n sglang.Notif, from string) {
 	case complete:
 		r.succeed()
 	}
+	return nil
 }
 
 // RankMapping is exposed for diagnostics: the mapping this rank uses onto a

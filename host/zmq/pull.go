@@ -14,11 +14,12 @@ type Pull struct {
 	budget *recvBudget
 }
 
-// received is a message waiting for Recv and the bytes of the receive
-// budget it holds.
+// received is a message waiting for Recv, the bytes of the receive
+// budget it holds, and the remote address of the connection it came on.
 type received struct {
 	frames [][]byte
 	size   int64
+	from   net.Addr
 }
 
 // ListenPull binds a PULL socket to endpoint ("tcp://host:port",
@@ -44,7 +45,7 @@ func (p *Pull) serve(c *conn) {
 			return
 		}
 		select {
-		case p.msgs <- received{frames, size}:
+		case p.msgs <- received{frames, size, c.nc.RemoteAddr()}:
 		case <-p.srv.done:
 			return
 		}
@@ -55,25 +56,37 @@ func (p *Pull) serve(c *conn) {
 // message arrives, ctx ends (ctx.Err() is returned) or the socket is
 // closed (ErrClosed). The returned frames belong to the caller.
 func (p *Pull) Recv(ctx context.Context) ([][]byte, error) {
+	frames, _, err := p.RecvFrom(ctx)
+	return frames, err
+}
+
+// RecvFrom is Recv that also returns the remote address of the connection
+// the message came on (a *net.TCPAddr for TCP endpoints): what the
+// transport knows about the sender, for a caller that accepts a message
+// only from the peers it expects. The address is the connection's, so it
+// is as trustworthy as the network's routing of it (TCP's handshake makes
+// a remote host unable to claim another host's IP, but any process on the
+// receiving host can connect from any local address).
+func (p *Pull) RecvFrom(ctx context.Context) ([][]byte, net.Addr, error) {
 	select {
 	case <-p.srv.done:
-		return nil, ErrClosed
+		return nil, nil, ErrClosed
 	default:
 	}
 	select {
 	case m := <-p.msgs: // a waiting message wins over an expired ctx
 		p.budget.release(m.size)
-		return m.frames, nil
+		return m.frames, m.from, nil
 	default:
 	}
 	select {
 	case m := <-p.msgs:
 		p.budget.release(m.size)
-		return m.frames, nil
+		return m.frames, m.from, nil
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, nil, ctx.Err()
 	case <-p.srv.done:
-		return nil, ErrClosed
+		return nil, nil, ErrClosed
 	}
 }
 

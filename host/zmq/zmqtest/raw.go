@@ -26,7 +26,18 @@ type Raw struct {
 // "DEALER"...). The connection is closed when the test ends.
 func DialRaw(t testing.TB, endpoint, socketType string) *Raw {
 	t.Helper()
-	nc, err := net.DialTimeout("tcp", strings.TrimPrefix(endpoint, "tcp://"), 10*time.Second)
+	return DialRawFrom(t, endpoint, socketType, "")
+}
+
+// DialRawFrom is DialRaw from the local IP localIP ("" lets the system
+// choose): on one machine, a peer from 127.0.0.2 stands for another host.
+func DialRawFrom(t testing.TB, endpoint, socketType, localIP string) *Raw {
+	t.Helper()
+	d := net.Dialer{Timeout: 10 * time.Second}
+	if localIP != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(localIP)}
+	}
+	nc, err := d.Dial("tcp", strings.TrimPrefix(endpoint, "tcp://"))
 	if err != nil {
 		t.Fatalf("zmqtest: dial %s: %v", endpoint, err)
 	}
