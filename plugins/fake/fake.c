@@ -2451,11 +2451,11 @@ static kvp_error *md_verify(const uint8_t *buf, size_t len, const peer_md *md, i
                    (int)md->name_len, md->name);
   kvp_error *e = NULL;
   int pfd = pidfd_of(md->pid);
-  if (pfd < 0 && (errno == ESRCH || errno == EINVAL))
-    return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "load_remote: peer process %u of \"%.*s\" does not exist",
-                   md->pid, (int)md->name_len, md->name);
-  if (pfd < 0 && errno != ENOSYS)
+  if (pfd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOMEM))
     return kvp_err(KVP_ERR_BACKEND, "load_remote: pidfd_open(%u): %s", md->pid, strerror(errno));
+  if (pfd < 0 && errno != ENOSYS) /* ESRCH, EINVAL, ENOENT (a thread, not a process) */
+    return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "load_remote: peer process %u of \"%.*s\" does not exist (%s)",
+                   md->pid, (int)md->name_len, md->name, strerror(errno));
   int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   int one = 1;
   struct sockaddr_un sa;

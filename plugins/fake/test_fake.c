@@ -2427,7 +2427,6 @@ static void test_forged_reload(void) {
   kvp_error *e = load_md(E.a, emd, elen, NULL, NULL);
   int refused = e != NULL;
   EXPECT(e, KVP_ERR_NOT_ALLOWED, "loaded as another agent");
-  OK(load_md(E.a, bmd, len, NULL, NULL)); /* the honest one again: idempotent */
   kvp_xfer_desc l = XD(E.abuf, 256, 0, 1), r = XD(E.bbuf, 256, 0, 1);
   r.dev_id = 5;
   uint64_t ldl, rdl;
@@ -2450,6 +2449,7 @@ static void test_forged_reload(void) {
   if (!de) OK(dlist_del(E.a, rdl));
   kvp_err_free(de);
   OK(dlist_del(E.a, ldl));
+  OK(load_md(E.a, bmd, len, NULL, NULL)); /* the honest one again: idempotent */
   notes en = {0};
   OK(get_notes(evil, &en, 1 << 16, NULL));
   CHECK(refused && good == 20 && en.n == 0);
@@ -2538,6 +2538,8 @@ static void test_stalled_peer(void) {
   uint64_t base = stalled_phase(ag, hl, hr, sl, sr, rounds, &bad);
   /* The peer stops draining: stopped, with its socket full. */
   kill(v.pid, SIGSTOP);
+  int wst = 0;
+  CHECK(waitpid(v.pid, &wst, WUNTRACED) == v.pid && WIFSTOPPED(wst)); /* stopped for sure */
   uint8_t junk[64] = {0};
   int filled = 0;
   while (filled < 100000 && raw_send(v.md, junk, sizeof junk)) filled++;
