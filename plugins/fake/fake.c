@@ -10,7 +10,12 @@
  *     nobody polls (see "Scheduling" below);
  *   - notifications reach the remote agent after every byte landed: directly
  *     into its queue in this process, else over a unix datagram socket in
- *     the abstract namespace whose name travels in the metadata;
+ *     the abstract namespace whose name travels in the metadata, without
+ *     ever blocking a poll or a worker (see "Notification outboxes"); the
+ *     receiver checks the kernel-reported sender (notif_sender_ok);
+ *   - load_remote proves that metadata is the described agent's own before
+ *     any byte can move to the process it names (md_verify), and a loaded
+ *     peer name keeps its identity (fake_load_remote);
  *   - every block is checked against registered (local) or advertised
  *     (remote) memory before any byte moves;
  *   - fault injection and capability switches through agent parameters
@@ -29,10 +34,13 @@
  *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove)
  *                        and its cache of released transfers;
  *   qlock      (mutex)   its transfer queue, transfer states and telemetry
- *                        (read without it once a run has ended, see xfer).
+ *                        (read without it once a run has ended, see xfer);
+ *   ob_lock    (mutex)   its peers' notification outboxes;
+ *   md_lock    (mutex)   the digests of metadata it vouches for (a leaf).
  * No thread holds two of these at once, except a runner that read-locks the
  * mem_lock of its own agent and of a same-process peer, always in address
- * order. Handle lookups take no lock (kvp_util); the tables' mutexes (insert
+ * order; the rx thread, which finishes transfers (qlock) under ob_lock; and
+ * local_metadata and deregister_mem, which take md_lock under mem_lock. Handle lookups take no lock (kvp_util); the tables' mutexes (insert
  * and remove only) are leaves. Every API call holds a reference
  * on the agent handle it names (and on other handles it uses) for its whole
  * duration, so a concurrent destroy or release waits for it.
@@ -1300,6 +1308,8 @@ static void rx_challenge(agent *ag, const uint8_t *b, size_t n, const struct soc
   (void)w;
 }
 
+static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno == EPERM; }
+
 /* Whether a notification datagram really comes from the agent it names.
  * The kernel reports the sending process (SCM_CREDENTIALS). A sender that
  * is a loaded peer must be that peer: its verified pid and agent id. Any
@@ -1314,22 +1324,25 @@ static int notif_sender_ok(agent *ag, const uint8_t *name, size_t nl, uint64_t s
   if (known) return ok;
   uint8_t d[32];
   sha256(name, nl, d);
-  size_t of_pid = 0, dead = SIZE_MAX;
+  size_t of_pid = 0;
   for (size_t i = 0; i < ag->npins; i++) {
     struct pin *q = &ag->pins[i];
-    int alive = kill((pid_t)q->pid, 0) == 0 || errno == EPERM;
     if (memcmp(q->name_dig, d, 16) == 0) {
       if (q->pid == pid && q->agent_id == sender_id) return 1;
-      if (alive) return 0;
+      if (pid_alive(q->pid)) return 0;
       q->pid = pid; /* its process is gone: the name is free again */
       q->agent_id = sender_id;
       return 1;
     }
-    if (!alive && dead == SIZE_MAX) dead = i;
     if (q->pid == pid) of_pid++;
   }
   if (of_pid >= FAKE_PINS_PER_PID) return 0;
-  size_t at = ag->npins < FAKE_PINS ? ag->npins++ : dead;
+  size_t at = SIZE_MAX;
+  if (ag->npins < FAKE_PINS)
+    at = ag->npins++;
+  else /* full: take the slot of a process that is gone */
+    for (size_t i = 0; i < ag->npins && at == SIZE_MAX; i++)
+      if (!pid_alive(ag->pins[i].pid)) at = i;
   if (at == SIZE_MAX) return 0;
   memcpy(ag->pins[at].name_dig, d, 16);
   ag->pins[at].pid = pid;
