@@ -13,6 +13,7 @@
  * check their entry point (ABI negotiation, refusal of another major).
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
@@ -2581,6 +2582,26 @@ static void test_stalled_peer(void) {
   }
   EXPECT(se, KVP_ERR_BACKEND, "does not drain");
   CHECK(queued == 1024 && now_ns() - t0 < 2000000000ull);
+  /* They expire after 2 s, dropped and counted. */
+  uint64_t cnt[2] = {0, 0};
+  t0 = now_ns();
+  while (cnt[1] < 1024 && now_ns() - t0 < 10000000000ull) {
+    usleep(10000);
+    fake_test_agent_counters(ag, cnt);
+  }
+  CHECK(cnt[1] == 1024);
+  /* remove_remote cancels a transfer whose notification waits, at once. */
+  OK(xfer_prepped(ag, KVP_OP_WRITE, sl, &z, 1, sr, &z, 1, NOTIF("parked"), &xs));
+  OK(post(ag, xs, NULL));
+  for (int i = 0; i < 20; i++) {
+    kvp_err_free(poll1(ag, xs, &st));
+    usleep(500);
+  }
+  t0 = now_ns();
+  OK(remove_peer(ag, "slow"));
+  EXPECT(poll1(ag, xs, &st), KVP_ERR_CANCELED, "removed");
+  CHECK(now_ns() - t0 < 1000000000ull);
+  OK(xfer_del(ag, xs));
   kill(v.pid, SIGCONT);
   OK(agent_del(ag)); /* with notifications still queued */
   OK(agent_del(h));
@@ -2665,6 +2686,17 @@ static double bench(int quiet) {
   return ratios[ROUNDS / 2];
 }
 
+/* Open file descriptors of this process (sockets, pidfds, eventfds and
+ * pipes the plugin opens must all be closed again). */
+static int open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int n = 0;
+  while (readdir(d)) n++;
+  closedir(d);
+  return n;
+}
+
 int main(int argc, char **argv) {
   kvp_get_api_args g;
   memset(&g, 0, sizeof g);
@@ -2728,8 +2760,12 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int before = failures;
     uint64_t t0 = now_ns();
+    int fds0 = open_fds();
     tests[i].fn();
     EXPECT_NO_HANDLES(tests[i].name); /* every test releases what it made */
+    int fds1 = open_fds();
+    if (fds1 != fds0) fprintf(stderr, "%s: %d file descriptors open before, %d after\n", tests[i].name, fds0, fds1);
+    CHECK(fds1 == fds0);
     printf("%-24s %s (%.0f ms)\n", tests[i].name, failures == before ? "ok" : "FAILED",
            (double)(now_ns() - t0) / 1e6);
     fflush(stdout);
