@@ -469,9 +469,8 @@ typedef struct agent {
   /* Senders that are not loaded peers, pinned to their process (rx thread
    * only). */
   struct pin {
-    uint8_t name_dig[16];
+    uint8_t name_dig[16]; /* SHA-256 of the name, first 16 bytes */
     uint32_t pid;
-    uint64_t agent_id;
   } pins[FAKE_PINS];
   size_t npins;
 
@@ -1313,8 +1312,9 @@ static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno ==
 /* Whether a notification datagram really comes from the agent it names.
  * The kernel reports the sending process (SCM_CREDENTIALS). A sender that
  * is a loaded peer must be that peer: its verified pid and agent id. Any
- * other name is pinned to the first process (and agent id) that uses it,
- * for as long as that process lives; a process pins at most
+ * other name is pinned to the first process that uses it, for as long as
+ * that process lives (agents of one process share its memory, so the
+ * process is what the kernel can tell apart); a process pins at most
  * FAKE_PINS_PER_PID names and the agent FAKE_PINS. rx thread only. */
 static int notif_sender_ok(agent *ag, const uint8_t *name, size_t nl, uint64_t sender_id, uint32_t pid) {
   pthread_rwlock_rdlock(&ag->peers_lock);
@@ -1328,10 +1328,9 @@ static int notif_sender_ok(agent *ag, const uint8_t *name, size_t nl, uint64_t s
   for (size_t i = 0; i < ag->npins; i++) {
     struct pin *q = &ag->pins[i];
     if (memcmp(q->name_dig, d, 16) == 0) {
-      if (q->pid == pid && q->agent_id == sender_id) return 1;
+      if (q->pid == pid) return 1;
       if (pid_alive(q->pid)) return 0;
       q->pid = pid; /* its process is gone: the name is free again */
-      q->agent_id = sender_id;
       return 1;
     }
     if (q->pid == pid) of_pid++;
@@ -1346,7 +1345,6 @@ static int notif_sender_ok(agent *ag, const uint8_t *name, size_t nl, uint64_t s
   if (at == SIZE_MAX) return 0;
   memcpy(ag->pins[at].name_dig, d, 16);
   ag->pins[at].pid = pid;
-  ag->pins[at].agent_id = sender_id;
   return 1;
 }
 
