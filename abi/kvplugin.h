@@ -336,8 +336,20 @@ typedef struct kvp_local_metadata_args {
 } kvp_local_metadata_args;
 #define KVP_LOCAL_METADATA_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_local_metadata_args, size)
 
-/* Loads a peer's metadata. Loading metadata of an already loaded peer
- * replaces it (the peer may have registered more memory). */
+/* Loads a peer's metadata. A loaded peer name keeps the agent it was
+ * loaded as: metadata that names a loaded peer but describes another agent
+ * (other connection details: another process, endpoint or incarnation of
+ * the agent, e.g. a forgery that reuses an honest peer's name) is refused
+ * with KVP_ERR_NOT_ALLOWED and leaves the loaded peer and everything that
+ * refers to it exactly as it was; a peer that restarted comes back through
+ * remove_remote and a new load. Loading the same metadata again is
+ * idempotent (the same peer_name, nothing changes). Metadata of the same
+ * agent that advertises other memory (registered since) either replaces
+ * the loaded metadata or is refused with KVP_ERR_NOT_ALLOWED, as far as
+ * the plugin can tell it from a forgery (fake replaces it when the peer
+ * vouches for it; the nixl shim refuses any other bytes). A plugin may
+ * also refuse (KVP_ERR_NOT_ALLOWED) metadata it cannot prove is the
+ * described agent's own (fake does, see plugins/fake/README.md). */
 typedef struct kvp_load_remote_args {
   size_t struct_size;
   void *ext;

@@ -20,6 +20,7 @@ var cases = []Case{
 	{"agents", "agent_create/agent_destroy: capabilities, bad names and parameters, double destroy", caseAgents},
 	{"register", "register_mem/deregister_mem: overlap, zero length, all-or-nothing, stale and foreign handles", caseRegister},
 	{"metadata", "local_metadata/load_remote/remove_remote: peer names, reload, garbage, unknown peer", caseMetadata},
+	{"forged-reload", "load_remote of another agent under a loaded peer's name (other connection details) is refused with NOT_ALLOWED and leaves the peer as it was; the same metadata again is idempotent; after remove_remote the other agent loads", caseForgedReload},
 	{"import-blob", "region_export/remote_region_import by blob/remote_region_release", caseImportBlob},
 	{"import-range", "remote_region_import by address range, inside and outside advertised memory", caseImportRange},
 	{"dlists", "prep_dlist/release_dlist, local and remote, in and out of bounds", caseDLists},
@@ -309,6 +310,68 @@ func caseMetadata(t TB, s *Suite) {
 	f.run("write after reloading the peer", f.makePrepped(abi.Write, runs, nil))
 	f.apply(abi.Write, runs)
 	f.verify("write after reloading the peer")
+}
+
+// caseForgedReload: metadata that reuses a loaded peer's name with other
+// connection details (here an agent of the same name, elsewhere: another
+// incarnation or an impostor) must not replace the peer. A plugin that let
+// it would send the peer's bytes and notifications to the impostor
+// (issue 19, item 2).
+func caseForgedReload(t TB, s *Suite) {
+	f := s.newFixture(t)
+	a := f.local.Agent
+	impostor, err := s.peers.NewAgent(f.peerName, s.params(), []int{regionSize})
+	if err != nil {
+		t.Fatalf("creating an agent named like the peer: %v", err)
+	}
+	t.Cleanup(func() { closeQuietly(t, "the impostor agent", impostor.Close) })
+	imd, err := impostor.Metadata()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	_, err = a.LoadRemote(imd)
+	expectCode(t, "load_remote of another agent under a loaded peer's name", err, abi.ErrNotAllowed)
+
+	// The peer is untouched: its bytes and its notifications reach it.
+	notif := a.Caps().Has(abi.CapNotif) && f.peer.Caps().Has(abi.CapNotif)
+	var msg []byte
+	if notif {
+		msg = []byte("after-the-forgery")
+	}
+	runs := f.genRuns(4, abi.Write, false)
+	f.run("write after a refused re-load", f.makePrepped(abi.Write, runs, msg))
+	f.apply(abi.Write, runs)
+	f.verify("write after a refused re-load")
+	if notif {
+		batches, err := f.peer.Notifs(1, s.cfg.Timeout)
+		if err != nil {
+			t.Fatalf("get_notifs of the peer: %v", err)
+		}
+		expectNotifs(t, "the notification after a refused re-load", batches, a.Name(), [][]byte{msg})
+		if got, err := impostor.Notifs(1, settle); err == nil && len(got) > 0 {
+			t.Errorf("the impostor received notifications: %s", describeNotifs(got[0]))
+		}
+	}
+	// The peer's own metadata again: idempotent.
+	md, err := f.peer.Metadata()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	if name, err := a.LoadRemote(md); err != nil || name != f.peerName {
+		t.Errorf("loading the peer's metadata again: %q, %v", name, err)
+	}
+	f.run("write after loading the same metadata again", f.makePrepped(abi.Write, runs, nil))
+	f.apply(abi.Write, runs)
+	f.verify("write after loading the same metadata again")
+
+	// A restarted peer comes back through remove_remote.
+	if err := a.RemoveRemote(f.peerName); err != nil {
+		t.Fatalf("remove_remote: %v", err)
+	}
+	f.rregions = nil
+	if name, err := a.LoadRemote(imd); err != nil || name != f.peerName {
+		t.Errorf("loading the other agent after remove_remote: %q, %v", name, err)
+	}
 }
 
 func expectAnyPluginError(t TB, what string, err error) {

@@ -381,7 +381,11 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 }
 
 // LoadRemote loads a peer's metadata and returns the peer's agent name.
-// Loading a known peer again replaces its metadata.
+// Loading the same metadata again is idempotent; metadata that names a
+// loaded peer but describes another agent (another process, endpoint or
+// incarnation) is refused with ErrNotAllowed and leaves the peer as it
+// was: a restarted peer is removed (RemoveRemote) and loaded again. See
+// load_remote in abi/kvplugin.h.
 func (a *Agent) LoadRemote(md []byte) (string, error) {
 	if err := a.use(); err != nil {
 		return "", err

@@ -337,6 +337,7 @@ typedef struct {
   uint64_t *handle; /* the handle in use now; __atomic */
   int *stop;        /* __atomic */
   long hits, bad;
+  long *all_hits; /* __atomic: every reader's hits, so the writer knows when to stop */
 } race_ctx;
 
 static void *race_reader(void *p) {
@@ -347,6 +348,7 @@ static void *race_reader(void *p) {
     if (!o) continue;
     if (!o->alive || (uint32_t)o->id != (uint32_t)(h >> 32)) c->bad++;
     c->hits++;
+    __atomic_add_fetch(c->all_hits, 1, __ATOMIC_RELAXED);
     kvp_ht_put(c->t, h);
   }
   return NULL;
@@ -359,12 +361,22 @@ static void test_handles_lockfree_race(void) {
   int stop = 0;
   race_ctx cs[3];
   pthread_t th[3];
+  long all_hits = 0;
   for (int i = 0; i < 3; i++) {
-    cs[i] = (race_ctx){t, &handle, &stop, 0, 0};
+    cs[i] = (race_ctx){t, &handle, &stop, 0, 0, &all_hits};
     pthread_create(&th[i], NULL, race_reader, &cs[i]);
   }
   int stale_ok = 1;
-  for (int round = 0; round < 3000; round++) {
+  /* At least 3000 rounds, and on until the readers hit an object at all
+   * (on a loaded machine they may not run during the first ones), at
+   * most ~10 s. */
+  struct timespec t0, tn;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int round = 0;; round++) {
+    if (round >= 3000) {
+      clock_gettime(CLOCK_MONOTONIC, &tn);
+      if (__atomic_load_n(&all_hits, __ATOMIC_RELAXED) > 0 || tn.tv_sec - t0.tv_sec > 10) break;
+    }
     uint64_t h = 0;
     obj.alive = 1;
     CHECK_ERR(kvp_ht_insert(t, &obj, &h), 0, NULL);

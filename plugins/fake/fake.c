@@ -10,7 +10,12 @@
  *     nobody polls (see "Scheduling" below);
  *   - notifications reach the remote agent after every byte landed: directly
  *     into its queue in this process, else over a unix datagram socket in
- *     the abstract namespace whose name travels in the metadata;
+ *     the abstract namespace whose name travels in the metadata, without
+ *     ever blocking a poll or a worker (see "Notification outboxes"); the
+ *     receiver checks the kernel-reported sender (notif_sender_ok);
+ *   - load_remote proves that metadata is the described agent's own before
+ *     any byte can move to the process it names (md_verify), and a loaded
+ *     peer name keeps its identity (fake_load_remote);
  *   - every block is checked against registered (local) or advertised
  *     (remote) memory before any byte moves;
  *   - fault injection and capability switches through agent parameters
@@ -29,10 +34,13 @@
  *   own_lock   (mutex)   the lists of handles it owns (for destroy/remove)
  *                        and its cache of released transfers;
  *   qlock      (mutex)   its transfer queue, transfer states and telemetry
- *                        (read without it once a run has ended, see xfer).
+ *                        (read without it once a run has ended, see xfer);
+ *   ob_lock    (mutex)   its peers' notification outboxes;
+ *   md_lock    (mutex)   the digests of metadata it vouches for (a leaf).
  * No thread holds two of these at once, except a runner that read-locks the
  * mem_lock of its own agent and of a same-process peer, always in address
- * order. Handle lookups take no lock (kvp_util); the tables' mutexes (insert
+ * order; the rx thread, which finishes transfers (qlock) under ob_lock; and
+ * local_metadata and deregister_mem, which take md_lock under mem_lock. Handle lookups take no lock (kvp_util); the tables' mutexes (insert
  * and remove only) are leaves. Every API call holds a reference
  * on the agent handle it names (and on other handles it uses) for its whole
  * duration, so a concurrent destroy or release waits for it.
@@ -43,6 +51,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <poll.h>
+#include <signal.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -53,6 +62,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
@@ -113,8 +123,23 @@
 #define FAKE_GRACE_NS 1000000ull
 #define FAKE_SPIN_NS 20000ull
 #define FAKE_ACTIVE_NS 20000000ull
-/* How long a notification send may block on a full peer socket. */
+/* How long a notification may wait in its peer's outbox (see "Notification
+ * outboxes") before its transfer fails, or, for send_notif, it is dropped
+ * and counted. Nothing waits for it: not the poll, not a worker. */
 #define FAKE_SEND_TIMEOUT_S 2
+/* Bounds of one peer's outbox: queued notifications and their bytes. */
+#define FAKE_OB_MAX_ENTRIES 1024u
+#define FAKE_OB_MAX_BYTES (8u * 1024u * 1024u)
+/* How long load_remote waits for a cross-process peer to answer the
+ * challenge that proves the metadata is its own (see md_verify). */
+#define FAKE_VERIFY_TIMEOUT_MS 5000
+/* Digests of the metadata an agent handed out that it still vouches for
+ * (the last FAKE_MD_RING; a deregistration forgets them all). */
+#define FAKE_MD_RING 16
+/* Senders of notifications that are not loaded peers: names an agent pins
+ * to the process that first used them (see notif_sender_ok). */
+#define FAKE_PINS 256
+#define FAKE_PINS_PER_PID 16
 /* process_vm_* moves at most MAX_RW_COUNT (~2 GiB) per call; stay below. */
 #define FAKE_PVM_MAX_BYTES (1ull << 30)
 #ifdef IOV_MAX
@@ -131,9 +156,15 @@
 #define BLOB_MAGIC "KVFR"
 #define BLOB_VERSION 1
 #define BLOB_SIZE 48
+#define MD_FLAG_NO_NOTIF 1u /* the agent switched notifications off */
 #define NOTIF_MAGIC "KVFN"
-#define NOTIF_VERSION 1
-#define NOTIF_FIXED 18
+#define NOTIF_VERSION 2
+#define NOTIF_FIXED 26
+#define CHAL_MAGIC "KVFC"
+#define CHAL_SIZE 64
+#define ANSWER_MAGIC "KVFA"
+#define ANSWER_SIZE 40
+enum { VOUCH_YES = 0, VOUCH_NO = 1, VOUCH_NOT_ME = 2 };
 
 static const char PARAMS_DOC[] =
     "caps_off=\tcomma list of capabilities this agent switches off, so the host emulates "
@@ -192,10 +223,11 @@ typedef struct region {
 typedef struct peer_md {
   uint64_t process_token, pidns, agent_id, agent_handle;
   uint32_t pid;
+  uint16_t flags;
   char name[KVP_MAX_NAME_LEN];
   size_t name_len;
   char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
-  size_t sock_len; /* 0: the peer takes no notifications */
+  size_t sock_len;
   size_t nregions;
   mem_range *regions; /* sorted by addr, non-overlapping */
 } peer_md;
@@ -215,9 +247,36 @@ typedef struct peer {
                          under qlock, make_* when they build a transfer */
   uint64_t gen; /* bumped when md is replaced */
   peer_md *md;
+  uint8_t digest[32]; /* SHA-256 of the metadata md came from */
   char name[KVP_MAX_NAME_LEN];
   size_t name_len;
+  /* Cross-process peers (else -1), fixed at the first load: a pidfd of the
+   * process that proved the metadata its own (see md_verify), and a
+   * datagram socket connected to its notification socket. */
+  int pidfd, tx_fd;
+  /* Identity, fixed at the first load (a re-load with another identity is
+   * refused): the copies the rx thread and the outbox read without
+   * peers_lock. */
+  uint32_t pid;
+  uint64_t agent_id;
+  int no_notif;
+  /* Outbox: notifications waiting for room in the peer's socket, oldest
+   * first (see "Notification outboxes"); under the agent's ob_lock. A peer
+   * with a non-empty outbox is on the agent's ob_peers list, which holds a
+   * reference. */
+  struct obent *ob_head, *ob_tail;
+  size_t ob_n, ob_bytes;
+  struct peer *ob_next;
 } peer;
+
+/* A queued notification datagram; x is its transfer, or NULL (send_notif). */
+typedef struct obent {
+  struct obent *next;
+  struct xfer *x;
+  uint64_t deadline_ns;
+  size_t len;
+  uint8_t data[];
+} obent;
 
 /* A region of a peer as seen by a local agent. */
 typedef struct rregion {
@@ -254,15 +313,14 @@ enum xstate { X_IDLE, X_QUEUED, X_RUNNING, X_DONE, X_FAILED };
 enum { BASIS_ADVERTISED, BASIS_REGIONS };
 enum { ROUTE_NONE, ROUTE_LOCAL, ROUTE_PVM };
 
-/* Where a transfer's peer lives, copied from its metadata at post. sock
- * (the peer's notification socket) is copied only when the transfer has a
- * notification to deliver; sock_len is 0 otherwise. */
+/* Where a transfer's peer lives, copied from its metadata at post. pidfd
+ * is the peer's (it stays open while the transfer holds its peer), -1 for
+ * a same-process peer. */
 typedef struct route {
   int kind;
   uint32_t pid;
+  int pidfd;
   uint64_t agent_handle, agent_id;
-  size_t sock_len;
-  char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
 } route;
 
 typedef struct telem {
@@ -283,8 +341,8 @@ typedef struct telem {
 #define FAKE_XFER_CACHE 32
 
 /* A transfer. Agents recycle them (see xfer_alloc): everything before
- * rt.sock is zeroed for each new transfer (XFER_CLEARED); rt.sock is
- * meaningful only up to rt.sock_len, the fields from heap_pairs on keep
+ * heap_pairs is zeroed for each new transfer (XFER_CLEARED); the fields
+ * from heap_pairs on keep
  * their storage across reuse, and the two message buffers at the end only
  * ever have their first byte reset. The fields a transfer touches on every
  * make, post, poll and release come first, so that after a large copy has
@@ -332,7 +390,7 @@ typedef struct xfer {
   uint64_t t0_ns, start_us, post_us;
   telem done;
   kvp_status err_code;
-  route rt; /* sock last: copied only for a notification */
+  route rt;
 
   /* Storage kept across reuse. */
   xpair *heap_pairs; /* NULL, or heap_cap pairs */
@@ -350,7 +408,7 @@ typedef struct xfer {
 } xfer;
 
 /* Bytes of a transfer cleared when an agent reuses it (see xfer). */
-#define XFER_CLEARED (offsetof(xfer, rt) + offsetof(route, sock))
+#define XFER_CLEARED offsetof(xfer, heap_pairs)
 
 typedef struct agent {
   uint64_t handle, id;
@@ -391,11 +449,34 @@ typedef struct agent {
   unsigned workers_started;
 
   kvp_notif_queue *nq;
-  int rx_sock, tx_sock, stop_fd;
+  int rx_sock, stop_fd, ob_wake;
   int rx_started;
   pthread_t rx_thread;
   char sock[sizeof(((struct sockaddr_un *)0)->sun_path)];
   size_t sock_len;
+
+  /* Digests of metadata this agent handed out (local_metadata) and still
+   * vouches for when a peer's load_remote asks (see md_verify). */
+  pthread_mutex_t md_lock;
+  uint8_t md_dig[FAKE_MD_RING][32];
+  unsigned md_ndig, md_next;
+
+  /* Outboxes of its peers that hold notifications; the rx thread drains
+   * them. ob_lock may be held while taking qlock (never the reverse). */
+  pthread_mutex_t ob_lock;
+  peer *ob_peers;
+
+  /* Senders that are not loaded peers, pinned to their process (rx thread
+   * only). */
+  struct pin {
+    uint8_t name_dig[16]; /* SHA-256 of the name, first 16 bytes */
+    uint32_t pid;
+  } pins[FAKE_PINS];
+  size_t npins;
+
+  /* Counters (test hooks read them). */
+  atomic_uint_fast64_t notif_forged;  /* datagrams dropped: sender is not who it says */
+  atomic_uint_fast64_t notif_expired; /* send_notif notifications dropped from an outbox */
 } agent;
 
 /* ------------------------------------------------------------------------ */
@@ -435,6 +516,79 @@ static int md_same_process(const peer_md *md) {
   return md->process_token == g_process_token && md->pid == g_pid;
 }
 
+/* SHA-256 (FIPS 180-4) of [p, p + n): the digest a peer vouches for (see
+ * md_verify). One shot; no state outlives the call. */
+static const uint32_t SHA256_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+static uint32_t ror32(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static void sha256_block(uint32_t h[8], const uint8_t *p) {
+  uint32_t w[64], v[8];
+  for (int i = 0; i < 16; i++)
+    w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+  for (int i = 16; i < 64; i++) {
+    uint32_t s0 = ror32(w[i - 15], 7) ^ ror32(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = ror32(w[i - 2], 17) ^ ror32(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  memcpy(v, h, sizeof v);
+  for (int i = 0; i < 64; i++) {
+    uint32_t t1 = v[7] + (ror32(v[4], 6) ^ ror32(v[4], 11) ^ ror32(v[4], 25)) + ((v[4] & v[5]) ^ (~v[4] & v[6])) +
+                  SHA256_K[i] + w[i];
+    uint32_t t2 = (ror32(v[0], 2) ^ ror32(v[0], 13) ^ ror32(v[0], 22)) + ((v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]));
+    memmove(v + 1, v, 7 * sizeof v[0]);
+    v[4] += t1;
+    v[0] = t1 + t2;
+  }
+  for (int i = 0; i < 8; i++) h[i] += v[i];
+}
+
+static void sha256(const uint8_t *p, size_t n, uint8_t out[32]) {
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  size_t full = n / 64 * 64;
+  for (size_t i = 0; i < full; i += 64) sha256_block(h, p + i);
+  uint8_t tail[128] = {0};
+  size_t t = n - full;
+  if (t) memcpy(tail, p + full, t);
+  tail[t] = 0x80;
+  size_t tl = t + 9 <= 64 ? 64 : 128;
+  uint64_t bits = (uint64_t)n * 8;
+  for (int i = 0; i < 8; i++) tail[tl - 1 - i] = (uint8_t)(bits >> (8 * i));
+  sha256_block(h, tail);
+  if (tl == 128) sha256_block(h, tail + 64);
+  for (int i = 0; i < 8; i++) {
+    out[4 * i] = (uint8_t)(h[i] >> 24);
+    out[4 * i + 1] = (uint8_t)(h[i] >> 16);
+    out[4 * i + 2] = (uint8_t)(h[i] >> 8);
+    out[4 * i + 3] = (uint8_t)h[i];
+  }
+}
+
+/* A pidfd of process pid (Linux 5.3), or -1 with errno. */
+static int pidfd_of(uint32_t pid) {
+#ifdef SYS_pidfd_open
+  return (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+/* 1 if the process of a pidfd has exited (its pid may be reused soon). */
+static int pidfd_exited(int fd) {
+  struct pollfd pf = {fd, POLLIN, 0};
+  return poll(&pf, 1, 0) > 0;
+}
+
 static void fake_init(void) {
   g_agents = kvp_ht_create(1);
   g_regions = kvp_ht_create(2);
@@ -472,6 +626,21 @@ void fake_test_handle_counts(size_t out[5]) {
   pthread_once(&g_once, fake_init);
   kvp_htable *ts[5] = {g_agents, g_regions, g_rregions, g_dlists, g_xfers};
   for (int i = 0; i < 5; i++) out[i] = kvp_ht_count(ts[i]);
+}
+
+/* Counters of an agent: [0] notification datagrams dropped because their
+ * sender is not who it says, [1] send_notif notifications dropped from an
+ * outbox after FAKE_SEND_TIMEOUT_S. 0 on an unknown handle. */
+struct agent;
+static struct agent *test_agent_get(uint64_t h);
+static void test_agent_put(struct agent *ag);
+static void test_agent_counters(struct agent *ag, uint64_t out[2]);
+int fake_test_agent_counters(uint64_t agent, uint64_t out[2]) {
+  struct agent *ag = test_agent_get(agent);
+  if (!ag) return 0;
+  test_agent_counters(ag, out);
+  test_agent_put(ag);
+  return 1;
 }
 #else
 static uint64_t slice_bytes(void) { return FAKE_SLICE_BYTES; }
@@ -591,6 +760,8 @@ static void peer_unref(peer *p) {
   if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
   if (p->md) free(p->md->regions);
   free(p->md);
+  if (p->pidfd >= 0) close(p->pidfd);
+  if (p->tx_fd >= 0) close(p->tx_fd);
   free(p);
 }
 
@@ -717,7 +888,8 @@ static agent *route_agent(const route *rt) {
 /* ------------------------------------------------------------------------ */
 
 /* Metadata v1:
- *   0  "KVFM"            4  u16 version (1)    6  u16 flags (0)
+ *   0  "KVFM"            4  u16 version (1)    6  u16 flags (bit 0: the agent
+ *                                                 takes no notifications)
  *   8  u64 process token 16 u64 pid namespace  24 u32 pid   28 u32 reserved
  *   32 u64 agent id      40 u64 agent handle (valid in its process only)
  *   48 u16 name_len      50 u16 sock_len       52 u32 num_regions
@@ -731,7 +903,7 @@ static size_t md_size(const agent *ag) {
 static void md_encode(const agent *ag, uint8_t *p) {
   memcpy(p, MD_MAGIC, 4);
   kvp_put_u16(p + 4, MD_VERSION);
-  kvp_put_u16(p + 6, 0);
+  kvp_put_u16(p + 6, (ag->caps & KVP_CAP_NOTIF) ? 0 : MD_FLAG_NO_NOTIF);
   kvp_put_u64(p + 8, g_process_token);
   kvp_put_u64(p + 16, g_pidns);
   kvp_put_u32(p + 24, g_pid);
@@ -790,16 +962,17 @@ static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
   kvp_read_u16(&r, &sock_len);
   kvp_read_u32(&r, &nreg);
   if (!r.ok) return md_bad("truncated header");
-  if (flags != 0 || reserved != 0) return md_bad("non-zero flags or reserved field");
+  if ((flags & ~MD_FLAG_NO_NOTIF) != 0 || reserved != 0) return md_bad("unknown flags or non-zero reserved field");
   if (pid == 0 || m.agent_id == 0) return md_bad("zero pid or agent id");
   if (name_len == 0 || name_len > KVP_MAX_NAME_LEN) return md_bad("agent name length not in 1..255");
-  if (sock_len >= sizeof m.sock) return md_bad("socket name too long");
+  if (sock_len == 0 || sock_len >= sizeof m.sock) return md_bad("socket name empty or too long");
   size_t strs = (size_t)name_len + sock_len;
   if (r.left < strs || (r.left - strs) % MD_REGION != 0 || (r.left - strs) / MD_REGION != nreg)
     return md_bad("length does not match its region count (truncated or trailing bytes)");
   kvp_read_bytes(&r, name_len, &name);
   kvp_read_bytes(&r, sock_len, &sock);
   m.pid = pid;
+  m.flags = flags;
   m.name_len = name_len;
   memcpy(m.name, name, name_len);
   m.sock_len = sock_len;
@@ -874,9 +1047,15 @@ static kvp_error *blob_decode(const uint8_t *p, size_t len, blob_fields *b) {
   return NULL;
 }
 
-/* Notification datagram v1:
- *   0 "KVFN"  4 u16 version (1)  6 u16 flags (0)  8 u64 target agent id
- *   16 u16 sender_len  18 sender  then the message (the rest). */
+/* Notification datagram v2:
+ *   0 "KVFN"  4 u16 version (2)  6 u16 flags (0)  8 u64 target agent id
+ *   16 u64 sender agent id  24 u16 sender_len  26 sender  then the message.
+ * Challenge (load_remote, see md_verify), 64 bytes:
+ *   0 "KVFC"  4 u16 1  6 u16 0  8 u64 target agent id  16 nonce[16]
+ *   32 SHA-256 of the metadata the challenger was given
+ * Answer, 40 bytes, sent from the challenged agent's own socket:
+ *   0 "KVFA"  4 u16 1  6 u16 0  8 u64 agent id  16 nonce[16]
+ *   32 u32 verdict (VOUCH_*)  36 u32 0 */
 
 /* ------------------------------------------------------------------------ */
 /* Notifications                                                            */
@@ -893,8 +1072,44 @@ static kvp_error *notif_len_check(const uint8_t *msg, size_t len, const char *fn
   return NULL;
 }
 
-/* Delivers (msg, len) from agent `from` to the agent a route points at. */
-static kvp_error *notif_deliver(agent *from, const route *rt, const uint8_t *msg, size_t len) {
+static void xfer_finish(agent *ag, struct xfer *x, kvp_error *e);
+static int canceled(struct xfer *x);
+static kvp_error *canceled_err(void);
+
+static void wake_fd(int fd) {
+  uint64_t one = 1;
+  ssize_t wr = write(fd, &one, sizeof one);
+  (void)wr;
+}
+
+static kvp_error *notif_send_err(int err, uint32_t pid) {
+  if (err == ECONNREFUSED || err == ENOENT || err == ENOTCONN)
+    return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
+                   "notification: peer process %u is gone (its socket refuses: %s)", pid, strerror(err));
+  return kvp_err(KVP_ERR_BACKEND, "notification: send to peer process %u: %s", pid, strerror(err));
+}
+
+/* Notification outboxes. A notification to a peer in another process is
+ * one datagram on a socket connected to that peer alone (peer->tx_fd, so
+ * a peer that does not drain fills only its own socket's budget). It is
+ * sent at once without blocking when the peer's outbox is empty; else, or
+ * when the peer's socket is full, it joins the peer's outbox (order kept)
+ * and the agent's rx thread sends it when the socket has room. A
+ * transfer whose notification is queued stays in progress, owned by the
+ * rx thread, until the notification is sent (success) or
+ * FAKE_SEND_TIMEOUT_S passed (the transfer fails with KVP_ERR_BACKEND), or
+ * it is cancelled; a send_notif notification that waited that long is
+ * dropped and counted (notif_expired). A full outbox (FAKE_OB_MAX_ENTRIES
+ * or FAKE_OB_MAX_BYTES) refuses at once. No poll and no worker ever waits
+ * for a peer's socket.
+ *
+ * Delivers (msg, len) from ag to peer p (route rt), or queues it. x is the
+ * transfer it completes, or NULL. *queued = 1: in the outbox; for a
+ * transfer the rx thread now finishes x, and the caller must not touch it
+ * again. */
+static kvp_error *notif_submit(agent *ag, peer *p, const route *rt, struct xfer *x, const uint8_t *msg,
+                               size_t len, int *queued) {
+  *queued = 0;
   if (rt->kind == ROUTE_LOCAL) {
     agent *to = route_agent(rt);
     if (!to) return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "notification: peer agent no longer exists");
@@ -903,80 +1118,328 @@ static kvp_error *notif_deliver(agent *from, const route *rt, const uint8_t *msg
       e = kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer \"%.*s\" switched notifications off",
                   (int)to->name_len, to->name);
     else
-      e = kvp_nq_push(to->nq, from->name, from->name_len, msg, len);
+      e = kvp_nq_push(to->nq, ag->name, ag->name_len, msg, len);
     agent_put(to);
     return kvp_err_wrap(e, "notification not delivered");
   }
-  if (rt->kind != ROUTE_PVM)
+  if (rt->kind != ROUTE_PVM || !p || p->tx_fd < 0)
     return kvp_err(KVP_ERR_INVALID_PARAM, "notification: the transfer has no peer");
-  if (rt->sock_len == 0)
-    return kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer has no notification endpoint");
+  if (p->no_notif)
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer \"%.*s\" switched notifications off",
+                   (int)p->name_len, p->name);
   uint8_t hdr[NOTIF_FIXED];
   memcpy(hdr, NOTIF_MAGIC, 4);
   kvp_put_u16(hdr + 4, NOTIF_VERSION);
   kvp_put_u16(hdr + 6, 0);
   kvp_put_u64(hdr + 8, rt->agent_id);
-  kvp_put_u16(hdr + 16, (uint16_t)from->name_len);
-  struct iovec iov[3] = {{hdr, sizeof hdr}, {from->name, from->name_len}, {(void *)msg, len}};
-  struct sockaddr_un sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sun_family = AF_UNIX;
-  memcpy(sa.sun_path + 1, rt->sock, rt->sock_len);
+  kvp_put_u64(hdr + 16, ag->id);
+  kvp_put_u16(hdr + 24, (uint16_t)ag->name_len);
+  struct iovec iov[3] = {{hdr, sizeof hdr}, {ag->name, ag->name_len}, {(void *)msg, len}};
   struct msghdr mh;
   memset(&mh, 0, sizeof mh);
-  mh.msg_name = &sa;
-  mh.msg_namelen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + rt->sock_len);
   mh.msg_iov = iov;
   mh.msg_iovlen = len ? 3 : 2;
-  /* SO_SNDTIMEO bounds each blocking sendmsg, but a signal interrupts it
-   * with EINTR whatever SA_RESTART says (socket timeouts are never
-   * restarted) and a retry starts a fresh timeout: bound the retries too. */
-  uint64_t deadline = now_ns() + FAKE_SEND_TIMEOUT_S * 1000000000ull;
-  for (;;) {
-    ssize_t n = sendmsg(from->tx_sock, &mh, MSG_NOSIGNAL);
-    if (n >= 0) return NULL;
-    int err = errno;
-    if (err == EINTR && now_ns() < deadline) continue;
-    if (err == EINTR) err = EAGAIN; /* interrupted past the deadline: a timeout */
-    if (err == ECONNREFUSED || err == ENOENT || err == ENOTCONN)
-      return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
-                     "notification: peer process %u is gone (its socket refuses: %s)", rt->pid,
-                     strerror(err));
-    if (err == EAGAIN || err == EWOULDBLOCK)
-      return kvp_err(KVP_ERR_BACKEND,
-                     "notification: peer process %u did not drain its socket within %ds", rt->pid,
-                     FAKE_SEND_TIMEOUT_S);
-    return kvp_err(KVP_ERR_BACKEND, "notification: sendmsg to peer process %u: %s", rt->pid,
-                   strerror(err));
+  size_t total = NOTIF_FIXED + ag->name_len + len;
+  int wake = 0;
+  kvp_error *e = NULL;
+  pthread_mutex_lock(&ag->ob_lock);
+  if (x && canceled(x)) {
+    e = canceled_err();
+    goto out;
+  }
+  if (!p->ob_head) {
+    ssize_t n;
+    do n = sendmsg(p->tx_fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    if (n >= 0) goto out;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      e = notif_send_err(errno, rt->pid);
+      goto out;
+    }
+  }
+  if (p->ob_n >= FAKE_OB_MAX_ENTRIES || p->ob_bytes + total > FAKE_OB_MAX_BYTES) {
+    e = kvp_err(KVP_ERR_BACKEND,
+                "notification: peer process %u does not drain its socket (%zu notifications, %zu bytes "
+                "wait for it)",
+                rt->pid, p->ob_n, p->ob_bytes);
+    goto out;
+  }
+  obent *o = (obent *)malloc(sizeof *o + total);
+  if (!o) {
+    e = kvp_err_oom();
+    goto out;
+  }
+  memcpy(o->data, hdr, sizeof hdr);
+  memcpy(o->data + sizeof hdr, ag->name, ag->name_len);
+  if (len) memcpy(o->data + sizeof hdr + ag->name_len, msg, len);
+  o->len = total;
+  o->x = x;
+  o->next = NULL;
+  o->deadline_ns = now_ns() + FAKE_SEND_TIMEOUT_S * 1000000000ull;
+  if (p->ob_tail) {
+    p->ob_tail->next = o;
+  } else {
+    p->ob_head = o;
+    peer_ref(p); /* the ob_peers list's */
+    p->ob_next = ag->ob_peers;
+    ag->ob_peers = p;
+    wake = 1;
+  }
+  p->ob_tail = o;
+  p->ob_n++;
+  p->ob_bytes += total;
+  *queued = 1;
+out:
+  pthread_mutex_unlock(&ag->ob_lock);
+  if (wake) wake_fd(ag->ob_wake);
+  return e;
+}
+
+/* The rx thread's turn on the outboxes: sends what the peers' sockets take,
+ * finishes transfers whose notification went out, expired or was
+ * cancelled, and lists (from index base of *fds) the sockets to wait on
+ * for room. Returns the number of pollfds; *timeout_ms is when the oldest
+ * queued notification expires (-1: none). */
+static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t base, int *timeout_ms) {
+  uint64_t now = now_ns(), next = UINT64_MAX;
+  size_t n = base;
+  pthread_mutex_lock(&ag->ob_lock);
+  peer **pp = &ag->ob_peers;
+  while (*pp) {
+    peer *p = *pp;
+    while (p->ob_head) {
+      obent *o = p->ob_head;
+      kvp_error *e = NULL;
+      if (o->x && canceled(o->x)) {
+        e = canceled_err();
+      } else {
+        ssize_t r;
+        do r = send(p->tx_fd, o->data, o->len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        while (r < 0 && errno == EINTR);
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          if (now < o->deadline_ns) break; /* wait for room */
+          e = kvp_err(KVP_ERR_BACKEND, "notification: peer process %u did not drain its socket within %ds",
+                      p->pid, FAKE_SEND_TIMEOUT_S);
+        } else if (r < 0) {
+          e = notif_send_err(errno, p->pid);
+        }
+      }
+      p->ob_head = o->next;
+      if (!p->ob_head) p->ob_tail = NULL;
+      p->ob_n--;
+      p->ob_bytes -= o->len;
+      if (o->x) {
+        xfer_finish(ag, o->x, e);
+      } else if (e) {
+        atomic_fetch_add(&ag->notif_expired, 1);
+        kvp_err_free(e);
+      }
+      free(o);
+    }
+    if (!p->ob_head) {
+      *pp = p->ob_next;
+      p->ob_next = NULL;
+      peer_unref(p);
+      continue;
+    }
+    if (n == *cap) {
+      size_t nc = *cap * 2;
+      struct pollfd *nf = (struct pollfd *)realloc(*fds, nc * sizeof **fds);
+      if (!nf) { /* retry on the next turn */
+        next = now + 1000000u;
+        break;
+      }
+      *fds = nf;
+      *cap = nc;
+    }
+    (*fds)[n++] = (struct pollfd){p->tx_fd, POLLOUT, 0};
+    if (p->ob_head->deadline_ns < next) next = p->ob_head->deadline_ns;
+    pp = &p->ob_next;
+  }
+  pthread_mutex_unlock(&ag->ob_lock);
+  *timeout_ms = next == UINT64_MAX ? -1 : (int)((next > now ? next - now : 0) / 1000000u) + 1;
+  return n;
+}
+
+/* Frees every queued notification of a stopped agent (its transfers were
+ * cancelled, so only send_notif entries remain). */
+static void ob_free_all(agent *ag) {
+  while (ag->ob_peers) {
+    peer *p = ag->ob_peers;
+    ag->ob_peers = p->ob_next;
+    while (p->ob_head) {
+      obent *o = p->ob_head;
+      p->ob_head = o->next;
+      if (o->x) xfer_finish(ag, o->x, canceled_err());
+      free(o);
+    }
+    p->ob_tail = NULL;
+    p->ob_n = p->ob_bytes = 0;
+    peer_unref(p);
   }
 }
 
-/* Receives notification datagrams of one agent into its queue until
- * stop_fd becomes readable. Malformed datagrams are dropped. */
+/* 1 if this agent handed out metadata with this digest and has not
+ * deregistered memory since. */
+static int agent_vouches(agent *ag, const uint8_t dig[32]) {
+  int yes = 0;
+  pthread_mutex_lock(&ag->md_lock);
+  for (unsigned i = 0; i < ag->md_ndig && !yes; i++) yes = memcmp(ag->md_dig[i], dig, 32) == 0;
+  pthread_mutex_unlock(&ag->md_lock);
+  return yes;
+}
+
+/* Answers a challenge (see md_verify) from the challenger's own address,
+ * without blocking: a challenger that does not drain gets no answer. */
+static void rx_challenge(agent *ag, const uint8_t *b, size_t n, const struct sockaddr_un *src, socklen_t srclen) {
+  if (n != CHAL_SIZE || kvp_get_u16(b + 4) != 1 || kvp_get_u16(b + 6) != 0) return;
+  if (srclen <= offsetof(struct sockaddr_un, sun_path)) return; /* unbound: nowhere to answer */
+  uint32_t verdict = kvp_get_u64(b + 8) != ag->id ? VOUCH_NOT_ME : agent_vouches(ag, b + 32) ? VOUCH_YES : VOUCH_NO;
+  uint8_t ans[ANSWER_SIZE];
+  memcpy(ans, ANSWER_MAGIC, 4);
+  kvp_put_u16(ans + 4, 1);
+  kvp_put_u16(ans + 6, 0);
+  kvp_put_u64(ans + 8, ag->id);
+  memcpy(ans + 16, b + 16, 16);
+  kvp_put_u32(ans + 32, verdict);
+  kvp_put_u32(ans + 36, 0);
+  ssize_t w = sendto(ag->rx_sock, ans, sizeof ans, MSG_DONTWAIT | MSG_NOSIGNAL, (const struct sockaddr *)src, srclen);
+  (void)w;
+}
+
+static int pid_alive(uint32_t pid) { return kill((pid_t)pid, 0) == 0 || errno == EPERM; }
+
+/* Whether a notification datagram really comes from the agent it names.
+ * The kernel reports the sending process (SCM_CREDENTIALS). A sender that
+ * is a loaded peer must be that peer: its verified pid and agent id. Any
+ * other name is pinned to the first process that uses it, for as long as
+ * that process lives (agents of one process share its memory, so the
+ * process is what the kernel can tell apart); a process pins at most
+ * FAKE_PINS_PER_PID names and the agent FAKE_PINS. rx thread only. */
+static int notif_sender_ok(agent *ag, const uint8_t *name, size_t nl, uint64_t sender_id, uint32_t pid) {
+  pthread_rwlock_rdlock(&ag->peers_lock);
+  peer *p = peer_find(ag, (const char *)name, nl);
+  int known = p != NULL, ok = p && p->pid == pid && p->agent_id == sender_id;
+  pthread_rwlock_unlock(&ag->peers_lock);
+  if (known) return ok;
+  uint8_t d[32];
+  sha256(name, nl, d);
+  size_t of_pid = 0;
+  for (size_t i = 0; i < ag->npins; i++) {
+    struct pin *q = &ag->pins[i];
+    if (memcmp(q->name_dig, d, 16) == 0) {
+      if (q->pid == pid) return 1;
+      if (pid_alive(q->pid)) return 0;
+      q->pid = pid; /* its process is gone: the name is free again */
+      return 1;
+    }
+    if (q->pid == pid) of_pid++;
+  }
+  if (of_pid >= FAKE_PINS_PER_PID) return 0;
+  size_t at = SIZE_MAX;
+  if (ag->npins < FAKE_PINS)
+    at = ag->npins++;
+  else /* full: take the slot of a process that is gone */
+    for (size_t i = 0; i < ag->npins && at == SIZE_MAX; i++)
+      if (!pid_alive(ag->pins[i].pid)) at = i;
+  if (at == SIZE_MAX) return 0;
+  memcpy(ag->pins[at].name_dig, d, 16);
+  ag->pins[at].pid = pid;
+  return 1;
+}
+
+/* Reads every datagram waiting on the agent's socket: answers challenges,
+ * queues notifications whose sender is who it says (else drops and counts
+ * them), drops anything else. */
+static void rx_drain(agent *ag, uint8_t *buf, size_t cap) {
+  for (;;) {
+    struct sockaddr_un src;
+    union {
+      struct cmsghdr h;
+      char b[CMSG_SPACE(sizeof(struct ucred)) + CMSG_SPACE(16 * sizeof(int))];
+    } cb;
+    struct iovec iov = {buf, cap};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_name = &src;
+    mh.msg_namelen = sizeof src;
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    ssize_t n = recvmsg(ag->rx_sock, &mh, MSG_DONTWAIT | MSG_TRUNC | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break; /* EAGAIN: drained */
+    }
+    int have_cred = 0;
+    struct ucred cr;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level != SOL_SOCKET) continue;
+      if (c->cmsg_type == SCM_CREDENTIALS && c->cmsg_len >= CMSG_LEN(sizeof cr)) {
+        memcpy(&cr, CMSG_DATA(c), sizeof cr);
+        have_cred = 1;
+      } else if (c->cmsg_type == SCM_RIGHTS) { /* nobody sends us descriptors: close them */
+        size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < nfd; i++) {
+          int fd;
+          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+          close(fd);
+        }
+      }
+    }
+    if ((size_t)n > cap || (size_t)n < 4) continue;
+    if (memcmp(buf, CHAL_MAGIC, 4) == 0) {
+      rx_challenge(ag, buf, (size_t)n, &src, mh.msg_namelen);
+      continue;
+    }
+    if ((size_t)n < NOTIF_FIXED || memcmp(buf, NOTIF_MAGIC, 4) != 0 || kvp_get_u16(buf + 4) != NOTIF_VERSION ||
+        kvp_get_u64(buf + 8) != ag->id)
+      continue;
+    size_t sl = kvp_get_u16(buf + 24);
+    if (sl == 0 || sl > KVP_MAX_NAME_LEN || (size_t)n - NOTIF_FIXED < sl) continue;
+    if (!(ag->caps & KVP_CAP_NOTIF)) continue;
+    if (!have_cred || !notif_sender_ok(ag, buf + NOTIF_FIXED, sl, kvp_get_u64(buf + 16), (uint32_t)cr.pid)) {
+      atomic_fetch_add(&ag->notif_forged, 1);
+      continue;
+    }
+    kvp_err_free(kvp_nq_push(ag->nq, (const char *)buf + NOTIF_FIXED, sl, buf + NOTIF_FIXED + sl,
+                             (size_t)n - NOTIF_FIXED - sl));
+  }
+}
+
+/* The agent's rx thread, until stop_fd becomes readable: takes datagrams
+ * from its socket (rx_drain) and drains its peers' outboxes (ob_service). */
 static void *rx_main(void *arg) {
   agent *ag = (agent *)arg;
   size_t cap = NOTIF_FIXED + KVP_MAX_NAME_LEN + FAKE_MAX_NOTIF + 1;
   uint8_t *buf = (uint8_t *)malloc(cap);
-  if (!buf) return NULL;
-  struct pollfd fds[2] = {{ag->rx_sock, POLLIN, 0}, {ag->stop_fd, POLLIN, 0}};
+  size_t fcap = 16;
+  struct pollfd *fds = (struct pollfd *)malloc(fcap * sizeof *fds);
+  if (!buf || !fds) {
+    free(buf);
+    free(fds);
+    return NULL;
+  }
   for (;;) {
-    int pr = poll(fds, 2, -1);
+    int timeout;
+    size_t nf = ob_service(ag, &fds, &fcap, 3, &timeout);
+    fds[0] = (struct pollfd){ag->rx_sock, POLLIN, 0};
+    fds[1] = (struct pollfd){ag->stop_fd, POLLIN, 0};
+    fds[2] = (struct pollfd){ag->ob_wake, POLLIN, 0};
+    int pr = poll(fds, (nfds_t)nf, timeout);
     if (pr < 0 && errno != EINTR) break;
+    if (pr <= 0) continue;
     if (fds[1].revents) break;
-    for (;;) {
-      ssize_t n = recv(ag->rx_sock, buf, cap, MSG_DONTWAIT | MSG_TRUNC);
-      if (n < 0) break; /* EAGAIN: drained */
-      if ((size_t)n > cap || (size_t)n < NOTIF_FIXED) continue;
-      if (memcmp(buf, NOTIF_MAGIC, 4) != 0 || kvp_get_u16(buf + 4) != NOTIF_VERSION ||
-          kvp_get_u64(buf + 8) != ag->id)
-        continue;
-      size_t sl = kvp_get_u16(buf + 16);
-      if (sl == 0 || sl > KVP_MAX_NAME_LEN || (size_t)n - NOTIF_FIXED < sl) continue;
-      kvp_err_free(kvp_nq_push(ag->nq, (const char *)buf + NOTIF_FIXED, sl,
-                               buf + NOTIF_FIXED + sl, (size_t)n - NOTIF_FIXED - sl));
+    if (fds[2].revents) {
+      uint64_t v;
+      ssize_t r = read(ag->ob_wake, &v, sizeof v);
+      (void)r;
     }
+    if (fds[0].revents) rx_drain(ag, buf, cap);
   }
   free(buf);
+  free(fds);
   return NULL;
 }
 
@@ -1065,6 +1528,10 @@ static kvp_error *pvm_flush(iovbuf *iov, xfer *x, int n) {
   struct iovec *l = iov->l, *r = iov->r;
   int write = x->op == KVP_OP_WRITE;
   while (n > 0) {
+    /* The pid is the process that proved the metadata its own (md_verify)
+     * only while that process lives: once its pidfd reports an exit, the
+     * pid may name another process soon. */
+    if (x->rt.pidfd >= 0 && pidfd_exited(x->rt.pidfd)) return pvm_error(ESRCH, &x->rt, write);
     ssize_t got = write ? process_vm_writev((pid_t)x->rt.pid, l, (unsigned long)n, r, (unsigned long)n, 0)
                         : process_vm_readv((pid_t)x->rt.pid, l, (unsigned long)n, r, (unsigned long)n, 0);
     if (got < 0) {
@@ -1139,9 +1606,11 @@ static int delay_wait(agent *ag, xfer *x) {
 /* Runs one slice of a transfer: moves up to budget bytes from its cursor,
  * under the registration locks of both sides (so that memory cannot be
  * deregistered under the copy) after re-checking them if registrations
- * changed. Sets *done once every byte moved; then it has also delivered
- * the notification. Returns the transfer's failure, if any. The caller is
- * the transfer's runner. */
+ * changed. Sets *done to 1 once every byte moved and the notification is
+ * delivered, or to 2 when every byte moved and the notification waits in
+ * the peer's outbox: then the rx thread finishes the transfer, and the
+ * caller must not touch it again. Returns the transfer's failure, if any.
+ * The caller is the transfer's runner. */
 static kvp_error *xfer_step(runner *r, xfer *x, uint64_t budget, int *done) {
   agent *ag = r->ag;
   *done = 0;
@@ -1169,17 +1638,22 @@ static kvp_error *xfer_step(runner *r, xfer *x, uint64_t budget, int *done) {
                    "fake: injected failure (fail_rate) after moving %" PRIu64 " of %" PRIu64 " bytes",
                    x->moved, x->total_bytes);
   *done = 1;
-  if (x->has_notif && !x->drop_notif) return notif_deliver(ag, &x->rt, x->notif, x->notif_len);
-  return NULL;
+  if (!x->has_notif || x->drop_notif) return NULL;
+  int queued;
+  kvp_error *ne = notif_submit(ag, x->peer, &x->rt, x, x->notif, x->notif_len, &queued);
+  if (queued) *done = 2;
+  return ne;
 }
 
 /* Runs a transfer to its end on a worker (delay first, if the agent has
  * one); returns NULL on success. It may have been started by polls. */
-static kvp_error *worker_run(runner *r, xfer *x) {
+static kvp_error *worker_run(runner *r, xfer *x, int *parked) {
+  if (parked) *parked = 0;
   if (r->ag->delay_us && delay_wait(r->ag, x)) return canceled_err();
   int done = 0;
   kvp_error *e = NULL;
   while (!e && !done) e = canceled(x) ? canceled_err() : xfer_step(r, x, slice_bytes(), &done);
+  if (parked) *parked = done == 2;
   return e;
 }
 
@@ -1301,7 +1775,9 @@ static void *worker_main(void *arg) {
   xfer *x;
   int ran = 0;
   while ((x = worker_next(ag, ran))) {
-    xfer_finish(ag, x, worker_run(w, x));
+    int parked;
+    kvp_error *e = worker_run(w, x, &parked);
+    if (!parked) xfer_finish(ag, x, e); /* else the rx thread finishes it */
     ran = 1;
   }
   free(w->iov);
@@ -1339,6 +1815,7 @@ static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
     snprintf(x->cancel_msg, sizeof x->cancel_msg, "%s", msg);
     atomic_store(&x->cancel, 1);
     pthread_cond_broadcast(&ag->cancelcv);
+    if (ag->ob_wake >= 0) wake_fd(ag->ob_wake); /* it may wait in an outbox */
     x->waiters++;
     while (atomic_load(&x->state) == X_RUNNING) pthread_cond_wait(&ag->donecv, &ag->qlock);
     x->waiters--;
@@ -1517,10 +1994,14 @@ static kvp_error *agent_open_sockets(agent *ag) {
   ag->sock_len = (size_t)snprintf(ag->sock, sizeof ag->sock, "kvhost-fake/%d/%016" PRIx64,
                                   (int)getpid(), ag->id);
   ag->rx_sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  ag->tx_sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   ag->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (ag->rx_sock < 0 || ag->tx_sock < 0 || ag->stop_fd < 0)
+  ag->ob_wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (ag->rx_sock < 0 || ag->stop_fd < 0 || ag->ob_wake < 0)
     return kvp_err(KVP_ERR_BACKEND, "agent_create: notification socket: %s", strerror(errno));
+  /* The kernel tells who sent each datagram (notif_sender_ok). */
+  int one = 1;
+  if (setsockopt(ag->rx_sock, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0)
+    return kvp_err(KVP_ERR_BACKEND, "agent_create: SO_PASSCRED: %s", strerror(errno));
   struct sockaddr_un sa;
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
@@ -1529,8 +2010,6 @@ static kvp_error *agent_open_sockets(agent *ag) {
            (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + ag->sock_len)) != 0)
     return kvp_err(KVP_ERR_BACKEND, "agent_create: bind notification socket @%s: %s", ag->sock,
                    strerror(errno));
-  struct timeval tv = {FAKE_SEND_TIMEOUT_S, 0};
-  setsockopt(ag->tx_sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   return NULL;
 }
 
@@ -1544,13 +2023,15 @@ static kvp_error *fake_agent_create(kvp_agent_create_args *a) {
                    KVP_MAX_NAME_LEN, a->name ? a->name_len : 0);
   agent *ag = (agent *)calloc(1, sizeof *ag);
   if (!ag) return kvp_err_oom();
-  ag->rx_sock = ag->tx_sock = ag->stop_fd = -1;
+  ag->rx_sock = ag->stop_fd = ag->ob_wake = -1;
   memcpy(ag->name, a->name, a->name_len);
   ag->name_len = a->name_len;
   pthread_rwlock_init(&ag->mem_lock, NULL);
   pthread_rwlock_init(&ag->peers_lock, NULL);
   pthread_mutex_init(&ag->own_lock, NULL);
   pthread_mutex_init(&ag->qlock, NULL);
+  pthread_mutex_init(&ag->md_lock, NULL);
+  pthread_mutex_init(&ag->ob_lock, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1573,14 +2054,14 @@ static kvp_error *fake_agent_create(kvp_agent_create_args *a) {
     e = kvp_err_oom();
     goto fail;
   }
-  if (ag->caps & KVP_CAP_NOTIF) {
-    if ((e = agent_open_sockets(ag))) goto fail;
-    if (pthread_create(&ag->rx_thread, NULL, rx_main, ag) != 0) {
-      e = kvp_err(KVP_ERR_BACKEND, "agent_create: cannot start the notification thread");
-      goto fail;
-    }
-    ag->rx_started = 1;
+  /* Every agent has a socket and an rx thread, also with notifications
+   * switched off: they answer the challenges of peers' load_remote. */
+  if ((e = agent_open_sockets(ag))) goto fail;
+  if (pthread_create(&ag->rx_thread, NULL, rx_main, ag) != 0) {
+    e = kvp_err(KVP_ERR_BACKEND, "agent_create: cannot start the notification thread");
+    goto fail;
   }
+  ag->rx_started = 1;
   for (unsigned i = 0; i < ag->nworkers; i++) {
     runner *w = (runner *)calloc(1, sizeof *w);
     if (w) {
@@ -1623,8 +2104,9 @@ static void agent_free(agent *ag) {
   pthread_mutex_unlock(&ag->qlock);
   for (unsigned i = 0; i < ag->workers_started; i++) pthread_join(ag->workers[i], NULL);
   if (ag->rx_sock >= 0) close(ag->rx_sock);
-  if (ag->tx_sock >= 0) close(ag->tx_sock);
   if (ag->stop_fd >= 0) close(ag->stop_fd);
+  ob_free_all(ag);
+  if (ag->ob_wake >= 0) close(ag->ob_wake);
   peer *p = ag->peers;
   while (p) {
     peer *next = p->next;
@@ -1649,6 +2131,8 @@ static void agent_free(agent *ag) {
   pthread_rwlock_destroy(&ag->peers_lock);
   pthread_mutex_destroy(&ag->own_lock);
   pthread_mutex_destroy(&ag->qlock);
+  pthread_mutex_destroy(&ag->md_lock);
+  pthread_mutex_destroy(&ag->ob_lock);
   pthread_cond_destroy(&ag->qcv);
   pthread_cond_destroy(&ag->donecv);
   pthread_cond_destroy(&ag->cancelcv);
@@ -1866,6 +2350,11 @@ static kvp_error *fake_deregister_mem(kvp_deregister_mem_args *a) {
   }
   ag->nregs = k;
   atomic_fetch_add(&ag->reg_gen, 1);
+  /* Metadata handed out before advertises memory that is gone: stop
+   * vouching for it (md_verify). */
+  pthread_mutex_lock(&ag->md_lock);
+  ag->md_ndig = ag->md_next = 0;
+  pthread_mutex_unlock(&ag->md_lock);
   pthread_rwlock_unlock(&ag->mem_lock);
 out:
   free(sorted);
@@ -1906,11 +2395,194 @@ static kvp_error *fake_local_metadata(kvp_local_metadata_args *a) {
   } else {
     size_t need = md_size(ag);
     a->size = need;
-    if (a->buf && need <= a->cap) md_encode(ag, a->buf);
+    if (a->buf && need <= a->cap) {
+      md_encode(ag, a->buf);
+      /* Vouch for it when a peer's load_remote asks (md_verify); under
+       * mem_lock, so a deregistration cannot slip between. */
+      uint8_t dig[32];
+      sha256(a->buf, need, dig);
+      if (!agent_vouches(ag, dig)) {
+        pthread_mutex_lock(&ag->md_lock);
+        memcpy(ag->md_dig[ag->md_next], dig, 32);
+        ag->md_next = (ag->md_next + 1) % FAKE_MD_RING;
+        if (ag->md_ndig < FAKE_MD_RING) ag->md_ndig++;
+        pthread_mutex_unlock(&ag->md_lock);
+      }
+    }
   }
   pthread_rwlock_unlock(&ag->mem_lock);
   agent_put(ag);
   return e;
+}
+
+/* 1 if two decodings of metadata name the same agent at the same place:
+ * everything but the regions. */
+static int md_same_identity(const peer_md *a, const peer_md *b) {
+  return a->process_token == b->process_token && a->pidns == b->pidns && a->pid == b->pid &&
+         a->agent_id == b->agent_id && a->agent_handle == b->agent_handle && a->flags == b->flags &&
+         a->sock_len == b->sock_len && memcmp(a->sock, b->sock, a->sock_len) == 0;
+}
+
+static kvp_error *verify_fail(const peer_md *md, const char *why) {
+  return kvp_err(KVP_ERR_NOT_ALLOWED,
+                 "load_remote: metadata of \"%.*s\" (pid %u) is not that process's own: %s; refused",
+                 (int)md->name_len, md->name, md->pid, why);
+}
+
+/* Proves that metadata (buf, len), decoded as md, is what the agent it
+ * describes handed out, so that no byte moves to a process that did not
+ * send it (process_vm_* write wherever a pid and an address say). An agent
+ * vouches for the digests of the metadata its local_metadata produced
+ * until it deregisters memory (agent_vouches). Same process: the agent is
+ * asked directly. Another process: a challenge with a fresh nonce and the
+ * digest goes to the socket the metadata names, from a socket connected
+ * to it; the answer must come back on it, carry the nonce, the agent id
+ * and a "yes", and the kernel must report (SCM_CREDENTIALS) that the
+ * process that sent it has the metadata's pid. A pidfd opened before the
+ * challenge and still alive after the answer pins that process: its pid
+ * cannot have passed to another one in between, and transfers check it
+ * before every process_vm_* call. On success *pidfd and *tx_fd (the
+ * connected socket, for notifications) are the caller's; -1 for a
+ * same-process peer. */
+static kvp_error *md_verify(const uint8_t *buf, size_t len, const peer_md *md, int *pidfd, int *tx_fd) {
+  uint8_t dig[32];
+  sha256(buf, len, dig);
+  *pidfd = *tx_fd = -1;
+  if (md_same_process(md)) {
+    route rt = {ROUTE_LOCAL, md->pid, -1, md->agent_handle, md->agent_id};
+    agent *pa = route_agent(&rt);
+    if (!pa) return verify_fail(md, "no such agent lives in this process");
+    int yes = agent_vouches(pa, dig);
+    agent_put(pa);
+    return yes ? NULL : verify_fail(md, "the agent does not vouch for it (forged or stale)");
+  }
+  if (md->pidns != g_pidns)
+    return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                   "load_remote: peer \"%.*s\" runs in another pid namespace; process_vm_* cannot reach it",
+                   (int)md->name_len, md->name);
+  kvp_error *e = NULL;
+  int pfd = pidfd_of(md->pid);
+  if (pfd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOMEM))
+    return kvp_err(KVP_ERR_BACKEND, "load_remote: pidfd_open(%u): %s", md->pid, strerror(errno));
+  if (pfd < 0 && errno != ENOSYS) /* ESRCH, EINVAL, ENOENT (a thread, not a process) */
+    return kvp_err(KVP_ERR_REMOTE_DISCONNECT, "load_remote: peer process %u of \"%.*s\" does not exist (%s)",
+                   md->pid, (int)md->name_len, md->name, strerror(errno));
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  int one = 1;
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0 ||
+      bind(fd, (struct sockaddr *)&sa, sizeof(sa_family_t)) != 0) { /* autobind */
+    e = kvp_err(KVP_ERR_BACKEND, "load_remote: socket: %s", strerror(errno));
+    goto fail;
+  }
+  memcpy(sa.sun_path + 1, md->sock, md->sock_len);
+  if (connect(fd, (struct sockaddr *)&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + md->sock_len)) != 0) {
+    e = errno == ECONNREFUSED || errno == ENOENT
+            ? kvp_err(KVP_ERR_REMOTE_DISCONNECT, "load_remote: no agent listens on the socket of \"%.*s\" (pid %u): %s",
+                      (int)md->name_len, md->name, md->pid, strerror(errno))
+            : kvp_err(KVP_ERR_BACKEND, "load_remote: connect to the socket of \"%.*s\": %s", (int)md->name_len,
+                      md->name, strerror(errno));
+    goto fail;
+  }
+  uint8_t ch[CHAL_SIZE];
+  memcpy(ch, CHAL_MAGIC, 4);
+  kvp_put_u16(ch + 4, 1);
+  kvp_put_u16(ch + 6, 0);
+  kvp_put_u64(ch + 8, md->agent_id);
+  kvp_put_u64(ch + 16, random_u64());
+  kvp_put_u64(ch + 24, random_u64());
+  memcpy(ch + 32, dig, 32);
+  uint64_t deadline = now_ns() + FAKE_VERIFY_TIMEOUT_MS * 1000000ull;
+  int sent = 0;
+  for (;;) {
+    uint64_t now = now_ns();
+    if (now >= deadline) {
+      e = verify_fail(md, "its socket did not answer the challenge in time");
+      goto fail;
+    }
+    if (!sent) {
+      ssize_t w = send(fd, ch, sizeof ch, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (w == (ssize_t)sizeof ch) {
+        sent = 1;
+      } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        e = notif_send_err(errno, md->pid);
+        goto fail;
+      }
+    }
+    struct pollfd pf = {fd, (short)(sent ? POLLIN : POLLOUT), 0};
+    int ms = (int)((deadline - now) / 1000000u) + 1;
+    if (poll(&pf, 1, ms) <= 0 || !sent) continue;
+    uint8_t ans[ANSWER_SIZE + 1];
+    union {
+      struct cmsghdr h;
+      char b[CMSG_SPACE(sizeof(struct ucred)) + CMSG_SPACE(16 * sizeof(int))];
+    } cb;
+    struct iovec iov = {ans, sizeof ans};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      e = notif_send_err(errno, md->pid);
+      goto fail;
+    }
+    int have_cred = 0;
+    struct ucred cr;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level != SOL_SOCKET) continue;
+      if (c->cmsg_type == SCM_CREDENTIALS && c->cmsg_len >= CMSG_LEN(sizeof cr)) {
+        memcpy(&cr, CMSG_DATA(c), sizeof cr);
+        have_cred = 1;
+      } else if (c->cmsg_type == SCM_RIGHTS) {
+        size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < nfd; i++) {
+          int x;
+          memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+          close(x);
+        }
+      }
+    }
+    if (n != ANSWER_SIZE || memcmp(ans, ANSWER_MAGIC, 4) != 0 || memcmp(ans + 16, ch + 16, 16) != 0)
+      continue; /* not the answer to this challenge */
+    if (!have_cred || (uint32_t)cr.pid != md->pid) {
+      e = verify_fail(md, "the agent that answers on its socket lives in another process");
+      goto fail;
+    }
+    if (kvp_get_u64(ans + 8) != md->agent_id || kvp_get_u32(ans + 32) == VOUCH_NOT_ME) {
+      e = verify_fail(md, "another agent answers on its socket");
+      goto fail;
+    }
+    if (kvp_get_u32(ans + 32) != VOUCH_YES) {
+      e = verify_fail(md, "the agent does not vouch for it (forged or stale)");
+      goto fail;
+    }
+    break;
+  }
+  if (pfd >= 0 && pidfd_exited(pfd)) {
+    e = kvp_err(KVP_ERR_REMOTE_DISCONNECT, "load_remote: peer process %u of \"%.*s\" exited", md->pid,
+                (int)md->name_len, md->name);
+    goto fail;
+  }
+  *pidfd = pfd;
+  *tx_fd = fd;
+  return NULL;
+fail:
+  if (fd >= 0) close(fd);
+  if (pfd >= 0) close(pfd);
+  return e;
+}
+
+static kvp_error *reload_refused(const peer *p) {
+  return kvp_err(KVP_ERR_NOT_ALLOWED,
+                 "load_remote: peer \"%.*s\" is loaded as another agent (other process, agent id or "
+                 "socket); refused, the loaded peer is unchanged (remove_remote it first if it restarted)",
+                 (int)p->name_len, p->name);
 }
 
 static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
@@ -1919,37 +2591,73 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
   agent *ag = agent_get(a->agent, "load_remote", &e);
   if (!ag) return e;
   peer_md *md = NULL;
+  int pidfd = -1, tx_fd = -1;
   if ((e = md_decode(a->metadata, a->metadata_len, &md))) goto out;
-  pthread_rwlock_wrlock(&ag->peers_lock);
+  uint8_t dig[32];
+  sha256(a->metadata, a->metadata_len, dig);
+  /* A loaded name keeps its identity: metadata that reuses it with
+   * another process, agent id or socket is refused before anything
+   * changes; the same metadata again is idempotent. */
+  pthread_rwlock_rdlock(&ag->peers_lock);
   peer *p = peer_find(ag, md->name, md->name_len);
-  if (p) {
+  int same = 0;
+  if (p && !md_same_identity(p->md, md)) e = reload_refused(p);
+  else if (p) same = memcmp(p->digest, dig, 32) == 0;
+  if (same) {
+    a->peer_name = p->name;
+    a->peer_name_len = p->name_len;
+  }
+  pthread_rwlock_unlock(&ag->peers_lock);
+  if (e || same) goto out;
+  /* Outside peers_lock: it may wait for the peer's answer. */
+  if ((e = md_verify(a->metadata, a->metadata_len, md, &pidfd, &tx_fd))) goto out;
+  pthread_rwlock_wrlock(&ag->peers_lock);
+  p = peer_find(ag, md->name, md->name_len);
+  if (p && !md_same_identity(p->md, md)) {
+    e = reload_refused(p);
+  } else if (p) { /* the same agent, with other memory: replace */
     peer_md *old = p->md;
     p->md = md;
+    md = NULL;
     p->gen++;
+    memcpy(p->digest, dig, 32);
     free(old->regions);
     free(old);
   } else {
     p = (peer *)calloc(1, sizeof *p);
     if (!p) {
-      pthread_rwlock_unlock(&ag->peers_lock);
-      free(md->regions);
-      free(md);
       e = kvp_err_oom();
-      goto out;
+    } else {
+      atomic_init(&p->refs, 1);
+      p->md = md;
+      p->gen = 1;
+      memcpy(p->digest, dig, 32);
+      memcpy(p->name, md->name, md->name_len);
+      p->name_len = md->name_len;
+      p->pid = md->pid;
+      p->agent_id = md->agent_id;
+      p->no_notif = (md->flags & MD_FLAG_NO_NOTIF) != 0;
+      p->pidfd = pidfd;
+      p->tx_fd = tx_fd;
+      pidfd = tx_fd = -1;
+      md = NULL;
+      p->next = ag->peers;
+      ag->peers = p;
     }
-    atomic_init(&p->refs, 1);
-    p->md = md;
-    p->gen = 1;
-    memcpy(p->name, md->name, md->name_len);
-    p->name_len = md->name_len;
-    p->next = ag->peers;
-    ag->peers = p;
   }
-  /* The name lives in the peer record until remove_remote or destroy. */
-  a->peer_name = p->name;
-  a->peer_name_len = p->name_len;
+  if (!e) {
+    /* The name lives in the peer record until remove_remote or destroy. */
+    a->peer_name = p->name;
+    a->peer_name_len = p->name_len;
+  }
   pthread_rwlock_unlock(&ag->peers_lock);
 out:
+  if (md) {
+    free(md->regions);
+    free(md);
+  }
+  if (pidfd >= 0) close(pidfd);
+  if (tx_fd >= 0) close(tx_fd);
   agent_put(ag);
   return e;
 }
@@ -2532,7 +3240,7 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
   const char *fn = "post_xfer";
   kvp_error *e = NULL;
   x->rt.kind = ROUTE_NONE;
-  x->rt.sock_len = 0;
+  x->rt.pidfd = -1;
   if (x->peer) {
     pthread_rwlock_rdlock(&ag->peers_lock);
     peer *p = x->peer;
@@ -2553,18 +3261,11 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
     }
     if (!e) {
       int same = md_same_process(md);
-      if (!same && md->pidns != g_pidns)
-        e = kvp_err(KVP_ERR_NOT_SUPPORTED,
-                    "%s: peer \"%.*s\" runs in another pid namespace; process_vm_* cannot reach it",
-                    fn, (int)p->name_len, p->name);
       x->rt.kind = same ? ROUTE_LOCAL : ROUTE_PVM;
       x->rt.pid = md->pid;
+      x->rt.pidfd = p->pidfd; /* open while the transfer holds p */
       x->rt.agent_handle = md->agent_handle;
       x->rt.agent_id = md->agent_id;
-      if (x->has_notif && !same) { /* only a cross-process notification needs it */
-        memcpy(x->rt.sock, md->sock, md->sock_len);
-        x->rt.sock_len = md->sock_len;
-      }
     }
     pthread_rwlock_unlock(&ag->peers_lock);
     if (e) return e;
@@ -2686,7 +3387,9 @@ static void poll_drive(agent *ag, xfer *x) {
     /* A cancellation during the slice waits for it under qlock (see
      * xfer_cancel_locked): finish it here rather than requeue it. */
     if (!e && !done && canceled(x)) e = canceled_err();
-    if (e || done)
+    if (done == 2)
+      ; /* its notification waits in an outbox: the rx thread finishes it */
+    else if (e || done)
       xfer_finish_locked(ag, x, e);
     else
       queue_push_locked(ag, x, now_ns());
@@ -2811,21 +3514,33 @@ static kvp_error *fake_send_notif(kvp_send_notif_args *a) {
     const peer_md *md = p->md;
     rt.kind = md_same_process(md) ? ROUTE_LOCAL : ROUTE_PVM;
     rt.pid = md->pid;
+    rt.pidfd = p->pidfd;
     rt.agent_handle = md->agent_handle;
     rt.agent_id = md->agent_id;
-    memcpy(rt.sock, md->sock, md->sock_len);
-    rt.sock_len = md->sock_len;
+    peer_ref(p);
   }
   pthread_rwlock_unlock(&ag->peers_lock);
-  if (!p)
+  if (!p) {
     e = peer_unknown(ag, a->peer_name, a->peer_name_len, fn);
-  else
-    e = kvp_err_wrap(notif_deliver(ag, &rt, a->msg, a->msg_len), "%s to \"%.*s\"", fn,
+  } else {
+    int queued;
+    e = kvp_err_wrap(notif_submit(ag, p, &rt, NULL, a->msg, a->msg_len, &queued), "%s to \"%.*s\"", fn,
                      (int)a->peer_name_len, a->peer_name);
+    peer_unref(p);
+  }
 out:
   agent_put(ag);
   return e;
 }
+
+#ifdef KVP_FAKE_TEST_HOOKS
+static struct agent *test_agent_get(uint64_t h) { return (agent *)kvp_ht_acquire(g_agents, h); }
+static void test_agent_put(struct agent *ag) { agent_put(ag); }
+static void test_agent_counters(struct agent *ag, uint64_t out[2]) {
+  out[0] = atomic_load(&ag->notif_forged);
+  out[1] = atomic_load(&ag->notif_expired);
+}
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* Entry point                                                              */

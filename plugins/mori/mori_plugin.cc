@@ -949,14 +949,20 @@ kvp_error *LoadRemote(kvp_load_remote_args *args) {
       a->peers.emplace(desc.key, std::move(np));
     } else {
       p = it->second.get();
-      // Replacing overwrites MORI's address book entry. MORI keeps the RDMA
-      // connections it built for this key, so a peer that restarted must
-      // come back under a new key (SGLang puts pid and a random suffix in
-      // its keys for this reason).
-      if (!(p->desc == desc)) {
-        a->engine->RegisterRemoteEngine(desc);
-        p->desc = desc;
-      }
+      // A loaded key keeps its engine descriptor (ABI load_remote): the
+      // same descriptor again is idempotent; another one (other host, port
+      // or process under a known key) is refused and changes nothing.
+      // Replacing it would overwrite MORI's address book entry, so that
+      // the honest peer's transfers went to whoever forged its key; and
+      // MORI keeps the RDMA connections it built for a key, so a peer that
+      // restarted comes back under a new key (SGLang puts pid and a random
+      // suffix in its keys) or after remove_remote.
+      if (!(p->desc == desc))
+        return kvp_err(KVP_ERR_NOT_ALLOWED,
+                       "load_remote: engine %s is loaded with another engine descriptor (other "
+                       "host, port or process); refused, the loaded peer is unchanged "
+                       "(remove_remote it first if it restarted)",
+                       desc.key.c_str());
     }
     args->peer_name = p->name.data();
     args->peer_name_len = p->name.size();

@@ -139,8 +139,9 @@ struct RegionEntry {
 // remote dlists, transfers), which outlive its removal as dead handles that
 // report errors until released, so its name stays readable for them.
 struct Peer {
-  explicit Peer(std::string n) : name(std::move(n)) {}
+  explicit Peer(std::string n, std::string m) : name(std::move(n)), md(std::move(m)) {}
   const std::string name;  // stable: peer_name of load_remote points into it
+  const std::string md;    // the metadata it was loaded with (see load_remote)
   std::atomic<bool> dead{false};  // set by remove_remote
 };
 using PeerRef = std::shared_ptr<Peer>;
@@ -210,6 +211,11 @@ struct Agent {
   // Serialises get_notifs' move from NIXL into notifs, so that two callers
   // cannot reorder one sender's notifications between them.
   std::mutex notif_mu;
+
+  // Serialises load_remote and remove_remote, so that a check of the
+  // loaded peers, NIXL's loadRemoteMD and the peer record happen as one.
+  // Taken before mu.
+  std::mutex load_mu;
 
   std::mutex mu;  // guards everything below
   std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
@@ -811,13 +817,52 @@ kvp_error *local_metadata(kvp_local_metadata_args *args) {
   return nullptr;
 }
 
+// The agent name NIXL metadata claims, or false when the blob does not
+// start as NIXL's serialiser writes it (NIXL src/utils/serdes/serdes.cpp:
+// "nixlSerDes|", then the tag "Agent", a size_t length and the name; see
+// nixlAgentData::loadRemoteMD in src/core/nixl_agent.cpp).
+bool md_agent_name(const uint8_t *md, size_t len, std::string *name) {
+  static const char pre[] = "nixlSerDes|Agent";
+  const size_t pl = sizeof pre - 1;
+  if (len < pl + sizeof(size_t) || std::memcmp(md, pre, pl) != 0) return false;
+  size_t n;
+  std::memcpy(&n, md + pl, sizeof n);
+  if (n == 0 || n > len - pl - sizeof n) return false;
+  name->assign(reinterpret_cast<const char *>(md) + pl + sizeof n, n);
+  return true;
+}
+
+// A loaded name keeps its metadata (ABI load_remote): the same bytes again
+// are idempotent and do not reach NIXL; other bytes under a loaded name are
+// refused before NIXL sees them. NIXL itself refuses other connection info
+// (NIXL_ERR_NOT_ALLOWED) but merges other memory sections into the loaded
+// peer, and when those fail to load it drops the whole peer, connection
+// included (nixlAgentData::loadRemoteSections), which would cut off the
+// honest peer whose name was forged.
 kvp_error *load_remote(kvp_load_remote_args *args) {
   static const char fn[] = "load_remote";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
   if (!args->metadata || args->metadata_len == 0)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: metadata is empty", fn);
+  std::lock_guard<std::mutex> load_lk(a->load_mu);
   nixl_blob_t md(reinterpret_cast<const char *>(args->metadata), args->metadata_len);
+  std::string claimed;
+  if (md_agent_name(args->metadata, args->metadata_len, &claimed)) {
+    std::lock_guard<std::mutex> lk(a->mu);
+    auto it = a->peers.find(claimed);
+    if (it != a->peers.end()) {
+      if (it->second->md != md)
+        return kvp_err(KVP_ERR_NOT_ALLOWED,
+                       "%s: peer '%s' is loaded with other metadata (another process, connection or "
+                       "memory); refused, the loaded peer is unchanged (remove_remote it first if it "
+                       "restarted)",
+                       fn, claimed.c_str());
+      args->peer_name = it->second->name.data();
+      args->peer_name_len = it->second->name.size();
+      return nullptr;
+    }
+  }
   std::string name;
   nixl_status_t s = a->nixl->loadRemoteMD(md, name);
   if (s == NIXL_ERR_NOT_ALLOWED)
@@ -827,7 +872,7 @@ kvp_error *load_remote(kvp_load_remote_args *args) {
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "loadRemoteMD");
   std::lock_guard<std::mutex> lk(a->mu);
   auto &slot = a->peers[name];
-  if (!slot) slot = std::make_shared<Peer>(name);
+  if (!slot) slot = std::make_shared<Peer>(name, md);
   args->peer_name = slot->name.data();
   args->peer_name_len = slot->name.size();
   return nullptr;
@@ -840,6 +885,7 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
   std::string name = as_string(args->peer_name, args->peer_name_len);
   PeerRef peer;
   std::vector<kvp_xfer> xs;
+  std::lock_guard<std::mutex> load_lk(a->load_mu);
   {
     std::lock_guard<std::mutex> lk(a->mu);
     auto it = a->peers.find(name);
