@@ -52,6 +52,14 @@ type conn struct {
 	budget *recvBudget
 	stop   <-chan struct{}
 	held   int64
+	// Guarded by budget.mu: waiting is set while the read loop waits for
+	// the budget; contendBy is when the message being read must be
+	// finished because another connection waits for the budget (zero:
+	// no such bound). contended mirrors contendBy != 0 for the read
+	// loop's error message.
+	waiting   bool
+	contendBy time.Time
+	contended atomic.Bool
 
 	wmu sync.Mutex
 
@@ -185,16 +193,12 @@ func (c *conn) useBudget(b *recvBudget, stop <-chan struct{}) {
 
 // reserve charges n bytes of the message being read to the budget. Time
 // spent waiting for the budget is the socket's, not the peer's: the
-// message deadline starts afresh after a wait.
+// message deadline starts afresh after a wait (recvBudget.reserve).
 func (c *conn) reserve(n int64) error {
-	waited, err := c.budget.reserve(c, c.held, n, c.stop)
-	if err != nil {
+	if err := c.budget.reserve(c, c.held, n, c.stop); err != nil {
 		return err
 	}
 	c.held += n
-	if waited > 0 && c.msgTimeout > 0 {
-		return c.nc.SetReadDeadline(time.Now().Add(c.msgTimeout))
-	}
 	return nil
 }
 
@@ -273,7 +277,11 @@ func (c *conn) readMessage() ([][]byte, *command, error) {
 	frames, cmd, err := readMessage(c.r, c.lim)
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) {
-			err = fmt.Errorf("peer did not finish a message within %v: %w", c.msgTimeout, err)
+			if c.contended.Load() {
+				err = fmt.Errorf("peer did not finish a message while others waited for the receive budget: %w", err)
+			} else {
+				err = fmt.Errorf("peer did not finish a message within %v: %w", c.msgTimeout, err)
+			}
 		}
 		return nil, nil, err
 	}

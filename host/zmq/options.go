@@ -7,9 +7,10 @@ import (
 
 // Defaults of the options, sized for a control plane: every bound socket
 // (PULL, ROUTER) holds at most DefaultRecvBudget + DefaultMaxMessageSize
-// bytes of received messages plus a 64 KiB read buffer per connection
-// (DefaultMaxConns of them): about 256 MiB at worst, whatever its peers
-// send.
+// bytes of received messages, plus 64 KiB per connection and per message
+// queued for Recv (DefaultMaxConns and DefaultRecvQueue of them), plus a
+// 64 KiB read buffer per connection (DefaultMaxConns, and as many in
+// their handshake): about 400 MiB at worst, whatever its peers send.
 //
 // The largest legitimate messages are SGLang's: a NIXL KV registration
 // carries the agent's metadata blob (connection info plus a serialized
@@ -63,9 +64,11 @@ const evictIdle = time.Second
 // contendedTimeout bounds how long a connection may keep part of a
 // message in the receive budget while another connection waits for the
 // budget: it must finish its message within that time of the wait's
-// start, or is dropped (see recvBudget). A control message of tens of
-// megabytes takes milliseconds on any link kvhost runs over.
-const contendedTimeout = 2 * time.Second
+// start, or is dropped (see recvBudget). This happens only while the
+// budget is spent (DefaultRecvBudget: 128 MiB of messages in flight), and
+// a control message of tens of megabytes takes milliseconds on the links
+// kvhost runs over.
+const contendedTimeout = time.Second
 
 // Option configures a socket.
 type Option func(*options)

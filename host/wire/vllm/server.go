@@ -33,8 +33,9 @@ const maxRequestMessage = 4 << 10
 // handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
 // It serves any number of clients; a request it cannot answer (garbage,
 // wrong tag, unknown rank, no frame or more than one after the REQ
-// delimiter) is logged (rate-limited) and refused with an empty reply, so a REQ client fails at once
-// instead of waiting for its timeout, and the server keeps serving.
+// delimiter) is logged (rate-limited) and refused with an empty reply, so
+// a REQ client fails at once instead of waiting for its timeout, and the
+// server keeps serving.
 // Replies never block the server: a client that does not read them only
 // loses its own (and its connection after replyTimeout).
 type HandshakeServer struct {
