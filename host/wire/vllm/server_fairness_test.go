@@ -166,3 +166,54 @@ func TestBadRequestFloodIsRateLimited(t *testing.T) {
 		t.Fatalf("the suppressed lines were not reported; last line %q", last)
 	}
 }
+
+// 1100 clients that finish the ZMTP handshake and then say nothing, more
+// than the connection limit, do not lock an honest client out, whether
+// they come from its own host or another: it is served on its first
+// attempt or, with everyone on one host, on a retry a moment later (as
+// vLLM retries a failed handshake). They locked the server for good.
+func TestIdleClientsDoNotLockOutHandshakes(t *testing.T) {
+	const idle = 1100
+	s, mds := startServer(t, "H")
+	for _, attacker := range []string{"127.0.0.2", "127.0.0.1"} {
+		var held []*zmqtest.Raw
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		work := make(chan struct{})
+		for range 16 {
+			wg.Go(func() {
+				for range work {
+					if c, err := zmqtest.TryDialRaw(s.Endpoint(), "REQ", attacker); err == nil {
+						mu.Lock()
+						held = append(held, c)
+						mu.Unlock()
+					}
+				}
+			})
+		}
+		for range idle {
+			work <- struct{}{}
+		}
+		close(work)
+		wg.Wait()
+		start := time.Now()
+		var err error
+		for time.Since(start) < 20*time.Second {
+			var got *AgentMetadata
+			if got, err = FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H")); err == nil {
+				if !reflect.DeepEqual(got, mds[1]) {
+					t.Fatal("wrong metadata")
+				}
+				break
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if err != nil {
+			t.Fatalf("idle clients from %s (%d of %d handshakes done): honest client: %v", attacker, len(held), idle, err)
+		}
+		t.Logf("idle clients from %s (%d of %d handshakes done): honest client served after %v", attacker, len(held), idle, time.Since(start))
+		for _, c := range held {
+			c.Close()
+		}
+	}
+}
