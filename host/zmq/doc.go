@@ -53,12 +53,14 @@
 //     keeps reconnecting to do that again can delay each such message by
 //     that second.) A bound socket keeps at most MaxConns connections
 //     past their handshake and as many more (at most 1024) in it; when a
-//     new connection finishes its handshake with the socket full, the
+//     new connection finishes its handshake with the socket full, a
 //     source (IP address) holding the most connections gives up its least
-//     recently active one, its own only if idle for 1 s, so no source can
-//     take every slot from another, and idle connections give way to new
-//     ones. A connection that cannot get in is refused before it may send
-//     a message.
+//     recently active one: at once if it holds at least two more than the
+//     new connection's source, otherwise only one idle for 1 s. So no
+//     source can take every slot from another, idle connections give way
+//     to new ones, and active ones are not pushed out by new connections
+//     of their own host. A connection that cannot get in is refused
+//     before it may send a message.
 //   - What all peers send together is bounded too. A bound socket holds
 //     at most its receive budget plus one message, plus 64 KiB for each
 //     connection and each message queued for Recv, of received data:

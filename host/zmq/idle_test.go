@@ -85,12 +85,12 @@ func TestIdleConnectionsDoNotLockOutPeers(t *testing.T) {
 			push := newPush(t, pull.Endpoint())
 			ctx := testCtx(t, 20*time.Second)
 			if err := push.Send(ctx, []byte("real")); err != nil {
-				t.Fatalf("real peer with %d idle connections open: %v", opened, err)
+				t.Fatalf("real peer with %d idle connections opened (%d finished the handshake): %v", idle, opened, err)
 			}
 			if m, err := pull.Recv(ctx); err != nil || string(m[0]) != "real" {
 				t.Fatalf("real peer: %q %v", m, err)
 			}
-			t.Logf("%d idle connections open; the real peer was served after %v", opened, time.Since(start))
+			t.Logf("%d idle connections opened (%d finished the handshake); the real peer was served after %v", idle, opened, time.Since(start))
 		})
 		t.Run("ROUTER from "+attacker, func(t *testing.T) {
 			router := newRouter(t)
@@ -118,9 +118,9 @@ func TestIdleConnectionsDoNotLockOutPeers(t *testing.T) {
 				time.Sleep(100 * time.Millisecond)
 			}
 			if err != nil || string(rep[0]) != "reply" {
-				t.Fatalf("real peer with %d idle connections open: %q %v", opened, rep, err)
+				t.Fatalf("real peer with %d idle connections opened (%d finished the handshake): %q %v", idle, opened, rep, err)
 			}
-			t.Logf("%d idle connections open; the real peer was served after %v", opened, time.Since(start))
+			t.Logf("%d idle connections opened (%d finished the handshake); the real peer was served after %v", idle, opened, time.Since(start))
 		})
 	}
 }
@@ -214,5 +214,43 @@ func TestIdleTimeout(t *testing.T) {
 	}
 	if el := time.Since(start); el < timeout/2 {
 		t.Fatalf("idle peer dropped after %v, want about %v", el, timeout)
+	}
+}
+
+// Many sources with one connection each (many hosts, or an attacker
+// with many addresses): a new source takes no active peer's slot, only
+// the least recently active one idle for evictIdle.
+func TestManySourcesOnlyIdleGiveWay(t *testing.T) {
+	const limit, grace = 4, time.Second
+	pull := newPull(t, WithMaxConns(limit), withEvictIdle(grace))
+	addr := pull.Addr().String()
+	var peers []net.Conn
+	for i := range limit {
+		c, err := idlePeer(addr, fmt.Sprintf("127.0.0.%d", 2+i), typePush)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		peers = append(peers, c)
+	}
+	if c, err := idlePeer(addr, "127.0.0.9", typePush); err == nil {
+		c.Close()
+		t.Fatal("a new source replaced a connection active within evictIdle")
+	}
+	time.Sleep(grace)
+	for _, i := range []int{0, 2, 3} { // peers[1] stays idle
+		peers[i].Write(encodeMessage([][]byte{[]byte("active")}))
+		if _, err := pull.Recv(testCtx(t, 5*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c, err := idlePeer(addr, "127.0.0.9", typePush)
+	if err != nil {
+		t.Fatalf("a new source did not replace the idle connection: %v", err)
+	}
+	defer c.Close()
+	peers[1].SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := peers[1].Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("the idle connection: %v, want EOF (closed)", err)
 	}
 }

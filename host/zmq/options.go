@@ -190,8 +190,9 @@ func WithRecvBudget(n int64) Option {
 // past their handshake; at most as many more (and at most 1024) may be in
 // their handshake, and one past that is closed as soon as it is accepted.
 // A connection that finishes its handshake with the socket full makes
-// room by closing the least recently active connection of the source (IP
-// address) holding the most, its own source's only if idle for a second;
+// room by closing the least recently active connection of a source (IP
+// address) holding the most: at once if that source holds at least two
+// more than the new connection's, otherwise only one idle for a second;
 // with nothing to close it is refused before it may send a message.
 // Refusals are logged, rate-limited. Default: DefaultMaxConns.
 func WithMaxConns(n int) Option {

@@ -22,15 +22,15 @@ const maxPendingHandshakes = 1024
 // a deadline) and then to the socket's read loop.
 //
 // It keeps at most MaxConns connections past their handshake. When a new
-// one finishes its handshake with the socket full, the source (remote IP
+// one finishes its handshake with the socket full, a source (remote IP
 // address) holding the most connections gives one up, the one least
-// recently active that is not in the middle of a message: a source with
-// fewer connections than another therefore always gets in, and a source
-// competing only with itself (everyone on one host) replaces its
-// connections that have been idle for at least evictIdle. With nothing to
-// give up, the new connection is refused before it may send anything
-// (our READY is sent only after this decision, so no message is lost).
-// Connections silent for the idle timeout are closed in any case.
+// recently active that is not in the middle of a message (victimLocked):
+// a source holding fewer than another therefore always gets in, and
+// where sources hold about as many (everyone on one host) connections
+// idle for at least evictIdle give way. With nothing to give up, the new
+// connection is refused before it may send anything (our READY is sent
+// only after this decision, so no message is lost). Connections silent
+// for the idle timeout are closed in any case.
 type server struct {
 	typ  string
 	o    options
@@ -146,6 +146,7 @@ func (s *server) handle(nc net.Conn) {
 	<-s.pending
 	if err != nil {
 		nc.Close()
+		err = fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
 		select {
 		case <-s.done:
 		default:
@@ -212,25 +213,26 @@ func (s *server) admit(c *conn) bool {
 }
 
 // victimLocked picks the connection that gives way to a new one from
-// source src, or nil.
+// source src, or nil: the least recently active connection, not in the
+// middle of a message, of the sources holding the most connections. A
+// source holding at least two more than src gives one up at once;
+// otherwise (src is among the largest, or every source holds about as
+// many: one host, or many hosts with one connection each) only a
+// connection idle for evictIdle gives way, so that new connections
+// cannot push out active peers.
 func (s *server) victimLocked(src string, now time.Time) *conn {
-	big, most := src, len(s.bySource[src])
-	for other, cs := range s.bySource {
-		if len(cs) > most {
-			big, most = other, len(cs)
-		}
+	own, most := len(s.bySource[src]), 0
+	for _, cs := range s.bySource {
+		most = max(most, len(cs))
 	}
-	// A source with fewer connections than another takes one from it at
-	// once; a source competing with itself only replaces idle ones, so
-	// that new connections cannot push out its active peers.
 	var minIdle time.Duration
-	if big == src {
+	if most < own+2 {
 		minIdle = s.o.evictIdle
 	}
 	var victim *conn
 	var oldest int64
-	for c := range s.bySource[big] {
-		if c.inMessage.Load() {
+	for c := range s.conns {
+		if len(s.bySource[c.src]) != most || c.inMessage.Load() {
 			continue
 		}
 		la := c.lastActive.Load()
