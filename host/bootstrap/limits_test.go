@@ -2,13 +2,16 @@ package bootstrap
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -86,5 +89,67 @@ func TestSlowAndOversizedClients(t *testing.T) {
 			t.Fatalf("%d goroutines after Close, %d before:\n%s", runtime.NumGoroutine(), before, buf[:runtime.Stack(buf, true)])
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// lineCounter counts the log lines written through it.
+type lineCounter struct {
+	mu    sync.Mutex
+	lines int
+	last  string
+}
+
+func (l *lineCounter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines += bytes.Count(p, []byte{'\n'})
+	l.last = string(p)
+	return len(p), nil
+}
+
+func (l *lineCounter) count() (int, string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lines, l.last
+}
+
+// A client sending 20,000 bad registrations over one connection writes a
+// bounded number of log lines (it wrote one each, 2.5 MB/s), and what was
+// not written is counted in a line of its own.
+func TestBadRequestFloodIsRateLimited(t *testing.T) {
+	const requests, maxLines = 20000, 200
+	var out lineCounter
+	s := NewServer(WithLogger(slog.New(slog.NewTextHandler(&out, nil))))
+	rs, err := s.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + rs.Addr() + "/route"
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+	start := time.Now()
+	for i := range requests {
+		req, _ := http.NewRequest("PUT", url, strings.NewReader(`{"attn_tp_size": "x"}`))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("request %d: status %d, want 400", i, resp.StatusCode)
+		}
+	}
+	elapsed := time.Since(start)
+	client.CloseIdleConnections()
+	if err := rs.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	lines, last := out.count()
+	t.Logf("%d bad requests in %v: %d log lines", requests, elapsed, lines)
+	if lines > maxLines {
+		t.Fatalf("%d log lines for %d bad requests, want at most %d", lines, requests, maxLines)
+	}
+	if !strings.Contains(last, "suppressed") {
+		t.Fatalf("the suppressed lines were not reported; last line %q", last)
 	}
 }

@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
 // DefaultEntryTTL is how long a room's registered DP rank is kept
@@ -71,9 +73,11 @@ type layout struct {
 // ranks (SGLang counts PUTs, so a rank registering twice could make an
 // incomplete deployment look ready).
 type Server struct {
-	log *slog.Logger
-	ttl time.Duration
-	now func() time.Time
+	// log is rate-limited (ratelog): a client can trigger its lines.
+	log  *slog.Logger
+	rlog *ratelog.Logger
+	ttl  time.Duration
+	now  func() time.Time
 
 	limits httpLimits // for Start
 
@@ -129,7 +133,8 @@ func NewServer(opts ...ServerOption) *Server {
 	for _, o := range opts {
 		o(s)
 	}
-	s.log = s.log.With("component", "bootstrap_server")
+	s.rlog = ratelog.New(s.log)
+	s.log = s.rlog.With("component", "bootstrap_server")
 	return s
 }
 
@@ -560,8 +565,9 @@ type Running struct {
 	hs    *http.Server
 	ln    net.Listener
 	log   *slog.Logger
-	grace time.Duration // see httpLimits.closeGrace
-	done  chan error    // Serve's result
+	rlog  *ratelog.Logger // the server's, flushed by Close
+	grace time.Duration   // see httpLimits.closeGrace
+	done  chan error      // Serve's result
 
 	mu      sync.Mutex
 	conns   map[net.Conn]http.ConnState // open connections and their states
@@ -585,6 +591,7 @@ func (s *Server) Start(addr string) (*Running, error) {
 	rs := &Running{
 		ln:      ln,
 		log:     s.log,
+		rlog:    s.rlog,
 		grace:   s.limits.closeGrace,
 		done:    make(chan error, 1),
 		conns:   make(map[net.Conn]http.ConnState),
@@ -686,6 +693,7 @@ func (rs *Running) Close(ctx context.Context) error {
 		if rs.closeErr == nil {
 			rs.closeErr = ctx.Err()
 		}
+		rs.rlog.Close() // report what was suppressed
 	})
 	return rs.closeErr
 }

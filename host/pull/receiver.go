@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 	"github.com/kvhost/kvhost/host/zmq"
@@ -168,7 +169,8 @@ type PeerInfo struct {
 // concurrent use.
 type Receiver struct {
 	cfg      ReceiverConfig
-	log      *slog.Logger
+	log      *slog.Logger    // rate-limited: peers can trigger its lines
+	rlog     *ratelog.Logger // log's limiter, flushed by Close
 	obs      Observer
 	local    planner.VLLMDecode
 	regions  []*plugin.Region
@@ -339,7 +341,8 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if r.log == nil {
 		r.log = slog.Default()
 	}
-	r.log = r.log.With("component", "pull_receiver", "engine_id", cfg.EngineID, "tp_rank", cfg.TPRank)
+	r.rlog = ratelog.New(r.log)
+	r.log = r.rlog.With("component", "pull_receiver", "engine_id", cfg.EngineID, "tp_rank", cfg.TPRank)
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
@@ -1018,5 +1021,6 @@ func (r *Receiver) Close() error {
 	if err := r.cfg.Agent.Deregister(r.regions...); err != nil {
 		errs = append(errs, fmt.Errorf("pull: deregister KV cache: %w", err))
 	}
+	r.rlog.Close()
 	return errors.Join(errs...)
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 	"github.com/kvhost/kvhost/host/zmq"
@@ -127,7 +128,8 @@ type SenderCounts struct {
 // use.
 type Sender struct {
 	cfg    SenderConfig
-	log    *slog.Logger
+	log    *slog.Logger    // rate-limited: peers can trigger its lines
+	rlog   *ratelog.Logger // log's limiter, flushed by Close
 	obs    Observer
 	ranks  []senderRank
 	server *vllm.HandshakeServer
@@ -211,7 +213,8 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 	if s.log == nil {
 		s.log = slog.Default()
 	}
-	s.log = s.log.With("component", "pull_sender", "engine_id", cfg.EngineID)
+	s.rlog = ratelog.New(s.log)
+	s.log = s.rlog.With("component", "pull_sender", "engine_id", cfg.EngineID)
 	if s.obs == nil {
 		s.obs = NopObserver{}
 	}
@@ -600,6 +603,7 @@ func (s *Sender) Close() error {
 	close(s.stop)
 	<-s.done
 	err := s.server.Close()
+	s.rlog.Close()
 	return errors.Join(err, s.deregister())
 }
 

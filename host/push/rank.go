@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push/rooms"
 	"github.com/kvhost/kvhost/host/zmq"
@@ -24,7 +25,8 @@ import (
 // goroutines serving them (in wg, ended by ctx).
 type rank struct {
 	set   Settings
-	log   *slog.Logger
+	log   *slog.Logger    // rate-limited: peers can trigger most of its lines
+	rlog  *ratelog.Logger // log's limiter, flushed by shutdown
 	obs   Observer
 	agent *plugin.Agent
 	regs  *registered
@@ -79,7 +81,8 @@ func (r *rank) open(s rankSetup) error {
 	if r.log == nil {
 		r.log = slog.Default()
 	}
-	r.log = r.log.With("role", s.role.String(), "tp", s.parallel.TPRank, "pp", s.parallel.PPRank)
+	r.rlog = ratelog.New(r.log)
+	r.log = r.rlog.With("role", s.role.String(), "tp", s.parallel.TPRank, "pp", s.parallel.PPRank)
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
@@ -186,6 +189,7 @@ func (r *rank) shutdown() error {
 		errs = append(errs, r.push.Close())
 	}
 	errs = append(errs, r.agent.Close())
+	r.rlog.Close()
 	return errors.Join(errs...)
 }
 
@@ -209,27 +213,14 @@ func uniqueName(role string, p Parallel) string {
 	return fmt.Sprintf("kvhost-%s-dp%d-tp%d-pp%d-pid%d-%s", role, p.DPRank, p.TPRank, p.PPRank, os.Getpid(), hex.EncodeToString(b[:]))
 }
 
-// dropLog logs dropped messages, at most one line per second with a count
-// of what was dropped in between, so a hostile peer cannot flood the log.
+// dropLog counts dropped messages and logs each through the rank's
+// rate-limited logger, so a hostile peer cannot flood the log.
 type dropLog struct {
-	log     *slog.Logger
-	mu      sync.Mutex
-	last    time.Time
-	skipped int
-	total   atomic.Int64
+	log   *slog.Logger
+	total atomic.Int64
 }
 
 func (d *dropLog) drop(what string, err error) {
 	d.total.Add(1)
-	d.mu.Lock()
-	now := time.Now()
-	if now.Sub(d.last) < time.Second {
-		d.skipped++
-		d.mu.Unlock()
-		return
-	}
-	skipped := d.skipped
-	d.skipped, d.last = 0, now
-	d.mu.Unlock()
-	d.log.Warn("dropped "+what, "err", err, "dropped_since_last_log", skipped)
+	d.log.Warn("dropped "+what, "err", err)
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -26,10 +27,23 @@ type conn struct {
 	lim      limits
 	peerType string
 	peer     string // remote address, for logs
+	sent     bool   // our READY was sent (handshake only)
 	// msgTimeout, when positive, bounds how long the rest of a message may
-	// take once its first byte arrived (set on accepted connections, whose
-	// peers we do not choose). Waiting for a message has no bound.
-	msgTimeout time.Duration
+	// take once its first byte arrived, and idleTimeout, when positive,
+	// how long the peer may stay silent between messages (both set on
+	// accepted connections, whose peers we do not choose).
+	msgTimeout  time.Duration
+	idleTimeout time.Duration
+
+	// Accepted connections: src is the peer's IP address (the "source"
+	// the server's connection limit is shared fairly between);
+	// lastActive (unix ns) is when the peer last began or finished a
+	// message, or finished its handshake; inMessage is set while a
+	// message is being read. The read loop writes them, the server's
+	// eviction reads them.
+	src        string
+	lastActive atomic.Int64
+	inMessage  atomic.Bool
 
 	// budget, when set (connections of bound sockets), is charged for the
 	// memory of every received message before it is allocated; stop ends
@@ -38,6 +52,14 @@ type conn struct {
 	budget *recvBudget
 	stop   <-chan struct{}
 	held   int64
+	// Guarded by budget.mu: waiting is set while the read loop waits for
+	// the budget; contendBy is when the message being read must be
+	// finished because another connection waits for the budget (zero:
+	// no such bound). contended mirrors contendBy != 0 for the read
+	// loop's error message.
+	waiting   bool
+	contendBy time.Time
+	contended atomic.Bool
 
 	wmu sync.Mutex
 
@@ -48,7 +70,10 @@ type conn struct {
 // handshake runs the ZMTP greeting and READY exchange on nc as a socket of
 // type local, all under one deadline. On failure nc is closed.
 func handshake(nc net.Conn, local string, o *options) (*conn, error) {
-	c, err := handshakeConn(nc, local, o)
+	c, err := handshakeConn(nc, local, o, false)
+	if err == nil {
+		err = c.finishHandshake(local, o)
+	}
 	if err != nil {
 		nc.Close()
 		return nil, fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
@@ -56,7 +81,12 @@ func handshake(nc net.Conn, local string, o *options) (*conn, error) {
 	return c, nil
 }
 
-func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
+// handshakeConn runs the handshake up to the peer's READY. A connecting
+// socket sends its READY first, as libzmq does; a bound one (peerFirst)
+// reads the peer's READY before it sends its own, so that it can still
+// refuse the connection (see server.admit) before the peer may send a
+// message, which would otherwise be lost. finishHandshake completes it.
+func handshakeConn(nc net.Conn, local string, o *options, peerFirst bool) (*conn, error) {
 	if err := nc.SetDeadline(time.Now().Add(o.handshakeTimeout)); err != nil {
 		return nil, err
 	}
@@ -71,8 +101,18 @@ func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
 	if err := checkGreeting(g); err != nil {
 		return nil, err
 	}
-	if _, err := nc.Write(encodeCommand("READY", readyMetadata(local))); err != nil {
-		return nil, err
+	c := &conn{
+		nc:   nc,
+		r:    r,
+		lim:  limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames},
+		peer: nc.RemoteAddr().String(),
+		done: make(chan struct{}),
+	}
+	if !peerFirst {
+		if err := c.sendReady(local); err != nil {
+			return nil, err
+		}
+		c.sent = true
 	}
 	// Until READY, only a command is acceptable: a data frame larger than a
 	// command is refused by its header instead of being read (under the
@@ -95,27 +135,39 @@ func handshakeConn(nc net.Conn, local string, o *options) (*conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	peerType := strings.ToUpper(string(props["socket-type"]))
-	if !compatible(local, peerType) {
+	c.peerType = strings.ToUpper(string(props["socket-type"]))
+	if !compatible(local, c.peerType) {
 		// Tell the peer why, as libzmq does, then give up.
 		nc.Write(encodeCommand("ERROR", errorBody("Invalid socket type")))
-		return nil, protoErr("peer socket type %q cannot talk to %s", peerType, local)
+		return nil, protoErr("peer socket type %q cannot talk to %s", c.peerType, local)
 	}
-	if err := nc.SetDeadline(time.Time{}); err != nil {
-		return nil, err
+	return c, nil
+}
+
+// sendReady writes our READY command.
+func (c *conn) sendReady(local string) error {
+	_, err := c.nc.Write(encodeCommand("READY", readyMetadata(local)))
+	return err
+}
+
+// finishHandshake sends our READY if the peer's came first, then lifts
+// the handshake deadline and turns on TCP keep-alives.
+func (c *conn) finishHandshake(local string, o *options) error {
+	if !c.sent {
+		if err := c.sendReady(local); err != nil {
+			return err
+		}
+		c.sent = true
 	}
-	if tc, ok := nc.(*net.TCPConn); ok && o.keepAlive > 0 {
+	if err := c.nc.SetDeadline(time.Time{}); err != nil {
+		return err
+	}
+	if tc, ok := c.nc.(*net.TCPConn); ok && o.keepAlive > 0 {
 		tc.SetKeepAlive(true)
 		tc.SetKeepAlivePeriod(o.keepAlive)
 	}
-	return &conn{
-		nc:       nc,
-		r:        r,
-		lim:      limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames},
-		peerType: peerType,
-		peer:     nc.RemoteAddr().String(),
-		done:     make(chan struct{}),
-	}, nil
+	c.lastActive.Store(time.Now().UnixNano())
+	return nil
 }
 
 func errorBody(reason string) []byte {
@@ -141,16 +193,12 @@ func (c *conn) useBudget(b *recvBudget, stop <-chan struct{}) {
 
 // reserve charges n bytes of the message being read to the budget. Time
 // spent waiting for the budget is the socket's, not the peer's: the
-// message deadline starts afresh after a wait.
+// message deadline starts afresh after a wait (recvBudget.reserve).
 func (c *conn) reserve(n int64) error {
-	waited, err := c.budget.reserve(c, c.held, n, c.stop)
-	if err != nil {
+	if err := c.budget.reserve(c, c.held, n, c.stop); err != nil {
 		return err
 	}
 	c.held += n
-	if waited > 0 && c.msgTimeout > 0 {
-		return c.nc.SetReadDeadline(time.Now().Add(c.msgTimeout))
-	}
 	return nil
 }
 
@@ -190,28 +238,51 @@ func (c *conn) recv() ([][]byte, int64, error) {
 	}
 }
 
+// errIdle ends a connection whose peer stayed silent for idleTimeout.
+var errIdle = errors.New("zmq: peer idle")
+
 // readMessage reads the next message or command, within msgTimeout of its
 // first byte when that is set: a peer that starts a message and stalls (a
 // slowloris) is dropped instead of holding its goroutine and partial
-// message forever.
+// message forever. A peer silent between messages for idleTimeout is
+// dropped too.
 func (c *conn) readMessage() ([][]byte, *command, error) {
 	if c.msgTimeout <= 0 {
 		return readMessage(c.r, c.lim)
 	}
-	if _, err := c.r.Peek(1); err != nil {
+	// Also lifts a deadline the budget may have set for the message
+	// before (recvBudget.reserve): it is over.
+	var idleUntil time.Time
+	if c.idleTimeout > 0 {
+		idleUntil = time.Now().Add(c.idleTimeout)
+	}
+	if err := c.nc.SetReadDeadline(idleUntil); err != nil {
 		return nil, nil, err
 	}
+	if _, err := c.r.Peek(1); err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = fmt.Errorf("%w for %v", errIdle, c.idleTimeout)
+		}
+		return nil, nil, err
+	}
+	c.lastActive.Store(time.Now().UnixNano())
+	c.inMessage.Store(true)
+	defer func() {
+		c.inMessage.Store(false)
+		c.lastActive.Store(time.Now().UnixNano())
+	}()
 	if err := c.nc.SetReadDeadline(time.Now().Add(c.msgTimeout)); err != nil {
 		return nil, nil, err
 	}
 	frames, cmd, err := readMessage(c.r, c.lim)
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) {
-			err = fmt.Errorf("peer did not finish a message within %v: %w", c.msgTimeout, err)
+			if c.contended.Load() {
+				err = fmt.Errorf("peer did not finish a message while others waited for the receive budget: %w", err)
+			} else {
+				err = fmt.Errorf("peer did not finish a message within %v: %w", c.msgTimeout, err)
+			}
 		}
-		return nil, nil, err
-	}
-	if err := c.nc.SetReadDeadline(time.Time{}); err != nil {
 		return nil, nil, err
 	}
 	return frames, cmd, nil

@@ -43,14 +43,34 @@
 //     socket (PULL, ROUTER) that starts a message must finish it within
 //     30 s or is dropped (time the socket itself spends waiting for its
 //     receive budget does not count); between messages a peer may stay
-//     idle, as with libzmq.
-//   - What all peers send together is bounded too. A bound socket keeps
-//     at most MaxConns connections (more are refused) and holds at most
-//     its receive budget plus one message of received data, queued or
-//     being read: while the budget is spent it stops reading, so the
+//     idle up to the idle timeout (DefaultIdleTimeout, 5 min), after which
+//     it is dropped (libzmq peers and Push reconnect when they next send).
+//   - One peer cannot hold up the others. A message of at most 64 KiB
+//     never waits for the receive budget; a larger one waits at most
+//     about 1 s for peers that hold part of the budget with unfinished
+//     messages: while a message waits, every connection holding part of
+//     a message must finish it within 1 s or is dropped. (A peer that
+//     keeps reconnecting to do that again can delay each such message by
+//     that second.) A bound socket keeps at most MaxConns connections
+//     past their handshake and as many more (at most 1024) in it; when a
+//     new connection finishes its handshake with the socket full, a
+//     source (IP address) holding the most connections gives up its least
+//     recently active one: at once if it holds at least two more than the
+//     new connection's source, otherwise only one idle for 1 s. So no
+//     source can take every slot from another, idle connections give way
+//     to new ones, and active ones are not pushed out by new connections
+//     of their own host. A connection that cannot get in is refused
+//     before it may send a message.
+//   - What all peers send together is bounded too. A bound socket holds
+//     at most its receive budget plus one message, plus 64 KiB for each
+//     connection and each message queued for Recv, of received data:
+//     while the budget is spent it stops reading larger messages, so the
 //     senders are held back by TCP flow control, and nothing is dropped.
-//     With the defaults that is at most about 256 MiB per socket (see
-//     the Default constants).
+//     With the defaults that is at most about 264 MiB of messages and
+//     128 MiB of read buffers (64 KiB per connection, handshakes
+//     included) per socket (see the Default constants).
+//   - Every log line a peer can trigger is rate-limited
+//     (host/internal/ratelog), with a count of what was suppressed.
 //   - Push.Send returns nil only after the whole message was handed to the
 //     kernel on a live connection. A failed write closes the connection and
 //     the message is re-sent on a new one (a partially written message is

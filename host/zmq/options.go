@@ -7,9 +7,10 @@ import (
 
 // Defaults of the options, sized for a control plane: every bound socket
 // (PULL, ROUTER) holds at most DefaultRecvBudget + DefaultMaxMessageSize
-// bytes of received messages plus a 64 KiB read buffer per connection
-// (DefaultMaxConns of them): about 256 MiB at worst, whatever its peers
-// send.
+// bytes of received messages, plus 64 KiB per connection and per message
+// queued for Recv (DefaultMaxConns and DefaultRecvQueue of them), plus a
+// 64 KiB read buffer per connection (DefaultMaxConns, and as many in
+// their handshake): about 400 MiB at worst, whatever its peers send.
 //
 // The largest legitimate messages are SGLang's: a NIXL KV registration
 // carries the agent's metadata blob (connection info plus a serialized
@@ -27,11 +28,16 @@ const (
 	// DefaultRecvBudget bounds, in bytes, the received messages a bound
 	// socket holds (queued for Recv or being read): two of the largest.
 	DefaultRecvBudget = 2 * DefaultMaxMessageSize
-	// DefaultMaxConns bounds the connections of a bound socket, handshakes
-	// included. A prefill rank's PULL socket has one per decode rank
-	// that talks to it (hundreds in a large deployment); a vLLM handshake
-	// ROUTER one per decode worker in its handshake.
+	// DefaultMaxConns bounds the connections of a bound socket past their
+	// handshake (as many more may be in their handshake). A prefill
+	// rank's PULL socket has one per decode rank that talks to it
+	// (hundreds in a large deployment); a vLLM handshake ROUTER one per
+	// decode worker in its handshake.
 	DefaultMaxConns = 1024
+	// DefaultIdleTimeout closes a bound socket's connection whose peer
+	// sent nothing for that long. libzmq peers and Push reconnect by
+	// themselves when they next send.
+	DefaultIdleTimeout = 5 * time.Minute
 	// DefaultSendQueue bounds the messages Router.Enqueue keeps waiting
 	// for one peer. A REQ peer has one request, so one reply, at a time;
 	// a peer with this many waiting is not reading them.
@@ -47,6 +53,22 @@ const (
 // messages are at most a few megabytes; a peer that takes longer is stuck
 // or hostile.
 const messageTimeout = 30 * time.Second
+
+// evictIdle is how long a connection must have been idle before a new
+// connection from the same source may replace it on a full socket (see
+// server): long enough that active peers are never pushed out by new
+// connections of their own host, short enough that a peer locked out by
+// idle connections gets in on its next reconnect attempt.
+const evictIdle = time.Second
+
+// contendedTimeout bounds how long a connection may keep part of a
+// message in the receive budget while another connection waits for the
+// budget: it must finish its message within that time of the wait's
+// start, or is dropped (see recvBudget). This happens only while the
+// budget is spent (DefaultRecvBudget: 128 MiB of messages in flight), and
+// a control message of tens of megabytes takes milliseconds on the links
+// kvhost runs over.
+const contendedTimeout = time.Second
 
 // Option configures a socket.
 type Option func(*options)
@@ -64,7 +86,10 @@ type options struct {
 	reconnectMin     time.Duration
 	reconnectMax     time.Duration
 	keepAlive        time.Duration
+	idleTimeout      time.Duration
 	messageTimeout   time.Duration // see messageTimeout; tests shorten it
+	evictIdle        time.Duration // see evictIdle; tests shorten it
+	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
 }
 
 func buildOptions(opts []Option) options {
@@ -81,7 +106,10 @@ func buildOptions(opts []Option) options {
 		reconnectMin:     DefaultReconnectMin,
 		reconnectMax:     DefaultReconnectMax,
 		keepAlive:        DefaultKeepAlive,
+		idleTimeout:      DefaultIdleTimeout,
 		messageTimeout:   messageTimeout,
+		evictIdle:        evictIdle,
+		contendedTimeout: contendedTimeout,
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -90,7 +118,9 @@ func buildOptions(opts []Option) options {
 }
 
 // WithLogger sets the logger for connection-level events (peers rejected,
-// protocol violations, reconnects). Default: slog.Default().
+// protocol violations, reconnects). A socket writes through it
+// rate-limited (host/internal/ratelog), since peers trigger these lines.
+// Default: slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(o *options) {
 		if l != nil {
@@ -157,13 +187,28 @@ func WithRecvBudget(n int64) Option {
 }
 
 // WithMaxConns bounds the connections a PULL or ROUTER socket keeps open
-// at once, handshakes in progress included. A connection past the bound is
-// closed as soon as it is accepted, with a log line (at most one a second,
-// counting the others). Default: DefaultMaxConns.
+// past their handshake; at most as many more (and at most 1024) may be in
+// their handshake, and one past that is closed as soon as it is accepted.
+// A connection that finishes its handshake with the socket full makes
+// room by closing the least recently active connection of a source (IP
+// address) holding the most: at once if that source holds at least two
+// more than the new connection's, otherwise only one idle for a second;
+// with nothing to close it is refused before it may send a message.
+// Refusals are logged, rate-limited. Default: DefaultMaxConns.
 func WithMaxConns(n int) Option {
 	return func(o *options) {
 		if n > 0 {
 			o.maxConns = n
+		}
+	}
+}
+
+// WithIdleTimeout closes a PULL or ROUTER socket's connection whose peer
+// sends nothing for d (zero: never). Default: DefaultIdleTimeout.
+func WithIdleTimeout(d time.Duration) Option {
+	return func(o *options) {
+		if d >= 0 {
+			o.idleTimeout = d
 		}
 	}
 }

@@ -26,7 +26,7 @@ type received struct {
 // "tcp://*:port"; port 0 picks a free port, see Endpoint).
 func ListenPull(endpoint string, opts ...Option) (*Pull, error) {
 	o := buildOptions(opts)
-	p := &Pull{msgs: make(chan received, o.recvQueue), budget: newRecvBudget(o.recvBudget)}
+	p := &Pull{msgs: make(chan received, o.recvQueue), budget: newRecvBudget(o.recvBudget, o.contendedTimeout)}
 	srv, err := listen(endpoint, typePull, o, p.serve)
 	if err != nil {
 		return nil, err

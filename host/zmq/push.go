@@ -8,6 +8,8 @@ import (
 	"net"
 	"sync"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
 // Push is a PUSH socket connected to exactly one endpoint (SGLang keeps
@@ -19,7 +21,8 @@ type Push struct {
 	endpoint string
 	addr     string
 	o        options
-	log      *slog.Logger
+	log      *slog.Logger    // rate-limited: the peer can trigger its lines
+	rlog     *ratelog.Logger // log's limiter, flushed by Close
 
 	life context.Context // cancelled by Close; interrupts Sends
 	kill context.CancelFunc
@@ -39,11 +42,13 @@ func DialPush(endpoint string, opts ...Option) (*Push, error) {
 	}
 	o := buildOptions(opts)
 	life, kill := context.WithCancel(context.Background())
+	rlog := ratelog.New(o.logger)
 	return &Push{
 		endpoint: endpoint,
 		addr:     addr,
 		o:        o,
-		log:      o.logger.With("zmq_socket", typePush, "zmq_endpoint", endpoint),
+		log:      rlog.With("zmq_socket", typePush, "zmq_endpoint", endpoint),
+		rlog:     rlog,
 		life:     life,
 		kill:     kill,
 	}, nil
@@ -180,5 +185,6 @@ func (p *Push) Close() error {
 	}
 	p.mu.Unlock()
 	p.wg.Wait()
+	p.rlog.Close()
 	return nil
 }

@@ -60,7 +60,7 @@ type routerPeer struct {
 // ListenRouter binds a ROUTER socket to endpoint.
 func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 	o := buildOptions(opts)
-	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget), peers: make(map[string]*routerPeer)}
+	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget, o.contendedTimeout), peers: make(map[string]*routerPeer)}
 	srv, err := listen(endpoint, typeRouter, o, r.serve)
 	if err != nil {
 		return nil, err

@@ -2,25 +2,40 @@ package zmq
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
 // maxPendingHandshakes bounds connections that have not finished their
-// handshake yet; more are closed at once, so a flood of silent TCP clients
-// costs at most this many goroutines for one handshake timeout each.
+// handshake yet (and MaxConns, when that is lower); more are closed at
+// once, so a flood of silent TCP clients costs at most this many
+// goroutines for one handshake timeout each.
 const maxPendingHandshakes = 1024
 
 // server is the listening half shared by Pull and Router: an accept loop
 // that hands each connection to its own goroutine for the handshake (under
 // a deadline) and then to the socket's read loop.
+//
+// It keeps at most MaxConns connections past their handshake. When a new
+// one finishes its handshake with the socket full, a source (remote IP
+// address) holding the most connections gives one up, the one least
+// recently active that is not in the middle of a message (victimLocked):
+// a source holding fewer than another therefore always gets in, and
+// where sources hold about as many (everyone on one host) connections
+// idle for at least evictIdle give way. With nothing to give up, the new
+// connection is refused before it may send anything (our READY is sent
+// only after this decision, so no message is lost). Connections silent
+// for the idle timeout are closed in any case.
 type server struct {
 	typ  string
 	o    options
-	log  *slog.Logger
+	log  *slog.Logger    // rate-limited: peers trigger its lines
+	rlog *ratelog.Logger // log's limiter, flushed by close
 	ln   net.Listener
 	addr string // connectable endpoint of ln
 
@@ -29,17 +44,13 @@ type server struct {
 	serve func(c *conn)
 
 	pending chan struct{} // semaphore of handshakes in progress
-	live    atomic.Int64  // connections accepted and not yet ended (≤ o.maxConns)
-
-	// Refusals are logged at most once a second; the accept loop alone
-	// touches these.
-	lastRefusalLog time.Time
-	refusedQuietly int
 
 	done      chan struct{}
 	closeOnce sync.Once
 	mu        sync.Mutex
-	conns     map[*conn]struct{}
+	conns     map[*conn]struct{}            // past their handshake (≤ o.maxConns)
+	bySource  map[string]map[*conn]struct{} // conns by c.src
+	evicted   int                           // connections closed to make room (tests)
 	wg        sync.WaitGroup
 }
 
@@ -53,16 +64,19 @@ func listen(endpoint, typ string, o options, serve func(*conn)) (*server, error)
 	if err != nil {
 		return nil, err
 	}
+	rlog := ratelog.New(o.logger)
 	s := &server{
-		typ:     typ,
-		o:       o,
-		log:     o.logger.With("zmq_socket", typ, "zmq_endpoint", endpointOf(ln.Addr())),
-		ln:      ln,
-		addr:    endpointOf(ln.Addr()),
-		serve:   serve,
-		pending: make(chan struct{}, maxPendingHandshakes),
-		done:    make(chan struct{}),
-		conns:   make(map[*conn]struct{}),
+		typ:      typ,
+		o:        o,
+		log:      rlog.With("zmq_socket", typ, "zmq_endpoint", endpointOf(ln.Addr())),
+		rlog:     rlog,
+		ln:       ln,
+		addr:     endpointOf(ln.Addr()),
+		serve:    serve,
+		pending:  make(chan struct{}, min(maxPendingHandshakes, o.maxConns)),
+		done:     make(chan struct{}),
+		conns:    make(map[*conn]struct{}),
+		bySource: make(map[string]map[*conn]struct{}),
 	}
 	return s, nil
 }
@@ -98,40 +112,26 @@ func (s *server) acceptLoop() {
 			continue
 		}
 		backoff = 5 * time.Millisecond
-		if s.live.Load() >= int64(s.o.maxConns) {
-			s.refuse(nc, "zmq connection limit reached; refusing a connection", "max_conns", s.o.maxConns)
-			continue
-		}
 		select {
 		case s.pending <- struct{}{}:
 		default:
-			s.refuse(nc, "zmq too many connections in handshake; refusing a connection", "max_handshakes", maxPendingHandshakes)
+			s.refuse(nc, "zmq too many connections in handshake; refusing a connection", "max_handshakes", cap(s.pending))
 			continue
 		}
-		s.live.Add(1)
 		s.wg.Add(1)
 		go s.handle(nc)
 	}
 }
 
-// refuse closes a connection the socket will not serve and logs it, at
-// most once a second: a flood of connections must not flood the log.
+// refuse closes a connection the socket will not serve and logs it
+// (rate-limited: a flood of connections must not flood the log).
 func (s *server) refuse(nc net.Conn, msg string, args ...any) {
 	nc.Close()
-	now := time.Now()
-	if now.Sub(s.lastRefusalLog) < time.Second {
-		s.refusedQuietly++
-		return
-	}
-	args = append(args, "peer", nc.RemoteAddr(), "unlogged_refusals", s.refusedQuietly)
-	s.log.Warn(msg, args...)
-	s.lastRefusalLog = now
-	s.refusedQuietly = 0
+	s.log.Warn(msg, append(args, "peer", nc.RemoteAddr())...)
 }
 
 func (s *server) handle(nc net.Conn) {
 	defer s.wg.Done()
-	defer s.live.Add(-1)
 	// Closing the server interrupts a handshake in progress.
 	handshaking := make(chan struct{})
 	go func() {
@@ -141,10 +141,12 @@ func (s *server) handle(nc net.Conn) {
 		case <-handshaking:
 		}
 	}()
-	c, err := handshake(nc, s.typ, &s.o)
+	c, err := handshakeConn(nc, s.typ, &s.o, true)
 	close(handshaking)
 	<-s.pending
 	if err != nil {
+		nc.Close()
+		err = fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
 		select {
 		case <-s.done:
 		default:
@@ -152,17 +154,33 @@ func (s *server) handle(nc net.Conn) {
 		}
 		return
 	}
-	c.msgTimeout = s.o.messageTimeout
-	if !s.track(c) {
-		c.close()
+	c.msgTimeout, c.idleTimeout = s.o.messageTimeout, s.o.idleTimeout
+	c.src = sourceOf(nc.RemoteAddr())
+	c.lastActive.Store(time.Now().UnixNano())
+	if !s.admit(c) {
+		nc.Close()
 		return
 	}
 	defer s.untrack(c)
+	if err := c.finishHandshake(s.typ, &s.o); err != nil {
+		s.readError(c, fmt.Errorf("zmq: handshake with %s: %w", c.peer, err))
+		return
+	}
 	s.serve(c)
 }
 
-// track registers c; false when the server is already closed.
-func (s *server) track(c *conn) bool {
+// sourceOf is what the connection limit is shared fairly between: the
+// peer's IP address.
+func sourceOf(a net.Addr) string {
+	if ta, ok := a.(*net.TCPAddr); ok {
+		return ta.IP.String()
+	}
+	return a.String()
+}
+
+// admit tracks c, making room for it when the socket is full (see
+// server); false when it is refused or the server is closed.
+func (s *server) admit(c *conn) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	select {
@@ -170,14 +188,80 @@ func (s *server) track(c *conn) bool {
 		return false
 	default:
 	}
+	if len(s.conns) >= s.o.maxConns {
+		v := s.victimLocked(c.src, time.Now())
+		if v == nil {
+			s.log.Warn("zmq connection limit reached and no connection can give way; refusing a connection",
+				"max_conns", s.o.maxConns, "peer", c.peer)
+			return false
+		}
+		s.log.Info("zmq connection limit reached; closing the least recently active connection of the source holding the most",
+			"max_conns", s.o.maxConns, "closed", v.peer, "idle", time.Since(time.Unix(0, v.lastActive.Load())).Round(time.Millisecond),
+			"source_conns", len(s.bySource[v.src]), "peer", c.peer)
+		s.evicted++
+		s.forgetLocked(v)
+		v.close() // its read loop ends and untracks it (a no-op by then)
+	}
 	s.conns[c] = struct{}{}
+	m := s.bySource[c.src]
+	if m == nil {
+		m = make(map[*conn]struct{})
+		s.bySource[c.src] = m
+	}
+	m[c] = struct{}{}
 	return true
+}
+
+// victimLocked picks the connection that gives way to a new one from
+// source src, or nil: the least recently active connection, not in the
+// middle of a message, of the sources holding the most connections. A
+// source holding at least two more than src gives one up at once;
+// otherwise (src is among the largest, or every source holds about as
+// many: one host, or many hosts with one connection each) only a
+// connection idle for evictIdle gives way, so that new connections
+// cannot push out active peers.
+func (s *server) victimLocked(src string, now time.Time) *conn {
+	own, most := len(s.bySource[src]), 0
+	for _, cs := range s.bySource {
+		most = max(most, len(cs))
+	}
+	var minIdle time.Duration
+	if most < own+2 {
+		minIdle = s.o.evictIdle
+	}
+	var victim *conn
+	var oldest int64
+	for c := range s.conns {
+		if len(s.bySource[c.src]) != most || c.inMessage.Load() {
+			continue
+		}
+		la := c.lastActive.Load()
+		if now.Sub(time.Unix(0, la)) < minIdle {
+			continue
+		}
+		if victim == nil || la < oldest {
+			victim, oldest = c, la
+		}
+	}
+	return victim
+}
+
+func (s *server) forgetLocked(c *conn) {
+	if _, ok := s.conns[c]; !ok {
+		return
+	}
+	delete(s.conns, c)
+	m := s.bySource[c.src]
+	delete(m, c)
+	if len(m) == 0 {
+		delete(s.bySource, c.src)
+	}
 }
 
 func (s *server) untrack(c *conn) {
 	c.close()
 	s.mu.Lock()
-	delete(s.conns, c)
+	s.forgetLocked(c)
 	s.mu.Unlock()
 }
 
@@ -190,7 +274,7 @@ func (s *server) readError(c *conn, err error) {
 		return
 	default:
 	}
-	if isClosedErr(err) {
+	if isClosedErr(err) || errors.Is(err, errIdle) {
 		s.log.Debug("zmq peer disconnected", "peer", c.peer, "err", err)
 		return
 	}
@@ -214,6 +298,7 @@ func (s *server) close() error {
 			c.close()
 		}
 		s.wg.Wait()
+		s.rlog.Close()
 	})
 	return err
 }

@@ -13,6 +13,14 @@ func withMessageTimeout(d time.Duration) Option {
 	return func(o *options) { o.messageTimeout = d }
 }
 
+func withEvictIdle(d time.Duration) Option {
+	return func(o *options) { o.evictIdle = d }
+}
+
+func withContendedTimeout(d time.Duration) Option {
+	return func(o *options) { o.contendedTimeout = d }
+}
+
 // rawPeer completes a ZMTP handshake by hand as a socket of type typ and
 // returns the connection, positioned after the server's READY.
 func rawPeer(t *testing.T, addr, typ string) (net.Conn, *bufio.Reader) {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/zmq"
 )
 
@@ -32,14 +33,16 @@ const maxRequestMessage = 4 << 10
 // handshake payload of that TP rank (vLLM's _nixl_handshake_listener).
 // It serves any number of clients; a request it cannot answer (garbage,
 // wrong tag, unknown rank, no frame or more than one after the REQ
-// delimiter) is logged and refused with an empty reply, so a REQ client fails at once
-// instead of waiting for its timeout, and the server keeps serving.
+// delimiter) is logged (rate-limited) and refused with an empty reply, so
+// a REQ client fails at once instead of waiting for its timeout, and the
+// server keeps serving.
 // Replies never block the server: a client that does not read them only
 // loses its own (and its connection after replyTimeout).
 type HandshakeServer struct {
 	router   *zmq.Router
 	payloads map[int][]byte
-	log      *slog.Logger
+	log      *slog.Logger    // rate-limited: a client can trigger its lines
+	rlog     *ratelog.Logger // log's limiter, flushed by Close
 	done     chan struct{}
 	wg       sync.WaitGroup
 }
@@ -60,10 +63,12 @@ func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger,
 	if err != nil {
 		return nil, err
 	}
+	rlog := ratelog.New(log)
 	s := &HandshakeServer{
 		router:   r,
 		payloads: maps.Clone(payloads),
-		log:      log.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
+		log:      rlog.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
+		rlog:     rlog,
 		done:     make(chan struct{}),
 	}
 	s.wg.Add(1)
@@ -134,5 +139,6 @@ func (s *HandshakeServer) Close() error {
 	close(s.done)
 	err := s.router.Close()
 	s.wg.Wait()
+	s.rlog.Close()
 	return err
 }

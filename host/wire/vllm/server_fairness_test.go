@@ -1,8 +1,11 @@
 package vllm
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -104,5 +107,113 @@ func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
 	got, err := FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H"))
 	if err != nil || !reflect.DeepEqual(got, mds[1]) {
 		t.Fatalf("after refusals: %v", err)
+	}
+}
+
+// lineCounter counts the log lines written through it.
+type lineCounter struct {
+	mu    sync.Mutex
+	lines int
+	last  string
+}
+
+func (l *lineCounter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines += bytes.Count(p, []byte{'\n'})
+	l.last = string(p)
+	return len(p), nil
+}
+
+func (l *lineCounter) count() (int, string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lines, l.last
+}
+
+// A client sending 20,000 bad handshake requests writes a bounded number
+// of log lines (it wrote one each), and what was not written is counted
+// in a line of its own.
+func TestBadRequestFloodIsRateLimited(t *testing.T) {
+	const requests, maxLines = 20000, 200
+	var out lineCounter
+	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: NewHandshakePayload("H", sampleMetadata()).Encode()},
+		slog.New(slog.NewTextHandler(&out, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := zmqtest.DialRaw(t, s.Endpoint(), "REQ")
+	c.SetDeadline(time.Now().Add(time.Minute))
+	start := time.Now()
+	for i := range requests {
+		if err := c.Send(nil, []byte("not msgpack")); err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		if rep, err := c.Recv(); err != nil || len(rep) != 2 || len(rep[1]) != 0 {
+			t.Fatalf("request %d: reply %q, %v; want an empty one", i, rep, err)
+		}
+	}
+	elapsed := time.Since(start)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	lines, last := out.count()
+	t.Logf("%d bad requests in %v: %d log lines", requests, elapsed, lines)
+	if lines > maxLines {
+		t.Fatalf("%d log lines for %d bad requests, want at most %d", lines, requests, maxLines)
+	}
+	if !strings.Contains(last, "suppressed") {
+		t.Fatalf("the suppressed lines were not reported; last line %q", last)
+	}
+}
+
+// 1100 clients that finish the ZMTP handshake and then say nothing, more
+// than the connection limit, do not lock an honest client out, whether
+// they come from its own host or another: it is served on its first
+// attempt or, with everyone on one host, on a retry a moment later (as
+// vLLM retries a failed handshake). They locked the server for good.
+func TestIdleClientsDoNotLockOutHandshakes(t *testing.T) {
+	const idle = 1100
+	s, mds := startServer(t, "H")
+	for _, attacker := range []string{"127.0.0.2", "127.0.0.1"} {
+		var held []*zmqtest.Raw
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		work := make(chan struct{})
+		for range 16 {
+			wg.Go(func() {
+				for range work {
+					if c, err := zmqtest.TryDialRaw(s.Endpoint(), "REQ", attacker); err == nil {
+						mu.Lock()
+						held = append(held, c)
+						mu.Unlock()
+					}
+				}
+			})
+		}
+		for range idle {
+			work <- struct{}{}
+		}
+		close(work)
+		wg.Wait()
+		start := time.Now()
+		var err error
+		for time.Since(start) < 20*time.Second {
+			var got *AgentMetadata
+			if got, err = FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H")); err == nil {
+				if !reflect.DeepEqual(got, mds[1]) {
+					t.Fatal("wrong metadata")
+				}
+				break
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if err != nil {
+			t.Fatalf("idle clients from %s (%d of %d handshakes done): honest client: %v", attacker, len(held), idle, err)
+		}
+		t.Logf("idle clients from %s (%d of %d handshakes done): honest client served after %v", attacker, len(held), idle, time.Since(start))
+		for _, c := range held {
+			c.Close()
+		}
 	}
 }

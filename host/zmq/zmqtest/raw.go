@@ -33,24 +33,42 @@ func DialRaw(t testing.TB, endpoint, socketType string) *Raw {
 // choose): on one machine, a peer from 127.0.0.2 stands for another host.
 func DialRawFrom(t testing.TB, endpoint, socketType, localIP string) *Raw {
 	t.Helper()
+	p, err := TryDialRaw(endpoint, socketType, localIP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// TryDialRaw is DialRaw from the local IP address localIP (empty: any),
+// returning an error instead of failing the test; the caller closes the
+// connection.
+func TryDialRaw(endpoint, socketType, localIP string) (*Raw, error) {
 	d := net.Dialer{Timeout: 10 * time.Second}
 	if localIP != "" {
 		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(localIP)}
 	}
 	nc, err := d.Dial("tcp", strings.TrimPrefix(endpoint, "tcp://"))
 	if err != nil {
-		t.Fatalf("zmqtest: dial %s: %v", endpoint, err)
+		return nil, fmt.Errorf("zmqtest: dial %s: %w", endpoint, err)
 	}
-	t.Cleanup(func() { nc.Close() })
 	p := &Raw{Conn: nc, r: bufio.NewReader(nc)}
-	nc.SetDeadline(time.Now().Add(10 * time.Second))
-	defer nc.SetDeadline(time.Time{})
+	if err := p.handshake(socketType); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	return p, nil
+}
 
+func (p *Raw) handshake(socketType string) error {
+	p.SetDeadline(time.Now().Add(10 * time.Second))
+	defer p.SetDeadline(time.Time{})
 	greeting := make([]byte, 64)
 	greeting[0], greeting[9], greeting[10], greeting[11] = 0xFF, 0x7F, 3, 1
 	copy(greeting[12:], "NULL")
-	if _, err := nc.Write(greeting); err != nil {
-		t.Fatalf("zmqtest: greeting: %v", err)
+	if _, err := p.Write(greeting); err != nil {
+		return fmt.Errorf("zmqtest: greeting: %w", err)
 	}
 	var ready []byte
 	ready = append(ready, 5)
@@ -59,17 +77,17 @@ func DialRawFrom(t testing.TB, endpoint, socketType, localIP string) *Raw {
 	ready = append(ready, "Socket-Type"...)
 	ready = binary.BigEndian.AppendUint32(ready, uint32(len(socketType)))
 	ready = append(ready, socketType...)
-	if _, err := nc.Write(frame(0x04, ready)); err != nil {
-		t.Fatalf("zmqtest: READY: %v", err)
+	if _, err := p.Write(frame(0x04, ready)); err != nil {
+		return fmt.Errorf("zmqtest: READY: %w", err)
 	}
 	if _, err := io.ReadFull(p.r, make([]byte, 64)); err != nil {
-		t.Fatalf("zmqtest: reading the greeting: %v", err)
+		return fmt.Errorf("zmqtest: reading the greeting: %w", err)
 	}
 	flags, body, err := p.readFrame()
 	if err != nil || flags&0x04 == 0 || len(body) < 6 || string(body[1:6]) != "READY" {
-		t.Fatalf("zmqtest: want READY, got flags %#x %q %v", flags, body, err)
+		return fmt.Errorf("zmqtest: want READY, got flags %#x %q %v", flags, body, err)
 	}
-	return p
+	return nil
 }
 
 // frame encodes one frame with the given flags (MORE 0x01, COMMAND 0x04;
