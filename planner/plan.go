@@ -9,6 +9,7 @@ package planner
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 )
 
 // MemKind is where a region lives. The planner only uses it to split plans
@@ -156,6 +157,44 @@ func (p *Plan) Add(c Copy) {
 		return
 	}
 	p.Copies = append(p.Copies, c)
+}
+
+// freshStart returns where the copies of region pair (src, dst) that are
+// about to be added will start, or -1 when the first of them could merge
+// into the last copy of the plan (same regions, no part closed since): such
+// copies are no template for Plan.repeat.
+func (p *Plan) freshStart(src, dst int32) int {
+	n := len(p.Copies)
+	if n > p.mergeFloor && p.Copies[n-1].SrcRegion == src && p.Copies[n-1].DstRegion == dst {
+		return -1
+	}
+	return n
+}
+
+// repeat appends Copies[from:to] again with regions src and dst, and
+// reports whether it did. It is what adding the same copies in those
+// regions with Add would give, provided the template copies were added
+// (with Add) from a fresh start (freshStart) and came from one region pair:
+// Add merges a copy into the last one only when both name the same regions,
+// and otherwise depends on offsets, lengths and strides alone. So repeat
+// refuses (and the caller plans the copies) when the first repeated copy
+// could merge into the plan's last copy.
+func (p *Plan) repeat(from, to int, src, dst int32) bool {
+	if from < 0 || to < from || to > len(p.Copies) {
+		return false
+	}
+	if p.freshStart(src, dst) < 0 {
+		return false
+	}
+	n := len(p.Copies)
+	p.Copies = slices.Grow(p.Copies, to-from)[:n+to-from]
+	out, tmpl := p.Copies[n:], p.Copies[from:to]
+	for i := range out {
+		c := tmpl[i]
+		c.SrcRegion, c.DstRegion = src, dst
+		out[i] = c
+	}
+	return true
 }
 
 // ClosePart ends the current part: copies added so far that are not in a
