@@ -188,11 +188,12 @@ func (p *Plan) repeat(from, to int, src, dst int32) bool {
 	}
 	n := len(p.Copies)
 	p.Copies = slices.Grow(p.Copies, to-from)[:n+to-from]
-	out, tmpl := p.Copies[n:], p.Copies[from:to]
+	// copy (memmove) and then the region fields: a loop assigning whole
+	// Copy values is several times slower.
+	out := p.Copies[n:]
+	copy(out, p.Copies[from:to])
 	for i := range out {
-		c := tmpl[i]
-		c.SrcRegion, c.DstRegion = src, dst
-		out[i] = c
+		out[i].SrcRegion, out[i].DstRegion = src, dst
 	}
 	return true
 }

@@ -12,10 +12,13 @@ the per-request code of the reference connector, transcribed line for line
 (the per-peer set-up the reference does at registration is done at "load",
 as the reference does it once): what runs between the request's page
 indices arriving and the backend call (make_prepped_xfer, batch_write,
-initialize_xfer) receiving its lists. Backend calls are stubs, except
-"expand": true on MORI paths, which stands for batch_write's own walk over
-its (offset, offset, size) lists with the per-descriptor loop of
-planner/testdata/ref_sglang.py (the baseline issue 17 first measured).
+initialize_xfer) receiving its lists. Backend calls are stubs.
+"slice_only": true on the MORI TP-slice path leaves out the
+group_concurrent_contiguous call send_kvcache makes before it (unused on
+that path, but paid). "expand": true on MORI paths stands for
+batch_write's own walk over its (offset, offset, size) lists, with the
+per-descriptor loop of planner/testdata/ref_sglang.py (the baseline issue
+17 first measured).
 
 Run with /usr/bin/python3 (numpy from python3-numpy).
 """
@@ -199,8 +202,18 @@ def mori_kv(c):
             return BatchTransferPlan([], [], [])
         return BatchTransferPlan(local_offsets, remote_offsets, sizes)
 
+    slice_only = c.get("slice_only", False)
+
     def run(src, dst):
         eng.out = []
+        if slice_only:
+            # Issue 17's first measure of this path: the slice plan and its
+            # submissions, without the grouping send_kvcache does first.
+            slice_plan = tp_slice_plan(src, dst)
+            for layer_id in range(layers):
+                submit(src_k[layer_id], dst_k[layer_id], slice_plan)
+                submit(src_v[layer_id], dst_v[layer_id], slice_plan)
+            return []
         grouped_plan = GroupedIndexPlan.from_groups(*group_concurrent_contiguous(src, dst))
         statuses = []
         if mla:
