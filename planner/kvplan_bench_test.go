@@ -83,18 +83,26 @@ type kvPlanResult struct {
 
 var (
 	kvPlanResultsMu sync.Mutex
-	kvPlanResults   = map[string]kvPlanResult{}
+	kvPlanResults   = map[*testing.B]kvPlanResult{}
 )
 
-// kvPlanRatio measures the reference and kvhost in alternating rounds, once
-// per sub-benchmark (the testing package calls a benchmark function several
-// times).
+// kvPlanRatio measures the reference and kvhost (kvPlanMeasure) once per
+// sub-benchmark run: the testing package calls a benchmark function several
+// times with one *testing.B (growing b.N), and with a new one for each
+// -count.
 func kvPlanRatio(b *testing.B, c kvPlanCase) kvPlanResult {
 	kvPlanResultsMu.Lock()
 	defer kvPlanResultsMu.Unlock()
-	if r, ok := kvPlanResults[b.Name()]; ok {
+	if r, ok := kvPlanResults[b]; ok {
 		return r
 	}
+	r := kvPlanMeasure(b, c)
+	kvPlanResults[b] = r
+	return r
+}
+
+// kvPlanMeasure times the reference and kvhost in alternating rounds.
+func kvPlanMeasure(b testing.TB, c kvPlanCase) kvPlanResult {
 	ref := benchRef(b)
 	id, refN, err := ref.load(c.ref, c.src, c.dst)
 	if err != nil {
@@ -131,9 +139,7 @@ func kvPlanRatio(b *testing.B, c kvPlanCase) kvPlanResult {
 		rb, gb := float64(slices.Min(ns)), float64(slices.Min(goTimes))
 		ratios, refBest, goBest = append(ratios, rb/gb), append(refBest, rb), append(goBest, gb)
 	}
-	r := kvPlanResult{bestNs: medianF(goBest), refNs: medianF(refBest), refDescriptors: refN, ratio: medianF(ratios)}
-	kvPlanResults[b.Name()] = r
-	return r
+	return kvPlanResult{bestNs: medianF(goBest), refNs: medianF(refBest), refDescriptors: refN, ratio: medianF(ratios)}
 }
 
 func medianF(f []float64) float64 {
@@ -161,7 +167,7 @@ var (
 
 // benchRef starts the reference server; without /usr/bin/python3 and numpy
 // the benchmark fails rather than report a ratio against nothing.
-func benchRef(b *testing.B) *refServer {
+func benchRef(b testing.TB) *refServer {
 	benchRefOnce.Do(func() {
 		cmd := exec.Command("/usr/bin/python3", "testdata/bench_ref.py")
 		in, err := cmd.StdinPipe()
@@ -290,7 +296,7 @@ func kvShapes() []kvShape {
 	return out
 }
 
-func kvPlanCases(b *testing.B) []kvPlanCase {
+func kvPlanCases(b testing.TB) []kvPlanCase {
 	var out []kvPlanCase
 	for _, s := range kvShapes() {
 		n, err := NewNIXLKV(s.g, true)
@@ -395,7 +401,7 @@ func kvPlanCases(b *testing.B) []kvPlanCase {
 // auxPlanCases: SGLang NIXL aux (send_aux) with the metadata buffers of a
 // decode request (output ids, cached tokens, logprobs and their indices,
 // hidden states: 8 buffers).
-func auxPlanCases(b *testing.B) []kvPlanCase {
+func auxPlanCases(b testing.TB) []kvPlanCase {
 	var src, dst AuxBuffers
 	for i := range 8 {
 		item := uint64(64 << (i % 4))
@@ -421,7 +427,7 @@ func auxPlanCases(b *testing.B) []kvPlanCase {
 // vllmPlanCases: vLLM pull reads at the shapes of vllm_bench_test.go, as
 // prepped id arrays (AppendRead, what the pull runtime hands
 // make_prepped_xfer) and as strided copies.
-func vllmPlanCases(b *testing.B) []kvPlanCase {
+func vllmPlanCases(b testing.TB) []kvPlanCase {
 	var out []kvPlanCase
 	for _, bc := range vllmBenchCases() {
 		rd, err := NewVLLMReader(bc.local, bc.remote, bc.remoteTP)

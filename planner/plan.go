@@ -4,6 +4,12 @@
 // rest of kvhost. Results are byte-exact with the reference connectors
 // (SGLang NIXL and MORI, vLLM NIXL), but expressed with strided copies so a
 // backend gets far fewer descriptors than the reference hands it.
+//
+// Planning runs per chunk, before the first byte moves, and allocates
+// nothing once a Plan has grown. BenchmarkKVPlan times every plan path
+// beside the reference connectors' own per-request planning (numpy, run in
+// the same invocation); docs/plan.md, "Planning time", has the command and
+// the figures.
 package planner
 
 import (
