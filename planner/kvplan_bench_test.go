@@ -395,6 +395,7 @@ func kvPlanCases(b testing.TB) []kvPlanCase {
 		})
 	}
 	out = append(out, auxPlanCases(b)...)
+	out = append(out, statePlanCases(b)...)
 	return append(out, vllmPlanCases(b)...)
 }
 
@@ -461,6 +462,38 @@ func vllmPlanCases(b testing.TB) []kvPlanCase {
 			descriptors: func() int { return p.Descriptors() },
 			ref:         ref, src: bc.localIDs, dst: bc.remoteIDs,
 		})
+	}
+	return out
+}
+
+// statePlanCases: the DSA index cache of stateBenchCases (61 MLA layers,
+// 1024 scattered pages), which SGLang NIXL sends through
+// _send_kvcache_generic's non-prepped branch.
+func statePlanCases(b testing.TB) []kvPlanCase {
+	var out []kvPlanCase
+	for _, c := range stateBenchCases() {
+		if !c.nixl || len(c.types) != 1 || c.types[0] != StateDSA {
+			continue
+		}
+		sp := c.planner(b)
+		var plans []StatePlan
+		out = append(out, kvPlanCase{
+			name: "sglang-nixl-state/" + c.name,
+			plan: func() error { return sp.Plan(&plans, c.si, c.di) },
+			descriptors: func() int {
+				n := 0
+				for k := range plans {
+					n += plans[k].Plan.Descriptors()
+				}
+				return n
+			},
+			ref: map[string]any{"kind": "nixl-generic", "src_ptrs": c.src.Ptrs[0], "dst_ptrs": c.dst.Ptrs[0],
+				"item_lens": c.src.ItemLens[0]},
+			src: c.si[0], dst: c.di[0],
+		})
+	}
+	if len(out) == 0 {
+		b.Fatal("no DSA state case in stateBenchCases")
 	}
 	return out
 }

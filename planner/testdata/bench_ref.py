@@ -90,6 +90,41 @@ def nixl_slice(c):
     return run
 
 
+def nixl_generic(c):
+    """_send_kvcache_generic, non-prepped branch (state transfers: SWA and
+    DSA through maybe_send_extra), MLA-style flat layout."""
+    src_ptrs, dst_ptrs, item_lens = c["src_ptrs"], c["dst_ptrs"], c["item_lens"]
+
+    def run(prefill_data_indices, dst_data_indices):
+        src_data_ptrs = np.array(src_ptrs, dtype=np.uint64)
+        dst_data_ptrs = np.array(dst_ptrs, dtype=np.uint64)
+        item_lens_np = np.array(item_lens, dtype=np.uint64)
+        prefill_kv_blocks, dst_kv_blocks = group_concurrent_contiguous(prefill_data_indices, dst_data_indices)
+        layers_params = [(src_data_ptrs[layer_id], dst_data_ptrs[layer_id], item_lens_np[layer_id])
+                         for layer_id in range(len(src_ptrs))]
+        src_addrs, src_lens, dst_addrs, dst_lens = [], [], [], []
+        prefill_starts = np.fromiter((block[0] for block in prefill_kv_blocks), dtype=np.uint64)
+        dst_starts = np.fromiter((block[0] for block in dst_kv_blocks), dtype=np.uint64)
+        block_lens = np.fromiter((len(block) for block in prefill_kv_blocks), dtype=np.uint64)
+        for src_ptr, dst_ptr, item_len in layers_params:
+            lengths = item_len * block_lens
+            src_addrs.append(src_ptr + prefill_starts * item_len)
+            src_lens.append(lengths)
+            dst_addrs.append(dst_ptr + dst_starts * item_len)
+            dst_lens.append(lengths)
+
+        def make_req_array(addr_chunks, len_chunks, gpu):
+            if not addr_chunks:
+                return np.empty((0, 3), dtype=np.uint64)
+            flat_addrs = np.concatenate(addr_chunks).astype(np.uint64, copy=False)
+            flat_lens = np.concatenate(len_chunks).astype(np.uint64, copy=False)
+            return np.column_stack((flat_addrs, flat_lens, np.full_like(flat_addrs, gpu, dtype=np.uint64)))
+        src_reqs = make_req_array(src_addrs, src_lens, 0)
+        dst_reqs = make_req_array(dst_addrs, dst_lens, 0)
+        return (src_reqs, dst_reqs)
+    return run
+
+
 def nixl_aux(c):
     """send_aux: one (addr, len, 0) tuple per aux buffer; get_xfer_descs
     and initialize_xfer are the backend."""
@@ -282,7 +317,7 @@ def vllm_read(c):
     return run
 
 
-KINDS = {"nixl-prepped": nixl_prepped, "nixl-slice": nixl_slice, "nixl-aux": nixl_aux,
+KINDS = {"nixl-prepped": nixl_prepped, "nixl-slice": nixl_slice, "nixl-generic": nixl_generic, "nixl-aux": nixl_aux,
          "mori-kv": mori_kv, "vllm-read": vllm_read}
 
 
@@ -291,7 +326,7 @@ def count(result):
     if isinstance(result, list) and result and isinstance(result[0], tuple) and hasattr(result[0][0], "size"):
         return int(sum(si.size for si, _ in result))
     if isinstance(result, tuple) and hasattr(result[0], "size"):
-        return int(result[0].size)
+        return int(result[0].shape[0]) if result[0].ndim == 2 else int(result[0].size)
     if isinstance(result, tuple):
         return len(result[0])
     return 0
