@@ -362,6 +362,10 @@ func kvPlanCases(b testing.TB) []kvPlanCase {
 			moriRef["tp_slice"] = map[string]any{"page_size": tp.PageSize, "src_item_len": tp.SrcItemLen, "dst_item_len": tp.DstItemLen,
 				"bytes_per_token_src": tp.BytesPerTokenSrc, "bytes_per_token_dst": tp.BytesPerTokenDst,
 				"src_off": tp.SrcHeadSliceOffset, "dst_off": tp.DstHeadSliceOffset, "heads_bytes": tp.HeadsBytesPerTokenToSend}
+			moriRef["tp_inputs"] = map[string]any{"page_size": s.g.PageSize, "src_item_len": s.g.Prefill.ItemLens[0],
+				"dst_item_len": s.g.Decode.ItemLens[0], "prefill_tp_size": s.g.Prefill.TPSize, "decode_tp_size": s.g.Decode.TPSize,
+				"total_kv_heads": s.g.TotalKVHeads, "kv_head_num": s.g.Prefill.KVHeadNum,
+				"engine_rank": s.g.Prefill.TPRank, "decode_tp_rank": s.g.Decode.TPRank}
 		}
 		mp := new(Plan)
 		out = append(out, kvPlanCase{

@@ -218,6 +218,44 @@ def mori_kv(c):
         return eng.batch_write([src_desc], [plan.local_offsets], [dst_desc], [plan.remote_offsets],
                                [plan.sizes], [transfer_uid])
 
+    def build_tp_slice_config():
+        """_build_tp_slice_config, which send_kvcache calls per request."""
+        g = c["tp_inputs"]
+        page_size = g["page_size"]
+        src_item_len = g["src_item_len"]
+        dst_item_len = g["dst_item_len"]
+        bytes_per_token_src = src_item_len // page_size
+        bytes_per_token_dst = dst_item_len // page_size
+        prefill_tp_size = g["prefill_tp_size"]
+        decode_tp_size = g["decode_tp_size"]
+        total_kv_heads = g["total_kv_heads"]
+        if total_kv_heads <= 0:
+            total_kv_heads = g["kv_head_num"] * prefill_tp_size
+        src_heads_per_rank = max(1, total_kv_heads // prefill_tp_size)
+        dst_heads_per_rank = max(1, total_kv_heads // decode_tp_size)
+        bytes_per_head_slice = bytes_per_token_dst // dst_heads_per_rank
+        if bytes_per_head_slice == 0:
+            raise ValueError("Head slice size evaluates to zero")
+        src_replication = max(1, prefill_tp_size // total_kv_heads)
+        local_tp_rank = g["engine_rank"] % prefill_tp_size
+        dst_tp_rank = g["decode_tp_rank"] % decode_tp_size
+        if prefill_tp_size > decode_tp_size:
+            src_head_start = 0
+            num_heads_to_send = src_heads_per_rank
+            unique_head_idx = local_tp_rank // src_replication
+            dst_head_start = (unique_head_idx * src_heads_per_rank) % dst_heads_per_rank
+        else:
+            src_head_start = (dst_tp_rank * dst_heads_per_rank) % src_heads_per_rank
+            num_heads_to_send = dst_heads_per_rank
+            dst_head_start = 0
+        heads_bytes_per_token = num_heads_to_send * bytes_per_head_slice
+        if heads_bytes_per_token > bytes_per_token_dst:
+            raise ValueError("Slice size exceeds destination token capacity for TP slice transfer")
+        return dict(page_size=page_size, src_item_len=src_item_len, dst_item_len=dst_item_len,
+                    bytes_per_token_src=bytes_per_token_src, bytes_per_token_dst=bytes_per_token_dst,
+                    src_off=src_head_start * bytes_per_head_slice, dst_off=dst_head_start * bytes_per_head_slice,
+                    heads_bytes=heads_bytes_per_token)
+
     def tp_slice_plan(kv_indices, dst_indices):
         if kv_indices.size == 0 or dst_indices.size == 0:
             return BatchTransferPlan([], [], [])
@@ -257,6 +295,8 @@ def mori_kv(c):
                 statuses.extend(submit(src_k[layer_id], dst_k[layer_id], layer_plan))
             return statuses
         if tp is not None:
+            if build_tp_slice_config() != tp:
+                raise ValueError("tp_slice_config differs from the planner's TPSlice")
             slice_plan = tp_slice_plan(src, dst)
             for layer_id in range(layers):
                 statuses.extend(submit(src_k[layer_id], dst_k[layer_id], slice_plan))
