@@ -127,6 +127,7 @@ func (a *AuxPlanner) Plan(p *Plan, prefillAuxIndex, dstAuxIndex int64) error {
 	}
 	p.Path = a.path
 	p.ReferenceDescriptors = uint64(len(a.items))
+	inside := len(a.items) <= len(a.src) && len(a.items) <= len(a.dst)
 	for i, it := range a.items {
 		if it[0] == 0 {
 			continue // an empty slot moves nothing
@@ -139,8 +140,16 @@ func (a *AuxPlanner) Plan(p *Plan, prefillAuxIndex, dstAuxIndex int64) error {
 		if err != nil {
 			return err
 		}
-		p.Add(Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: it[0], Count: 1})
+		// Each copy has its own regions, so Add would only append it.
+		p.Copies = append(p.Copies, Copy{SrcRegion: int32(i), DstRegion: int32(i), SrcOff: so, DstOff: do, Len: it[0], Count: 1})
+		se, ok1 := add64(so, it[0])
+		de, ok2 := add64(do, it[0])
+		inside = inside && ok1 && ok2 && se <= a.src[i].Len && de <= a.dst[i].Len
 	}
+	if inside {
+		return nil
+	}
+	// checkPlanBounds names the copy that leaves its buffers.
 	return checkPlanBounds(p, namedField("prefill_aux_index"), namedField("dst_aux_index"))
 }
 

@@ -4,11 +4,18 @@
 // rest of kvhost. Results are byte-exact with the reference connectors
 // (SGLang NIXL and MORI, vLLM NIXL), but expressed with strided copies so a
 // backend gets far fewer descriptors than the reference hands it.
+//
+// Planning runs per chunk, before the first byte moves, and allocates
+// nothing once a Plan has grown. BenchmarkKVPlan times every plan path
+// beside the reference connectors' own per-request planning (numpy, run in
+// the same invocation); docs/plan.md, "Planning time", has the command and
+// the figures.
 package planner
 
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 )
 
 // MemKind is where a region lives. The planner only uses it to split plans
@@ -156,6 +163,45 @@ func (p *Plan) Add(c Copy) {
 		return
 	}
 	p.Copies = append(p.Copies, c)
+}
+
+// freshStart returns where the copies of region pair (src, dst) that are
+// about to be added will start, or -1 when the first of them could merge
+// into the last copy of the plan (same regions, no part closed since): such
+// copies are no template for Plan.repeat.
+func (p *Plan) freshStart(src, dst int32) int {
+	n := len(p.Copies)
+	if n > p.mergeFloor && p.Copies[n-1].SrcRegion == src && p.Copies[n-1].DstRegion == dst {
+		return -1
+	}
+	return n
+}
+
+// repeat appends Copies[from:to] again with regions src and dst, and
+// reports whether it did. It is what adding the same copies in those
+// regions with Add would give, provided the template copies were added
+// (with Add) from a fresh start (freshStart) and came from one region pair:
+// Add merges a copy into the last one only when both name the same regions,
+// and otherwise depends on offsets, lengths and strides alone. So repeat
+// refuses (and the caller plans the copies) when the first repeated copy
+// could merge into the plan's last copy.
+func (p *Plan) repeat(from, to int, src, dst int32) bool {
+	if from < 0 || to < from || to > len(p.Copies) {
+		return false
+	}
+	if p.freshStart(src, dst) < 0 {
+		return false
+	}
+	n := len(p.Copies)
+	p.Copies = slices.Grow(p.Copies, to-from)[:n+to-from]
+	// copy (memmove) and then the region fields: a loop assigning whole
+	// Copy values is several times slower.
+	out := p.Copies[n:]
+	copy(out, p.Copies[from:to])
+	for i := range out {
+		out[i].SrcRegion, out[i].DstRegion = src, dst
+	}
+	return true
 }
 
 // ClosePart ends the current part: copies added so far that are not in a

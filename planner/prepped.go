@@ -1,6 +1,11 @@
 package planner
 
-import "fmt"
+import (
+	"encoding/binary"
+	"fmt"
+	"slices"
+	"unsafe"
+)
 
 // This file is the prepped representation of SGLang NIXL's KV paths: the
 // descriptor lists the reference prepares once per peer (prep_xfer_dlist)
@@ -188,18 +193,84 @@ func (n *NIXLKV) Indices(pk *PreppedKV, part int, srcIdx, dstIdx []int32, prefil
 }
 
 // appendDlistIndices appends, block after block, the entry index of every
-// token of every page for head group g.
+// token of every page for head group g. It grows out once, plans the first
+// block and, for every later block of the same shape (every block of the
+// reference's lists), adds the block's offset to the first block's indices:
+// the per-page multiply then runs once per chunk, not once per layer. The
+// indices fit in int32: Validate bounds the list to MaxInt32 entries and
+// the chunk's pages are checked against the list's slots.
 func appendDlistIndices(out []int32, d *Dlist, pages []int32, g uint64) []int32 {
-	var base uint64
-	for _, b := range d.Blocks {
-		per := b.Tokens * b.Groups
-		for _, q := range pages {
-			first := base + uint64(q)*per + g
-			for t := uint64(0); t < b.Tokens; t++ {
-				out = append(out, int32(first+t*b.Groups))
+	var total int
+	for i := range d.Blocks {
+		total += int(d.Blocks[i].Tokens) * len(pages)
+	}
+	n := len(out)
+	out = slices.Grow(out, total)[:n+total]
+	var base, tmplBase uint64
+	tmpl := -1 // index of the block planned in full
+	o := n
+	for i := range d.Blocks {
+		b := &d.Blocks[i]
+		m := int(b.Tokens) * len(pages)
+		dst := out[o : o+m]
+		if t := tmpl; t >= 0 && b.Tokens == d.Blocks[t].Tokens && b.Groups == d.Blocks[t].Groups {
+			addInt32(dst, out[n:n+m], int32(base-tmplBase))
+		} else {
+			fillDlistBlock(dst, b, pages, base+g)
+			if tmpl < 0 {
+				tmpl, tmplBase = i, base
 			}
 		}
+		o += m
 		base += b.Entries()
 	}
 	return out
+}
+
+// fillDlistBlock writes the indices of one block: page q, token t at
+// first + q*Tokens*Groups + t*Groups.
+func fillDlistBlock(dst []int32, b *DlistBlock, pages []int32, first uint64) {
+	per := b.Tokens * b.Groups
+	if b.Tokens == 1 {
+		dst = dst[:len(pages)]
+		for i, q := range pages {
+			dst[i] = int32(first + uint64(q)*per)
+		}
+		return
+	}
+	tokens := int(b.Tokens)
+	for i, q := range pages {
+		row := dst[i*tokens : (i+1)*tokens]
+		v := first + uint64(q)*per
+		for t := range row {
+			row[t] = int32(v)
+			v += b.Groups
+		}
+	}
+}
+
+// addInt32 sets dst[i] = src[i] + delta, for src[i] and src[i] + delta in
+// [0, MaxInt32] (dlist indices). It adds two indices per 64-bit add: no
+// lane carries into the next, since no sum reaches 2^32. This is what makes
+// the index arrays of a chunk cost less than numpy's (which writes them
+// twice: the broadcast add, then astype's copy).
+func addInt32(dst, src []int32, delta int32) {
+	src = src[:len(dst)]
+	n := len(dst) &^ 7
+	if n > 0 {
+		d := unsafe.Slice((*byte)(unsafe.Pointer(&dst[0])), 4*n)
+		s := unsafe.Slice((*byte)(unsafe.Pointer(&src[0])), 4*n)
+		dd := uint64(uint32(delta)) | uint64(uint32(delta))<<32
+		e := binary.NativeEndian
+		for len(d) >= 32 && len(s) >= 32 {
+			e.PutUint64(d[0:8], e.Uint64(s[0:8])+dd)
+			e.PutUint64(d[8:16], e.Uint64(s[8:16])+dd)
+			e.PutUint64(d[16:24], e.Uint64(s[16:24])+dd)
+			e.PutUint64(d[24:32], e.Uint64(s[24:32])+dd)
+			d, s = d[32:], s[32:]
+		}
+	}
+	for i := n; i < len(dst); i++ {
+		dst[i] = src[i] + delta
+	}
 }

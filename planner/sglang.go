@@ -1,6 +1,9 @@
 package planner
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // SGLangKV is the KV geometry of one prefill rank and one decode peer of an
 // SGLang deployment: what the prefill side knows once the peer has
@@ -224,14 +227,41 @@ func addPageRuns(p *Plan, pp pagePair, runs []pageRun) {
 	}
 }
 
+// addPairsRuns adds the copies of every run for each region pair in turn,
+// as addPageRuns would. A pair with the strides and length of the pair
+// before it gets the same copies in other regions, so those are copied
+// rather than planned again (see Plan.repeat): most layers of a model share
+// one geometry, and re-planning them was most of the time of a plan.
+func addPairsRuns(p *Plan, pairs []pagePair, runs []pageRun) {
+	p.Copies = slices.Grow(p.Copies, len(pairs)*len(runs))
+	var last pagePair
+	from, to := -1, -1
+	for _, pp := range pairs {
+		if from >= 0 && pp.srcStride == last.srcStride && pp.dstStride == last.dstStride && pp.xfer == last.xfer &&
+			p.repeat(from, to, pp.src, pp.dst) {
+			continue
+		}
+		from = p.freshStart(pp.src, pp.dst)
+		addPageRuns(p, pp, runs)
+		to, last = len(p.Copies), pp
+	}
+}
+
 // addSlices adds the head-slice copies of one chunk for every region pair
 // (prefill region i to decode region pairOf[i]): one strided copy per run,
 // runs of single pages when page strides do not continue the token stride
 // (see headSlice.tokensAligned). The reference sends one descriptor per
-// token per region.
+// token per region. Every pair has the same slice geometry, so the copies
+// of the first pair are planned and the others repeat them (Plan.repeat).
 func addSlices(p *Plan, h *headSlice, pairOf []int32, src, dst []int32) {
 	runs := p.pageRuns(src, dst, !h.tokensAligned())
+	p.Copies = slices.Grow(p.Copies, len(pairOf)*len(runs))
+	from, to := -1, -1
 	for i, d := range pairOf {
+		if from >= 0 && p.repeat(from, to, int32(i), d) {
+			continue
+		}
+		from = p.freshStart(int32(i), d)
 		for _, r := range runs {
 			p.Add(Copy{
 				SrcRegion: int32(i), DstRegion: d,
@@ -239,6 +269,7 @@ func addSlices(p *Plan, h *headSlice, pairOf []int32, src, dst []int32) {
 				Len: h.length, SrcStride: h.srcToken, DstStride: h.dstToken, Count: h.pageSize * r.n,
 			})
 		}
+		to = len(p.Copies)
 	}
 	p.ReferenceDescriptors = uint64(len(pairOf)) * uint64(len(src)) * h.pageSize
 }

@@ -122,9 +122,7 @@ func (m *MORIKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 		return err
 	}
 	runs := p.pageRuns(src, dst, false)
-	for _, pp := range m.pairs {
-		addPageRuns(p, pp, runs)
-	}
+	addPairsRuns(p, m.pairs, runs)
 	p.ReferenceDescriptors = uint64(len(m.pairs)) * uint64(len(runs))
 	return nil
 }

@@ -238,9 +238,7 @@ func (n *NIXLKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	}
 	runs := p.pageRuns(src, dst, false)
 	for _, seg := range n.segments {
-		for _, pp := range n.pairs[seg.Start:seg.End] {
-			addPageRuns(p, pp, runs)
-		}
+		addPairsRuns(p, n.pairs[seg.Start:seg.End], runs)
 		if n.path == PathNIXLPreppedMixed {
 			p.ClosePart(seg.SrcKind, seg.DstKind)
 		}

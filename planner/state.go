@@ -589,16 +589,21 @@ func (c *stateComp) planPaged(p *Plan, si, di []int32, nixl bool) error {
 			return err
 		}
 	}
-	runs := uint64(CountRuns(si, di))
-	p.ReferenceDescriptors = c.refDescs * runs
+	runs := p.pageRuns(si, di, false)
+	p.ReferenceDescriptors = c.refDescs * uint64(len(runs))
+	// One copy per run and tensor pair (a run of whole pages is one
+	// block: pageFits bounded (index+1)*item by the region length, so the
+	// products cannot overflow). Tensor pairs of one item length get the
+	// same copies in their own regions (Plan.repeat).
+	from, to := -1, -1
+	var last uint64
 	for _, tp := range c.paged {
-		for k, n := 0, 0; k < len(si); k += n {
-			n = NextRun(si, di, k)
-			// pageFits bounded (index+1)*item by the region length, so
-			// these products cannot overflow.
-			p.Add(Copy{SrcRegion: tp.src, DstRegion: tp.dst, SrcOff: uint64(si[k]) * tp.item,
-				DstOff: uint64(di[k]) * tp.item, Len: uint64(n) * tp.item, Count: 1})
+		if from >= 0 && tp.item == last && p.repeat(from, to, tp.src, tp.dst) {
+			continue
 		}
+		from = p.freshStart(tp.src, tp.dst)
+		addPageRuns(p, pagePair{src: tp.src, dst: tp.dst, srcStride: tp.item, dstStride: tp.item, xfer: tp.item}, runs)
+		to, last = len(p.Copies), tp.item
 	}
 	return nil
 }

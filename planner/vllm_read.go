@@ -59,8 +59,11 @@ func (c *vllmCursor) next() int {
 // appendRange appends base + elements [from, to) of s to dst.
 func (s *vllmSeq) appendRange(dst []int32, from, to, base int) []int32 {
 	if s.factor == 1 {
-		for _, id := range s.ids[from:to] {
-			dst = append(dst, int32(base+int(id)))
+		k := len(dst)
+		dst = slices.Grow(dst, to-from)[:k+to-from]
+		out := dst[k:]
+		for i, id := range s.ids[from:to] {
+			out[i] = int32(base + int(id))
 		}
 		return dst
 	}
@@ -208,9 +211,24 @@ func (r *VLLMReader) AppendRead(localDst, remoteDst []int32, localBlockIDs, remo
 	}
 	localDst, remoteDst = slices.Grow(localDst, total), slices.Grow(remoteDst, total)
 	lb, rb := r.local.Blocks, r.remote.Blocks
+	l0, r0, from0 := len(localDst), len(remoteDst), -1
 	for j := range r.local.Regions {
 		// Ids fit int32: NewVLLMReader bounds both list lengths.
 		from := r.windowStartOf(j, n)
+		if j > 0 && from == from0 {
+			// Region j reads the blocks region 0 reads: its ids are
+			// region 0's plus j list blocks (ids are non-negative and
+			// in range, checked by resolve).
+			m := n - from
+			l, rm := len(localDst), len(remoteDst)
+			localDst, remoteDst = localDst[:l+m], remoteDst[:rm+m]
+			addInt32(localDst[l:], localDst[l0:l0+m], int32(j*lb))
+			addInt32(remoteDst[rm:], remoteDst[r0:r0+m], int32(j*rb))
+			continue
+		}
+		if j == 0 {
+			from0 = from
+		}
 		localDst = q.local.appendRange(localDst, from, n, j*lb)
 		remoteDst = q.remote.appendRange(remoteDst, q.remoteStart+from, q.remoteStart+n, j*rb)
 	}

@@ -8,7 +8,7 @@ import (
 )
 
 // PushObserver adapts m to the push runtime's observer (SGLang style):
-// transfers feed the NIXL histograms (failed ones the failure counter and
+// transfers feed kvhost_plan_time_seconds and the NIXL histograms (failed ones the failure counter and
 // the plugin error counter), room changes kvhost_room_transitions_total,
 // failures kvhost_room_failures_total, bootstrap-server steps
 // kvhost_bootstrap_duration_seconds and peer registrations
@@ -18,6 +18,7 @@ func (m *Metrics) PushObserver() push.Observer { return pushObserver{m} }
 type pushObserver struct{ m *Metrics }
 
 func (o pushObserver) Transfer(e push.TransferEvent) {
+	o.m.ObservePlan(e.Plan)
 	if e.Err != nil {
 		o.m.FailedTransfer(e.Err)
 		return
@@ -44,7 +45,7 @@ func (o pushObserver) Handshake(e push.HandshakeEvent) {
 
 // PullObserver adapts m to the pull runtime's observer (vLLM style):
 // READs feed the NIXL histograms and counters exactly as vLLM's
-// NixlKVConnectorStats does, handshakes
+// NixlKVConnectorStats does (and kvhost_plan_time_seconds), handshakes
 // kvhost_handshake_duration_seconds{kind="vllm_handshake"}, and the
 // prefill's releases and unusable notifications their counters.
 func (m *Metrics) PullObserver() pull.Observer { return pullObserver{m} }
@@ -52,6 +53,7 @@ func (m *Metrics) PullObserver() pull.Observer { return pullObserver{m} }
 type pullObserver struct{ m *Metrics }
 
 func (o pullObserver) Transfer(t pull.TransferStat) {
+	o.m.ObservePlan(t.Plan)
 	o.m.ObserveTransfer(t.Xfer, t.Post, t.Bytes, t.Descs)
 }
 func (o pullObserver) FailedTransfer()     { o.m.FailedTransfer(nil) }

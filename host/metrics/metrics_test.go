@@ -157,6 +157,7 @@ func TestPushObserver(t *testing.T) {
 		want   float64
 	}{
 		{"kvhost_nixl_xfer_time_seconds", nil, 1},
+		{"kvhost_plan_time_seconds", nil, 2}, // failed transfers were planned too
 		{"kvhost_nixl_num_failed_transfers_total", nil, 1},
 		{"kvhost_plugin_errors_total", map[string]string{"op": "poll_xfer", "code": "-10"}, 1},
 		{"kvhost_room_transitions_total", map[string]string{"state": "Bootstrapping"}, 1},
@@ -187,6 +188,7 @@ func TestPullObserver(t *testing.T) {
 		want   float64
 	}{
 		{"kvhost_nixl_bytes_transferred", nil, 2},
+		{"kvhost_plan_time_seconds", nil, 2},
 		{"kvhost_nixl_num_failed_transfers_total", nil, 1},
 		{"kvhost_nixl_num_failed_notifications_total", nil, 1},
 		{"kvhost_handshake_duration_seconds", map[string]string{"kind": "vllm_handshake", "result": "ok"}, 1},

@@ -179,6 +179,11 @@ func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
 			t.Fatalf("rank %d stats: %d transfers (want %d), %d failed, %d failed notifications",
 				rank, len(st.Transfers), requests-full, st.FailedTransfers, st.FailedNotifications)
 		}
+		for i, tr := range st.Transfers {
+			if tr.Plan <= 0 {
+				t.Fatalf("rank %d: transfer %d without planning time: %+v", rank, i, tr)
+			}
+		}
 		if n := rx.Pending(); n != 0 {
 			t.Fatalf("rank %d: %d loads still pending", rank, n)
 		}

@@ -253,6 +253,8 @@ type readOp struct {
 	post   time.Duration
 	descs  int
 	bytes  uint64 // from the descriptors, for agents without telemetry
+	// plan is the time spent planning the READ's descriptor ids.
+	plan time.Duration
 }
 
 // Descriptor bounds. A prepared descriptor costs the decode about 80
@@ -678,7 +680,9 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, pr.reader.TPRatio()))
 
 	r.scratchMu.Lock()
+	t0 := time.Now()
 	lids, rids, notifyOnly, err := pr.reader.AppendRead(r.lids[:0], r.rids[:0], l.req.LocalBlockIDs, remote)
+	planned := time.Since(t0)
 	r.lids, r.rids = lids[:0], rids[:0] // keep what they grew to
 	if err != nil {
 		r.scratchMu.Unlock()
@@ -699,7 +703,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 		r.finish(l, res)
 		return
 	}
-	op := &readOp{load: l, peer: pr, descs: len(lids)}
+	op := &readOp{load: l, peer: pr, descs: len(lids), plan: planned}
 	if !r.hasTelem {
 		for _, id := range lids {
 			op.bytes += pr.localLens[int(id)/pr.localBlocks]
@@ -800,6 +804,7 @@ func (r *Receiver) complete(op *readOp) {
 			r.log.Warn("no telemetry for a completed READ", "request_id", op.load.req.RequestID, "err", err)
 		}
 	}
+	stat.Plan = op.plan
 	if err := op.x.Close(); err != nil {
 		r.log.Warn("releasing a completed READ", "request_id", op.load.req.RequestID, "err", err)
 	}

@@ -17,6 +17,8 @@ type TransferStat struct {
 	Bytes uint64
 	// Descs is the number of descriptors of the transfer as made.
 	Descs uint64
+	// Plan is the time spent planning the READ's descriptor ids.
+	Plan time.Duration
 }
 
 // Stats accumulates transfer statistics the way the reference's

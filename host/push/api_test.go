@@ -111,6 +111,9 @@ func TestTransferVariants(t *testing.T) {
 				if ev.Err != nil || (ev.Bytes == 0 && ev.Kind == push.TransferKV) || ev.Descs == 0 {
 					t.Errorf("transfer event %+v", ev)
 				}
+				if ev.Kind == push.TransferKV && ev.Plan <= 0 {
+					t.Errorf("KV transfer event without planning time: %+v", ev)
+				}
 				kinds[ev.Kind]++
 			}
 			if kinds[push.TransferKV] == 0 {

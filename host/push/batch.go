@@ -2,6 +2,7 @@ package push
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/plugin"
@@ -19,6 +20,7 @@ type batch struct {
 	index   map[pairKey]uint32
 	bytes   uint64
 	refDesc uint64
+	plan    time.Duration // planning the copies the batch holds
 }
 
 type pairKey struct {
@@ -33,7 +35,7 @@ func (b *batch) reset() {
 		b.index = make(map[pairKey]uint32)
 	}
 	clear(b.index)
-	b.bytes, b.refDesc = 0, 0
+	b.bytes, b.refDesc, b.plan = 0, 0, 0
 }
 
 func (b *batch) empty() bool { return len(b.entries) == 0 }

@@ -58,6 +58,9 @@ type TransferEvent struct {
 	Post           time.Duration // inside post_xfer
 	Xfer           time.Duration // from post to completion
 	Err            error         // nil on success
+	// Plan is the time spent planning the transfer's descriptors (strided
+	// copies or prepped indices) before it was made.
+	Plan time.Duration
 }
 
 // FailureEvent is a room that failed.

@@ -379,9 +379,11 @@ func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, sta
 	if p.prepped != nil {
 		return w.postPrepped(ctx, c, p, dst, statusMode)
 	}
+	t0 := time.Now()
 	if err := p.kv.Plan(&w.plan, c.pages, dst); err != nil {
 		return fmt.Errorf("plan KV for %s: %w", p.name, err)
 	}
+	planned := time.Since(t0)
 	if err := checkTables(&w.plan, m.regs.kv, p.kvRemote); err != nil {
 		return fmt.Errorf("KV for %s: %w", p.name, err)
 	}
@@ -401,6 +403,7 @@ func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, sta
 		}
 		if i == 0 {
 			w.b.refDesc = w.plan.ReferenceDescriptors
+			w.b.plan += planned
 		}
 		if statusMode {
 			if i < len(parts)-1 {
@@ -430,7 +433,9 @@ func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32
 	pp := p.prepped
 	for i := range pp.pk.Parts {
 		var err error
+		t0 := time.Now()
 		w.srcIdx, w.dstIdx, err = p.nixl.Indices(pp.pk, i, w.srcIdx[:0], w.dstIdx[:0], c.pages, dst)
+		planned := time.Since(t0)
 		if err != nil {
 			return fmt.Errorf("prepared indices for %s: %w", p.name, err)
 		}
@@ -450,7 +455,7 @@ func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32
 			return fmt.Errorf("make prepped transfer to %s: %w", p.name, err)
 		}
 		if err := w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id,
-			Descs: uint64(len(w.srcIdx)), ReferenceDescs: uint64(len(w.srcIdx))}); err != nil {
+			Descs: uint64(len(w.srcIdx)), ReferenceDescs: uint64(len(w.srcIdx)), Plan: planned}); err != nil {
 			return err
 		}
 	}
@@ -459,9 +464,11 @@ func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32
 
 func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
 	m := w.m
+	t0 := time.Now()
 	if err := p.state.Plan(&w.states, c.state, in.dstState); err != nil {
 		return fmt.Errorf("plan state for %s: %w", p.name, err)
 	}
+	planned := time.Since(t0)
 	for i := range w.states {
 		sp := &w.states[i]
 		comp := sp.Component
@@ -476,6 +483,9 @@ func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer,
 		}
 		if err := w.b.add(&sp.Plan, 0, len(sp.Plan.Copies), m.regs.state[comp], p.stateRemote[comp]); err != nil {
 			return err
+		}
+		if i == 0 {
+			w.b.plan += planned
 		}
 		if !statusMode {
 			tag := sglang.StateNotif(c.room, m.unique, comp)
@@ -548,7 +558,7 @@ func (w *worker) postBatch(ctx context.Context, c *chunk, p *peer, kind Transfer
 		return fmt.Errorf("make transfer to %s: %w", p.name, err)
 	}
 	return w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: kind, Chunk: c.id,
-		Bytes: w.b.bytes, Descs: uint64(len(w.b.entries)), ReferenceDescs: w.b.refDesc})
+		Bytes: w.b.bytes, Descs: uint64(len(w.b.entries)), ReferenceDescs: w.b.refDesc, Plan: w.b.plan})
 }
 
 func (w *worker) start(x *plugin.Xfer, ev TransferEvent) error {
