@@ -23,7 +23,7 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/metrics"
 )
 

@@ -7,8 +7,9 @@
 //
 //   - Sender (prefill). It registers each TP rank's KV cache on that rank's
 //     agent, serves the handshake (a ZeroMQ ROUTER answering
-//     [get_meta_msg, tp_rank] with the msgpack NixlHandshakePayload, see
-//     host/wire/vllm), and holds each finished request's blocks until every
+//     [get_meta_msg, tp_rank] with the msgpack NixlHandshakePayload encoded
+//     by host/wire/vllm; HandshakeServer, and FetchHandshake its REQ
+//     client), and holds each finished request's blocks until every
 //     decode rank that reads them has sent "{request_id}:{tp_ratio}", or
 //     until the abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by
 //     default) expires. Either way it calls OnRelease once, saying which.

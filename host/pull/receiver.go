@@ -13,9 +13,9 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
-	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -310,7 +310,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		return nil, errors.New("pull: negative timeout or descriptor limit")
 	}
 	if cfg.HandshakeTimeout == 0 {
-		cfg.HandshakeTimeout = vllm.DefaultHandshakeTimeout
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
 	}
 	if cfg.PeerIdleTimeout == 0 {
 		cfg.PeerIdleTimeout = DefaultPeerIdleTimeout
@@ -524,7 +524,7 @@ var testHookAfterFetch atomic.Pointer[func()]
 func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(r.ctx, deadline)
 	defer cancel()
-	md, err := vllm.FetchHandshake(ctx, pr.endpoint, remoteRank, vllm.FetchOptions{
+	md, err := FetchHandshake(ctx, pr.endpoint, remoteRank, FetchOptions{
 		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
 		Timeout: r.cfg.HandshakeTimeout,
 		ZMQ:     r.cfg.ZMQ,

@@ -13,9 +13,9 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // DefaultAbortTimeout is how long a prefill holds a request's blocks for
@@ -132,7 +132,7 @@ type Sender struct {
 	rlog   *ratelog.Logger // log's limiter, flushed by Close
 	obs    Observer
 	ranks  []senderRank
-	server *vllm.HandshakeServer
+	server *HandshakeServer
 	host   string
 	port   int
 
@@ -237,7 +237,7 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		md := metadataOf(cfg.EngineID, blob, &r.Cache)
 		payloads[r.TPRank] = vllm.NewHandshakePayload(cfg.CompatHash, md).Encode()
 	}
-	s.server, err = vllm.ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
+	s.server, err = ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
 	if err != nil {
 		return nil, fmt.Errorf("pull: side channel: %w", err)
 	}

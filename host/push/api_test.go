@@ -8,10 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 func ctxT(t *testing.T, d time.Duration) context.Context {

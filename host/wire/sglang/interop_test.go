@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"context"
-	"github.com/kvhost/kvhost/host/zmq"
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 	"log/slog"
 )
 

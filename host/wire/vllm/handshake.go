@@ -1,8 +1,10 @@
-// Package vllm speaks vLLM's NIXL connector side channel (see vLLM 0.13's
-// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): the
-// ZeroMQ ROUTER/REQ handshake in which a decode worker fetches a prefill
-// worker's NIXL agent metadata, its msgpack messages, the compatibility
-// hash both sides compare, and the READ completion notification.
+// Package vllm encodes and decodes vLLM's NIXL connector side channel (see
+// vLLM 0.13's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py):
+// the msgpack messages of the ZeroMQ ROUTER/REQ handshake in which a decode
+// worker fetches a prefill worker's NIXL agent metadata, the compatibility
+// hash both sides compare, and the READ completion notification. It is a
+// codec only: the handshake server and client that carry these messages
+// over ZeroMQ are host/pull's HandshakeServer and FetchHandshake.
 //
 // Wire shapes, as msgspec produces them (NixlAgentMetadata and
 // NixlHandshakePayload are dataclasses, which msgspec encodes as msgpack

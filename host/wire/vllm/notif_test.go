@@ -12,8 +12,12 @@ import (
 	"time"
 	"unicode"
 
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 )
+
+// peerScript is the Python peer of the codec tests (and of host/pull's
+// handshake tests).
+const peerScript = "testdata/vllm_peer.py"
 
 // notifCases are notifications with what the reference makes of them:
 // ok false where _get_new_notifs raises (or, for counts that are not

@@ -19,9 +19,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 // childEnv carries a worker's spec (JSON) to the re-executed test binary.
@@ -29,18 +29,18 @@ const childEnv = "KVHOST_E2E_CHILD"
 
 // spec is one worker process.
 type spec struct {
-	Role        string          `json:"role"` // prefill or decode
-	Variant     string          `json:"variant"`
-	Completion  string          `json:"completion"`
-	Xfer        string          `json:"xfer"`
-	Shape       worker.Shape    `json:"shape"`
-	Workload    worker.Workload `json:"workload"`
-	TPSize      int             `json:"tp_size"`
-	PPSize      int             `json:"pp_size"`
-	TPRanks     []int           `json:"tp_ranks,omitempty"`
-	PPRanks     []int           `json:"pp_ranks,omitempty"`
-	Params      []string        `json:"params,omitempty"`
-	Concurrency int             `json:"concurrency"`
+	Role        string              `json:"role"` // prefill or decode
+	Variant     string              `json:"variant"`
+	Completion  string              `json:"completion"`
+	Xfer        string              `json:"xfer"`
+	Shape       pushworker.Shape    `json:"shape"`
+	Workload    pushworker.Workload `json:"workload"`
+	TPSize      int                 `json:"tp_size"`
+	PPSize      int                 `json:"pp_size"`
+	TPRanks     []int               `json:"tp_ranks,omitempty"`
+	PPRanks     []int               `json:"pp_ranks,omitempty"`
+	Params      []string            `json:"params,omitempty"`
+	Concurrency int                 `json:"concurrency"`
 	// Prefill: serve the bootstrap server and write its address to
 	// AddrFile. Decode: BootstrapAddr.
 	AddrFile      string `json:"addr_file,omitempty"`
@@ -82,7 +82,7 @@ func runChild(raw string) int {
 	}
 	v, _ := push.ParseVariant(sp.Variant)
 	c, _ := push.ParseCompletion(sp.Completion)
-	common := worker.Common{
+	common := pushworker.Common{
 		Plugin: pl, AgentParams: params, Variant: v, Completion: c, Shape: sp.Shape, Workload: sp.Workload,
 		TPSize: sp.TPSize, PPSize: sp.PPSize, TPRanks: sp.TPRanks, PPRanks: sp.PPRanks,
 		Concurrency: sp.Concurrency, Logger: log,
@@ -93,7 +93,7 @@ func runChild(raw string) int {
 		},
 	}
 	ctx := context.Background()
-	var s *worker.Summary
+	var s *pushworker.Summary
 	switch sp.Role {
 	case "prefill":
 		srv, err := bootstrap.NewServer(bootstrap.WithLogger(log)).Start("127.0.0.1:0")
@@ -105,7 +105,7 @@ func runChild(raw string) int {
 			err = os.Rename(sp.AddrFile+".tmp", sp.AddrFile)
 		}
 		x, _ := push.ParseXferMode(sp.Xfer)
-		s, err = worker.RunPrefill(ctx, worker.PrefillOptions{Common: common, XferMode: x, BootstrapAddr: srv.Addr()})
+		s, err = pushworker.RunPrefill(ctx, pushworker.PrefillOptions{Common: common, XferMode: x, BootstrapAddr: srv.Addr()})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "prefill:", err)
 		}
@@ -113,7 +113,7 @@ func runChild(raw string) int {
 		srv.Close(sctx)
 		cancel()
 	case "decode":
-		s, err = worker.RunDecode(ctx, worker.DecodeOptions{Common: common, BootstrapAddr: sp.BootstrapAddr, InitTimeout: sp.InitTimeout})
+		s, err = pushworker.RunDecode(ctx, pushworker.DecodeOptions{Common: common, BootstrapAddr: sp.BootstrapAddr, InitTimeout: sp.InitTimeout})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "decode:", err)
 		}
@@ -166,7 +166,7 @@ func start(t *testing.T, sp spec) *child {
 
 // wait waits for the worker to exit (within timeout) and returns its
 // summary.
-func (c *child) wait(timeout time.Duration) *worker.Summary {
+func (c *child) wait(timeout time.Duration) *pushworker.Summary {
 	c.t.Helper()
 	select {
 	case <-c.done:
@@ -179,7 +179,7 @@ func (c *child) wait(timeout time.Duration) *worker.Summary {
 	if err != nil {
 		c.t.Fatalf("%s worker wrote no summary (%v); stderr:\n%s", c.sp.Role, c.cmd.ProcessState, tail(c.stderr.String()))
 	}
-	var s worker.Summary
+	var s pushworker.Summary
 	if err := json.Unmarshal(raw, &s); err != nil {
 		c.t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package worker
+package pushworker
 
 import (
 	"context"
@@ -6,8 +6,8 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // TestForeignInfosAreNotLeaks: a peer sending transfer infos (and ABORTs)

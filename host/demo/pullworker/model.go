@@ -1,4 +1,4 @@
-// Package demo runs vLLM-style prefill and decode workers over synthetic KV
+// Package pullworker runs vLLM-style prefill and decode workers over synthetic KV
 // caches (host/kvpool), moving KV with the pull runtime (host/pull). It is
 // what `kvhost prefill --style vllm` and `kvhost decode --style vllm` run,
 // and what the two-process end-to-end tests drive.
@@ -23,7 +23,7 @@
 //     when the abort timeout expires.
 //
 // Both print a JSON summary the demo command aggregates.
-package demo
+package pullworker
 
 import (
 	"errors"
@@ -31,7 +31,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )

@@ -1,4 +1,4 @@
-// Package worker runs demo-grade kvhost prefill and decode workers: a
+// Package pushworker runs demo-grade kvhost prefill and decode workers: a
 // synthetic KV pool (package kvpool) per rank in host memory, a
 // deterministic synthetic workload that both sides derive from one seed,
 // the push runtime (package push) in between, and a byte-exact check on
@@ -6,7 +6,7 @@
 // decode` are thin wrappers around RunPrefill and RunDecode; `kvhost demo`
 // can run both in one process or start them as processes and aggregate
 // their JSON summaries.
-package worker
+package pushworker
 
 import (
 	"errors"

@@ -1,4 +1,4 @@
-package worker
+package pushworker
 
 import (
 	"encoding/json"

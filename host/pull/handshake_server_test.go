@@ -1,4 +1,4 @@
-package vllm
+package pull
 
 import (
 	"context"
@@ -17,27 +17,43 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/zmq"
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
-const peerScript = "testdata/vllm_peer.py"
+// vllm_peer.py also serves the codec tests of host/wire/vllm.
+const peerScript = "../wire/vllm/testdata/vllm_peer.py"
 
 var quietLog = slog.New(slog.DiscardHandler)
+
+// sampleMetadata is host/wire/vllm's test metadata.
+func sampleMetadata() *vllm.AgentMetadata {
+	return &vllm.AgentMetadata{
+		EngineID:         "prefill-engine-0",
+		AgentMetadata:    []byte("\x00nixl agent md\xff"),
+		KVCachesBaseAddr: []uint64{0x7f0000000000, 0x7f0000100000, 1<<64 - 1},
+		DeviceID:         2,
+		NumBlocks:        12345,
+		BlockLens:        []int{4096, 4096, 2048},
+		KVCacheLayout:    "HND",
+		BlockSize:        16,
+	}
+}
 
 func quietZMQ() []zmq.Option { return []zmq.Option{zmq.WithLogger(quietLog)} }
 
 // prefill serves two TP ranks.
-func startServer(t *testing.T, hash string) (*HandshakeServer, map[int]*AgentMetadata) {
+func startServer(t *testing.T, hash string) (*HandshakeServer, map[int]*vllm.AgentMetadata) {
 	t.Helper()
-	mds := map[int]*AgentMetadata{}
+	mds := map[int]*vllm.AgentMetadata{}
 	payloads := map[int][]byte{}
 	for rank := range 2 {
 		md := sampleMetadata() // includes a base address of 2^64-1
 		md.DeviceID = rank
 		md.KVCachesBaseAddr[0] += uint64(0x1000 * rank)
 		mds[rank] = md
-		payloads[rank] = NewHandshakePayload(hash, md).Encode()
+		payloads[rank] = vllm.NewHandshakePayload(hash, md).Encode()
 	}
 	s, err := ListenHandshake("tcp://127.0.0.1:0", payloads, quietLog)
 	if err != nil {
@@ -48,7 +64,7 @@ func startServer(t *testing.T, hash string) (*HandshakeServer, map[int]*AgentMet
 }
 
 func expect(hash string) FetchOptions {
-	return FetchOptions{Expect: Expect{LocalHash: hash, EnforceHash: true, EngineID: "prefill-engine-0"}, ZMQ: quietZMQ()}
+	return FetchOptions{Expect: vllm.Expect{LocalHash: hash, EnforceHash: true, EngineID: "prefill-engine-0"}, ZMQ: quietZMQ()}
 }
 
 func TestFetchHandshake(t *testing.T) {
@@ -64,7 +80,7 @@ func TestFetchHandshake(t *testing.T) {
 	}
 	// Unknown rank: refused at once (empty reply), not after a timeout.
 	start := time.Now()
-	if _, err := FetchHandshake(context.Background(), s.Endpoint(), 7, expect("H")); !errors.Is(err, ErrMalformed) {
+	if _, err := FetchHandshake(context.Background(), s.Endpoint(), 7, expect("H")); !errors.Is(err, vllm.ErrMalformed) {
 		t.Fatalf("unknown rank: %v", err)
 	}
 	if el := time.Since(start); el > time.Second {
@@ -72,7 +88,7 @@ func TestFetchHandshake(t *testing.T) {
 	}
 	// Hash mismatch lists both hashes.
 	_, err := FetchHandshake(context.Background(), s.Endpoint(), 0, expect("MINE"))
-	if !errors.Is(err, ErrHashMismatch) || !strings.Contains(err.Error(), "Local: MINE, Remote: H") {
+	if !errors.Is(err, vllm.ErrHashMismatch) || !strings.Contains(err.Error(), "Local: MINE, Remote: H") {
 		t.Fatalf("mismatch: %v", err)
 	}
 }
@@ -236,7 +252,7 @@ func TestInteropPythonFetchesFromGo(t *testing.T) {
 func TestInteropGoFetchesFromPython(t *testing.T) {
 	zmqtest.RequirePython(t, "zmq", "msgpack")
 	mds := map[string]any{}
-	want := map[int]*AgentMetadata{}
+	want := map[int]*vllm.AgentMetadata{}
 	for rank := range 2 {
 		md := sampleMetadata()
 		md.DeviceID = rank
@@ -267,9 +283,9 @@ func TestInteropGoFetchesFromPython(t *testing.T) {
 // strings that need JSON escaping.
 func TestInteropCompatibilityHash(t *testing.T) {
 	zmqtest.RequirePython(t, "zmq", "msgpack")
-	base := CompatFactors{VLLMVersion: "0.13.0", ConnectorVersion: 2, Model: "Qwen/Qwen3-8B", DType: "torch.float16",
+	base := vllm.CompatFactors{VLLMVersion: "0.13.0", ConnectorVersion: 2, Model: "Qwen/Qwen3-8B", DType: "torch.float16",
 		NumKVHeads: 8, HeadSize: 128, NumHiddenLayers: 36, AttnBackendName: "FLASHINFER", CacheDType: "fp8_e4m3"}
-	var cases []CompatFactors
+	var cases []vllm.CompatFactors
 	for _, model := range []string{"Qwen/Qwen3-8B", `/models/"quoted"\path`, "modèle-ünïcode-模型", "emoji-😀", "tab\tnew\nline\x01\x7f", ""} {
 		c := base
 		c.Model = model
@@ -296,13 +312,13 @@ func TestInteropCompatibilityHash(t *testing.T) {
 	}
 	peer.Wait(10 * time.Second)
 	for i, c := range cases {
-		if got := CompatibilityHash(c); got != hashes[i] {
+		if got := vllm.CompatibilityHash(c); got != hashes[i] {
 			t.Errorf("factors %d (%q): go %s, python %s", i, c.Model, got, hashes[i])
 		}
 	}
 }
 
-func mdJSON(md *AgentMetadata) map[string]any {
+func mdJSON(md *vllm.AgentMetadata) map[string]any {
 	return map[string]any{
 		"engine_id": md.EngineID, "agent_metadata": hex.EncodeToString(md.AgentMetadata),
 		"kv_caches_base_addr": md.KVCachesBaseAddr, "device_id": md.DeviceID, "num_blocks": md.NumBlocks,

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 )
 
 // TestRecvFrom: each message comes with the remote address of the

@@ -1,4 +1,4 @@
-package vllm
+package pull
 
 import (
 	"context"
@@ -9,7 +9,8 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/internal/ratelog"
-	"github.com/kvhost/kvhost/host/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // replyTimeout bounds one reply write; a client that stops reading loses
@@ -50,7 +51,7 @@ type HandshakeServer struct {
 // ListenHandshake binds a ROUTER socket on endpoint (vLLM binds
 // tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:side_channel_port) and serves
 // payloads, the encoded NixlHandshakePayload per TP rank
-// (HandshakePayload.Encode), until Close. payloads is copied. A peer whose
+// (vllm.HandshakePayload.Encode), until Close. payloads is copied. A peer whose
 // request is larger than a handshake request can be (4 KiB) is
 // disconnected; opts may raise that limit (zmq.WithMaxMessageSize).
 func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger, opts ...zmq.Option) (*HandshakeServer, error) {
@@ -106,7 +107,7 @@ func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 		// A REQ client waits for a reply whatever it sent: refuse with an
 		// empty one so that it fails at once, not at its timeout.
 		s.log.Warn("refusing handshake request: want one frame after the delimiter", "peer", m.Peer, "frames", len(m.Frames)-1)
-	} else if rank, err := DecodeMetaRequest(m.Frames[1]); err != nil {
+	} else if rank, err := vllm.DecodeMetaRequest(m.Frames[1]); err != nil {
 		s.log.Warn("refusing handshake request", "peer", m.Peer, "err", err)
 	} else if s.payloads[rank] == nil {
 		s.log.Warn("refusing handshake request for an unknown TP rank", "peer", m.Peer, "tp_rank", rank)

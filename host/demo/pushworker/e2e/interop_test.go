@@ -10,11 +10,11 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/internal/faketest"
-	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 // Interop: a Python peer that builds and parses SGLang's messages with the
@@ -37,7 +37,7 @@ func requirePython(t *testing.T) {
 }
 
 // interopShape is the model both sides use (TP 1, one rank each).
-var interopShape = worker.Shape{Layers: 3, KVHeads: 2, HeadBytes: 24, PageSize: 4, AuxItemLen: 40}
+var interopShape = pushworker.Shape{Layers: 3, KVHeads: 2, HeadBytes: 24, PageSize: 4, AuxItemLen: 40}
 
 func interopGeometry(pages, auxSlots int) kvpool.Geometry {
 	return kvpool.Geometry{Attention: kvpool.MHA, Order: kvpool.KThenV, Layers: interopShape.Layers, Pages: pages,
@@ -125,7 +125,7 @@ func TestPythonDecode(t *testing.T) {
 			srv := startBootstrap(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 			defer cancel()
-			wl := worker.Workload{Seed: 5, Requests: 12, MinTokens: 1, MaxTokens: 30, ChunkPages: 3}
+			wl := pushworker.Workload{Seed: 5, Requests: 12, MinTokens: 1, MaxTokens: 30, ChunkPages: 3}
 			reqs := wl.List(interopShape.PageSize)
 			var pyReqs []pyRequest
 			totalPages := 0
@@ -141,7 +141,7 @@ func TestPythonDecode(t *testing.T) {
 				"out": out, "dump": dump}))
 			pl := faketest.Plugin(t)
 			v, _ := push.ParseVariant(variant)
-			ps, err := worker.RunPrefill(ctx, worker.PrefillOptions{BootstrapAddr: srv.Addr(), Common: worker.Common{
+			ps, err := pushworker.RunPrefill(ctx, pushworker.PrefillOptions{BootstrapAddr: srv.Addr(), Common: pushworker.Common{
 				Plugin: pl, Variant: v, Shape: interopShape, Workload: wl, TPSize: 1, Concurrency: 16}})
 			if err != nil {
 				t.Fatal(err)
@@ -196,7 +196,7 @@ func TestPythonPrefill(t *testing.T) {
 			srv := startBootstrap(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 			defer cancel()
-			wl := worker.Workload{Seed: 9, Requests: 12, MinTokens: 1, MaxTokens: 30, ChunkPages: 0}
+			wl := pushworker.Workload{Seed: 9, Requests: 12, MinTokens: 1, MaxTokens: 30, ChunkPages: 0}
 			reqs := wl.List(interopShape.PageSize)
 			// The prefill's memory: kvpool's bytes for every request, written
 			// here and loaded by the Python prefill.
@@ -242,7 +242,7 @@ func TestPythonPrefill(t *testing.T) {
 				"content": content, "out": out}))
 			pl := faketest.Plugin(t)
 			v, _ := push.ParseVariant(variant)
-			ds, err := worker.RunDecode(ctx, worker.DecodeOptions{BootstrapAddr: srv.Addr(), Common: worker.Common{
+			ds, err := pushworker.RunDecode(ctx, pushworker.DecodeOptions{BootstrapAddr: srv.Addr(), Common: pushworker.Common{
 				Plugin: pl, Variant: v, Shape: interopShape, Workload: wl, TPSize: 1, Concurrency: 4}})
 			if err != nil {
 				t.Fatal(err)

@@ -1,11 +1,11 @@
-package worker
+package pushworker
 
 import (
 	"context"
 	"fmt"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 )

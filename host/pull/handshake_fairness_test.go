@@ -1,7 +1,6 @@
-package vllm
+package pull
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"reflect"
@@ -10,8 +9,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/zmq"
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // Clients that pipeline requests and never read the replies (here four of
@@ -21,7 +21,7 @@ import (
 func TestHandshakeStuckClientsDelayNobody(t *testing.T) {
 	md := sampleMetadata()
 	md.AgentMetadata = make([]byte, 1<<20)
-	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: NewHandshakePayload("H", md).Encode()}, quietLog)
+	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload("H", md).Encode()}, quietLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +36,7 @@ func TestHandshakeStuckClientsDelayNobody(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for { // never reads
-				if err := c.Send(nil, EncodeMetaRequest(0)); err != nil {
+				if err := c.Send(nil, vllm.EncodeMetaRequest(0)); err != nil {
 					disconnected <- struct{}{}
 					return
 				}
@@ -80,8 +80,8 @@ func TestHandshakeStuckClientsDelayNobody(t *testing.T) {
 func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
 	s, mds := startServer(t, "H")
 	for _, frames := range [][][]byte{
-		{EncodeMetaRequest(0), []byte("extra")},
-		{EncodeMetaRequest(0), {}, {}},
+		{vllm.EncodeMetaRequest(0), []byte("extra")},
+		{vllm.EncodeMetaRequest(0), {}, {}},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), DefaultHandshakeTimeout)
 		start := time.Now()
@@ -110,34 +110,13 @@ func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
 	}
 }
 
-// lineCounter counts the log lines written through it.
-type lineCounter struct {
-	mu    sync.Mutex
-	lines int
-	last  string
-}
-
-func (l *lineCounter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines += bytes.Count(p, []byte{'\n'})
-	l.last = string(p)
-	return len(p), nil
-}
-
-func (l *lineCounter) count() (int, string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.lines, l.last
-}
-
 // A client sending 20,000 bad handshake requests writes a bounded number
 // of log lines (it wrote one each), and what was not written is counted
 // in a line of its own.
 func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	const requests, maxLines = 20000, 200
 	var out lineCounter
-	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: NewHandshakePayload("H", sampleMetadata()).Encode()},
+	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload("H", sampleMetadata()).Encode()},
 		slog.New(slog.NewTextHandler(&out, nil)))
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +178,7 @@ func TestIdleClientsDoNotLockOutHandshakes(t *testing.T) {
 		start := time.Now()
 		var err error
 		for time.Since(start) < 20*time.Second {
-			var got *AgentMetadata
+			var got *vllm.AgentMetadata
 			if got, err = FetchHandshake(context.Background(), s.Endpoint(), 1, expect("H")); err == nil {
 				if !reflect.DeepEqual(got, mds[1]) {
 					t.Fatal("wrong metadata")

@@ -1,12 +1,12 @@
-package worker
+package pushworker
 
 import (
 	"fmt"
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
-	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/push"
 )
 

@@ -1,4 +1,4 @@
-package demo
+package pullworker
 
 import (
 	"fmt"
@@ -8,8 +8,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
-	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -70,7 +70,7 @@ func benchTwoProcess(b *testing.B, tokens int) {
 			b.Fatal(err)
 		}
 		if md == nil {
-			md, err = vllm.FetchHandshake(b.Context(), params.Endpoint(), 0, vllm.FetchOptions{
+			md, err = pull.FetchHandshake(b.Context(), params.Endpoint(), 0, pull.FetchOptions{
 				Expect: vllm.Expect{LocalHash: model.CompatHash(), EnforceHash: true, EngineID: params.RemoteEngineID}})
 			if err != nil {
 				b.Fatal(err)

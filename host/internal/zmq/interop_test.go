@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 )
 
 const peerScript = "testdata/zmq_peer.py"

@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 func requireFake(t *testing.T) {
@@ -38,8 +38,8 @@ type scenario struct {
 }
 
 func (sc scenario) pair() pairSpec {
-	shape := worker.Shape{MLA: sc.mla, Layers: 4, KVHeads: 4, HeadBytes: 32, PageSize: 4, AuxItemLen: 48}
-	wl := worker.Workload{Seed: 11, Requests: sc.requests, MinTokens: 1, MaxTokens: 48, ChunkPages: 3, AbortRate: sc.abortRate}
+	shape := pushworker.Shape{MLA: sc.mla, Layers: 4, KVHeads: 4, HeadBytes: 32, PageSize: 4, AuxItemLen: 48}
+	wl := pushworker.Workload{Seed: 11, Requests: sc.requests, MinTokens: 1, MaxTokens: 48, ChunkPages: 3, AbortRate: sc.abortRate}
 	if sc.requests == 0 {
 		wl.Requests = 24
 	}
@@ -77,7 +77,7 @@ func (sc scenario) pair() pairSpec {
 	return ps
 }
 
-func checkAllOK(t *testing.T, s ...*worker.Summary) {
+func checkAllOK(t *testing.T, s ...*pushworker.Summary) {
 	t.Helper()
 	for _, x := range s {
 		if !x.OKExit() || x.OK != x.Requests || x.Requests == 0 {
