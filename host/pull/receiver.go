@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
@@ -737,7 +738,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 func (r *Receiver) poll() {
 	defer r.wg.Done()
 	var active []*readOp
-	sleep := newBackoff(pollMinSleep, pollMaxSleep)
+	sleep := backoff.New(pollMinSleep, pollMaxSleep)
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
@@ -753,7 +754,7 @@ func (r *Receiver) poll() {
 			return
 		}
 		if len(active) == 0 {
-			sleep.reset()
+			sleep.Reset()
 			select {
 			case <-r.wake:
 			case <-r.ctx.Done():
@@ -780,10 +781,10 @@ func (r *Receiver) poll() {
 		}
 		clear(active[len(kept):])
 		active = kept
-		t.Reset(sleep.after(progressed))
+		t.Reset(sleep.After(progressed))
 		select {
 		case <-r.wake:
-			sleep.reset()
+			sleep.Reset()
 		case <-t.C:
 		case <-r.ctx.Done():
 		}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
@@ -425,13 +426,13 @@ func (s *Sender) Counts() SenderCounts {
 // run drains notifications and expires requests until Close.
 func (s *Sender) run() {
 	defer close(s.done)
-	idle := newBackoff(senderMinIdle, senderMaxIdle)
+	idle := backoff.New(senderMinIdle, senderMaxIdle)
 	t := time.NewTimer(senderMinIdle)
 	defer t.Stop()
 	for {
 		got := s.drainNotifs()
 		s.expire(time.Now())
-		t.Reset(idle.after(got))
+		t.Reset(idle.After(got))
 		select {
 		case <-s.stop:
 			return

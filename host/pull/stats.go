@@ -2,8 +2,9 @@ package pull
 
 import (
 	"math"
-	"slices"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/quantile"
 )
 
 // TransferStat is the telemetry of one completed READ, as the reference
@@ -99,29 +100,15 @@ func (s *Stats) Reduce() Summary {
 	}
 	sum.NumSuccessfulTransfers = n
 	sum.AvgXferMs = round(mean(xfer)*1e3, 3)
-	sum.P90XferMs = round(Percentile(xfer, 90)*1e3, 3)
+	sum.P90XferMs = round(quantile.Percentile(xfer, 90)*1e3, 3)
 	sum.AvgPostMs = round(mean(post)*1e3, 3)
-	sum.P90PostMs = round(Percentile(post, 90)*1e3, 3)
+	sum.P90PostMs = round(quantile.Percentile(post, 90)*1e3, 3)
 	sum.AvgMBPerTransfer = round(totalMB/float64(n), 3)
 	if totalXferS > 0 {
 		sum.ThroughputMBs = round(totalMB/totalXferS, 3)
 	}
 	sum.AvgDescriptors = round(totalDescs/float64(n), 1)
 	return sum
-}
-
-// Percentile is numpy.percentile(values, q) with its default linear
-// interpolation; q in [0, 100]. values is not modified. Empty input gives 0.
-func Percentile(values []float64, q float64) float64 {
-	if len(values) == 0 {
-		return 0
-	}
-	v := slices.Clone(values)
-	slices.Sort(v)
-	pos := (float64(len(v)) - 1) * q / 100
-	lo := math.Floor(pos)
-	hi := math.Ceil(pos)
-	return v[int(lo)] + (v[int(hi)]-v[int(lo)])*(pos-lo)
 }
 
 func mean(v []float64) float64 {

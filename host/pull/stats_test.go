@@ -3,7 +3,6 @@ package pull
 import (
 	"bytes"
 	"encoding/json"
-	"math"
 	"math/rand/v2"
 	"reflect"
 	"testing"
@@ -46,29 +45,6 @@ func TestReduce(t *testing.T) {
 	}
 	if (&Stats{FailedTransfers: 1}).IsEmpty() {
 		t.Fatal("failures alone count as not empty")
-	}
-}
-
-func TestPercentile(t *testing.T) {
-	for _, c := range []struct {
-		v    []float64
-		q    float64
-		want float64
-	}{
-		{nil, 90, 0},
-		{[]float64{5}, 90, 5},
-		{[]float64{3, 1, 2}, 50, 2},
-		{[]float64{1, 2, 3, 4}, 99, 3.97},
-		{[]float64{4, 3, 2, 1}, 0, 1},
-		{[]float64{4, 3, 2, 1}, 100, 4},
-	} {
-		in := append([]float64(nil), c.v...)
-		if got := Percentile(c.v, c.q); math.Abs(got-c.want) > 1e-12 {
-			t.Errorf("Percentile(%v, %v) = %v, want %v", c.v, c.q, got, c.want)
-		}
-		if !reflect.DeepEqual(in, c.v) {
-			t.Errorf("Percentile sorted its input")
-		}
 	}
 }
 

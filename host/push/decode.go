@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -337,7 +338,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	}
 	c := bootstrap.NewClient(addr)
 	start := time.Now()
-	backoff := 20 * time.Millisecond
+	retry := backoff.New(20*time.Millisecond, time.Second)
 	var info bootstrap.ParallelInfo
 	for {
 		var err error
@@ -357,14 +358,13 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		if ctx.Err() == nil {
 			select {
 			case <-ctx.Done():
-			case <-time.After(backoff):
+			case <-time.After(retry.Next()):
 			}
 		}
 		if ctx.Err() != nil {
 			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
 			return nil, fmt.Errorf("prefill parallel info from %s: %w (last: %v)", addr, ctx.Err(), err)
 		}
-		backoff = min(2*backoff, time.Second)
 	}
 	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start)})
 	if info.PageSize != nil && *info.PageSize != d.cfg.KV.PageSize {

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/pull"
 )
 
@@ -82,7 +83,7 @@ var (
 // waitHealthy polls the health endpoint until it answers or ctx ends.
 func (c *prefillClient) waitHealthy(ctx context.Context) error {
 	var last error
-	for sleep := 20 * time.Millisecond; ; sleep = min(sleep*2, 500*time.Millisecond) {
+	for retry := backoff.New(20*time.Millisecond, 500*time.Millisecond); ; {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+HealthPath, nil)
 		if err != nil {
 			return err
@@ -100,7 +101,7 @@ func (c *prefillClient) waitHealthy(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("prefill worker at %s not healthy: %w (last: %v)", c.base, ctx.Err(), last)
-		case <-time.After(sleep):
+		case <-time.After(retry.Next()):
 		}
 	}
 }
@@ -114,7 +115,7 @@ func (c *prefillClient) prefill(ctx context.Context, id string, tokens int) (pul
 		return pull.KVTransferParams{}, err
 	}
 	var unreachable time.Time // first connection failure of this call
-	for sleep := 5 * time.Millisecond; ; sleep = min(sleep*2, 200*time.Millisecond) {
+	for retry := backoff.New(5*time.Millisecond, 200*time.Millisecond); ; {
 		p, err := c.prefillOnce(ctx, body)
 		if err == nil {
 			c.down.Store(false)
@@ -144,7 +145,7 @@ func (c *prefillClient) prefill(ctx context.Context, id string, tokens int) (pul
 				c.down.Store(true)
 			}
 			return pull.KVTransferParams{}, fmt.Errorf("prefill %s: no answer from the prefill worker in time: %w (last: %v)", id, ctx.Err(), err)
-		case <-time.After(sleep):
+		case <-time.After(retry.Next()):
 		}
 	}
 }

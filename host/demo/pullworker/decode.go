@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
+	"github.com/kvhost/kvhost/host/internal/quantile"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 )
@@ -435,8 +436,8 @@ func percentiles(ms []float64) Percentiles {
 	if len(ms) == 0 {
 		return Percentiles{}
 	}
-	return Percentiles{P50: round3(pull.Percentile(ms, 50)), P90: round3(pull.Percentile(ms, 90)),
-		P99: round3(pull.Percentile(ms, 99)), Max: round3(slices.Max(ms))}
+	return Percentiles{P50: round3(quantile.Percentile(ms, 50)), P90: round3(quantile.Percentile(ms, 90)),
+		P99: round3(quantile.Percentile(ms, 99)), Max: round3(slices.Max(ms))}
 }
 
 func round3(x float64) float64 { return float64(int64(x*1000+0.5)) / 1000 }

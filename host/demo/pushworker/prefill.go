@@ -11,8 +11,8 @@ import (
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
+	"github.com/kvhost/kvhost/host/internal/quantile"
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 )
@@ -206,7 +206,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	t.finish(s, reqs, elapsed)
 	st.mu.Lock()
 	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
-	s.XferP50us, s.XferP99us, s.PostP50us = pull.Percentile(st.xfer, 50), pull.Percentile(st.xfer, 99), pull.Percentile(st.post, 50)
+	s.XferP50us, s.XferP99us, s.PostP50us = quantile.Percentile(st.xfer, 50), quantile.Percentile(st.xfer, 99), quantile.Percentile(st.post, 50)
 	st.mu.Unlock()
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9

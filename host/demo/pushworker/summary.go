@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhost/kvhost/host/pull"
+	"github.com/kvhost/kvhost/host/internal/quantile"
 	"github.com/kvhost/kvhost/host/push"
 )
 
@@ -199,7 +199,7 @@ func (t *tally) finish(s *Summary, reqs []Request, elapsed time.Duration) {
 	}
 	s.VerifyErrors = len(t.verify)
 	s.Failures = t.failures
-	s.LatencyP50us = pull.Percentile(t.latency, 50)
-	s.LatencyP99us = pull.Percentile(t.latency, 99)
+	s.LatencyP50us = quantile.Percentile(t.latency, 50)
+	s.LatencyP99us = quantile.Percentile(t.latency, 99)
 	s.DurationSec = elapsed.Seconds()
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
@@ -89,7 +90,7 @@ func (s *server) start() {
 
 func (s *server) acceptLoop() {
 	defer s.wg.Done()
-	backoff := 5 * time.Millisecond
+	retry := backoff.New(5*time.Millisecond, time.Second)
 	for {
 		nc, err := s.ln.Accept()
 		if err != nil {
@@ -102,16 +103,16 @@ func (s *server) acceptLoop() {
 				return
 			}
 			// Out of file descriptors and the like: wait instead of spinning.
-			s.log.Warn("zmq accept failed", "err", err, "retry_in", backoff)
+			wait := retry.Next()
+			s.log.Warn("zmq accept failed", "err", err, "retry_in", wait)
 			select {
-			case <-time.After(backoff):
+			case <-time.After(wait):
 			case <-s.done:
 				return
 			}
-			backoff = min(2*backoff, time.Second)
 			continue
 		}
-		backoff = 5 * time.Millisecond
+		retry.Reset()
 		select {
 		case s.pending <- struct{}{}:
 		default:
