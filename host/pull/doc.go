@@ -44,7 +44,7 @@
 //
 // Both sides record the reference's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
-// wires to Prometheus under the reference's metric names (MetricSpecs).
+// wires to Prometheus under vLLM's metric names (host/metrics owns them).
 //
 // Ownership: the caller owns the plugin agents and the KV memory. A Sender
 // or Receiver registers that memory on its agent and deregisters it on
