@@ -111,7 +111,7 @@ func (c *Config) Validate() error {
 	case c.PrefillTP < 1 || c.DecodeTP < 1 || c.PrefillTP > 64 || c.DecodeTP > 64:
 		return fmt.Errorf("demo: TP sizes must be 1..64 (prefill %d, decode %d)", c.PrefillTP, c.DecodeTP)
 	case c.Style == "vllm" && c.DecodeTP < c.PrefillTP:
-		// The reference raises this for every request (vLLM's NIXL
+		// SGLang's disaggregation/{nixl,mori}/conn.py raises this for every request (vLLM's NIXL
 		// connector reads from one or more prefill ranks, never merges).
 		return fmt.Errorf("demo: vllm style: decode TP %d is smaller than prefill TP %d; vLLM's NIXL connector needs decode TP >= prefill TP", c.DecodeTP, c.PrefillTP)
 	case c.MemKinds != "" && c.MemKinds != "vram" && c.MemKinds != "dram" && c.MemKinds != "mixed":

@@ -42,7 +42,7 @@
 // are counted per peer using them: a handshake that is refused, times out
 // or is evicted never removes an agent another engine's peer still uses.
 //
-// Both sides record the reference's per-transfer statistics (Stats, with
+// Both sides record vLLM's kv_connector/v1/nixl_connector.py's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
 // wires to Prometheus under vLLM's metric names (host/metrics owns them).
 //
@@ -55,7 +55,7 @@
 // Notifications: the prefill cannot tell which decode a request was meant
 // for. vLLM's side channel carries no reader identity (a handshake request
 // is [get_meta_msg, tp_rank], answered to anyone who reaches the port), and
-// a notification names only its sending agent. The reference's
+// a notification names only its sending agent. vLLM's kv_connector/v1/nixl_connector.py's
 // _get_new_notifs counts every "{request_id}:{tp_ratio}" from any agent, so
 // one peer could free a request by repeating it, or send a larger tp_ratio
 // early so that the real readers' notifications fell short and the blocks
@@ -65,7 +65,7 @@
 // claim it makes cannot change what the real readers need. What a peer that
 // loaded this prefill's agent metadata and knows a request id (it travels in
 // the kv_transfer_params the proxy hands the decode) can still do is what
-// the reference allows too: claim tp_ratio 1 (or join the readers' own
+// vLLM's kv_connector/v1/nixl_connector.py allows too: claim tp_ratio 1 (or join the readers' own
 // claim with one of its agents) and so release the blocks before the real
 // reader finished; the reader then reads blocks the engine may have
 // reused. Nothing in vLLM's protocol tells the prefill who the reader is;
@@ -73,12 +73,12 @@
 // reach. The sending agent's name is the plugin's word: the fake plugin
 // checks it against the sending process, NIXL carries the sender's claim.
 //
-// Where kvhost deliberately differs from the reference:
+// Where kvhost deliberately differs from vLLM's kv_connector/v1/nixl_connector.py:
 //   - decode block size > prefill block size with a partial prefix hit: the
 //     reference reads remote_block_ids[-n:], which lands the tokens in the
 //     wrong decode blocks unless the request's last decode block is full
 //     of prefill blocks; kvhost skips the prefill blocks of the hit decode
-//     blocks instead (identical whenever the reference is right);
+//     blocks instead (identical whenever vLLM's kv_connector/v1/nixl_connector.py is right);
 //   - after a READ between different block sizes the received decode
 //     blocks are reordered into the decode layout for every layout that
 //     needs it (HND, and blocks-first in either layout), where the
@@ -86,7 +86,7 @@
 //   - heterogeneous TP without replicated KV needs HND on both sides (the
 //     reference asks vLLM for HND but does not check the peer); an NHD
 //     prefill is refused at handshake rather than read as wrong bytes;
-//   - a READ may be given a timeout (the reference waits forever);
+//   - a READ may be given a timeout (vLLM's kv_connector/v1/nixl_connector.py waits forever);
 //   - a prefill counts each agent's notification once per request and
-//     rank, per claimed tp_ratio (the reference counts every one).
+//     rank, per claimed tp_ratio (vLLM's kv_connector/v1/nixl_connector.py counts every one).
 package pull

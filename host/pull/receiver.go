@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/backoff"
+	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
@@ -89,7 +90,7 @@ type ReceiverConfig struct {
 	ZMQ []zmq.Option
 }
 
-// LoadRequest is one request's pull (the reference's ReqMeta to receive).
+// LoadRequest is one request's pull (vLLM's kv_connector/v1/nixl_connector.py's ReqMeta to receive).
 type LoadRequest struct {
 	// RequestID is the decode's own request id (results and logs).
 	RequestID string
@@ -623,12 +624,12 @@ func remoteAgent(md *vllm.AgentMetadata, kind abi.MemKind) (planner.VLLMAgent, e
 		BlockSize:     md.BlockSize,
 		KVCacheLayout: md.KVCacheLayout,
 		DeviceID:      uint64(md.DeviceID),
-		Kind:          planner.MemKind(kind),
+		Kind:          memkind.ToPlanner(kind),
 	}, nil
 }
 
 // localList returns the local prepared list for a block-size ratio,
-// preparing it the first time (the reference's src_xfer_side_handles).
+// preparing it the first time (vLLM's kv_connector/v1/nixl_connector.py's src_xfer_side_handles).
 func (r *Receiver) localList(reader *planner.VLLMReader) (*plugin.DList, error) {
 	r.listMu.Lock()
 	defer r.listMu.Unlock()
@@ -865,7 +866,7 @@ func (r *Receiver) finish(l *Load, res LoadResult) {
 func (r *Receiver) Pending() int { return int(r.pendingLoads.Load()) }
 
 // BlockIDsWithLoadErrors returns, sorted, and forgets the local blocks
-// that failed to load since the last call (the reference's
+// that failed to load since the last call (vLLM's kv_connector/v1/nixl_connector.py's
 // get_block_ids_with_load_errors).
 func (r *Receiver) BlockIDsWithLoadErrors() []int32 {
 	r.mu.Lock()
@@ -876,7 +877,7 @@ func (r *Receiver) BlockIDsWithLoadErrors() []int32 {
 }
 
 // TakeStats returns the statistics recorded since the last call and
-// resets them (the reference's get_kv_connector_stats).
+// resets them (vLLM's kv_connector/v1/nixl_connector.py's get_kv_connector_stats).
 func (r *Receiver) TakeStats() Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()

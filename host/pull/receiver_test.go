@@ -147,7 +147,7 @@ func TestHandshakeTimeout(t *testing.T) {
 }
 
 // TestHandshakeRefusals: hash and engine id mismatches are refused with
-// the reference's message; with the check off the hash is ignored.
+// vLLM's kv_connector/v1/nixl_connector.py's message; with the check off the hash is ignored.
 func TestHandshakeRefusals(t *testing.T) {
 	ps := newPrefillSide(t, smallGeom, "prefill", nil)
 	params := ps.hold(t, "r", 1, []int32{2, 3}, 8)

@@ -337,7 +337,7 @@ func (s *Sender) Host() string { return s.host }
 func (s *Sender) Port() int { return s.port }
 
 // Hold starts holding a finished request's blocks for the decode ranks
-// that will read them (the reference's request_finished with delayed
+// that will read them (vLLM's kv_connector/v1/nixl_connector.py's request_finished with delayed
 // free) and returns the kv_transfer_params to hand the decode. The request
 // is released (OnRelease) when every hosted rank got all its consumers'
 // notifications, when the abort timeout expires, or on Abort. An empty
@@ -399,7 +399,7 @@ func (s *Sender) params(requestID string, blockIDs []int32) KVTransferParams {
 	}
 }
 
-// Abort stops holding a request at once (the reference's
+// Abort stops holding a request at once (vLLM's kv_connector/v1/nixl_connector.py's
 // reqs_not_processed) and releases it with ReleaseAborted. It reports
 // whether the request was held.
 func (s *Sender) Abort(requestID string) bool {

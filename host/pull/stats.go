@@ -7,7 +7,7 @@ import (
 	"github.com/kvhost/kvhost/host/internal/quantile"
 )
 
-// TransferStat is the telemetry of one completed READ, as the reference
+// TransferStat is the telemetry of one completed READ, as vLLM's kv_connector/v1/nixl_connector.py
 // records it from nixlXferTelemetry (record_transfer).
 type TransferStat struct {
 	// Xfer is the time from post to completion.
@@ -20,7 +20,7 @@ type TransferStat struct {
 	Descs uint64
 }
 
-// Stats accumulates transfer statistics the way the reference's
+// Stats accumulates transfer statistics the way vLLM's kv_connector/v1/nixl_connector.py's
 // NixlKVConnectorStats does: one entry per successful transfer, plus
 // failed transfer and failed notification counts. The zero value is empty
 // and ready. Stats is a plain value: callers serialise access.
@@ -40,7 +40,7 @@ func (s *Stats) RecordFailedTransfer() { s.FailedTransfers++ }
 // RecordFailedNotification records a notification that could not be sent.
 func (s *Stats) RecordFailedNotification() { s.FailedNotifications++ }
 
-// IsEmpty reports whether nothing was recorded. (The reference looks only
+// IsEmpty reports whether nothing was recorded. (vLLM's kv_connector/v1/nixl_connector.py looks only
 // at successful transfers, so it drops windows holding only failures; here
 // they count.)
 func (s *Stats) IsEmpty() bool {
@@ -61,8 +61,8 @@ func (s *Stats) Aggregate(o Stats) {
 	s.FailedNotifications += o.FailedNotifications
 }
 
-// Summary is the reference's reduce(): compact statistics for logs. The
-// JSON keys are the reference's; the two failure counts are kvhost's
+// Summary is vLLM's kv_connector/v1/nixl_connector.py's reduce(): compact statistics for logs. The
+// JSON keys are vLLM's kv_connector/v1/nixl_connector.py's; the two failure counts are kvhost's
 // addition.
 type Summary struct {
 	NumSuccessfulTransfers int     `json:"Num successful transfers"`
@@ -81,7 +81,7 @@ type Summary struct {
 // interpolation) of transfer and post times in ms, average MB (2^20 bytes)
 // per transfer, throughput as total MB over the summed transfer time, and
 // average descriptors; times and sizes rounded to 3 decimals, descriptors
-// to 1, as the reference rounds them.
+// to 1, as vLLM's kv_connector/v1/nixl_connector.py rounds them.
 func (s *Stats) Reduce() Summary {
 	sum := Summary{NumFailedTransfers: s.FailedTransfers, NumFailedNotifications: s.FailedNotifications}
 	n := len(s.Transfers)

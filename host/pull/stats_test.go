@@ -10,7 +10,7 @@ import (
 )
 
 // TestReduce checks the summary against numpy's values for the same data
-// (computed with the reference's formulas).
+// (computed with vLLM's kv_connector/v1/nixl_connector.py's formulas).
 func TestReduce(t *testing.T) {
 	var s Stats
 	if got := s.Reduce(); got != (Summary{}) || !s.IsEmpty() {
@@ -33,7 +33,7 @@ func TestReduce(t *testing.T) {
 	for _, key := range []string{"Num successful transfers", "Avg xfer time (ms)", "P90 xfer time (ms)", "Avg post time (ms)",
 		"P90 post time (ms)", "Avg MB per transfer", "Throughput (MB/s)", "Avg number of descriptors"} {
 		if !bytes.Contains(b, []byte(`"`+key+`"`)) {
-			t.Errorf("summary JSON lacks the reference key %q: %s", key, b)
+			t.Errorf("summary JSON lacks vLLM's kv_connector/v1/nixl_connector.py key %q: %s", key, b)
 		}
 	}
 
@@ -60,7 +60,7 @@ func TestAlignRemote(t *testing.T) {
 		{0, 2, r[5:]}, // full hit: nothing
 		{4, 2, r},     // more local blocks than spanned: the planner clips
 		{1, 4, r[4:]}, // 4x: spans 2, one hit
-		{2, 1, r[3:]}, // equal sizes: the reference's tail
+		{2, 1, r[3:]}, // equal sizes: vLLM's kv_connector/v1/nixl_connector.py's tail
 		{5, 1, r},     // equal sizes, no hit
 		{1, 8, r},     // one decode block holds all
 		{0, 8, r[5:]}, // and is hit

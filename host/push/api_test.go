@@ -140,7 +140,7 @@ func equalStatus(a, b []sglang.KVPoll) bool {
 }
 
 // TestBootstrapTimeout: a prefill room that decode never bootstraps fails
-// with the reference's reason.
+// with SGLang's disaggregation/{nixl,mori}/conn.py's reason.
 func TestBootstrapTimeout(t *testing.T) {
 	r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: 100 * time.Millisecond}, noDecode: true})
 	s, err := r.pf.NewSender(42)
@@ -158,7 +158,7 @@ func TestBootstrapTimeout(t *testing.T) {
 }
 
 // TestWaitingTimeoutAborts: a decode room whose transfer never comes fails
-// with the reference's reason and tells prefill with ABORT, which fails the
+// with SGLang's disaggregation/{nixl,mori}/conn.py's reason and tells prefill with ABORT, which fails the
 // prefill room with decode's address and releases it.
 func TestWaitingTimeoutAborts(t *testing.T) {
 	r := newRig(t, rigOpts{dset: push.Settings{WaitingTimeout: 150 * time.Millisecond}})

@@ -350,6 +350,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		dead := d.dead[addr]
 		d.mu.Unlock()
 		if dead {
+			//lint:ignore ST1005 SGLang's own message, kept verbatim
 			return nil, fmt.Errorf("Lost connection with prefill instance (bootstrap_addr: %s): %w", addr, err)
 		}
 		// Like SGLang's scheduler, which retries try_ensure_parallel_info
@@ -368,6 +369,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	}
 	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start)})
 	if info.PageSize != nil && *info.PageSize != d.cfg.KV.PageSize {
+		//lint:ignore ST1005 SGLang's own message, kept verbatim
 		return nil, fmt.Errorf("Page size mismatch: prefill server has page_size=%d, but decode server has page_size=%d", *info.PageSize, d.cfg.KV.PageSize)
 	}
 	if info.KVCacheDType != nil && *info.KVCacheDType != d.cfg.KVCacheDType {
@@ -420,6 +422,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
 		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeRoute, Peer: addr, Latency: time.Since(start), Err: err})
 		if err != nil {
+			//lint:ignore ST1005 SGLang's own message, kept verbatim
 			return nil, fmt.Errorf("Could not fetch bootstrap info for: prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d and target_pp_rank %d: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, err)
 		}
 		ips, err := resolveIPs(ctx, ri.RankIP)

@@ -164,12 +164,12 @@ func TestInProcMatrix(t *testing.T) {
 
 // SGLang MORI slices the decode list by the prefill stage's start layer,
 // so it only supports decode PP 1 under prefill PP > 1; PP 2 -> 2 is
-// refused at registration with the reference's reason.
+// refused at registration with SGLang's disaggregation/{nixl,mori}/conn.py's reason.
 func TestInProcMORIPPEqual(t *testing.T) {
 	ps, _ := runPair(t, pair{variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2, dpp: 2,
 		set: push.Settings{BootstrapTimeout: 2 * time.Second}})
 	if ps.OK != 0 && ps.Failed == 0 {
-		t.Fatalf("MORI PP 2->2 worked; the reference refuses it")
+		t.Fatalf("MORI PP 2->2 worked; SGLang's disaggregation/{nixl,mori}/conn.py refuses it")
 	}
 	for _, f := range ps.Failures {
 		if f.Rank == "tp0/pp1" && !strings.Contains(f.Reason, "PP configuration mismatch") {

@@ -98,7 +98,6 @@ type stats struct {
 	refDescs  uint64
 	xfer      []float64 // µs
 	post      []float64 // µs
-	failures  uint64
 	extra     push.Observer
 }
 

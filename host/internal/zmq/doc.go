@@ -80,6 +80,6 @@
 //     before a message is written into a dead socket.
 //   - As with libzmq, a message written just before the peer dies (or
 //     sitting unread in the dead peer's buffers) is lost; the control plane
-//     covers that with timeouts and heartbeats, as the reference does.
+//     covers that with timeouts and heartbeats, as SGLang's disaggregation/{nixl,mori}/conn.py does.
 //   - All sockets are safe for concurrent use (libzmq sockets are not).
 package zmq

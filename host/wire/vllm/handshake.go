@@ -32,7 +32,7 @@ import (
 // GetMetaMsg is the request tag of the handshake.
 const GetMetaMsg = "get_meta_msg"
 
-// ConnectorVersion is the reference's NIXL_CONNECTOR_VERSION (2 adds
+// ConnectorVersion is vLLM's kv_connector/v1/nixl_connector.py's NIXL_CONNECTOR_VERSION (2 adds
 // remote_request_id to kv_transfer_params). It is one of the
 // compatibility hash factors.
 const ConnectorVersion = 2
@@ -66,7 +66,7 @@ func EncodeMetaRequest(tpRank int) []byte {
 const maxMetaRequest = 64
 
 // DecodeMetaRequest decodes a handshake request and returns the TP rank it
-// asks for. It insists on the exact shape; the reference only logs an
+// asks for. It insists on the exact shape; vLLM's kv_connector/v1/nixl_connector.py only logs an
 // unexpected tag, kvhost refuses it. Bytes longer than any request are
 // refused before they are decoded.
 func DecodeMetaRequest(b []byte) (int, error) {

@@ -101,8 +101,13 @@ func runChild(raw string) int {
 			fmt.Fprintln(os.Stderr, err)
 			return 2
 		}
-		if err := os.WriteFile(sp.AddrFile+".tmp", []byte(srv.Addr()), 0o644); err == nil {
+		err = os.WriteFile(sp.AddrFile+".tmp", []byte(srv.Addr()), 0o644)
+		if err == nil {
 			err = os.Rename(sp.AddrFile+".tmp", sp.AddrFile)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
 		}
 		x, _ := push.ParseXferMode(sp.Xfer)
 		s, err = pushworker.RunPrefill(ctx, pushworker.PrefillOptions{Common: common, XferMode: x, BootstrapAddr: srv.Addr()})

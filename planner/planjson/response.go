@@ -1,10 +1,12 @@
-package planner
+package planjson
 
 import (
 	"bufio"
 	"encoding/json"
 	"io"
 	"strconv"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // Response is the JSON answer of `kvhost plan` without its copies, which
@@ -12,7 +14,7 @@ import (
 type Response struct {
 	Style string `json:"style"`
 	Kind  string `json:"kind"`
-	// Path names the reference code path reproduced.
+	// Path names the upstream code path reproduced.
 	Path string `json:"path"`
 	// Descriptors is how many (strided) descriptors the backend is handed.
 	Descriptors int `json:"descriptors"`
@@ -20,7 +22,7 @@ type Response struct {
 	ExpandedDescriptors uint64 `json:"expanded_descriptors"`
 	// Bytes is the total moved.
 	Bytes uint64 `json:"bytes"`
-	// ReferenceDescriptors is what the reference connector would hand its
+	// ReferenceDescriptors is what SGLang's disaggregation/{nixl,mori}/conn.py would hand its
 	// backend for the same bytes (omitted when not computed).
 	ReferenceDescriptors uint64 `json:"reference_descriptors,omitempty"`
 	// Parts lists separately posted transfers (mixed memory kinds).
@@ -28,7 +30,7 @@ type Response struct {
 }
 
 // PartJSON is one separately posted transfer of the plan, with the
-// notification suffix the reference appends to the chunk's notification
+// notification suffix SGLang's disaggregation/{nixl,mori}/conn.py appends to the chunk's notification
 // (SGLang NIXL mixed memory: "_part_{i}_{n}").
 type PartJSON struct {
 	Descriptors int    `json:"descriptors"`
@@ -38,19 +40,13 @@ type PartJSON struct {
 	NotifSuffix string `json:"notif_suffix"`
 }
 
-// PartNotifSuffix is the suffix SGLang NIXL appends to a chunk's KV
-// notification for part i of n of a mixed-memory transfer.
-func PartNotifSuffix(i, n int) string {
-	return "_part_" + strconv.Itoa(i) + "_" + strconv.Itoa(n)
-}
-
 // MaxResponseBlocks bounds the blocks WriteResponse lists (about 4 GiB of
 // JSON); real plans stay far below (80 layers x 1024 pages x 16 tokens is
 // 2.6 million).
 const MaxResponseBlocks = 1 << 27
 
 // NewResponse summarizes a plan.
-func NewResponse(env Envelope, p *Plan) Response {
+func NewResponse(env Envelope, p *planner.Plan) Response {
 	r := Response{
 		Style:                env.Style,
 		Kind:                 env.Kind,
@@ -67,7 +63,7 @@ func NewResponse(env Envelope, p *Plan) Response {
 		}
 		suffix := pt.NotifSuffix
 		if suffix == "" {
-			suffix = PartNotifSuffix(i, len(p.Parts))
+			suffix = planner.PartNotifSuffix(i, len(p.Parts))
 		}
 		r.Parts = append(r.Parts, PartJSON{
 			Descriptors: pt.End - pt.Start,
@@ -87,7 +83,7 @@ func NewResponse(env Envelope, p *Plan) Response {
 //
 // A plan that expands to more than MaxResponseBlocks blocks is refused
 // unless summary is set: printing it would take hours.
-func WriteResponse(w io.Writer, env Envelope, p *Plan, summary bool) error {
+func WriteResponse(w io.Writer, env Envelope, p *planner.Plan, summary bool) error {
 	resp := NewResponse(env, p)
 	if !summary && resp.ExpandedDescriptors > MaxResponseBlocks {
 		return errorf("", "plan expands to %d blocks, more than the %d a response lists; ask for the summary", resp.ExpandedDescriptors, uint64(MaxResponseBlocks))

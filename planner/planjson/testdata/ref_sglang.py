@@ -1,12 +1,13 @@
 """Reference re-expression of SGLang's NIXL and MORI KV transfer math.
 
-Test helper for planner/sglang_ref_test.go: reads a JSON list of cases on
-stdin and prints, for each, the (src_addr, dst_addr, len) descriptors the
-reference connectors (sglang_nixl_conn.py, sglang_mori_conn.py and the common
-layer's pointer slicing described in shared/reference/README.md) would hand
-their backend, or the error they would raise. The formulas follow the
-reference line by line with numpy, so the Go planner is checked against the
-reference's own arithmetic rather than against a second Go implementation.
+Test helper for planner/planjson/sglang_ref_test.go: reads a JSON list of
+cases on stdin and prints, for each, the (src_addr, dst_addr, len)
+descriptors SGLang's connectors (python/sglang/srt/disaggregation/nixl/conn.py,
+.../mori/conn.py, and the common layer's pointer slicing,
+CommonKVManager.get_mha_kv_ptrs_with_pp in .../common/conn.py) would hand
+their backend, or the error they would raise. The formulas follow SGLang's
+code line by line with numpy, so the Go planner is checked against SGLang's
+own arithmetic rather than against a second Go implementation.
 
 Run with /usr/bin/python3 (numpy from python3-numpy).
 """

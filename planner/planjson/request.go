@@ -1,4 +1,4 @@
-package planner
+package planjson
 
 import (
 	"bytes"
@@ -9,6 +9,8 @@ import (
 	"reflect"
 	"sort"
 	"strings"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // This file is the JSON request layer behind `kvhost plan`: an envelope
@@ -40,7 +42,7 @@ type Envelope struct {
 // object; the handler decodes it with DecodeStrict into its own type, which
 // must declare the envelope fields too. Errors should be *Error naming the
 // JSON field (dotted path, e.g. "prefill.kv_item_lens[3]").
-type Handler func(raw json.RawMessage) (*Plan, error)
+type Handler func(raw json.RawMessage) (*planner.Plan, error)
 
 type handlerKey struct{ style, kind string }
 
@@ -72,7 +74,7 @@ func Handled() []string {
 // PlanRequest decodes one JSON request, plans it with the handler of its
 // style and kind, and validates the plan against its regions. The envelope
 // is returned with Kind defaulted to "kv".
-func PlanRequest(raw []byte) (*Plan, Envelope, error) {
+func PlanRequest(raw []byte) (*planner.Plan, Envelope, error) {
 	var env Envelope
 	if err := json.Unmarshal(raw, &env); err != nil {
 		return nil, env, jsonError(err)
@@ -317,7 +319,7 @@ type KVSideJSON struct {
 	StartLayer int      `json:"start_layer,omitempty"`
 	// DraftLayers (decode only) is the number of decode-only draft layers
 	// after the main K and V regions; when given, layers pair exactly
-	// instead of by the reference's heuristic.
+	// instead of by SGLang's disaggregation/{nixl,mori}/conn.py's heuristic.
 	DraftLayers *int `json:"draft_layers,omitempty"`
 	// vLLM only.
 	BlockSize   int  `json:"block_size,omitempty"`
@@ -326,8 +328,8 @@ type KVSideJSON struct {
 
 // Side converts the JSON side into a KVSide; name ("prefill" or "decode")
 // prefixes error fields.
-func (s *KVSideJSON) Side(name string) (KVSide, error) {
-	out := KVSide{
+func (s *KVSideJSON) Side(name string) (planner.KVSide, error) {
+	out := planner.KVSide{
 		TPSize:     s.TPSize,
 		TPRank:     s.TPRank,
 		KVHeadNum:  s.KVHeadNum,
@@ -346,16 +348,16 @@ func (s *KVSideJSON) Side(name string) (KVSide, error) {
 		out.DraftLayers, out.DraftLayersKnown = *s.DraftLayers, true
 	}
 	if s.MemKinds != nil {
-		out.Kinds = make([]MemKind, len(s.MemKinds))
+		out.Kinds = make([]planner.MemKind, len(s.MemKinds))
 		for i, k := range s.MemKinds {
-			mk, err := ParseMemKind(k)
+			mk, err := planner.ParseMemKind(k)
 			if err != nil {
 				return out, errorf(fmt.Sprintf("%s.mem_kinds[%d]", name, i), "unsupported NIXL KV memory kind %q (want VRAM or DRAM)", k)
 			}
 			out.Kinds[i] = mk
 		}
 	}
-	if err := out.check(name); err != nil {
+	if err := out.Check(name); err != nil {
 		return out, err
 	}
 	return out, nil
@@ -375,7 +377,7 @@ func (r *KVRequest) MLA() (bool, error) {
 	return false, errorf("attention", `unknown attention %q (want "mha" or "mla")`, r.Attention)
 }
 
-// Pages converts a JSON page list into int32 indices (the reference's and
+// Pages converts a JSON page list into int32 indices (SGLang's disaggregation/{nixl,mori}/conn.py's and
 // the ABI's index type).
 func Pages(field string, in []int64) ([]int32, error) {
 	out := make([]int32, len(in))

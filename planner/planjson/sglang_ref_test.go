@@ -1,4 +1,4 @@
-package planner
+package planjson
 
 import (
 	"bytes"
@@ -8,6 +8,8 @@ import (
 	"os/exec"
 	"slices"
 	"testing"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // This file checks the SGLang NIXL and MORI planners against
@@ -50,7 +52,7 @@ func canonical(in []block) []block {
 }
 
 // planBlocks expands a plan (or one part of it) into blocks.
-func planBlocks(p *Plan, part int) []block {
+func planBlocks(p *planner.Plan, part int) []block {
 	q := *p
 	if part >= 0 && len(p.Parts) > 0 {
 		pt := p.Parts[part]
@@ -72,7 +74,7 @@ type refResult struct {
 	Prepped []refPrepped  `json:"prepped"`
 }
 
-// refPrepped is one make_prepped_xfer call of the reference: both dlists
+// refPrepped is one make_prepped_xfer call of SGLang's disaggregation/{nixl,mori}/conn.py: both dlists
 // as [addr, len] and both index arrays.
 type refPrepped struct {
 	SrcList [][2]uint64 `json:"src_list"`
@@ -81,13 +83,13 @@ type refPrepped struct {
 	DstIdx  []int32     `json:"dst_idx"`
 }
 
-// refCase is a request plus what to ask the reference script for.
+// refCase is a request plus what to ask ref_sglang.py for.
 type refCase struct {
 	KVRequest
 	WantPrepped bool `json:"want_prepped,omitempty"`
 }
 
-// runReference runs the reference script on requests.
+// runReference runs ref_sglang.py on requests.
 func runReference(t testing.TB, reqs []KVRequest) []refResult {
 	t.Helper()
 	cases := make([]refCase, len(reqs))
@@ -97,7 +99,7 @@ func runReference(t testing.TB, reqs []KVRequest) []refResult {
 	return runReferenceCases(t, cases)
 }
 
-// runReferenceCases runs the reference script on cases.
+// runReferenceCases runs ref_sglang.py on cases.
 func runReferenceCases(t testing.TB, cases []refCase) []refResult {
 	t.Helper()
 	in, err := json.Marshal(cases)
@@ -124,7 +126,7 @@ func runReferenceCases(t testing.TB, cases []refCase) []refResult {
 
 // planKVRequest plans a KV request through the JSON layer (the path
 // `kvhost plan` takes).
-func planKVRequest(req KVRequest) (*Plan, error) {
+func planKVRequest(req KVRequest) (*planner.Plan, error) {
 	raw, err := json.Marshal(req)
 	if err != nil {
 		return nil, err
@@ -164,7 +166,7 @@ func (g geomGen) ptrs(base uint64, items []uint64, numPages uint64) []uint64 {
 	return out
 }
 
-// kvCase draws one request of style, consistent enough that the reference
+// kvCase draws one request of style, consistent enough that SGLang's disaggregation/{nixl,mori}/conn.py
 // runs it without error, avoiding the one layout where kvhost deliberately
 // differs (the prepped equal-TP path pairs regions positionally in the
 // reference, by layer in kvhost).
@@ -312,8 +314,8 @@ func TestSGLangMatchesReference(t *testing.T) {
 			t.Errorf("case %d (%s): ReferenceDescriptors %d, reference handed %d", i, p.Path, p.ReferenceDescriptors, refDescs)
 		}
 	}
-	for _, path := range []string{PathNIXLPreppedEqualTP, PathNIXLPreppedMLA, PathNIXLPreppedSlice, PathNIXLPreppedMixed,
-		PathNIXLRuns, PathNIXLRunsMLA, PathMORIRuns, PathMORIRunsMLA, PathMORITPSlice} {
+	for _, path := range []string{planner.PathNIXLPreppedEqualTP, planner.PathNIXLPreppedMLA, planner.PathNIXLPreppedSlice, planner.PathNIXLPreppedMixed,
+		planner.PathNIXLRuns, planner.PathNIXLRunsMLA, planner.PathMORIRuns, planner.PathMORIRunsMLA, planner.PathMORITPSlice} {
 		if paths[path] < 3 {
 			t.Errorf("path %s drawn %d times; widen the generator", path, paths[path])
 		}
@@ -321,12 +323,12 @@ func TestSGLangMatchesReference(t *testing.T) {
 	t.Logf("paths compared: %v", paths)
 }
 
-// referenceView returns the requests to hand the reference so that its
+// referenceView returns the requests to hand SGLang's disaggregation/{nixl,mori}/conn.py so that its
 // answer is the one kvhost must match. kvhost deliberately differs in one
 // place: when decode TP exceeds the KV heads (replicated decode heads) and
-// prefill TP is smaller, the reference picks the prefill head group with the
+// prefill TP is smaller, SGLang's disaggregation/{nixl,mori}/conn.py picks the prefill head group with the
 // decode rank itself, kvhost with the head that rank holds (rank /
-// (decode_tp / heads)). Handing the reference that rank instead yields
+// (decode_tp / heads)). Handing SGLang's disaggregation/{nixl,mori}/conn.py that rank instead yields
 // kvhost's bytes; nothing else about the rank enters the slice math.
 func referenceView(reqs []KVRequest) []KVRequest {
 	out := slices.Clone(reqs)
@@ -359,7 +361,7 @@ func head(bs []block) string {
 }
 
 // dlistEntries materializes a dlist as [addr, len] pairs.
-func dlistEntries(d *Dlist) [][2]uint64 {
+func dlistEntries(d *planner.Dlist) [][2]uint64 {
 	var out [][2]uint64
 	d.ForEach(func(a, l uint64) bool {
 		out = append(out, [2]uint64{a, l})
@@ -369,8 +371,8 @@ func dlistEntries(d *Dlist) [][2]uint64 {
 }
 
 // TestSGLangPreppedMatchesReference checks the prepped representation:
-// every dlist entry and every index array equals the reference's, and where
-// kvhost refuses to prepare a list, the reference's list does hold a
+// every dlist entry and every index array equals SGLang's disaggregation/{nixl,mori}/conn.py's, and where
+// kvhost refuses to prepare a list, SGLang's disaggregation/{nixl,mori}/conn.py's list does hold a
 // descriptor outside its region (NIXL would reject it).
 func TestSGLangPreppedMatchesReference(t *testing.T) {
 	g := geomGen{rand.New(rand.NewPCG(7, 8))}
@@ -398,7 +400,7 @@ func TestSGLangPreppedMatchesReference(t *testing.T) {
 		if err != nil {
 			t.Fatalf("case %d: %v", i, err)
 		}
-		n, err := NewNIXLKV(geo, true)
+		n, err := planner.NewNIXLKV(geo, true)
 		if err != nil {
 			t.Fatalf("case %d: %v", i, err)
 		}

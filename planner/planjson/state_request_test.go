@@ -1,10 +1,13 @@
-package planner
+package planjson
 
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // Seeds of every aux/state/dsa_tail request shape, valid and broken.
@@ -134,5 +137,18 @@ func TestStateRequestJSON(t *testing.T) {
 			_, _, err := PlanRequest([]byte(tc.req))
 			bFieldErr(t, err, tc.field, "")
 		})
+	}
+}
+
+// bFieldErr fails unless err is a *planner.Error whose field starts with
+// field and whose message contains msg.
+func bFieldErr(t *testing.T, err error, field, msg string) {
+	t.Helper()
+	var e *planner.Error
+	if !errors.As(err, &e) {
+		t.Fatalf("want *Error for %s, got %v", field, err)
+	}
+	if !strings.HasPrefix(e.Field, field) || !strings.Contains(e.Msg, msg) {
+		t.Fatalf("want error %s: ...%s..., got %v", field, msg, err)
 	}
 }

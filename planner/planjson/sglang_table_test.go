@@ -1,4 +1,4 @@
-package planner
+package planjson
 
 import (
 	"bytes"
@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // Hand-checked plans for every SGLang KV layout. Region addresses are
@@ -43,17 +45,17 @@ func TestSGLangLayoutTable(t *testing.T) {
 		req      KVRequest
 		mutate   func(*KVRequest)
 		path     string
-		want     []Copy
+		want     []copyRow
 		refDescs uint64
-		parts    []Part
+		parts    []partRow
 	}{
 		{
 			// 2 layers (K0 K1 V0 V1), 64-byte pages. Runs (1..3 -> 4..6)
 			// and (6 -> 0): one block per region per run.
-			name: "equal TP", path: PathNIXLPreppedEqualTP,
+			name: "equal TP", path: planner.PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(2, 0, 4, 4, 64, 8), sideOf(2, 0, 4, 4, 64, 8),
 				[]int64{1, 2, 3, 6}, []int64{4, 5, 6, 0}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 64, 256, 192, 0, 0, 1}, {0, 0, 384, 0, 64, 0, 0, 1},
 				{1, 1, 64, 256, 192, 0, 0, 1}, {1, 1, 384, 0, 64, 0, 0, 1},
 				{2, 2, 64, 256, 192, 0, 0, 1}, {2, 2, 384, 0, 64, 0, 0, 1},
@@ -63,10 +65,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 		},
 		{
 			// Decode (HiSparse) slots are 128 bytes apart; 64 move per page.
-			name: "equal TP, wider decode slots", path: PathNIXLPreppedEqualTP,
+			name: "equal TP, wider decode slots", path: planner.PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 2, 64, 8), sideOf(1, 0, 4, 2, 128, 8),
 				[]int64{1, 2, 3}, []int64{4, 5, 6}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 64, 512, 64, 64, 128, 3},
 				{1, 1, 64, 512, 64, 64, 128, 3},
 			},
@@ -75,10 +77,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// Decode runs speculative decoding: 2 draft layers after the
 			// main K and V; only the first 4 regions receive.
-			name: "equal TP, decode-only draft layers", path: PathNIXLPreppedEqualTP,
+			name: "equal TP, decode-only draft layers", path: planner.PathNIXLPreppedEqualTP,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{0}, []int64{7}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 0, 448, 64, 0, 0, 1}, {1, 1, 0, 448, 64, 0, 0, 1},
 				{2, 2, 0, 448, 64, 0, 0, 1}, {3, 3, 0, 448, 64, 0, 0, 1},
 			},
@@ -87,10 +89,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 		{
 			// MLA ignores TP. Pages 0, 2, 4 -> 1, 3, 5: equal gaps become
 			// one strided copy per layer.
-			name: "MLA", path: PathNIXLPreppedMLA,
+			name: "MLA", path: planner.PathNIXLPreppedMLA,
 			req: kvReq(StyleSGLangNIXL, "mla", 64, sideOf(2, 1, 1, 3, 32, 8), sideOf(4, 3, 1, 3, 32, 8),
 				[]int64{0, 2, 4}, []int64{1, 3, 5}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 0, 32, 32, 64, 64, 3}, {1, 1, 0, 32, 32, 64, 64, 3}, {2, 2, 0, 32, 32, 64, 64, 3},
 			},
 			refDescs: 9,
@@ -100,10 +102,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// tokens are 16 bytes (4 heads), decode tokens 8 (2 heads).
 			// Decode rank 1 owns heads 2-3: offset 8 of every prefill
 			// token. Pages 3, 4 -> 0, 1 are one run: 4 tokens.
-			name: "slice, prefill TP < decode TP", path: PathNIXLPreppedSlice,
+			name: "slice, prefill TP < decode TP", path: planner.PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(1, 0, 4, 4, 32, 8), sideOf(2, 1, 2, 4, 16, 8),
 				[]int64{3, 4}, []int64{0, 1}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 104, 0, 8, 16, 8, 4}, {1, 1, 104, 0, 8, 16, 8, 4},
 				{2, 2, 104, 0, 8, 16, 8, 4}, {3, 3, 104, 0, 8, 16, 8, 4},
 			},
@@ -113,10 +115,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// TP 4 -> 2, 4 heads of 4 bytes: prefill rank 3 holds head 3,
 			// decode rank 1 holds heads 2-3: rank 3 writes the second head
 			// slot (offset 4) of every 8-byte decode token.
-			name: "slice, prefill TP > decode TP", path: PathNIXLPreppedSlice,
+			name: "slice, prefill TP > decode TP", path: planner.PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(4, 3, 1, 2, 8, 8), sideOf(2, 1, 2, 2, 16, 8),
 				[]int64{0, 1, 2, 5}, []int64{5, 6, 7, 0}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 0, 84, 4, 4, 8, 6}, {0, 0, 40, 4, 4, 4, 8, 2},
 				{1, 1, 0, 84, 4, 4, 8, 6}, {1, 1, 40, 4, 4, 4, 8, 2},
 			},
@@ -126,86 +128,86 @@ func TestSGLangLayoutTable(t *testing.T) {
 			// TP 4 -> 2 with 2 KV heads: prefill ranks 2 and 3 both hold
 			// (replicated) head 1; decode rank 1 holds head 1 alone, so
 			// rank 3 writes the whole decode token.
-			name: "slice, prefill TP > KV heads (replicated)", path: PathNIXLPreppedSlice,
+			name: "slice, prefill TP > KV heads (replicated)", path: planner.PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(4, 3, 1, 2, 8, 8), sideOf(2, 1, 1, 2, 8, 8),
 				[]int64{2}, []int64{3}),
 			mutate:   func(r *KVRequest) { r.TotalKVHeads = 2 },
-			want:     []Copy{{0, 0, 16, 24, 8, 0, 0, 1}, {1, 1, 16, 24, 8, 0, 0, 1}},
+			want:     []copyRow{{0, 0, 16, 24, 8, 0, 0, 1}, {1, 1, 16, 24, 8, 0, 0, 1}},
 			refDescs: 4,
 		},
 		{
 			// TP 2 -> 8 with 2 KV heads: decode ranks hold one replicated
 			// head; rank 5 takes prefill rank 1's only head, whole tokens.
-			name: "slice, decode TP > KV heads (replicated)", path: PathNIXLPreppedSlice,
+			name: "slice, decode TP > KV heads (replicated)", path: planner.PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(2, 1, 1, 2, 8, 8), sideOf(8, 5, 1, 2, 8, 8),
 				[]int64{4, 5}, []int64{1, 2}),
-			want:     []Copy{{0, 0, 32, 8, 16, 0, 0, 1}, {1, 1, 32, 8, 16, 0, 0, 1}},
+			want:     []copyRow{{0, 0, 32, 8, 16, 0, 0, 1}, {1, 1, 32, 8, 16, 0, 0, 1}},
 			refDescs: 8,
 		},
 		{
 			// TP 1 -> 4 with 2 KV heads of 4 bytes: decode ranks 0-1 hold
 			// head 0, ranks 2-3 head 1. Rank 1 takes head 0 (offset 0 of
-			// the 8-byte prefill token); the reference would send it head
+			// the 8-byte prefill token); SGLang's disaggregation/{nixl,mori}/conn.py would send it head
 			// 1 (offset 4), see referenceView.
-			name: "slice, decode TP > KV heads, rank holding a replica", path: PathNIXLPreppedSlice,
+			name: "slice, decode TP > KV heads, rank holding a replica", path: planner.PathNIXLPreppedSlice,
 			req: kvReq(StyleSGLangNIXL, "mha", 2, sideOf(1, 0, 2, 2, 16, 8), sideOf(4, 1, 1, 2, 8, 8),
 				[]int64{1}, []int64{2}),
-			want:     []Copy{{0, 0, 16, 16, 4, 8, 4, 2}, {1, 1, 16, 16, 4, 8, 4, 2}},
+			want:     []copyRow{{0, 0, 16, 16, 4, 8, 4, 2}, {1, 1, 16, 16, 4, 8, 4, 2}},
 			refDescs: 4,
 		},
 		{
 			// Decode mixes memory kinds: (VRAM,VRAM) (VRAM,DRAM)x2
 			// (VRAM,VRAM): three parts, posted and notified apart.
-			name: "mixed memory kinds", path: PathNIXLPreppedMixed,
+			name: "mixed memory kinds", path: planner.PathNIXLPreppedMixed,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 4, 64, 8),
 				[]int64{1}, []int64{2}),
 			mutate: func(r *KVRequest) { r.Decode.MemKinds = []string{"VRAM", "DRAM", "DRAM", "VRAM"} },
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 64, 128, 64, 0, 0, 1}, {1, 1, 64, 128, 64, 0, 0, 1},
 				{2, 2, 64, 128, 64, 0, 0, 1}, {3, 3, 64, 128, 64, 0, 0, 1},
 			},
-			parts:    []Part{{0, 1, VRAM, VRAM, ""}, {1, 3, VRAM, DRAM, ""}, {3, 4, VRAM, VRAM, ""}},
+			parts:    []partRow{{0, 1, planner.VRAM, planner.VRAM, ""}, {1, 3, planner.VRAM, planner.DRAM, ""}, {3, 4, planner.VRAM, planner.VRAM, ""}},
 			refDescs: 4,
 		},
 		{
 			// Non-prepped, prefill PP stage holding layer 1 of 3, decode
 			// PP 1: K1 -> decode region 1, V1 -> decode region 4.
-			name: "non-prepped runs with PP", path: PathNIXLRuns,
+			name: "non-prepped runs with PP", path: planner.PathNIXLRuns,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 2, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{2, 3}, []int64{0, 1}),
 			mutate:   func(r *KVRequest) { r.Prefill.StartLayer = 1; r.Prepped = &f },
-			want:     []Copy{{0, 1, 128, 0, 128, 0, 0, 1}, {1, 4, 128, 0, 128, 0, 0, 1}},
+			want:     []copyRow{{0, 1, 128, 0, 128, 0, 0, 1}, {1, 4, 128, 0, 128, 0, 0, 1}},
 			refDescs: 2,
 		},
 		{
-			name: "non-prepped MLA runs with PP", path: PathNIXLRunsMLA,
+			name: "non-prepped MLA runs with PP", path: planner.PathNIXLRunsMLA,
 			req: kvReq(StyleSGLangNIXL, "mla", 16, sideOf(1, 0, 1, 2, 32, 8), sideOf(1, 0, 1, 4, 32, 8),
 				[]int64{0, 1, 5}, []int64{6, 7, 2}),
 			mutate: func(r *KVRequest) { r.Prefill.StartLayer = 2; r.Prepped = &f },
-			want: []Copy{
+			want: []copyRow{
 				{0, 2, 0, 192, 64, 0, 0, 1}, {0, 2, 160, 64, 32, 0, 0, 1},
 				{1, 3, 0, 192, 64, 0, 0, 1}, {1, 3, 160, 64, 32, 0, 0, 1},
 			},
 			refDescs: 4,
 		},
 		{
-			// Uneven PP (2 of 3 layers): the reference heuristic would pair
+			// Uneven PP (2 of 3 layers): SGLang's disaggregation/{nixl,mori}/conn.py heuristic would pair
 			// V with K2/V0; draft_layers 0 makes the pairing exact.
-			name: "runs with uneven PP and known draft layers", path: PathNIXLRuns,
+			name: "runs with uneven PP and known draft layers", path: planner.PathNIXLRuns,
 			req: kvReq(StyleSGLangNIXL, "mha", 16, sideOf(1, 0, 4, 4, 64, 8), sideOf(1, 0, 4, 6, 64, 8),
 				[]int64{0}, []int64{1}),
 			mutate: func(r *KVRequest) { zero := 0; r.Decode.DraftLayers = &zero; r.Prepped = &f },
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 0, 64, 64, 0, 0, 1}, {1, 1, 0, 64, 64, 0, 0, 1},
 				{2, 3, 0, 64, 64, 0, 0, 1}, {3, 4, 0, 64, 64, 0, 0, 1},
 			},
 			refDescs: 4,
 		},
 		{
-			name: "MORI equal TP", path: PathMORIRuns,
+			name: "MORI equal TP", path: planner.PathMORIRuns,
 			req: kvReq(StyleSGLangMORI, "mha", 16, sideOf(2, 0, 4, 2, 64, 8), sideOf(2, 0, 4, 2, 64, 8),
 				[]int64{3, 4, 7}, []int64{0, 1, 5}),
-			want: []Copy{
+			want: []copyRow{
 				{0, 0, 192, 0, 128, 0, 0, 1}, {0, 0, 448, 320, 64, 0, 0, 1},
 				{1, 1, 192, 0, 128, 0, 0, 1}, {1, 1, 448, 320, 64, 0, 0, 1},
 			},
@@ -213,20 +215,20 @@ func TestSGLangLayoutTable(t *testing.T) {
 		},
 		{
 			// MORI MLA with PP: prefill layers 1-2 of decode's 3.
-			name: "MORI MLA with PP", path: PathMORIRunsMLA,
+			name: "MORI MLA with PP", path: planner.PathMORIRunsMLA,
 			req: kvReq(StyleSGLangMORI, "mla", 16, sideOf(1, 0, 1, 2, 32, 8), sideOf(1, 0, 1, 3, 32, 8),
 				[]int64{1}, []int64{2}),
 			mutate:   func(r *KVRequest) { r.Prefill.StartLayer = 1 },
-			want:     []Copy{{0, 1, 32, 64, 32, 0, 0, 1}, {1, 2, 32, 64, 32, 0, 0, 1}},
+			want:     []copyRow{{0, 1, 32, 64, 32, 0, 0, 1}, {1, 2, 32, 64, 32, 0, 0, 1}},
 			refDescs: 2,
 		},
 		{
 			// MORI TP 1 -> 2 (as the NIXL slice case); only min(len)
 			// pages move: page 3 -> 0.
-			name: "MORI TP slice truncates to the shorter list", path: PathMORITPSlice,
+			name: "MORI TP slice truncates to the shorter list", path: planner.PathMORITPSlice,
 			req: kvReq(StyleSGLangMORI, "mha", 2, sideOf(1, 0, 4, 2, 32, 8), sideOf(2, 1, 2, 2, 16, 8),
 				[]int64{3, 4, 5}, []int64{0}),
-			want:     []Copy{{0, 0, 104, 0, 8, 16, 8, 2}, {1, 1, 104, 0, 8, 16, 8, 2}},
+			want:     []copyRow{{0, 0, 104, 0, 8, 16, 8, 2}, {1, 1, 104, 0, 8, 16, 8, 2}},
 			refDescs: 4,
 		},
 	}
@@ -248,10 +250,10 @@ func TestSGLangLayoutTable(t *testing.T) {
 			if p.Path != tc.path {
 				t.Errorf("path %s, want %s", p.Path, tc.path)
 			}
-			if !slices.Equal(p.Copies, tc.want) {
+			if !slices.Equal(copyRows(p.Copies), tc.want) {
 				t.Errorf("copies\n got  %v\n want %v", p.Copies, tc.want)
 			}
-			if !slices.Equal(p.Parts, tc.parts) {
+			if !slices.Equal(partRows(p.Parts), tc.parts) {
 				t.Errorf("parts %v, want %v", p.Parts, tc.parts)
 			}
 			if p.ReferenceDescriptors != tc.refDescs {
@@ -260,7 +262,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 			if err := p.Validate(); err != nil {
 				t.Error(err)
 			}
-			// The hand-checked copies are also the reference's bytes,
+			// The hand-checked copies are also SGLang's disaggregation/{nixl,mori}/conn.py's bytes,
 			// except where kvhost pairs layers exactly on purpose.
 			if ref[i].Error != "" {
 				t.Fatalf("reference: %s", ref[i].Error)
@@ -301,11 +303,11 @@ func TestMixedPartsResponse(t *testing.T) {
 }
 
 func TestWriteResponseCopies(t *testing.T) {
-	p := &Plan{
+	p := &planner.Plan{
 		Path: "x",
-		Src:  []Region{{Addr: 100, Len: 100}},
-		Dst:  []Region{{Addr: 1000, Len: 100}},
-		Copies: []Copy{
+		Src:  []planner.Region{{Addr: 100, Len: 100}},
+		Dst:  []planner.Region{{Addr: 1000, Len: 100}},
+		Copies: []planner.Copy{
 			{Len: 4, SrcStride: 4, DstStride: 8, Count: 3}, // 100->1000, 104->1008, 108->1016
 			{SrcOff: 12, DstOff: 20, Len: 4, Count: 1},     // continues 108->1016 on both sides
 		},
@@ -322,10 +324,41 @@ func TestWriteResponseCopies(t *testing.T) {
 	if err := json.Unmarshal(buf.Bytes(), &v); err != nil {
 		t.Errorf("not JSON: %v", err)
 	}
-	empty := &Plan{Path: "y"}
+	empty := &planner.Plan{Path: "y"}
 	buf.Reset()
 	WriteResponse(&buf, Envelope{Style: "s", Kind: "kv"}, empty, false)
 	if !strings.Contains(buf.String(), `"copies":[]}`) {
 		t.Errorf("empty plan: %s", buf.String())
 	}
+}
+
+// copyRow and partRow are planner.Copy and planner.Part as the table spells
+// them: positionally, which vet allows only for this package's own types.
+type (
+	copyRow planner.Copy
+	partRow planner.Part
+)
+
+// copyRows and partRows convert a plan's copies or parts to the table's
+// row types.
+func copyRows(in []planner.Copy) []copyRow {
+	if in == nil {
+		return nil
+	}
+	out := make([]copyRow, len(in))
+	for i, v := range in {
+		out[i] = copyRow(v)
+	}
+	return out
+}
+
+func partRows(in []planner.Part) []partRow {
+	if in == nil {
+		return nil
+	}
+	out := make([]partRow, len(in))
+	for i, v := range in {
+		out[i] = partRow(v)
+	}
+	return out
 }

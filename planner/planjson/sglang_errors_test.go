@@ -1,14 +1,16 @@
-package planner
+package planjson
 
 import (
 	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
-// Every geometry error the reference raises on the SGLang KV paths is an
-// *Error naming the field, and the reference (testdata/ref_sglang.py) raises
+// Every geometry error SGLang's disaggregation/{nixl,mori}/conn.py raises on the SGLang KV paths is an
+// *Error naming the field, and SGLang's disaggregation/{nixl,mori}/conn.py (testdata/ref_sglang.py) raises
 // on the same input.
 func TestSGLangGeometryErrors(t *testing.T) {
 	f := false
@@ -23,7 +25,7 @@ func TestSGLangGeometryErrors(t *testing.T) {
 		req   KVRequest
 		mut   func(*KVRequest)
 		want  string // error prefix: field and message start
-		noRef bool   // the reference script does not model this check
+		noRef bool   // ref_sglang.py does not model this check
 	}{
 		{"decode fewer regions", base(StyleSGLangNIXL), func(r *KVRequest) {
 			r.Decode = withPtrs(sideOf(1, 0, 4, 2, 32, 8), 0x10000)
@@ -64,7 +66,7 @@ func TestSGLangGeometryErrors(t *testing.T) {
 			r.TotalKVHeads = 64
 		}, "decode.kv_item_lens: head slice size evaluates to zero", false},
 		// 6 heads, TP 3 -> 2: prefill rank 1 holds heads 2-3, which
-		// straddle decode ranks 0 (0-2) and 1 (3-5). The reference writes
+		// straddle decode ranks 0 (0-2) and 1 (3-5). SGLang's disaggregation/{nixl,mori}/conn.py writes
 		// heads 2-3 at head slots 2-3 of a 3-head decode token, the second
 		// one into the next token; kvhost refuses.
 		{"slice wider than the decode token", slice(StyleSGLangMORI), func(r *KVRequest) {
@@ -81,7 +83,7 @@ func TestSGLangGeometryErrors(t *testing.T) {
 		{"MORI unequal page lists", base(StyleSGLangMORI), func(r *KVRequest) {
 			r.DecodePages = []int64{3}
 		}, "decode_pages: group_concurrent_contiguous requires equal-length src/dst index arrays, got 2 and 1", false},
-		// Checks beyond the reference, which would hand NIXL descriptors
+		// Checks beyond SGLang's disaggregation/{nixl,mori}/conn.py, which would hand NIXL descriptors
 		// outside the regions or read other tokens' bytes.
 		{"page past the prefill pages", base(StyleSGLangNIXL), func(r *KVRequest) {
 			r.PrefillPages = []int64{1, 8}
@@ -116,7 +118,7 @@ func TestSGLangGeometryErrors(t *testing.T) {
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := planKVRequest(reqs[i])
-			var pe *Error
+			var pe *planner.Error
 			if err == nil || !errors.As(err, &pe) || !strings.HasPrefix(err.Error(), tc.want) {
 				t.Errorf("got %v\nwant *Error %q...", err, tc.want)
 			}
@@ -124,7 +126,7 @@ func TestSGLangGeometryErrors(t *testing.T) {
 				t.Errorf("error spans lines: %q", err)
 			}
 			if !tc.noRef && ref[i].Error == "" {
-				t.Errorf("the reference does not raise here")
+				t.Errorf("SGLang's disaggregation/{nixl,mori}/conn.py does not raise here")
 			}
 		})
 	}

@@ -1,10 +1,12 @@
-package planner
+package planjson
 
 import (
 	"encoding/json"
 	"fmt"
 	"math"
 	"strings"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // The JSON handler of style "vllm", kind "kv" (`kvhost plan`): one decode
@@ -37,7 +39,7 @@ type vllmSideJSON struct {
 	DeviceID      uint64 `json:"device_id,omitempty"`
 }
 
-func planVLLMKVRequest(raw json.RawMessage) (*Plan, error) {
+func planVLLMKVRequest(raw json.RawMessage) (*planner.Plan, error) {
 	r, local, remote, err := vllmFromJSON(raw)
 	if err != nil {
 		return nil, err
@@ -51,7 +53,7 @@ func planVLLMKVRequest(raw json.RawMessage) (*Plan, error) {
 
 // vllmFromJSON decodes and checks a request and performs the handshake
 // step; it returns the reader and the request's decode and prefill blocks.
-func vllmFromJSON(raw json.RawMessage) (*VLLMReader, []int32, []int32, error) {
+func vllmFromJSON(raw json.RawMessage) (*planner.VLLMReader, []int32, []int32, error) {
 	var req vllmKVRequest
 	if err := DecodeStrict(raw, &req); err != nil {
 		return nil, nil, nil, err
@@ -90,7 +92,7 @@ func vllmFromJSON(raw json.RawMessage) (*VLLMReader, []int32, []int32, error) {
 	if heads == 0 && !mla {
 		return nil, nil, nil, errorf("total_kv_heads", "missing: give total_kv_heads or prefill.kv_head_num")
 	}
-	local := VLLMDecode{
+	local := planner.VLLMDecode{
 		Agent:                    dec,
 		TPRank:                   req.Decode.TPRank,
 		TPSize:                   req.Decode.TPSize,
@@ -108,7 +110,7 @@ func vllmFromJSON(raw json.RawMessage) (*VLLMReader, []int32, []int32, error) {
 			}
 		}
 	}
-	r, err := NewVLLMReader(local, pre, req.Prefill.TPSize)
+	r, err := planner.NewVLLMReader(local, pre, req.Prefill.TPSize)
 	if err != nil {
 		return nil, nil, nil, vllmJSONError(err)
 	}
@@ -136,21 +138,21 @@ func vllmFromJSON(raw json.RawMessage) (*VLLMReader, []int32, []int32, error) {
 }
 
 // agent converts one side into vLLM agent metadata.
-func (s *vllmSideJSON) agent(name string, pageSize int) (VLLMAgent, error) {
+func (s *vllmSideJSON) agent(name string, pageSize int) (planner.VLLMAgent, error) {
 	side, err := s.Side(name)
 	if err != nil {
-		return VLLMAgent{}, err
+		return planner.VLLMAgent{}, err
 	}
 	if side.StartLayer != 0 {
-		return VLLMAgent{}, errorf(name+".start_layer", "vLLM pull plans have no pipeline-parallel layer offset")
+		return planner.VLLMAgent{}, errorf(name+".start_layer", "vLLM pull plans have no pipeline-parallel layer offset")
 	}
 	if side.DraftLayersKnown {
-		return VLLMAgent{}, errorf(name+".draft_layers", "SGLang only: vLLM registers no decode-only draft layers")
+		return planner.VLLMAgent{}, errorf(name+".draft_layers", "SGLang only: vLLM registers no decode-only draft layers")
 	}
 	if side.NumPages > math.MaxInt32 {
-		return VLLMAgent{}, errorf(name+".num_pages", "%d blocks exceed the int32 descriptor ids", side.NumPages)
+		return planner.VLLMAgent{}, errorf(name+".num_pages", "%d blocks exceed the int32 descriptor ids", side.NumPages)
 	}
-	a := VLLMAgent{
+	a := planner.VLLMAgent{
 		BaseAddrs:     side.Ptrs,
 		BlockLens:     side.ItemLens,
 		NumBlocks:     int(side.NumPages),
@@ -162,17 +164,17 @@ func (s *vllmSideJSON) agent(name string, pageSize int) (VLLMAgent, error) {
 		a.BlockSize = pageSize
 	}
 	if a.BlockSize < 0 {
-		return VLLMAgent{}, errorf(name+".block_size", "must be positive, got %d", a.BlockSize)
+		return planner.VLLMAgent{}, errorf(name+".block_size", "must be positive, got %d", a.BlockSize)
 	}
 	if a.KVCacheLayout == "" {
 		a.KVCacheLayout = "HND"
 	}
 	for i, k := range side.Kinds {
 		if k != side.Kinds[0] {
-			return VLLMAgent{}, errorf(fmt.Sprintf("%s.mem_kinds[%d]", name, i), "%v differs from %v: vLLM registers every KV region with one memory type", k, side.Kinds[0])
+			return planner.VLLMAgent{}, errorf(fmt.Sprintf("%s.mem_kinds[%d]", name, i), "%v differs from %v: vLLM registers every KV region with one memory type", k, side.Kinds[0])
 		}
 	}
-	a.Kind = VRAM // mem_kinds' default
+	a.Kind = planner.VRAM // mem_kinds' default
 	if len(side.Kinds) > 0 {
 		a.Kind = side.Kinds[0]
 	}
@@ -193,8 +195,8 @@ var vllmJSONFields = strings.NewReplacer(
 // vllmJSONError renames the field of a planner error to the JSON request's
 // name for it.
 func vllmJSONError(err error) error {
-	if pe, ok := err.(*Error); ok {
-		return &Error{Field: vllmJSONFields.Replace(pe.Field), Msg: pe.Msg}
+	if pe, ok := err.(*planner.Error); ok {
+		return &planner.Error{Field: vllmJSONFields.Replace(pe.Field), Msg: pe.Msg}
 	}
 	return err
 }

@@ -1,6 +1,10 @@
-package planner
+package planjson
 
-import "encoding/json"
+import (
+	"encoding/json"
+
+	"github.com/kvhost/kvhost/planner"
+)
 
 func init() {
 	registerHandler(StyleSGLangNIXL, KindKV, planSGLangNIXLKV)
@@ -9,9 +13,9 @@ func init() {
 
 // sglangKVRequest decodes a KV request of an SGLang style into geometry
 // and chunk pages.
-func sglangKVRequest(raw json.RawMessage, style string) (SGLangKV, []int32, []int32, *KVRequest, error) {
+func sglangKVRequest(raw json.RawMessage, style string) (planner.SGLangKV, []int32, []int32, *KVRequest, error) {
 	var req KVRequest
-	var g SGLangKV
+	var g planner.SGLangKV
 	if err := DecodeStrict(raw, &req); err != nil {
 		return g, nil, nil, nil, err
 	}
@@ -42,7 +46,7 @@ func sglangKVRequest(raw json.RawMessage, style string) (SGLangKV, []int32, []in
 	if req.Decode.StartLayer != 0 {
 		return g, nil, nil, nil, errorf("decode.start_layer", "SGLang pairs layers with the prefill stage's start_layer; decode holds its stage from layer 0 of its list")
 	}
-	g = SGLangKV{MLA: mla, PageSize: req.PageSize, TotalKVHeads: req.TotalKVHeads}
+	g = planner.SGLangKV{MLA: mla, PageSize: req.PageSize, TotalKVHeads: req.TotalKVHeads}
 	if g.Prefill, err = req.Prefill.Side("prefill"); err != nil {
 		return g, nil, nil, nil, err
 	}
@@ -60,25 +64,25 @@ func sglangKVRequest(raw json.RawMessage, style string) (SGLangKV, []int32, []in
 	return g, src, dst, &req, nil
 }
 
-func planSGLangNIXLKV(raw json.RawMessage) (*Plan, error) {
+func planSGLangNIXLKV(raw json.RawMessage) (*planner.Plan, error) {
 	g, src, dst, req, err := sglangKVRequest(raw, StyleSGLangNIXL)
 	if err != nil {
 		return nil, err
 	}
 	prepped := req.Prepped == nil || *req.Prepped
-	n, err := NewNIXLKV(g, prepped)
+	n, err := planner.NewNIXLKV(g, prepped)
 	if err != nil {
 		return nil, err
 	}
 	return planNew(n, src, dst)
 }
 
-func planSGLangMORIKV(raw json.RawMessage) (*Plan, error) {
+func planSGLangMORIKV(raw json.RawMessage) (*planner.Plan, error) {
 	g, src, dst, _, err := sglangKVRequest(raw, StyleSGLangMORI)
 	if err != nil {
 		return nil, err
 	}
-	m, err := NewMORIKV(g)
+	m, err := planner.NewMORIKV(g)
 	if err != nil {
 		return nil, err
 	}
@@ -88,9 +92,9 @@ func planSGLangMORIKV(raw json.RawMessage) (*Plan, error) {
 // planNew plans one request into a new Plan, with any planner of the
 // index-list shape (NIXLKV, MORIKV, VLLMReader).
 func planNew(pl interface {
-	Plan(p *Plan, prefill, decode []int32) error
-}, prefill, decode []int32) (*Plan, error) {
-	p := new(Plan)
+	Plan(p *planner.Plan, prefill, decode []int32) error
+}, prefill, decode []int32) (*planner.Plan, error) {
+	p := new(planner.Plan)
 	if err := pl.Plan(p, prefill, decode); err != nil {
 		return nil, err
 	}

@@ -1,13 +1,14 @@
-package planner
+package planjson
 
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // JSON requests of kind "aux", "state" and "dsa_tail" for `kvhost plan`
-// (styles sglang-nixl and sglang-mori). Field names follow the reference's
+// (styles sglang-nixl and sglang-mori). Field names follow SGLang's disaggregation/{nixl,mori}/conn.py's
 // KVArgs / register-info names; docs/plan.md documents them.
 
 func init() {
@@ -39,11 +40,11 @@ type AuxRequest struct {
 	DstAuxIndex     int64       `json:"dst_aux_index"`
 }
 
-func (s *AuxSideJSON) buffers() AuxBuffers {
-	return AuxBuffers{Ptrs: s.AuxPtrs, ItemLens: s.AuxItemLens, DataLens: s.AuxDataLens}
+func (s *AuxSideJSON) buffers() planner.AuxBuffers {
+	return planner.AuxBuffers{Ptrs: s.AuxPtrs, ItemLens: s.AuxItemLens, DataLens: s.AuxDataLens}
 }
 
-func planAuxRequest(raw json.RawMessage) (*Plan, error) {
+func planAuxRequest(raw json.RawMessage) (*planner.Plan, error) {
 	var req AuxRequest
 	if err := DecodeStrict(raw, &req); err != nil {
 		return nil, err
@@ -55,9 +56,9 @@ func planAuxRequest(raw json.RawMessage) (*Plan, error) {
 		return nil, errorf("decode.aux_item_lens", "%d item lengths for %d aux buffers", n, len(req.Decode.AuxPtrs))
 	}
 	if req.Style == StyleSGLangNIXL {
-		return PlanAuxNIXL(req.Prefill.buffers(), req.Decode.buffers(), req.PrefillAuxIndex, req.DstAuxIndex)
+		return planner.PlanAuxNIXL(req.Prefill.buffers(), req.Decode.buffers(), req.PrefillAuxIndex, req.DstAuxIndex)
 	}
-	return PlanAuxMORI(req.Prefill.buffers(), req.Decode.buffers(), req.PrefillAuxIndex, req.DstAuxIndex)
+	return planner.PlanAuxMORI(req.Prefill.buffers(), req.Decode.buffers(), req.PrefillAuxIndex, req.DstAuxIndex)
 }
 
 // StateSideJSON is one side of a state request. Prefill-only fields are
@@ -94,8 +95,8 @@ type StateRequestJSON struct {
 	DecodeStateIndices  [][]int64 `json:"decode_state_indices"`
 }
 
-func (s *StateSideJSON) buffers() StateBuffers {
-	return StateBuffers{
+func (s *StateSideJSON) buffers() planner.StateBuffers {
+	return planner.StateBuffers{
 		Ptrs: s.StatePtrs, DataLens: s.StateDataLens, ItemLens: s.StateItemLens,
 		DimPerTensor: s.StateDimPerTensor, ConvShardGroups: s.StateConvShardGroups,
 		SliceOuterCounts: s.StateSliceOuterCounts, LayerIDs: s.StateLayerIDs,
@@ -122,7 +123,7 @@ func stateIndices(field string, in [][]int64) ([][]int32, error) {
 }
 
 // stateRequest decodes a state request into a StateRequest.
-func stateRequest(raw json.RawMessage) (*StateRequest, *StateRequestJSON, error) {
+func stateRequest(raw json.RawMessage) (*planner.StateRequest, *StateRequestJSON, error) {
 	var j StateRequestJSON
 	if err := DecodeStrict(raw, &j); err != nil {
 		return nil, nil, err
@@ -147,9 +148,9 @@ func stateRequest(raw json.RawMessage) (*StateRequest, *StateRequestJSON, error)
 	case d.StateSliceOuterCounts != nil:
 		return nil, nil, errorf("decode.state_slice_outer_counts", "prefill only: the sender slices with its own outer counts")
 	}
-	req := &StateRequest{Src: j.Prefill.buffers(), Dst: j.Decode.buffers()}
+	req := &planner.StateRequest{Src: j.Prefill.buffers(), Dst: j.Decode.buffers()}
 	for i, s := range j.StateTypes {
-		st, err := ParseStateType(s)
+		st, err := planner.ParseStateType(s)
 		if err != nil {
 			return nil, nil, errorf(fmt.Sprintf("state_types[%d]", i), "%v", err)
 		}
@@ -162,9 +163,9 @@ func stateRequest(raw json.RawMessage) (*StateRequest, *StateRequestJSON, error)
 		return nil, nil, err
 	}
 	p := &j.Prefill
-	req.Topology = StateTopology{
+	req.Topology = planner.StateTopology{
 		PrefillTPSize: p.TPSize, PrefillTPRank: p.TPRank, PrefillPPSize: p.PPSize,
-		PP:  PPLayout{StartLayer: p.StartLayer, CompressionRatios: p.MLACompressionRatios},
+		PP:  planner.PPLayout{StartLayer: p.StartLayer, CompressionRatios: p.MLACompressionRatios},
 		MLA: mla, DecodeTPSize: d.TPSize, DecodeTPRank: d.TPRank,
 	}
 	if p.EndLayer != nil {
@@ -173,64 +174,21 @@ func stateRequest(raw json.RawMessage) (*StateRequest, *StateRequestJSON, error)
 	return req, &j, nil
 }
 
-func planStateRequest(raw json.RawMessage) (*Plan, error) {
+func planStateRequest(raw json.RawMessage) (*planner.Plan, error) {
 	req, j, err := stateRequest(raw)
 	if err != nil {
 		return nil, err
 	}
-	var plans []StatePlan
+	var plans []planner.StatePlan
 	if j.Style == StyleSGLangNIXL {
-		plans, err = PlanStateNIXL(req)
+		plans, err = planner.PlanStateNIXL(req)
 	} else {
-		plans, err = PlanStateMORI(req)
+		plans, err = planner.PlanStateMORI(req)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return JoinStatePlans(plans, j.Style == StyleSGLangNIXL), nil
-}
-
-// PathState prefixes the path of a joined state plan.
-const PathState = "state"
-
-// JoinStatePlans joins per-component plans into one plan whose region
-// tables are the components' tables concatenated in order. Its path is
-// "state:" followed by the components' paths. With notify (SGLang NIXL),
-// every component becomes a Part notified with suffix "_<component>", as
-// the NIXL connector posts one transfer per component; otherwise (MORI,
-// which reports completion by status message) the plan has no parts.
-func JoinStatePlans(plans []StatePlan, notify bool) *Plan {
-	out := &Plan{}
-	var paths []string
-	var nSrc, nDst, nCopies int
-	for i := range plans {
-		nSrc += len(plans[i].Plan.Src)
-		nDst += len(plans[i].Plan.Dst)
-		nCopies += len(plans[i].Plan.Copies)
-	}
-	out.Src = make([]Region, 0, nSrc)
-	out.Dst = make([]Region, 0, nDst)
-	out.Copies = make([]Copy, 0, nCopies)
-	for i := range plans {
-		sp := &plans[i]
-		srcBase, dstBase := int32(len(out.Src)), int32(len(out.Dst))
-		out.Src = append(out.Src, sp.Plan.Src...)
-		out.Dst = append(out.Dst, sp.Plan.Dst...)
-		start := len(out.Copies)
-		for _, c := range sp.Plan.Copies {
-			c.SrcRegion += srcBase
-			c.DstRegion += dstBase
-			out.Copies = append(out.Copies, c)
-		}
-		out.ReferenceDescriptors += sp.Plan.ReferenceDescriptors
-		if notify {
-			out.Parts = append(out.Parts, Part{Start: start, End: len(out.Copies), SrcKind: VRAM, DstKind: VRAM,
-				NotifSuffix: fmt.Sprintf("_%d", sp.Component)})
-		}
-		paths = append(paths, fmt.Sprintf("%s[%d]=%s", sp.Type, sp.Component, sp.Plan.Path))
-	}
-	out.Path = PathState + ":" + strings.Join(paths, ",")
-	return out
+	return planner.JoinStatePlans(plans, j.Style == StyleSGLangNIXL), nil
 }
 
 // DSATailSideJSON is one side of a dsa_tail request.
@@ -255,7 +213,7 @@ type DSATailRequest struct {
 	Decode  DSATailSideJSON `json:"decode"`
 }
 
-func planDSATailRequest(raw json.RawMessage) (*Plan, error) {
+func planDSATailRequest(raw json.RawMessage) (*planner.Plan, error) {
 	var req DSATailRequest
 	if err := DecodeStrict(raw, &req); err != nil {
 		return nil, err
@@ -268,12 +226,12 @@ func planDSATailRequest(raw json.RawMessage) (*Plan, error) {
 	if hasEnd {
 		end = *p.EndLayer
 	}
-	sel, err := SliceDSATailDstForPP(len(p.DSATailPtrs), len(d.DSATailPtrs), p.StartLayer, end, hasEnd)
+	sel, err := planner.SliceDSATailDstForPP(len(p.DSATailPtrs), len(d.DSATailPtrs), p.StartLayer, end, hasEnd)
 	if err != nil {
 		return nil, err
 	}
-	return PlanDSATail(
-		DSATailBuffers{Ptrs: p.DSATailPtrs, ItemLens: p.DSATailItemLens, DataLens: p.DSATailDataLens},
-		DSATailBuffers{Ptrs: d.DSATailPtrs, ItemLens: d.DSATailItemLens, DataLens: d.DSATailDataLens},
+	return planner.PlanDSATail(
+		planner.DSATailBuffers{Ptrs: p.DSATailPtrs, ItemLens: p.DSATailItemLens, DataLens: p.DSATailDataLens},
+		planner.DSATailBuffers{Ptrs: d.DSATailPtrs, ItemLens: d.DSATailItemLens, DataLens: d.DSATailDataLens},
 		sel, p.DSATailIndices, d.DSATailIndices)
 }

@@ -1,4 +1,4 @@
-package planner
+package planjson
 
 import (
 	"errors"
@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/planner"
 )
 
 // A TP 1 -> 2 pull, decode rank 1: 4 KV heads, 16-byte head slices per
@@ -31,16 +33,16 @@ func TestVLLMJSONPlan(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if env.Style != StyleVLLM || env.Kind != KindKV || p.Path != PathVLLMRead {
+	if env.Style != StyleVLLM || env.Kind != KindKV || p.Path != planner.PathVLLMRead {
 		t.Fatalf("envelope %+v path %q", env, p.Path)
 	}
 	// Per region: blocks 0,1 <- 2,3 as one strided copy of the second half
 	// of each prefill block, then block 5 <- 7.
-	var want []Copy
+	var want []planner.Copy
 	for i := int32(0); i < 4; i++ {
 		want = append(want,
-			Copy{SrcRegion: i, DstRegion: i, SrcOff: 2*64 + 32, DstOff: 0, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
-			Copy{SrcRegion: i, DstRegion: i, SrcOff: 7*64 + 32, DstOff: 5 * 32, Len: 32, Count: 1})
+			planner.Copy{SrcRegion: i, DstRegion: i, SrcOff: 2*64 + 32, DstOff: 0, Len: 32, SrcStride: 64, DstStride: 32, Count: 2},
+			planner.Copy{SrcRegion: i, DstRegion: i, SrcOff: 7*64 + 32, DstOff: 5 * 32, Len: 32, Count: 1})
 	}
 	// Plan.Add may join the single block onto the run (same strides? no:
 	// 5*32 is not 2*32), so the copies are exactly these.
@@ -62,7 +64,7 @@ func TestVLLMJSONFullHit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p.Path != PathVLLMNotifyOnly || len(p.Copies) != 0 {
+	if p.Path != planner.PathVLLMNotifyOnly || len(p.Copies) != 0 {
 		t.Fatalf("path %q, %d copies", p.Path, len(p.Copies))
 	}
 }
@@ -87,7 +89,7 @@ func TestVLLMJSONExtras(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !r.PermuteLocalKV() || r.BlockSizeRatio() != 2 || r.LocalList().DeviceID != 2 || r.RemoteList().DeviceID != 1 || r.LocalList().Kind != DRAM || r.RemoteList().Kind != VRAM {
+	if !r.PermuteLocalKV() || r.BlockSizeRatio() != 2 || r.LocalList().DeviceID != 2 || r.RemoteList().DeviceID != 1 || r.LocalList().Kind != planner.DRAM || r.RemoteList().Kind != planner.VRAM {
 		t.Fatalf("reader: permute %v ratio %d devs %d %d kinds %v %v (prefill has no mem_kinds: VRAM)", r.PermuteLocalKV(), r.BlockSizeRatio(),
 			r.LocalList().DeviceID, r.RemoteList().DeviceID, r.LocalList().Kind, r.RemoteList().Kind)
 	}
@@ -151,7 +153,7 @@ func TestVLLMJSONErrors(t *testing.T) {
 				t.Fatalf("replacement %q not found", tc.from)
 			}
 			_, _, err := PlanRequest([]byte(req))
-			var pe *Error
+			var pe *planner.Error
 			if !errors.As(err, &pe) {
 				t.Fatalf("want *Error, got %v", err)
 			}
