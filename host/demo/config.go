@@ -1,12 +1,13 @@
 // Package demo runs kvhost's end-to-end demonstration: a prefill deployment
 // and a decode deployment moving a synthetic workload's KV cache through a
-// transfer plugin, with every byte verified on decode by host/kvpool's
+// transfer plugin, with every byte verified on decode by host/demo/kvpool's
 // independent check, summarised for a person at a glance.
 //
 // Two styles, as the workers offer them: "sglang" (the push runtime: a
-// bootstrap server, prefill WRITEs into decode, package host/push/worker) and
-// "vllm" (the pull runtime: decode READs from prefill after a handshake,
-// package host/pull/demo). By default every part runs as its own process
+// bootstrap server, prefill WRITEs into decode, package
+// host/demo/pushworker) and "vllm" (the pull runtime: decode READs from
+// prefill after a handshake, package host/demo/pullworker). By default
+// every part runs as its own process
 // (kvhost bootstrap, kvhost prefill hosting every prefill TP rank, one kvhost
 // decode per decode TP rank), as a deployment would; InProcess runs the same
 // workers as goroutines of this process.
@@ -14,6 +15,11 @@
 // The workers report JSON summaries and one line per request; Run reads
 // them and adds this machine's raw memcpy rate, measured in the same run
 // with blocks of the average transfer's size, for scale.
+//
+// host/demo is kvhost's one demo tree: this package, kvpool (the synthetic
+// KV pool and its byte check), synth (what both workers share), pushworker
+// and pullworker (the demo-grade workers of each style). The runtimes
+// (host/push, host/pull) import none of them.
 package demo
 
 import (

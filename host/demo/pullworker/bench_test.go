@@ -20,7 +20,7 @@ import (
 // system call batch moving exactly the same blocks between the same
 // buffers. It reports both rates and their ratio.
 //
-//	go test ./host/pull/demo -run '^$' -bench TwoProcessPull -benchtime 100x
+//	go test ./host/demo/pullworker -run '^$' -bench TwoProcessPull -benchtime 100x
 func BenchmarkTwoProcessPull(b *testing.B) {
 	for _, tokens := range []int{512, 64} {
 		b.Run(fmt.Sprintf("llama-%dtok", tokens), func(b *testing.B) { benchTwoProcess(b, tokens) })

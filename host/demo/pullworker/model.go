@@ -1,7 +1,7 @@
-// Package pullworker runs vLLM-style prefill and decode workers over synthetic KV
-// caches (host/kvpool), moving KV with the pull runtime (host/pull). It is
-// what `kvhost prefill --style vllm` and `kvhost decode --style vllm` run,
-// and what the two-process end-to-end tests drive.
+// Package pullworker runs vLLM-style prefill and decode workers over
+// synthetic KV caches (host/demo/kvpool), moving KV with the pull runtime
+// (host/pull). It is what `kvhost prefill --style vllm` and `kvhost decode
+// --style vllm` run, and what the two-process end-to-end tests drive.
 //
 // The flow is vLLM's disaggregated serving with a toy proxy folded into the
 // decode worker:

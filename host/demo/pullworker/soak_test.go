@@ -18,7 +18,7 @@ import (
 // with injected READ failures and dropped notifications, where every
 // failed or unnotified request must be freed on expiry and nothing leak.
 //
-//	KVHOST_SOAK=1 go test ./host/pull/demo -run Soak -v -timeout 20m
+//	KVHOST_SOAK=1 go test ./host/demo/pullworker -run Soak -v -timeout 20m
 func TestSoak(t *testing.T) {
 	if os.Getenv("KVHOST_SOAK") != "1" {
 		t.Skip("set KVHOST_SOAK=1 for the soak run")

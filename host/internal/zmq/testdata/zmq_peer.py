@@ -1,4 +1,4 @@
-"""libzmq (pyzmq) peer for host/zmq interop tests.
+"""libzmq (pyzmq) peer for host/internal/zmq interop tests.
 
 Modes (first argument):
   push ENDPOINT      connect PUSH, send the standard messages, close (linger)
