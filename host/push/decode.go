@@ -632,8 +632,7 @@ func (d *Decode) senderSlot(ts []target, agent string, n sglang.Notif) (int, err
 // polls with backoff while rooms wait (the ABI has no blocking wait for
 // notifications) and sleeps when none do.
 func (d *Decode) notifLoop() {
-	const minSleep, maxSleep = 20 * time.Microsecond, time.Millisecond
-	sleep := minSleep
+	sleep := backoff.New(20*time.Microsecond, time.Millisecond)
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -647,7 +646,7 @@ func (d *Decode) notifLoop() {
 				return
 			case <-d.notifWake:
 			}
-			sleep = minSleep
+			sleep.Reset()
 		}
 		ns, err := d.agent.Notifs()
 		if err != nil && d.ctx.Err() == nil {
@@ -657,16 +656,15 @@ func (d *Decode) notifLoop() {
 			d.handleNotif(n)
 		}
 		if len(ns) > 0 {
-			sleep = minSleep
+			sleep.Reset()
 			continue
 		}
-		timer.Reset(sleep)
+		timer.Reset(sleep.Next())
 		select {
 		case <-d.ctx.Done():
 			return
 		case <-timer.C:
 		}
-		sleep = min(2*sleep, maxSleep)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
@@ -79,7 +80,7 @@ func (p *Push) Send(ctx context.Context, frames ...[]byte) error {
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	wait := p.o.reconnectMin
+	retry := backoff.New(p.o.reconnectMin, p.o.reconnectMax)
 	var lastErr error
 	for {
 		if p.closed {
@@ -99,8 +100,7 @@ func (p *Push) Send(ctx context.Context, frames ...[]byte) error {
 					lastErr = err
 				}
 				select {
-				case <-time.After(wait):
-					wait = min(2*wait, p.o.reconnectMax)
+				case <-time.After(retry.Next()):
 					continue
 				case <-ctx.Done():
 					return p.sendError(ctx, lastErr)
