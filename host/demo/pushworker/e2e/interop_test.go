@@ -17,9 +17,9 @@ import (
 	"github.com/kvhost/kvhost/host/push"
 )
 
-// Interop: a Python peer that builds and parses SGLang's messages with the
-// reference field layouts (testdata/sglang_peer.py, Debian's python3-zmq,
-// python3-msgpack and python3-numpy), owning memory and an agent on the
+// Interop: a Python peer that builds and parses SGLang's messages with
+// SGLang's field layouts (host/push/testdata/sglang_peer.py, Debian's
+// python3-zmq, python3-msgpack and python3-numpy), owning memory and an agent on the
 // fake plugin through ctypes, talks to a kvhost prefill (as SGLang decode)
 // and to a kvhost decode (as SGLang prefill), in both wire variants. Bytes
 // are checked with kvpool's formula on the receiving side.
@@ -83,7 +83,7 @@ func runPython(t *testing.T, ctx context.Context, spec map[string]any) (*exec.Cm
 	if err := os.WriteFile(path, raw, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	script, _ := filepath.Abs("../testdata/sglang_peer.py")
+	script, _ := filepath.Abs("../../../push/testdata/sglang_peer.py")
 	cmd := exec.CommandContext(ctx, python, script, path)
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
