@@ -13,7 +13,7 @@ CXXFLAGS_PLUGIN ?= -std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror -pthread -fvisi
 COMMON_SRC := plugins/common/kvp_util.c
 COMMON_HDR := plugins/common/kvp_util.h abi/kvplugin.h
 
-.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet demo bench install dist clean
+.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo bench install dist clean
 
 all: kvhost plugin-fake
 
@@ -197,6 +197,14 @@ build/mori/kvp_util.o: $(COMMON_SRC) $(COMMON_HDR)
 vet:
 	$(GO) vet ./...
 
+# lint runs staticcheck (a pinned version, fetched through the module proxy
+# and built by `go run`, so a fresh machine with Go needs nothing else) and
+# checks that go.mod and go.sum are tidy.
+STATICCHECK_VERSION ?= v0.8.2
+lint:
+	$(GO) run honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) ./...
+	$(GO) mod tidy -diff
+
 # DEMO_ARGS changes the demo's scenario, e.g. make demo DEMO_ARGS="--style vllm".
 DEMO_ARGS ?=
 
@@ -206,11 +214,12 @@ demo: all
 bench: all
 	$(BIN) bench $(BENCH_ARGS)
 
-# test runs everything CI runs: vet, the plugins' C tests under sanitizers,
+# test runs everything CI runs: vet, staticcheck and go mod tidy -diff
+# (lint), the plugins' C tests under sanitizers,
 # every Go test under the race detector, an install from a temporary prefix,
 # and the end-to-end demo at CI scale in both styles (separate processes,
 # every byte verified).
-test: all vet plugin-fake-abi2 plugin-test
+test: all vet lint plugin-fake-abi2 plugin-test
 	$(GO) test -race -count=1 ./...
 	$(MAKE) --no-print-directory install-check
 	$(BIN) demo --requests 48 --layers 4

@@ -71,7 +71,10 @@ func (s Status) String() string {
 	return "STATUS(" + itoa(int64(s)) + ")"
 }
 
-// MemKind is kvp_mem_kind, numbered as NIXL's nixl_mem_t.
+// MemKind is kvp_mem_kind, numbered as NIXL's nixl_mem_t. The planner has
+// its own planner.MemKind, numbered alike, because it imports nothing of
+// kvhost; the runtimes convert between them only in host/internal/memkind,
+// whose test keeps the two in step.
 type MemKind uint32
 
 // Memory kinds.

@@ -66,7 +66,7 @@ func TestPlanAuxNIXL(t *testing.T) {
 	}
 	bCheckPlan(t, p, PathNIXLAux, []Copy{plain(0, 0, 48, 80, 16)})
 
-	// More decode buffers than prefill: the reference fails on the lookup.
+	// More decode buffers than prefill: SGLang's disaggregation/{nixl,mori}/conn.py fails on the lookup.
 	_, err = PlanAuxNIXL(src, AuxBuffers{Ptrs: append(dst.Ptrs, 0xc000)}, 3, 5)
 	bFieldErr(t, err, "decode.aux_ptrs", "decode registers 4 aux buffers")
 	_, err = PlanAuxNIXL(src, dst, -1, 5)

@@ -95,7 +95,7 @@ func BenchmarkNIXLKVPlan(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			// Baseline, same run: the reference's per-chunk index arrays.
+			// Baseline, same run: SGLang's disaggregation/{nixl,mori}/conn.py's per-chunk index arrays.
 			var si, di []int32
 			baseline := func() {
 				for part := range pk.Parts {
@@ -127,7 +127,7 @@ func BenchmarkMORIKVPlan(b *testing.B) {
 }
 
 // benchPlan times a warm pl.Plan of one chunk and reports ns per
-// descriptor, the plan's and the reference's descriptor counts and, when
+// descriptor, the plan's and SGLang's disaggregation/{nixl,mori}/conn.py's descriptor counts and, when
 // baseNs (the baseline measured in the same run) is set, the speed ratio
 // against it as ratioUnit. It returns the plan.
 func benchPlan(b *testing.B, pl interface {
@@ -156,7 +156,7 @@ func benchPlan(b *testing.B, pl interface {
 }
 
 // TestRealisticShapes pins what the benchmarks measure: descriptor counts
-// against the reference's, and no allocation per plan once warm.
+// against SGLang's disaggregation/{nixl,mori}/conn.py's, and no allocation per plan once warm.
 func TestRealisticShapes(t *testing.T) {
 	cases := benchCases()
 	wantRef := []uint64{61 * 4096, 160 * 1024 * 16, 64 * 1024}

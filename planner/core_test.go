@@ -146,7 +146,7 @@ func TestPairKVRegions(t *testing.T) {
 		{"MHA same stage", PairCommon, false, 4, 4, 3, DraftUnknown, []int32{0, 1, 2, 3}, ""},
 		{"MHA decode PP 1", PairCommon, false, 4, 8, 1, DraftUnknown, []int32{1, 2, 5, 6}, ""},
 		{"MHA decode draft", PairCommon, false, 4, 6, 0, DraftUnknown, []int32{0, 1, 2, 3}, ""},
-		// The reference's heuristic reads 3 total layers over a 2-layer
+		// SGLang's disaggregation/{nixl,mori}/conn.py's heuristic reads 3 total layers over a 2-layer
 		// stage as a draft: V goes to 2, 3 (K of layer 2 and V of layer 0).
 		{"MHA uneven PP, reference heuristic", PairCommon, false, 4, 6, 0, DraftUnknown, []int32{0, 1, 2, 3}, ""},
 		{"MHA uneven PP, exact", PairCommon, false, 4, 6, 0, 0, []int32{0, 1, 3, 4}, ""},
@@ -215,7 +215,7 @@ func TestRuns(t *testing.T) {
 
 func TestKVSideCheck(t *testing.T) {
 	good := KVSide{TPSize: 1, Ptrs: []uint64{0x1000, 0x2000}, ItemLens: []uint64{16, 16}, NumPages: 4}
-	if err := good.check("prefill"); err != nil {
+	if err := good.Check("prefill"); err != nil {
 		t.Fatal(err)
 	}
 	tests := []struct {
@@ -238,7 +238,7 @@ func TestKVSideCheck(t *testing.T) {
 		s := good
 		s.Ptrs, s.ItemLens = slices.Clone(good.Ptrs), slices.Clone(good.ItemLens)
 		tc.mut(&s)
-		err := s.check("prefill")
+		err := s.Check("prefill")
 		if err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("got %v, want prefix %q", err, tc.want)
 		}

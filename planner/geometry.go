@@ -8,7 +8,7 @@ import "fmt"
 // modify them afterwards.
 type KVSide struct {
 	// TPSize is attn_tp_size and TPRank the rank's engine_rank (used modulo
-	// TPSize, as the reference does).
+	// TPSize, as SGLang's disaggregation/{nixl,mori}/conn.py does).
 	TPSize int
 	TPRank int
 	// KVHeadNum is kv_head_num: the KV heads this rank holds.
@@ -28,7 +28,7 @@ type KVSide struct {
 	StartLayer int
 	// DraftLayers is the number of decode-only speculative-decoding draft
 	// layers registered after the main K and V regions (decode side only).
-	// It counts only when DraftLayersKnown is set; otherwise the reference's
+	// It counts only when DraftLayersKnown is set; otherwise SGLang's disaggregation/{nixl,mori}/conn.py's
 	// heuristic decides (see PairKVRegions).
 	DraftLayers      int
 	DraftLayersKnown bool
@@ -50,9 +50,9 @@ func (s *KVSide) kind(i int) MemKind {
 	return s.Kinds[i]
 }
 
-// check validates the side's own geometry. name is "prefill" or "decode"
+// Check validates the side's own geometry. name is "prefill" or "decode"
 // and prefixes the field of any error.
-func (s *KVSide) check(name string) error {
+func (s *KVSide) Check(name string) error {
 	if s.TPSize < 1 {
 		return errorf(name+".tp_size", "must be at least 1, got %d", s.TPSize)
 	}
@@ -115,17 +115,17 @@ const (
 )
 
 // DraftUnknown is the draftLayers argument of PairKVRegions when the
-// decode side's draft layer count is not known: the reference's own rules
+// decode side's draft layer count is not known: SGLang's disaggregation/{nixl,mori}/conn.py's own rules
 // then decide.
 const DraftUnknown = -1
 
 // PairKVRegions returns, for every prefill KV region, the decode region
-// holding the same model layer and tensor (K or V): the reference's pointer
+// holding the same model layer and tensor (K or V): SGLang's disaggregation/{nixl,mori}/conn.py's pointer
 // slicing for pipeline parallelism. startLayer is the prefill stage's first
 // layer; nSrc and nDst count regions. The result is appended to dst (reuse
 // it to avoid allocating).
 //
-// With draftLayers == DraftUnknown the reference's rules apply. PairCommon,
+// With draftLayers == DraftUnknown SGLang's disaggregation/{nixl,mori}/conn.py's rules apply. PairCommon,
 // MHA, with L = nSrc/2 prefill layers and T = nDst/2 decode layers:
 //   - L == T: decode holds the same stage; K_j -> j, V_j -> T+j.
 //   - L < T and T % L != 0: taken as decode-only draft layers after the main
@@ -138,14 +138,14 @@ const DraftUnknown = -1
 // PairMORI: K_j -> start+j and V_j -> T+start+j (MLA: start+j), with no
 // equal-stage or draft case.
 //
-// The reference's second rule cannot tell a decode-only draft from a
+// SGLang's disaggregation/{nixl,mori}/conn.py's second rule cannot tell a decode-only draft from a
 // pipeline stage whose layer count does not divide decode's (61 layers split
 // 31+30 pairs V with the wrong regions). When the decode side's draft layer
 // count is known (draftLayers >= 0, main layers M = T - draftLayers) the
 // pairing is exact for both styles: L == M pairs K_j -> j, V_j -> M+j;
 // otherwise K_j -> start+j, V_j -> M+start+j (MLA: j or start+j).
 //
-// Where the reference would slice past the end of the decode list (and then
+// Where SGLang's disaggregation/{nixl,mori}/conn.py would slice past the end of the decode list (and then
 // fail on an index error, or in MORI raise "Destination KV descriptors do
 // not match prefill pp configuration"), PairKVRegions returns an *Error.
 func PairKVRegions(dst []int32, how KVPairing, mla bool, nSrc, nDst, startLayer, draftLayers int) ([]int32, error) {

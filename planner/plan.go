@@ -1,13 +1,16 @@
 // Package planner turns KV-cache geometry and page indices into transfer
 // plans: which bytes of the prefill side move to which bytes of the decode
 // side. It is pure computation: no I/O, no plugin calls, no imports of the
-// rest of kvhost. Results are byte-exact with the reference connectors
-// (SGLang NIXL and MORI, vLLM NIXL), but expressed with strided copies so a
-// backend gets far fewer descriptors than the reference hands it.
+// rest of kvhost. Results are byte-exact with the upstream connectors
+// (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py and vLLM's
+// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py), but
+// expressed with strided copies so a backend gets far fewer descriptors
+// than upstream hands it. The JSON request and response layer of `kvhost
+// plan` is package planner/planjson.
 //
 // Planning runs per chunk, before the first byte moves, and allocates
 // nothing once a Plan has grown. BenchmarkKVPlan times every plan path
-// beside the reference connectors' own per-request planning (numpy, run in
+// beside the upstream connectors' own per-request planning (numpy, run in
 // the same invocation); docs/plan.md, "Planning time", has the command and
 // the figures.
 package planner
@@ -16,15 +19,18 @@ import (
 	"fmt"
 	"math/bits"
 	"slices"
+	"strconv"
 )
 
 // MemKind is where a region lives. The planner only uses it to split plans
 // into segments of one (source kind, destination kind) and to refuse kinds
 // a path cannot serve. It is numbered and sized as NIXL's nixl_mem_t (and
-// kvp_mem_kind), so a runtime converts kinds both ways with a plain
-// conversion. DRAM is the zero value; every default of the planner that
-// is VRAM (nil Kinds, missing mem_kinds in JSON) is spelt out, never
-// left to the zero value.
+// abi.MemKind, kvp_mem_kind), so a runtime converts kinds both ways with a
+// plain conversion; host/internal/memkind is the one place the runtimes do
+// it. There are two types because the planner imports nothing of kvhost and
+// abi, the C ABI's mirror, must not depend on the planner. DRAM is the zero
+// value; every default of the planner that is VRAM (nil Kinds, missing
+// mem_kinds in JSON) is spelt out, never left to the zero value.
 type MemKind uint32
 
 // Memory kinds, numbered as NIXL's DRAM_SEG and VRAM_SEG and named as on
@@ -99,7 +105,7 @@ func (c Copy) Bytes() uint64 { return c.Len * c.Count }
 // from the planner that filled the plan (never modified through the plan)
 // and stay valid as long as that planner.
 type Plan struct {
-	// Path names the reference code path the plan reproduces, e.g.
+	// Path names the upstream code path the plan reproduces, e.g.
 	// "nixl-prepped-equal-tp" or "mori-tp-slice".
 	Path   string
 	Src    []Region
@@ -111,7 +117,7 @@ type Plan struct {
 	// means one transfer holding every copy. When set, the parts cover
 	// Copies in order without gaps.
 	Parts []Part
-	// ReferenceDescriptors is how many descriptors the reference connector
+	// ReferenceDescriptors is how many descriptors the upstream connectors (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py and vLLM's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py)
 	// hands its backend for the same bytes (0 when not computed). Reported
 	// by `kvhost plan` to show what strided descriptors save.
 	ReferenceDescriptors uint64
@@ -130,7 +136,7 @@ type Part struct {
 	Start, End int
 	SrcKind    MemKind
 	DstKind    MemKind
-	// NotifSuffix is what the reference appends to the transfer's base
+	// NotifSuffix is what SGLang's disaggregation/{nixl,mori}/conn.py appends to the transfer's base
 	// notification for this part (e.g. "_2" for state component 2). Empty
 	// means SGLang NIXL's mixed-memory numbering, PartNotifSuffix(i, n).
 	NotifSuffix string
@@ -414,7 +420,7 @@ func (p *Plan) ForEachBlock(fn func(src, dst, length uint64) bool) bool {
 }
 
 // Error is a geometry error: the request cannot be planned as given. Field
-// names the offending input in the reference's terms (e.g. "kv_item_lens").
+// names the offending input in SGLang's disaggregation/{nixl,mori}/conn.py's terms (e.g. "kv_item_lens").
 type Error struct {
 	Field string
 	Msg   string
@@ -430,4 +436,10 @@ func (e *Error) Error() string {
 // errorf builds an *Error for field.
 func errorf(field, format string, args ...any) error {
 	return &Error{Field: field, Msg: fmt.Sprintf(format, args...)}
+}
+
+// PartNotifSuffix is the suffix SGLang NIXL appends to a chunk's KV
+// notification for part i of n of a mixed-memory transfer.
+func PartNotifSuffix(i, n int) string {
+	return "_part_" + strconv.Itoa(i) + "_" + strconv.Itoa(n)
 }

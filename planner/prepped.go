@@ -8,9 +8,9 @@ import (
 )
 
 // This file is the prepped representation of SGLang NIXL's KV paths: the
-// descriptor lists the reference prepares once per peer (prep_xfer_dlist)
+// descriptor lists SGLang's disaggregation/nixl/conn.py prepares once per peer (prep_xfer_dlist)
 // and the index arrays it builds per chunk (repeat_indices_over_layers,
-// expand_page_indices_for_slice), exactly as the reference builds them, for
+// expand_page_indices_for_slice), exactly as SGLang's disaggregation/nixl/conn.py builds them, for
 // a runtime that uses the ABI's prepped path (prep_dlist and
 // make_prepped_xfer) instead of strided copies.
 
@@ -114,13 +114,13 @@ type PreppedKV struct {
 	// PartNotifSuffix(i, len(Parts))).
 	Parts []PreppedPart
 	// SrcShared reports that the source dlists depend only on the prefill
-	// geometry (and, for slices, on the decode TP size): the reference
+	// geometry (and, for slices, on the decode TP size): SGLang's disaggregation/nixl/conn.py
 	// prepares them once and reuses them for every peer.
 	SrcShared bool
 }
 
-// Prepped returns the dlists the reference prepares for this peer, or an
-// *Error when the path is not prepped or the reference's lists would be
+// Prepped returns the dlists SGLang's disaggregation/nixl/conn.py prepares for this peer, or an
+// *Error when the path is not prepped or SGLang's disaggregation/nixl/conn.py's lists would be
 // rejected by NIXL (a descriptor outside its region, or more than 2^31-1
 // descriptors). The strided-copy Plan does not depend on this.
 func (n *NIXLKV) Prepped() (*PreppedKV, error) {
@@ -164,17 +164,17 @@ func (n *NIXLKV) Prepped() (*PreppedKV, error) {
 	}
 	for i := range pk.Parts {
 		if err := pk.Parts[i].Src.Validate(); err != nil {
-			return nil, errorf("prefill.kv_item_lens", "the reference's source dlist would be rejected: %v", err)
+			return nil, errorf("prefill.kv_item_lens", "SGLang's disaggregation/nixl/conn.py's source dlist would be rejected: %v", err)
 		}
 		if err := pk.Parts[i].Dst.Validate(); err != nil {
-			return nil, errorf("decode.kv_item_lens", "the reference's destination dlist would be rejected: %v", err)
+			return nil, errorf("decode.kv_item_lens", "SGLang's disaggregation/nixl/conn.py's destination dlist would be rejected: %v", err)
 		}
 	}
 	return pk, nil
 }
 
 // Indices appends to srcIdx and dstIdx the index arrays of part for one
-// chunk, exactly as the reference computes them (repeat_indices_over_layers
+// chunk, exactly as SGLang's disaggregation/nixl/conn.py computes them (repeat_indices_over_layers
 // for whole pages, expand_page_indices_for_slice for head slices), after
 // the same chunk rules as NIXLKV.Plan. Pass reused slices to avoid
 // allocating.

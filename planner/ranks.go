@@ -2,7 +2,7 @@ package planner
 
 // Rank mapping on the decode side: which prefill ranks a decode rank talks
 // to, how many decode ranks each prefill rank waits for, and how many
-// prefill answers a decode rank waits for (the reference's
+// prefill answers a decode rank waits for (SGLang's disaggregation/{nixl,mori}/conn.py's
 // CommonKVManager._resolve_rank_mapping and
 // CommonKVReceiver._setup_bootstrap_infos).
 
@@ -58,9 +58,9 @@ type BootstrapTarget struct {
 }
 
 // MapRanks computes the rank mapping for one decode rank. TP sizes must
-// divide one another (the reference silently targets nonexistent prefill
+// divide one another (SGLang's disaggregation/{nixl,mori}/conn.py silently targets nonexistent prefill
 // ranks otherwise, and the request hangs); decode CP must be 1 and decode
-// PP must equal prefill PP or be 1, as in the reference.
+// PP must equal prefill PP or be 1, as in SGLang's disaggregation/{nixl,mori}/conn.py.
 func MapRanks(in RankMappingInput) (RankMapping, error) {
 	var m RankMapping
 	d, p := in.DecodeTPSize, in.PrefillTPSize
@@ -150,7 +150,7 @@ func MapRanks(in RankMappingInput) (RankMapping, error) {
 	return m, nil
 }
 
-// Targets lists the prefill ranks to bootstrap with, in the reference's
+// Targets lists the prefill ranks to bootstrap with, in SGLang's disaggregation/{nixl,mori}/conn.py's
 // order: CP ranks, then TP ranks, then PP ranks from the last stage down
 // (later stages bootstrap first). With MLA only TargetTPRank sends real
 // data; the other TP targets are dummies.

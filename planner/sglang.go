@@ -14,7 +14,7 @@ type SGLangKV struct {
 	// PageSize is tokens per page; used by the heterogeneous-TP slice paths.
 	PageSize int
 	// TotalKVHeads is total_kv_head_num; 0 means Prefill.KVHeadNum *
-	// Prefill.TPSize, as the reference defaults it.
+	// Prefill.TPSize, as SGLang's disaggregation/{nixl,mori}/conn.py defaults it.
 	TotalKVHeads int
 	Prefill      KVSide
 	Decode       KVSide
@@ -61,10 +61,10 @@ type sglangPair struct {
 
 func newSGLangPair(g SGLangKV, how KVPairing) (sglangPair, error) {
 	sp := sglangPair{g: g}
-	if err := g.Prefill.check("prefill"); err != nil {
+	if err := g.Prefill.Check("prefill"); err != nil {
 		return sp, err
 	}
-	if err := g.Decode.check("decode"); err != nil {
+	if err := g.Decode.Check("decode"); err != nil {
 		return sp, err
 	}
 	if g.PageSize < 0 {
@@ -88,7 +88,7 @@ func (sp *sglangPair) equalTP() bool {
 	return sp.g.MLA || sp.g.Prefill.TPSize == sp.g.Decode.TPSize
 }
 
-// totalKVHeads resolves total_kv_head_num as the reference does.
+// totalKVHeads resolves total_kv_head_num as SGLang's disaggregation/{nixl,mori}/conn.py does.
 func (sp *sglangPair) totalKVHeads() int {
 	if sp.g.TotalKVHeads > 0 {
 		return sp.g.TotalKVHeads
@@ -97,7 +97,7 @@ func (sp *sglangPair) totalKVHeads() int {
 }
 
 // uniformItemLens checks that every region of a side has the item length
-// the reference's slice paths assume for all of them (kv_item_lens[0]).
+// SGLang's disaggregation/{nixl,mori}/conn.py's slice paths assume for all of them (kv_item_lens[0]).
 func (sp *sglangPair) uniformItemLens() error {
 	for i, l := range sp.g.Prefill.ItemLens {
 		if l != sp.g.Prefill.ItemLens[0] {
@@ -112,7 +112,7 @@ func (sp *sglangPair) uniformItemLens() error {
 	return nil
 }
 
-// sliceStyle selects the reference's variant of the head-slice geometry.
+// sliceStyle selects SGLang's disaggregation/{nixl,mori}/conn.py's variant of the head-slice geometry.
 type sliceStyle int
 
 const (
@@ -121,7 +121,7 @@ const (
 )
 
 // headSlice computes the heterogeneous-TP slice of this (prefill rank,
-// decode rank) pair with the reference's formulas, and rejects geometries
+// decode rank) pair with SGLang's disaggregation/{nixl,mori}/conn.py's formulas, and rejects geometries
 // whose slice would be empty or leave the token on either side.
 func (sp *sglangPair) headSlice(style sliceStyle) (headSlice, error) {
 	g := &sp.g
@@ -165,7 +165,7 @@ func (sp *sglangPair) headSlice(style sliceStyle) (headSlice, error) {
 		// One prefill rank feeds several decode ranks: each takes its
 		// head group out of the prefill token. Decode ranks beyond the
 		// head count hold replicated heads: rank r holds head
-		// r / (d/total). The reference indexes with r itself, which sends
+		// r / (d/total). SGLang's disaggregation/{nixl,mori}/conn.py indexes with r itself, which sends
 		// e.g. head 1 to decode rank 1 of 4 when 2 heads are replicated
 		// twice (rank 1 holds head 0); kvhost uses the head the rank holds.
 		// Both agree whenever d <= total.
@@ -210,12 +210,6 @@ func (p *Plan) pageRuns(src, dst []int32, perPage bool) []pageRun {
 	return p.runs
 }
 
-// addPages adds whole-page copies of one region pair for every run of the
-// chunk.
-func addPages(p *Plan, pp pagePair, src, dst []int32) {
-	addPageRuns(p, pp, p.pageRuns(src, dst, false))
-}
-
 // addPageRuns adds one copy per run for one region pair.
 func addPageRuns(p *Plan, pp pagePair, runs []pageRun) {
 	for _, r := range runs {
@@ -250,9 +244,10 @@ func addPairsRuns(p *Plan, pairs []pagePair, runs []pageRun) {
 // addSlices adds the head-slice copies of one chunk for every region pair
 // (prefill region i to decode region pairOf[i]): one strided copy per run,
 // runs of single pages when page strides do not continue the token stride
-// (see headSlice.tokensAligned). The reference sends one descriptor per
-// token per region. Every pair has the same slice geometry, so the copies
-// of the first pair are planned and the others repeat them (Plan.repeat).
+// (see headSlice.tokensAligned). SGLang's disaggregation/{nixl,mori}/conn.py
+// sends one descriptor per token per region. Every pair has the same slice
+// geometry, so the copies of the first pair are planned and the others
+// repeat them (Plan.repeat).
 func addSlices(p *Plan, h *headSlice, pairOf []int32, src, dst []int32) {
 	runs := p.pageRuns(src, dst, !h.tokensAligned())
 	p.Copies = slices.Grow(p.Copies, len(pairOf)*len(runs))
@@ -275,7 +270,7 @@ func addSlices(p *Plan, h *headSlice, pairOf []int32, src, dst []int32) {
 }
 
 // checkPairsFit checks that every page of the chunk, at each region pair's
-// strides, ends inside its regions: the reference addresses some regions
+// strides, ends inside its regions: SGLang's disaggregation/{nixl,mori}/conn.py addresses some regions
 // with another region's item length, which can run past a shorter region.
 func checkPairsFit(pairs []pagePair, src, dst []int32, srcRegs, dstRegs []Region) error {
 	ms, md := maxPage(src), maxPage(dst)

@@ -77,7 +77,7 @@ func NewMORIKV(g SGLangKV) (*MORIKV, error) {
 	return m, nil
 }
 
-// Path names the reference path this peer uses.
+// Path names SGLang's disaggregation/mori/conn.py path this peer uses.
 func (m *MORIKV) Path() string { return m.path }
 
 // Regions returns the prefill and decode region tables (borrowed).

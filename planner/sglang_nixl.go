@@ -41,17 +41,17 @@ type NIXLKV struct {
 }
 
 // NewNIXLKV checks the geometry of a (prefill rank, decode peer) pair and
-// chooses the reference's path (NixlKVManager._prepare_payload_xfer).
-// prepped false selects the non-prepped path, which the reference keeps for
+// chooses SGLang's disaggregation/nixl/conn.py's path (NixlKVManager._prepare_payload_xfer).
+// prepped false selects the non-prepped path, which SGLang's disaggregation/nixl/conn.py keeps for
 // state buffers; it moves whole pages, so it needs MLA or equal TP.
-// Geometry the reference rejects is an *Error with the same meaning.
+// Geometry SGLang's disaggregation/nixl/conn.py rejects is an *Error with the same meaning.
 func NewNIXLKV(g SGLangKV, prepped bool) (*NIXLKV, error) {
-	// The reference checks kinds and region counts when the peer
+	// SGLang's disaggregation/nixl/conn.py checks kinds and region counts when the peer
 	// registers, before it slices pointers for PP.
-	if err := g.Prefill.check("prefill"); err != nil {
+	if err := g.Prefill.Check("prefill"); err != nil {
 		return nil, err
 	}
-	if err := g.Decode.check("decode"); err != nil {
+	if err := g.Decode.Check("decode"); err != nil {
 		return nil, err
 	}
 	srcKind, err := homogeneousKind("prefill.mem_kinds", "source", g.Prefill.Kinds)
@@ -186,7 +186,7 @@ func memSegments(src, dst []MemKind) []Part {
 	return segs
 }
 
-// Path names the reference path this peer uses.
+// Path names SGLang's disaggregation/nixl/conn.py path this peer uses.
 func (n *NIXLKV) Path() string { return n.path }
 
 // Regions returns the prefill and decode region tables (borrowed).
@@ -198,8 +198,8 @@ func (n *NIXLKV) Regions() (src, dst []Region) { return n.src, n.dst }
 func (n *NIXLKV) Parts() []Part { return n.segments }
 
 // chunkPages applies the transfer worker's chunk rules: prefill indices
-// beyond the decode ones are dropped (the reference warns and truncates),
-// decode indices beyond the prefill ones are an error (the reference's
+// beyond the decode ones are dropped (SGLang's disaggregation/nixl/conn.py warns and truncates),
+// decode indices beyond the prefill ones are an error (SGLang's disaggregation/nixl/conn.py's
 // transfer fails), and every index must name a page of its side.
 func chunkPages(src []int32, srcPages uint64, dst []int32, dstPages uint64) ([]int32, []int32, error) {
 	if len(dst) < len(src) {
@@ -214,7 +214,7 @@ func chunkPages(src []int32, srcPages uint64, dst []int32, dstPages uint64) ([]i
 // Plan fills p with the copies of one chunk: prefillPages on the prefill
 // side go to decodePages on the decode peer. p is reset first; its slices
 // are reused, so a warm Plan allocates nothing. Copies are in prefill
-// region order (the reference's descriptor order), one strided copy per
+// region order (SGLang's disaggregation/nixl/conn.py's descriptor order), one strided copy per
 // region per page run; mixed paths split them into parts.
 func (n *NIXLKV) Plan(p *Plan, prefillPages, decodePages []int32) error {
 	p.Reset()

@@ -9,6 +9,12 @@ import (
 	"pgregory.net/rapid"
 )
 
+// The SGLang styles of planjson's requests, as the properties draw them.
+const (
+	styleSGLangNIXL = "sglang-nixl"
+	styleSGLangMORI = "sglang-mori"
+)
+
 // Property tests over random SGLang geometries. The model here is
 // independent of the planner: it knows only how SGLang lays KV out (page ->
 // token -> head, heads split across TP ranks, replicated when TP exceeds the
@@ -82,7 +88,7 @@ func noOverlap(t *rapid.T, bs []block) {
 
 func TestPropHeteroTPHeadsReachTheirOwners(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
-		style := rapid.SampledFrom([]string{StyleSGLangNIXL, StyleSGLangMORI}).Draw(t, "style")
+		style := rapid.SampledFrom([]string{styleSGLangNIXL, styleSGLangMORI}).Draw(t, "style")
 		total := rapid.SampledFrom([]int{1, 2, 4, 8}).Draw(t, "total_kv_heads")
 		p := rapid.SampledFrom([]int{1, 2, 4, 8}).Draw(t, "prefill_tp")
 		d := rapid.SampledFrom([]int{1, 2, 4, 8}).Filter(func(d int) bool { return d != p }).Draw(t, "decode_tp")
@@ -122,7 +128,7 @@ func TestPropHeteroTPHeadsReachTheirOwners(t *testing.T) {
 					Prefill: side(p, k, srcPages, 1<<32), Decode: side(d, r, dstPages, 1<<40)}
 				plan := new(Plan)
 				var err error
-				if style == StyleSGLangNIXL {
+				if style == styleSGLangNIXL {
 					var nk *NIXLKV
 					if nk, err = NewNIXLKV(g, true); err == nil {
 						err = nk.Plan(plan, src, dst)
@@ -193,9 +199,9 @@ func TestPropHeteroTPHeadsReachTheirOwners(t *testing.T) {
 
 func TestPropWholePagePlans(t *testing.T) {
 	rapid.Check(t, func(t *rapid.T) {
-		style := rapid.SampledFrom([]string{StyleSGLangNIXL, StyleSGLangMORI}).Draw(t, "style")
+		style := rapid.SampledFrom([]string{styleSGLangNIXL, styleSGLangMORI}).Draw(t, "style")
 		mla := rapid.Bool().Draw(t, "mla")
-		prepped := style == StyleSGLangNIXL && rapid.Bool().Draw(t, "prepped")
+		prepped := style == styleSGLangNIXL && rapid.Bool().Draw(t, "prepped")
 		layers := rapid.IntRange(1, 4).Draw(t, "layers")
 		perLayer := 2
 		if mla {
@@ -227,7 +233,7 @@ func TestPropWholePagePlans(t *testing.T) {
 			Decode:  side(dstPages, dstItem, 1<<40, prepped && rapid.Bool().Draw(t, "mixed"))}
 		plan := new(Plan)
 		var err error
-		if style == StyleSGLangNIXL {
+		if style == styleSGLangNIXL {
 			var nk *NIXLKV
 			if nk, err = NewNIXLKV(g, prepped); err == nil {
 				err = nk.Plan(plan, src, dst)

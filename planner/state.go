@@ -1,6 +1,9 @@
 package planner
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 // Hybrid-model state: besides paged KV, hybrid models keep per-request or
 // per-page state in extra buffers, registered as "components" (one state
@@ -24,7 +27,7 @@ const (
 
 // ParseStateType accepts any non-empty SGLang StateType string. Types the
 // reference connectors do not transfer (e.g. "dsa_tail", "block_scale")
-// are accepted here and rejected when planned, as the reference does.
+// are accepted here and rejected when planned, as SGLang's disaggregation/{nixl,mori}/conn.py does.
 func ParseStateType(s string) (StateType, error) {
 	if s == "" {
 		return "", fmt.Errorf("empty state type")
@@ -32,7 +35,7 @@ func ParseStateType(s string) (StateType, error) {
 	return StateType(s), nil
 }
 
-// StateBuffers is one side's hybrid-state registration (the reference's
+// StateBuffers is one side's hybrid-state registration (SGLang's disaggregation/{nixl,mori}/conn.py's
 // kv_args.state_*), indexed [component][tensor]. Decode-side fields that
 // the wire does not carry may be left empty.
 type StateBuffers struct {
@@ -46,7 +49,7 @@ type StateBuffers struct {
 	DimPerTensor [][]int
 	// ConvShardGroups is state_conv_shard_groups (prefill side only): for
 	// each tensor, the full dims of its independently sharded sub-blocks,
-	// or nil. The reference NIXL and MORI connectors predate it; leaving it
+	// or nil. SGLang's disaggregation/{nixl,mori}/conn.py NIXL and MORI connectors predate it; leaving it
 	// empty reproduces them exactly.
 	ConvShardGroups [][][]int
 	// SliceOuterCounts is state_slice_outer_counts (prefill side only):
@@ -54,7 +57,7 @@ type StateBuffers struct {
 	SliceOuterCounts [][]int
 	// LayerIDs is state_layer_ids: the global layer id of every tensor, for
 	// pairing a PP stage's tensors with a PP-1 decode by layer. Empty on
-	// both sides keeps the reference's positional pairing.
+	// both sides keeps SGLang's disaggregation/{nixl,mori}/conn.py's positional pairing.
 	LayerIDs [][]int
 }
 
@@ -126,9 +129,9 @@ func (t StateTopology) ppSize() int { return sizeOrOne(t.PrefillPPSize) }
 // decode peer. Build it once per peer (NewStatePlannerNIXL or
 // NewStatePlannerMORI, when the peer registers); it resolves tensor
 // pairing, PP slicing and Mamba slices then, and Plan only places the
-// request's indices. Errors the reference raises while sending (pairing,
+// request's indices. Errors SGLang's disaggregation/{nixl,mori}/conn.py raises while sending (pairing,
 // item lengths, TP rules) are reported by Plan for the components a request
-// actually sends, as the reference reports them. A StatePlanner is
+// actually sends, as SGLang's disaggregation/{nixl,mori}/conn.py reports them. A StatePlanner is
 // immutable after construction and safe for concurrent use.
 type StatePlanner struct {
 	nixl  bool
@@ -169,13 +172,13 @@ type stateComp struct {
 	// mambaActive: some tensor is not skipped, so the slice path needs a
 	// decode slot index.
 	mambaActive bool
-	// refDescs is the reference's descriptor count per run (paged) or per
+	// refDescs is SGLang's disaggregation/{nixl,mori}/conn.py's descriptor count per run (paged) or per
 	// request (Mamba), zero-length descriptors included.
 	refDescs uint64
 }
 
 // pagedPair is one tensor pair of a paged component, with the length of
-// one page (the prefill item length the reference uses).
+// one page (the prefill item length SGLang's disaggregation/{nixl,mori}/conn.py uses).
 type pagedPair struct {
 	src, dst int32
 	item     uint64
@@ -195,7 +198,7 @@ type mambaCopy struct {
 }
 
 // stateView is one component's registration, missing entries read as
-// empty (the reference's "x[i] if i < len(x) else []").
+// empty (SGLang's disaggregation/{nixl,mori}/conn.py's "x[i] if i < len(x) else []").
 type stateView struct {
 	i                  int
 	st                 StateType
@@ -393,7 +396,7 @@ func (c *stateComp) resolveNIXLPaged(v *stateView, t StateTopology, mha bool, st
 			c.addPaged(v, p.Src, p.Dst, p.Src)
 		}
 	case len(v.srcPtrs) == 0:
-		// The reference divides by the local layer count on the MHA path
+		// SGLang's disaggregation/{nixl,mori}/conn.py divides by the local layer count on the MHA path
 		// when decode has layers; MLA simply has nothing to send.
 		if mha && len(v.dstPtrs)/2 > 0 {
 			c.setErr(errorf(stateField("prefill.state_ptrs", v.i), "prefill registers no tensors but decode has %d", len(v.dstPtrs)))
@@ -483,7 +486,7 @@ func planStateOnce(newPlanner func([]StateType, StateBuffers, StateBuffers, Stat
 // Plan fills *out with one request's state plans, one per component, like
 // every planner's Plan: prefillIndices and decodeIndices are the
 // per-component indices of the prefill and decode sides (nil entry: None).
-// Components the reference skips have no plan: NIXL skips a component
+// Components SGLang's disaggregation/{nixl,mori}/conn.py skips have no plan: NIXL skips a component
 // without prefill indices, MORI one without indices on either side. *out is
 // truncated and refilled, reusing the capacity of the slice and of its
 // Plans, so a caller that keeps *out plans without allocating once warm.
@@ -543,7 +546,7 @@ func (sp *StatePlanner) plan(plans []StatePlan, prefillIndices, decodeIndices []
 	return plans, nil
 }
 
-// checkStateIndices rejects negative indices up front: the reference would
+// checkStateIndices rejects negative indices up front: SGLang's disaggregation/{nixl,mori}/conn.py would
 // compute an address below the buffer and fail in the backend.
 func checkStateIndices(f fieldRef, idx []int32) error {
 	for k, x := range idx {
@@ -624,4 +627,47 @@ func pageFits(f fieldRef, side string, maxIdx int32, item uint64, r Region) erro
 		return errorf(f.String(), "page %d of %d bytes leaves the %s buffer at %#x of %d bytes", maxIdx, item, side, r.Addr, r.Len)
 	}
 	return nil
+}
+
+// PathState prefixes the path of a joined state plan.
+const PathState = "state"
+
+// JoinStatePlans joins per-component plans into one plan whose region
+// tables are the components' tables concatenated in order. Its path is
+// "state:" followed by the components' paths. With notify (SGLang NIXL),
+// every component becomes a Part notified with suffix "_<component>", as
+// the NIXL connector posts one transfer per component; otherwise (MORI,
+// which reports completion by status message) the plan has no parts.
+func JoinStatePlans(plans []StatePlan, notify bool) *Plan {
+	out := &Plan{}
+	var paths []string
+	var nSrc, nDst, nCopies int
+	for i := range plans {
+		nSrc += len(plans[i].Plan.Src)
+		nDst += len(plans[i].Plan.Dst)
+		nCopies += len(plans[i].Plan.Copies)
+	}
+	out.Src = make([]Region, 0, nSrc)
+	out.Dst = make([]Region, 0, nDst)
+	out.Copies = make([]Copy, 0, nCopies)
+	for i := range plans {
+		sp := &plans[i]
+		srcBase, dstBase := int32(len(out.Src)), int32(len(out.Dst))
+		out.Src = append(out.Src, sp.Plan.Src...)
+		out.Dst = append(out.Dst, sp.Plan.Dst...)
+		start := len(out.Copies)
+		for _, c := range sp.Plan.Copies {
+			c.SrcRegion += srcBase
+			c.DstRegion += dstBase
+			out.Copies = append(out.Copies, c)
+		}
+		out.ReferenceDescriptors += sp.Plan.ReferenceDescriptors
+		if notify {
+			out.Parts = append(out.Parts, Part{Start: start, End: len(out.Copies), SrcKind: VRAM, DstKind: VRAM,
+				NotifSuffix: fmt.Sprintf("_%d", sp.Component)})
+		}
+		paths = append(paths, fmt.Sprintf("%s[%d]=%s", sp.Type, sp.Component, sp.Plan.Path))
+	}
+	out.Path = PathState + ":" + strings.Join(paths, ",")
+	return out
 }

@@ -10,7 +10,7 @@ import (
 // with a warm StatePlanner and warm plans (what the runtime does on a last
 // chunk) and reports ns per descriptor, allocations per plan, descriptor
 // counts, and the speed relative to a baseline measured in the same run:
-// building the reference's descriptor list for the same request as plain
+// building SGLang's disaggregation/{nixl,mori}/conn.py's descriptor list for the same request as plain
 // (src, dst, len) triples into a preallocated slice (the least the
 // reference does before its backend sees a descriptor).
 
@@ -115,8 +115,8 @@ func (c *stateBenchCase) planner(tb testing.TB) *StatePlanner {
 	return sp
 }
 
-// referenceTriples builds the reference's descriptor list of the plans:
-// every block as a plain triple (what the reference hands its backend,
+// referenceTriples builds SGLang's disaggregation/{nixl,mori}/conn.py's descriptor list of the plans:
+// every block as a plain triple (what SGLang's disaggregation/{nixl,mori}/conn.py hands its backend,
 // zero-length descriptors aside).
 func referenceTriples(out [][3]uint64, plans []StatePlan) [][3]uint64 {
 	out = out[:0]
@@ -137,7 +137,7 @@ func BenchmarkStatePlan(b *testing.B) {
 			if err := sp.Plan(&plans, c.si, c.di); err != nil {
 				b.Fatal(err)
 			}
-			// Baseline, same run: the reference's plain descriptor list.
+			// Baseline, same run: SGLang's disaggregation/{nixl,mori}/conn.py's plain descriptor list.
 			triples := referenceTriples(nil, plans)
 			start, runs := time.Now(), 0
 			for time.Since(start) < 200*time.Millisecond {
@@ -192,8 +192,8 @@ func BenchmarkAuxPlan(b *testing.B) {
 }
 
 // TestStateBenchShapes pins what the benchmarks measure: the plans match
-// the reference's bytes (descriptor lists expand to the same blocks), need
-// no more descriptors than the reference, and a warm plan allocates
+// SGLang's disaggregation/{nixl,mori}/conn.py's bytes (descriptor lists expand to the same blocks), need
+// no more descriptors than SGLang's disaggregation/{nixl,mori}/conn.py, and a warm plan allocates
 // nothing.
 func TestStateBenchShapes(t *testing.T) {
 	for _, c := range stateBenchCases() {

@@ -1,6 +1,6 @@
 package planner
 
-// State indices of DeepSeek V4 compressor state (the reference's
+// State indices of DeepSeek V4 compressor state (SGLang's disaggregation/{nixl,mori}/conn.py's
 // get_dsv4_c4_state_indices and get_dsv4_c128_state_indices). Each side
 // computes its own indices from the request's pool row and sequence length;
 // they then travel as the component's state indices.
@@ -19,7 +19,7 @@ func DSV4C4StateIndices(reqPoolIdx, seqLen, ringSize int) ([]int32, error) {
 	first := max(0, seqLen-stateLen)
 	out := make([]int32, 0, seqLen-first)
 	for pos := first; pos < seqLen; pos++ {
-		// The reference computes in int64 and casts to int32 (wrapping).
+		// SGLang's disaggregation/{nixl,mori}/conn.py computes in int64 and casts to int32 (wrapping).
 		out = append(out, int32(int64(reqPoolIdx)*int64(ringSize)+int64(pos%ringSize)))
 	}
 	return out, nil

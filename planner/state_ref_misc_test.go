@@ -12,7 +12,7 @@ import (
 // indices/slicing/remap, CP page filtering, layer-id pairing, KV layer ids,
 // rank mapping and DSV4 state indices, each against ref_state.py.
 
-// bRefCheck runs cases through the reference and calls check with each
+// bRefCheck runs cases through SGLang's disaggregation/{nixl,mori}/conn.py and calls check with each
 // result; check compares the Go outcome (err, got) with it.
 func bRefCheck(t *testing.T, cases []bRefCase, goFn func(i int) (any, error)) (oks, errs int) {
 	t.Helper()

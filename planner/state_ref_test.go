@@ -13,7 +13,7 @@ import (
 )
 
 // Reference-equivalence tests: random inputs are planned in Go and by
-// testdata/ref_state.py, a plain-Python restatement of the reference
+// testdata/ref_state.py, a plain-Python restatement of SGLang's disaggregation/{nixl,mori}/conn.py
 // formulas, and the results must agree: the same error/no-error outcome
 // and, for plans, the same bytes moved from the same addresses to the same
 // addresses.
@@ -28,7 +28,7 @@ type bRefResult struct {
 	Err string          `json:"err"`
 }
 
-// bRunRef runs the reference restatement on all cases in one process.
+// bRunRef runs SGLang's disaggregation/{nixl,mori}/conn.py restatement on all cases in one process.
 func bRunRef(t *testing.T, cases []bRefCase) []bRefResult {
 	t.Helper()
 	const py = "/usr/bin/python3"
@@ -218,16 +218,14 @@ func bComparePlan(t *testing.T, name string, ref bRefResult, p *Plan, err error)
 
 // -------------------------------------------------------------- state ---
 
-var bPaged = []StateType{StateSWA, StateDSA, StateSWARing, StateC128State}
-
 // bGenState builds a random state request (and its reference arguments):
-// mostly well formed, with the mismatches the reference treats as errors
+// mostly well formed, with the mismatches SGLang's disaggregation/{nixl,mori}/conn.py treats as errors
 // or truncates mixed in.
 func bGenState(r *rand.Rand) (StateRequest, map[string]any) {
 	var a bAddrs
 	var req StateRequest
 	// Half of the cases are clean; the other half mix in the mismatches
-	// the reference rejects or truncates (rarely: odds(n) is 1 in n).
+	// SGLang's disaggregation/{nixl,mori}/conn.py rejects or truncates (rarely: odds(n) is 1 in n).
 	noisy := r.Intn(2) == 0
 	odds := func(n int) bool { return noisy && r.Intn(n) == 0 }
 	tp := func() int { return bPick(r, 1, 2, 4) }
@@ -498,7 +496,7 @@ func TestStateMatchesReference(t *testing.T) {
 				}
 				name := fmt.Sprintf("case %d: %s", i, bJSON(cases[i].Args))
 				if err != nil && res[i].Err == "" && style == "nixl" && bCrossesKV(&reqs[i]) {
-					// Deliberately stricter than the reference: its draft
+					// Deliberately stricter than SGLang's disaggregation/{nixl,mori}/conn.py: its draft
 					// rule would pair K layers with V regions (PairKVRegions).
 					stricter++
 					continue
@@ -540,14 +538,14 @@ func TestStateMatchesReference(t *testing.T) {
 			if errs < count/15 || plans < count/3 {
 				t.Fatalf("weak coverage: %d errors, %d component plans", errs, plans)
 			}
-			t.Logf("%d cases: %d errors, %d component plans, %d merged blocks, %d stricter than the reference", len(reqs), errs, plans, copies, stricter)
+			t.Logf("%d cases: %d errors, %d component plans, %d merged blocks, %d stricter than SGLang's disaggregation/{nixl,mori}/conn.py", len(reqs), errs, plans, copies, stricter)
 		})
 	}
 }
 
 // bCrossesKV reports whether a component of req would be paired by the
 // reference's MHA draft rule (L < T, T % L != 0) with a decode K slice that
-// runs into the V half (start+L > T): the reference then moves K layers into
+// runs into the V half (start+L > T): SGLang's disaggregation/{nixl,mori}/conn.py then moves K layers into
 // V regions, where kvhost refuses.
 func bCrossesKV(req *StateRequest) bool {
 	t := req.Topology

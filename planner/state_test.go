@@ -25,7 +25,7 @@ var tp1 = StateTopology{PrefillTPSize: 1, DecodeTPSize: 1}
 func TestPagedStateNIXL(t *testing.T) {
 	// MHA SWA, 2 layers (K0 K1 V0 V1) with distinct item lengths. Pages
 	// 1,2,3,7 -> 4,5,6,9 form runs (1->4 x3) and (7->9 x1). The V half
-	// uses the K layer's item length, as the reference does.
+	// uses the K layer's item length, as SGLang's disaggregation/{nixl,mori}/conn.py does.
 	req := pagedReq(StateSWA, 4, 4, []uint64{10, 20, 30, 40}, []int32{1, 2, 3, 7}, []int32{4, 5, 6, 9}, tp1)
 	sps, err := PlanStateNIXL(req)
 	if err != nil {
@@ -152,7 +152,7 @@ func TestPagedStateRules(t *testing.T) {
 		{name: "nixl unknown type", req: pagedReq("dsa_tail", 1, 1, []uint64{8}, si, si, mla), field: "state_types[0]", substr: "does not support"},
 		{name: "mori unknown type", req: pagedReq("block_scale", 1, 1, []uint64{8}, si, si, mla), mori: true, field: "state_types[0]", substr: "unknown state_type"},
 		{name: "negative page", req: pagedReq(StateSWA, 1, 1, []uint64{8}, []int32{-1}, []int32{0}, mla), field: "prefill_state_indices[0]", substr: "negative"},
-		// The reference would silently drop the third tensor; kvhost
+		// SGLang's disaggregation/{nixl,mori}/conn.py would silently drop the third tensor; kvhost
 		// refuses a K/V list that is not K and V of whole layers.
 		{name: "mha odd tensors", req: pagedReq(StateSWA, 3, 3, []uint64{8, 8, 8}, si, si, mha), field: "prefill.state_ptrs[0]", substr: "odd count"},
 		{name: "mha pp does not fit", req: pagedReq(StateSWA, 4, 2, []uint64{8, 8}, si, si, mha), field: "decode.state_ptrs[0]", substr: "do not fit"},

@@ -23,18 +23,18 @@ package planner
 // turns block ids into two equally long id arrays and makes one prepped READ.
 //
 // VLLMReader does all of that as pure computation: NewVLLMReader is the
-// handshake (validation with the reference's rules plus both lists), and
+// handshake (validation with vLLM's kv_connector/v1/nixl_connector.py's rules plus both lists), and
 // Read / Plan are the per-request steps (prepped ids, or the same bytes as a
 // coalesced strided Plan).
 //
-// Where kvhost deliberately differs from the reference:
+// Where kvhost deliberately differs from vLLM's kv_connector/v1/nixl_connector.py:
 //   - Per-layer local-attention windows: vLLM 0.13.0 computes the windowed
 //     layers' local ids with the prefill's block count and the remote ids with
 //     the decode's (the engine ids are swapped in _read_blocks). kvhost uses
 //     each list's own block count, which is what the non-windowed path does
 //     and what the descriptor lists hold. Both agree whenever
 //     decode blocks × block-size ratio equals prefill blocks.
-//   - Inputs the reference would turn into out-of-range NIXL indices,
+//   - Inputs vLLM's kv_connector/v1/nixl_connector.py would turn into out-of-range NIXL indices,
 //     negative ids or Python exceptions (IndexError, ZeroDivisionError) are
 //     *Error values here.
 
@@ -45,7 +45,7 @@ import (
 
 // VLLMAgent is the geometry part of one vLLM worker's NixlAgentMetadata:
 // what a prefill worker advertises in the handshake, or what a decode worker
-// registered itself. Field names follow the reference.
+// registered itself. Field names follow vLLM's kv_connector/v1/nixl_connector.py.
 type VLLMAgent struct {
 	// BaseAddrs is kv_caches_base_addr: one region base address per
 	// registered KV tensor, in registration order (per layer K then V when K
@@ -60,7 +60,7 @@ type VLLMAgent struct {
 	// BlockSize is block_size: tokens per (kernel) block.
 	BlockSize int
 	// KVCacheLayout is kv_cache_layout ("HND" or "NHD"), compared as a
-	// string like the reference does.
+	// string like vLLM's kv_connector/v1/nixl_connector.py does.
 	KVCacheLayout string
 	// DeviceID is device_id, the GPU ordinal every descriptor carries.
 	DeviceID uint64
@@ -72,7 +72,7 @@ type VLLMAgent struct {
 }
 
 // VLLMDecode is the decode worker's own side of a pull: its registration
-// plus the model facts the reference takes from its own config.
+// plus the model facts vLLM's kv_connector/v1/nixl_connector.py takes from its own config.
 type VLLMDecode struct {
 	Agent  VLLMAgent
 	TPRank int
@@ -80,7 +80,7 @@ type VLLMDecode struct {
 	// MLA: one latent cache per layer, the same on every rank.
 	MLA bool
 	// BlocksFirst: the attention backend's tensors are num_blocks first with
-	// K and V in one region (FlashInfer); the reference's
+	// K and V in one region (FlashInfer); vLLM's kv_connector/v1/nixl_connector.py's
 	// kv_topo.is_kv_layout_blocks_first. Both sides use the same backend
 	// (the compatibility hash covers it).
 	BlocksFirst bool
@@ -215,23 +215,23 @@ func (r *VLLMReader) Replicated() bool { return r.replicated }
 func (r *VLLMReader) RankOffset() uint64 { return r.rankOffset }
 
 // PermuteLocalKV reports that the layouts differ and the decode must permute
-// received blocks from HND to its own layout (the reference's
+// received blocks from HND to its own layout (vLLM's kv_connector/v1/nixl_connector.py's
 // permute_device_kv after the read completes). The transfer itself is the
 // same.
 func (r *VLLMReader) PermuteLocalKV() bool { return r.permuteLocalKV }
 
 // BlockSizePostProcess reports that received decode blocks hold
 // BlockSizeRatio prefill blocks one after another and must be permuted into
-// the decode block layout after the read (the reference's
+// the decode block layout after the read (vLLM's kv_connector/v1/nixl_connector.py's
 // blocksize_post_process: non-MLA, block-size ratio > 1, decode layout HND).
 func (r *VLLMReader) BlockSizePostProcess() bool { return r.postProcess }
 
-// LocalList returns the decode-side descriptor list (the reference's
+// LocalList returns the decode-side descriptor list (vLLM's kv_connector/v1/nixl_connector.py's
 // src_xfer_side_handles[prefill block size]). The returned value shares no
 // memory with the reader.
 func (r *VLLMReader) LocalList() VLLMDescList { return cloneList(r.local) }
 
-// RemoteList returns the prefill-side descriptor list (the reference's
+// RemoteList returns the prefill-side descriptor list (vLLM's kv_connector/v1/nixl_connector.py's
 // dst_xfer_side_handles[engine]). The returned value shares no memory with
 // the reader.
 func (r *VLLMReader) RemoteList() VLLMDescList { return cloneList(r.remote) }
@@ -249,7 +249,7 @@ func cloneList(l VLLMDescList) VLLMDescList {
 }
 
 // VLLMTPRatio returns tp_ratio for a decode TP size and a prefill TP size:
-// how many decode ranks read each prefill rank. The reference refuses decode
+// how many decode ranks read each prefill rank. vLLM's kv_connector/v1/nixl_connector.py refuses decode
 // TP smaller than, or not a multiple of, prefill TP.
 func VLLMTPRatio(decodeTP, prefillTP int) (int, error) {
 	if decodeTP <= 0 {
@@ -329,7 +329,7 @@ func NewVLLMReader(local VLLMDecode, remote VLLMAgent, remoteTPSize int) (*VLLMR
 		}
 	}
 
-	// Block lengths. The reference checks them over the decode's regions,
+	// Block lengths. vLLM's kv_connector/v1/nixl_connector.py checks them over the decode's regions,
 	// so both sides must register the same number of regions.
 	if len(ra.BaseAddrs) != len(la.BlockLens) {
 		return nil, errorf("prefill.kv_caches_base_addr", "prefill registers %d regions, decode %d: both must register one per KV cache tensor", len(ra.BaseAddrs), len(la.BlockLens))
@@ -404,7 +404,7 @@ func checkVLLMAgent(side string, a VLLMAgent) error {
 }
 
 // checkVLLMLocal applies register_kv_caches' rules to the decode's own
-// registration, plus the config facts the reference takes for granted.
+// registration, plus the config facts vLLM's kv_connector/v1/nixl_connector.py takes for granted.
 func checkVLLMLocal(d VLLMDecode) error {
 	if d.TPSize <= 0 {
 		return errorf("decode.tp_size", "must be positive, got %d", d.TPSize)
@@ -506,7 +506,7 @@ func (r *VLLMReader) buildLists(local VLLMDecode, remote VLLMAgent) error {
 		}
 	}
 	// No descriptor may leave its region. The rules above guarantee it for
-	// geometries the reference accepts; check anyway, per region, so a
+	// geometries vLLM's kv_connector/v1/nixl_connector.py accepts; check anyway, per region, so a
 	// geometry they miss is an error rather than a wild read.
 	if err := checkListInside("decode", &r.local, r.dst); err != nil {
 		return err

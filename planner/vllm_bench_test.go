@@ -9,7 +9,7 @@ import (
 // vLLM pull plans at realistic shapes. Every benchmark plans one request
 // with warm buffers (what the runtime does per request) and reports ns per
 // descriptor, allocations per request and the descriptor counts. The
-// baseline, measured in the same run, is the reference's own per-request
+// baseline, measured in the same run, is vLLM's kv_connector/v1/nixl_connector.py's own per-request
 // work: the prepped descriptor id arrays of _read_blocks (AppendRead).
 
 type vllmBenchCase struct {
@@ -134,7 +134,7 @@ func BenchmarkVLLMHandshake(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(len(ld)+len(rd)), "ns/descriptor")
 }
 
-// vllmBaselineNs times the reference's per-request work (the prepped id
+// vllmBaselineNs times vLLM's kv_connector/v1/nixl_connector.py's per-request work (the prepped id
 // arrays) for about 200 ms.
 func vllmBaselineNs(b *testing.B, rd *VLLMReader, bc vllmBenchCase) float64 {
 	n, _, err := rd.ReadLen(bc.localIDs, bc.remoteIDs)

@@ -10,7 +10,7 @@ import (
 )
 
 // Property tests for vLLM pull plans over random models. Unlike the
-// reference-equivalence test, these do not restate the reference's offset
+// reference-equivalence test, these do not restate vLLM's kv_connector/v1/nixl_connector.py's offset
 // arithmetic: they decode every byte address back into what it holds
 // (layer, K or V, global KV head, token position, byte) from the model's
 // shape alone, and require that every byte a decode rank reads lands where
@@ -179,7 +179,7 @@ func vDrawModel(t *rapid.T) vModel {
 	return m
 }
 
-// valid reports whether the reference accepts the deployment: without
+// valid reports whether vLLM's kv_connector/v1/nixl_connector.py accepts the deployment: without
 // replication (prefill TP < heads), decode ranks must not hold fewer than
 // one head each.
 func (m *vModel) valid() bool {
@@ -199,7 +199,7 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 		dec, pre := m.agents()
 		// Request: distinct remote blocks and decode blocks, as many as the
 		// decode needs (or fewer: a prefix hit, partial only without a
-		// block-size ratio, where the reference aligns blocks).
+		// block-size ratio, where vLLM's kv_connector/v1/nixl_connector.py aligns blocks).
 		nbRl, nbLl := m.nbR/m.kf, m.nbL/m.kf
 		nr := rapid.IntRange(0, min(nbRl, nbLl*m.bsr)).Draw(t, "nr")
 		remote := vDrawDistinct(t, "remote", nr, nbRl)

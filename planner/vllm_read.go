@@ -35,10 +35,6 @@ type vllmSeq struct {
 	n      int
 }
 
-func (s *vllmSeq) at(k int) int {
-	return int(s.ids[k/s.factor])*s.factor + k%s.factor
-}
-
 // vllmCursor walks a vllmSeq from some element on, without a division per
 // element.
 type vllmCursor struct {
@@ -313,7 +309,6 @@ type vllmRunScanner struct {
 	pending vllmRun // the run being extended (m > 0) across fills
 	lastLID int
 	lastRID int
-	flushed bool
 }
 
 // fill appends up to cap(dst) complete runs and returns them; an empty

@@ -60,7 +60,7 @@ func vPick[T any](rng *rand.Rand, xs ...T) T { return xs[rng.IntN(len(xs))] }
 
 // genVLLMRefCase draws one decode rank's pull: a model (heads, layers, head
 // bytes), both sides' TP and block sizes, usually valid and sometimes broken
-// in one of the ways the reference refuses, and a request.
+// in one of the ways vLLM's kv_connector/v1/nixl_connector.py refuses, and a request.
 func genVLLMRefCase(rng *rand.Rand) vllmRefCase {
 	c := vllmRefCase{KernelFactor: vPick(rng, 1, 1, 1, 2), RemoteRequestID: "req-1"}
 	c.MLA = rng.IntN(4) == 0
@@ -244,7 +244,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 		}
 		if err != nil && w.Error == "" && c.outOfRangeID() {
 			// A block id past num_blocks that still indexes inside the
-			// whole descriptor list: the reference (and NIXL) read another
+			// whole descriptor list: vLLM's kv_connector/v1/nixl_connector.py (and NIXL) read another
 			// region's block; kvhost refuses it.
 			if pe, ok := err.(*Error); ok && (strings.HasPrefix(pe.Field, "local_block_ids[") || strings.HasPrefix(pe.Field, "remote_block_ids[")) {
 				errs++
@@ -298,7 +298,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 		if !reflect.DeepEqual(rd.LocalIDs, w.LocalIDs) || !reflect.DeepEqual(rd.RemoteIDs, w.RemoteIDs) {
 			fail("ids differ:\n got %v\n     %v\nwant %v\n     %v", rd.LocalIDs, rd.RemoteIDs, w.LocalIDs, w.RemoteIDs)
 		}
-		// The reference's bytes, straight from its lists and ids.
+		// vLLM's kv_connector/v1/nixl_connector.py's bytes, straight from its lists and ids.
 		var ref []vByteRange
 		for k := range w.LocalIDs {
 			l, m := w.LocalDescs[w.LocalIDs[k]], w.RemoteDescs[w.RemoteIDs[k]]
@@ -306,7 +306,7 @@ func TestVLLMReferenceEquivalence(t *testing.T) {
 		}
 		refBytes := vSumLens(ref)
 		if got, want := vPlanRanges(p), vNormalize(ref); !reflect.DeepEqual(got, want) {
-			fail("plan bytes differ from the reference:\n got  %v\n want %v", got, want)
+			fail("plan bytes differ from vLLM's kv_connector/v1/nixl_connector.py:\n got  %v\n want %v", got, want)
 		}
 		if p.Bytes() != refBytes {
 			fail("plan moves %d bytes, reference %d", p.Bytes(), refBytes)

@@ -794,3 +794,15 @@ func TestVLLMReaderConcurrent(t *testing.T) {
 func planRead(r *VLLMReader, local, remote []int32) (*Plan, error) {
 	return planNew(r, remote, local)
 }
+
+// planNew plans one request into a new Plan, with any planner of the
+// index-list shape (NIXLKV, MORIKV, VLLMReader).
+func planNew(pl interface {
+	Plan(p *Plan, prefill, decode []int32) error
+}, prefill, decode []int32) (*Plan, error) {
+	p := new(Plan)
+	if err := pl.Plan(p, prefill, decode); err != nil {
+		return nil, err
+	}
+	return p, nil
+}

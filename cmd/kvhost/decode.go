@@ -8,9 +8,9 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvhost/kvhost/host/pull/demo"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 func init() { register(decodeCommand) }
@@ -77,7 +77,7 @@ func runDecodeSGLang(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	o := worker.DecodeOptions{Common: common, BootstrapAddr: c.String("bootstrap-addr"), InitTimeout: c.Duration("init-timeout")}
+	o := pushworker.DecodeOptions{Common: common, BootstrapAddr: c.String("bootstrap-addr"), InitTimeout: c.Duration("init-timeout")}
 	o.Settings = push.Settings{HeartbeatMaxFailures: c.Int("heartbeat-max-failure"),
 		WaitingTimeout: secondsValue(c, "waiting-timeout"), HeartbeatInterval: secondsValue(c, "heartbeat-interval")}
 	if o.Settings.HeartbeatInterval < push.MinReferenceHeartbeat {
@@ -91,7 +91,7 @@ func runDecodeSGLang(c *cli.Context) error {
 	run.wirePush(&o.Common)
 	slog.Info("decode worker starting", "style", styleSGLang, "bootstrap", o.BootstrapAddr,
 		"ranks", len(o.TPRanks)*len(o.PPRanks), "requests", o.Workload.Requests)
-	s, runErr := worker.RunDecode(run.ctx, o)
+	s, runErr := pushworker.RunDecode(run.ctx, o)
 	return finishSGLang(c, s, runErr)
 }
 
@@ -107,7 +107,7 @@ func runDecodeVLLM(c *cli.Context) error {
 	defer run.close()
 	slog.Info("decode worker starting", "style", styleVLLM, "prefill", c.String("prefill-url"),
 		"ranks", len(o.ranks), "requests", o.work.Requests)
-	sum, runErr := demo.RunDecode(run.ctx, demo.DecodeConfig{
+	sum, runErr := pullworker.RunDecode(run.ctx, pullworker.DecodeConfig{
 		Plugin: o.plugin, AgentParams: o.params, Model: o.model, Engine: o.engine, Ranks: o.ranks, EngineID: o.engineID,
 		PrefillURL: c.String("prefill-url"), Workload: o.work, Concurrency: o.conc,
 		HandshakeTimeout: c.Duration("handshake-timeout"), ReadTimeout: c.Duration("read-timeout"),

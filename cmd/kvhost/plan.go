@@ -8,7 +8,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvhost/kvhost/planner"
+	"github.com/kvhost/kvhost/planner/planjson"
 )
 
 // maxPlanRequest bounds the request read from stdin or --in: page lists of
@@ -24,7 +24,7 @@ func planCommand() *cli.Command {
 		Usage:     "print the transfer plan of one KV, aux or state request (JSON in, JSON out)",
 		UsageText: "kvhost plan [--in FILE] [--summary] < request.json",
 		Description: "Reads one plan request (see docs/plan.md) from stdin or --in and prints which bytes\n" +
-			"move where: the reference code path chosen, descriptor counts, bytes and every copy as\n" +
+			"move where: the upstream code path chosen, descriptor counts, bytes and every copy as\n" +
 			"[prefill_addr, decode_addr, len]. Nothing is transferred.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "in", EnvVars: env("PLAN_IN"), Usage: "read the request from `FILE` instead of stdin"},
@@ -54,9 +54,9 @@ func runPlan(c *cli.Context) error {
 	if len(raw) > maxPlanRequest {
 		return errors.New("plan: request: larger than 256 MiB")
 	}
-	p, env, err := planner.PlanRequest(raw)
+	p, env, err := planjson.PlanRequest(raw)
 	if err != nil {
 		return fmt.Errorf("plan: %w", err)
 	}
-	return planner.WriteResponse(c.App.Writer, env, p, c.Bool("summary"))
+	return planjson.WriteResponse(c.App.Writer, env, p, c.Bool("summary"))
 }

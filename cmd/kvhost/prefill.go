@@ -12,10 +12,10 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/pull"
-	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 func init() { register(prefillCommand) }
@@ -47,7 +47,7 @@ func prefillCommand() *cli.Command {
 		&cli.StringFlag{Category: catVLLM, Name: "side-channel-host", EnvVars: []string{"VLLM_NIXL_SIDE_CHANNEL_HOST"},
 			Usage: "side channel address, bound and told to decodes as remote_host (default: --host)"},
 		&cli.IntFlag{Category: catVLLM, Name: "api-port", Value: 8100, EnvVars: env("API_PORT"),
-			Usage: "HTTP API port on --host: POST " + demo.PrefillPath + " prefills a request and answers its kv_transfer_params (0 picks a free one)"},
+			Usage: "HTTP API port on --host: POST " + pullworker.PrefillPath + " prefills a request and answers its kv_transfer_params (0 picks a free one)"},
 		&cli.StringFlag{Category: catVLLM, Name: "api-url-file", EnvVars: env("API_URL_FILE"),
 			Usage: "write the API's URL to `FILE` once it serves (useful with --api-port 0)"},
 		secondsFlag(catVLLM, "abort-timeout", "free a request's blocks if its decode readers did not all notify within this long",
@@ -87,7 +87,7 @@ func runPrefillSGLang(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	o := worker.PrefillOptions{Common: common}
+	o := pushworker.PrefillOptions{Common: common}
 	if o.XferMode, err = push.ParseXferMode(c.String("xfer")); err != nil {
 		return err
 	}
@@ -129,7 +129,7 @@ func runPrefillSGLang(c *cli.Context) error {
 	}
 	slog.Info("prefill worker starting", "style", styleSGLang, "bootstrap", o.BootstrapAddr,
 		"ranks", len(o.TPRanks)*len(o.PPRanks), "requests", o.Workload.Requests)
-	s, runErr := worker.RunPrefill(run.ctx, o)
+	s, runErr := pushworker.RunPrefill(run.ctx, o)
 	run.metrics.SetReady(false) // the ranks are closed
 	if d := c.Duration("linger"); d > 0 && run.ctx.Err() == nil {
 		select {
@@ -159,14 +159,14 @@ func runPrefillVLLM(c *cli.Context) error {
 		return err
 	}
 	defer run.close()
-	cfg := demo.PrefillConfig{
+	cfg := pullworker.PrefillConfig{
 		Plugin: o.plugin, AgentParams: o.params, Model: o.model, Engine: o.engine, EngineID: o.engineID,
 		SideChannel:  "tcp://" + net.JoinHostPort(sideHost, strconv.Itoa(c.Int("side-channel-port"))),
 		APIAddr:      net.JoinHostPort(host, strconv.Itoa(c.Int("api-port"))),
 		AbortTimeout: abort, Workload: o.work, MemKind: o.memKind, Logger: slog.Default(), Report: run.report,
 		Observer: run.metrics.PullObserver(), OnReady: run.ready,
 	}
-	pf, err := demo.StartPrefill(cfg)
+	pf, err := pullworker.StartPrefill(cfg)
 	if err != nil {
 		return err
 	}

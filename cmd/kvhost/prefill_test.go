@@ -11,20 +11,20 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 var smallWorker = []string{"--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--page-size", "4",
 	"--requests", "16", "--max-tokens", "40", "--min-tokens", "1", "--chunk-pages", "2", "--prefix-rate", "0.3"}
 
-func readSummary(t *testing.T, path string) worker.Summary {
+func readSummary(t *testing.T, path string) pushworker.Summary {
 	t.Helper()
 	raw, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var s worker.Summary
+	var s pushworker.Summary
 	if err := json.Unmarshal(raw, &s); err != nil {
 		t.Fatal(err)
 	}

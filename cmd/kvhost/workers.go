@@ -25,15 +25,15 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
-	"github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
-// The two styles of worker.
+// The two styles of pushworker.
 const (
 	styleSGLang = "sglang"
 	styleVLLM   = "vllm"
@@ -167,13 +167,13 @@ func workerFlags(role string) []cli.Flag {
 			Usage: "KV block layout: HND (what vLLM's NIXL connector asks for; needed for heterogeneous TP) or NHD"},
 		&cli.BoolFlag{Category: catVLLM, Name: "blocks-first", EnvVars: env("BLOCKS_FIRST"),
 			Usage: "FlashInfer's layout: one region per layer, K and V halves in every block"},
-		&cli.StringFlag{Category: catVLLM, Name: "model", Value: demo.DefaultModelName, EnvVars: env("MODEL"),
+		&cli.StringFlag{Category: catVLLM, Name: "model", Value: pullworker.DefaultModelName, EnvVars: env("MODEL"),
 			Usage: "model name (a compatibility hash factor)"},
-		&cli.StringFlag{Category: catVLLM, Name: "vllm-version", Value: demo.DefaultVLLMVersion, EnvVars: env("VLLM_VERSION"),
+		&cli.StringFlag{Category: catVLLM, Name: "vllm-version", Value: pullworker.DefaultVLLMVersion, EnvVars: env("VLLM_VERSION"),
 			Usage: "vLLM version the compatibility hash claims (match the vLLM peers)"},
 		&cli.StringFlag{Category: catVLLM, Name: "dtype", EnvVars: env("DTYPE"),
 			Usage: "model dtype: bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 (default: from --dtype-bytes)"},
-		&cli.StringFlag{Category: catVLLM, Name: "cache-dtype", Value: demo.DefaultCacheDType, EnvVars: env("CACHE_DTYPE"),
+		&cli.StringFlag{Category: catVLLM, Name: "cache-dtype", Value: pullworker.DefaultCacheDType, EnvVars: env("CACHE_DTYPE"),
 			Usage: "KV cache dtype (a compatibility hash factor)"},
 		&cli.StringFlag{Category: catVLLM, Name: "attn-backend", EnvVars: env("ATTN_BACKEND"),
 			Usage: "attention backend name for the hash (default FLASH_ATTN, FLASHINFER with --blocks-first, FLASHMLA with mla)"},
@@ -249,8 +249,8 @@ func loadPlugin(c *cli.Context) (*plugin.Plugin, error) {
 
 // parseSGLang turns the shared flags into push worker options (plugin
 // loaded).
-func parseSGLang(c *cli.Context) (worker.Common, error) {
-	var o worker.Common
+func parseSGLang(c *cli.Context) (pushworker.Common, error) {
+	var o pushworker.Common
 	var err error
 	if o.Variant, err = push.ParseVariant(c.String("variant")); err != nil {
 		return o, err
@@ -275,16 +275,16 @@ func parseSGLang(c *cli.Context) (worker.Common, error) {
 	if o.TPSize < 1 || o.PPSize < 1 {
 		return o, fmt.Errorf("--tp-size %d, --pp-size %d: must be positive", o.TPSize, o.PPSize)
 	}
-	if o.TPRanks, err = worker.ParseRanks(c.String("tp-ranks"), o.TPSize); err != nil {
+	if o.TPRanks, err = pushworker.ParseRanks(c.String("tp-ranks"), o.TPSize); err != nil {
 		return o, fmt.Errorf("--tp-ranks: %w", err)
 	}
-	if o.PPRanks, err = worker.ParseRanks(c.String("pp-ranks"), o.PPSize); err != nil {
+	if o.PPRanks, err = pushworker.ParseRanks(c.String("pp-ranks"), o.PPSize); err != nil {
 		return o, fmt.Errorf("--pp-ranks: %w", err)
 	}
 	o.Host = c.String("host")
 	o.Concurrency = c.Int("concurrency")
 	o.NoBytes = c.Bool("no-bytes")
-	o.Workload = worker.Workload{
+	o.Workload = pushworker.Workload{
 		Seed: c.Uint64("seed"), Requests: c.Int("requests"), RoomBase: c.Uint64("room-base"),
 		MinTokens: c.Int("min-tokens"), MaxTokens: c.Int("max-tokens"), ChunkPages: c.Int("chunk-pages"),
 		PrefixRate: c.Float64("prefix-rate"), FullHitRate: c.Float64("full-hit-rate"), AbortRate: c.Float64("abort-rate"),
@@ -304,11 +304,11 @@ func parseSGLang(c *cli.Context) (worker.Common, error) {
 type vllmCommon struct {
 	plugin   *plugin.Plugin
 	params   []plugin.Param
-	model    demo.Model
-	engine   demo.Engine
+	model    pullworker.Model
+	engine   pullworker.Engine
 	ranks    []int
 	engineID string
-	work     demo.Workload
+	work     pullworker.Workload
 	conc     int
 	memKind  abi.MemKind
 }
@@ -324,15 +324,15 @@ func parseVLLM(c *cli.Context, role string) (*vllmCommon, error) {
 	if o.params, err = plugin.ParseParams(c.StringSlice("agent-param")); err != nil {
 		return nil, fmt.Errorf("--agent-param: %w", err)
 	}
-	layout, err := demo.ParseLayout(c.String("kv-layout"))
+	layout, err := pullworker.ParseLayout(c.String("kv-layout"))
 	if err != nil {
 		return nil, fmt.Errorf("--kv-layout: %w", err)
 	}
-	o.engine = demo.Engine{TPSize: c.Int("tp-size"), BlockSize: c.Int("page-size"), NumBlocks: c.Int("pages"), Layout: layout}
+	o.engine = pullworker.Engine{TPSize: c.Int("tp-size"), BlockSize: c.Int("page-size"), NumBlocks: c.Int("pages"), Layout: layout}
 	if o.engine.TPSize < 1 {
 		return nil, fmt.Errorf("--tp-size %d must be positive", o.engine.TPSize)
 	}
-	if o.ranks, err = worker.ParseRanks(c.String("tp-ranks"), o.engine.TPSize); err != nil {
+	if o.ranks, err = pushworker.ParseRanks(c.String("tp-ranks"), o.engine.TPSize); err != nil {
 		return nil, fmt.Errorf("--tp-ranks: %w", err)
 	}
 	if role == "prefill" && len(o.ranks) != o.engine.TPSize {
@@ -344,7 +344,7 @@ func parseVLLM(c *cli.Context, role string) (*vllmCommon, error) {
 	if prefix < 0 || prefix > 1 || full < 0 || full > 1 {
 		return nil, fmt.Errorf("--prefix-rate %g and --full-hit-rate %g must be in [0, 1]", prefix, full)
 	}
-	o.work = demo.Workload{Seed: c.Uint64("seed"), Requests: c.Int("requests"), MinTokens: c.Int("min-tokens"),
+	o.work = pullworker.Workload{Seed: c.Uint64("seed"), Requests: c.Int("requests"), MinTokens: c.Int("min-tokens"),
 		MaxTokens: c.Int("max-tokens"), PartialHitRate: prefix * (1 - full), FullHitRate: prefix * full}
 	if err := o.work.Validate(); err != nil {
 		return nil, err
@@ -353,7 +353,7 @@ func parseVLLM(c *cli.Context, role string) (*vllmCommon, error) {
 		return nil, fmt.Errorf("--concurrency %d must be positive", o.conc)
 	}
 	if o.engine.NumBlocks == 0 {
-		o.engine.NumBlocks = demo.DefaultNumBlocks(o.work.MaxTokens, o.engine.BlockSize, o.conc)
+		o.engine.NumBlocks = pullworker.DefaultNumBlocks(o.work.MaxTokens, o.engine.BlockSize, o.conc)
 	}
 	if err := o.engine.Validate(); err != nil {
 		return nil, err
@@ -379,8 +379,8 @@ func parseVLLM(c *cli.Context, role string) (*vllmCommon, error) {
 }
 
 // vllmModel reads the model both vLLM-style sides share.
-func vllmModel(c *cli.Context) (demo.Model, error) {
-	m := demo.Model{
+func vllmModel(c *cli.Context) (pullworker.Model, error) {
+	m := pullworker.Model{
 		Name: c.String("model"), VLLMVersion: c.String("vllm-version"), DType: c.String("dtype"),
 		CacheDType: c.String("cache-dtype"), AttnBackend: c.String("attn-backend"), BlocksFirst: c.Bool("blocks-first"),
 		Layers: c.Int("layers"), KVHeads: c.Int("kv-heads"), HeadDim: c.Int("head-dim"),
@@ -391,10 +391,10 @@ func vllmModel(c *cli.Context) (demo.Model, error) {
 	}
 	bytes := c.Int("dtype-bytes")
 	if m.DType == "" {
-		if m.DType, err = demo.DTypeOfBytes(bytes); err != nil {
+		if m.DType, err = pullworker.DTypeOfBytes(bytes); err != nil {
 			return m, fmt.Errorf("--dtype-bytes: %w (or name --dtype)", err)
 		}
-	} else if b, err := demo.DTypeBytes(m.DType); err != nil {
+	} else if b, err := pullworker.DTypeBytes(m.DType); err != nil {
 		return m, fmt.Errorf("--dtype: %w", err)
 	} else if c.IsSet("dtype-bytes") && b != bytes {
 		return m, fmt.Errorf("--dtype %s has %d-byte elements, --dtype-bytes says %d", m.DType, b, bytes)
@@ -442,10 +442,10 @@ func startWorkerRun(c *cli.Context, role, style string) (*workerRun, error) {
 }
 
 // wirePush hands the run's observer, readiness hook and report to a push
-// worker.
-func (r *workerRun) wirePush(o *worker.Common) {
+// pushworker.
+func (r *workerRun) wirePush(o *pushworker.Common) {
 	o.Observer = r.metrics.PushObserver()
-	o.OnReady = func(rooms worker.RoomCounter) {
+	o.OnReady = func(rooms pushworker.RoomCounter) {
 		r.metrics.SetRoomSource(metrics.RoomSource(rooms))
 		r.metrics.SetReady(true)
 	}
@@ -490,7 +490,7 @@ func writeSummary(c *cli.Context, sum any) error {
 
 // finishSGLang writes a push worker's summary and turns the outcome into
 // the exit status.
-func finishSGLang(c *cli.Context, s *worker.Summary, runErr error) error {
+func finishSGLang(c *cli.Context, s *pushworker.Summary, runErr error) error {
 	if s == nil {
 		if runErr == nil {
 			runErr = fmt.Errorf("%s: no summary", c.Command.Name)

@@ -11,7 +11,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/kvhost/kvhost/host/pull/demo"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
 )
 
 // vllmArgs is a small model every vLLM-style test shares.
@@ -62,8 +62,8 @@ func TestVLLMStyleWorkers(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the prefill did not finish")
 	}
-	var ds demo.DecodeSummary
-	var ps demo.PrefillSummary
+	var ds pullworker.DecodeSummary
+	var ps pullworker.PrefillSummary
 	readJSON(t, filepath.Join(dir, "decode.json"), &ds)
 	readJSON(t, filepath.Join(dir, "prefill.json"), &ps)
 	if ds.OK != 12 || ds.Failed != 0 || ds.TPSize != 2 || len(ds.Ranks) != 2 || ds.Reads == 0 || ds.FullHits == 0 {

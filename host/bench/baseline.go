@@ -57,7 +57,6 @@ type pvmCopier struct {
 	write  bool
 	local  []unix.Iovec
 	remote []unix.RemoteIovec
-	bytes  int
 }
 
 func (c *pvmCopier) run() error {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/quantile"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -642,8 +643,8 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 			return spec, err
 		}
 	}
-	spec.GBps = median(rates)
-	spec.BaselineGBps = median(baseRates)
+	spec.GBps = quantile.Median(rates)
+	spec.BaselineGBps = quantile.Median(baseRates)
 	spec.Efficiency = float64(ratios.quantile(0.5)) / ratioScale
 
 	var prepS, postS, txS, latS []*phase

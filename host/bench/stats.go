@@ -2,8 +2,9 @@ package bench
 
 import (
 	"math/rand/v2"
-	"slices"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/quantile"
 )
 
 // maxSamples bounds the durations a phase keeps per thread for its
@@ -62,29 +63,7 @@ func (p *phase) pctUs(q float64) float64 { return float64(p.quantile(q)) / 1e3 }
 
 // quantile returns the q-quantile (0..1) of the samples, nearest rank. It
 // sorts them.
-func (p *phase) quantile(q float64) int64 {
-	if len(p.keep) == 0 {
-		return 0
-	}
-	slices.Sort(p.keep)
-	i := int(q*float64(len(p.keep)-1) + 0.5)
-	return p.keep[min(i, len(p.keep)-1)]
-}
+func (p *phase) quantile(q float64) int64 { return quantile.NearestRank(p.keep, q) }
 
 // ratioScale stores a ratio in a phase as an integer: parts per million.
 const ratioScale = 1e6
-
-// median returns the median of xs (the mean of the middle two for an even
-// count), 0 for none. It sorts a copy.
-func median(xs []float64) float64 {
-	if len(xs) == 0 {
-		return 0
-	}
-	c := slices.Clone(xs)
-	slices.Sort(c)
-	n := len(c)
-	if n%2 == 1 {
-		return c[n/2]
-	}
-	return (c[n/2-1] + c[n/2]) / 2
-}

@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 )
 
 var quiet = slog.New(slog.DiscardHandler)

@@ -12,6 +12,8 @@ import (
 	"net/url"
 	"strconv"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/backoff"
 )
 
 // DefaultTimeout bounds one request whose context has no deadline (SGLang
@@ -121,10 +123,11 @@ func (c *Client) Register(ctx context.Context, reg Registration) error {
 	if attempts <= 0 {
 		attempts = 5
 	}
-	backoff := c.RegisterBackoff
-	if backoff <= 0 {
-		backoff = time.Second
+	first := c.RegisterBackoff
+	if first <= 0 {
+		first = time.Second
 	}
+	retry := backoff.New(min(first, 30*time.Second), 30*time.Second)
 	var err error
 	for i := range attempts {
 		if _, err = c.do(ctx, "register", http.MethodPut, "/route", nil, reg); err == nil {
@@ -137,8 +140,7 @@ func (c *Client) Register(ctx context.Context, reg Registration) error {
 		if i == attempts-1 {
 			break
 		}
-		delay := min(backoff<<i, 30*time.Second)
-		delay = time.Duration(float64(delay) * (0.75 + 0.25*rand.Float64()))
+		delay := time.Duration(float64(retry.Next()) * (0.75 + 0.25*rand.Float64()))
 		select {
 		case <-time.After(delay):
 		case <-ctx.Done():

@@ -214,15 +214,6 @@ func (s *Suite) needDRAM(t TB) {
 	}
 }
 
-// needCaps skips the case unless the agent has every capability of c,
-// natively or emulated by the host.
-func needCaps(t TB, a *plugin.Agent, c abi.Caps) {
-	t.Helper()
-	if have := a.Caps() | a.Emulated(); !have.Has(c) {
-		t.Skipf("agent lacks %v (native %v, emulated by the host %v)", (c &^ have).Names(), a.Caps().Names(), a.Emulated().Names())
-	}
-}
-
 // expectCode fails the case unless err is a plugin error with code.
 func expectCode(t TB, what string, err error, code abi.Status) {
 	t.Helper()

@@ -1,12 +1,13 @@
 // Package demo runs kvhost's end-to-end demonstration: a prefill deployment
 // and a decode deployment moving a synthetic workload's KV cache through a
-// transfer plugin, with every byte verified on decode by host/kvpool's
+// transfer plugin, with every byte verified on decode by host/demo/kvpool's
 // independent check, summarised for a person at a glance.
 //
 // Two styles, as the workers offer them: "sglang" (the push runtime: a
-// bootstrap server, prefill WRITEs into decode, package host/push/worker) and
-// "vllm" (the pull runtime: decode READs from prefill after a handshake,
-// package host/pull/demo). By default every part runs as its own process
+// bootstrap server, prefill WRITEs into decode, package
+// host/demo/pushworker) and "vllm" (the pull runtime: decode READs from
+// prefill after a handshake, package host/demo/pullworker). By default
+// every part runs as its own process
 // (kvhost bootstrap, kvhost prefill hosting every prefill TP rank, one kvhost
 // decode per decode TP rank), as a deployment would; InProcess runs the same
 // workers as goroutines of this process.
@@ -14,6 +15,11 @@
 // The workers report JSON summaries and one line per request; Run reads
 // them and adds this machine's raw memcpy rate, measured in the same run
 // with blocks of the average transfer's size, for scale.
+//
+// host/demo is kvhost's one demo tree: this package, kvpool (the synthetic
+// KV pool and its byte check), synth (what both workers share), pushworker
+// and pullworker (the demo-grade workers of each style). The runtimes
+// (host/push, host/pull) import none of them.
 package demo
 
 import (
@@ -23,7 +29,7 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/metrics"
 )
 
@@ -111,7 +117,7 @@ func (c *Config) Validate() error {
 	case c.PrefillTP < 1 || c.DecodeTP < 1 || c.PrefillTP > 64 || c.DecodeTP > 64:
 		return fmt.Errorf("demo: TP sizes must be 1..64 (prefill %d, decode %d)", c.PrefillTP, c.DecodeTP)
 	case c.Style == "vllm" && c.DecodeTP < c.PrefillTP:
-		// The reference raises this for every request (vLLM's NIXL
+		// SGLang's disaggregation/{nixl,mori}/conn.py raises this for every request (vLLM's NIXL
 		// connector reads from one or more prefill ranks, never merges).
 		return fmt.Errorf("demo: vllm style: decode TP %d is smaller than prefill TP %d; vLLM's NIXL connector needs decode TP >= prefill TP", c.DecodeTP, c.PrefillTP)
 	case c.MemKinds != "" && c.MemKinds != "vram" && c.MemKinds != "dram" && c.MemKinds != "mixed":

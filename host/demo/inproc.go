@@ -13,11 +13,11 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
-	pulldemo "github.com/kvhost/kvhost/host/pull/demo"
 	"github.com/kvhost/kvhost/host/push"
-	"github.com/kvhost/kvhost/host/push/worker"
 )
 
 // lockedBuffer is a bytes.Buffer safe for the workers' concurrent writes.
@@ -134,31 +134,31 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 	if cfg.Metrics != nil {
 		obs = cfg.Metrics.PushObserver()
 	}
-	common := func(tp int, ranks []int) worker.Common {
-		return worker.Common{
+	common := func(tp int, ranks []int) pushworker.Common {
+		return pushworker.Common{
 			Plugin: r.p, AgentParams: r.params,
-			Shape: worker.Shape{MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads,
+			Shape: pushworker.Shape{MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads,
 				HeadBytes: cfg.HeadDim * cfg.DTypeBytes, PageSize: cfg.PageSize, MemKinds: cfg.MemKinds},
-			Workload: worker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens,
+			Workload: pushworker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens,
 				MaxTokens: cfg.MaxTokens, ChunkPages: cfg.ChunkPages},
 			TPSize: tp, TPRanks: ranks, PPSize: 1, Host: "127.0.0.1", Concurrency: cfg.Concurrency,
 			Observer: obs, Logger: r.log,
 		}
 	}
 	type result struct {
-		s   *worker.Summary
+		s   *pushworker.Summary
 		err error
 	}
 	pch := make(chan result, 1)
 	go func() {
-		ps, err := worker.RunPrefill(ctx, worker.PrefillOptions{Common: common(cfg.PrefillTP, nil), BootstrapAddr: srv.Addr()})
+		ps, err := pushworker.RunPrefill(ctx, pushworker.PrefillOptions{Common: common(cfg.PrefillTP, nil), BootstrapAddr: srv.Addr()})
 		pch <- result{ps, err}
 	}()
-	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*worker.Summary, error) {
-		o := worker.DecodeOptions{Common: common(cfg.DecodeTP, []int{rank}), BootstrapAddr: srv.Addr()}
+	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*pushworker.Summary, error) {
+		o := pushworker.DecodeOptions{Common: common(cfg.DecodeTP, []int{rank}), BootstrapAddr: srv.Addr()}
 		o.Report = r.reports[rank]
 		o.Progress = r.rankProgress()
-		return worker.RunDecode(ctx, o)
+		return pushworker.RunDecode(ctx, o)
 	})
 	p := <-pch
 	if p.err != nil {
@@ -204,20 +204,20 @@ func runDecodeRanks[S any](s *Summary, ranks int, run func(rank int) (*S, error)
 
 // vllmModel is the model both vLLM-style workers share, as the CLI makes
 // it from the same flags.
-func vllmModel(cfg *Config) (pulldemo.Model, error) {
-	dtype, err := pulldemo.DTypeOfBytes(cfg.DTypeBytes)
+func vllmModel(cfg *Config) (pullworker.Model, error) {
+	dtype, err := pullworker.DTypeOfBytes(cfg.DTypeBytes)
 	if err != nil {
-		return pulldemo.Model{}, err
+		return pullworker.Model{}, err
 	}
-	m := pulldemo.Model{Name: pulldemo.DefaultModelName, VLLMVersion: pulldemo.DefaultVLLMVersion, DType: dtype, CacheDType: pulldemo.DefaultCacheDType,
+	m := pullworker.Model{Name: pullworker.DefaultModelName, VLLMVersion: pullworker.DefaultVLLMVersion, DType: dtype, CacheDType: pullworker.DefaultCacheDType,
 		MLA: cfg.Attention == "mla", Layers: cfg.Layers, KVHeads: cfg.KVHeads, HeadDim: cfg.HeadDim}
 	return m, m.Validate()
 }
 
 // vllmEngine sizes an engine as the CLI does.
-func vllmEngine(cfg *Config, tp int) pulldemo.Engine {
-	return pulldemo.Engine{TPSize: tp, BlockSize: cfg.PageSize, Layout: pull.LayoutHND,
-		NumBlocks: pulldemo.DefaultNumBlocks(cfg.MaxTokens, cfg.PageSize, cfg.Concurrency)}
+func vllmEngine(cfg *Config, tp int) pullworker.Engine {
+	return pullworker.Engine{TPSize: tp, BlockSize: cfg.PageSize, Layout: pull.LayoutHND,
+		NumBlocks: pullworker.DefaultNumBlocks(cfg.MaxTokens, cfg.PageSize, cfg.Concurrency)}
 }
 
 func (r *inProc) runPull(ctx context.Context, s *Summary) error {
@@ -230,8 +230,8 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	work := pulldemo.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens, MaxTokens: cfg.MaxTokens}
-	pf, err := pulldemo.StartPrefill(pulldemo.PrefillConfig{
+	work := pullworker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens, MaxTokens: cfg.MaxTokens}
+	pf, err := pullworker.StartPrefill(pullworker.PrefillConfig{
 		Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.PrefillTP), EngineID: "demo-prefill",
 		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", MemKind: pullMemKind(cfg), Workload: work,
 		Logger: r.log, Observer: obs,
@@ -240,9 +240,9 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 		return fmt.Errorf("demo: prefill: %w", err)
 	}
 	defer pf.Close()
-	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*pulldemo.DecodeSummary, error) {
+	decodes := runDecodeRanks(s, cfg.DecodeTP, func(rank int) (*pullworker.DecodeSummary, error) {
 		progress := r.rankProgress()
-		return pulldemo.RunDecode(ctx, pulldemo.DecodeConfig{
+		return pullworker.RunDecode(ctx, pullworker.DecodeConfig{
 			Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.DecodeTP), Ranks: []int{rank},
 			EngineID: "demo-decode", PrefillURL: "http://" + pf.APIAddr(), Workload: work, Concurrency: cfg.Concurrency,
 			MemKind: pullMemKind(cfg), Logger: r.log, Observer: obs, Report: r.reports[rank],

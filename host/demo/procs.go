@@ -16,8 +16,8 @@ import (
 	"syscall"
 	"time"
 
-	pulldemo "github.com/kvhost/kvhost/host/pull/demo"
-	"github.com/kvhost/kvhost/host/push/worker"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 )
 
 // child is one worker process.
@@ -326,9 +326,9 @@ func (t *lineTail) close() {
 // collect reads the workers' summaries and request reports into s.
 func (r *procRun) collect(s *Summary, ranks int) error {
 	if r.cfg.Style == "sglang" {
-		s.addPush(readSummaries[worker.Summary, worker.Summary](r, s, ranks))
+		s.addPush(readSummaries[pushworker.Summary, pushworker.Summary](r, s, ranks))
 	} else {
-		s.addPull(readSummaries[pulldemo.PrefillSummary, pulldemo.DecodeSummary](r, s, ranks))
+		s.addPull(readSummaries[pullworker.PrefillSummary, pullworker.DecodeSummary](r, s, ranks))
 	}
 	t := newTally()
 	for rank := range ranks {

@@ -7,8 +7,8 @@ import (
 	"sort"
 	"strings"
 
-	pulldemo "github.com/kvhost/kvhost/host/pull/demo"
-	"github.com/kvhost/kvhost/host/push/worker"
+	"github.com/kvhost/kvhost/host/demo/pullworker"
+	"github.com/kvhost/kvhost/host/demo/pushworker"
 )
 
 // Summary is what a demo run reports. Rates are GB/s (1e9 bytes/s).
@@ -130,7 +130,7 @@ func (t *requestTally) apply(s *Summary, ranks int) {
 }
 
 // addPush folds in the push workers' summaries.
-func (s *Summary) addPush(prefill *worker.Summary, decodes []*worker.Summary) {
+func (s *Summary) addPush(prefill *pushworker.Summary, decodes []*pushworker.Summary) {
 	if prefill != nil {
 		s.BytesMoved = prefill.Bytes
 		s.Transfers = prefill.Transfers
@@ -158,7 +158,7 @@ func (s *Summary) addPush(prefill *worker.Summary, decodes []*worker.Summary) {
 }
 
 // addPull folds in the pull workers' summaries.
-func (s *Summary) addPull(prefill *pulldemo.PrefillSummary, decodes []*pulldemo.DecodeSummary) {
+func (s *Summary) addPull(prefill *pullworker.PrefillSummary, decodes []*pullworker.DecodeSummary) {
 	var descs float64
 	for _, d := range decodes {
 		s.BytesMoved += d.Bytes

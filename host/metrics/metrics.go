@@ -4,8 +4,8 @@
 // # Metric set
 //
 // The six NIXL metrics of vLLM's NixlPromMetrics, under a kvhost_ prefix
-// and with the reference's help texts and buckets (host/pull.MetricSpecs is
-// the one list of them), so dashboards built for vLLM carry over by
+// and with vLLM's help texts and buckets (NIXLSpecs is the one list of
+// them), so dashboards built for vLLM carry over by
 // replacing "vllm:" with "kvhost_":
 //
 //	kvhost_nixl_xfer_time_seconds               histogram  post to completion
@@ -61,7 +61,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/kvhost/kvhost/host/plugin"
-	"github.com/kvhost/kvhost/host/pull"
 )
 
 // Prefix starts every kvhost metric name.
@@ -101,8 +100,8 @@ type RoomSource func(count func(state string, n int))
 // none), with Go runtime and process collectors beside them.
 func New(constLabels prometheus.Labels) *Metrics {
 	m := &Metrics{reg: prometheus.NewRegistry()}
-	specs := map[string]pull.MetricSpec{}
-	for _, s := range pull.MetricSpecs() {
+	specs := map[string]Spec{}
+	for _, s := range NIXLSpecs() {
 		specs[s.Name] = s
 	}
 	hist := func(name string) prometheus.Histogram {

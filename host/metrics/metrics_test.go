@@ -69,7 +69,7 @@ func value(t *testing.T, m *Metrics, name string, want map[string]string) float6
 	return 0
 }
 
-// The six NIXL metrics have the reference's help texts and buckets.
+// The six NIXL metrics have vLLM's kv_connector/v1/nixl_connector.py's help texts and buckets.
 func TestReferenceMetricSet(t *testing.T) {
 	m := New(map[string]string{"role": "decode"})
 	m.ObserveTransfer(3*time.Millisecond, 40*time.Microsecond, 3<<20, 120)

@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/backoff"
 )
 
 // Xfer is a transfer request (kvp_xfer): made once, posted one or more times
@@ -387,7 +388,7 @@ const (
 func (x *Xfer) Wait(ctx context.Context) error {
 	start := time.Now()
 	var timer *time.Timer
-	sleep := minSleep
+	sleep := backoff.New(minSleep, maxSleep)
 	for {
 		t0 := time.Now()
 		done, err := x.Poll()
@@ -401,16 +402,17 @@ func (x *Xfer) Wait(ctx context.Context) error {
 			return err
 		}
 		if now := time.Now(); now.Sub(t0) >= spinFor {
-			start, sleep = now, minSleep // the poll moved bytes: keep driving
+			start = now // the poll moved bytes: keep driving
+			sleep.Reset()
 			continue
 		}
 		if time.Since(start) < spinFor {
 			continue
 		}
-		if timer == nil {
-			timer = time.NewTimer(sleep)
+		if d := sleep.Next(); timer == nil {
+			timer = time.NewTimer(d)
 		} else {
-			timer.Reset(sleep)
+			timer.Reset(d)
 		}
 		select {
 		case <-ctx.Done():
@@ -418,7 +420,6 @@ func (x *Xfer) Wait(ctx context.Context) error {
 			return ctx.Err()
 		case <-timer.C:
 		}
-		sleep = min(sleep*2, maxSleep)
 	}
 }
 

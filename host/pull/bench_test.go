@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 )
 
 // BenchmarkPullRead measures one request's pull through the whole runtime

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/planner"
 )
@@ -96,7 +97,7 @@ func (c *Cache) agent() planner.VLLMAgent {
 		BlockSize:     c.BlockSize,
 		KVCacheLayout: c.Layout,
 		DeviceID:      c.DeviceID,
-		Kind:          planner.MemKind(c.Kind),
+		Kind:          memkind.ToPlanner(c.Kind),
 	}
 }
 

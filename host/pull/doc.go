@@ -7,8 +7,9 @@
 //
 //   - Sender (prefill). It registers each TP rank's KV cache on that rank's
 //     agent, serves the handshake (a ZeroMQ ROUTER answering
-//     [get_meta_msg, tp_rank] with the msgpack NixlHandshakePayload, see
-//     host/wire/vllm), and holds each finished request's blocks until every
+//     [get_meta_msg, tp_rank] with the msgpack NixlHandshakePayload encoded
+//     by host/wire/vllm; HandshakeServer, and FetchHandshake its REQ
+//     client), and holds each finished request's blocks until every
 //     decode rank that reads them has sent "{request_id}:{tp_ratio}", or
 //     until the abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by
 //     default) expires. Either way it calls OnRelease once, saying which.
@@ -41,9 +42,9 @@
 // are counted per peer using them: a handshake that is refused, times out
 // or is evicted never removes an agent another engine's peer still uses.
 //
-// Both sides record the reference's per-transfer statistics (Stats, with
+// Both sides record vLLM's kv_connector/v1/nixl_connector.py's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
-// wires to Prometheus under the reference's metric names (MetricSpecs).
+// wires to Prometheus under vLLM's metric names (host/metrics owns them).
 //
 // Ownership: the caller owns the plugin agents and the KV memory. A Sender
 // or Receiver registers that memory on its agent and deregisters it on
@@ -54,7 +55,7 @@
 // Notifications: the prefill cannot tell which decode a request was meant
 // for. vLLM's side channel carries no reader identity (a handshake request
 // is [get_meta_msg, tp_rank], answered to anyone who reaches the port), and
-// a notification names only its sending agent. The reference's
+// a notification names only its sending agent. vLLM's kv_connector/v1/nixl_connector.py's
 // _get_new_notifs counts every "{request_id}:{tp_ratio}" from any agent, so
 // one peer could free a request by repeating it, or send a larger tp_ratio
 // early so that the real readers' notifications fell short and the blocks
@@ -64,7 +65,7 @@
 // claim it makes cannot change what the real readers need. What a peer that
 // loaded this prefill's agent metadata and knows a request id (it travels in
 // the kv_transfer_params the proxy hands the decode) can still do is what
-// the reference allows too: claim tp_ratio 1 (or join the readers' own
+// vLLM's kv_connector/v1/nixl_connector.py allows too: claim tp_ratio 1 (or join the readers' own
 // claim with one of its agents) and so release the blocks before the real
 // reader finished; the reader then reads blocks the engine may have
 // reused. Nothing in vLLM's protocol tells the prefill who the reader is;
@@ -72,12 +73,12 @@
 // reach. The sending agent's name is the plugin's word: the fake plugin
 // checks it against the sending process, NIXL carries the sender's claim.
 //
-// Where kvhost deliberately differs from the reference:
+// Where kvhost deliberately differs from vLLM's kv_connector/v1/nixl_connector.py:
 //   - decode block size > prefill block size with a partial prefix hit: the
 //     reference reads remote_block_ids[-n:], which lands the tokens in the
 //     wrong decode blocks unless the request's last decode block is full
 //     of prefill blocks; kvhost skips the prefill blocks of the hit decode
-//     blocks instead (identical whenever the reference is right);
+//     blocks instead (identical whenever vLLM's kv_connector/v1/nixl_connector.py is right);
 //   - after a READ between different block sizes the received decode
 //     blocks are reordered into the decode layout for every layout that
 //     needs it (HND, and blocks-first in either layout), where the
@@ -85,7 +86,7 @@
 //   - heterogeneous TP without replicated KV needs HND on both sides (the
 //     reference asks vLLM for HND but does not check the peer); an NHD
 //     prefill is refused at handshake rather than read as wrong bytes;
-//   - a READ may be given a timeout (the reference waits forever);
+//   - a READ may be given a timeout (vLLM's kv_connector/v1/nixl_connector.py waits forever);
 //   - a prefill counts each agent's notification once per request and
-//     rank, per claimed tp_ratio (the reference counts every one).
+//     rank, per claimed tp_ratio (vLLM's kv_connector/v1/nixl_connector.py counts every one).
 package pull

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
-	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -172,7 +172,7 @@ func randBlocks(rng *rand.Rand, n, total int) []int32 {
 // that look at the bytes).
 func fetchPayload(t testing.TB, endpoint string, rank int) *vllm.AgentMetadata {
 	t.Helper()
-	md, err := vllm.FetchHandshake(t.Context(), endpoint, rank, vllm.FetchOptions{
+	md, err := FetchHandshake(t.Context(), endpoint, rank, FetchOptions{
 		Expect: vllm.Expect{LocalHash: testHash, EnforceHash: true, EngineID: "prefill"}})
 	if err != nil {
 		t.Fatal(err)

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -21,7 +21,7 @@ import (
 // hostile prefill would, and returns its endpoint's port.
 func serveHandshake(t *testing.T, md *vllm.AgentMetadata) int {
 	t.Helper()
-	srv, err := vllm.ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload(testHash, md).Encode()}, testLogger(t))
+	srv, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload(testHash, md).Encode()}, testLogger(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 )
 
 const python = "/usr/bin/python3"
@@ -90,12 +90,10 @@ func TestInteropGoDecodeFromPythonRouter(t *testing.T) {
 	g := geom{hnd: true, layers: 2, heads: 4, headBytes: 16, tp: 2, blockSize: 8, blocks: 32}
 	// The prefill: agents and filled pools, but no Sender.
 	var spec = map[string]peerPayload{}
-	var pools []*kvpool.Pool
 	var notifs []func() []string
 	blocks := []int32{9, 4, 17}
 	for rank := range g.tp {
 		p := g.pool(t, rank)
-		pools = append(pools, p)
 		if err := p.Fill(kvpool.Tokens{Request: 77, Pages: blocks, Count: 20}); err != nil {
 			t.Fatal(err)
 		}

@@ -34,7 +34,7 @@ type KVTransferParams struct {
 // ErrInvalidParams marks kv_transfer_params a decode cannot pull with.
 var ErrInvalidParams = errors.New("pull: invalid kv_transfer_params")
 
-// RemoteTPSize is TPSize with the reference's default of 1.
+// RemoteTPSize is TPSize with vLLM's kv_connector/v1/nixl_connector.py's default of 1.
 func (p *KVTransferParams) RemoteTPSize() int {
 	if p.TPSize == 0 {
 		return 1
@@ -48,7 +48,7 @@ func (p *KVTransferParams) Endpoint() string {
 	return "tcp://" + net.JoinHostPort(p.RemoteHost, strconv.Itoa(p.RemotePort))
 }
 
-// checkPull reports why p cannot drive a pull: the reference needs
+// checkPull reports why p cannot drive a pull: vLLM's kv_connector/v1/nixl_connector.py needs
 // do_remote_prefill, remote_block_ids and the four remote_* fields
 // ("Got invalid KVTransferParams ... will not utilize KVTransfer").
 func (p *KVTransferParams) checkPull() error {

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -14,10 +14,9 @@ import (
 // the fake plugin copy with memcpy here; the two-process runs are in
 // ./demo).
 type pullCase struct {
-	name             string
-	prefill, decode  geom
-	params           []plugin.Param // decode agent params
-	requests, maxTok int
+	name            string
+	prefill, decode geom
+	params          []plugin.Param // decode agent params
 }
 
 func pullCases() []pullCase {
@@ -62,12 +61,11 @@ func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
 	ds := newDecodeSide(t, c.decode, nil, c.params...)
 
 	type req struct {
-		id             string
-		tokens, hit    int
-		local          []int32
-		loads          []*Load
-		pblocks        []int32
-		fullHit, empty bool
+		id          string
+		tokens, hit int
+		local       []int32
+		loads       []*Load
+		pblocks     []int32
 	}
 	pFree := rng.Perm(c.prefill.blocks)
 	dFree := rng.Perm(c.decode.blocks)
@@ -134,14 +132,14 @@ func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
 			if !res.NotifyOnly && (res.Stat.Bytes == 0 || res.Stat.Descs == 0) {
 				t.Fatalf("%s rank %d: READ without bytes or descriptors: %+v", r.id, rank, res.Stat)
 			}
-			// The reference's READ: one descriptor per (virtual region, block read).
+			// vLLM's kv_connector/v1/nixl_connector.py's READ: one descriptor per (virtual region, block read).
 			if !res.NotifyOnly && c.decode.blockSize == c.prefill.blockSize {
 				regions := len(ds.pools[rank].Regions())
 				if c.decode.blocksFirst {
 					regions *= 2
 				}
 				if want := uint64(regions * (len(r.local) - r.hit)); res.Stat.Descs != want {
-					t.Fatalf("%s rank %d: %d descriptors, the reference's READ has %d", r.id, rank, res.Stat.Descs, want)
+					t.Fatalf("%s rank %d: %d descriptors, vLLM's kv_connector/v1/nixl_connector.py's READ has %d", r.id, rank, res.Stat.Descs, want)
 				}
 			}
 		}

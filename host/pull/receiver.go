@@ -12,10 +12,12 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/backoff"
+	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
-	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -88,7 +90,7 @@ type ReceiverConfig struct {
 	ZMQ []zmq.Option
 }
 
-// LoadRequest is one request's pull (the reference's ReqMeta to receive).
+// LoadRequest is one request's pull (vLLM's kv_connector/v1/nixl_connector.py's ReqMeta to receive).
 type LoadRequest struct {
 	// RequestID is the decode's own request id (results and logs).
 	RequestID string
@@ -312,7 +314,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		return nil, errors.New("pull: negative timeout or descriptor limit")
 	}
 	if cfg.HandshakeTimeout == 0 {
-		cfg.HandshakeTimeout = vllm.DefaultHandshakeTimeout
+		cfg.HandshakeTimeout = DefaultHandshakeTimeout
 	}
 	if cfg.PeerIdleTimeout == 0 {
 		cfg.PeerIdleTimeout = DefaultPeerIdleTimeout
@@ -526,7 +528,7 @@ var testHookAfterFetch atomic.Pointer[func()]
 func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(r.ctx, deadline)
 	defer cancel()
-	md, err := vllm.FetchHandshake(ctx, pr.endpoint, remoteRank, vllm.FetchOptions{
+	md, err := FetchHandshake(ctx, pr.endpoint, remoteRank, FetchOptions{
 		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
 		Timeout: r.cfg.HandshakeTimeout,
 		ZMQ:     r.cfg.ZMQ,
@@ -624,12 +626,12 @@ func remoteAgent(md *vllm.AgentMetadata, kind abi.MemKind) (planner.VLLMAgent, e
 		BlockSize:     md.BlockSize,
 		KVCacheLayout: md.KVCacheLayout,
 		DeviceID:      uint64(md.DeviceID),
-		Kind:          planner.MemKind(kind),
+		Kind:          memkind.ToPlanner(kind),
 	}, nil
 }
 
 // localList returns the local prepared list for a block-size ratio,
-// preparing it the first time (the reference's src_xfer_side_handles).
+// preparing it the first time (vLLM's kv_connector/v1/nixl_connector.py's src_xfer_side_handles).
 func (r *Receiver) localList(reader *planner.VLLMReader) (*plugin.DList, error) {
 	r.listMu.Lock()
 	defer r.listMu.Unlock()
@@ -741,7 +743,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 func (r *Receiver) poll() {
 	defer r.wg.Done()
 	var active []*readOp
-	sleep := newBackoff(pollMinSleep, pollMaxSleep)
+	sleep := backoff.New(pollMinSleep, pollMaxSleep)
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
@@ -757,7 +759,7 @@ func (r *Receiver) poll() {
 			return
 		}
 		if len(active) == 0 {
-			sleep.reset()
+			sleep.Reset()
 			select {
 			case <-r.wake:
 			case <-r.ctx.Done():
@@ -784,10 +786,10 @@ func (r *Receiver) poll() {
 		}
 		clear(active[len(kept):])
 		active = kept
-		t.Reset(sleep.after(progressed))
+		t.Reset(sleep.After(progressed))
 		select {
 		case <-r.wake:
-			sleep.reset()
+			sleep.Reset()
 		case <-t.C:
 		case <-r.ctx.Done():
 		}
@@ -869,7 +871,7 @@ func (r *Receiver) finish(l *Load, res LoadResult) {
 func (r *Receiver) Pending() int { return int(r.pendingLoads.Load()) }
 
 // BlockIDsWithLoadErrors returns, sorted, and forgets the local blocks
-// that failed to load since the last call (the reference's
+// that failed to load since the last call (vLLM's kv_connector/v1/nixl_connector.py's
 // get_block_ids_with_load_errors).
 func (r *Receiver) BlockIDsWithLoadErrors() []int32 {
 	r.mu.Lock()
@@ -880,7 +882,7 @@ func (r *Receiver) BlockIDsWithLoadErrors() []int32 {
 }
 
 // TakeStats returns the statistics recorded since the last call and
-// resets them (the reference's get_kv_connector_stats).
+// resets them (vLLM's kv_connector/v1/nixl_connector.py's get_kv_connector_stats).
 func (r *Receiver) TakeStats() Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -12,10 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 var smallGeom = geom{hnd: true, layers: 2, heads: 2, headBytes: 16, tp: 1, blockSize: 4, blocks: 32}
@@ -85,7 +85,7 @@ func TestHandshakeDeadPort(t *testing.T) {
 	if !errors.Is(res.Err, ErrHandshake) || !reflect.DeepEqual(res.InvalidBlocks, []int32{5, 3}) {
 		t.Fatalf("%+v", res)
 	}
-	if d := time.Since(start); d > vllm.DefaultHandshakeTimeout {
+	if d := time.Since(start); d > DefaultHandshakeTimeout {
 		t.Fatalf("a dead port took %v", d)
 	}
 	if got := ds.rx[0].BlockIDsWithLoadErrors(); !reflect.DeepEqual(got, []int32{3, 5}) {
@@ -147,7 +147,7 @@ func TestHandshakeTimeout(t *testing.T) {
 }
 
 // TestHandshakeRefusals: hash and engine id mismatches are refused with
-// the reference's message; with the check off the hash is ignored.
+// vLLM's kv_connector/v1/nixl_connector.py's message; with the check off the hash is ignored.
 func TestHandshakeRefusals(t *testing.T) {
 	ps := newPrefillSide(t, smallGeom, "prefill", nil)
 	params := ps.hold(t, "r", 1, []int32{2, 3}, 8)
@@ -430,7 +430,7 @@ func TestHandshakeChurn(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			rank := i % g.tp
-			md, err := vllm.FetchHandshake(t.Context(), ps.sender.Endpoint(), rank, vllm.FetchOptions{
+			md, err := FetchHandshake(t.Context(), ps.sender.Endpoint(), rank, FetchOptions{
 				Expect: vllm.Expect{LocalHash: testHash, EnforceHash: true, EngineID: "prefill"}})
 			switch {
 			case err != nil:

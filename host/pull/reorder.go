@@ -2,7 +2,7 @@ package pull
 
 import "fmt"
 
-// Reordering received blocks (the reference's blocksize_post_process).
+// Reordering received blocks (vLLM's kv_connector/v1/nixl_connector.py's blocksize_post_process).
 //
 // When a decode block holds bsr prefill blocks, the READ fills it with bsr
 // prefill-shaped chunks one after another: chunk c is [K_c][V_c] for a

@@ -12,10 +12,11 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // DefaultAbortTimeout is how long a prefill holds a request's blocks for
@@ -132,7 +133,7 @@ type Sender struct {
 	rlog   *ratelog.Logger // log's limiter, flushed by Close
 	obs    Observer
 	ranks  []senderRank
-	server *vllm.HandshakeServer
+	server *HandshakeServer
 	host   string
 	port   int
 
@@ -237,7 +238,7 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		md := metadataOf(cfg.EngineID, blob, &r.Cache)
 		payloads[r.TPRank] = vllm.NewHandshakePayload(cfg.CompatHash, md).Encode()
 	}
-	s.server, err = vllm.ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
+	s.server, err = ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
 	if err != nil {
 		return nil, fmt.Errorf("pull: side channel: %w", err)
 	}
@@ -336,7 +337,7 @@ func (s *Sender) Host() string { return s.host }
 func (s *Sender) Port() int { return s.port }
 
 // Hold starts holding a finished request's blocks for the decode ranks
-// that will read them (the reference's request_finished with delayed
+// that will read them (vLLM's kv_connector/v1/nixl_connector.py's request_finished with delayed
 // free) and returns the kv_transfer_params to hand the decode. The request
 // is released (OnRelease) when every hosted rank got all its consumers'
 // notifications, when the abort timeout expires, or on Abort. An empty
@@ -398,7 +399,7 @@ func (s *Sender) params(requestID string, blockIDs []int32) KVTransferParams {
 	}
 }
 
-// Abort stops holding a request at once (the reference's
+// Abort stops holding a request at once (vLLM's kv_connector/v1/nixl_connector.py's
 // reqs_not_processed) and releases it with ReleaseAborted. It reports
 // whether the request was held.
 func (s *Sender) Abort(requestID string) bool {
@@ -425,13 +426,13 @@ func (s *Sender) Counts() SenderCounts {
 // run drains notifications and expires requests until Close.
 func (s *Sender) run() {
 	defer close(s.done)
-	idle := newBackoff(senderMinIdle, senderMaxIdle)
+	idle := backoff.New(senderMinIdle, senderMaxIdle)
 	t := time.NewTimer(senderMinIdle)
 	defer t.Stop()
 	for {
 		got := s.drainNotifs()
 		s.expire(time.Now())
-		t.Reset(idle.after(got))
+		t.Reset(idle.After(got))
 		select {
 		case <-s.stop:
 			return

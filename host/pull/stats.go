@@ -2,11 +2,12 @@ package pull
 
 import (
 	"math"
-	"slices"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/quantile"
 )
 
-// TransferStat is the telemetry of one completed READ, as the reference
+// TransferStat is the telemetry of one completed READ, as vLLM's kv_connector/v1/nixl_connector.py
 // records it from nixlXferTelemetry (record_transfer).
 type TransferStat struct {
 	// Xfer is the time from post to completion.
@@ -21,7 +22,7 @@ type TransferStat struct {
 	Plan time.Duration
 }
 
-// Stats accumulates transfer statistics the way the reference's
+// Stats accumulates transfer statistics the way vLLM's kv_connector/v1/nixl_connector.py's
 // NixlKVConnectorStats does: one entry per successful transfer, plus
 // failed transfer and failed notification counts. The zero value is empty
 // and ready. Stats is a plain value: callers serialise access.
@@ -41,7 +42,7 @@ func (s *Stats) RecordFailedTransfer() { s.FailedTransfers++ }
 // RecordFailedNotification records a notification that could not be sent.
 func (s *Stats) RecordFailedNotification() { s.FailedNotifications++ }
 
-// IsEmpty reports whether nothing was recorded. (The reference looks only
+// IsEmpty reports whether nothing was recorded. (vLLM's kv_connector/v1/nixl_connector.py looks only
 // at successful transfers, so it drops windows holding only failures; here
 // they count.)
 func (s *Stats) IsEmpty() bool {
@@ -62,8 +63,8 @@ func (s *Stats) Aggregate(o Stats) {
 	s.FailedNotifications += o.FailedNotifications
 }
 
-// Summary is the reference's reduce(): compact statistics for logs. The
-// JSON keys are the reference's; the two failure counts are kvhost's
+// Summary is vLLM's kv_connector/v1/nixl_connector.py's reduce(): compact statistics for logs. The
+// JSON keys are vLLM's kv_connector/v1/nixl_connector.py's; the two failure counts are kvhost's
 // addition.
 type Summary struct {
 	NumSuccessfulTransfers int     `json:"Num successful transfers"`
@@ -82,7 +83,7 @@ type Summary struct {
 // interpolation) of transfer and post times in ms, average MB (2^20 bytes)
 // per transfer, throughput as total MB over the summed transfer time, and
 // average descriptors; times and sizes rounded to 3 decimals, descriptors
-// to 1, as the reference rounds them.
+// to 1, as vLLM's kv_connector/v1/nixl_connector.py rounds them.
 func (s *Stats) Reduce() Summary {
 	sum := Summary{NumFailedTransfers: s.FailedTransfers, NumFailedNotifications: s.FailedNotifications}
 	n := len(s.Transfers)
@@ -101,29 +102,15 @@ func (s *Stats) Reduce() Summary {
 	}
 	sum.NumSuccessfulTransfers = n
 	sum.AvgXferMs = round(mean(xfer)*1e3, 3)
-	sum.P90XferMs = round(Percentile(xfer, 90)*1e3, 3)
+	sum.P90XferMs = round(quantile.Percentile(xfer, 90)*1e3, 3)
 	sum.AvgPostMs = round(mean(post)*1e3, 3)
-	sum.P90PostMs = round(Percentile(post, 90)*1e3, 3)
+	sum.P90PostMs = round(quantile.Percentile(post, 90)*1e3, 3)
 	sum.AvgMBPerTransfer = round(totalMB/float64(n), 3)
 	if totalXferS > 0 {
 		sum.ThroughputMBs = round(totalMB/totalXferS, 3)
 	}
 	sum.AvgDescriptors = round(totalDescs/float64(n), 1)
 	return sum
-}
-
-// Percentile is numpy.percentile(values, q) with its default linear
-// interpolation; q in [0, 100]. values is not modified. Empty input gives 0.
-func Percentile(values []float64, q float64) float64 {
-	if len(values) == 0 {
-		return 0
-	}
-	v := slices.Clone(values)
-	slices.Sort(v)
-	pos := (float64(len(v)) - 1) * q / 100
-	lo := math.Floor(pos)
-	hi := math.Ceil(pos)
-	return v[int(lo)] + (v[int(hi)]-v[int(lo)])*(pos-lo)
 }
 
 func mean(v []float64) float64 {

@@ -8,10 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -143,7 +143,7 @@ func equalStatus(a, b []sglang.KVPoll) bool {
 }
 
 // TestBootstrapTimeout: a prefill room that decode never bootstraps fails
-// with the reference's reason.
+// with SGLang's disaggregation/{nixl,mori}/conn.py's reason.
 func TestBootstrapTimeout(t *testing.T) {
 	r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: 100 * time.Millisecond}, noDecode: true})
 	s, err := r.pf.NewSender(42)
@@ -161,7 +161,7 @@ func TestBootstrapTimeout(t *testing.T) {
 }
 
 // TestWaitingTimeoutAborts: a decode room whose transfer never comes fails
-// with the reference's reason and tells prefill with ABORT, which fails the
+// with SGLang's disaggregation/{nixl,mori}/conn.py's reason and tells prefill with ABORT, which fails the
 // prefill room with decode's address and releases it.
 func TestWaitingTimeoutAborts(t *testing.T) {
 	r := newRig(t, rigOpts{dset: push.Settings{WaitingTimeout: 150 * time.Millisecond}})

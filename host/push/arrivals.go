@@ -9,7 +9,7 @@ import (
 // Limits on what one room's notifications may make a decode worker keep, so
 // a faulty or hostile peer cannot grow memory without bound.
 const (
-	maxChunkID  = 1 << 20 // chunk ids are small counters in the reference
+	maxChunkID  = 1 << 20 // chunk ids are small counters in SGLang's disaggregation/{nixl,mori}/conn.py
 	maxParts    = 64      // memory-kind segments of one chunk
 	maxSenders  = 1 << 12 // ranks on one side of a room (the prefill's bound on required_dst_info_num)
 	maxChunkSet = 1 << 16 // chunks remembered per prefill rank
@@ -20,7 +20,7 @@ const (
 // completion rule (is_done), counted per sender. A sender is one of the
 // room's data-sending prefill ranks, identified by the agent its
 // notifications come from (Decode.senderSlot), not by the rank a tag
-// names: the reference keys its maps by the tag's "pp_rank" field, which
+// names: SGLang's disaggregation/{nixl,mori}/conn.py keys its maps by the tag's "pp_rank" field, which
 // any agent can write. Not safe for concurrent use; the receiver guards
 // it.
 type arrivals struct {

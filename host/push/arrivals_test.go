@@ -37,7 +37,7 @@ func TestArrivals(t *testing.T) {
 		// The rank a tag names does not make another sender.
 		{"one sender naming two ranks", 2, false, []string{"5_kv_0_1_0", "5_kv_0_1_1", "5_aux", "5_aux"}, -1},
 		{"full prefix hit", 1, false, []string{"5_aux_nokv_0"}, 0},
-		// Aux must come from both stages (the reference takes any one).
+		// Aux must come from both stages (SGLang's disaggregation/{nixl,mori}/conn.py takes any one).
 		{"prefix hit on one stage", 2, false, []string{"1:5_aux_nokv_1", "5_kv_0_1_0", "5_aux"}, 2},
 		{"state expected", 1, true, []string{"5_kv_0_1_0", "5_aux", "5_state_0_0"}, 2},
 		{"state missing", 1, true, []string{"5_kv_0_1_0", "5_aux"}, -1},

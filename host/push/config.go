@@ -90,7 +90,7 @@ const (
 	// over (local region, remote region) pairs imported once per peer: the
 	// fewest descriptors.
 	XferBatch XferMode = iota
-	// XferPrepped builds the reference's prepared descriptor lists once per
+	// XferPrepped builds SGLang's disaggregation/nixl/conn.py's prepared descriptor lists once per
 	// peer and posts index arrays per chunk (SGLang NIXL's make_prepped_xfer;
 	// NIXL variant only).
 	XferPrepped
@@ -188,7 +188,7 @@ type Settings struct {
 	MaxPendingInfoBytesPerPeer int64
 }
 
-// withDefaults fills zero fields with the reference defaults.
+// withDefaults fills zero fields with SGLang's disaggregation/{nixl,mori}/conn.py defaults.
 func (s Settings) withDefaults() Settings {
 	if s.BootstrapTimeout <= 0 {
 		s.BootstrapTimeout = DefaultBootstrapTimeout

@@ -9,9 +9,9 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // evilPeer is a decode rank under the test's control: a fake agent with

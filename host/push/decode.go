@@ -14,9 +14,10 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/backoff"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -337,7 +338,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	}
 	c := bootstrap.NewClient(addr)
 	start := time.Now()
-	backoff := 20 * time.Millisecond
+	retry := backoff.New(20*time.Millisecond, time.Second)
 	var info bootstrap.ParallelInfo
 	for {
 		var err error
@@ -349,6 +350,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		dead := d.dead[addr]
 		d.mu.Unlock()
 		if dead {
+			//lint:ignore ST1005 SGLang's own message, kept verbatim
 			return nil, fmt.Errorf("Lost connection with prefill instance (bootstrap_addr: %s): %w", addr, err)
 		}
 		// Like SGLang's scheduler, which retries try_ensure_parallel_info
@@ -357,17 +359,17 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		if ctx.Err() == nil {
 			select {
 			case <-ctx.Done():
-			case <-time.After(backoff):
+			case <-time.After(retry.Next()):
 			}
 		}
 		if ctx.Err() != nil {
 			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
 			return nil, fmt.Errorf("prefill parallel info from %s: %w (last: %v)", addr, ctx.Err(), err)
 		}
-		backoff = min(2*backoff, time.Second)
 	}
 	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start)})
 	if info.PageSize != nil && *info.PageSize != d.cfg.KV.PageSize {
+		//lint:ignore ST1005 SGLang's own message, kept verbatim
 		return nil, fmt.Errorf("Page size mismatch: prefill server has page_size=%d, but decode server has page_size=%d", *info.PageSize, d.cfg.KV.PageSize)
 	}
 	if info.KVCacheDType != nil && *info.KVCacheDType != d.cfg.KVCacheDType {
@@ -420,6 +422,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
 		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeRoute, Peer: addr, Latency: time.Since(start), Err: err})
 		if err != nil {
+			//lint:ignore ST1005 SGLang's own message, kept verbatim
 			return nil, fmt.Errorf("Could not fetch bootstrap info for: prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d and target_pp_rank %d: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, err)
 		}
 		ips, err := resolveIPs(ctx, ri.RankIP)
@@ -629,8 +632,7 @@ func (d *Decode) senderSlot(ts []target, agent string, n sglang.Notif) (int, err
 // polls with backoff while rooms wait (the ABI has no blocking wait for
 // notifications) and sleeps when none do.
 func (d *Decode) notifLoop() {
-	const minSleep, maxSleep = 20 * time.Microsecond, time.Millisecond
-	sleep := minSleep
+	sleep := backoff.New(20*time.Microsecond, time.Millisecond)
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -644,7 +646,7 @@ func (d *Decode) notifLoop() {
 				return
 			case <-d.notifWake:
 			}
-			sleep = minSleep
+			sleep.Reset()
 		}
 		ns, err := d.agent.Notifs()
 		if err != nil && d.ctx.Err() == nil {
@@ -654,16 +656,15 @@ func (d *Decode) notifLoop() {
 			d.handleNotif(n)
 		}
 		if len(ns) > 0 {
-			sleep = minSleep
+			sleep.Reset()
 			continue
 		}
-		timer.Reset(sleep)
+		timer.Reset(sleep.Next())
 		select {
 		case <-d.ctx.Done():
 			return
 		case <-timer.C:
 		}
-		sleep = min(2*sleep, maxSleep)
 	}
 }
 

@@ -27,7 +27,7 @@
 //	st, _ := r.Wait(ctx)                 // Success when every byte landed
 //	r.Close()
 //
-// # Semantics (the reference's, see ../shared/reference)
+// # Semantics (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py)
 //
 // Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed
 // terminal.
@@ -42,7 +42,7 @@
 // Completion reaches decode either as transfer-attached notifications with
 // SGLang NIXL's tags ("{room}_kv_{chunk}_{last}_{rank}", "_part_{i}_{n}",
 // "{room}_aux", "{room}_aux_nokv_{rank}", "{room}_state_{rank}_{i}"), tracked
-// as the reference's TransferStatus does, or as MORI-style status messages
+// as SGLang's disaggregation/nixl/conn.py's TransferStatus does, or as MORI-style status messages
 // [guard, room, status, prefill_unique_rank, reason] (plugins without
 // notifications, and the MORI variant). Failures always travel as status
 // messages with their reason, whatever the completion mode; decode tells
@@ -197,7 +197,7 @@
 //     every prefill rank answering one decode rank (TP fan-in, PP stages)
 //     counts apart.
 //
-// # Deliberate differences from the reference
+// # Deliberate differences from SGLang's disaggregation/{nixl,mori}/conn.py
 //
 //   - Decode counts Success status messages only from the prefill ranks
 //     that send it data: SGLang MORI's dummy ranks (MLA) report Success at
@@ -229,7 +229,7 @@
 //     reference's reason.
 //   - kvhost ranks do not run with attention context parallelism (CP > 1
 //     is refused by NewPrefill and NewDecode); a kvhost decode maps onto an
-//     SGLang prefill with CP as the reference does. SGLang's staging
+//     SGLang prefill with CP as SGLang's disaggregation/{nixl,mori}/conn.py does. SGLang's staging
 //     messages (WATERMARK, STAGING_REQ, STAGING_RSP) are dropped as
 //     unsupported.
 package push

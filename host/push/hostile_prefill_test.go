@@ -13,11 +13,11 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // rawPusher sends hand-made messages to a rank's PULL socket.

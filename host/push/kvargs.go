@@ -6,6 +6,7 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/planner"
 )
@@ -172,7 +173,7 @@ func (a *KVArgs) kvSide(p Parallel) planner.KVSide {
 	for _, b := range a.KV {
 		s.Ptrs = append(s.Ptrs, b.Addr)
 		s.ItemLens = append(s.ItemLens, b.ItemLen)
-		s.Kinds = append(s.Kinds, planner.MemKind(b.Kind))
+		s.Kinds = append(s.Kinds, memkind.ToPlanner(b.Kind))
 	}
 	return s
 }

@@ -12,9 +12,9 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
 )
 

@@ -8,9 +8,10 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/memkind"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
 	"github.com/kvhost/kvhost/planner"
 )
 
@@ -202,7 +203,7 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 
 	numPages := r.NumSlots
 	if numPages == 0 {
-		numPages = m.srcKV.NumPages // the reference's default
+		numPages = m.srcKV.NumPages // SGLang's disaggregation/{nixl,mori}/conn.py's default
 	}
 	dst := planner.KVSide{TPSize: r.DecodeTPSize, TPRank: r.DecodeTPRank, NumPages: numPages}
 	for i, ptr := range r.KVPtrs {
@@ -221,7 +222,7 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 		p.kvRemote = append(p.kvRemote, rr)
 		dst.Ptrs = append(dst.Ptrs, ptr)
 		dst.ItemLens = append(dst.ItemLens, item)
-		dst.Kinds = append(dst.Kinds, planner.MemKind(kind))
+		dst.Kinds = append(dst.Kinds, memkind.ToPlanner(kind))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
 	nk, err := planner.NewNIXLKV(g, true)
@@ -424,7 +425,7 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 		}
 		dst.Ptrs = append(dst.Ptrs, rr.Addr())
 		dst.ItemLens = append(dst.ItemLens, r.KVItemLen)
-		dst.Kinds = append(dst.Kinds, planner.MemKind(rr.Kind()))
+		dst.Kinds = append(dst.Kinds, memkind.ToPlanner(rr.Kind()))
 	}
 	g := planner.SGLangKV{MLA: m.cfg.MLA, PageSize: m.cfg.KV.PageSize, TotalKVHeads: m.cfg.KV.TotalKVHeads, Prefill: m.srcKV, Decode: dst}
 	if p.kv, err = planner.NewMORIKV(g); err != nil {
@@ -510,7 +511,7 @@ func sameTables(src []planner.Region, local []*plugin.Region, dst []planner.Regi
 	return nil
 }
 
-// prepPeer builds the reference's prepared lists for a NIXL peer: the
+// prepPeer builds SGLang's disaggregation/nixl/conn.py's prepared lists for a NIXL peer: the
 // source lists once per distinct list (shared by peers, as SGLang shares
 // them), the destination lists per peer.
 func (m *Prefill) prepPeer(p *peer) error {
@@ -534,7 +535,7 @@ func (m *Prefill) prepPeer(p *peer) error {
 		m.mu.Unlock()
 		if src == nil {
 			descs := expandDlist(&part.Src, uint64(m.cfg.KV.GPUID))
-			if src, err = m.agent.PrepLocal(abi.MemKind(part.Src.Kind), descs); err != nil {
+			if src, err = m.agent.PrepLocal(memkind.ToABI(part.Src.Kind), descs); err != nil {
 				return fmt.Errorf("prepare source list %d: %w", i, err)
 			}
 			m.mu.Lock()
@@ -549,7 +550,7 @@ func (m *Prefill) prepPeer(p *peer) error {
 		}
 		pp.src = append(pp.src, src)
 		descs := expandDlist(&part.Dst, 0)
-		dst, err := m.agent.PrepRemote(p.name, abi.MemKind(part.Dst.Kind), descs)
+		dst, err := m.agent.PrepRemote(p.name, memkind.ToABI(part.Dst.Kind), descs)
 		if err != nil {
 			return fmt.Errorf("prepare destination list %d: %w", i, err)
 		}

@@ -427,7 +427,7 @@ func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, sta
 }
 
 // postPrepped posts the chunk through the peer's prepared lists: one
-// make_prepped_xfer per part with the reference's index arrays.
+// make_prepped_xfer per part with SGLang's disaggregation/nixl/conn.py's index arrays.
 func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32, statusMode bool) error {
 	m := w.m
 	pp := p.prepped

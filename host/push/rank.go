@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/internal/ratelog"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push/rooms"
-	"github.com/kvhost/kvhost/host/zmq"
 )
 
 // rank is what a Prefill and a Decode both are: a plugin agent holding

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -13,8 +12,8 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
-	"github.com/kvhost/kvhost/host/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -84,17 +83,16 @@ func (s *side) stateSlot(k, i int) []byte {
 }
 
 type rigOpts struct {
-	variant        push.Variant
-	completion     push.Completion
-	pset, dset     push.Settings
-	pparams        []plugin.Param
-	dparams        []plugin.Param
-	state          bool
-	pobs, dobs     push.Observer
-	prefillPages   int
-	noDecode       bool
-	xfer           push.XferMode
-	decodeHostAddr string
+	variant      push.Variant
+	completion   push.Completion
+	pset, dset   push.Settings
+	pparams      []plugin.Param
+	dparams      []plugin.Param
+	state        bool
+	pobs, dobs   push.Observer
+	prefillPages int
+	noDecode     bool
+	xfer         push.XferMode
 }
 
 // rig is one prefill rank and one decode rank (TP 1) in this process.
@@ -105,8 +103,6 @@ type rig struct {
 	pf   *push.Prefill
 	dec  *push.Decode
 	p, d *side
-	mu   sync.Mutex
-	slot int
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {

@@ -8,13 +8,13 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
-	"github.com/kvhost/kvhost/host/kvpool"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/host/zmq"
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
 )
 
 // Issue 19 item 5: a decode rank accepts a room's completion only from the

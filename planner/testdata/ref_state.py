@@ -4,7 +4,7 @@
 Re-states, in plain Python + numpy, the formulas of the SGLang reference
 connectors that planner B reproduces in Go (aux buffers, hybrid state,
 Mamba slicing, DSA tail remap, CP page filtering, layer-id pairing, rank
-mapping, DSV4 state indices). It follows the reference's semantics
+mapping, DSV4 state indices). It follows SGLang's disaggregation/{nixl,mori}/conn.py's semantics
 exactly, including which list lookups fail (IndexError) and which length
 mismatches truncate, so the Go test can compare errors as well as bytes.
 

@@ -8,7 +8,7 @@ vllm_nixl_connector.py.txt would hand NIXL: the local (decode) and remote
 (prefill) descriptor lists and the two descriptor id arrays of the READ, or
 the error it raises.
 
-The functions below follow the reference's structure and arithmetic (numpy
+The functions below follow vLLM's kv_connector/v1/nixl_connector.py's structure and arithmetic (numpy
 where it uses numpy) statement by statement:
   register_kv_caches / register_local_xfer_handler, _nixl_handshake,
   add_remote_agent, _validate_remote_agent_handshake, TpKVTopology,

@@ -1,7 +1,7 @@
 // Package synth holds what kvhost's two demo-grade workers share around
-// their synthetic KV pools (host/kvpool): the push workers of
-// host/push/worker (SGLang style) and the pull workers of host/pull/demo
-// (vLLM style). Each piece stands in for a part of a serving engine the
+// their synthetic KV pools (host/demo/kvpool): the push workers of
+// host/demo/pushworker (SGLang style) and the pull workers of
+// host/demo/pullworker (vLLM style). Each piece stands in for a part of a serving engine the
 // demo does not have: the page allocator that scatters a request over the
 // pool, and the per-request report an operator or `kvhost demo` reads as
 // requests finish.

@@ -1,5 +1,5 @@
 // Package rooms keeps the transfer state of every request ("room") of one
-// kvhost worker: its sglang.KVPoll status, with the reference's update
+// kvhost worker: its sglang.KVPoll status, with SGLang's disaggregation/{nixl,mori}/conn.py's update
 // rule: a room's status only moves up (the maximum of the old and the new
 // status), except Failed, which always wins and is terminal. A failure
 // carries a reason, kept with the room until the room is removed.
@@ -16,7 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
-// Merge is the reference's update rule: Failed always wins (and stays),
+// Merge is SGLang's disaggregation/{nixl,mori}/conn.py's update rule: Failed always wins (and stays),
 // otherwise the status never moves down.
 func Merge(old, next sglang.KVPoll) sglang.KVPoll {
 	if old == sglang.KVPollFailed || next == sglang.KVPollFailed {
@@ -62,7 +62,7 @@ func NewTable(onChange func(Change)) *Table {
 }
 
 // Create adds a room with status s, or, if the room exists, merges s into
-// it (the reference's update_status on a room that exists). It reports
+// it (SGLang's disaggregation/{nixl,mori}/conn.py's update_status on a room that exists). It reports
 // whether the room was created.
 func (t *Table) Create(room uint64, s sglang.KVPoll) bool {
 	t.mu.Lock()

@@ -3,7 +3,7 @@
 
 It plays SGLang's decode side (NixlKVReceiver / MoriKVReceiver) or prefill
 side (NixlKVManager / MoriKVManager bootstrap thread and transfer worker):
-it builds and parses the ZeroMQ multipart messages with the reference field
+it builds and parses the ZeroMQ multipart messages with SGLang's disaggregation/{nixl,mori}/conn.py field
 layouts (sglang/srt/disaggregation/{nixl,mori}/conn.py), talks HTTP to the
 bootstrap server as CommonKVManager does, and owns real memory and an agent
 on the kvhost fake plugin through ctypes (kvfake.py), so bytes really move

@@ -31,7 +31,7 @@ func TestRoundTripFixtures(t *testing.T) {
 	}
 }
 
-// Golden bytes computed with the reference's struct/numpy calls.
+// Golden bytes computed with SGLang's disaggregation/{nixl,mori}/conn.py's struct/numpy calls.
 func TestGoldenLayouts(t *testing.T) {
 	// pack_int_lists([[1, -2], [], [3]], "i")
 	if got := hex.EncodeToString(PackInt32Lists([][]int32{{1, -2}, {}, {3}})); got != "03000000"+"08000000"+"00000000"+"04000000"+"01000000feffffff"+"03000000" {
@@ -167,7 +167,7 @@ func TestParseRejects(t *testing.T) {
 	}
 }
 
-// Fields the reference treats as optional may be missing entirely.
+// Fields SGLang's disaggregation/{nixl,mori}/conn.py treats as optional may be missing entirely.
 func TestParseOptionalFramesMissing(t *testing.T) {
 	fx := fixtures()
 	reg := mustFrames(t, fx[0])[:13] // through the KV item len
@@ -332,7 +332,7 @@ func fuzzParser(f *testing.F, parse func([][]byte) (Message, error)) {
 			norm.DecodePrefixLenSet = true
 			m = &norm
 		}
-		// The MORI sender, like the reference's, writes only a positive
+		// The MORI sender, like SGLang's disaggregation/{nixl,mori}/conn.py's, writes only a positive
 		// decode_prefix_len and an empty frame otherwise, so a "0" frame
 		// comes back as None (both mean no prefix hit).
 		if ti, ok := m.(*MORITransferInfo); ok && ti.DecodePrefixLen == 0 && ti.DecodePrefixLenSet {

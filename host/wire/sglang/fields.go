@@ -1,6 +1,6 @@
 // Package sglang builds and parses SGLang's disaggregation control
-// messages byte for byte as SGLang's NIXL and MORI connectors do (see
-// ../shared/reference/sglang_nixl_conn.py.txt and sglang_mori_conn.py.txt):
+// messages byte for byte as SGLang's NIXL and MORI connectors do (SGLang's
+// python/sglang/srt/disaggregation/nixl/conn.py and .../mori/conn.py):
 // the ZeroMQ multipart messages decode sends to each prefill rank
 // (registration, transfer info, ABORT), MORI's status and aux messages
 // back to decode, the pack_int_lists encoding, and the NIXL notification
@@ -26,7 +26,7 @@ import (
 	"unicode/utf8"
 )
 
-// ErrMalformed marks a message that does not follow the reference layout.
+// ErrMalformed marks a message that does not follow SGLang's disaggregation/{nixl,mori}/conn.py layout.
 // The runtime logs such a message and drops it.
 var ErrMalformed = errors.New("sglang: malformed message")
 
@@ -73,7 +73,7 @@ func (r *frameReader) fail(i int, field, format string, args ...any) {
 // has reports whether frame i exists.
 func (r *frameReader) has(i int) bool { return i < len(r.frames) }
 
-// present reports whether frame i exists and is not empty (the reference's
+// present reports whether frame i exists and is not empty (SGLang's disaggregation/{nixl,mori}/conn.py's
 // "len(msg) > i and msg[i] != b”" test for optional fields).
 func (r *frameReader) present(i int) bool { return i < len(r.frames) && len(r.frames[i]) > 0 }
 
@@ -118,7 +118,7 @@ func (r *frameReader) int(i int, field string) int64 {
 	return v
 }
 
-// prefixLen parses decode_prefix_len. The reference would take a negative
+// prefixLen parses decode_prefix_len. SGLang's disaggregation/{nixl,mori}/conn.py would take a negative
 // value as a (truthy) prefix hit; no sender writes one (NIXL writes
 // str(x or 0), MORI only x > 0), and a negative token count means nothing,
 // so it is malformed here.

@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"context"
-	"github.com/kvhost/kvhost/host/zmq"
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 	"log/slog"
 )
 
@@ -64,7 +64,7 @@ func parseAs(m Message, frames [][]byte) (Message, error) {
 	}
 }
 
-// The Python peer builds every message with the reference layouts and
+// The Python peer builds every message with SGLang's disaggregation/{nixl,mori}/conn.py layouts and
 // pushes it to a Go PULL socket; Go parses each into exactly the fixture.
 func TestInteropPythonBuildsGoParses(t *testing.T) {
 	zmqtest.RequirePython(t, "zmq", "msgpack", "numpy")
@@ -96,14 +96,14 @@ func TestInteropPythonBuildsGoParses(t *testing.T) {
 			t.Fatal(err)
 		}
 		if !reflect.DeepEqual(normFrames(again), normFrames(frames)) {
-			t.Fatalf("message %d (%s): rebuilt frames differ from the reference's", i, kindOf(want))
+			t.Fatalf("message %d (%s): rebuilt frames differ from SGLang's disaggregation/{nixl,mori}/conn.py's", i, kindOf(want))
 		}
 	}
 	peer.Wait(10 * time.Second)
 }
 
 // Go builds every message; the Python peer checks the bytes against the
-// reference layout and parses them with the reference's logic.
+// reference layout and parses them with SGLang's disaggregation/{nixl,mori}/conn.py's logic.
 func TestInteropGoBuildsPythonParses(t *testing.T) {
 	zmqtest.RequirePython(t, "zmq", "msgpack", "numpy")
 	msgs := fixtures()

@@ -75,7 +75,7 @@ func packLists[T integer](lists [][]T) []byte {
 
 // unpackLists is unpack_int_lists, but strict: the header must fit, every
 // length must be a whole number of elements and the lengths must add up to
-// exactly the bytes that follow (the reference slices silently).
+// exactly the bytes that follow (SGLang's disaggregation/{nixl,mori}/conn.py slices silently).
 func unpackLists[T integer](b []byte) ([][]T, error) {
 	if len(b) == 0 {
 		return nil, nil

@@ -3,7 +3,7 @@ package sglang
 import "testing"
 
 // The numbering is SGLang's (base/conn.py) and travels in MORI status
-// messages; the names are the reference's.
+// messages; the names are SGLang's disaggregation/{nixl,mori}/conn.py's.
 func TestKVPoll(t *testing.T) {
 	for _, c := range []struct {
 		p        KVPoll

@@ -274,14 +274,14 @@ type MORITransferInfo struct {
 	DecodePrefixLenSet bool // false: Python None (frame missing or empty)
 }
 
-// IsDummy is the reference's test: no pages, no aux, no prefix hit.
+// IsDummy is SGLang's disaggregation/mori/conn.py's test: no pages, no aux, no prefix hit.
 func (m *MORITransferInfo) IsDummy() bool {
 	return len(m.DstKVIndices) == 0 && m.DstAuxIndex < 0 && m.DecodePrefixLen == 0
 }
 
 // Frames builds the multipart message, guard included. A negative
 // DstAuxIndex and a DecodePrefixLen of 0 or less are sent as empty
-// frames, as the reference does.
+// frames, as SGLang's disaggregation/mori/conn.py does.
 func (m *MORITransferInfo) Frames() ([][]byte, error) {
 	var aux, prefix []byte
 	if m.DstAuxIndex >= 0 {
@@ -317,7 +317,7 @@ func parseMORITransferInfo(payload [][]byte) (*MORITransferInfo, error) {
 		m.DstStateIndices = r.int32Lists(6, "dst state indices")
 	}
 	if r.has(7) {
-		// The reference parses this frame whenever it exists, so an empty
+		// SGLang's disaggregation/mori/conn.py parses this frame whenever it exists, so an empty
 		// one is an error there too.
 		m.RequiredDstInfoNum = r.smallInt(7, "required_dst_info_num")
 	}

@@ -33,7 +33,7 @@ const (
 //	6 aux ptrs ("Q" each) 13 state dims per tensor ("I" lists)
 //
 // Frames 12 and later may be missing (older senders); the parser fills the
-// defaults the reference uses.
+// defaults SGLang's disaggregation/nixl/conn.py uses.
 type NIXLRegistration struct {
 	Endpoint      string // decode's IP
 	Port          int    // decode's PULL port
@@ -151,7 +151,7 @@ type NIXLTransferInfo struct {
 }
 
 // IsDummy reports a transfer that needs nothing delivered: no KV pages and
-// no prefix hit (the reference's TransferInfo.is_dummy).
+// no prefix hit (SGLang's disaggregation/nixl/conn.py's TransferInfo.is_dummy).
 func (m *NIXLTransferInfo) IsDummy() bool {
 	return len(m.DstKVIndices) == 0 && m.DecodePrefixLen == 0
 }

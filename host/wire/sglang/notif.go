@@ -88,7 +88,7 @@ func b2i(b bool) int {
 // ErrBadNotif marks a notification that does not follow the grammar.
 var ErrBadNotif = errors.New("sglang: malformed notification tag")
 
-// ParseNotif parses a notification tag. It is stricter than the reference
+// ParseNotif parses a notification tag. It is stricter than SGLang's disaggregation/{nixl,mori}/conn.py
 // (which ignores trailing fields): a tag with fields the grammar does not
 // have is an error.
 func ParseNotif(tag []byte) (Notif, error) {

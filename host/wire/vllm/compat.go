@@ -16,7 +16,7 @@ import (
 // per handshake, to allow heterogeneous deployments).
 type CompatFactors struct {
 	VLLMVersion      string // vllm.__version__ of the peer you pair with, e.g. "0.13.0"
-	ConnectorVersion int    // NIXL_CONNECTOR_VERSION; ConnectorVersion for the reference
+	ConnectorVersion int    // NIXL_CONNECTOR_VERSION; ConnectorVersion for vLLM's kv_connector/v1/nixl_connector.py
 	Model            string // model_config.model (name or path as given)
 	DType            string // str(model_config.dtype), e.g. "torch.bfloat16"
 	NumKVHeads       int    // total KV heads

@@ -1,8 +1,10 @@
-// Package vllm speaks vLLM's NIXL connector side channel (see vLLM 0.13's
-// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): the
-// ZeroMQ ROUTER/REQ handshake in which a decode worker fetches a prefill
-// worker's NIXL agent metadata, its msgpack messages, the compatibility
-// hash both sides compare, and the READ completion notification.
+// Package vllm encodes and decodes vLLM's NIXL connector side channel (see
+// vLLM 0.13's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py):
+// the msgpack messages of the ZeroMQ ROUTER/REQ handshake in which a decode
+// worker fetches a prefill worker's NIXL agent metadata, the compatibility
+// hash both sides compare, and the READ completion notification. It is a
+// codec only: the handshake server and client that carry these messages
+// over ZeroMQ are host/pull's HandshakeServer and FetchHandshake.
 //
 // Wire shapes, as msgspec produces them (NixlAgentMetadata and
 // NixlHandshakePayload are dataclasses, which msgspec encodes as msgpack
@@ -30,7 +32,7 @@ import (
 // GetMetaMsg is the request tag of the handshake.
 const GetMetaMsg = "get_meta_msg"
 
-// ConnectorVersion is the reference's NIXL_CONNECTOR_VERSION (2 adds
+// ConnectorVersion is vLLM's kv_connector/v1/nixl_connector.py's NIXL_CONNECTOR_VERSION (2 adds
 // remote_request_id to kv_transfer_params). It is one of the
 // compatibility hash factors.
 const ConnectorVersion = 2
@@ -64,7 +66,7 @@ func EncodeMetaRequest(tpRank int) []byte {
 const maxMetaRequest = 64
 
 // DecodeMetaRequest decodes a handshake request and returns the TP rank it
-// asks for. It insists on the exact shape; the reference only logs an
+// asks for. It insists on the exact shape; vLLM's kv_connector/v1/nixl_connector.py only logs an
 // unexpected tag, kvhost refuses it. Bytes longer than any request are
 // refused before they are decoded.
 func DecodeMetaRequest(b []byte) (int, error) {

@@ -17,14 +17,14 @@ func ReadNotif(remoteRequestID string, tpRatio int) string {
 }
 
 // ParseReadNotif parses a READ notification received by a prefill worker
-// exactly as the reference's _get_new_notifs does:
+// exactly as vLLM's kv_connector/v1/nixl_connector.py's _get_new_notifs does:
 // notif.decode("utf-8").rsplit(":", 1), then int(tp_ratio). So the bytes
 // must be UTF-8, the request id is everything before the last ':' (it may
 // itself contain ':', or be empty), and the count is whatever Python's int()
 // accepts: surrounding whitespace, a sign, leading zeros, single '_' between
 // digits, and any Unicode decimal digit (as Go's Unicode tables know them).
 //
-// The reference would count a notification whose count is 0, negative or
+// vLLM's kv_connector/v1/nixl_connector.py would count a notification whose count is 0, negative or
 // beyond any int and never release on it; here such a count is an error
 // too, so the caller reports it instead of holding blocks until they
 // expire. Every error wraps ErrMalformed.

@@ -12,10 +12,14 @@ import (
 	"time"
 	"unicode"
 
-	"github.com/kvhost/kvhost/host/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 )
 
-// notifCases are notifications with what the reference makes of them:
+// peerScript is the Python peer of the codec tests (and of host/pull's
+// handshake tests).
+const peerScript = "testdata/vllm_peer.py"
+
+// notifCases are notifications with what vLLM's kv_connector/v1/nixl_connector.py makes of them:
 // ok false where _get_new_notifs raises (or, for counts that are not
 // positive ints, where it would count a notification it never releases on).
 var notifCases = []struct {
@@ -106,7 +110,7 @@ func TestDecimalValueRuns(t *testing.T) {
 	}
 }
 
-// The reference's own parsing (Python's rsplit and int()) agrees with
+// vLLM's kv_connector/v1/nixl_connector.py's own parsing (Python's rsplit and int()) agrees with
 // ParseReadNotif on every case: same request id and count where Python
 // gives a positive int that fits, an error everywhere else.
 func TestReadNotifMatchesPython(t *testing.T) {

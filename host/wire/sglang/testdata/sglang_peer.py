@@ -1,14 +1,14 @@
 """SGLang-side peer for host/wire/sglang interop tests.
 
 Builds and parses SGLang's NIXL and MORI control messages with the field
-layouts of the reference connectors (sglang/srt/disaggregation/{nixl,mori}/
+layouts of SGLang's disaggregation/{nixl,mori}/conn.py (sglang/srt/disaggregation/{nixl,mori}/
 conn.py and common/{conn,utils}.py), using struct, numpy and msgpack the way
 those files do. Message contents come from a JSON spec file written by the
 Go test (one object per message, "kind" selects the layout; bytes are hex).
 
   send SPEC ENDPOINT   build every message of SPEC and PUSH it to ENDPOINT
   recv SPEC            bind a PULL socket, print "PORT <n>", receive one
-                       message per SPEC entry, parse it as the reference
+                       message per SPEC entry, parse it as SGLang's disaggregation/{nixl,mori}/conn.py
                        does, compare with the entry; print "OK <n>"
 """
 import json
@@ -161,7 +161,7 @@ def build(m):
     raise SystemExit(f"unknown kind {k}")
 
 
-# --- parsers (the reference's from_zmq and handlers) -----------------------
+# --- parsers (SGLang's disaggregation/{nixl,mori}/conn.py's from_zmq and handlers) -----------------------
 
 def parse(kind, frames):
     if kind == "abort":
@@ -267,7 +267,7 @@ def main():
         for i, want in enumerate(spec):
             frames = s.recv_multipart()
             if frames != build(want):
-                raise SystemExit(f"message {i} ({want['kind']}): bytes differ from the reference layout:\n"
+                raise SystemExit(f"message {i} ({want['kind']}): bytes differ from SGLang's disaggregation/{nixl,mori}/conn.py layout:\n"
                                  f"  go:  {[f.hex() for f in frames]}\n  ref: {[f.hex() for f in build(want)]}")
             got = parse(want["kind"], frames)
             expected = {k: v for k, v in want.items() if k != "kind"}
