@@ -611,7 +611,10 @@ func TestTCPPutEmulation(t *testing.T) {
 	}{
 		{"UCX's default transports", nil, nil, true},
 		{"TLS=tcp", []plugin.Param{ec("TLS=tcp")}, nil, true},
-		{"TLS=self,tcp", []plugin.Param{ec("TLS=self,tcp")}, nil, true},
+		// engine_config splits at commas (as NIXL does), so a list of
+		// transports can only come from UCX_TLS.
+		{"env UCX_TLS=self,tcp:aux", nil, map[string]string{"UCX_TLS": "self,tcp:aux"}, true},
+		{"env UCX_TLS=^rc,tcp", nil, map[string]string{"UCX_TLS": "^rc,tcp"}, false},
 		{"TLS=all", []plugin.Param{ec("TLS=all")}, nil, true},
 		{"TLS=^shm", []plugin.Param{ec("TLS=^shm")}, nil, true},
 		{"TLS=shm", []plugin.Param{ec("TLS=shm")}, nil, false},
