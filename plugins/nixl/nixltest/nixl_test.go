@@ -2,8 +2,10 @@
 // suite (host/conformance) cannot reach through its fake-plugin hooks:
 // NIXL's own parameter errors, transfers that are really in flight (UCX over
 // TCP only, so completion is asynchronous), cancellation by release_xfer and
-// by remove_remote, the progress-thread-off mode, and a peer that restarts
-// under the same name.
+// by remove_remote, the progress-thread-off mode, a peer that restarts
+// under the same name, and which agents get UCX's TCP PUT zcopy turned off.
+// TestTwoNetnsTCP (netns_test.go, run only when asked) moves KV between
+// kvhost workers in two network namespaces over UCX TCP.
 //
 // It needs the plugin built with `make plugin-nixl NIXL_PREFIX=...` and
 // skips, saying so, when lib/kvhost/libkvhost_nixl.so is not there (CI has
