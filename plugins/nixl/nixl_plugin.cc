@@ -404,11 +404,12 @@ bool ucx_tls_allows_tcp(const std::string &tls) {
 // UCX 1.22's TCP transport crashes the process that receives PUT zcopy data:
 // uct_tcp_ep_progress_put_rx (UCX's src/uct/tcp/tcp_ep.c) reads the PUT
 // header from an endpoint receive buffer that is NULL, from NIXL's progress
-// thread or from any thread progressing the worker (measured: the target of
-// SGLang-style WRITEs over UCX_TLS=tcp in 4 of 5 runs; a decode written on
-// NIXL's own Python bindings, 7 of 9). UCX's TCP interface setting PUT_ENABLE
-// (src/uct/tcp/tcp_iface.c, "Enable PUT Zcopy support", default y) set to n
-// stops the interface from offering PUT zcopy, so UCP carries the PUTs that
+// thread or from any thread progressing the worker (measured: the decode,
+// target of SGLang-style WRITEs, in 5 of 9 `UCX_TLS=tcp kvhost demo` runs;
+// a decode written on NIXL's own Python bindings, 7 of 9). UCX's TCP
+// interface setting PUT_ENABLE (src/uct/tcp/tcp_iface.c, "Enable PUT Zcopy
+// support", default y) set to n stops the interface from offering PUT
+// zcopy, so UCP carries the PUTs that
 // would use TCP as active messages (UCX's src/ucp/rma/rma_sw.c) and the
 // receive path above never runs. The shim adds TCP_PUT_ENABLE=n to
 // engine_config when TCP may carry transfers (tcp_put_emulation=auto: the
