@@ -259,7 +259,11 @@ func netnsRun(t *testing.T, kvhost, mode string, run, requests, tp int, extra []
 		return fmt.Errorf("the veth pairs carried %d bytes from the prefill, less than the %d KV bytes decode verified: "+
 			"the data went another way", sent, bytesOK)
 	}
-	t.Logf("run %d (%s): %d requests, TP %d, %d KV bytes verified, %d bytes over the veth pairs", run+1, mode, requests, tp, bytesOK, sent)
+	where := fmt.Sprintf("%d bytes over the veth pairs", sent)
+	if loopback {
+		where = "over loopback"
+	}
+	t.Logf("run %d (%s): %d requests, TP %d, %d KV bytes verified, %s", run+1, mode, requests, tp, bytesOK, where)
 	return nil
 }
 
