@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cctype>
 #include <cstring>
 #include <exception>
@@ -297,7 +298,7 @@ kvp_error *bad_handle(const char *fn, const char *kind, uint64_t h) {
 // The agent parameters the shim itself reads; every other key is passed to
 // the NIXL backend as a string parameter.
 const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode", "release_wait_ms",
-                                "telemetry"};
+                                "telemetry", "tcp_put_emulation"};
 
 const char kParamsDoc[] =
     "backend=UCX\tNIXL backend plugin to create (an unknown name is an error listing the "
@@ -315,6 +316,11 @@ const char kParamsDoc[] =
     "release_wait_ms=30000\thow long release_xfer, remove_remote and agent_destroy wait for an "
     "active transfer to finish: NIXL cannot cancel an in-flight UCX transfer, so they wait "
     "rather than return while it still touches memory\n"
+    "tcp_put_emulation=auto\tUCX only: whether the shim adds TCP_PUT_ENABLE=n to engine_config, "
+    "so that PUTs over UCX's TCP transport go as active messages instead of TCP PUT zcopy, whose "
+    "receive path crashes the target in UCX 1.22 (uct_tcp_ep_progress_put_rx); auto: when the "
+    "transports (UCX_TLS, else engine_config TLS=, else UCX's default) include tcp; true: always; "
+    "false: never. UCX_TCP_PUT_ENABLE in the environment or TCP_PUT_ENABLE in engine_config wins\n"
     "*=\tany other key is passed to the backend unchanged (UCX: device_list, num_workers, "
     "num_threads, ucx_error_handling_mode, engine_config, ...); for UCX the shim adds "
     "USE_MT_MUTEX=y to engine_config (a mutex, not a spinlock, guards the UCX worker its "
@@ -345,6 +351,141 @@ bool ucx_prefer_mutex(nixl_b_params_t &bparams) {
   if (upper.find("USE_MT_MUTEX") != std::string::npos) return false;
   ec += ec.empty() ? "USE_MT_MUTEX=y" : ",USE_MT_MUTEX=y";
   return true;
+}
+
+// Upper-cases ASCII, for UCX setting names and values.
+std::string upper_ascii(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  return s;
+}
+
+// Finds key in engine_config, UCX settings "KEY=value" separated by commas as
+// NIXL's src/plugins/ucx/ucx_utils.cpp (nixlUcxContext) splits them, each
+// passed to ucp_config_modify without the UCX_ prefix. Names compare without
+// case; the last setting of a key counts, as it does in NIXL.
+bool engine_config_find(const std::string &ec, const char *key, std::string *value) {
+  const std::string want = upper_ascii(key);
+  bool found = false;
+  size_t pos = 0;
+  while (pos <= ec.size()) {
+    size_t end = ec.find(',', pos);
+    if (end == std::string::npos) end = ec.size();
+    std::string elem = ec.substr(pos, end - pos);
+    size_t eq = elem.find('=');
+    if (eq != std::string::npos && upper_ascii(elem.substr(0, eq)) == want) {
+      found = true;
+      *value = elem.substr(eq + 1);
+    }
+    pos = end + 1;
+  }
+  return found;
+}
+
+// Whether a UCX transport list (UCX_TLS syntax: names separated by commas,
+// "all", a leading '^' for "all but", a ":aux" suffix) lets UCX use its TCP
+// transport. Empty means UCX's default, "all". Of UCX's transport aliases only
+// "all" includes tcp.
+bool ucx_tls_allows_tcp(const std::string &tls) {
+  std::string list = upper_ascii(tls);
+  list.erase(std::remove_if(list.begin(), list.end(), [](unsigned char c) { return std::isspace(c); }),
+             list.end());
+  if (list.empty()) return true;
+  const bool negate = list[0] == '^';
+  if (negate) list.erase(0, 1);
+  bool tcp = false, all = false;
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    size_t end = list.find(',', pos);
+    if (end == std::string::npos) end = list.size();
+    std::string name = list.substr(pos, end - pos);
+    name = name.substr(0, name.find(':'));
+    tcp = tcp || name == "TCP";
+    all = all || name == "ALL";
+    pos = end + 1;
+  }
+  return negate ? !tcp : (tcp || all);
+}
+
+// UCX 1.22's TCP transport crashes the process that receives PUT zcopy data:
+// uct_tcp_ep_progress_put_rx (UCX's src/uct/tcp/tcp_ep.c) reads the PUT
+// header from an endpoint receive buffer that is NULL, from NIXL's progress
+// thread or from any thread progressing the worker (measured: the decode,
+// target of SGLang-style WRITEs, in 5 of 9 `UCX_TLS=tcp kvhost demo` runs;
+// a decode written on NIXL's own Python bindings, 7 of 9). UCX's TCP
+// interface setting PUT_ENABLE (src/uct/tcp/tcp_iface.c, "Enable PUT Zcopy
+// support", default y) set to n stops the interface from offering PUT
+// zcopy, so UCP carries the PUTs that
+// would use TCP as active messages (UCX's src/ucp/rma/rma_sw.c) and the
+// receive path above never runs. The shim adds TCP_PUT_ENABLE=n to
+// engine_config when TCP may carry transfers (tcp_put_emulation=auto: the
+// transport list, UCX_TLS in the environment, else TLS in engine_config, else
+// UCX's default "all", includes tcp) or always (tcp_put_emulation=true),
+// never over the caller's own setting: UCX_TCP_PUT_ENABLE in the environment
+// (which NIXL's config::modify leaves in force over engine_config) or
+// TCP_PUT_ENABLE in engine_config. The setting changes nothing where another
+// transport carries the RMA (cma, shared memory, RDMA): it only removes TCP's
+// PUT zcopy. Sets *note to what it decided, for the log (empty: nothing worth
+// saying), and returns whether it added the setting.
+enum class TcpPutEmulation { kAuto, kOn, kOff };
+
+bool ucx_tcp_put_emulation(nixl_b_params_t &bparams, TcpPutEmulation mode, std::string *note) {
+  std::string &ec = bparams["engine_config"];
+  std::string v;
+  if (const char *env = std::getenv("UCX_TCP_PUT_ENABLE")) {
+    *note = std::string("UCX_TCP_PUT_ENABLE=") + env + " in the environment decides TCP PUT zcopy";
+    return false;
+  }
+  if (engine_config_find(ec, "TCP_PUT_ENABLE", &v)) {
+    *note = "engine_config sets TCP_PUT_ENABLE=" + v;
+    return false;
+  }
+  if (mode == TcpPutEmulation::kOff) {
+    *note = "tcp_put_emulation=false: UCX's TCP PUT zcopy stays on (UCX 1.22 can crash the process "
+            "receiving WRITEs over TCP, see plugins/nixl/README.md)";
+    return false;
+  }
+  std::string why;
+  if (mode == TcpPutEmulation::kOn) {
+    why = "tcp_put_emulation=true";
+  } else {
+    const char *env_tls = std::getenv("UCX_TLS");
+    std::string tls;
+    if (env_tls) {
+      tls = env_tls;
+      why = "UCX_TLS=" + tls;
+    } else if (engine_config_find(ec, "TLS", &tls)) {
+      why = "engine_config TLS=" + tls;
+    } else {
+      why = "UCX's default transports";
+    }
+    if (!ucx_tls_allows_tcp(tls)) {
+      note->clear();
+      return false;
+    }
+    why += " may carry transfers over tcp";
+  }
+  ec += ec.empty() ? "TCP_PUT_ENABLE=n" : ",TCP_PUT_ENABLE=n";
+  *note = "added TCP_PUT_ENABLE=n to the UCX backend's engine_config (" + why +
+          "): PUTs over UCX's TCP transport go as active messages, since UCX 1.22's TCP PUT zcopy "
+          "can crash the receiving process (plugins/nixl/README.md); tcp_put_emulation=false keeps "
+          "UCX's default";
+  return true;
+}
+
+// Prints a line about the shim's own choices on stderr, each distinct line
+// once per process (a deployment creates many agents), unless NIXL_LOG_LEVEL
+// asks for errors only (ERROR, FATAL), as the tests do.
+void shim_log(const std::string &line) {
+  static std::mutex mu;
+  static std::set<std::string> said;
+  if (const char *lvl = std::getenv("NIXL_LOG_LEVEL")) {
+    std::string l = upper_ascii(lvl);
+    if (l == "ERROR" || l == "FATAL") return;
+  }
+  std::lock_guard<std::mutex> lk(mu);
+  if (!said.insert(line).second) return;
+  std::fprintf(stderr, "kvhost nixl plugin: %s\n", line.c_str());
 }
 
 // ---------------------------------------------------------------------------
@@ -573,6 +714,17 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
                      "agent from several threads)",
                      fn, static_cast<int>(s->value_len), s->value ? s->value : "");
   }
+  TcpPutEmulation tcp_put = TcpPutEmulation::kAuto;
+  if (const kvp_param *tp = kvp_param_find(p, np, "tcp_put_emulation");
+      tp && !kvp_str_eq(tp->value, tp->value_len, "auto")) {
+    int on = 0;
+    if (kvp_error *e = kvp_param_bool(p, np, "tcp_put_emulation", 0, &on)) {
+      kvp_err_free(e);
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: tcp_put_emulation %.*s: want auto, true or false", fn,
+                     static_cast<int>(tp->value_len), tp->value ? tp->value : "");
+    }
+    tcp_put = on ? TcpPutEmulation::kOn : TcpPutEmulation::kOff;
+  }
   nixl_b_params_t bparams;
   for (size_t i = 0; i < np; i++) {
     bool own = false;
@@ -583,6 +735,10 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   std::string keys;  // the backend parameters as given, for messages
   for (const auto &kv : bparams) keys += (keys.empty() ? "" : ", ") + kv.first;
   const bool mutex_added = backend == "UCX" && ucx_prefer_mutex(bparams);
+  std::string tcp_put_note;
+  const bool tcp_put_added =
+      backend == "UCX" && ucx_tcp_put_emulation(bparams, tcp_put, &tcp_put_note);
+  if (!tcp_put_note.empty()) shim_log(tcp_put_note);
 
   auto a = std::make_unique<Agent>();
   a->name = as_string(args->name, args->name_len);
@@ -606,8 +762,12 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   }
   s = a->nixl->createBackend(backend, bparams, a->backend);
   if (s != NIXL_SUCCESS) {
-    return nixl_err(s, fn, "createBackend(%s) with backend params {%s}%s", backend.c_str(),
-                    keys.c_str(), mutex_added ? " (and USE_MT_MUTEX=y in engine_config)" : "");
+    std::string added;
+    if (mutex_added) added += "USE_MT_MUTEX=y";
+    if (tcp_put_added) added += std::string(added.empty() ? "" : ", ") + "TCP_PUT_ENABLE=n";
+    return nixl_err(s, fn, "createBackend(%s) with backend params {%s}%s%s%s", backend.c_str(),
+                    keys.c_str(), added.empty() ? "" : " (and ", added.c_str(),
+                    added.empty() ? "" : " in engine_config)");
   }
   a->caps = kCaps & ~(telem ? 0 : KVP_CAP_TELEMETRY);
 

@@ -2,8 +2,10 @@
 // suite (host/conformance) cannot reach through its fake-plugin hooks:
 // NIXL's own parameter errors, transfers that are really in flight (UCX over
 // TCP only, so completion is asynchronous), cancellation by release_xfer and
-// by remove_remote, the progress-thread-off mode, and a peer that restarts
-// under the same name.
+// by remove_remote, the progress-thread-off mode, a peer that restarts
+// under the same name, and which agents get UCX's TCP PUT zcopy turned off.
+// TestTwoNetnsTCP (netns_test.go, run only when asked) moves KV between
+// kvhost workers in two network namespaces over UCX TCP.
 //
 // It needs the plugin built with `make plugin-nixl NIXL_PREFIX=...` and
 // skips, saying so, when lib/kvhost/libkvhost_nixl.so is not there (CI has
@@ -583,5 +585,92 @@ func TestNotificationOnlyBatch(t *testing.T) {
 		if v != 0 {
 			t.Fatalf("a transfer without entries moved bytes: target byte %d is %#x", i, v)
 		}
+	}
+}
+
+// TestTCPPutEmulation checks which agents the shim gives TCP_PUT_ENABLE=n
+// (UCX's TCP PUT zcopy off, so PUTs over TCP go as active messages; see
+// ucx_tcp_put_emulation in nixl_plugin.cc and plugins/nixl/README.md). Each
+// agent is made to fail in createBackend (a bad ucx_error_handling_mode),
+// whose message lists what the shim added to engine_config. That the
+// setting keeps the receiving process alive is TestTwoNetnsTCP's to show.
+func TestTCPPutEmulation(t *testing.T) {
+	p := load(t)
+	for _, k := range []string{"UCX_TLS", "UCX_TCP_PUT_ENABLE"} {
+		if v, set := os.LookupEnv(k); set {
+			os.Unsetenv(k)
+			t.Cleanup(func() { os.Setenv(k, v) })
+		}
+	}
+	bad := plugin.Param{Key: "ucx_error_handling_mode", Value: "bogus"}
+	ec := func(v string) plugin.Param { return plugin.Param{Key: "engine_config", Value: v} }
+	tpe := func(v string) plugin.Param { return plugin.Param{Key: "tcp_put_emulation", Value: v} }
+	cases := []struct {
+		name   string
+		params []plugin.Param
+		env    map[string]string
+		added  bool
+	}{
+		{"UCX's default transports", nil, nil, true},
+		{"TLS=tcp", []plugin.Param{ec("TLS=tcp")}, nil, true},
+		// engine_config splits at commas (as NIXL does), so a list of
+		// transports can only come from UCX_TLS.
+		{"env UCX_TLS=self,tcp:aux", nil, map[string]string{"UCX_TLS": "self,tcp:aux"}, true},
+		{"env UCX_TLS=^rc,tcp", nil, map[string]string{"UCX_TLS": "^rc,tcp"}, false},
+		{"TLS=all", []plugin.Param{ec("TLS=all")}, nil, true},
+		{"TLS=^shm", []plugin.Param{ec("TLS=^shm")}, nil, true},
+		{"TLS=shm", []plugin.Param{ec("TLS=shm")}, nil, false},
+		{"TLS=^tcp", []plugin.Param{ec("TLS=^tcp")}, nil, false},
+		{"TLS=shm,tcp_put_emulation=true", []plugin.Param{ec("TLS=shm"), tpe("true")}, nil, true},
+		{"tcp_put_emulation=false", []plugin.Param{ec("TLS=tcp"), tpe("false")}, nil, false},
+		{"tcp_put_emulation=auto", []plugin.Param{ec("TLS=tcp"), tpe("auto")}, nil, true},
+		{"engine_config TCP_PUT_ENABLE=y", []plugin.Param{ec("TLS=tcp,tcp_put_enable=y"), tpe("true")}, nil, false},
+		{"env UCX_TLS=shm", nil, map[string]string{"UCX_TLS": "shm"}, false},
+		{"env UCX_TLS=tcp over engine_config", []plugin.Param{ec("TLS=shm")}, map[string]string{"UCX_TLS": "tcp"}, true},
+		{"env UCX_TCP_PUT_ENABLE=y", []plugin.Param{ec("TLS=tcp"), tpe("true")}, map[string]string{"UCX_TCP_PUT_ENABLE": "y"}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			for k, v := range c.env {
+				t.Setenv(k, v)
+			}
+			a, err := p.NewAgent(uniqueName(t, "tcpput"), append(c.params, bad)...)
+			if err == nil {
+				a.Close()
+				t.Fatalf("agent with ucx_error_handling_mode=bogus was created")
+			}
+			expectCode(t, "createBackend", err, abi.ErrBackend)
+			if got := strings.Contains(err.Error(), "TCP_PUT_ENABLE=n in engine_config"); got != c.added {
+				t.Errorf("TCP_PUT_ENABLE=n added: %v, want %v (%v)", got, c.added, err)
+			}
+		})
+	}
+	_, err := p.NewAgent(uniqueName(t, "tcpput"), tpe("sometimes"))
+	expectCode(t, "tcp_put_emulation=sometimes", err, abi.ErrInvalidParam)
+	if err == nil || !strings.Contains(err.Error(), "want auto, true or false") {
+		t.Errorf("tcp_put_emulation=sometimes: %v, want the accepted values named", err)
+	}
+	// And UCX takes the setting: an agent over TCP only with it works.
+	init := newSide(t, p, uniqueName(t, "init"), 1<<20, tcpOnly)
+	target := newSide(t, p, uniqueName(t, "target"), 1<<20, tcpOnly)
+	peer := connect(t, init, target)
+	fill(init.buf, 9)
+	const size = 1 << 20
+	rr, err := init.a.ImportRange(peer, addr(target.buf), size, 0, abi.DRAM)
+	if err != nil {
+		t.Fatalf("import range: %v", err)
+	}
+	x, err := init.a.MakeBatchXfer(abi.Write, []plugin.Pair{{Local: init.reg, Remote: rr}},
+		[]abi.BatchEntry{{Pair: 0, Len: size, Count: 1}}, nil)
+	if err != nil {
+		t.Fatalf("make_batch_xfer: %v", err)
+	}
+	defer x.Close()
+	if _, err := x.Post(); err != nil {
+		t.Fatalf("post: %v", err)
+	}
+	wait(t, x, "WRITE over TCP with TCP_PUT_ENABLE=n")
+	if !bytes.Equal(init.buf, target.buf) {
+		t.Fatalf("WRITE over TCP with TCP_PUT_ENABLE=n: bytes differ")
 	}
 }
