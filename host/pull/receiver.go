@@ -258,8 +258,15 @@ type readOp struct {
 	x      *plugin.Xfer
 	posted time.Time
 	post   time.Duration
+	expiry clock.Timer // wakes poll at ReadTimeout; nil without one
 	descs  int
 	bytes  uint64 // from the descriptors, for agents without telemetry
+}
+
+func (op *readOp) stopExpiry() {
+	if op.expiry != nil {
+		op.expiry.Stop()
+	}
 }
 
 // Descriptor bounds. A prepared descriptor costs the decode about 80
@@ -449,9 +456,11 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	defer r.wg.Done()
 	start := r.clock.Now()
 	deadline := start.Add(r.cfg.HandshakeTimeout)
+	// The timer is armed before connect starts (so that a test on a fake
+	// clock that sees a timer of HandshakeTimeout armed sees this one).
+	timer := r.clock.NewTimer(r.cfg.HandshakeTimeout)
 	result := make(chan error, 1)
 	go func() { result <- r.connect(pr, remoteRank, deadline) }()
-	timer := r.clock.NewTimer(r.cfg.HandshakeTimeout)
 	var err error
 	select {
 	case err = <-result:
@@ -723,6 +732,11 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	}
 	op.x = x
 	op.posted = r.clock.Now()
+	if r.cfg.ReadTimeout > 0 {
+		// Poll checks the timeout when this wakes it, not only when its
+		// backoff ends (and on a fake clock, as soon as it passes it).
+		op.expiry = r.clock.AfterFunc(r.cfg.ReadTimeout, r.wakePoll)
+	}
 	done, err := x.Post()
 	op.post = r.clock.Since(op.posted)
 	if err != nil {
@@ -736,6 +750,11 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	r.mu.Lock()
 	r.pending = append(r.pending, op)
 	r.mu.Unlock()
+	r.wakePoll()
+}
+
+// wakePoll makes poll look at its READs now.
+func (r *Receiver) wakePoll() {
 	select {
 	case r.wake <- struct{}{}:
 	default:
@@ -782,7 +801,7 @@ func (r *Receiver) poll() {
 				r.failOp(op, fmt.Errorf("%w: %w", ErrTransfer, err))
 			case done:
 				r.complete(op)
-			case r.cfg.ReadTimeout > 0 && now.Sub(op.posted) > r.cfg.ReadTimeout:
+			case r.cfg.ReadTimeout > 0 && now.Sub(op.posted) >= r.cfg.ReadTimeout:
 				r.failOp(op, fmt.Errorf("%w after %v", ErrReadTimeout, r.cfg.ReadTimeout))
 			default:
 				kept = append(kept, op)
@@ -804,6 +823,7 @@ func (r *Receiver) poll() {
 
 // complete finishes a READ that completed.
 func (r *Receiver) complete(op *readOp) {
+	op.stopExpiry()
 	stat := TransferStat{Xfer: r.clock.Since(op.posted), Post: op.post, Bytes: op.bytes, Descs: uint64(op.descs)}
 	if r.hasTelem {
 		if t, err := op.x.Telemetry(); err == nil {
@@ -830,6 +850,7 @@ func (r *Receiver) complete(op *readOp) {
 
 // failOp releases a READ that failed (or is abandoned) and fails its load.
 func (r *Receiver) failOp(op *readOp, err error) {
+	op.stopExpiry()
 	if cerr := op.x.Close(); cerr != nil {
 		r.log.Warn("releasing a failed READ", "request_id", op.load.req.RequestID, "err", cerr)
 	}
@@ -940,7 +961,9 @@ func (r *Receiver) evictIdle() {
 		select {
 		case <-r.ctx.Done():
 			return
-		case now := <-t.C():
+		case <-t.C():
+			// The clock, not the tick: a tick a slow loop read late is stale.
+			now := r.clock.Now()
 			var idle []*peer
 			r.mu.Lock()
 			for id, pr := range r.peers {
