@@ -90,7 +90,7 @@ type Decode struct {
 
 // prefillInfo is one prefill deployment as seen from this decode rank.
 type prefillInfo struct {
-	client   *bootstrap.Client
+	client   BootstrapClient
 	info     bootstrap.ParallelInfo
 	mapping  planner.RankMapping
 	failures int // consecutive failed heartbeats
@@ -342,7 +342,7 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	if pi != nil {
 		return pi, nil
 	}
-	c := bootstrap.NewClient(addr)
+	c := d.tr.Bootstrap(addr)
 	start := d.clock.Now()
 	backoff := 20 * time.Millisecond
 	var info bootstrap.ParallelInfo

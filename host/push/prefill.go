@@ -315,7 +315,7 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 		LoadBalanceMethod: "follow_bootstrap_room",
 	}
 	start := m.clock.Now()
-	err := bootstrap.NewClient(m.cfg.BootstrapAddr).Register(ctx, reg)
+	err := m.tr.Bootstrap(m.cfg.BootstrapAddr).Register(ctx, reg)
 	m.obs.Handshake(HandshakeEvent{Role: RolePrefill, Kind: HandshakeRegisterBootstrap, Peer: m.cfg.BootstrapAddr, Latency: m.clock.Since(start), Err: err})
 	if err != nil {
 		return fmt.Errorf("push: register with bootstrap server %s: %w", m.cfg.BootstrapAddr, err)

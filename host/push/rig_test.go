@@ -99,6 +99,8 @@ type rigOpts struct {
 	decodeHostAddr string
 	clock          *clock.Fake           // both ranks' clock (nil: the wall clock)
 	mem            *memtransport.Network // both ranks' transport (nil: ZMQ)
+	// boot replaces the bootstrap client of the in-memory transport.
+	boot func(addr string) push.BootstrapClient
 }
 
 // seams returns the Transport and Clock the options ask for (nil
@@ -107,7 +109,7 @@ func (o rigOpts) seams() (push.Transport, clock.Clock) {
 	var tr push.Transport
 	var c clock.Clock
 	if o.mem != nil {
-		tr = memTransport{o.mem}
+		tr = memTransport{n: o.mem, boot: o.boot}
 	}
 	if o.clock != nil {
 		c = o.clock

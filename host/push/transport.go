@@ -8,14 +8,16 @@ import (
 	"net"
 	"time"
 
+	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/zmq"
 )
 
-// Transport carries the control messages of a rank (SGLang's ZMQ PULL
-// socket every rank binds, and the PUSH sockets it sends to its peers'
-// with), so that the runtime never holds a socket itself (as
-// hashicorp/raft's Transport): ZMQ is the one peers speak, and tests use
-// an in-memory one. A Transport is used by one rank or many.
+// Transport carries what a rank exchanges with its peers: the control
+// messages (SGLang's ZMQ PULL socket every rank binds, and the PUSH
+// sockets it sends to its peers' with) and the bootstrap server's API, so
+// that the runtime never holds a socket itself (as hashicorp/raft's
+// Transport): ZMQ is the one SGLang peers speak, and tests use an
+// in-memory one. A Transport is used by one rank or many.
 type Transport interface {
 	// Listen binds the endpoint peers send control messages to
 	// ("tcp://host:port"; port 0 picks a free one).
@@ -23,6 +25,24 @@ type Transport interface {
 	// Outbox returns what the rank sends control messages with.
 	// sendTimeout bounds one message's send (0: the transport's default).
 	Outbox(log *slog.Logger, sendTimeout time.Duration) Outbox
+	// Bootstrap returns a client of the bootstrap server at addr
+	// ("host:port").
+	Bootstrap(addr string) BootstrapClient
+}
+
+// BootstrapClient is what a rank asks the bootstrap server (SGLang's
+// python/sglang/srt/disaggregation/common/conn.py bootstrap server);
+// *bootstrap.Client is the HTTP one.
+type BootstrapClient interface {
+	// Register announces a prefill rank (PUT /route).
+	Register(ctx context.Context, reg bootstrap.Registration) error
+	// Route looks up a prefill rank's endpoint (GET /route).
+	Route(ctx context.Context, dpRank, cpRank, tpRank, ppRank int) (bootstrap.RankInfo, error)
+	// ParallelInfo is the prefill deployment's layout (GET /route with
+	// every rank -1).
+	ParallelInfo(ctx context.Context) (bootstrap.ParallelInfo, error)
+	// Health checks the server (GET /health: the decode's heartbeat).
+	Health(ctx context.Context) error
 }
 
 // Inbox is a bound control endpoint. Safe for concurrent use.
@@ -49,8 +69,9 @@ type Outbox interface {
 	Close() error
 }
 
-// ZMQ is the Transport peers speak: ZeroMQ PULL and PUSH sockets
-// (host/zmq). Options apply to every socket, after the rank's logger.
+// ZMQ is the Transport SGLang peers speak: ZeroMQ PULL and PUSH sockets
+// (host/zmq), and the bootstrap server's HTTP API (host/bootstrap).
+// Options apply to every socket, after the rank's logger.
 type ZMQ struct {
 	Options []zmq.Option
 }
@@ -72,6 +93,9 @@ func (t ZMQ) Outbox(log *slog.Logger, sendTimeout time.Duration) Outbox {
 	}
 	return zmq.NewPushers(append(opts, t.Options...)...)
 }
+
+// Bootstrap returns an HTTP client of the bootstrap server.
+func (ZMQ) Bootstrap(addr string) BootstrapClient { return bootstrap.NewClient(addr) }
 
 type zmqInbox struct{ *zmq.Pull }
 
