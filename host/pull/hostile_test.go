@@ -368,6 +368,7 @@ func TestPeerEviction(t *testing.T) {
 
 	// idlePast advances the clock past the idle timeout, tick by tick of
 	// the eviction ticker (a quarter of it).
+	waitArmed(t, fk, idle/4)
 	idlePast := func() {
 		for range 5 {
 			fk.Advance(idle / 4)

@@ -68,6 +68,7 @@ func TestMemTransportHandshake(t *testing.T) {
 	mem.SetFilter(func(m memtransport.Msg) memtransport.Verdict { return memtransport.Verdict{Drop: m.Request} })
 	params = ps.hold(t, "dropped", 2, []int32{4}, 4)
 	l := ds2.rx[0].Load(LoadRequest{RequestID: "dropped", LocalBlockIDs: []int32{1}, Params: params})
+	eventually(t, "the dropped request", 10*time.Second, func() bool { _, dropped := mem.Counts(); return dropped == 1 })
 	waitArmed(t, fk, timeout)
 	start := fk.Now()
 	fk.Advance(timeout)

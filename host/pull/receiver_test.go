@@ -111,7 +111,12 @@ func TestHandshakeDeadPort(t *testing.T) {
 func TestHandshakeTimeout(t *testing.T) {
 	fk := clock.NewFake(time.Time{})
 	mem := memtransport.New(fk)
+	asked := make(chan struct{}, 1)
 	silent, err := mem.Serve("tcp://127.0.0.1:0", func(net.Addr, [][]byte) ([][]byte, bool) {
+		select {
+		case asked <- struct{}{}:
+		default:
+		}
 		return nil, false // hold the request, say nothing
 	})
 	if err != nil {
@@ -126,6 +131,11 @@ func TestHandshakeTimeout(t *testing.T) {
 	params.RemotePort = silent.Port()
 	start := fk.Now()
 	l := ds.rx[0].Load(LoadRequest{RequestID: "a", LocalBlockIDs: []int32{1}, Params: params})
+	select {
+	case <-asked: // the request is held
+	case <-time.After(10 * time.Second):
+		t.Fatal("no handshake request")
+	}
 	waitArmed(t, fk, timeout)
 	fk.Advance(timeout)
 	res := wait(t, l)
