@@ -89,4 +89,17 @@
 //   - a READ may be given a timeout (vLLM's kv_connector/v1/nixl_connector.py waits forever);
 //   - a prefill counts each agent's notification once per request and
 //     rank, per claimed tp_ratio (vLLM's kv_connector/v1/nixl_connector.py counts every one).
+//
+// # Transport and clock
+//
+// Sender and Receiver hold no socket and read no wall clock themselves:
+// the handshake side channel goes through the Transport of their config
+// (ZMQ, what vLLM speaks, by default; the only file importing host/internal/zmq is
+// transport.go), and the abort timeout, handshake and READ timeouts, idle
+// eviction and latencies are timed on their Clock (host/internal/clock;
+// the wall clock by default), as hashicorp/raft injects its Transport.
+// Tests run the timeout paths on a clock.Fake they advance by hand and an
+// in-memory transport (host/internal/memtransport). Polling the plugin for
+// notifications and READ completions stays on the wall clock: the plugin
+// works in real time.
 package pull

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -21,6 +22,11 @@ type FetchOptions struct {
 	Timeout time.Duration
 	// ZMQ options for the REQ socket (logger, limits).
 	ZMQ []zmq.Option
+	// Request runs the exchange; nil means a zmq REQ socket with ZMQ
+	// (zmq.Request). A runtime passes its Transport's.
+	Request func(ctx context.Context, endpoint string, request [][]byte) ([][]byte, error)
+	// Clock times Timeout; nil means the wall clock.
+	Clock clock.Clock
 }
 
 // FetchHandshake is the decode side of the handshake (vLLM's
@@ -32,9 +38,15 @@ func FetchHandshake(ctx context.Context, endpoint string, remoteTPRank int, o Fe
 	if timeout <= 0 {
 		timeout = DefaultHandshakeTimeout
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
+	ctx, cancel := clock.Or(o.Clock).WithTimeout(ctx, timeout)
 	defer cancel()
-	reply, err := zmq.Request(ctx, endpoint, [][]byte{vllm.EncodeMetaRequest(remoteTPRank)}, o.ZMQ...)
+	request := o.Request
+	if request == nil {
+		request = func(ctx context.Context, endpoint string, req [][]byte) ([][]byte, error) {
+			return zmq.Request(ctx, endpoint, req, o.ZMQ...)
+		}
+	}
+	reply, err := request(ctx, endpoint, [][]byte{vllm.EncodeMetaRequest(remoteTPRank)})
 	if err != nil {
 		return nil, fmt.Errorf("vllm: handshake with %s (TP rank %d): %w", endpoint, remoteTPRank, err)
 	}

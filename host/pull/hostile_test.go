@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -283,18 +284,33 @@ func TestHugeGeometryRefusedUpFront(t *testing.T) {
 // handshakes again.
 func TestHandshakeBoundedInTime(t *testing.T) {
 	const timeout = 300 * time.Millisecond
+	fk := clock.NewFake(time.Time{}) // the handshake timeout passes when advanced
 	ps := newPrefillSide(t, smallGeom, "prefill", nil)
-	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.HandshakeTimeout = timeout })
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.HandshakeTimeout, c.Clock = timeout, fk })
 	rx, pool := ds.rx[0], ds.pools[0]
 	release := make(chan struct{})
 	var once sync.Once
 	unblock := func() { once.Do(func() { close(release) }) }
-	hook := func() { <-release }
+	fetched := make(chan struct{}, 1) // the exchange is done, the rest is slow
+	hook := func() {
+		select {
+		case fetched <- struct{}{}:
+		default:
+		}
+		<-release
+	}
 	testHookAfterFetch.Store(&hook)
 	t.Cleanup(func() { testHookAfterFetch.Store(nil); unblock() }) // before the receiver's Close
 
 	params := ps.hold(t, "slow", 7, []int32{1, 2}, 8)
 	l := rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})
+	select {
+	case <-fetched:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no handshake exchange")
+	}
+	waitArmed(t, fk, timeout)
+	fk.Advance(timeout)
 	res := wait(t, l)
 	if !errors.Is(res.Err, ErrHandshake) || res.Latency > timeout+time.Second {
 		t.Fatalf("a handshake stuck past its timeout: after %v: %v", res.Latency, res.Err)
@@ -326,6 +342,8 @@ func TestHandshakeBoundedInTime(t *testing.T) {
 // are bounded in total, and an evicted engine handshakes again.
 func TestPeerEviction(t *testing.T) {
 	const idle = 150 * time.Millisecond
+	// Idle time passes on a fake clock, advanced by hand.
+	fk := clock.NewFake(time.Time{})
 	obs := &countingObserver{}
 	ps := newPrefillSide(t, smallGeom, "prefill", nil)
 	ps2 := newPrefillSide(t, smallGeom, "prefill-2", nil)
@@ -334,6 +352,7 @@ func TestPeerEviction(t *testing.T) {
 		c.PeerIdleTimeout = idle
 		c.MaxTotalDescriptors = 200
 		c.Observer = obs
+		c.Clock = fk
 	}, plugin.Param{Key: "delay_us", Value: "600000"})
 	rx, pool := ds.rx[0], ds.pools[0]
 	// No peer left, nor a remote agent (released just after the peer
@@ -347,9 +366,20 @@ func TestPeerEviction(t *testing.T) {
 		return n + len(rx.peers)
 	}
 
+	// idlePast advances the clock past the idle timeout, tick by tick of
+	// the eviction ticker (a quarter of it).
+	waitArmed(t, fk, idle/4)
+	idlePast := func() {
+		for range 5 {
+			fk.Advance(idle / 4)
+		}
+	}
 	// A READ slower than the idle timeout keeps its peer.
 	params := ps.hold(t, "slow", 3, []int32{1, 2}, 8)
-	if res := wait(t, rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})); res.Err != nil {
+	slow := rx.Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{4, 5}, Params: params})
+	eventually(t, "the handshake", 5*time.Second, func() bool { return len(rx.Peers()) == 1 })
+	idlePast() // while the READ (600 ms on the plugin) is in flight
+	if res := wait(t, slow); res.Err != nil {
 		t.Fatal(res.Err)
 	}
 	if err := pool.Verify(kvpool.Tokens{Request: 3, Pages: []int32{4, 5}, Count: 8}); err != nil {
@@ -361,14 +391,16 @@ func TestPeerEviction(t *testing.T) {
 	if !errors.Is(res.Err, ErrHandshake) || !strings.Contains(res.Err.Error(), "MaxTotalDescriptors") {
 		t.Fatalf("a peer past the total descriptor bound: %v", res.Err)
 	}
-	start := time.Now()
+	start := fk.Now()
+	idlePast()
 	eventually(t, "the idle peer's eviction", 5*time.Second, func() bool { return peers() == 0 })
-	t.Logf("idle peer evicted %v after its last request", time.Since(start).Round(time.Millisecond))
+	t.Logf("idle peer evicted %v after its last request", fk.Since(start).Round(time.Millisecond))
 	// With the budget back, the other engine is served, then the first
 	// again after a new handshake.
 	if res := wait(t, rx.Load(LoadRequest{RequestID: "other", LocalBlockIDs: []int32{6, 7}, Params: p2})); res.Err != nil {
 		t.Fatal(res.Err)
 	}
+	idlePast()
 	eventually(t, "the second idle peer's eviction", 5*time.Second, func() bool { return peers() == 0 })
 	params = ps.hold(t, "again", 5, []int32{3}, 4)
 	if res := wait(t, rx.Load(LoadRequest{RequestID: "again", LocalBlockIDs: []int32{8}, Params: params})); res.Err != nil {

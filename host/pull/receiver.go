@@ -13,9 +13,9 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/backoff"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
-	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 	"github.com/kvhost/kvhost/planner"
@@ -86,8 +86,13 @@ type ReceiverConfig struct {
 	PeerIdleTimeout time.Duration
 	Logger          *slog.Logger // nil: slog.Default()
 	Observer        Observer     // nil: NopObserver
-	// ZMQ options for handshake sockets.
-	ZMQ []zmq.Option
+	// ZMQ options for handshake sockets (of the default Transport).
+	ZMQ []ZMQOption
+	// Transport runs the handshake exchange; nil means ZMQ{Options: ZMQ}.
+	Transport Transport
+	// Clock times handshakes, READs and idle peers; nil means the wall
+	// clock.
+	Clock clock.Clock
 }
 
 // LoadRequest is one request's pull (vLLM's kv_connector/v1/nixl_connector.py's ReqMeta to receive).
@@ -171,6 +176,8 @@ type PeerInfo struct {
 // concurrent use.
 type Receiver struct {
 	cfg      ReceiverConfig
+	clock    clock.Clock
+	tr       Transport
 	log      *slog.Logger    // rate-limited: peers can trigger its lines
 	rlog     *ratelog.Logger // log's limiter, flushed by Close
 	obs      Observer
@@ -253,10 +260,17 @@ type readOp struct {
 	x      *plugin.Xfer
 	posted time.Time
 	post   time.Duration
+	expiry clock.Timer // wakes poll at ReadTimeout; nil without one
 	descs  int
 	bytes  uint64 // from the descriptors, for agents without telemetry
 	// plan is the time spent planning the READ's descriptor ids.
 	plan time.Duration
+}
+
+func (op *readOp) stopExpiry() {
+	if op.expiry != nil {
+		op.expiry.Stop()
+	}
 }
 
 // Descriptor bounds. A prepared descriptor costs the decode about 80
@@ -333,6 +347,8 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	}
 	r := &Receiver{
 		cfg:        cfg,
+		clock:      clock.Or(cfg.Clock),
+		tr:         transportOr(cfg.Transport, cfg.ZMQ),
 		log:        cfg.Logger,
 		obs:        cfg.Observer,
 		hasTelem:   cfg.Agent.Caps()&abi.CapTelemetry != 0,
@@ -386,7 +402,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 func (r *Receiver) Load(req LoadRequest) *Load {
 	req.LocalBlockIDs = slices.Clone(req.LocalBlockIDs)
 	req.Params.RemoteBlockIDs = slices.Clone(req.Params.RemoteBlockIDs)
-	l := &Load{req: req, start: time.Now(), done: make(chan struct{})}
+	l := &Load{req: req, start: r.clock.Now(), done: make(chan struct{})}
 	r.pendingLoads.Add(1)
 	p := &req.Params
 	if err := p.checkPull(); err != nil {
@@ -442,20 +458,22 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 // returns.
 func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	defer r.wg.Done()
-	start := time.Now()
+	start := r.clock.Now()
 	deadline := start.Add(r.cfg.HandshakeTimeout)
+	// The timer is armed before connect starts (so that a test on a fake
+	// clock that sees a timer of HandshakeTimeout armed sees this one).
+	timer := r.clock.NewTimer(r.cfg.HandshakeTimeout)
 	result := make(chan error, 1)
 	go func() { result <- r.connect(pr, remoteRank, deadline) }()
-	timer := time.NewTimer(r.cfg.HandshakeTimeout)
 	var err error
 	select {
 	case err = <-result:
 		timer.Stop()
-	case <-timer.C:
+	case <-timer.C():
 		r.abandon(pr)
 		err = <-result
 	}
-	d := time.Since(start)
+	d := r.clock.Since(start)
 	r.obs.Handshake(d, err)
 
 	r.mu.Lock()
@@ -487,7 +505,7 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	}
 	pr.ready = true
 	pr.inflight += len(waiting)
-	pr.idleSince = time.Now()
+	pr.idleSince = r.clock.Now()
 	for _, l := range waiting {
 		l.peer = pr
 	}
@@ -526,12 +544,13 @@ var testHookAfterFetch atomic.Pointer[func()]
 // connect fetches the remote rank's metadata and sets up everything reads
 // from it need: remote agent, geometry, both prepared lists.
 func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
-	ctx, cancel := context.WithDeadline(r.ctx, deadline)
+	ctx, cancel := r.clock.WithDeadline(r.ctx, deadline)
 	defer cancel()
 	md, err := FetchHandshake(ctx, pr.endpoint, remoteRank, FetchOptions{
 		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
 		Timeout: r.cfg.HandshakeTimeout,
-		ZMQ:     r.cfg.ZMQ,
+		Request: r.tr.Request,
+		Clock:   r.clock,
 	})
 	if err != nil {
 		if r.ctx.Err() != nil {
@@ -718,9 +737,14 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 		return
 	}
 	op.x = x
-	op.posted = time.Now()
+	op.posted = r.clock.Now()
+	if r.cfg.ReadTimeout > 0 {
+		// Poll checks the timeout when this wakes it, not only when its
+		// backoff ends (and on a fake clock, as soon as it passes it).
+		op.expiry = r.clock.AfterFunc(r.cfg.ReadTimeout, r.wakePoll)
+	}
 	done, err := x.Post()
-	op.post = time.Since(op.posted)
+	op.post = r.clock.Since(op.posted)
 	if err != nil {
 		r.failOp(op, fmt.Errorf("%w: post: %w", ErrTransfer, err))
 		return
@@ -732,6 +756,11 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	r.mu.Lock()
 	r.pending = append(r.pending, op)
 	r.mu.Unlock()
+	r.wakePoll()
+}
+
+// wakePoll makes poll look at its READs now.
+func (r *Receiver) wakePoll() {
 	select {
 	case r.wake <- struct{}{}:
 	default:
@@ -744,7 +773,9 @@ func (r *Receiver) poll() {
 	defer r.wg.Done()
 	var active []*readOp
 	sleep := backoff.New(pollMinSleep, pollMaxSleep)
-	t := time.NewTimer(time.Hour)
+	// Polling the plugin is paced on the wall clock (the plugin works in
+	// real time); ReadTimeout is timed on r.clock.
+	t := clock.Real{}.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
 		r.mu.Lock()
@@ -767,7 +798,7 @@ func (r *Receiver) poll() {
 			continue
 		}
 		progressed := false
-		now := time.Now()
+		now := r.clock.Now()
 		kept := active[:0]
 		for _, op := range active {
 			done, err := op.x.Poll()
@@ -776,7 +807,7 @@ func (r *Receiver) poll() {
 				r.failOp(op, fmt.Errorf("%w: %w", ErrTransfer, err))
 			case done:
 				r.complete(op)
-			case r.cfg.ReadTimeout > 0 && now.Sub(op.posted) > r.cfg.ReadTimeout:
+			case r.cfg.ReadTimeout > 0 && now.Sub(op.posted) >= r.cfg.ReadTimeout:
 				r.failOp(op, fmt.Errorf("%w after %v", ErrReadTimeout, r.cfg.ReadTimeout))
 			default:
 				kept = append(kept, op)
@@ -790,7 +821,7 @@ func (r *Receiver) poll() {
 		select {
 		case <-r.wake:
 			sleep.Reset()
-		case <-t.C:
+		case <-t.C():
 		case <-r.ctx.Done():
 		}
 	}
@@ -798,7 +829,8 @@ func (r *Receiver) poll() {
 
 // complete finishes a READ that completed.
 func (r *Receiver) complete(op *readOp) {
-	stat := TransferStat{Xfer: time.Since(op.posted), Post: op.post, Bytes: op.bytes, Descs: uint64(op.descs)}
+	op.stopExpiry()
+	stat := TransferStat{Xfer: r.clock.Since(op.posted), Post: op.post, Bytes: op.bytes, Descs: uint64(op.descs)}
 	if r.hasTelem {
 		if t, err := op.x.Telemetry(); err == nil {
 			stat = TransferStat{Xfer: t.Xfer, Post: t.Post, Bytes: t.Bytes, Descs: t.Descs}
@@ -825,6 +857,7 @@ func (r *Receiver) complete(op *readOp) {
 
 // failOp releases a READ that failed (or is abandoned) and fails its load.
 func (r *Receiver) failOp(op *readOp, err error) {
+	op.stopExpiry()
 	if cerr := op.x.Close(); cerr != nil {
 		r.log.Warn("releasing a failed READ", "request_id", op.load.req.RequestID, "err", cerr)
 	}
@@ -855,12 +888,12 @@ func (r *Receiver) finish(l *Load, res LoadResult) {
 	if pr := l.peer; pr != nil {
 		r.mu.Lock()
 		if pr.inflight--; pr.inflight == 0 {
-			pr.idleSince = time.Now()
+			pr.idleSince = r.clock.Now()
 		}
 		r.mu.Unlock()
 	}
 	res.RequestID = l.req.RequestID
-	res.Latency = time.Since(l.start)
+	res.Latency = r.clock.Since(l.start)
 	l.res = res
 	r.pendingLoads.Add(-1)
 	close(l.done)
@@ -929,13 +962,15 @@ func (r *Receiver) reserve(pr *peer, n int) error {
 // has used for PeerIdleTimeout.
 func (r *Receiver) evictIdle() {
 	defer r.wg.Done()
-	t := time.NewTicker(max(r.cfg.PeerIdleTimeout/4, time.Millisecond))
+	t := r.clock.NewTicker(max(r.cfg.PeerIdleTimeout/4, time.Millisecond))
 	defer t.Stop()
 	for {
 		select {
 		case <-r.ctx.Done():
 			return
-		case now := <-t.C:
+		case <-t.C():
+			// The clock, not the tick: a tick a slow loop read late is stale.
+			now := r.clock.Now()
 			var idle []*peer
 			r.mu.Lock()
 			for id, pr := range r.peers {

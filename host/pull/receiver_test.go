@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/clock"
+	"github.com/kvhost/kvhost/host/internal/memtransport"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
@@ -104,40 +106,40 @@ func TestHandshakeDeadPort(t *testing.T) {
 }
 
 // TestHandshakeTimeout: a side channel that accepts but never answers
-// cannot hang the decode: the handshake fails after HandshakeTimeout.
+// cannot hang the decode: the handshake fails after HandshakeTimeout. It
+// runs on a fake clock and the in-memory transport.
 func TestHandshakeTimeout(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	fk := clock.NewFake(time.Time{})
+	mem := memtransport.New(fk)
+	asked := make(chan struct{}, 1)
+	silent, err := mem.Serve("tcp://127.0.0.1:0", func(net.Addr, [][]byte) ([][]byte, bool) {
+		select {
+		case asked <- struct{}{}:
+		default:
+		}
+		return nil, false // hold the request, say nothing
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	var conns []net.Conn
-	var mu sync.Mutex
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c) // hold it open, say nothing
-			mu.Unlock()
-		}
-	}()
-	defer func() {
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	}()
+	defer silent.Close()
 	const timeout = 300 * time.Millisecond
-	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.HandshakeTimeout = timeout })
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) {
+		c.HandshakeTimeout, c.Transport, c.Clock = timeout, memTransport{mem}, fk
+	})
 	params := deadParams(t)
-	params.RemotePort = ln.Addr().(*net.TCPAddr).Port
-	start := time.Now()
-	res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "a", LocalBlockIDs: []int32{1}, Params: params}))
-	d := time.Since(start)
+	params.RemotePort = silent.Port()
+	start := fk.Now()
+	l := ds.rx[0].Load(LoadRequest{RequestID: "a", LocalBlockIDs: []int32{1}, Params: params})
+	select {
+	case <-asked: // the request is held
+	case <-time.After(10 * time.Second):
+		t.Fatal("no handshake request")
+	}
+	waitArmed(t, fk, timeout)
+	fk.Advance(timeout)
+	res := wait(t, l)
+	d := fk.Since(start)
 	if !errors.Is(res.Err, ErrHandshake) || !errors.Is(res.Err, context.DeadlineExceeded) {
 		t.Fatalf("%v", res.Err)
 	}
@@ -271,13 +273,20 @@ func TestReadFailure(t *testing.T) {
 // failed; Close fails loads still running and releases everything.
 func TestReadTimeoutAndClose(t *testing.T) {
 	ps := newPrefillSide(t, smallGeom, "prefill", nil)
-	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.ReadTimeout = 100 * time.Millisecond },
+	// The READ timeout runs on a fake clock: advanced past it once the
+	// READ is posted (its timer armed).
+	fk := clock.NewFake(time.Time{})
+	const readTimeout = 100 * time.Millisecond
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.ReadTimeout, c.Clock = readTimeout, fk },
 		plugin.Param{Key: "delay_us", Value: "2000000"})
 	params := ps.hold(t, "slow", 1, []int32{1}, 4)
-	start := time.Now()
-	res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{2}, Params: params}))
-	if !errors.Is(res.Err, ErrReadTimeout) || time.Since(start) > 1500*time.Millisecond {
-		t.Fatalf("%v after %v", res.Err, time.Since(start))
+	start := fk.Now()
+	slow := ds.rx[0].Load(LoadRequest{RequestID: "slow", LocalBlockIDs: []int32{2}, Params: params})
+	waitArmed(t, fk, readTimeout)
+	fk.Advance(readTimeout)
+	res := wait(t, slow)
+	if !errors.Is(res.Err, ErrReadTimeout) || fk.Since(start) > 1500*time.Millisecond {
+		t.Fatalf("%v after %v", res.Err, fk.Since(start))
 	}
 
 	ds2 := newDecodeSide(t, smallGeom, nil, plugin.Param{Key: "delay_us", Value: "5000000"})

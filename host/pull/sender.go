@@ -13,8 +13,8 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/backoff"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
-	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
@@ -82,8 +82,12 @@ type SenderConfig struct {
 	OnRelease func(Release)
 	Logger    *slog.Logger // nil: slog.Default()
 	Observer  Observer     // nil: NopObserver
-	// ZMQ options for the side-channel socket.
-	ZMQ []zmq.Option
+	// ZMQ options for the side-channel socket (of the default Transport).
+	ZMQ []ZMQOption
+	// Transport serves the side channel; nil means ZMQ{Options: ZMQ}.
+	Transport Transport
+	// Clock times holds and the abort timeout; nil means the wall clock.
+	Clock clock.Clock
 }
 
 // ReleaseReason says why a prefill freed a request's blocks.
@@ -133,7 +137,8 @@ type Sender struct {
 	rlog   *ratelog.Logger // log's limiter, flushed by Close
 	obs    Observer
 	ranks  []senderRank
-	server *HandshakeServer
+	server HandshakeListener
+	clock  clock.Clock // nil: the wall clock (see now)
 	host   string
 	port   int
 
@@ -204,12 +209,13 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		return nil, err
 	}
 	s := &Sender{
-		cfg:  cfg,
-		log:  cfg.Logger,
-		obs:  cfg.Observer,
-		held: make(map[string]*heldReq),
-		stop: make(chan struct{}),
-		done: make(chan struct{}),
+		cfg:   cfg,
+		clock: cfg.Clock,
+		log:   cfg.Logger,
+		obs:   cfg.Observer,
+		held:  make(map[string]*heldReq),
+		stop:  make(chan struct{}),
+		done:  make(chan struct{}),
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -238,7 +244,7 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		md := metadataOf(cfg.EngineID, blob, &r.Cache)
 		payloads[r.TPRank] = vllm.NewHandshakePayload(cfg.CompatHash, md).Encode()
 	}
-	s.server, err = ListenHandshake(cfg.Listen, payloads, s.log, cfg.ZMQ...)
+	s.server, err = transportOr(cfg.Transport, cfg.ZMQ).ListenHandshake(cfg.Listen, payloads, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("pull: side channel: %w", err)
 	}
@@ -358,7 +364,7 @@ func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, err
 	if len(blockIDs) == 0 {
 		return p, nil
 	}
-	now := time.Now()
+	now := s.now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -407,7 +413,7 @@ func (s *Sender) Abort(requestID string) bool {
 	h, ok := s.held[requestID]
 	var rel Release
 	if ok {
-		rel = s.releaseLocked(requestID, h, ReleaseAborted, time.Now())
+		rel = s.releaseLocked(requestID, h, ReleaseAborted, s.now())
 	}
 	s.mu.Unlock()
 	if ok {
@@ -423,20 +429,25 @@ func (s *Sender) Counts() SenderCounts {
 	return s.counts
 }
 
+// now reads the Sender's clock.
+func (s *Sender) now() time.Time { return clock.Or(s.clock).Now() }
+
 // run drains notifications and expires requests until Close.
 func (s *Sender) run() {
 	defer close(s.done)
 	idle := backoff.New(senderMinIdle, senderMaxIdle)
-	t := time.NewTimer(senderMinIdle)
+	// Polling the plugin is paced on the wall clock (the plugin works in
+	// real time); expiry is timed on s.clock.
+	t := clock.Real{}.NewTimer(senderMinIdle)
 	defer t.Stop()
 	for {
 		got := s.drainNotifs()
-		s.expire(time.Now())
+		s.expire(s.now())
 		t.Reset(idle.After(got))
 		select {
 		case <-s.stop:
 			return
-		case <-t.C:
+		case <-t.C():
 		}
 	}
 }
@@ -459,7 +470,7 @@ func (s *Sender) drainNotifs() bool {
 		}
 		got = true
 		var rels []Release
-		now := time.Now()
+		now := s.now()
 		s.mu.Lock()
 		for _, n := range notifs {
 			if rel, ok := s.applyLocked(i, n, now); ok {

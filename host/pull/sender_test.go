@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -154,9 +155,10 @@ func TestSenderNotifications(t *testing.T) {
 func TestSenderExpiry(t *testing.T) {
 	g := geom{hnd: true, layers: 1, heads: 2, headBytes: 8, tp: 1, blockSize: 4, blocks: 16}
 	const timeout = 300 * time.Millisecond
-	ps := newPrefillSide(t, g, "prefill", func(c *SenderConfig) { c.AbortTimeout = timeout })
+	fk := clock.NewFake(time.Time{}) // the abort timeout passes when advanced
+	ps := newPrefillSide(t, g, "prefill", func(c *SenderConfig) { c.AbortTimeout, c.Clock = timeout, fk })
 	n := newNotifier(t, ps)
-	start := time.Now()
+	start := fk.Now()
 	if _, err := ps.sender.Hold("slow", []int32{1, 2}); err != nil {
 		t.Fatal(err)
 	}
@@ -168,8 +170,9 @@ func TestSenderExpiry(t *testing.T) {
 	if r := nextRelease(t, ps, time.Second); r.RequestID != "ok" || r.Reason != ReleaseNotified {
 		t.Fatalf("release %+v", r)
 	}
+	fk.Advance(timeout)
 	r := nextRelease(t, ps, 3*time.Second)
-	waited := time.Since(start)
+	waited := fk.Since(start)
 	if r.RequestID != "slow" || r.Reason != ReleaseExpired || r.Notified != 1 || !reflect.DeepEqual(r.BlockIDs, []int32{1, 2}) {
 		t.Fatalf("release %+v", r)
 	}

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/clock"
+	"github.com/kvhost/kvhost/host/internal/memtransport"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
@@ -143,14 +145,19 @@ func equalStatus(a, b []sglang.KVPoll) bool {
 }
 
 // TestBootstrapTimeout: a prefill room that decode never bootstraps fails
-// with SGLang's disaggregation/{nixl,mori}/conn.py's reason.
+// with SGLang's disaggregation/{nixl,mori}/conn.py's reason. The timeout
+// passes on a fake clock.
 func TestBootstrapTimeout(t *testing.T) {
-	r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: 100 * time.Millisecond}, noDecode: true})
+	const timeout, sweep = 100 * time.Millisecond, 10 * time.Millisecond // sweep: push's sweepPeriod(timeout)
+	fk := clock.NewFake(time.Time{})
+	r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: timeout}, noDecode: true, clock: fk})
 	s, err := r.pf.NewSender(42)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
+	waitArmed(t, fk, sweep)
+	fk.Advance(timeout + 2*sweep)
 	st, err := s.Wait(ctxT(t, 5*time.Second))
 	if err != nil || st != sglang.KVPollFailed {
 		t.Fatalf("%v %v", st, err)
@@ -163,8 +170,13 @@ func TestBootstrapTimeout(t *testing.T) {
 // TestWaitingTimeoutAborts: a decode room whose transfer never comes fails
 // with SGLang's disaggregation/{nixl,mori}/conn.py's reason and tells prefill with ABORT, which fails the
 // prefill room with decode's address and releases it.
+//
+// The timeout passes on a fake clock; the ranks talk over the in-memory
+// transport.
 func TestWaitingTimeoutAborts(t *testing.T) {
-	r := newRig(t, rigOpts{dset: push.Settings{WaitingTimeout: 150 * time.Millisecond}})
+	const timeout, sweep = 150 * time.Millisecond, 15 * time.Millisecond // sweep: push's sweepPeriod(timeout)
+	fk := clock.NewFake(time.Time{})
+	r := newRig(t, rigOpts{dset: push.Settings{WaitingTimeout: timeout}, clock: fk, mem: memtransport.New(fk)})
 	ctx := ctxT(t, 10*time.Second)
 	q := r.prepare(7, 8, 0)
 	defer q.close()
@@ -175,6 +187,8 @@ func TestWaitingTimeoutAborts(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Prefill never sends.
+	waitArmed(t, fk, sweep)
+	fk.Advance(timeout + 2*sweep)
 	if st, _ := q.rcv.Wait(ctx); st != sglang.KVPollFailed || !strings.Contains(q.rcv.Failure().Error(), "in KVPoll.WaitingForInput") {
 		t.Fatalf("decode %v: %v", st, q.rcv.Failure())
 	}
@@ -190,10 +204,21 @@ func TestWaitingTimeoutAborts(t *testing.T) {
 // sides with the SLA reason.
 func TestTransferSLA(t *testing.T) {
 	slow := []plugin.Param{{Key: "delay_us", Value: "400000"}}
-	r := newRig(t, rigOpts{pparams: slow, pset: push.Settings{TransferTimeout: 50 * time.Millisecond}})
+	// The SLA passes on a fake clock, once the transfer is in flight.
+	const sla = 50 * time.Millisecond
+	fk := clock.NewFake(time.Time{})
+	r := newRig(t, rigOpts{pparams: slow, pset: push.Settings{TransferTimeout: sla}, clock: fk})
 	ctx := ctxT(t, 10*time.Second)
 	q := r.prepare(9, 8, 0)
 	defer q.close()
+	go func() {
+		wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := fk.WaitArmed(wctx, sla); err != nil {
+			t.Error("no SLA timer armed:", err)
+		}
+		fk.Advance(sla)
+	}()
 	err := r.transfer(ctx, q)
 	if err == nil || !strings.Contains(q.s.Failure().Error(), "exceeded SLA 50ms") {
 		t.Fatalf("err %v, prefill failure %v", err, q.s.Failure())

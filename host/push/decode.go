@@ -15,7 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/internal/backoff"
-	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -49,6 +49,12 @@ type DecodeConfig struct {
 	Settings Settings
 	Observer Observer
 	Logger   *slog.Logger
+	// Transport carries the control messages; nil means ZMQ{} (what
+	// SGLang peers speak).
+	Transport Transport
+	// Clock times every timeout, heartbeat and latency; nil means the
+	// wall clock.
+	Clock clock.Clock
 }
 
 // Decode is one decode rank's transfer manager (SGLang's KVManager in
@@ -85,7 +91,7 @@ type Decode struct {
 
 // prefillInfo is one prefill deployment as seen from this decode rank.
 type prefillInfo struct {
-	client   *bootstrap.Client
+	client   BootstrapClient
 	info     bootstrap.ParallelInfo
 	mapping  planner.RankMapping
 	failures int // consecutive failed heartbeats
@@ -180,7 +186,8 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 		notifWake: make(chan struct{}, 1),
 	}
 	if err := d.open(rankSetup{role: RoleDecode, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
-		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger}); err != nil {
+		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger,
+		transport: cfg.Transport, clock: cfg.Clock}); err != nil {
 		return nil, err
 	}
 	fail := func(err error) (*Decode, error) {
@@ -200,7 +207,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 		d.useStat = true
 	}
 	// SGLang's decode PUSH sockets: SNDTIMEO 30 s (the zmq default here).
-	if err := d.listen(&cfg.KV, cfg.Host, cfg.Port); err != nil {
+	if err := d.listen(&cfg.KV, cfg.Host, cfg.Port, 0); err != nil {
 		return fail(err)
 	}
 	var err error
@@ -336,8 +343,8 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 	if pi != nil {
 		return pi, nil
 	}
-	c := bootstrap.NewClient(addr)
-	start := time.Now()
+	c := d.tr.Bootstrap(addr)
+	start := d.clock.Now()
 	retry := backoff.New(20*time.Millisecond, time.Second)
 	var info bootstrap.ParallelInfo
 	for {
@@ -359,15 +366,15 @@ func (d *Decode) parallelInfo(ctx context.Context, addr string) (*prefillInfo, e
 		if ctx.Err() == nil {
 			select {
 			case <-ctx.Done():
-			case <-time.After(retry.Next()):
+			case <-d.clock.After(retry.Next()):
 			}
 		}
 		if ctx.Err() != nil {
-			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start), Err: err})
+			d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: d.clock.Since(start), Err: err})
 			return nil, fmt.Errorf("prefill parallel info from %s: %w (last: %v)", addr, ctx.Err(), err)
 		}
 	}
-	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: time.Since(start)})
+	d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeParallelInfo, Peer: addr, Latency: d.clock.Since(start)})
 	if info.PageSize != nil && *info.PageSize != d.cfg.KV.PageSize {
 		//lint:ignore ST1005 SGLang's own message, kept verbatim
 		return nil, fmt.Errorf("Page size mismatch: prefill server has page_size=%d, but decode server has page_size=%d", *info.PageSize, d.cfg.KV.PageSize)
@@ -418,9 +425,9 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 	info := pi.info
 	local := hostIPs()
 	for _, bt := range pi.mapping.Targets(d.cfg.MLA) {
-		start := time.Now()
+		start := d.clock.Now()
 		ri, err := pi.client.Route(ctx, dpRank, bt.CPRank, bt.TPRank, bt.PPRank)
-		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeRoute, Peer: addr, Latency: time.Since(start), Err: err})
+		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeRoute, Peer: addr, Latency: d.clock.Since(start), Err: err})
 		if err != nil {
 			//lint:ignore ST1005 SGLang's own message, kept verbatim
 			return nil, fmt.Errorf("Could not fetch bootstrap info for: prefill_dp_rank: %d prefill_cp_rank: %d target_tp_rank: %d and target_pp_rank %d: %w", dpRank, bt.CPRank, bt.TPRank, bt.PPRank, err)
@@ -431,7 +438,7 @@ func (d *Decode) targets(ctx context.Context, addr string, pi *prefillInfo, dpRa
 		}
 		ts = append(ts, target{
 			BootstrapTarget: bt,
-			endpoint:        zmq.TCPEndpoint(ri.RankIP, ri.RankPort),
+			endpoint:        tcpEndpoint(ri.RankIP, ri.RankPort),
 			unique:          bt.TPRank*(info.PPSize*info.AttnCPSize) + bt.PPRank*info.AttnCPSize + bt.CPRank,
 			src:             sourcesOf(ips, local),
 		})
@@ -633,7 +640,7 @@ func (d *Decode) senderSlot(ts []target, agent string, n sglang.Notif) (int, err
 // notifications) and sleeps when none do.
 func (d *Decode) notifLoop() {
 	sleep := backoff.New(20*time.Microsecond, time.Millisecond)
-	timer := time.NewTimer(time.Hour)
+	timer := d.poll.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
 	for {
@@ -663,7 +670,7 @@ func (d *Decode) notifLoop() {
 		select {
 		case <-d.ctx.Done():
 			return
-		case <-timer.C:
+		case <-timer.C():
 		}
 	}
 }
@@ -705,11 +712,11 @@ func (d *Decode) heartbeat(time.Time) {
 		if pi == nil {
 			continue
 		}
-		ctx, cancel := context.WithTimeout(d.ctx, 3*time.Second)
-		start := time.Now()
+		ctx, cancel := d.clock.WithTimeout(d.ctx, 3*time.Second)
+		start := d.clock.Now()
 		err := pi.client.Health(ctx)
 		cancel()
-		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeHeartbeat, Peer: addr, Latency: time.Since(start), Err: err})
+		d.obs.Handshake(HandshakeEvent{Role: RoleDecode, Kind: HandshakeHeartbeat, Peer: addr, Latency: d.clock.Since(start), Err: err})
 		if d.ctx.Err() != nil {
 			return
 		}

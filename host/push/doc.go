@@ -27,6 +27,18 @@
 //	st, _ := r.Wait(ctx)                 // Success when every byte landed
 //	r.Close()
 //
+// # Transport and clock
+//
+// A rank holds no socket and reads no wall clock itself: what it exchanges
+// with peers (control messages, the bootstrap server's API) goes through
+// the Transport of its config (ZMQ, what SGLang speaks, by default; the
+// only file importing host/internal/zmq is transport.go), and every timeout,
+// heartbeat, sweep and latency is timed on its Clock (host/internal/clock;
+// the wall clock by default), as hashicorp/raft injects its Transport.
+// Tests run the timeout paths on a clock.Fake they advance by hand and an
+// in-memory transport (host/internal/memtransport). Polling the plugin for
+// notifications stays on the wall clock: the plugin works in real time.
+//
 // # Semantics (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py)
 //
 // Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
@@ -167,17 +168,21 @@ func TestPendingInfoBudget(t *testing.T) {
 			}
 		})
 	}
-	// Unclaimed infos expire with the bootstrap timeout and give their
-	// bytes back.
+	// Unclaimed infos expire with the bootstrap timeout (on a fake clock)
+	// and give their bytes back.
 	t.Run("expiry", func(t *testing.T) {
-		r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: 200 * time.Millisecond}})
+		const timeout, sweep = 200 * time.Millisecond, 20 * time.Millisecond // sweep: push's sweepPeriod(timeout)
+		fk := clock.NewFake(time.Time{})
+		r := newRig(t, rigOpts{pset: push.Settings{BootstrapTimeout: timeout}, clock: fk})
 		ctx := ctxT(t, 30*time.Second)
 		raw := dialRaw(t, r.pf.Endpoint())
 		f := newInfoFrames(t, pages, "127.0.0.1", 1)
 		for i := 0; i < 3; i++ {
 			raw.frames(f.with(uint64(9000+i), "ghost"))
 		}
-		waitFor(t, ctx, "infos arrive", func() bool { return r.pf.PendingInfoBytes() > 0 })
+		waitFor(t, ctx, "infos arrive", func() bool { return r.pf.Pending() == 3 })
+		waitArmed(t, fk, sweep)
+		fk.Advance(timeout + 2*sweep)
 		waitFor(t, ctx, "pending infos expire", func() bool { return r.pf.Pending() == 0 && r.pf.PendingInfoBytes() == 0 })
 	})
 }

@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
-	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -50,6 +50,12 @@ type PrefillConfig struct {
 	Settings Settings
 	Observer Observer
 	Logger   *slog.Logger
+	// Transport carries the control messages; nil means ZMQ{} (what
+	// SGLang peers speak).
+	Transport Transport
+	// Clock times every timeout, heartbeat and latency; nil means the
+	// wall clock.
+	Clock clock.Clock
 }
 
 // Prefill is one prefill rank's transfer manager (SGLang's KVManager in
@@ -241,7 +247,8 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		pend:     pendingBudget{budget: make(map[string]int64)},
 	}
 	if err := m.open(rankSetup{role: RolePrefill, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
-		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger}); err != nil {
+		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger,
+		transport: cfg.Transport, clock: cfg.Clock}); err != nil {
 		return nil, err
 	}
 	fail := func(err error) (*Prefill, error) {
@@ -253,7 +260,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		return fail(err)
 	}
 	// MORI sends status with SNDTIMEO 5 s.
-	if err := m.listen(&cfg.KV, cfg.Host, cfg.Port, zmq.WithSendTimeout(5*time.Second)); err != nil {
+	if err := m.listen(&cfg.KV, cfg.Host, cfg.Port, 5*time.Second); err != nil {
 		return fail(err)
 	}
 	m.srcKV = cfg.KV.kvSide(cfg.Parallel)
@@ -307,9 +314,9 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 		PageSize: m.cfg.KV.PageSize, KVCacheDType: m.cfg.KVCacheDType,
 		LoadBalanceMethod: "follow_bootstrap_room",
 	}
-	start := time.Now()
-	err := bootstrap.NewClient(m.cfg.BootstrapAddr).Register(ctx, reg)
-	m.obs.Handshake(HandshakeEvent{Role: RolePrefill, Kind: HandshakeRegisterBootstrap, Peer: m.cfg.BootstrapAddr, Latency: time.Since(start), Err: err})
+	start := m.clock.Now()
+	err := m.tr.Bootstrap(m.cfg.BootstrapAddr).Register(ctx, reg)
+	m.obs.Handshake(HandshakeEvent{Role: RolePrefill, Kind: HandshakeRegisterBootstrap, Peer: m.cfg.BootstrapAddr, Latency: m.clock.Since(start), Err: err})
 	if err != nil {
 		return fmt.Errorf("push: register with bootstrap server %s: %w", m.cfg.BootstrapAddr, err)
 	}
@@ -366,7 +373,7 @@ func (m *Prefill) Close() error {
 	for _, s := range open {
 		s.fail("prefill rank closed", false) // decode hears it too
 	}
-	grace := time.AfterFunc(closeGrace, m.notifyCancel)
+	grace := m.clock.AfterFunc(closeGrace, m.notifyCancel)
 	defer grace.Stop()
 	defer m.notifyCancel()
 	return m.shutdown()
@@ -395,14 +402,14 @@ func (m *Prefill) handle(frames [][]byte) {
 		m.addPeer(func() (*peer, error) { return m.moriPeer(v) }, key)
 	case *sglang.NIXLTransferInfo:
 		m.addInfo(v.Room, &xferInfo{
-			peer: v.AgentName, endpoint: zmq.TCPEndpoint(v.Endpoint, v.Port),
+			peer: v.AgentName, endpoint: tcpEndpoint(v.Endpoint, v.Port),
 			dstPages: v.DstKVIndices, dstAux: v.DstAuxIndex, required: v.RequiredDstInfoNum,
 			dstState: v.DstStateIndices, prefixLen: v.DecodePrefixLen, prefixSet: v.DecodePrefixLenSet,
 			dummy: v.IsDummy(),
 		})
 	case *sglang.MORITransferInfo:
 		m.addInfo(v.Room, &xferInfo{
-			peer: v.EngineKey, endpoint: zmq.TCPEndpoint(v.Endpoint, v.Port),
+			peer: v.EngineKey, endpoint: tcpEndpoint(v.Endpoint, v.Port),
 			dstPages: v.DstKVIndices, dstAux: v.DstAuxIndex, required: v.RequiredDstInfoNum,
 			dstState: v.DstStateIndices, prefixLen: v.DecodePrefixLen, prefixSet: v.DecodePrefixLenSet,
 			dummy: v.IsDummy(),
@@ -440,7 +447,7 @@ func (m *Prefill) addInfo(room uint64, in *xferInfo) {
 			m.drops.drop("transfer info", fmt.Errorf("room %d: too many rooms waiting for a sender", room))
 			return
 		}
-		ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now(), charged: true}
+		ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: m.clock.Now(), charged: true}
 		m.infos[room] = ri
 	}
 	if ri.complete {
@@ -554,7 +561,7 @@ func (m *Prefill) unchargeLocked(ri *roomInfos) {
 // ranks (or, before their transfer info arrived, not a registered decode
 // rank) is dropped.
 func (m *Prefill) abortFromDecode(a *sglang.Abort) {
-	from := zmq.TCPEndpoint(a.Endpoint, a.Port)
+	from := tcpEndpoint(a.Endpoint, a.Port)
 	reason := fmt.Sprintf("Aborted by decode %s:%d", a.Endpoint, a.Port)
 	m.mu.Lock()
 	ri := m.infos[a.Room]
@@ -599,7 +606,7 @@ func (m *Prefill) abortFromDecode(a *sglang.Abort) {
 				m.mu.Unlock()
 				return
 			}
-			ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: time.Now(), charged: true}
+			ri = &roomInfos{byPeer: make(map[string]*xferInfo), arrived: m.clock.Now(), charged: true}
 			m.infos[a.Room] = ri
 		}
 		ri.aborted = reason
@@ -700,7 +707,7 @@ func endpointsOf(infos []*xferInfo, realOnly bool) []string {
 
 func (m *Prefill) sendStatus(ctx context.Context, endpoint string, room uint64, st sglang.KVPoll, reason string) error {
 	frames, _ := (&sglang.MORIStatus{Room: room, Status: st, PrefillUniqueRank: m.unique, Reason: reason}).Frames()
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := m.clock.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	return m.push.Send(ctx, endpoint, frames...)
 }

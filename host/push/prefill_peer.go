@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/memkind"
-	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -80,7 +78,7 @@ const maxRemoteRegions = 1 << 16
 // registration that is refused or ignored leaves every registered peer as
 // it was.
 func (m *Prefill) addPeer(build func() (*peer, error), name string) {
-	start := time.Now()
+	start := m.clock.Now()
 	m.mu.Lock()
 	if name != "" {
 		if _, ok := m.peers[name]; ok {
@@ -99,7 +97,7 @@ func (m *Prefill) addPeer(build func() (*peer, error), name string) {
 	if p == nil && err == nil {
 		return // already registered
 	}
-	ev := HandshakeEvent{Role: RolePrefill, Kind: HandshakePeer, Peer: name, Latency: time.Since(start), Err: err}
+	ev := HandshakeEvent{Role: RolePrefill, Kind: HandshakePeer, Peer: name, Latency: m.clock.Since(start), Err: err}
 	if p != nil {
 		ev.Peer = p.name
 	}
@@ -182,7 +180,7 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 		m.agent.RemoveRemote(name)
 		return nil, fmt.Errorf("agent metadata names %q, registration names %q", name, r.AgentName)
 	}
-	p = &peer{name: name, endpoint: zmq.TCPEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
+	p = &peer{name: name, endpoint: tcpEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
 	defer func() {
 		if err != nil {
 			m.releasePeer(p)
@@ -386,7 +384,7 @@ func (m *Prefill) moriPeer(r *sglang.MORIRegistration) (p *peer, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("load engine descriptor of %s: %w", key, err)
 	}
-	p = &peer{name: name, endpoint: zmq.TCPEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
+	p = &peer{name: name, endpoint: tcpEndpoint(r.Endpoint, r.Port), tpSize: r.DecodeTPSize, tpRank: r.DecodeTPRank}
 	defer func() {
 		if err != nil {
 			m.releasePeer(p)

@@ -152,7 +152,7 @@ func (w *worker) run(c *chunk) {
 	ctx := c.s.ctx
 	if m.set.TransferTimeout > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, m.set.TransferTimeout)
+		ctx, cancel = m.clock.WithTimeout(ctx, m.set.TransferTimeout)
 		defer cancel()
 	}
 	// Plan and check everything the chunk sends before posting anything:
@@ -562,12 +562,12 @@ func (w *worker) postBatch(ctx context.Context, c *chunk, p *peer, kind Transfer
 }
 
 func (w *worker) start(x *plugin.Xfer, ev TransferEvent) error {
-	f := &inflight{x: x, ev: ev, start: time.Now()}
+	f := &inflight{x: x, ev: ev, start: w.m.clock.Now()}
 	w.flight = append(w.flight, f)
 	if _, err := x.Post(); err != nil {
 		return fmt.Errorf("post transfer to %s: %w", ev.Peer, err)
 	}
-	f.ev.Post = time.Since(f.start)
+	f.ev.Post = w.m.clock.Since(f.start)
 	return nil
 }
 
@@ -576,7 +576,7 @@ func (w *worker) wait(ctx context.Context, c *chunk) error {
 	m := w.m
 	for _, f := range w.flight {
 		err := f.x.Wait(ctx)
-		f.ev.Xfer = time.Since(f.start)
+		f.ev.Xfer = m.clock.Since(f.start)
 		if err != nil {
 			f.ev.Err = err
 			m.obs.Transfer(f.ev)
@@ -661,7 +661,7 @@ func (w *worker) finishByStatus(c *chunk, infos []*xferInfo, peers []*peer) erro
 }
 
 func (m *Prefill) sendFrames(ctx context.Context, endpoint string, frames [][]byte) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := m.clock.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	return m.push.Send(ctx, endpoint, frames...)
 }

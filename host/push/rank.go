@@ -13,8 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
-	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push/rooms"
 )
@@ -30,8 +30,13 @@ type rank struct {
 	obs   Observer
 	agent *plugin.Agent
 	regs  *registered
-	pull  *zmq.Pull
-	push  *zmq.Pushers
+	clock clock.Clock // every protocol time and timeout
+	// poll paces polling the plugin (its notifications), which works in
+	// real time whatever clock times the protocol: always the wall clock.
+	poll  clock.Clock
+	tr    Transport
+	pull  Inbox
+	push  Outbox
 	rooms *rooms.Table
 	drops dropLog
 
@@ -51,6 +56,8 @@ type rankSetup struct {
 	settings    Settings
 	observer    Observer
 	logger      *slog.Logger
+	transport   Transport   // nil: ZMQ{}
+	clock       clock.Clock // nil: the wall clock
 }
 
 // checkConfig checks and completes the fields both configs share.
@@ -78,6 +85,10 @@ func checkConfig(p *Parallel, kv *KVArgs, mla bool, plug *plugin.Plugin, host, k
 // agent. On error nothing is left open.
 func (r *rank) open(s rankSetup) error {
 	r.set, r.log, r.obs = s.settings.withDefaults(), s.logger, s.observer
+	r.clock, r.poll, r.tr = clock.Or(s.clock), clock.Real{}, s.transport
+	if r.tr == nil {
+		r.tr = ZMQ{}
+	}
 	if r.log == nil {
 		r.log = slog.Default()
 	}
@@ -86,7 +97,7 @@ func (r *rank) open(s rankSetup) error {
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
-	r.rooms = rooms.NewTable(func(c rooms.Change) { r.obs.Room(RoomEvent{Role: s.role, Change: c}) })
+	r.rooms = rooms.NewTableOn(r.clock, func(c rooms.Change) { r.obs.Room(RoomEvent{Role: s.role, Change: c}) })
 	r.drops.log = r.log
 	name := s.agentName
 	if name == "" {
@@ -99,17 +110,18 @@ func (r *rank) open(s rankSetup) error {
 	return nil
 }
 
-// listen registers kv with the agent and binds the PULL socket; pushOpts
-// configure the pushers. On error the caller calls shutdown.
-func (r *rank) listen(kv *KVArgs, host string, port int, pushOpts ...zmq.Option) error {
+// listen registers kv with the agent and binds the PULL socket;
+// sendTimeout bounds each send (0: the transport's default). On error the
+// caller calls shutdown.
+func (r *rank) listen(kv *KVArgs, host string, port int, sendTimeout time.Duration) error {
 	var err error
 	if r.regs, err = register(r.agent, kv); err != nil {
 		return err
 	}
-	if r.pull, err = zmq.ListenPull(zmq.TCPEndpoint(host, port), zmq.WithLogger(r.log)); err != nil {
+	if r.pull, err = r.tr.Listen(tcpEndpoint(host, port), r.log); err != nil {
 		return fmt.Errorf("push: bind PULL socket: %w", err)
 	}
-	r.push = zmq.NewPushers(append([]zmq.Option{zmq.WithLogger(r.log)}, pushOpts...)...)
+	r.push = r.tr.Outbox(r.log, sendTimeout)
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	return nil
 }
@@ -130,7 +142,7 @@ func (r *rank) goServeFrom(handle func(frames [][]byte, from net.Addr)) {
 		for {
 			frames, from, err := r.pull.RecvFrom(r.ctx)
 			if err != nil {
-				if r.ctx.Err() != nil || errors.Is(err, zmq.ErrClosed) {
+				if r.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 					return
 				}
 				r.log.Warn("receive failed", "err", err)
@@ -154,14 +166,14 @@ func (r *rank) goRun(fn func()) {
 // rank closes.
 func (r *rank) goEvery(period time.Duration, fn func(now time.Time)) {
 	r.goRun(func() {
-		t := time.NewTicker(period)
+		t := r.clock.NewTicker(period)
 		defer t.Stop()
 		for {
 			select {
 			case <-r.ctx.Done():
 				return
-			case <-t.C:
-				fn(time.Now())
+			case <-t.C():
+				fn(r.clock.Now())
 			}
 		}
 	})

@@ -129,7 +129,7 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 		r.mu.Unlock()
 		return fmt.Errorf("%w: metadata already sent", ErrState)
 	}
-	r.sent = time.Now()
+	r.sent = d.clock.Now()
 	r.auxIndex = auxIndex
 	r.arr.expectsState = len(stateIndices) > 0
 	r.arr.senders = len(r.expected)
@@ -271,7 +271,7 @@ func (r *Receiver) failWith(reason string, remote, abort bool) {
 		go func() {
 			defer d.wg.Done()
 			for _, t := range ts {
-				ctx, cancel := context.WithTimeout(d.ctx, 5*time.Second)
+				ctx, cancel := d.clock.WithTimeout(d.ctx, 5*time.Second)
 				if err := d.push.Send(ctx, t.endpoint, slices.Clone(frames)...); err != nil {
 					d.log.Debug("could not send ABORT", "room", r.room, "prefill", t.endpoint, "err", err)
 				}

@@ -13,7 +13,9 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/faketest"
+	"github.com/kvhost/kvhost/host/internal/memtransport"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -93,6 +95,24 @@ type rigOpts struct {
 	prefillPages int
 	noDecode     bool
 	xfer         push.XferMode
+	clock        *clock.Fake           // both ranks' clock (nil: the wall clock)
+	mem          *memtransport.Network // both ranks' transport (nil: ZMQ)
+	// boot replaces the bootstrap client of the in-memory transport.
+	boot func(addr string) push.BootstrapClient
+}
+
+// seams returns the Transport and Clock the options ask for (nil
+// interfaces for the defaults).
+func (o rigOpts) seams() (push.Transport, clock.Clock) {
+	var tr push.Transport
+	var c clock.Clock
+	if o.mem != nil {
+		tr = memTransport{n: o.mem, boot: o.boot}
+	}
+	if o.clock != nil {
+		c = o.clock
+	}
+	return tr, c
 }
 
 // rig is one prefill rank and one decode rank (TP 1) in this process.
@@ -124,9 +144,10 @@ func newRig(t testing.TB, o rigOpts) *rig {
 	r.p = newSide(t, pages, o.state)
 	r.d = newSide(t, rigPages, o.state)
 	ctx := context.Background()
+	tr, clk := o.seams()
 	r.pf, err = push.NewPrefill(ctx, push.PrefillConfig{Plugin: r.pl, AgentParams: o.pparams, Variant: o.variant, Completion: o.completion,
 		XferMode: o.xfer, KV: r.p.args, Parallel: push.Parallel{TPSize: 1}, BootstrapAddr: r.srv.Addr(),
-		Settings: o.pset, Observer: o.pobs, Logger: quietLog()})
+		Settings: o.pset, Observer: o.pobs, Logger: quietLog(), Transport: tr, Clock: clk})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,7 +156,8 @@ func newRig(t testing.TB, o rigOpts) *rig {
 		return r
 	}
 	r.dec, err = push.NewDecode(ctx, push.DecodeConfig{Plugin: r.pl, AgentParams: o.dparams, Variant: o.variant, Completion: o.completion,
-		KV: r.d.args, Parallel: push.Parallel{TPSize: 1}, Settings: o.dset, Observer: o.dobs, Logger: quietLog()})
+		KV: r.d.args, Parallel: push.Parallel{TPSize: 1}, Settings: o.dset, Observer: o.dobs, Logger: quietLog(),
+		Transport: tr, Clock: clk})
 	if err != nil {
 		t.Fatal(err)
 	}

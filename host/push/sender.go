@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -177,7 +176,7 @@ func (s *Sender) Close() {
 			m.unchargeLocked(ri)
 			delete(m.infos, s.room)
 		}
-		m.closedRooms.add(s.room, time.Now())
+		m.closedRooms.add(s.room, m.clock.Now())
 	}
 	m.mu.Unlock()
 	m.rooms.Remove(s.room)

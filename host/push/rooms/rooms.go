@@ -10,6 +10,7 @@ package rooms
 
 import (
 	"context"
+	"github.com/kvhost/kvhost/host/internal/clock"
 	"sync"
 	"time"
 
@@ -42,6 +43,7 @@ type Table struct {
 	mu       sync.Mutex
 	rooms    map[uint64]*entry
 	onChange func(Change) // called without the lock held; may be nil
+	clock    clock.Clock
 }
 
 type entry struct {
@@ -57,8 +59,11 @@ type entry struct {
 // every status change, under the table's lock: changes are reported in the
 // order they happen and before anyone can observe the new status, but
 // onChange must be quick and must not call back into the table.
-func NewTable(onChange func(Change)) *Table {
-	return &Table{rooms: make(map[uint64]*entry), onChange: onChange}
+func NewTable(onChange func(Change)) *Table { return NewTableOn(clock.Real{}, onChange) }
+
+// NewTableOn is NewTable with room ages (Change.Age) timed on c.
+func NewTableOn(c clock.Clock, onChange func(Change)) *Table {
+	return &Table{rooms: make(map[uint64]*entry), onChange: onChange, clock: clock.Or(c)}
 }
 
 // Create adds a room with status s, or, if the room exists, merges s into
@@ -72,7 +77,7 @@ func (t *Table) Create(room uint64, s sglang.KVPoll) bool {
 		t.setLocked(room, e, s, "")
 		return false
 	}
-	e = &entry{status: s, created: time.Now()}
+	e = &entry{status: s, created: t.clock.Now()}
 	t.rooms[room] = e
 	t.report(Change{Room: room, From: s, To: s, New: true})
 	return true
@@ -120,7 +125,7 @@ func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string)
 	if next == e.status {
 		return
 	}
-	c := Change{Room: room, From: e.status, To: next, Age: time.Since(e.created)}
+	c := Change{Room: room, From: e.status, To: next, Age: t.clock.Since(e.created)}
 	if next == sglang.KVPollFailed {
 		c.Reason = e.reason
 	}
