@@ -221,9 +221,28 @@ bench: all
 # every byte verified).
 test: all vet lint plugin-fake-abi2 plugin-test
 	$(GO) test -race -count=1 ./...
+	$(GO) test -count=1 ./...
 	$(MAKE) --no-print-directory install-check
 	$(BIN) demo --requests 48 --layers 4
 	$(BIN) demo --requests 48 --layers 4 --style vllm
+
+# flake-check runs the whole Go suite repeatedly, the way a loaded machine
+# shakes out tests that pass only sometimes: every package -count=20
+# without the race detector (fast code exposes a race between a test and
+# what it waits for), then -count=5 under it (slow code exposes timing
+# assumptions). Not part of `make test` (it takes far longer); run it
+# before submitting a change to tests. FLAKE_PKGS narrows it.
+FLAKE_PKGS ?= ./...
+FLAKE_COUNT ?= 20
+FLAKE_RACE_COUNT ?= 5
+.PHONY: flake-check
+flake-check: all plugin-fake-abi2
+	@start=$$(date +%s); rc=0; \
+	  $(GO) test -count=$(FLAKE_COUNT) -timeout 60m $(FLAKE_PKGS) || rc=1; \
+	  $(GO) test -race -count=$(FLAKE_RACE_COUNT) -timeout 60m $(FLAKE_PKGS) || rc=1; \
+	  t=$$(( $$(date +%s) - start )); \
+	  if [ $$rc = 0 ]; then echo "flake-check: ok in $$t s"; else echo "flake-check: FAILED after $$t s" >&2; fi; \
+	  exit $$rc
 
 clean:
 	rm -rf bin lib dist build

@@ -33,7 +33,7 @@ func bRunRef(t *testing.T, cases []bRefCase) []bRefResult {
 	t.Helper()
 	const py = "/usr/bin/python3"
 	if _, err := os.Stat(py); err != nil {
-		t.Skipf("reference check needs %s (with python3-numpy): %v", py, err)
+		t.Fatalf("reference check needs %s (with python3-numpy: scripts/install-test-deps.sh): %v", py, err)
 	}
 	if err := exec.Command(py, "-c", "import numpy").Run(); err != nil {
 		t.Fatalf("%s cannot import numpy (apt-get install python3-numpy): %v", py, err)

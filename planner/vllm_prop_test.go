@@ -186,26 +186,121 @@ func (m *vModel) valid() bool {
 	return m.mla || m.ptp >= m.heads || m.dtp <= m.heads
 }
 
+// vDrawValidModel draws a deployment the reference accepts. It draws the
+// heads, then the prefill TP, then a decode TP from what that pair allows,
+// so every draw is valid by construction (no draw is thrown away, and the
+// semantic property checks every example it runs).
+func vDrawValidModel(t *rapid.T) vModel {
+	m := vDrawModel(t)
+	if !m.valid() {
+		// Without replication on prefill, decode ranks hold one head at
+		// least: the decode TP may grow from the prefill TP up to the
+		// head count.
+		var dtps []int
+		for d := m.ptp; d <= m.heads; d *= 2 {
+			dtps = append(dtps, d)
+		}
+		m.dtp = rapid.SampledFrom(dtps).Draw(t, "validDTP")
+	}
+	return m
+}
+
+// vDrawInvalidModel draws an MHA deployment the reference refuses: heads
+// split across prefill ranks (prefill TP < heads) but fewer heads than
+// decode ranks (decode TP > heads).
+func vDrawInvalidModel(t *rapid.T) vModel {
+	m := vDrawModel(t)
+	m.mla, m.latentBytes = false, nil
+	m.heads = rapid.SampledFrom([]int{2, 4, 8}).Draw(t, "invalidHeads")
+	var ptps []int
+	for p := 1; p < m.heads; p *= 2 {
+		ptps = append(ptps, p)
+	}
+	m.ptp = rapid.SampledFrom(ptps).Draw(t, "invalidPTP")
+	m.dtp = m.heads * rapid.SampledFrom([]int{2, 4}).Draw(t, "invalidOver")
+	return m
+}
+
+// TestVLLMPropertiesRefused: every deployment that splits heads on prefill
+// and gives a decode rank less than one head is refused at the prefill's
+// block lengths, on every decode rank. Its own property (rather than a
+// share of random draws in TestVLLMPropertiesSemantic) so that every run
+// checks it.
+func TestVLLMPropertiesRefused(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		m := vDrawInvalidModel(t)
+		if m.valid() {
+			t.Fatalf("drew a valid deployment: heads %d, TP %d -> %d", m.heads, m.ptp, m.dtp)
+		}
+		dec, pre := m.agents()
+		for rank := range m.dtp {
+			d := VLLMDecode{Agent: dec, TPRank: rank, TPSize: m.dtp, MLA: m.mla, BlocksFirst: m.blocksFirst,
+				TotalKVHeads: m.heads, BlockWindows: m.windows, PhysicalBlocksPerLogical: m.kf}
+			_, err := NewVLLMReader(d, pre, m.ptp)
+			var pe *Error
+			if !errors.As(err, &pe) || pe.Field != "prefill.block_lens" {
+				t.Fatalf("invalid deployment (heads %d, TP %d -> %d), rank %d: got %v", m.heads, m.ptp, m.dtp, rank, err)
+			}
+		}
+	})
+}
+
+// TestVLLMPropertiesFullHit: a full prefix hit (no decode blocks to fill)
+// reads nothing and only notifies, on every rank of every valid deployment.
+func TestVLLMPropertiesFullHit(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		m := vDrawValidModel(t)
+		dec, pre := m.agents()
+		nbRl := m.nbR / m.kf
+		remote := vDrawDistinct(t, "remote", rapid.IntRange(0, nbRl).Draw(t, "nr"), nbRl)
+		for rank := range m.dtp {
+			d := VLLMDecode{Agent: dec, TPRank: rank, TPSize: m.dtp, MLA: m.mla, BlocksFirst: m.blocksFirst,
+				TotalKVHeads: m.heads, BlockWindows: m.windows, PhysicalBlocksPerLogical: m.kf}
+			r, err := NewVLLMReader(d, pre, m.ptp)
+			if err != nil {
+				t.Fatalf("rank %d: %v", rank, err)
+			}
+			p, err := planRead(r, nil, remote)
+			if err != nil {
+				t.Fatalf("rank %d: Plan: %v", rank, err)
+			}
+			rd, err := r.Read(nil, remote)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !rd.NotifyOnly || len(p.Copies) != 0 {
+				t.Fatalf("full prefix hit: notify %v, %d copies", rd.NotifyOnly, len(p.Copies))
+			}
+		}
+	})
+}
+
+// TestVLLMPropertiesSemantic checks, byte by byte, every rank plan of valid
+// deployments reading at least one block. Invalid deployments and full
+// prefix hits have their own properties above, so every example here is
+// checked: coverage does not depend on what the random draw happens to hit.
 func TestVLLMPropertiesSemantic(t *testing.T) {
-	var checked, refused, bytesChecked int
+	var examples, checked, bytesChecked int
 	defer func() {
-		t.Logf("%d rank plans checked byte by byte (%d bytes), %d deployments refused", checked, bytesChecked, refused)
-		if checked < 50 || refused == 0 {
-			t.Errorf("generator too thin: %d rank plans checked, %d refused", checked, refused)
+		t.Logf("%d examples, %d rank plans checked byte by byte (%d bytes)", examples, checked, bytesChecked)
+		if checked < examples {
+			t.Errorf("%d rank plans checked in %d examples: every example must check one at least", checked, examples)
 		}
 	}()
 	rapid.Check(t, func(t *rapid.T) {
-		m := vDrawModel(t)
+		examples++
+		m := vDrawValidModel(t)
 		dec, pre := m.agents()
-		// Request: distinct remote blocks and decode blocks, as many as the
-		// decode needs (or fewer: a prefix hit, partial only without a
-		// block-size ratio, where vLLM's kv_connector/v1/nixl_connector.py aligns blocks).
+		// Request: distinct remote blocks and decode blocks, at least one
+		// and as many as the decode needs (or fewer: a prefix hit, partial
+		// only without a block-size ratio, where vLLM's kv_connector/v1/nixl_connector.py
+		// aligns blocks).
 		nbRl, nbLl := m.nbR/m.kf, m.nbL/m.kf
-		nr := rapid.IntRange(0, min(nbRl, nbLl*m.bsr)).Draw(t, "nr")
+		nr := rapid.IntRange(1, min(nbRl, nbLl*m.bsr)).Draw(t, "nr")
 		remote := vDrawDistinct(t, "remote", nr, nbRl)
 		nl := (nr + m.bsr - 1) / m.bsr
 		if m.bsr == 1 {
-			nl = rapid.IntRange(0, nr).Draw(t, "nl")
+			nl = rapid.IntRange(1, nr).Draw(t, "nl")
 		}
 		local := vDrawDistinct(t, "local", nl, nbLl)
 
@@ -216,14 +311,6 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 			d := VLLMDecode{Agent: dec, TPRank: rank, TPSize: m.dtp, MLA: m.mla, BlocksFirst: m.blocksFirst,
 				TotalKVHeads: m.heads, BlockWindows: windows, PhysicalBlocksPerLogical: m.kf}
 			r, err := NewVLLMReader(d, pre, m.ptp)
-			if !m.valid() {
-				var pe *Error
-				if !errors.As(err, &pe) || pe.Field != "prefill.block_lens" {
-					t.Fatalf("invalid deployment (heads %d, TP %d -> %d): got %v", m.heads, m.ptp, m.dtp, err)
-				}
-				refused++
-				return
-			}
 			if err != nil {
 				t.Fatalf("rank %d: %v", rank, err)
 			}
@@ -238,17 +325,11 @@ func TestVLLMPropertiesSemantic(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if nl == 0 {
-				if !rd.NotifyOnly || len(p.Copies) != 0 {
-					t.Fatalf("full prefix hit: notify %v, %d copies", rd.NotifyOnly, len(p.Copies))
-				}
-				continue
-			}
 			checked++
 			bytesChecked += int(p.Bytes())
 			checkRankSemantics(t, &m, r, p, rd, rank, local, remote, owners)
 		}
-		if nl == 0 || !m.valid() || m.mla {
+		if m.mla {
 			return
 		}
 		// Every head reached every decode rank that owns it, and only those.

@@ -19,7 +19,8 @@ import (
 //  3. an empty local list is a full prefix hit: nothing is read and the
 //     prefill is only notified;
 //  4. a shorter local list is a partial prefix hit: only the last
-//     len(local) remote blocks are read;
+//     len(local) remote blocks are read (with a block-size ratio, kvhost
+//     first aligns the remote list to the decode blocks: VLLMAlignRemote);
 //  5. descriptor ids are virtual region × blocks per region + block, every
 //     region in turn; a layer with a block window reads only the last
 //     window blocks of both lists.
@@ -141,6 +142,38 @@ func checkSeq(field string, s *vllmSeq, from, to, blocks int) error {
 		return errorf(fmt.Sprintf("%s[%d]", field, i), "block %d expands past the %d blocks of the descriptor list", id, blocks)
 	}
 	return nil
+}
+
+// VLLMAlignRemote returns the prefill blocks (remote_block_ids) that
+// kvhost's pull runtime hands to the reader for a request of nLocal decode
+// blocks, when decode blocks are blockSizeRatio prefill blocks long. It is
+// where kvhost deliberately differs from vLLM: on a partial prefix hit,
+// vLLM's _read_blocks_for_req reads the last nLocal × ratio prefill
+// blocks (remote_block_ids[-n:]), which lands the tokens in the wrong
+// decode blocks unless the request's last decode block is full of prefill
+// blocks. The request spans ceil(len(remote)/ratio) decode blocks and the
+// last nLocal are read, so kvhost first drops the prefill blocks of the hit
+// decode blocks (the reader then clips the last, partial decode block as
+// vLLM does). Both agree whenever vLLM is right: no hit, or a last decode
+// block that is full. With a ratio of 1 the reader's tail is already right
+// and remote is returned as is.
+//
+// The pull runtime (host/pull) and `kvhost plan` both call it, so the plan
+// shows what the runtime reads.
+func VLLMAlignRemote(nLocal int, remote []int32, blockSizeRatio int) []int32 {
+	if blockSizeRatio <= 1 {
+		return remote
+	}
+	spans := (len(remote) + blockSizeRatio - 1) / blockSizeRatio
+	if hit := spans - nLocal; hit > 0 {
+		return remote[min(hit*blockSizeRatio, len(remote)):]
+	}
+	return remote
+}
+
+// AlignRemote is VLLMAlignRemote with this reader's block-size ratio.
+func (r *VLLMReader) AlignRemote(nLocal int, remote []int32) []int32 {
+	return VLLMAlignRemote(nLocal, remote, r.blockSizeRatio)
 }
 
 // VLLMRead is the prepped form of one request's READ.

@@ -54,7 +54,7 @@ func demoCommand() *cli.Command {
 			&cli.IntFlag{Name: "requests", Value: d.Requests, EnvVars: env("REQUESTS"), Usage: "requests in the workload"},
 			&cli.Uint64Flag{Name: "seed", Value: d.Seed, EnvVars: env("SEED"), Usage: "workload seed: request ids, lengths, page allocations"},
 			&cli.IntFlag{Name: "layers", Value: d.Layers, EnvVars: env("LAYERS"), Usage: "model layers"},
-			&cli.IntFlag{Name: "kv-heads", Value: d.KVHeads, EnvVars: env("KV_HEADS"), Usage: "model KV heads (mha)"},
+			&cli.IntFlag{Name: "kv-heads", Value: d.KVHeads, EnvVars: env("KV_HEADS"), Usage: "model KV heads in total (mha; with --style vllm mla too: vLLM's compatibility hash counts them)"},
 			&cli.IntFlag{Name: "head-dim", Value: d.HeadDim, EnvVars: env("HEAD_DIM"), Usage: "elements per head (mla: per latent row)"},
 			&cli.IntFlag{Name: "dtype-bytes", Value: d.DTypeBytes, EnvVars: env("DTYPE_BYTES"), Usage: "bytes per element: 1, 2 or 4"},
 			&cli.IntFlag{Name: "page-size", Value: d.PageSize, EnvVars: env("PAGE_SIZE"), Usage: "tokens per KV page"},

@@ -104,7 +104,7 @@ func workerFlags(role string) []cli.Flag {
 		&cli.StringFlag{Category: catModel, Name: "attention", Value: "mha", EnvVars: env("ATTENTION"),
 			Usage: "mha (K and V, heads split over TP) or mla (one latent per layer, replicated)"},
 		&cli.IntFlag{Category: catModel, Name: "layers", Value: 8, EnvVars: env("LAYERS"), Usage: "model layers"},
-		&cli.IntFlag{Category: catModel, Name: "kv-heads", Value: 8, EnvVars: env("KV_HEADS"), Usage: "model KV heads (mha)"},
+		&cli.IntFlag{Category: catModel, Name: "kv-heads", Value: 8, EnvVars: env("KV_HEADS"), Usage: "model KV heads in total (mha; with --style vllm mla too: vLLM's compatibility hash counts them)"},
 		&cli.IntFlag{Category: catModel, Name: "head-dim", Value: 128, EnvVars: env("HEAD_DIM"), Usage: "elements per head (mla: per latent row)"},
 		&cli.IntFlag{Category: catModel, Name: "dtype-bytes", Value: 2, EnvVars: env("DTYPE_BYTES"), Usage: "bytes per element"},
 		&cli.IntFlag{Category: catModel, Name: "page-size", Value: 16, EnvVars: env("PAGE_SIZE"),

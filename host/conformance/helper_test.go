@@ -12,7 +12,7 @@ import (
 func TestHelperThatDoesNotAnswerIsKilled(t *testing.T) {
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
-		t.Skipf("no sleep command: %v", err)
+		t.Fatalf("no sleep command: %v", err)
 	}
 	start := time.Now()
 	_, err = startHelper(exec.Command(sleep, "60"), "fake", nil, 200*time.Millisecond)

@@ -1,6 +1,7 @@
 package demo
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"net/http"
@@ -183,6 +184,18 @@ func TestMetricsDuringRun(t *testing.T) {
 	m.SetReady(true)
 	cfg.Metrics = m
 	count := regexp.MustCompile(`(?m)^kvhost_nixl_xfer_time_seconds_count\{role="demo"\} (\d+)$`)
+	// A transfer's time is observed before its room turns Success, so a
+	// scrape counts only once every series is there (one scrape between
+	// the two would lack the transition).
+	wants := []string{"kvhost_nixl_post_time_seconds_count", "kvhost_nixl_bytes_transferred_bucket", "kvhost_nixl_num_descriptors_sum", `kvhost_room_transitions_total{role="demo",state="Success"}`}
+	complete := func(b []byte) bool {
+		for _, w := range wants {
+			if !bytes.Contains(b, []byte(w)) {
+				return false
+			}
+		}
+		return true
+	}
 	scraped := make(chan string, 1)
 	var running sync.WaitGroup
 	running.Add(1)
@@ -202,7 +215,7 @@ func TestMetricsDuringRun(t *testing.T) {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			if mm := count.FindSubmatch(b); mm != nil {
-				if n, _ := strconv.Atoi(string(mm[1])); n > 0 {
+				if n, _ := strconv.Atoi(string(mm[1])); n > 0 && complete(b) {
 					select {
 					case <-finished: // too late: the run is over
 					default:
@@ -219,13 +232,13 @@ func TestMetricsDuringRun(t *testing.T) {
 	check(t, s, err)
 	select {
 	case body := <-scraped:
-		for _, want := range []string{"kvhost_nixl_post_time_seconds_count", "kvhost_nixl_bytes_transferred_bucket", "kvhost_nixl_num_descriptors_sum", `kvhost_room_transitions_total{role="demo",state="Success"}`} {
+		for _, want := range wants {
 			if !strings.Contains(body, want) {
 				t.Errorf("scrape during the run lacks %s", want)
 			}
 		}
 	default:
-		t.Fatal("no scrape during the run found kvhost_nixl_xfer_time_seconds populated")
+		t.Fatalf("no scrape during the run found kvhost_nixl_xfer_time_seconds populated and %v", wants)
 	}
 }
 

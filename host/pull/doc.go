@@ -78,7 +78,9 @@
 //     reference reads remote_block_ids[-n:], which lands the tokens in the
 //     wrong decode blocks unless the request's last decode block is full
 //     of prefill blocks; kvhost skips the prefill blocks of the hit decode
-//     blocks instead (identical whenever vLLM's kv_connector/v1/nixl_connector.py is right);
+//     blocks instead (identical whenever vLLM's kv_connector/v1/nixl_connector.py is right;
+//     planner.VLLMAlignRemote, which `kvhost plan` applies too, so the plan
+//     shows this read: docs/plan.md);
 //   - after a READ between different block sizes the received decode
 //     blocks are reordered into the decode layout for every layout that
 //     needs it (HND, and blocks-first in either layout), where the

@@ -125,7 +125,7 @@ func FuzzLoadParams(f *testing.F) {
 		for i, b := range localIDs {
 			lids[i] = int32(b) - 8 // some negative, some past the 64 blocks
 		}
-		rem := alignRemote(len(lids), p.RemoteBlockIDs, r.BlockSizeRatio())
+		rem := r.AlignRemote(len(lids), p.RemoteBlockIDs)
 		l, rm, notify, err := r.AppendRead(nil, nil, lids, rem)
 		if err != nil {
 			return

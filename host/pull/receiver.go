@@ -679,25 +679,12 @@ func xferDescs(l *planner.VLLMDescList) []abi.XferDesc {
 	return out
 }
 
-// alignRemote drops the prefill blocks that the decode's prefix-hit blocks
-// cover when decode blocks are bsr prefill blocks long (see the package
-// doc): the request spans ceil(len(remote)/bsr) decode blocks, the last
-// nLocal of which are read.
-func alignRemote(nLocal int, remote []int32, bsr int) []int32 {
-	spans := (len(remote) + bsr - 1) / bsr
-	if hit := spans - nLocal; hit > 0 {
-		return remote[min(hit*bsr, len(remote)):]
-	}
-	return remote
-}
-
 // issue makes and posts a request's READ, or sends only its notification.
 func (r *Receiver) issue(l *Load, pr *peer) {
 	p := &l.req.Params
-	remote := p.RemoteBlockIDs
-	if bsr := pr.reader.BlockSizeRatio(); bsr > 1 {
-		remote = alignRemote(len(l.req.LocalBlockIDs), remote, bsr)
-	}
+	// planner.VLLMAlignRemote: where kvhost differs from vLLM (a partial
+	// prefix hit with larger decode blocks); `kvhost plan` does the same.
+	remote := pr.reader.AlignRemote(len(l.req.LocalBlockIDs), p.RemoteBlockIDs)
 	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, pr.reader.TPRatio()))
 
 	r.scratchMu.Lock()

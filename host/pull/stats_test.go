@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"math/rand/v2"
-	"reflect"
 	"testing"
 	"time"
 )
@@ -45,31 +44,6 @@ func TestReduce(t *testing.T) {
 	}
 	if (&Stats{FailedTransfers: 1}).IsEmpty() {
 		t.Fatal("failures alone count as not empty")
-	}
-}
-
-func TestAlignRemote(t *testing.T) {
-	r := []int32{10, 11, 12, 13, 14}
-	for _, c := range []struct {
-		nLocal, bsr int
-		want        []int32
-	}{
-		{3, 2, r},     // spans 3 decode blocks, all read
-		{2, 2, r[2:]}, // first decode block hit: skip 2 prefill blocks
-		{1, 2, r[4:]}, // two hit
-		{0, 2, r[5:]}, // full hit: nothing
-		{4, 2, r},     // more local blocks than spanned: the planner clips
-		{1, 4, r[4:]}, // 4x: spans 2, one hit
-		{2, 1, r[3:]}, // equal sizes: vLLM's kv_connector/v1/nixl_connector.py's tail
-		{5, 1, r},     // equal sizes, no hit
-		{1, 8, r},     // one decode block holds all
-		{0, 8, r[5:]}, // and is hit
-		{2, 3, r},     // 3x: spans 2
-		{1, 3, []int32{13, 14}},
-	} {
-		if got := alignRemote(c.nLocal, r, c.bsr); !reflect.DeepEqual(got, c.want) && !(len(got) == 0 && len(c.want) == 0) {
-			t.Errorf("alignRemote(%d, 5 blocks, %d) = %v, want %v", c.nLocal, c.bsr, got, c.want)
-		}
 	}
 }
 

@@ -44,6 +44,9 @@ func planVLLMKVRequest(raw json.RawMessage) (*planner.Plan, error) {
 	if err != nil {
 		return nil, err
 	}
+	// What the pull runtime reads: with decode blocks larger than
+	// prefill's, a partial prefix hit is aligned to the decode blocks.
+	remote = r.AlignRemote(len(local), remote)
 	p, err := planNew(r, remote, local)
 	if err != nil {
 		return nil, vllmJSONError(err)

@@ -653,6 +653,11 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Durations for telemetry, in the ABI's whole microseconds, rounded up: a
+ * same-process transfer of a few KiB takes well under a microsecond, and
+ * truncating reported it as taking no time at all. */
+static uint64_t dur_us(uint64_t ns) { return (ns + 999u) / 1000u; }
+
 static uint64_t epoch_us(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
@@ -1755,7 +1760,7 @@ static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
     x->done.valid = 1;
     x->done.start_us = x->start_us;
     x->done.post_us = x->post_us;
-    x->done.xfer_us = (now_ns() - x->t0_ns) / 1000u;
+    x->done.xfer_us = dur_us(now_ns() - x->t0_ns);
     x->done.bytes = x->total_bytes;
     x->done.descs = x->desc_count;
     atomic_store_explicit(&x->state, X_DONE, memory_order_release);
@@ -3330,7 +3335,7 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   x->limit = x->fail ? x->total_bytes / 2 : x->total_bytes;
   x->pollable = !ag->delay_us;
   uint64_t now = now_ns();
-  x->post_us = (now - t0) / 1000u;
+  x->post_us = dur_us(now - t0);
   queue_push_locked(ag, x, now);
   pthread_mutex_unlock(&ag->qlock);
   a->status = KVP_IN_PROG;

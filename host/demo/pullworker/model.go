@@ -62,7 +62,10 @@ type Model struct {
 	// BlocksFirst is FlashInfer's layout: K and V of a block together.
 	BlocksFirst bool
 	Layers      int
-	// KVHeads is the total KV head count (MHA/GQA; ignored for MLA).
+	// KVHeads is the model's total KV head count (vLLM's
+	// model_config.get_total_num_kv_heads()), MLA included: vLLM hashes it
+	// (DeepSeek-V3: 128) although an MLA cache holds one latent head per
+	// rank, and the cache geometry ignores it for MLA.
 	KVHeads int
 	// HeadDim is elements per head (MLA: the latent width, e.g. 576).
 	HeadDim int
@@ -107,7 +110,7 @@ func (m Model) Validate() error {
 		return fmt.Errorf("layers %d must be positive", m.Layers)
 	case m.HeadDim <= 0:
 		return fmt.Errorf("head dim %d must be positive", m.HeadDim)
-	case !m.MLA && m.KVHeads <= 0:
+	case m.KVHeads <= 0:
 		return fmt.Errorf("KV heads %d must be positive", m.KVHeads)
 	case m.MLA && m.BlocksFirst:
 		return errors.New("MLA has no K/V halves: blocks-first does not apply")
@@ -134,18 +137,18 @@ func (m Model) Backend() string {
 	return "FLASH_ATTN"
 }
 
-// CompatHash is vLLM's compatibility hash of the model.
+// CompatHash is vLLM's compatibility hash of the model. Its KV heads are
+// the model's total for MLA too: vLLM's compute_nixl_compatibility_hash
+// (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py) takes
+// model_config.get_total_num_kv_heads(), which has no MLA case (only the
+// per-rank get_num_kv_heads returns 1 for MLA).
 func (m Model) CompatHash() string {
-	heads := m.KVHeads
-	if m.MLA {
-		heads = 1 // MLA's single latent "head"
-	}
 	return vllm.CompatibilityHash(vllm.CompatFactors{
 		VLLMVersion:      m.VLLMVersion,
 		ConnectorVersion: vllm.ConnectorVersion,
 		Model:            m.Name,
 		DType:            "torch." + m.DType,
-		NumKVHeads:       heads,
+		NumKVHeads:       m.KVHeads,
 		HeadSize:         m.HeadDim,
 		NumHiddenLayers:  m.Layers,
 		AttnBackendName:  m.Backend(),

@@ -189,7 +189,7 @@ func TestLocalAndRemoteAgentsAgree(t *testing.T) {
 func TestProcThatDoesNotAnswerIsKilled(t *testing.T) {
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
-		t.Skipf("no sleep command: %v", err)
+		t.Fatalf("no sleep command: %v", err)
 	}
 	start := time.Now()
 	_, err = Start(exec.Command(sleep, "60"), "fake", nil, Options{AnswerWithin: 200 * time.Millisecond, ExitWithin: time.Second})

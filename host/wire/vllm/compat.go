@@ -19,7 +19,7 @@ type CompatFactors struct {
 	ConnectorVersion int    // NIXL_CONNECTOR_VERSION; ConnectorVersion for vLLM's kv_connector/v1/nixl_connector.py
 	Model            string // model_config.model (name or path as given)
 	DType            string // str(model_config.dtype), e.g. "torch.bfloat16"
-	NumKVHeads       int    // total KV heads
+	NumKVHeads       int    // model_config.get_total_num_kv_heads(): the model's total, MLA too
 	HeadSize         int
 	NumHiddenLayers  int    // total hidden layers
 	AttnBackendName  string // attention backend name, e.g. "FLASH_ATTN"

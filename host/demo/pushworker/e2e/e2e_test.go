@@ -13,7 +13,7 @@ import (
 func requireFake(t *testing.T) {
 	t.Helper()
 	if _, err := plugin.Find("fake", plugin.SearchDirs("")); err != nil {
-		t.Skipf("fake plugin not built (make plugin-fake): %v", err)
+		t.Fatalf("the fake plugin is needed (make plugin-fake): %v", err)
 	}
 }
 

@@ -29,7 +29,7 @@ const python = "/usr/bin/python3"
 func requirePython(t *testing.T) {
 	t.Helper()
 	if _, err := os.Stat(python); err != nil {
-		t.Skip("no /usr/bin/python3")
+		t.Fatalf("%s is needed, with python3-zmq, python3-numpy and python3-msgpack (scripts/install-test-deps.sh): %v", python, err)
 	}
 	if out, err := exec.Command(python, "-c", "import zmq, numpy, msgpack").CombinedOutput(); err != nil {
 		t.Fatalf("python3-zmq, python3-numpy and python3-msgpack are needed (scripts/install-test-deps.sh): %v\n%s", err, out)
@@ -95,9 +95,10 @@ func runPython(t *testing.T, ctx context.Context, spec map[string]any) (*exec.Cm
 }
 
 func fakePath(t *testing.T) string {
+	t.Helper()
 	p, err := plugin.Find("fake", plugin.SearchDirs(""))
 	if err != nil {
-		t.Skipf("fake plugin not built: %v", err)
+		t.Fatalf("the fake plugin is needed (make plugin-fake): %v", err)
 	}
 	abs, _ := filepath.Abs(p)
 	return abs

@@ -3,8 +3,8 @@
 Modes (first argument):
   push ENDPOINT      connect PUSH, send the standard messages, close (linger)
   push-heartbeat ENDPOINT
-                     PUSH with ZMTP heartbeats every 50 ms (timeout 300 ms):
-                     send "one", idle 1.5 s, send "two", close
+                     PUSH with ZMTP heartbeats every 50 ms (timeout 1 s):
+                     send "one", idle 3 s, send "two", close
   pull               bind PULL on 127.0.0.1, print "PORT <n>", receive the
                      standard messages and print "OK <n>" when they match
   req ENDPOINT N     N times: new REQ socket, send [b"req", i], expect
@@ -43,12 +43,16 @@ def main():
         import time
         s = ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 10000)
+        # A PULL that did not answer PINGs would be dropped within the
+        # idle time (50 ms + 1 s < 3 s); the timeout leaves room for a
+        # loaded machine (300 ms, with a 1.5 s idle, dropped a PULL that
+        # answered late when the machine stalled).
         s.setsockopt(zmq.HEARTBEAT_IVL, 50)
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
-        s.setsockopt(zmq.HEARTBEAT_TTL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TTL, 3000)
         s.connect(sys.argv[2])
         s.send(b"one")
-        time.sleep(1.5)
+        time.sleep(3)
         s.send(b"two")
         s.close()
     elif mode == "pull":

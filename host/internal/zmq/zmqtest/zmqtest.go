@@ -21,13 +21,13 @@ import (
 // scripts/install-test-deps.sh installs.
 const Python = "/usr/bin/python3"
 
-// RequirePython skips t unless Python can import every module. Tests skip
-// only when the modules are missing; CI installs them.
+// RequirePython fails t unless Python can import every module: a skip
+// would let `go test` pass without the interop peer (CI installs them).
 func RequirePython(t testing.TB, modules ...string) {
 	t.Helper()
 	args := []string{"-c", "import " + strings.Join(modules, ", ")}
 	if out, err := exec.Command(Python, args...).CombinedOutput(); err != nil {
-		t.Skipf("%s cannot import %v (install with scripts/install-test-deps.sh): %v: %s",
+		t.Fatalf("%s cannot import %v (install with scripts/install-test-deps.sh): %v: %s",
 			Python, modules, err, bytes.TrimSpace(out))
 	}
 }
