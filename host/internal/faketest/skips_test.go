@@ -18,8 +18,8 @@ import (
 // has nothing to test there). Each entry is a file (relative to the module
 // root, or a folder ending in /) and a phrase its skip message holds.
 var skipAllowed = []struct{ path, phrase string }{
-	{"host/pull/demo/soak_test.go", "KVHOST_SOAK=1"},
-	{"host/push/e2e/e2e_test.go", "KVHOST_SOAK=1"},
+	{"host/demo/pullworker/soak_test.go", "KVHOST_SOAK=1"},
+	{"host/demo/pushworker/e2e/e2e_test.go", "KVHOST_SOAK=1"},
 	{"host/plugin/fake_test.go", "race detector"},
 	{"plugins/nixl/", ""}, // optional vendor plugin: runs where NIXL is installed
 	{"plugins/mori/", ""}, // optional vendor plugin: runs where MORI is installed
