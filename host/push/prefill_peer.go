@@ -25,7 +25,7 @@ type peer struct {
 	tpRank   int
 
 	kv    kvPlanner
-	nixl  *planner.NIXLKV // NIXL variant: for prepped transfers
+	nixl  kvIndexer // NIXL variant: for prepped transfers
 	aux   *planner.AuxPlanner
 	state *planner.StatePlanner
 
@@ -52,6 +52,13 @@ type kvPlanner interface {
 	Plan(p *planner.Plan, prefillPages, decodePages []int32) error
 	Regions() (src, dst []planner.Region)
 	Path() string
+}
+
+// kvIndexer is NIXLKV's prepped side: the prepared lists once per peer,
+// indices into them per chunk.
+type kvIndexer interface {
+	Prepped() (*planner.PreppedKV, error)
+	Indices(pk *planner.PreppedKV, part int, srcIdx, dstIdx []int32, prefillPages, decodePages []int32) ([]int32, []int32, error)
 }
 
 // preppedPeer holds the prepared descriptor lists of one decode peer
