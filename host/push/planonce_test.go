@@ -45,3 +45,37 @@ func TestChunkPlannedOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestXferAuto: the zero XferMode (auto) posts through prepared lists on an
+// agent that has them natively and through strided batches on one that
+// does not; either way every byte arrives.
+func TestXferAuto(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		params []plugin.Param
+		want   push.XferMode
+	}{
+		{"native-prepped", nil, push.XferPrepped},
+		{"no-prepped", []plugin.Param{{Key: "caps_off", Value: "prepped"}}, push.XferBatch},
+		{"no-prepped-no-strides", []plugin.Param{{Key: "caps_off", Value: "prepped,strided"}}, push.XferBatch},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRig(t, rigOpts{pparams: c.params, state: true})
+			if got := r.pf.XferMode(); got != c.want {
+				t.Fatalf("auto resolved to %v, want %v", got, c.want)
+			}
+			ctx := ctxT(t, 20*time.Second)
+			q := r.prepare(9, 4*rigPageSize, 0)
+			defer q.close()
+			q.pstate, q.dstate = [][]int32{{1}}, [][]int32{{2}}
+			var calls *push.PlanCalls
+			r.afterReady = func() { calls = push.CountPlans(r.pf) }
+			if err := r.transfer(ctx, q); err != nil {
+				t.Fatal(err)
+			}
+			if prepped := calls.Indices.Load() > 0; prepped != (c.want == push.XferPrepped) || calls.Plans.Load()+calls.Indices.Load() != 2 {
+				t.Fatalf("%d strided plans, %d index plans for 2 chunks in mode %v", calls.Plans.Load(), calls.Indices.Load(), c.want)
+			}
+		})
+	}
+}

@@ -271,9 +271,15 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 	if err := m.checkPeerTables(p); err != nil {
 		return p, err
 	}
-	if m.cfg.XferMode == XferPrepped {
+	if m.xfer == XferPrepped {
 		if err := m.prepPeer(p); err != nil {
-			return p, err
+			if m.cfg.XferMode != XferAuto || !errors.Is(err, errNoPreppedLists) {
+				return p, err
+			}
+			// XferAuto: a geometry the reference posts without prepped
+			// lists (or whose lists NIXL would reject) gets strided
+			// batch transfers instead (p.prepped stays nil).
+			m.log.Info("decode rank gets batch transfers", "peer", p.name, "reason", err)
 		}
 	}
 	return p, nil
@@ -517,24 +523,32 @@ func sameTables(src []planner.Region, local []*plugin.Region, dst []planner.Regi
 	return nil
 }
 
+// errNoPreppedLists: the peer's geometry has no prepared lists NIXL would
+// take (the reference posts it without them, or its lists would be
+// rejected); with XferAuto the peer gets batch transfers instead.
+var errNoPreppedLists = errors.New("prepared lists")
+
 // prepPeer builds the reference's prepared lists for a NIXL peer: the
 // source lists once per distinct list (shared by peers, as SGLang shares
 // them), the destination lists per peer.
 func (m *Prefill) prepPeer(p *peer) error {
 	pk, err := p.nixl.Prepped()
 	if err != nil {
-		return fmt.Errorf("prepared lists: %w", err)
+		return fmt.Errorf("%w: %w", errNoPreppedLists, err)
+	}
+	for i := range pk.Parts {
+		part := &pk.Parts[i]
+		if err := part.Src.Validate(); err != nil {
+			return fmt.Errorf("%w: source list %d: %w", errNoPreppedLists, i, err)
+		}
+		if err := part.Dst.Validate(); err != nil {
+			return fmt.Errorf("%w: destination list %d: %w", errNoPreppedLists, i, err)
+		}
 	}
 	pp := &preppedPeer{pk: pk}
 	p.prepped = pp
 	for i := range pk.Parts {
 		part := &pk.Parts[i]
-		if err := part.Src.Validate(); err != nil {
-			return fmt.Errorf("prepared source list %d: %w", i, err)
-		}
-		if err := part.Dst.Validate(); err != nil {
-			return fmt.Errorf("prepared destination list %d: %w", i, err)
-		}
 		key := dlistKey(&part.Src)
 		m.mu.Lock()
 		src := m.srcLists[key]
