@@ -29,7 +29,9 @@ type PrefillConfig struct {
 
 	Variant    Variant
 	Completion Completion
-	XferMode   XferMode
+	// XferMode is how KV reaches the plugin; the zero value, XferAuto,
+	// chooses by the agent's capabilities (see XferAuto).
+	XferMode XferMode
 
 	KV       KVArgs
 	Parallel Parallel

@@ -33,11 +33,11 @@ func BenchmarkPush(b *testing.B) {
 		variant  push.Variant
 		params   []plugin.Param
 	}{
-		{name: "tp1to1", ptp: 1, dtp: 1},
+		{name: "tp1to1", ptp: 1, dtp: 1, xfer: push.XferBatch},
 		{name: "tp1to1-prepped", ptp: 1, dtp: 1, xfer: push.XferPrepped},
 		{name: "tp1to1-status", ptp: 1, dtp: 1, params: []plugin.Param{{Key: "caps_off", Value: "notif"}}},
 		{name: "tp1to1-mori", ptp: 1, dtp: 1, variant: push.VariantMORI},
-		{name: "tp2to4", ptp: 2, dtp: 4},
+		{name: "tp2to4", ptp: 2, dtp: 4, xfer: push.XferBatch},
 		{name: "tp2to4-prepped", ptp: 2, dtp: 4, xfer: push.XferPrepped},
 		{name: "tp2to4-mori", ptp: 2, dtp: 4, variant: push.VariantMORI},
 	} {
