@@ -23,8 +23,10 @@ func init() { register(prefillCommand) }
 // prefillCommand builds `kvhost prefill`.
 func prefillCommand() *cli.Command {
 	flags := append(workerFlags("prefill"),
-		&cli.StringFlag{Category: catSGLangWire, Name: "xfer", Value: "batch", EnvVars: env("XFER"),
-			Usage: "how chunks reach the plugin: batch (strided copies over region pairs imported once per peer) or prepped (SGLang NIXL's prepared lists, built once per peer, indexed per chunk)"},
+		&cli.StringFlag{Category: catSGLangWire, Name: "xfer", Value: "auto", EnvVars: env("XFER"),
+			Usage: "how chunks reach the plugin: auto (batch where the agent has native strides; else prepped where it has native prepped lists and the variant is nixl; else batch), " +
+				"batch (strided copies over region pairs imported once per peer; plain descriptors where the agent has no native strides) " +
+				"or prepped (SGLang NIXL's prepared lists, built once per peer, indexed per chunk)"},
 		&cli.IntFlag{Category: catSGLangWire, Name: "bootstrap-port", Value: 8998, EnvVars: env("BOOTSTRAP_PORT"),
 			Usage: "serve the bootstrap server on --host:`PORT` in this process, as SGLang's prefill does (0 picks a free port; see --bootstrap-addr)"},
 		&cli.StringFlag{Category: catSGLangWire, Name: "bootstrap-addr", EnvVars: env("BOOTSTRAP_ADDR"),

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/kvhost/kvhost/abi"
 )
 
 // Variant selects the control message layout spoken with the peer.
@@ -86,18 +88,47 @@ func ParseCompletion(s string) (Completion, error) {
 type XferMode uint8
 
 const (
+	// XferAuto (the zero value) chooses by the agent's native capabilities
+	// (plugin.Agent.Caps): with native strides, XferBatch, whose strided
+	// copies the plugin takes as they are (the fewest descriptors and the
+	// cheapest plan on head-slice shapes); without strides but with native
+	// prepped lists (NIXL variant), XferPrepped: the runtime plans indices
+	// into the lists and never expands strided copies the plugin would
+	// not take; otherwise XferBatch, expanded by the host into plain
+	// descriptors. Prefill.XferMode says what was chosen.
+	XferAuto XferMode = iota
 	// XferBatch posts the planner's strided copies as one batch transfer
 	// over (local region, remote region) pairs imported once per peer: the
 	// fewest descriptors.
-	XferBatch XferMode = iota
-	// XferPrepped builds SGLang's disaggregation/nixl/conn.py's prepared descriptor lists once per
+	XferBatch
+	// XferPrepped builds SGLang's disaggregation/nixl/conn.py's
+	// prepared descriptor lists once per
 	// peer and posts index arrays per chunk (SGLang NIXL's make_prepped_xfer;
 	// NIXL variant only).
 	XferPrepped
 )
 
+// resolveXfer turns XferAuto into the mode the agent's native capabilities
+// favour (see XferAuto) and refuses prepped transfers on the MORI variant.
+func resolveXfer(v Variant, x XferMode, caps abi.Caps) (XferMode, error) {
+	switch x {
+	case XferAuto:
+		if v == VariantNIXL && caps.Has(abi.CapPrepped) && !caps.Has(abi.CapStrided) {
+			return XferPrepped, nil
+		}
+		return XferBatch, nil
+	case XferPrepped:
+		if v == VariantMORI {
+			return 0, errors.New("push: prepped transfers are SGLang NIXL's; the MORI variant posts batch writes")
+		}
+	}
+	return x, nil
+}
+
 func (m XferMode) String() string {
 	switch m {
+	case XferAuto:
+		return "auto"
 	case XferBatch:
 		return "batch"
 	case XferPrepped:
@@ -106,15 +137,17 @@ func (m XferMode) String() string {
 	return fmt.Sprintf("XferMode(%d)", int(m))
 }
 
-// ParseXferMode parses "batch" or "prepped".
+// ParseXferMode parses "auto" (or ""), "batch" or "prepped".
 func ParseXferMode(s string) (XferMode, error) {
 	switch strings.ToLower(s) {
-	case "batch", "":
+	case "auto", "":
+		return XferAuto, nil
+	case "batch":
 		return XferBatch, nil
 	case "prepped":
 		return XferPrepped, nil
 	}
-	return 0, fmt.Errorf("unknown transfer mode %q (want batch or prepped)", s)
+	return 0, fmt.Errorf("unknown transfer mode %q (want auto, batch or prepped)", s)
 }
 
 // Reference defaults (SGLang envs).

@@ -3,6 +3,8 @@ package push
 import (
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/abi"
 )
 
 func TestParseSeconds(t *testing.T) {
@@ -60,5 +62,39 @@ func TestLoadEnv(t *testing.T) {
 	if d.BootstrapTimeout != 300*time.Second || d.WaitingTimeout != 300*time.Second || d.HeartbeatInterval != 5*time.Second ||
 		d.HeartbeatMaxFailures != 2 || d.QueueSize != 4 || d.TransferTimeout != 0 {
 		t.Fatalf("reference defaults: %+v", d)
+	}
+}
+
+// TestResolveXfer: auto takes strided batch transfers where the agent has
+// native strides, else prepped lists where it has them natively (NIXL
+// variant), else batch transfers of plain descriptors; explicit modes stay.
+func TestResolveXfer(t *testing.T) {
+	all := abi.CapPrepped | abi.CapBatch | abi.CapStrided
+	for _, c := range []struct {
+		v    Variant
+		x    XferMode
+		caps abi.Caps
+		want XferMode
+		err  bool
+	}{
+		{VariantNIXL, XferAuto, all, XferBatch, false},
+		{VariantNIXL, XferAuto, abi.CapPrepped, XferPrepped, false},
+		{VariantNIXL, XferAuto, abi.CapPrepped | abi.CapBatch, XferPrepped, false},
+		{VariantNIXL, XferAuto, abi.CapBatch | abi.CapStrided, XferBatch, false},
+		{VariantNIXL, XferAuto, abi.CapBatch, XferBatch, false},
+		{VariantMORI, XferAuto, all, XferBatch, false},
+		{VariantNIXL, XferBatch, all, XferBatch, false},
+		{VariantNIXL, XferPrepped, abi.CapBatch, XferPrepped, false}, // emulated lists, as asked
+		{VariantMORI, XferPrepped, all, 0, true},
+	} {
+		got, err := resolveXfer(c.v, c.x, c.caps)
+		if (err != nil) != c.err || got != c.want {
+			t.Errorf("%v %v caps %v: %v, %v; want %v (error %v)", c.v, c.x, c.caps.Names(), got, err, c.want, c.err)
+		}
+	}
+	for s, want := range map[string]XferMode{"": XferAuto, "auto": XferAuto, "batch": XferBatch, "Prepped": XferPrepped} {
+		if got, err := ParseXferMode(s); err != nil || got != want {
+			t.Errorf("ParseXferMode(%q) = %v, %v; want %v", s, got, err, want)
+		}
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
@@ -90,8 +91,16 @@ func (e *evilPeer) registration(off uint64, slots uint64) *sglang.NIXLRegistrati
 // only into memory the peer registered and reads only its own KV: plans
 // that leave either are refused before they reach the plugin, and the room
 // fails with the reason.
+// Both ways KV reaches the plugin: strided batches and indices into
+// prepared lists.
 func TestContainment(t *testing.T) {
-	r := newRig(t, rigOpts{noDecode: true})
+	for _, x := range []push.XferMode{push.XferBatch, push.XferPrepped} {
+		t.Run(x.String(), func(t *testing.T) { testContainment(t, x) })
+	}
+}
+
+func testContainment(t *testing.T, xfer push.XferMode) {
+	r := newRig(t, rigOpts{noDecode: true, xfer: xfer})
 	e := newEvil(t, r)
 	ctx := ctxT(t, 20*time.Second)
 	const slots = 8

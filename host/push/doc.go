@@ -44,12 +44,31 @@
 // Room status is sglang.KVPoll, kept by package rooms: monotonic, Failed
 // terminal.
 // Chunks go to transfer worker shards by room (room % QueueSize), so a
-// room's chunks are processed in order. Each chunk is planned with package
-// planner, checked against the region tables of both sides (Plan.Validate:
-// every byte read lies in this worker's registered memory, every byte
-// written in memory the peer registered) and posted as one plugin transfer
-// (one per memory-kind segment on mixed VRAM/DRAM pools). Aux and state go
-// with the last chunk.
+// room's chunks are processed in order. Each chunk is planned once per
+// decode rank with package planner, checked against the region tables of
+// both sides (Plan.Validate: every byte read lies in this worker's
+// registered memory, every byte written in memory the peer registered),
+// for every rank before anything is posted, and then posted from those
+// same plans as one plugin transfer (one per memory-kind segment on mixed
+// VRAM/DRAM pools). Aux and state go with the last chunk. The planning
+// time is TransferEvent.Plan (kvhost_plan_time_seconds).
+//
+// How KV reaches the plugin (PrefillConfig.XferMode): the default, auto,
+// follows the agent's native capabilities (plugin.Agent.Caps). With native
+// strides, each chunk is planned as strided copies (below): the fewest
+// descriptors, and on head-slice shapes half the planning time of indices.
+// Without strides but with prepped lists (NIXL variant, e.g. NIXL builds
+// without the strided list API), SGLang's prepared lists are built
+// once per decode rank and each chunk is planned as indices into them
+// (SGLang NIXL's make_prepped_xfer), never as strided copies it would not
+// use; a rank whose geometry the reference posts without prepped lists, or
+// whose lists NIXL would reject, gets batch transfers. Otherwise (and
+// with strides) each chunk is planned as strided copies posted as one batch transfer over
+// region pairs imported once per peer, which the plugin takes as they are
+// with native strides and the host expands into plain descriptors
+// without. "batch" and "prepped" force either path (prepped lists are
+// emulated by the host on agents without them; MORI has no prepped path).
+// Prefill.XferMode says what auto chose.
 //
 // Completion reaches decode either as transfer-attached notifications with
 // SGLang NIXL's tags ("{room}_kv_{chunk}_{last}_{rank}", "_part_{i}_{n}",

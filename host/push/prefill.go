@@ -29,7 +29,9 @@ type PrefillConfig struct {
 
 	Variant    Variant
 	Completion Completion
-	XferMode   XferMode
+	// XferMode is how KV reaches the plugin; the zero value, XferAuto,
+	// chooses by the agent's capabilities (see XferAuto).
+	XferMode XferMode
 
 	KV       KVArgs
 	Parallel Parallel
@@ -66,6 +68,7 @@ type Prefill struct {
 	rank
 	cfg        PrefillConfig
 	completion Completion // resolved: notif or status
+	xfer       XferMode   // resolved: batch or prepped
 	unique     int        // prefill_unique_rank
 
 	// This rank's buffers in the planner's terms (region tables equal the
@@ -233,8 +236,8 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	if cfg.BootstrapAddr == "" {
 		return nil, errors.New("push: no bootstrap server address")
 	}
-	if cfg.Variant == VariantMORI && cfg.XferMode == XferPrepped {
-		return nil, errors.New("push: prepped transfers are SGLang NIXL's; the MORI variant posts batch writes")
+	if _, err := resolveXfer(cfg.Variant, cfg.XferMode, 0); err != nil {
+		return nil, err // before any agent is made
 	}
 	m := &Prefill{
 		cfg:      cfg,
@@ -259,6 +262,9 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	if m.completion, err = resolveCompletion(cfg.Variant, cfg.Completion, m.agent.Caps()); err != nil {
 		return fail(err)
 	}
+	if m.xfer, err = resolveXfer(cfg.Variant, cfg.XferMode, m.agent.Caps()); err != nil {
+		return fail(err)
+	}
 	// MORI sends status with SNDTIMEO 5 s.
 	if err := m.listen(&cfg.KV, cfg.Host, cfg.Port, 5*time.Second); err != nil {
 		return fail(err)
@@ -280,7 +286,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		return nil, err
 	}
 	m.log.Info("prefill rank ready", "agent", m.agent.Name(), "endpoint", m.pull.Endpoint(),
-		"variant", cfg.Variant, "completion", m.completion, "xfer", cfg.XferMode)
+		"variant", cfg.Variant, "completion", m.completion, "xfer", m.xfer)
 	return m, nil
 }
 
@@ -325,6 +331,10 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 
 // Completion returns the completion signal this rank uses.
 func (m *Prefill) Completion() Completion { return m.completion }
+
+// XferMode returns how this rank hands KV to the plugin: XferBatch or
+// XferPrepped (XferAuto resolved by the agent's capabilities).
+func (m *Prefill) XferMode() XferMode { return m.xfer }
 
 // Pending returns the number of rooms this rank does not hold (no
 // sender) for which a decode rank sent transfer info or an ABORT. They

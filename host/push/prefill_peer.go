@@ -24,7 +24,7 @@ type peer struct {
 	tpRank   int
 
 	kv    kvPlanner
-	nixl  *planner.NIXLKV // NIXL variant: for prepped transfers
+	nixl  kvIndexer // NIXL variant: for prepped transfers
 	aux   *planner.AuxPlanner
 	state *planner.StatePlanner
 
@@ -51,6 +51,13 @@ type kvPlanner interface {
 	Plan(p *planner.Plan, prefillPages, decodePages []int32) error
 	Regions() (src, dst []planner.Region)
 	Path() string
+}
+
+// kvIndexer is NIXLKV's prepped side: the prepared lists once per peer,
+// indices into them per chunk.
+type kvIndexer interface {
+	Prepped() (*planner.PreppedKV, error)
+	Indices(pk *planner.PreppedKV, part int, srcIdx, dstIdx []int32, prefillPages, decodePages []int32) ([]int32, []int32, error)
 }
 
 // preppedPeer holds the prepared descriptor lists of one decode peer
@@ -263,9 +270,15 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 	if err := m.checkPeerTables(p); err != nil {
 		return p, err
 	}
-	if m.cfg.XferMode == XferPrepped {
+	if m.xfer == XferPrepped {
 		if err := m.prepPeer(p); err != nil {
-			return p, err
+			if m.cfg.XferMode != XferAuto || !errors.Is(err, errNoPreppedLists) {
+				return p, err
+			}
+			// XferAuto: a geometry the reference posts without prepped
+			// lists (or whose lists NIXL would reject) gets strided
+			// batch transfers instead (p.prepped stays nil).
+			m.log.Info("decode rank gets batch transfers", "peer", p.name, "reason", err)
 		}
 	}
 	return p, nil
@@ -509,24 +522,32 @@ func sameTables(src []planner.Region, local []*plugin.Region, dst []planner.Regi
 	return nil
 }
 
+// errNoPreppedLists: the peer's geometry has no prepared lists NIXL would
+// take (SGLang's disaggregation/nixl/conn.py posts it without them, or its lists would be
+// rejected); with XferAuto the peer gets batch transfers instead.
+var errNoPreppedLists = errors.New("prepared lists")
+
 // prepPeer builds SGLang's disaggregation/nixl/conn.py's prepared lists for a NIXL peer: the
 // source lists once per distinct list (shared by peers, as SGLang shares
 // them), the destination lists per peer.
 func (m *Prefill) prepPeer(p *peer) error {
 	pk, err := p.nixl.Prepped()
 	if err != nil {
-		return fmt.Errorf("prepared lists: %w", err)
+		return fmt.Errorf("%w: %w", errNoPreppedLists, err)
+	}
+	for i := range pk.Parts {
+		part := &pk.Parts[i]
+		if err := part.Src.Validate(); err != nil {
+			return fmt.Errorf("%w: source list %d: %w", errNoPreppedLists, i, err)
+		}
+		if err := part.Dst.Validate(); err != nil {
+			return fmt.Errorf("%w: destination list %d: %w", errNoPreppedLists, i, err)
+		}
 	}
 	pp := &preppedPeer{pk: pk}
 	p.prepped = pp
 	for i := range pk.Parts {
 		part := &pk.Parts[i]
-		if err := part.Src.Validate(); err != nil {
-			return fmt.Errorf("prepared source list %d: %w", i, err)
-		}
-		if err := part.Dst.Validate(); err != nil {
-			return fmt.Errorf("prepared destination list %d: %w", i, err)
-		}
 		key := dlistKey(&part.Src)
 		m.mu.Lock()
 		src := m.srcLists[key]

@@ -79,26 +79,45 @@ func (m *Prefill) enqueue(c *chunk) {
 // planning and building transfers allocate nothing once warm.
 type worker struct {
 	m      *Prefill
-	plan   planner.Plan
-	states []planner.StatePlan
 	b      batch
-	srcIdx []int32
-	dstIdx []int32
 	flight []*inflight
-	// aux is the aux copy of the chunk to each decode rank (by info
-	// index), planned and checked by check, posted by postAux.
-	aux []auxJob
+	// jobs are the chunk's transfers to each decode rank (by info index):
+	// check plans and validates them all, post posts them from the same
+	// plans, so every chunk is planned once.
+	jobs []rankJob
 	// imported are remote regions imported for this chunk alone (aux
 	// slots of peers with auxBySlot), released with its transfers.
 	imported []*plugin.RemoteRegion
 }
 
+// rankJob is what one chunk sends to one decode rank, as check planned it:
+// KV as strided copies (kv) or as indices into the peer's prepared lists
+// (idx, one per part), state and aux. Its buffers are reused chunk after
+// chunk. The planning times are what TransferEvent.Plan reports.
+type rankJob struct {
+	kvSet    bool
+	kv       planner.Plan
+	kvPlan   time.Duration
+	idx      []preppedIdx
+	stateSet bool
+	states   []planner.StatePlan
+	statePln time.Duration
+	aux      auxJob
+}
+
+// preppedIdx is one part's indices into a peer's prepared lists.
+type preppedIdx struct {
+	src, dst []int32
+	plan     time.Duration
+}
+
 // auxJob is one decode rank's aux copy of a chunk: the plan and the remote
 // regions its destination table names.
 type auxJob struct {
-	set    bool
-	plan   planner.Plan
-	remote []*plugin.RemoteRegion // the peer's, or slots
+	set     bool
+	plan    planner.Plan
+	planned time.Duration
+	remote  []*plugin.RemoteRegion // the peer's, or slots
 	// slots and dst are the remote regions and destination table of a
 	// by-slot plan (owned by the worker, reused).
 	slots []*plugin.RemoteRegion
@@ -192,15 +211,17 @@ func (w *worker) run(c *chunk) {
 	}
 }
 
-// check plans every transfer of the chunk, to every real decode rank, and
-// validates each plan against the region tables, without posting.
+// check plans every transfer of the chunk, to every real decode rank, into
+// w.jobs, and validates each plan against the region tables, without
+// posting; post then posts exactly these plans.
 func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 	m := w.m
-	for i := range w.aux {
-		w.aux[i].set = false
+	for len(w.jobs) < len(infos) {
+		w.jobs = append(w.jobs, rankJob{})
 	}
-	for len(w.aux) < len(infos) {
-		w.aux = append(w.aux, auxJob{})
+	for i := range w.jobs {
+		j := &w.jobs[i]
+		j.kvSet, j.stateSet, j.aux.set = false, false, false
 	}
 	for i, in := range infos {
 		if in.dummy {
@@ -210,56 +231,80 @@ func (w *worker) check(c *chunk, infos []*xferInfo, peers []*peer) error {
 		if p == nil {
 			return errors.New(m.peerMissing(in.peer))
 		}
+		j := &w.jobs[i]
 		if len(c.pages) > 0 {
 			if c.slice.Stop > len(in.dstPages) {
 				return fmt.Errorf("decode %s sent %d page indices, chunk %d needs pages [%d, %d)", in.peer, len(in.dstPages), c.id, c.slice.Start, c.slice.Stop)
 			}
+			dst := in.dstPages[c.slice.Start:c.slice.Stop]
 			if p.prepped != nil {
-				var err error
-				for part := range p.prepped.pk.Parts {
-					if w.srcIdx, w.dstIdx, err = p.nixl.Indices(p.prepped.pk, part, w.srcIdx[:0], w.dstIdx[:0], c.pages, in.dstPages[c.slice.Start:c.slice.Stop]); err != nil {
+				// Indices into the prepared lists, never strided copies
+				// the transfer would not use.
+				parts := len(p.prepped.pk.Parts)
+				if cap(j.idx) < parts {
+					j.idx = append(j.idx[:cap(j.idx)], make([]preppedIdx, parts-cap(j.idx))...)
+				}
+				j.idx = j.idx[:parts]
+				for part := range j.idx {
+					x := &j.idx[part]
+					var err error
+					t0 := time.Now()
+					x.src, x.dst, err = p.nixl.Indices(p.prepped.pk, part, x.src[:0], x.dst[:0], c.pages, dst)
+					x.plan = time.Since(t0)
+					if err != nil {
 						return fmt.Errorf("prepared indices for %s: %w", p.name, err)
 					}
 				}
 			} else {
-				if err := p.kv.Plan(&w.plan, c.pages, in.dstPages[c.slice.Start:c.slice.Stop]); err != nil {
+				t0 := time.Now()
+				err := p.kv.Plan(&j.kv, c.pages, dst)
+				j.kvPlan = time.Since(t0)
+				if err != nil {
 					return fmt.Errorf("plan KV for %s: %w", p.name, err)
 				}
-				if err := checkTables(&w.plan, m.regs.kv, p.kvRemote); err != nil {
+				if err := checkTables(&j.kv, m.regs.kv, p.kvRemote); err != nil {
 					return fmt.Errorf("KV for %s: %w", p.name, err)
 				}
 			}
+			j.kvSet = true
 		}
 		if !c.last {
 			continue
 		}
 		if c.hasState && p.state != nil {
-			if err := p.state.Plan(&w.states, c.state, in.dstState); err != nil {
+			t0 := time.Now()
+			err := p.state.Plan(&j.states, c.state, in.dstState)
+			j.statePln = time.Since(t0)
+			if err != nil {
 				return fmt.Errorf("plan state for %s: %w", p.name, err)
 			}
-			for k := range w.states {
-				comp := w.states[k].Component
+			for k := range j.states {
+				comp := j.states[k].Component
 				if comp >= len(m.regs.state) || comp >= len(p.stateRemote) {
 					return fmt.Errorf("state component %d not registered on both sides", comp)
 				}
-				if err := checkTables(&w.states[k].Plan, m.regs.state[comp], p.stateRemote[comp]); err != nil {
+				if err := checkTables(&j.states[k].Plan, m.regs.state[comp], p.stateRemote[comp]); err != nil {
 					return fmt.Errorf("state component %d for %s: %w", comp, p.name, err)
 				}
 			}
+			j.stateSet = true
 		}
 		if p.aux != nil && len(m.regs.aux) > 0 && w.sendsAuxRDMA(in, p) {
-			j := &w.aux[i]
-			if err := p.aux.Plan(&j.plan, c.auxIndex, in.dstAux); err != nil {
+			a := &j.aux
+			t0 := time.Now()
+			err := p.aux.Plan(&a.plan, c.auxIndex, in.dstAux)
+			a.planned = time.Since(t0)
+			if err != nil {
 				return fmt.Errorf("plan aux for %s: %w", p.name, err)
 			}
-			remote, err := w.auxRemote(p, j)
+			remote, err := w.auxRemote(p, a)
 			if err != nil {
 				return fmt.Errorf("aux for %s: %w", p.name, err)
 			}
-			if err := checkTables(&j.plan, m.regs.aux, remote); err != nil {
+			if err := checkTables(&a.plan, m.regs.aux, remote); err != nil {
 				return fmt.Errorf("aux for %s: %w", p.name, err)
 			}
-			j.remote, j.set = remote, true
+			a.remote, a.set = remote, true
 		}
 		if m.cfg.Variant == VariantMORI && p.auxTCP && in.dstAux >= 0 {
 			for b, buf := range m.cfg.KV.Aux {
@@ -331,7 +376,8 @@ func (w *worker) sendsAuxRDMA(in *xferInfo, p *peer) bool {
 	return in.dstAux >= 0 && m.cfg.Parallel.PPRank == m.cfg.Parallel.PPSize-1 && !p.auxTCP
 }
 
-// post plans and posts the chunk's transfers to every real decode rank.
+// post posts the chunk's transfers, as check planned them, to every real
+// decode rank.
 func (w *worker) post(ctx context.Context, c *chunk, infos []*xferInfo, peers []*peer) error {
 	m := w.m
 	statusMode := m.completion == CompletionStatus
@@ -343,25 +389,28 @@ func (w *worker) post(ctx context.Context, c *chunk, infos []*xferInfo, peers []
 		if p == nil {
 			return errors.New(m.peerMissing(in.peer))
 		}
+		j := &w.jobs[i]
 		if statusMode {
 			w.b.reset()
 		}
 		if len(c.pages) > 0 {
-			if c.slice.Stop > len(in.dstPages) {
-				return fmt.Errorf("decode %s sent %d page indices, chunk %d needs pages [%d, %d)", in.peer, len(in.dstPages), c.id, c.slice.Start, c.slice.Stop)
+			if !j.kvSet {
+				return fmt.Errorf("KV for %s was not planned", p.name)
 			}
-			dst := in.dstPages[c.slice.Start:c.slice.Stop]
-			if err := w.postKV(ctx, c, p, dst, statusMode); err != nil {
+			if err := w.postKV(ctx, c, p, j, statusMode); err != nil {
 				return err
 			}
 		}
 		if c.last {
 			if c.hasState && p.state != nil {
-				if err := w.postState(ctx, c, in, p, statusMode); err != nil {
+				if !j.stateSet {
+					return fmt.Errorf("state for %s was not planned", p.name)
+				}
+				if err := w.postState(ctx, c, p, j, statusMode); err != nil {
 					return err
 				}
 			}
-			if err := w.postAux(ctx, c, i, in, p, statusMode); err != nil {
+			if err := w.postAux(ctx, c, in, p, &j.aux, statusMode); err != nil {
 				return err
 			}
 		}
@@ -374,22 +423,17 @@ func (w *worker) post(ctx context.Context, c *chunk, infos []*xferInfo, peers []
 	return nil
 }
 
-func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, statusMode bool) error {
+// postKV posts the KV copies check planned (and validated) in j.kv, or
+// the indices it planned into the peer's prepared lists.
+func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, j *rankJob, statusMode bool) error {
 	m := w.m
 	if p.prepped != nil {
-		return w.postPrepped(ctx, c, p, dst, statusMode)
+		return w.postPrepped(c, p, j, statusMode)
 	}
-	t0 := time.Now()
-	if err := p.kv.Plan(&w.plan, c.pages, dst); err != nil {
-		return fmt.Errorf("plan KV for %s: %w", p.name, err)
-	}
-	planned := time.Since(t0)
-	if err := checkTables(&w.plan, m.regs.kv, p.kvRemote); err != nil {
-		return fmt.Errorf("KV for %s: %w", p.name, err)
-	}
-	parts := w.plan.Parts
+	plan := &j.kv
+	parts := plan.Parts
 	if len(parts) == 0 {
-		parts = []planner.Part{{Start: 0, End: len(w.plan.Copies)}}
+		parts = []planner.Part{{Start: 0, End: len(plan.Copies)}}
 	}
 	for i, part := range parts {
 		// Each memory-kind part is its own transfer (a NIXL request holds
@@ -398,12 +442,12 @@ func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, sta
 		if !statusMode || i > 0 {
 			w.b.reset()
 		}
-		if err := w.b.add(&w.plan, part.Start, part.End, m.regs.kv, p.kvRemote); err != nil {
+		if err := w.b.add(plan, part.Start, part.End, m.regs.kv, p.kvRemote); err != nil {
 			return err
 		}
 		if i == 0 {
-			w.b.refDesc = w.plan.ReferenceDescriptors
-			w.b.plan += planned
+			w.b.refDesc = plan.ReferenceDescriptors
+			w.b.plan += j.kvPlan
 		}
 		if statusMode {
 			if i < len(parts)-1 {
@@ -427,19 +471,18 @@ func (w *worker) postKV(ctx context.Context, c *chunk, p *peer, dst []int32, sta
 }
 
 // postPrepped posts the chunk through the peer's prepared lists: one
-// make_prepped_xfer per part with SGLang's disaggregation/nixl/conn.py's index arrays.
-func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32, statusMode bool) error {
+// make_prepped_xfer per part with SGLang's disaggregation/nixl/conn.py's
+// index arrays, as check
+// planned them in j.idx.
+func (w *worker) postPrepped(c *chunk, p *peer, j *rankJob, statusMode bool) error {
 	m := w.m
 	pp := p.prepped
-	for i := range pp.pk.Parts {
-		var err error
-		t0 := time.Now()
-		w.srcIdx, w.dstIdx, err = p.nixl.Indices(pp.pk, i, w.srcIdx[:0], w.dstIdx[:0], c.pages, dst)
-		planned := time.Since(t0)
-		if err != nil {
-			return fmt.Errorf("prepared indices for %s: %w", p.name, err)
-		}
-		if len(w.srcIdx) == 0 {
+	if len(j.idx) != len(pp.pk.Parts) {
+		return fmt.Errorf("prepared indices for %s: %d parts planned, %d prepared", p.name, len(j.idx), len(pp.pk.Parts))
+	}
+	for i := range j.idx {
+		x := &j.idx[i]
+		if len(x.src) == 0 {
 			continue
 		}
 		var notif []byte
@@ -450,34 +493,25 @@ func (w *worker) postPrepped(ctx context.Context, c *chunk, p *peer, dst []int32
 			}
 			notif = []byte(tag)
 		}
-		x, err := m.agent.MakePreppedXfer(abi.Write, pp.src[i], w.srcIdx, pp.dst[i], w.dstIdx, notif)
+		xf, err := m.agent.MakePreppedXfer(abi.Write, pp.src[i], x.src, pp.dst[i], x.dst, notif)
 		if err != nil {
 			return fmt.Errorf("make prepped transfer to %s: %w", p.name, err)
 		}
-		if err := w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id,
-			Descs: uint64(len(w.srcIdx)), ReferenceDescs: uint64(len(w.srcIdx)), Plan: planned}); err != nil {
+		if err := w.start(xf, TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id,
+			Descs: uint64(len(x.src)), ReferenceDescs: uint64(len(x.src)), Plan: x.plan}); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer, statusMode bool) error {
+// postState posts the state plans check planned (and validated) in
+// j.states, one transfer per component.
+func (w *worker) postState(ctx context.Context, c *chunk, p *peer, j *rankJob, statusMode bool) error {
 	m := w.m
-	t0 := time.Now()
-	if err := p.state.Plan(&w.states, c.state, in.dstState); err != nil {
-		return fmt.Errorf("plan state for %s: %w", p.name, err)
-	}
-	planned := time.Since(t0)
-	for i := range w.states {
-		sp := &w.states[i]
+	for i := range j.states {
+		sp := &j.states[i]
 		comp := sp.Component
-		if comp >= len(m.regs.state) || comp >= len(p.stateRemote) {
-			return fmt.Errorf("state component %d not registered on both sides", comp)
-		}
-		if err := checkTables(&sp.Plan, m.regs.state[comp], p.stateRemote[comp]); err != nil {
-			return fmt.Errorf("state component %d for %s: %w", comp, p.name, err)
-		}
 		if !statusMode {
 			w.b.reset()
 		}
@@ -485,7 +519,7 @@ func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer,
 			return err
 		}
 		if i == 0 {
-			w.b.plan += planned
+			w.b.plan += j.statePln
 		}
 		if !statusMode {
 			tag := sglang.StateNotif(c.room, m.unique, comp)
@@ -497,7 +531,8 @@ func (w *worker) postState(ctx context.Context, c *chunk, in *xferInfo, p *peer,
 	return nil
 }
 
-func (w *worker) postAux(ctx context.Context, c *chunk, i int, in *xferInfo, p *peer, statusMode bool) error {
+// postAux posts the aux copy check planned (and validated) in j.
+func (w *worker) postAux(ctx context.Context, c *chunk, in *xferInfo, p *peer, j *auxJob, statusMode bool) error {
 	m := w.m
 	if p.aux == nil || len(m.regs.aux) == 0 {
 		if m.completion == CompletionNotif {
@@ -511,7 +546,6 @@ func (w *worker) postAux(ctx context.Context, c *chunk, i int, in *xferInfo, p *
 		// asked for it; the ZeroMQ path is sent after the transfers.
 		return nil
 	}
-	j := &w.aux[i] // planned and checked by check
 	if !j.set {
 		return fmt.Errorf("aux for %s was not planned", p.name)
 	}
@@ -521,6 +555,7 @@ func (w *worker) postAux(ctx context.Context, c *chunk, i int, in *xferInfo, p *
 	if err := w.b.add(&j.plan, 0, len(j.plan.Copies), m.regs.aux, j.remote); err != nil {
 		return err
 	}
+	w.b.plan += j.planned
 	if statusMode {
 		return nil
 	}
@@ -616,10 +651,12 @@ func (w *worker) release() {
 		w.imported[i] = nil
 	}
 	w.imported = w.imported[:0]
-	for i := range w.aux {
-		j := &w.aux[i]
-		j.set, j.remote = false, nil
-		clear(j.slots)
+	for i := range w.jobs {
+		j := &w.jobs[i]
+		j.kvSet, j.stateSet = false, false
+		a := &j.aux
+		a.set, a.remote = false, nil
+		clear(a.slots)
 	}
 }
 

@@ -123,6 +123,9 @@ type rig struct {
 	pf   *push.Prefill
 	dec  *push.Decode
 	p, d *side
+	// afterReady, if set, runs in transfer once prefill is ready (decode
+	// registered and sent its metadata), before anything is sent.
+	afterReady func()
 }
 
 func newRig(t testing.TB, o rigOpts) *rig {
@@ -218,6 +221,9 @@ func (r *rig) transfer(ctx context.Context, q *request) error {
 	}
 	if st, err := q.s.WaitReady(ctx); err != nil || st == sglang.KVPollFailed {
 		return fmt.Errorf("prefill not ready: %v %v", st, err)
+	}
+	if r.afterReady != nil {
+		r.afterReady()
 	}
 	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
 		return err

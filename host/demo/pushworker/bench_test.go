@@ -2,6 +2,8 @@ package pushworker
 
 import (
 	"context"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,11 +33,11 @@ func BenchmarkPush(b *testing.B) {
 		variant  push.Variant
 		params   []plugin.Param
 	}{
-		{name: "tp1to1", ptp: 1, dtp: 1},
+		{name: "tp1to1", ptp: 1, dtp: 1, xfer: push.XferBatch},
 		{name: "tp1to1-prepped", ptp: 1, dtp: 1, xfer: push.XferPrepped},
 		{name: "tp1to1-status", ptp: 1, dtp: 1, params: []plugin.Param{{Key: "caps_off", Value: "notif"}}},
 		{name: "tp1to1-mori", ptp: 1, dtp: 1, variant: push.VariantMORI},
-		{name: "tp2to4", ptp: 2, dtp: 4},
+		{name: "tp2to4", ptp: 2, dtp: 4, xfer: push.XferBatch},
 		{name: "tp2to4-prepped", ptp: 2, dtp: 4, xfer: push.XferPrepped},
 		{name: "tp2to4-mori", ptp: 2, dtp: 4, variant: push.VariantMORI},
 	} {
@@ -97,4 +99,87 @@ func copyRate(n uint64, block int) float64 {
 		moved += uint64(block)
 	}
 	return float64(moved) / time.Since(start).Seconds()
+}
+
+// planObserver sums the planning time of KV transfers per planned chunk
+// (one chunk to one decode rank: what one planner call plans).
+type planObserver struct {
+	push.NopObserver
+	mu     sync.Mutex
+	chunks map[planKey]time.Duration
+}
+
+type planKey struct {
+	room  uint64
+	peer  string
+	chunk int
+}
+
+func (o *planObserver) Transfer(e push.TransferEvent) {
+	if e.Kind != push.TransferKV || e.Err != nil {
+		return
+	}
+	o.mu.Lock()
+	o.chunks[planKey{e.Room, e.Peer, e.Chunk}] += e.Plan
+	o.mu.Unlock()
+}
+
+// BenchmarkPushPlan reports the push worker's planning time per chunk and
+// decode rank (kvhost_plan_time_seconds, TransferEvent.Plan; the median
+// over the run's chunks) on the demo's
+// shape (16 layers, 8 KV heads of 128 bf16, 16-token pages, TP 2 -> 4,
+// chunks of 8 pages), the runtime's side of planner's BenchmarkKVPlan row
+// demo-MHA-16-layers-TP2-to-4-8-pages, whose ref-ns/op is the reference's
+// planning for the same request.
+func BenchmarkPushPlan(b *testing.B) {
+	for _, c := range []struct {
+		name   string
+		xfer   push.XferMode
+		params []plugin.Param
+	}{
+		{name: "batch", xfer: push.XferBatch},
+		{name: "prepped", xfer: push.XferPrepped},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			pl := faketest.Plugin(b)
+			addr := startBootstrap(b)
+			shape := Shape{Layers: 16, KVHeads: 8, HeadBytes: 256, PageSize: 16}
+			wl := Workload{Seed: 3, Requests: b.N, MinTokens: 1024, MaxTokens: 1024, ChunkPages: 8}
+			common := func(tp int) Common {
+				return Common{Plugin: pl, AgentParams: c.params, Shape: shape, Workload: wl,
+					TPSize: tp, Concurrency: 4, NoBytes: true, Logger: discard()}
+			}
+			obs := &planObserver{chunks: make(map[planKey]time.Duration)}
+			ctx := context.Background()
+			b.ResetTimer()
+			pch := make(chan *Summary, 1)
+			go func() {
+				o := PrefillOptions{Common: common(2), XferMode: c.xfer, BootstrapAddr: addr}
+				o.Observer = obs
+				s, err := RunPrefill(ctx, o)
+				if err != nil {
+					b.Error(err)
+				}
+				pch <- s
+			}()
+			ds, err := RunDecode(ctx, DecodeOptions{Common: common(4), BootstrapAddr: addr})
+			ps := <-pch
+			b.StopTimer()
+			if err != nil || ps == nil || ds.OK != b.N || ps.OK != b.N {
+				b.Fatalf("decode %v: %+v", err, ds)
+			}
+			if len(obs.chunks) == 0 {
+				b.Fatal("no KV transfer observed")
+			}
+			// The median: a worker preempted while planning (a loaded
+			// machine) makes a few chunks' times many times longer.
+			var times []time.Duration
+			for _, d := range obs.chunks {
+				times = append(times, d)
+			}
+			slices.Sort(times)
+			b.ReportMetric(float64(times[len(times)/2].Nanoseconds()), "plan-ns/chunk")
+			b.ReportMetric(float64(len(obs.chunks))/float64(b.N), "chunks/req")
+		})
+	}
 }

@@ -134,18 +134,26 @@ func TestInProcMatrix(t *testing.T) {
 	mixed.MemKinds = "mixed"
 	noNotif := []plugin.Param{{Key: "caps_off", Value: "notif"}}
 	cases := map[string]pair{
-		"tp2to4":          {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 4},
-		"tp4to2":          {shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
-		"mla2to4":         {shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
-		"mla4to2":         {shape: mla, wl: smallWL(), ptp: 4, dtp: 2},
-		"pp2to1":          {shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2},
-		"pp2to2":          {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 2, ppp: 2, dpp: 2},
-		"mixed":           {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1},
-		"prefix":          {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4},
-		"status":          {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, pparams: noNotif, dparams: noNotif},
-		"status-mixed":    {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, pparams: noNotif, dparams: noNotif},
-		"prepped":         {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, xfer: push.XferPrepped},
-		"prepped-mixed":   {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, xfer: push.XferPrepped},
+		"tp2to4":        {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 4},
+		"tp4to2":        {shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
+		"mla2to4":       {shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
+		"mla4to2":       {shape: mla, wl: smallWL(), ptp: 4, dtp: 2},
+		"pp2to1":        {shape: smallShape(), wl: smallWL(), ptp: 1, dtp: 1, ppp: 2},
+		"pp2to2":        {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 2, ppp: 2, dpp: 2},
+		"mixed":         {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1},
+		"prefix":        {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4},
+		"status":        {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, pparams: noNotif, dparams: noNotif},
+		"status-mixed":  {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, pparams: noNotif, dparams: noNotif},
+		"prepped":       {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, xfer: push.XferPrepped},
+		"prepped-mixed": {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, xfer: push.XferPrepped},
+		// The zero XferMode is auto: strided batches on the fake plugin
+		// (native strides). The prepared-list path explicitly, and by auto
+		// on an agent without native strides.
+		"prepped-mla":     {shape: mla, wl: smallWL(), ptp: 2, dtp: 4, xfer: push.XferPrepped},
+		"prepped-pp2to2":  {shape: smallShape(), wl: smallWL(), ptp: 2, dtp: 2, ppp: 2, dpp: 2, xfer: push.XferPrepped},
+		"prepped-status":  {shape: mixed, wl: smallWL(), ptp: 1, dtp: 1, pparams: noNotif, dparams: noNotif, xfer: push.XferPrepped},
+		"auto-nostrides":  {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, pparams: []plugin.Param{{Key: "caps_off", Value: "strided"}}},
+		"auto-noprepped":  {shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4, pparams: []plugin.Param{{Key: "caps_off", Value: "prepped,strided"}}},
 		"mori":            {variant: push.VariantMORI, shape: smallShape(), wl: prefixWL, ptp: 2, dtp: 4},
 		"mori-tp4to2":     {variant: push.VariantMORI, shape: smallShape(), wl: smallWL(), ptp: 4, dtp: 2},
 		"mori-mla":        {variant: push.VariantMORI, shape: mla, wl: smallWL(), ptp: 2, dtp: 4},
@@ -157,6 +165,18 @@ func TestInProcMatrix(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ps, ds := runPair(t, c)
 			expectAllOK(t, ps, ds)
+			// auto: strided batches where the agent has native strides, else
+			// prepped lists where it has them (NIXL), else batches.
+			want := c.xfer
+			if want == push.XferAuto {
+				want = push.XferBatch
+				if c.variant != push.VariantMORI && slices.Contains(c.pparams, plugin.Param{Key: "caps_off", Value: "strided"}) {
+					want = push.XferPrepped
+				}
+			}
+			if ps.XferMode != want.String() {
+				t.Fatalf("prefill transfer mode %q, want %q", ps.XferMode, want)
+			}
 			t.Logf("%s: %d transfers, %d descs (ref %d), %d bytes", name, ps.Transfers, ps.Descriptors, ps.RefDescriptors, ps.Bytes)
 		})
 	}

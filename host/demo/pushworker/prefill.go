@@ -194,7 +194,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	})
 	elapsed := time.Since(start)
 
-	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: o.XferMode.String(), Checked: !o.NoBytes}
+	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: prs[0].m.XferMode().String(), Checked: !o.NoBytes}
 	for _, p := range prs {
 		s.Ranks = append(s.Ranks, p.String())
 		s.Dropped += p.m.Dropped()

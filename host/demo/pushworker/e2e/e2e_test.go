@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -37,6 +38,33 @@ type scenario struct {
 	decodeExtra  func(*spec)
 }
 
+// withCapsOff returns params with capability c switched off too (one
+// caps_off parameter, its list extended).
+func withCapsOff(params []string, c string) []string {
+	out := append([]string(nil), params...)
+	for i, p := range out {
+		if v, ok := strings.CutPrefix(p, "caps_off="); ok {
+			out[i] = "caps_off=" + v + "," + c
+			return out
+		}
+	}
+	return append(out, "caps_off="+c)
+}
+
+// wantXfer is the transfer mode the prefill should resolve: --xfer as
+// given, or auto's choice (strided batches where the agent has native
+// strides, else prepped lists where it has them natively and the variant
+// is NIXL, else batches).
+func (sc scenario) wantXfer() string {
+	if sc.xfer != "" {
+		return sc.xfer
+	}
+	if sc.variant != "mori" && slices.Contains(sc.pParams, "caps_off=strided") {
+		return "prepped"
+	}
+	return "batch"
+}
+
 func (sc scenario) pair() pairSpec {
 	shape := pushworker.Shape{MLA: sc.mla, Layers: 4, KVHeads: 4, HeadBytes: 32, PageSize: 4, AuxItemLen: 48}
 	wl := pushworker.Workload{Seed: 11, Requests: sc.requests, MinTokens: 1, MaxTokens: 48, ChunkPages: 3, AbortRate: sc.abortRate}
@@ -62,7 +90,7 @@ func (sc scenario) pair() pairSpec {
 			s.Variant = "nixl"
 		}
 		if sc.noNotif {
-			s.Params = append(s.Params, "caps_off=notif")
+			s.Params = withCapsOff(s.Params, "notif")
 		}
 		return s
 	}
@@ -93,18 +121,26 @@ func checkAllOK(t *testing.T, s ...*pushworker.Summary) {
 func TestTwoProcess(t *testing.T) {
 	requireFake(t)
 	cases := map[string]scenario{
-		"tp1to1":         {ptp: 1, dtp: 1},
-		"tp2to4":         {ptp: 2, dtp: 4},
-		"tp4to2":         {ptp: 4, dtp: 2},
-		"mla2to4-dummy":  {mla: true, ptp: 2, dtp: 4},
-		"mla4to2-dummy":  {mla: true, ptp: 4, dtp: 2},
-		"pp2to1":         {ptp: 1, dtp: 1, ppp: 2},
-		"mixed-kinds":    {ptp: 1, dtp: 1, dMemKinds: "mixed"},
-		"prefix-hits":    {ptp: 2, dtp: 2, prefix: true},
-		"prepped":        {ptp: 2, dtp: 4, prefix: true, xfer: "prepped"},
-		"mori-tp2to4":    {variant: "mori", ptp: 2, dtp: 4, prefix: true},
-		"mori-pp2-mla":   {variant: "mori", mla: true, ptp: 2, dtp: 1, ppp: 2},
-		"mori-tp4to2-pp": {variant: "mori", ptp: 4, dtp: 2, ppp: 2},
+		"tp1to1":        {ptp: 1, dtp: 1},
+		"tp2to4":        {ptp: 2, dtp: 4},
+		"tp4to2":        {ptp: 4, dtp: 2},
+		"mla2to4-dummy": {mla: true, ptp: 2, dtp: 4},
+		"mla4to2-dummy": {mla: true, ptp: 4, dtp: 2},
+		"pp2to1":        {ptp: 1, dtp: 1, ppp: 2},
+		"mixed-kinds":   {ptp: 1, dtp: 1, dMemKinds: "mixed"},
+		"prefix-hits":   {ptp: 2, dtp: 2, prefix: true},
+		"prepped":       {ptp: 2, dtp: 4, prefix: true, xfer: "prepped"},
+		// --xfer auto picks strided batches on the fake plugin (native
+		// strides): the prepared-list path explicitly, and by auto on an
+		// agent without native strides.
+		"prepped-mla2to4-dummy": {mla: true, ptp: 2, dtp: 4, xfer: "prepped"},
+		"prepped-pp2to1":        {ptp: 1, dtp: 1, ppp: 2, xfer: "prepped"},
+		"prepped-mixed-kinds":   {ptp: 1, dtp: 1, dMemKinds: "mixed", xfer: "prepped"},
+		"auto-nostrides":        {ptp: 2, dtp: 4, prefix: true, pParams: []string{"caps_off=strided"}},
+		"auto-noprepped":        {ptp: 2, dtp: 4, prefix: true, pParams: []string{"caps_off=prepped,strided"}},
+		"mori-tp2to4":           {variant: "mori", ptp: 2, dtp: 4, prefix: true},
+		"mori-pp2-mla":          {variant: "mori", mla: true, ptp: 2, dtp: 1, ppp: 2},
+		"mori-tp4to2-pp":        {variant: "mori", ptp: 4, dtp: 2, ppp: 2},
 	}
 	for name, sc := range cases {
 		for _, mode := range []string{"notif", "status"} {
@@ -124,6 +160,9 @@ func TestTwoProcess(t *testing.T) {
 				}
 				if mode == "status" && ps.Completion != "status" {
 					t.Fatalf("prefill completion %q, want status", ps.Completion)
+				}
+				if want := sc.wantXfer(); ps.XferMode != want {
+					t.Fatalf("prefill transfer mode %q, want %q", ps.XferMode, want)
 				}
 				if ds.Bytes == 0 || ps.Transfers == 0 {
 					t.Fatalf("nothing moved: decode verified %d bytes, prefill made %d transfers", ds.Bytes, ps.Transfers)
