@@ -218,12 +218,14 @@ func TestWorkerMetricsSGLang(t *testing.T) {
 		t.Fatalf("prefill /health never answered 200 after the bootstrap server opened:\n%s", prefill.logText())
 	}
 	// Scrape the prefill while it runs (it lingers after its workload, so
-	// the last scrapes still find it).
+	// the last scrapes still find it), until the transfer histogram and the
+	// Transferring transitions checked below have both been recorded.
 	if !until(60*time.Second, func() bool {
 		_, body = get(pm + "/metrics")
-		return metricValue(body, "kvhost_nixl_xfer_time_seconds_count", `role="prefill"`) > 0
+		return metricValue(body, "kvhost_nixl_xfer_time_seconds_count", `role="prefill"`) > 0 &&
+			metricValue(body, "kvhost_room_transitions_total", `state="Transferring"`) > 0
 	}) {
-		t.Fatalf("prefill /metrics: transfer histogram never populated:\n%s", body)
+		t.Fatalf("prefill /metrics: transfer histogram or Transferring transitions never populated:\n%s", body)
 	}
 	for _, name := range []string{"kvhost_nixl_post_time_seconds_count", "kvhost_nixl_bytes_transferred_sum", "kvhost_nixl_num_descriptors_count"} {
 		if v := metricValue(body, name, `role="prefill"`, `style="sglang"`); v <= 0 {
