@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -103,4 +104,27 @@ func relisten(t *testing.T, ep string) *Pull {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// deadEndpoint returns "tcp://127.0.0.1:port" for a port that refuses
+// every connection for the rest of the test: a socket bound to it that
+// never listens holds it. A port taken from a closed listener is not
+// enough: on a loaded machine another test's listener may get it, and a
+// dial to a listener with a full backlog times out instead of being
+// refused.
+func deadEndpoint(t testing.TB) string {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprintf("tcp://127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port)
 }

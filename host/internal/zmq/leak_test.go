@@ -80,9 +80,7 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	}
 	stalled, _ := rawPeer(t, pull.Addr().String(), typePush)
 	stalled.Write([]byte{0, 200, 1, 2, 3})
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	nobody := endpointOf(ln.Addr())
-	ln.Close()
+	nobody := deadEndpoint(t)
 	lonely, _ := DialPush(nobody, quiet(), WithReconnectInterval(time.Millisecond, 10*time.Millisecond))
 	sendDone := make(chan error, 1)
 	go func() { sendDone <- lonely.Send(context.Background(), []byte("never")) }()

@@ -96,7 +96,7 @@ func (p *Push) Send(ctx context.Context, frames ...[]byte) error {
 			if err != nil {
 				// A dial cut short by ctx says only "i/o timeout": keep
 				// the reason of the attempt before it (e.g. refused).
-				if lastErr == nil || ctx.Err() == nil {
+				if lastErr == nil || !cutShort(ctx) {
 					lastErr = err
 				}
 				select {
@@ -121,6 +121,18 @@ func (p *Push) Send(ctx context.Context, frames ...[]byte) error {
 			return p.sendError(ctx, lastErr)
 		}
 	}
+}
+
+// cutShort reports whether ctx has ended or reached its deadline. A dial
+// bounded by ctx's deadline may return "i/o timeout" a moment before ctx
+// itself reports DeadlineExceeded (the connection's deadline and ctx's
+// timer fire independently), so ctx.Err alone misses it.
+func cutShort(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	d, ok := ctx.Deadline()
+	return ok && !time.Now().Before(d)
 }
 
 func (p *Push) sendError(ctx context.Context, last error) error {

@@ -125,9 +125,7 @@ func TestPushWaitsForLatePeer(t *testing.T) {
 // No peer at all: Send fails when its context ends, and says why; it never
 // reports success for a message it could not deliver.
 func TestPushNoPeerFails(t *testing.T) {
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	ep := endpointOf(ln.Addr())
-	ln.Close()
+	ep := deadEndpoint(t)
 	push := newPush(t, ep, WithReconnectInterval(5*time.Millisecond, 20*time.Millisecond))
 	// Long enough for a dial to be refused even on a loaded machine (with
 	// 300 ms the only dial sometimes ran out of time instead).
@@ -149,9 +147,7 @@ func TestPushNoPeerFails(t *testing.T) {
 }
 
 func TestPushCloseInterruptsSend(t *testing.T) {
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	ep := endpointOf(ln.Addr())
-	ln.Close()
+	ep := deadEndpoint(t)
 	push := newPush(t, ep)
 	errc := make(chan error, 1)
 	go func() { errc <- push.Send(context.Background(), []byte("x")) }()

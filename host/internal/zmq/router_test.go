@@ -145,9 +145,7 @@ func TestRouterSendUnknownPeer(t *testing.T) {
 // A REQ against a dead port fails at once; against a peer that never
 // answers it fails when its context ends, not later.
 func TestRequestTimeouts(t *testing.T) {
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	dead := endpointOf(ln.Addr())
-	ln.Close()
+	dead := deadEndpoint(t)
 	start := time.Now()
 	if _, err := Request(testCtx(t, 5*time.Second), dead, [][]byte{[]byte("x")}, quiet()); err == nil {
 		t.Fatal("request to a dead port succeeded")
