@@ -15,9 +15,12 @@ import (
 
 // BenchmarkKVPlan times every plan path the runtimes take per request
 // (SGLang NIXL prepped indices and strided copies, MORI batches, aux, vLLM
-// reads) beside the reference connector's own per-request planning code
-// for the same request: testdata/bench_ref.py, a line-by-line numpy
-// transcription run by /usr/bin/python3 in the same invocation. Each
+// reads) beside the reference: the upstream connector's own per-request
+// planning code for the same request (SGLang's
+// python/sglang/srt/disaggregation/{nixl,mori}/conn.py, vLLM's
+// vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py), as
+// testdata/bench_ref.py transcribes it line by line in numpy, run by
+// /usr/bin/python3 in the same invocation. Each
 // sub-benchmark reports, besides ns/op and allocs/op of the kvhost plan:
 //
 //	descriptors       what kvhost hands the backend (indices per side on

@@ -194,8 +194,8 @@ func (n *NIXLKV) Indices(pk *PreppedKV, part int, srcIdx, dstIdx []int32, prefil
 
 // appendDlistIndices appends, block after block, the entry index of every
 // token of every page for head group g. It grows out once, plans the first
-// block and, for every later block of the same shape (every block of the
-// reference's lists), adds the block's offset to the first block's indices:
+// block and, for every later block of the same shape (every block of
+// SGLang's prepped lists), adds the block's offset to the first block's indices:
 // the per-page multiply then runs once per chunk, not once per layer. The
 // indices fit in int32: Validate bounds the list to MaxInt32 entries and
 // the chunk's pages are checked against the list's slots.

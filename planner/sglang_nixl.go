@@ -152,7 +152,8 @@ func (n *NIXLKV) pairedKinds() []MemKind {
 }
 
 // homogeneousKind returns the one memory kind of kinds (nil: VRAM) or the
-// reference's NotImplementedError for mixed kinds.
+// NotImplementedError SGLang's disaggregation/nixl/conn.py raises for mixed
+// kinds.
 func homogeneousKind(field, context string, kinds []MemKind) (MemKind, error) {
 	if len(kinds) == 0 {
 		return VRAM, nil

@@ -124,8 +124,8 @@ type VLLMListRegion struct {
 	Len    uint64
 }
 
-// VLLMDescList is a prepared descriptor list in closed form, in the
-// reference's order: Regions[j] contributes Blocks descriptors, and the
+// VLLMDescList is a prepared descriptor list in closed form, in vLLM's
+// nixl_connector.py order: Regions[j] contributes Blocks descriptors, and the
 // descriptor with id j*Blocks + b is block b of Regions[j].
 type VLLMDescList struct {
 	Blocks   int
@@ -282,8 +282,8 @@ func VLLMTargetRemoteRank(decodeRank, decodeTP, prefillTP int) (int, error) {
 
 // NewVLLMReader performs the geometry part of the decode rank's handshake
 // with one prefill rank: it checks the decode's own registration
-// (register_kv_caches), validates the prefill's advertised metadata with the
-// reference's rules (_nixl_handshake, _validate_remote_agent_handshake), and
+// (register_kv_caches), validates the prefill's advertised metadata with
+// vLLM's nixl_connector.py rules (_nixl_handshake, _validate_remote_agent_handshake), and
 // builds both prepared descriptor lists (register_local_xfer_handler,
 // add_remote_agent). remote is the prefill rank's metadata and remoteTPSize
 // the prefill TP size from kv_transfer_params.

@@ -61,7 +61,7 @@
 // without the strided list API), SGLang's prepared lists are built
 // once per decode rank and each chunk is planned as indices into them
 // (SGLang NIXL's make_prepped_xfer), never as strided copies it would not
-// use; a rank whose geometry the reference posts without prepped lists, or
+// use; a rank whose geometry SGLang's nixl/conn.py posts without prepped lists, or
 // whose lists NIXL would reject, gets batch transfers. Otherwise (and
 // with strides) each chunk is planned as strided copies posted as one batch transfer over
 // region pairs imported once per peer, which the plugin takes as they are
@@ -256,8 +256,8 @@
 //   - The heartbeat interval may be set below SGLang's 2 s floor (tests do).
 //   - SGLang MORI supports prefill PP > 1 only towards a decode with PP 1
 //     (it slices the decode list by the stage's start layer); kvhost keeps
-//     that rule and refuses other layouts at registration with the
-//     reference's reason.
+//     that rule and refuses other layouts at registration with
+//     SGLang's reason.
 //   - kvhost ranks do not run with attention context parallelism (CP > 1
 //     is refused by NewPrefill and NewDecode); a kvhost decode maps onto an
 //     SGLang prefill with CP as SGLang's disaggregation/{nixl,mori}/conn.py does. SGLang's staging

@@ -275,7 +275,7 @@ func (m *Prefill) nixlPeer(r *sglang.NIXLRegistration, frames [][]byte) (p *peer
 			if m.cfg.XferMode != XferAuto || !errors.Is(err, errNoPreppedLists) {
 				return p, err
 			}
-			// XferAuto: a geometry the reference posts without prepped
+			// XferAuto: a geometry SGLang's nixl/conn.py posts without prepped
 			// lists (or whose lists NIXL would reject) gets strided
 			// batch transfers instead (p.prepped stays nil).
 			m.log.Info("decode rank gets batch transfers", "peer", p.name, "reason", err)

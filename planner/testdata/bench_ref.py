@@ -1,5 +1,8 @@
 """Per-request planning of the reference connectors, timed, for the planner
-benchmarks (planner/kvplan_bench_test.go).
+benchmarks (planner/kvplan_bench_test.go). The reference connectors are the
+upstream ones: SGLang's python/sglang/srt/disaggregation/nixl/conn.py and
+mori/conn.py, and vLLM's
+vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py.
 
 A line-oriented server: the benchmark starts it once and sends one JSON
 object per line, and it answers one JSON line each.

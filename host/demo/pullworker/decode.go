@@ -116,7 +116,7 @@ type DecodeSummary struct {
 	TransferMs Percentiles `json:"transfer_ms"`
 	RequestMs  Percentiles `json:"request_ms"`
 	// DescriptorsPerRead is the average descriptor count of a READ: the
-	// reference's prepped READ, block descriptor per region and block.
+	// vLLM nixl_connector.py's prepped READ, block descriptor per region and block.
 	DescriptorsPerRead float64 `json:"descriptors_per_read"`
 	// InvalidBlocks is how many distinct local blocks the ranks reported
 	// failing (BlockIDsWithLoadErrors); InvalidBlockReports counts every
