@@ -218,16 +218,20 @@ func TestWorkerMetricsSGLang(t *testing.T) {
 		t.Fatalf("prefill /health never answered 200 after the bootstrap server opened:\n%s", prefill.logText())
 	}
 	// Scrape the prefill while it runs (it lingers after its workload, so
-	// the last scrapes still find it), until the transfer histogram and the
-	// Transferring transitions checked below have both been recorded.
+	// the last scrapes still find it), until every series checked below has
+	// been recorded. A transfer's histograms are observed one after the
+	// other (a scrape between them saw a transfer time but no bytes), and
+	// one scrape saw four transfers before any Transferring transition.
+	populated := []string{"kvhost_nixl_post_time_seconds_count", "kvhost_nixl_bytes_transferred_sum", "kvhost_nixl_num_descriptors_count"}
 	if !until(60*time.Second, func() bool {
 		_, body = get(pm + "/metrics")
 		return metricValue(body, "kvhost_nixl_xfer_time_seconds_count", `role="prefill"`) > 0 &&
+			metricValue(body, populated[len(populated)-1], `role="prefill"`) > 0 &&
 			metricValue(body, "kvhost_room_transitions_total", `state="Transferring"`) > 0
 	}) {
-		t.Fatalf("prefill /metrics: transfer histogram or Transferring transitions never populated:\n%s", body)
+		t.Fatalf("prefill /metrics: transfer histograms or Transferring transitions never populated:\n%s", body)
 	}
-	for _, name := range []string{"kvhost_nixl_post_time_seconds_count", "kvhost_nixl_bytes_transferred_sum", "kvhost_nixl_num_descriptors_count"} {
+	for _, name := range populated {
 		if v := metricValue(body, name, `role="prefill"`, `style="sglang"`); v <= 0 {
 			t.Errorf("prefill %s = %v during the run", name, v)
 		}
