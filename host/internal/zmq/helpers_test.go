@@ -107,18 +107,29 @@ func relisten(t *testing.T, ep string) *Pull {
 }
 
 // deadEndpoint returns "tcp://127.0.0.1:port" for a port that refuses
-// every connection for the rest of the test: a socket bound to it that
-// never listens holds it. A port taken from a closed listener is not
-// enough: on a loaded machine another test's listener may get it, and a
-// dial to a listener with a full backlog times out instead of being
-// refused.
+// every connection for the rest of the test (reserveEndpoint). A port
+// taken from a closed listener is not enough: on a loaded machine another
+// test's listener may get it, and a dial to a listener with a full backlog
+// times out instead of being refused.
 func deadEndpoint(t testing.TB) string {
+	ep, _ := reserveEndpoint(t)
+	return ep
+}
+
+// reserveEndpoint returns "tcp://127.0.0.1:port" for a port held by a
+// socket bound to it that never listens, so that connections to it are
+// refused and no other listener (another test, another package's test
+// binary) can take it; release frees it for a listener of the test's own
+// (it is also freed when the test ends).
+func reserveEndpoint(t testing.TB) (ep string, release func()) {
 	t.Helper()
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { syscall.Close(fd) })
+	var once sync.Once
+	release = func() { once.Do(func() { syscall.Close(fd) }) }
+	t.Cleanup(release)
 	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
 		t.Fatal(err)
 	}
@@ -126,5 +137,5 @@ func deadEndpoint(t testing.TB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return fmt.Sprintf("tcp://127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port)
+	return fmt.Sprintf("tcp://127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port), release
 }

@@ -100,17 +100,15 @@ func TestRecvHonoursContextAndClose(t *testing.T) {
 
 // A peer that is not up yet is waited for, within the context.
 func TestPushWaitsForLatePeer(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ep := endpointOf(ln.Addr())
-	ln.Close() // nobody listens there now
+	// Nobody listens there yet, and no other test's listener can take the
+	// port meanwhile (a Send would then succeed to that stranger).
+	ep, release := reserveEndpoint(t)
 	push := newPush(t, ep, WithReconnectInterval(10*time.Millisecond, 50*time.Millisecond))
 	ctx := testCtx(t, 10*time.Second)
 	done := make(chan error, 1)
 	go func() { done <- push.Send(ctx, []byte("early")) }()
 	time.Sleep(200 * time.Millisecond)
+	release()
 	pull := relisten(t, ep)
 	defer pull.Close()
 	if err := <-done; err != nil {
