@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
-	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
@@ -82,52 +81,6 @@ func countSuccess(rs []*push.Receiver) int {
 		}
 	}
 	return n
-}
-
-// open runs a request up to the point where the prefill waits for its
-// KV: decode sent the metadata, prefill has it, no byte moved.
-func (r *rig) open(ctx context.Context, q *request) error {
-	if err := q.rcv.Init(ctx); err != nil {
-		return err
-	}
-	if err := q.rcv.SendMetadata(ctx, q.dpages, q.daux, q.dstate, 0); err != nil {
-		return err
-	}
-	if st, err := q.s.WaitReady(ctx); err != nil || st == sglang.KVPollFailed {
-		return fmt.Errorf("prefill not ready: %v %v", st, err)
-	}
-	return nil
-}
-
-// complete runs an opened request to the end and verifies decode's bytes.
-func (r *rig) complete(ctx context.Context, q *request) error {
-	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
-		return err
-	}
-	if err := r.p.pool.FillAux(q.room, int(q.paux)); err != nil {
-		return err
-	}
-	if err := q.s.Init(len(q.ppages), q.paux); err != nil {
-		return err
-	}
-	if err := q.s.Send(q.ppages, nil); err != nil {
-		return err
-	}
-	ps, err := q.s.Wait(ctx)
-	if err != nil {
-		return err
-	}
-	ds, err := q.rcv.Wait(ctx)
-	if err != nil {
-		return err
-	}
-	if ps != sglang.KVPollSuccess || ds != sglang.KVPollSuccess {
-		return fmt.Errorf("room %d: prefill %v (%v), decode %v (%v)", q.room, ps, q.s.Failure(), ds, q.rcv.Failure())
-	}
-	if err := r.d.pool.Verify(kvpool.Tokens{Request: q.room, Pages: q.dpages, Count: q.tokens}); err != nil {
-		return err
-	}
-	return r.d.pool.VerifyAux(q.room, int(q.daux))
 }
 
 // evilAgent is an agent of the test's that knows the decode's metadata (as
