@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -456,5 +457,26 @@ func TestRestartedPrefillAgent(t *testing.T) {
 	f.honest(1, 5003)
 	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
 		t.Fatalf("second room after the restart: %v %v %v", st, err, rc.Failure())
+	}
+}
+
+// TestBadNotificationNamesItsSender: a room failed by a notification that
+// contradicts the tracker (a chunk id out of range) says which prefill
+// rank and agent sent it: since issue 19 the sender is the agent, not the
+// rank a tag names, and the tracker's own errors no longer carry it.
+func TestBadNotificationNamesItsSender(t *testing.T) {
+	ctx := ctxT(t, 60*time.Second)
+	f := newFanIn(t, ctx, push.VariantNIXL, push.CompletionNotif, push.Settings{})
+	f.warm(6000)
+	rc := f.open(6001, 1)
+	f.notify(1, fmt.Sprintf("%d_kv_%d_1_1", rc.Room(), 1<<30))
+	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollFailed {
+		t.Fatalf("room after a chunk id out of range: %v %v", st, err)
+	}
+	reason := fmt.Sprint(rc.Failure())
+	for _, want := range []string{"prefill-tp1", fmt.Sprintf("%s:%d", f.ranks[1].ip, f.ranks[1].pull.Port())} {
+		if !strings.Contains(reason, want) {
+			t.Errorf("failure %q does not name the sender (%s)", reason, want)
+		}
 	}
 }
