@@ -2,7 +2,7 @@ package planner
 
 // Context-parallel (CP) page filtering on the prefill side: with attention
 // CP, every CP rank holds the whole request's page list but sends only its
-// contiguous share of it (SGLang's disaggregation/{nixl,mori}/conn.py's _get_cp_rank_page_bounds and
+// contiguous share of it (SGLang's disaggregation/utils.py's _get_cp_rank_page_bounds and
 // filter_kv_indices_for_cp_rank).
 
 // CPRankPageBounds returns the half-open page range [start, end) that CP
@@ -28,7 +28,7 @@ func CPRankPageBounds(totalPages, cpRank, cpSize int) (start, end int, err error
 }
 
 // IndexSlice is a chunk's position in the request's page list: pages
-// [Start, Stop) of it. It mirrors SGLang's disaggregation/{nixl,mori}/conn.py's index_slice.
+// [Start, Stop) of it. It mirrors SGLang's disaggregation/utils.py's index_slice.
 type IndexSlice struct {
 	Start, Stop int
 }

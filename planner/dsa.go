@@ -10,7 +10,7 @@ package planner
 //	 second segment offset (0), second segment length, ring size)
 //
 // The transfer re-packs the live tokens from the prefill ring into the
-// decode ring segment by segment (SGLang's disaggregation/{nixl,mori}/conn.py's get_dsa_tail_state_indices,
+// decode ring segment by segment (SGLang's disaggregation/utils.py's get_dsa_tail_state_indices,
 // slice_dsa_tail_dst_ptrs_for_pp and build_dsa_tail_transfer_blocks).
 
 // DSATailPool is what a side's pool says about its tail ring.
@@ -30,7 +30,7 @@ func pyMod(a, b int) int {
 }
 
 // DSATailStateIndices returns the 6-tuple of a request's live tail tokens
-// (SGLang's disaggregation/{nixl,mori}/conn.py's get_dsa_tail_state_indices), or nil when the pool does
+// (SGLang's disaggregation/utils.py's get_dsa_tail_state_indices), or nil when the pool does
 // not compress or no token is pending.
 func DSATailStateIndices(pool DSATailPool, reqPoolIdx, seqLen int) ([]int, error) {
 	if !pool.KPoolUseCompress {
@@ -95,7 +95,7 @@ type DSATailBuffers struct {
 // PathDSATail is the plan path of PlanDSATail.
 const PathDSATail = "dsa-tail"
 
-// PlanDSATail plans the DSA tail remap (SGLang's disaggregation/{nixl,mori}/conn.py's
+// PlanDSATail plans the DSA tail remap (SGLang's disaggregation/utils.py's
 // build_dsa_tail_transfer_blocks) from prefill tail tensors to the decode
 // tensors dstSel selects (SliceDSATailDstForPP; nil selects all, in
 // order). Empty index tuples on both sides move nothing; otherwise both

@@ -5,7 +5,7 @@ package planner
 // A prefill PP stage registers only its own layers; a decode engine with
 // PP 1 registers every layer. Three mechanisms pair the two lists:
 //
-//   - by position with the stage's start layer (SGLang's disaggregation/{nixl,mori}/conn.py's
+//   - by position with the stage's start layer (SGLang's disaggregation/common/conn.py's
 //     get_mha_kv_ptrs_with_pp / get_mla_kv_ptrs_with_pp: PairKVRegions in
 //     geometry.go);
 //   - for compressed-MLA pools (DeepSeek V4), by position inside each
@@ -23,7 +23,7 @@ type EntryPair struct {
 }
 
 // BuildTransferEntryPairs pairs prefill entries with decode entries by
-// global layer id (SGLang's disaggregation/{nixl,mori}/conn.py's build_transfer_entry_pairs).
+// global layer id (SGLang's disaggregation/utils.py's build_transfer_entry_pairs).
 //
 // Layer ids may repeat across tensor groups (K then V, conv then temporal
 // state), so the k-th occurrence of an id on the prefill side pairs with the
@@ -108,7 +108,7 @@ type KVLayerIDsInput struct {
 }
 
 // BuildKVLayerIDs returns the global layer id of every entry of
-// kv_data_ptrs (SGLang's disaggregation/{nixl,mori}/conn.py's build_kv_layer_ids). Draft entries get ids
+// kv_data_ptrs (SGLang's disaggregation/utils.py's build_kv_layer_ids). Draft entries get ids
 // in a band above the target's layers, numbered by first appearance of the
 // draft's own ids, so both peers agree on them. It returns nil for pools
 // that cannot report ids.
@@ -138,7 +138,7 @@ func BuildKVLayerIDs(in KVLayerIDsInput) ([]int, error) {
 }
 
 // DraftEntryLayerIDs returns the draft pool's own layer id for each of its
-// numEntries registered entries (SGLang's disaggregation/{nixl,mori}/conn.py's _draft_entry_layer_ids).
+// numEntries registered entries (SGLang's disaggregation/utils.py's _draft_entry_layer_ids).
 func DraftEntryLayerIDs(pool DraftPool, numEntries int) ([]int, error) {
 	var ids []int
 	if pool.Hybrid {
@@ -162,7 +162,7 @@ func DraftEntryLayerIDs(pool DraftPool, numEntries int) ([]int, error) {
 }
 
 // ResolveDCPDstEntryIndices returns, for each local KV entry, the decode
-// entry it lands in for a decode-context-parallel relayout (SGLang's disaggregation/{nixl,mori}/conn.py's
+// entry it lands in for a decode-context-parallel relayout (SGLang's disaggregation/utils.py's
 // resolve_dcp_dst_entry_indices). Without layer ids on either side it is the
 // identity (decode may hold extra draft entries); otherwise entries pair by
 // layer id.
@@ -212,7 +212,7 @@ func pyRange(n, start, stop int) (lo, hi int) {
 }
 
 // PairCompressedMLARegions pairs a compressed-MLA prefill stage's entries
-// with a PP-1 decode list (SGLang's disaggregation/{nixl,mori}/conn.py's _mla_slice_ptrs_for_pp, reached
+// with a PP-1 decode list (SGLang's disaggregation/common/conn.py's _mla_slice_ptrs_for_pp, reached
 // from get_mla_kv_ptrs_with_pp when mla_compression_ratios is set and the
 // lists differ in length). The decode list is one of three layouts:
 //   - KV data, 2*c4 + c128 entries: [c4 layers, c4 indexer layers, c128 layers];

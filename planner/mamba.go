@@ -4,7 +4,7 @@ package planner
 // tensors such as conv_state [slot, dim/tp, kernel-1] and temporal_state
 // [slot, heads/tp, head_dim, state]. The TP-sharded axis is the one after
 // the slot, so when prefill and decode attention TP sizes differ the sender
-// copies a slice of every tensor instead of the whole slot (SGLang's disaggregation/{nixl,mori}/conn.py's
+// copies a slice of every tensor instead of the whole slot (SGLang's disaggregation/utils.py's
 // compute_mamba_state_slice_blocks / compute_mamba_state_slice_byte_blocks
 // and the connectors' _send_mamba_state / _send_mamba_state_slice).
 
@@ -34,7 +34,7 @@ type MambaSliceInput struct {
 }
 
 // MambaStateSliceBlocks returns the logical blocks to copy for one tensor
-// (SGLang's disaggregation/{nixl,mori}/conn.py's compute_mamba_state_slice_blocks).
+// (SGLang's disaggregation/utils.py's compute_mamba_state_slice_blocks).
 //
 // Aggregation (prefill TP > decode TP): several prefill ranks each write
 // their whole shard into one decode slot, at their writer index. Scatter
@@ -132,7 +132,7 @@ func mambaBytesPerDim(in MambaSliceInput) (src, dst uint64, err error) {
 const maxMambaOuterRows = 1 << 16
 
 // MambaStateSliceByteBlocks converts the logical blocks of one tensor into
-// byte blocks of one slot (SGLang's disaggregation/{nixl,mori}/conn.py's
+// byte blocks of one slot (SGLang's disaggregation/utils.py's
 // compute_mamba_state_slice_byte_blocks): one block per logical block per
 // outer row, rows outermost. Copy lengths use the prefill bytes per dim.
 func MambaStateSliceByteBlocks(in MambaSliceInput) ([]MambaByteBlock, error) {

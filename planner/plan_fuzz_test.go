@@ -42,20 +42,6 @@ func FuzzPlanAdd(f *testing.F) {
 	})
 }
 
-// mergeAdjacent merges consecutive blocks that continue each other on both
-// sides, keeping order.
-func mergeAdjacent(bs []block) []block {
-	var out []block
-	for _, b := range bs {
-		if n := len(out); n > 0 && out[n-1].Src+out[n-1].Len == b.Src && out[n-1].Dst+out[n-1].Len == b.Dst {
-			out[n-1].Len += b.Len
-			continue
-		}
-		out = append(out, b)
-	}
-	return out
-}
-
 // FuzzValidate: Validate never panics and accepts only plans whose blocks
 // all lie inside their regions.
 func FuzzValidate(f *testing.F) {

@@ -2,7 +2,7 @@ package planner
 
 // Rank mapping on the decode side: which prefill ranks a decode rank talks
 // to, how many decode ranks each prefill rank waits for, and how many
-// prefill answers a decode rank waits for (SGLang's disaggregation/{nixl,mori}/conn.py's
+// prefill answers a decode rank waits for (SGLang's disaggregation/common/conn.py's
 // CommonKVManager._resolve_rank_mapping and
 // CommonKVReceiver._setup_bootstrap_infos).
 

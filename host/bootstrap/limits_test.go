@@ -2,7 +2,6 @@ package bootstrap
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -11,9 +10,10 @@ import (
 	"net/http"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/ratelog/ratelogtest"
 )
 
 // A first registration whose sizes multiply past any real deployment is
@@ -92,33 +92,12 @@ func TestSlowAndOversizedClients(t *testing.T) {
 	}
 }
 
-// lineCounter counts the log lines written through it.
-type lineCounter struct {
-	mu    sync.Mutex
-	lines int
-	last  string
-}
-
-func (l *lineCounter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines += bytes.Count(p, []byte{'\n'})
-	l.last = string(p)
-	return len(p), nil
-}
-
-func (l *lineCounter) count() (int, string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.lines, l.last
-}
-
 // A client sending 20,000 bad registrations over one connection writes a
 // bounded number of log lines (it wrote one each, 2.5 MB/s), and what was
 // not written is counted in a line of its own.
 func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	const requests, maxLines = 20000, 200
-	var out lineCounter
+	var out ratelogtest.LineCounter
 	s := NewServer(WithLogger(slog.New(slog.NewTextHandler(&out, nil))))
 	rs, err := s.Start("127.0.0.1:0")
 	if err != nil {
@@ -144,7 +123,7 @@ func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	if err := rs.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	lines, last := out.count()
+	lines, last := out.Count()
 	t.Logf("%d bad requests in %v: %d log lines", requests, elapsed, lines)
 	if lines > maxLines {
 		t.Fatalf("%d log lines for %d bad requests, want at most %d", lines, requests, maxLines)

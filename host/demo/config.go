@@ -117,8 +117,9 @@ func (c *Config) Validate() error {
 	case c.PrefillTP < 1 || c.DecodeTP < 1 || c.PrefillTP > 64 || c.DecodeTP > 64:
 		return fmt.Errorf("demo: TP sizes must be 1..64 (prefill %d, decode %d)", c.PrefillTP, c.DecodeTP)
 	case c.Style == "vllm" && c.DecodeTP < c.PrefillTP:
-		// SGLang's disaggregation/{nixl,mori}/conn.py raises this for every request (vLLM's NIXL
-		// connector reads from one or more prefill ranks, never merges).
+		// vLLM's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py
+		// raises this for every request (it reads from one or more prefill
+		// ranks, never merges).
 		return fmt.Errorf("demo: vllm style: decode TP %d is smaller than prefill TP %d; vLLM's NIXL connector needs decode TP >= prefill TP", c.DecodeTP, c.PrefillTP)
 	case c.MemKinds != "" && c.MemKinds != "vram" && c.MemKinds != "dram" && c.MemKinds != "mixed":
 		return fmt.Errorf("demo: memory kinds %q: want vram, dram or mixed", c.MemKinds)

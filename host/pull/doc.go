@@ -103,5 +103,7 @@
 // Tests run the timeout paths on a clock.Fake they advance by hand and an
 // in-memory transport (host/internal/memtransport). Polling the plugin for
 // notifications and READ completions stays on the wall clock: the plugin
-// works in real time.
+// works in real time. So does timing the planner (TransferStat.Plan):
+// it is CPU work on the calling goroutine, which a fake clock would report
+// as zero.
 package pull

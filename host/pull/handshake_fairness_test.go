@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/ratelog/ratelogtest"
+
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
 	"github.com/kvhost/kvhost/host/wire/vllm"
@@ -115,7 +117,7 @@ func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
 // in a line of its own.
 func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	const requests, maxLines = 20000, 200
-	var out lineCounter
+	var out ratelogtest.LineCounter
 	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload("H", sampleMetadata()).Encode()},
 		slog.New(slog.NewTextHandler(&out, nil)))
 	if err != nil {
@@ -136,7 +138,7 @@ func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	lines, last := out.count()
+	lines, last := out.Count()
 	t.Logf("%d bad requests in %v: %d log lines", requests, elapsed, lines)
 	if lines > maxLines {
 		t.Fatalf("%d log lines for %d bad requests, want at most %d", lines, requests, maxLines)

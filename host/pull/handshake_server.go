@@ -102,18 +102,11 @@ func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 		s.log.Warn("refusing handshake request: not a REQ message (no empty delimiter)", "peer", m.Peer, "frames", len(m.Frames))
 		return // not a REQ peer: there is no reply shape it expects
 	}
-	reply := []byte{}
-	if len(m.Frames) != 2 {
-		// A REQ client waits for a reply whatever it sent: refuse with an
-		// empty one so that it fails at once, not at its timeout.
-		s.log.Warn("refusing handshake request: want one frame after the delimiter", "peer", m.Peer, "frames", len(m.Frames)-1)
-	} else if rank, err := vllm.DecodeMetaRequest(m.Frames[1]); err != nil {
-		s.log.Warn("refusing handshake request", "peer", m.Peer, "err", err)
-	} else if s.payloads[rank] == nil {
-		s.log.Warn("refusing handshake request for an unknown TP rank", "peer", m.Peer, "tp_rank", rank)
+	reply, rank, refusal, why := handshakeReply(s.payloads, m.Frames[1:])
+	if refusal != "" {
+		s.log.Warn(refusal, "peer", m.Peer, why)
 	} else {
 		s.log.Debug("serving handshake", "peer", m.Peer, "tp_rank", rank)
-		reply = s.payloads[rank] // never modified: safe to queue without a copy
 	}
 	switch err := s.router.Enqueue(m.Peer, nil, reply); {
 	case errors.Is(err, zmq.ErrPeerBusy):
@@ -121,6 +114,25 @@ func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 	case err != nil:
 		s.log.Debug("handshake reply not delivered", "peer", m.Peer, "err", err)
 	}
+}
+
+// handshakeReply answers req, a handshake request's frames after the REQ
+// delimiter: the payload of the TP rank it asks for, or an empty reply
+// with refusal (the log line) and why (its detail) set. A REQ client waits
+// for a reply whatever it sent: the empty one makes it fail at once, not
+// at its timeout.
+func handshakeReply(payloads map[int][]byte, req [][]byte) (reply []byte, rank int, refusal string, why slog.Attr) {
+	if len(req) != 1 {
+		return []byte{}, 0, "refusing handshake request: want one frame after the delimiter", slog.Int("frames", len(req))
+	}
+	rank, err := vllm.DecodeMetaRequest(req[0])
+	if err != nil {
+		return []byte{}, 0, "refusing handshake request", slog.Any("err", err)
+	}
+	if payloads[rank] == nil {
+		return []byte{}, 0, "refusing handshake request for an unknown TP rank", slog.Int("tp_rank", rank)
+	}
+	return payloads[rank], rank, "", slog.Attr{} // never modified: safe to queue without a copy
 }
 
 // Endpoint is where clients connect.

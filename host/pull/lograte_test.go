@@ -1,35 +1,14 @@
 package pull
 
 import (
-	"bytes"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/ratelog/ratelogtest"
 )
-
-// lineCounter counts the log lines written through it.
-type lineCounter struct {
-	mu    sync.Mutex
-	lines int
-	last  string
-}
-
-func (l *lineCounter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines += bytes.Count(p, []byte{'\n'})
-	l.last = string(p)
-	return len(p), nil
-}
-
-func (l *lineCounter) count() (int, string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.lines, l.last
-}
 
 // A decode sending 200,000 notifications for requests the prefill does
 // not hold makes it write a bounded number of log lines (it wrote one
@@ -37,7 +16,7 @@ func (l *lineCounter) count() (int, string) {
 // line of its own.
 func TestUnknownNotificationFloodIsRateLimited(t *testing.T) {
 	const notifs, maxLines = 200000, 200
-	var out lineCounter
+	var out ratelogtest.LineCounter
 	g := geom{hnd: true, layers: 2, heads: 2, headBytes: 16, tp: 1, blockSize: 4, blocks: 8}
 	ps := newPrefillSide(t, g, "P", func(c *SenderConfig) { c.Logger = slog.New(slog.NewTextHandler(&out, nil)) })
 	n := newNotifier(t, ps)
@@ -50,7 +29,7 @@ func TestUnknownNotificationFloodIsRateLimited(t *testing.T) {
 	if err := ps.sender.Close(); err != nil {
 		t.Fatal(err)
 	}
-	lines, last := out.count()
+	lines, last := out.Count()
 	t.Logf("%d unknown notifications in %v: %d log lines", notifs, elapsed, lines)
 	if lines > maxLines {
 		t.Fatalf("%d log lines for %d unknown notifications, want at most %d", lines, notifs, maxLines)

@@ -10,22 +10,15 @@ import (
 
 	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/memtransport"
-	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // memTransport adapts an in-memory network to Transport: the handshake
-// server answers as HandshakeServer does (the payload of the TP
-// rank asked for, an empty reply to a request it refuses).
+// server answers with HandshakeServer's handshakeReply.
 type memTransport struct{ n *memtransport.Network }
 
 func (m memTransport) ListenHandshake(endpoint string, payloads map[int][]byte, _ *slog.Logger) (HandshakeListener, error) {
 	s, err := m.n.Serve(endpoint, func(_ net.Addr, req [][]byte) ([][]byte, bool) {
-		reply := []byte{}
-		if len(req) == 1 {
-			if rank, err := vllm.DecodeMetaRequest(req[0]); err == nil && payloads[rank] != nil {
-				reply = payloads[rank]
-			}
-		}
+		reply, _, _, _ := handshakeReply(payloads, req)
 		return [][]byte{reply}, true
 	})
 	if err != nil {

@@ -37,7 +37,9 @@
 // the wall clock by default), as hashicorp/raft injects its Transport.
 // Tests run the timeout paths on a clock.Fake they advance by hand and an
 // in-memory transport (host/internal/memtransport). Polling the plugin for
-// notifications stays on the wall clock: the plugin works in real time.
+// notifications stays on the wall clock: the plugin works in real time. So
+// does timing the planner (TransferEvent.Plan): it is CPU work
+// on the calling goroutine, which a fake clock would report as zero.
 //
 // # Semantics (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py)
 //

@@ -349,7 +349,7 @@ func (r *Receiver) notif(n sglang.Notif, from string) error {
 	r.mu.Unlock()
 	switch {
 	case err != nil:
-		r.fail(fmt.Sprintf("bad notification %s: %v", n.Kind, err), true)
+		r.fail(fmt.Sprintf("bad notification %s from prefill rank %s (agent %q): %v", n.Kind, ts[slot].endpoint, from, err), true)
 	case complete:
 		r.succeed()
 	}

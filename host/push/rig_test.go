@@ -213,6 +213,30 @@ func (r *rig) prepare(room uint64, tokens int, slot int) *request {
 
 // transfer runs one request end to end and verifies decode's bytes.
 func (r *rig) transfer(ctx context.Context, q *request) error {
+	if err := r.open(ctx, q); err != nil {
+		return err
+	}
+	if r.afterReady != nil {
+		r.afterReady()
+	}
+	return r.deliver(ctx, q, func() error {
+		for i := 0; i < len(q.ppages); i += 2 { // chunks of two pages
+			end := min(i+2, len(q.ppages))
+			var st [][]int32
+			if end == len(q.ppages) {
+				st = q.pstate
+			}
+			if err := q.s.Send(q.ppages[i:end], st); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// open runs a request up to the point where the prefill waits for its
+// KV: decode sent the metadata, prefill has it, no byte moved.
+func (r *rig) open(ctx context.Context, q *request) error {
 	if err := q.rcv.Init(ctx); err != nil {
 		return err
 	}
@@ -222,9 +246,18 @@ func (r *rig) transfer(ctx context.Context, q *request) error {
 	if st, err := q.s.WaitReady(ctx); err != nil || st == sglang.KVPollFailed {
 		return fmt.Errorf("prefill not ready: %v %v", st, err)
 	}
-	if r.afterReady != nil {
-		r.afterReady()
-	}
+	return nil
+}
+
+// complete runs an opened request to the end, its pages in one chunk, and
+// verifies decode's bytes.
+func (r *rig) complete(ctx context.Context, q *request) error {
+	return r.deliver(ctx, q, func() error { return q.s.Send(q.ppages, nil) })
+}
+
+// deliver fills the prefill's pages of an opened request, sends them with
+// send, waits for both sides' outcomes and verifies decode's bytes.
+func (r *rig) deliver(ctx context.Context, q *request, send func() error) error {
 	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
 		return err
 	}
@@ -234,15 +267,8 @@ func (r *rig) transfer(ctx context.Context, q *request) error {
 	if err := q.s.Init(len(q.ppages), q.paux); err != nil {
 		return err
 	}
-	for i := 0; i < len(q.ppages); i += 2 { // chunks of two pages
-		end := min(i+2, len(q.ppages))
-		var st [][]int32
-		if end == len(q.ppages) {
-			st = q.pstate
-		}
-		if err := q.s.Send(q.ppages[i:end], st); err != nil {
-			return err
-		}
+	if err := send(); err != nil {
+		return err
 	}
 	ps, err := q.s.Wait(ctx)
 	if err != nil {

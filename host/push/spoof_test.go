@@ -4,11 +4,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/host/bootstrap"
-	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
@@ -82,52 +82,6 @@ func countSuccess(rs []*push.Receiver) int {
 		}
 	}
 	return n
-}
-
-// open runs a request up to the point where the prefill waits for its
-// KV: decode sent the metadata, prefill has it, no byte moved.
-func (r *rig) open(ctx context.Context, q *request) error {
-	if err := q.rcv.Init(ctx); err != nil {
-		return err
-	}
-	if err := q.rcv.SendMetadata(ctx, q.dpages, q.daux, q.dstate, 0); err != nil {
-		return err
-	}
-	if st, err := q.s.WaitReady(ctx); err != nil || st == sglang.KVPollFailed {
-		return fmt.Errorf("prefill not ready: %v %v", st, err)
-	}
-	return nil
-}
-
-// complete runs an opened request to the end and verifies decode's bytes.
-func (r *rig) complete(ctx context.Context, q *request) error {
-	if err := r.p.pool.Fill(kvpool.Tokens{Request: q.room, Pages: q.ppages, Count: q.tokens}); err != nil {
-		return err
-	}
-	if err := r.p.pool.FillAux(q.room, int(q.paux)); err != nil {
-		return err
-	}
-	if err := q.s.Init(len(q.ppages), q.paux); err != nil {
-		return err
-	}
-	if err := q.s.Send(q.ppages, nil); err != nil {
-		return err
-	}
-	ps, err := q.s.Wait(ctx)
-	if err != nil {
-		return err
-	}
-	ds, err := q.rcv.Wait(ctx)
-	if err != nil {
-		return err
-	}
-	if ps != sglang.KVPollSuccess || ds != sglang.KVPollSuccess {
-		return fmt.Errorf("room %d: prefill %v (%v), decode %v (%v)", q.room, ps, q.s.Failure(), ds, q.rcv.Failure())
-	}
-	if err := r.d.pool.Verify(kvpool.Tokens{Request: q.room, Pages: q.dpages, Count: q.tokens}); err != nil {
-		return err
-	}
-	return r.d.pool.VerifyAux(q.room, int(q.daux))
 }
 
 // evilAgent is an agent of the test's that knows the decode's metadata (as
@@ -503,5 +457,26 @@ func TestRestartedPrefillAgent(t *testing.T) {
 	f.honest(1, 5003)
 	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollSuccess {
 		t.Fatalf("second room after the restart: %v %v %v", st, err, rc.Failure())
+	}
+}
+
+// TestBadNotificationNamesItsSender: a room failed by a notification that
+// contradicts the tracker (a chunk id out of range) says which prefill
+// rank and agent sent it: since issue 19 the sender is the agent, not the
+// rank a tag names, and the tracker's own errors no longer carry it.
+func TestBadNotificationNamesItsSender(t *testing.T) {
+	ctx := ctxT(t, 60*time.Second)
+	f := newFanIn(t, ctx, push.VariantNIXL, push.CompletionNotif, push.Settings{})
+	f.warm(6000)
+	rc := f.open(6001, 1)
+	f.notify(1, fmt.Sprintf("%d_kv_%d_1_1", rc.Room(), 1<<30))
+	if st, err := rc.Wait(ctx); err != nil || st != sglang.KVPollFailed {
+		t.Fatalf("room after a chunk id out of range: %v %v", st, err)
+	}
+	reason := fmt.Sprint(rc.Failure())
+	for _, want := range []string{"prefill-tp1", fmt.Sprintf("%s:%d", f.ranks[1].ip, f.ranks[1].pull.Port())} {
+		if !strings.Contains(reason, want) {
+			t.Errorf("failure %q does not name the sender (%s)", reason, want)
+		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/planner"
+	"github.com/kvhost/kvhost/planner/internal/plantest"
 )
 
 // This file checks the SGLang NIXL and MORI planners against
@@ -18,38 +19,11 @@ import (
 // to the same places, byte for byte, and an error exactly when the
 // reference raises.
 
-// block is one plain (src, dst, len) byte range move.
-type block struct{ Src, Dst, Len uint64 }
+// The byte-range helpers, shared with planner's tests.
 
-// canonical sorts blocks and merges those adjacent on both sides, so two
-// descriptions of the same byte moves compare equal however they are cut.
-func canonical(in []block) []block {
-	bs := slices.Clone(in)
-	slices.SortFunc(bs, func(a, b block) int {
-		if a.Src != b.Src {
-			if a.Src < b.Src {
-				return -1
-			}
-			return 1
-		}
-		switch {
-		case a.Dst < b.Dst:
-			return -1
-		case a.Dst > b.Dst:
-			return 1
-		}
-		return 0
-	})
-	var out []block
-	for _, b := range bs {
-		if n := len(out); n > 0 && out[n-1].Src+out[n-1].Len == b.Src && out[n-1].Dst+out[n-1].Len == b.Dst {
-			out[n-1].Len += b.Len
-			continue
-		}
-		out = append(out, b)
-	}
-	return out
-}
+type block = plantest.Block
+
+var canonical = plantest.Canonical
 
 // planBlocks expands a plan (or one part of it) into blocks.
 func planBlocks(p *planner.Plan, part int) []block {
@@ -59,12 +33,7 @@ func planBlocks(p *planner.Plan, part int) []block {
 		q.Copies = p.Copies[pt.Start:pt.End]
 		q.Parts = nil
 	}
-	var out []block
-	q.ForEachBlock(func(s, d, l uint64) bool {
-		out = append(out, block{s, d, l})
-		return true
-	})
-	return out
+	return plantest.Blocks(q.ForEachBlock)
 }
 
 // refResult is one answer of ref_sglang.py.
@@ -301,7 +270,7 @@ func TestSGLangMatchesReference(t *testing.T) {
 		for part := 0; part < nparts; part++ {
 			var want []block
 			for _, d := range ref[i].Parts[part] {
-				want = append(want, block{d[0], d[1], d[2]})
+				want = append(want, block{Src: d[0], Dst: d[1], Len: d[2]})
 			}
 			refDescs += uint64(len(want))
 			got := planBlocks(p, part-boolInt(len(p.Parts) == 0))

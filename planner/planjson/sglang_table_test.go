@@ -271,7 +271,7 @@ func TestSGLangLayoutTable(t *testing.T) {
 				var want []block
 				for _, part := range ref[i].Parts {
 					for _, d := range part {
-						want = append(want, block{d[0], d[1], d[2]})
+						want = append(want, block{Src: d[0], Dst: d[1], Len: d[2]})
 					}
 				}
 				if got := canonical(planBlocks(p, -1)); !slices.Equal(got, canonical(want)) {

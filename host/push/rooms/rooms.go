@@ -42,7 +42,7 @@ type Change struct {
 type Table struct {
 	mu       sync.Mutex
 	rooms    map[uint64]*entry
-	onChange func(Change) // called without the lock held; may be nil
+	onChange func(Change) // called with mu held (see NewTable); may be nil
 	clock    clock.Clock
 }
 
@@ -137,6 +137,7 @@ func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string)
 	t.report(c)
 }
 
+// report passes c to onChange; the caller holds t.mu.
 func (t *Table) report(c Change) {
 	if t.onChange != nil {
 		t.onChange(c)

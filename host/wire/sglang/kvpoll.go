@@ -4,10 +4,10 @@ import "fmt"
 
 // KVPoll is SGLang's transfer state of a request (base/conn.py KVPoll):
 // what poll() returns on either side, and what MORI status messages carry.
-// The numbering is SGLang's disaggregation/{nixl,mori}/conn.py's and is on the wire.
+// The numbering is SGLang's and is on the wire.
 type KVPoll int
 
-// KVPoll values, with SGLang's disaggregation/{nixl,mori}/conn.py numbering.
+// KVPoll values, with SGLang's numbering.
 const (
 	KVPollFailed          KVPoll = 0
 	KVPollBootstrapping   KVPoll = 1
@@ -16,7 +16,7 @@ const (
 	KVPollSuccess         KVPoll = 4
 )
 
-// String returns SGLang's disaggregation/{nixl,mori}/conn.py name, e.g. "WaitingForInput".
+// String returns SGLang's name, e.g. "WaitingForInput".
 func (p KVPoll) String() string {
 	switch p {
 	case KVPollFailed:
