@@ -12,7 +12,12 @@
  *   - CreateBackend(RDMA) binds nothing; port 0 becomes a fake port.
  *   - BatchWrite/BatchRead: per element, a peer not registered gives
  *     ERR_BAD_STATE and stops the batch (later statuses stay INIT), as
- *     MORI's SELECT_BACKEND_AND_RETURN_IF_NONE does; otherwise the status
+ *     MORI's SELECT_BACKEND_AND_RETURN_IF_NONE does. A registered peer is
+ *     reached at the host and port of the EngineDesc this engine registered
+ *     for its key, as MORI's ControlPlaneServer::BuildRdmaConn
+ *     (src/io/rdma/backend_impl.cpp) connects to rdesc.host:rdesc.port; so
+ *     two engines of one process with the same key stay apart, and a
+ *     transfer goes to whichever the shim registered. Otherwise the status
  *     goes IN_PROGRESS and a worker thread copies after MORI_STUB_DELAY_MS
  *     (default 2) and sets SUCCESS.
  *   - MORI_STUB_FAIL=1 makes every copy end in ERR_RDMA_OP instead;
@@ -34,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -64,7 +70,9 @@ struct Global {
   std::mutex mu;
   std::condition_variable cv;
   std::unordered_map<const IOEngine *, std::shared_ptr<Engine>> engines;
-  std::unordered_map<EngineKey, std::shared_ptr<Engine>> by_key;
+  // Engines with a backend, by "host:port" (the address MORI's control
+  // plane listens on), not by key: see BatchWrite/BatchRead above.
+  std::unordered_map<std::string, std::shared_ptr<Engine>> by_addr;
   std::deque<Copy> queue;
   bool worker_started = false;
   int next_port = 40000;
@@ -76,10 +84,14 @@ Global &G() {
 #define g_mu (G().mu)
 #define g_cv (G().cv)
 #define g_engines (G().engines)
-#define g_by_key (G().by_key)
+#define g_by_addr (G().by_addr)
 #define g_queue (G().queue)
 #define g_worker_started (G().worker_started)
 #define g_next_port (G().next_port)
+
+std::string Addr(const std::string &host, uint16_t port) {
+  return host + ":" + std::to_string(port);
+}
 
 int EnvInt(const char *name, int def) {
   const char *v = getenv(name);
@@ -136,12 +148,15 @@ void Batch(IOEngine *self, const MemDescVec &local, const BatchSizeVec &loff,
   for (size_t i = 0; i < n; i++) {
     if (do_throw && i == 1) throw std::runtime_error("stub: connect to peer failed (MORI_STUB_THROW)");
     std::shared_ptr<Engine> peer;
+    std::string addr;
     {
       std::lock_guard<std::mutex> g(me->mu);
-      if (!me->remotes.count(remote[i].engineKey)) {
+      auto r = me->remotes.find(remote[i].engineKey);
+      if (r == me->remotes.end()) {
         st[i]->Update(StatusCode::ERR_BAD_STATE, "No available backend found, create backend first");
         return;
       }
+      addr = Addr(r->second.host, r->second.port);
       if (!me->mems.count(local[i].id)) {
         fprintf(stderr, "mori_stub: local memory id %u not registered\n", local[i].id);
         abort();
@@ -149,8 +164,8 @@ void Batch(IOEngine *self, const MemDescVec &local, const BatchSizeVec &loff,
     }
     {
       std::lock_guard<std::mutex> g(g_mu);
-      auto it = g_by_key.find(remote[i].engineKey);
-      if (it == g_by_key.end()) {
+      auto it = g_by_addr.find(addr);
+      if (it == g_by_addr.end()) {
         st[i]->Update(StatusCode::ERR_BAD_STATE, "stub: remote engine is gone");
         continue;
       }
@@ -215,8 +230,8 @@ IOEngine::~IOEngine() {
   auto me = g_engines.at(this);
   g_cv.wait(lk, [&] { return me->pending == 0; });
   g_engines.erase(this);
-  auto it = g_by_key.find(desc.key);
-  if (it != g_by_key.end() && it->second == me) g_by_key.erase(it);
+  auto it = g_by_addr.find(Addr(desc.host, desc.port));
+  if (it != g_by_addr.end() && it->second == me) g_by_addr.erase(it);
 }
 
 void IOEngine::CreateBackend(BackendType type, const BackendConfig &cfg) {
@@ -225,7 +240,7 @@ void IOEngine::CreateBackend(BackendType type, const BackendConfig &cfg) {
   if (EnvInt("MORI_STUB_CREATE_FAIL", 0)) throw std::runtime_error("stub: no active RDMA device");
   std::lock_guard<std::mutex> g(g_mu);
   if (desc.port == 0) desc.port = config.port = static_cast<uint16_t>(g_next_port++);
-  g_by_key[desc.key] = g_engines.at(this);
+  g_by_addr[Addr(desc.host, desc.port)] = g_engines.at(this);
 }
 
 void IOEngine::RegisterRemoteEngine(const EngineDesc &r) {

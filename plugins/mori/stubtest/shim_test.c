@@ -289,6 +289,17 @@ int main(void) {
         "B loads A: %s", peer_a);
   CHECK(exchange(B, A, peer_b, sizeof peer_b) == 0, "reload is fine");
   {
+    /* Another engine under B's key (a restarted B or an impostor, at another
+     * port) is refused and A keeps B's descriptor: the transfers to B below
+     * would otherwise go to B2's address, gone once B2 is destroyed. */
+    kvp_agent B2 = 0;
+    char peer_b2[256] = "";
+    CHECK(create_agent("decode-b", NULL, 0, &B2, NULL) == 0 && B2, "create B2 under B's key");
+    CHECK(exchange(B2, A, peer_b2, sizeof peer_b2) == KVP_ERR_NOT_ALLOWED,
+          "another EngineDesc under a loaded key refused");
+    CHECK(B2 && destroy_agent(B2) == 0, "destroy B2");
+  }
+  {
     uint8_t junk[] = {0x93, 0x01, 0x02};
     kvp_load_remote_args l = {KVP_LOAD_REMOTE_ARGS_STRUCT_SIZE, NULL, A, junk, sizeof junk};
     CHECK(take(api->load_remote(&l), NULL, 0) == KVP_ERR_INVALID_PARAM, "short EngineDesc");
