@@ -52,7 +52,11 @@
 // after the messages received on it; its next Send reconnects. Over ipc
 // the kernel closes a dead process's sockets, so both notice at once;
 // over TCP a peer host that vanishes is noticed by keep-alives
-// (DefaultKeepAlive) or the idle timeout.
+// (DefaultKeepAlive) or the idle timeout. A bound socket whose connections
+// are sessions (the sidecar's control socket) should turn the idle
+// timeout off (WithIdleTimeout(0)) unless its clients send heartbeats:
+// libzmq peers are silent while idle, and the timeout would end the
+// session of an engine that merely had nothing to say.
 //
 // # Why not go-zeromq/zmq4 or libzmq
 //
