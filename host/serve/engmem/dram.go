@@ -95,12 +95,19 @@ func resolveSHM(name string) (string, *Error) {
 	return resolved, nil
 }
 
+// testHookBeforeOpen, when set by a test, runs between resolveSHM and
+// open: a test swaps a folder for a link there, as a racing process could.
+var testHookBeforeOpen func(path string)
+
 // openDRAM maps s.Length bytes at s.Offset of s.SHM, MAP_SHARED
 // read-write. checkSpec has run.
 func openDRAM(s Spec) (*Region, error) {
 	path, e := resolveSHM(s.SHM)
 	if e != nil {
 		return nil, e
+	}
+	if testHookBeforeOpen != nil {
+		testHookBeforeOpen(path)
 	}
 	fd, err := syscall.Open(path, syscall.O_RDWR|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
 	if err != nil {

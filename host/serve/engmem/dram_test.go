@@ -257,3 +257,40 @@ func readAt(path string, off int64, n int) ([]byte, error) {
 	_, err = f.ReadAt(b, off)
 	return b, err
 }
+
+// TestDRAMSwappedAfterCheck: a folder replaced by a link out of /dev/shm
+// between the path check and open (a race another process could win) is
+// caught by asking the kernel where the opened file lies.
+func TestDRAMSwappedAfterCheck(t *testing.T) {
+	dir := fmt.Sprintf("%s/kvhost-engmem-test-%d-swap", shmDir, os.Getpid())
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir); os.RemoveAll(dir + "-old") })
+	if err := os.WriteFile(dir+"/kv", make([]byte, page), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	outside := t.TempDir()
+	if err := os.WriteFile(outside+"/kv", make([]byte, page), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	testHookBeforeOpen = func(string) {
+		if err := os.Rename(dir, dir+"-old"); err != nil {
+			t.Error(err)
+		}
+		if err := os.Symlink(outside, dir); err != nil {
+			t.Error(err)
+		}
+	}
+	defer func() { testHookBeforeOpen = nil }()
+	var o Opener
+	r, err := o.Open(Spec{Addr: 0x1000, Length: page, SHM: dir + "/kv"})
+	if err == nil {
+		r.Close()
+		t.Fatal("opened a file outside /dev/shm")
+	}
+	wantCode(t, err, CodeBadRegion, "opened \""+outside+"/kv\", which is not under /dev/shm")
+	if n := mapsOf(t, outside+"/kv"); n != 0 {
+		t.Fatalf("%d mappings of the outside file", n)
+	}
+}
