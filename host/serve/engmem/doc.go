@@ -32,6 +32,12 @@
 // Bytes and Local before that (the memory is unmapped; the control API's
 // "busy" refusal, kept by host/serve, is what guarantees it).
 //
+// A limit the kernel sets: the engine owns its shared-memory file and can
+// shrink it after registering. A later access to the part cut off is a
+// SIGBUS in the sidecar, which no check at Open can prevent (POSIX shm
+// objects cannot be sealed against shrinking). Engines must keep their
+// shm objects at full size until they deregister the regions.
+//
 // What was run on a GPU: see docs/engine-api.md, "What was run on a GPU".
 // The tests drive the VRAM path through a stand-in libcudart
 // (testdata/cudart_standin.c) that exports the same entry points over

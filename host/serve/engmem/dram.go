@@ -95,6 +95,22 @@ func resolveSHM(name string) (string, *Error) {
 	return resolved, nil
 }
 
+// mapWindow returns what to mmap for length bytes at offset when mappings
+// must start at a multiple of align (a power of two): the file offset to
+// map from, where the region starts in the mapping, and the mapping's
+// length (a multiple of align, as hugetlbfs requires); ok is false when
+// the mapping's length does not fit in 64 bits.
+func mapWindow(offset, length, align uint64) (start, delta, mapLen uint64, ok bool) {
+	start = offset &^ (align - 1)
+	delta = offset - start
+	end := delta + length
+	if end < delta || end+align-1 < end {
+		return 0, 0, 0, false
+	}
+	mapLen = (end + align - 1) &^ (align - 1)
+	return start, delta, mapLen, true
+}
+
 // testHookBeforeOpen, when set by a test, runs between resolveSHM and
 // open: a test swaps a folder for a link there, as a racing process could.
 var testHookBeforeOpen func(path string)
@@ -148,10 +164,8 @@ func openDRAM(s Spec) (*Region, error) {
 	if err := syscall.Fstatfs(fd, &sfs); err == nil && uint32(sfs.Type) == hugetlbfsMagic && sfs.Bsize > 0 {
 		align = uint64(sfs.Bsize)
 	}
-	start := s.Offset &^ (align - 1)
-	delta := s.Offset - start
-	mapLen := (delta + s.Length + align - 1) &^ (align - 1)
-	if mapLen < delta+s.Length || mapLen > maxLength {
+	start, delta, mapLen, ok := mapWindow(s.Offset, s.Length, align)
+	if !ok || mapLen > maxLength {
 		return nil, errorf(CodeBadRegion, "region of %d bytes at offset %d of %s is larger than this process can map", s.Length, s.Offset, s.SHM)
 	}
 	m, err := syscall.Mmap(fd, int64(start), int(mapLen), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)

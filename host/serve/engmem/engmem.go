@@ -58,7 +58,10 @@ type Spec struct {
 	Device int
 }
 
-// Region is an opened Spec: the same bytes in this process.
+// Region is an opened Spec: the same bytes in this process. Its fields do
+// not change after Open (Close does not clear them), so any goroutine may
+// read them without locking; the memory they point to is valid until
+// Close.
 type Region struct {
 	Spec
 	// ID is unique in the Table that opened the Region (0 from
@@ -88,7 +91,6 @@ func (r *Region) Close() error {
 	r.closed = true
 	rel := r.release
 	r.release = nil
-	r.Bytes = nil
 	if rel == nil {
 		return nil
 	}

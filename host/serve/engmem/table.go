@@ -179,31 +179,42 @@ func (t *Table) overlapLocked(specs []Spec) *Error {
 // mappings). length 0 asks for addr alone, which must lie inside a region.
 // Errors are *Error with code "bad_region".
 func (t *Table) Translate(addr, length uint64) (uintptr, *Region, error) {
-	if addr+length < addr {
-		return 0, nil, errorf(CodeBadRegion, "range of %d bytes at 0x%x wraps the address space", length, addr)
-	}
 	t.mu.RLock()
 	defer t.mu.RUnlock()
+	r, e := t.findLocked(addr, length)
+	if e != nil {
+		return 0, nil, e
+	}
+	return r.Local + uintptr(addr-r.Addr), r, nil
+}
+
+// findLocked returns the region holding [addr, addr+length).
+func (t *Table) findLocked(addr, length uint64) (*Region, *Error) {
+	if addr+length < addr {
+		return nil, errorf(CodeBadRegion, "range of %d bytes at 0x%x wraps the address space", length, addr)
+	}
 	// The last region starting at or before addr.
 	k := sort.Search(len(t.regions), func(k int) bool { return t.regions[k].Addr > addr }) - 1
 	if k < 0 || addr >= t.regions[k].Addr+t.regions[k].Length {
-		return 0, nil, errorf(CodeBadRegion, "range %s is not backed by a region of this connection", rangeString(addr, length))
+		return nil, errorf(CodeBadRegion, "range %s is not backed by a region of this connection", rangeString(addr, length))
 	}
 	r := t.regions[k]
 	if addr+length > r.Addr+r.Length {
-		return 0, nil, errorf(CodeBadRegion, "range %s runs past the end of region %d %s",
+		return nil, errorf(CodeBadRegion, "range %s runs past the end of region %d %s",
 			rangeString(addr, length), r.ID, rangeString(r.Addr, r.Length))
 	}
-	return r.Local + uintptr(addr-r.Addr), r, nil
+	return r, nil
 }
 
 // Bytes is Translate for a DRAM range: the bytes of the mapping that hold
 // [addr, addr+length) (capacity limited to length). A VRAM range is
 // refused.
 func (t *Table) Bytes(addr, length uint64) ([]byte, error) {
-	_, r, err := t.Translate(addr, length)
-	if err != nil {
-		return nil, err
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	r, e := t.findLocked(addr, length)
+	if e != nil {
+		return nil, e
 	}
 	if r.Kind != DRAM {
 		return nil, errorf(CodeBadRegion, "range %s is in %s region %d, not host memory", rangeString(addr, length), r.Kind, r.ID)

@@ -283,3 +283,43 @@ func TestTableConcurrent(t *testing.T) {
 		t.Fatalf("%d mappings left", n)
 	}
 }
+
+// TestTableTranslateDuringRemove: Bytes and Translate of a range whose
+// region another goroutine is removing read no field Remove writes (run
+// with -race). The slices are not used: the caller's contract forbids
+// using a region being removed; reading the table must still be clean.
+func TestTableTranslateDuringRemove(t *testing.T) {
+	name, _ := newSHM(t, page)
+	tb := NewTable(nil)
+	defer tb.Close()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 300 {
+			rs, err := tb.Add([]Spec{dram(0x1000, page, name, 0)})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if err := tb.Remove([]uint64{rs[0].ID}); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	var hits int
+	for {
+		select {
+		case <-done:
+			t.Logf("%d translations while regions came and went", hits)
+			return
+		default:
+		}
+		if b, err := tb.Bytes(0x1000, 16); err == nil && len(b) == 16 {
+			hits++
+		}
+		if _, r, err := tb.Translate(0x1000, 16); err == nil && r.Bytes == nil {
+			t.Fatal("a region in the table has no mapping")
+		}
+	}
+}
