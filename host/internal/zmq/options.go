@@ -2,6 +2,7 @@ package zmq
 
 import (
 	"log/slog"
+	"os"
 	"time"
 )
 
@@ -90,6 +91,8 @@ type options struct {
 	messageTimeout   time.Duration // see messageTimeout; tests shorten it
 	evictIdle        time.Duration // see evictIdle; tests shorten it
 	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
+	socketMode       os.FileMode
+	onDisconnect     func(peer []byte)
 }
 
 func buildOptions(opts []Option) options {
@@ -110,6 +113,7 @@ func buildOptions(opts []Option) options {
 		messageTimeout:   messageTimeout,
 		evictIdle:        evictIdle,
 		contendedTimeout: contendedTimeout,
+		socketMode:       DefaultSocketMode,
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -160,8 +164,8 @@ func WithMaxFrames(n int) Option {
 	}
 }
 
-// WithRecvQueue sets how many received messages a PULL or ROUTER socket
-// buffers before it stops reading from its connections (back-pressure
+// WithRecvQueue sets how many received messages a PULL, ROUTER or DEALER
+// socket buffers before it stops reading from its connections (back-pressure
 // reaches the senders through TCP flow control, like libzmq's RCVHWM).
 func WithRecvQueue(n int) Option {
 	return func(o *options) {
@@ -171,8 +175,8 @@ func WithRecvQueue(n int) Option {
 	}
 }
 
-// WithRecvBudget bounds the memory in bytes that a PULL or ROUTER socket
-// holds for received messages, those waiting for Recv and those still
+// WithRecvBudget bounds the memory in bytes that a PULL, ROUTER or DEALER
+// socket holds for received messages, those waiting for Recv and those still
 // being read. While it is spent the socket stops reading from its
 // connections until Recv frees some (back-pressure on the senders, as
 // with WithRecvQueue); nothing is dropped. One message may go past the
@@ -191,8 +195,9 @@ func WithRecvBudget(n int64) Option {
 // their handshake, and one past that is closed as soon as it is accepted.
 // A connection that finishes its handshake with the socket full makes
 // room by closing the least recently active connection of a source (IP
-// address) holding the most: at once if that source holds at least two
-// more than the new connection's, otherwise only one idle for a second;
+// address; for ipc, the peer process) holding the most: at once if that
+// source holds at least two more than the new connection's, otherwise
+// only one idle for a second;
 // with nothing to close it is refused before it may send a message.
 // Refusals are logged, rate-limited. Default: DefaultMaxConns.
 func WithMaxConns(n int) Option {
@@ -224,9 +229,10 @@ func WithSendQueue(n int) Option {
 	}
 }
 
-// WithSendTimeout bounds a Push.Send or Router.Send whose context has no
-// deadline, and each message written for Router.Enqueue (SGLang uses
-// SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's status sockets).
+// WithSendTimeout bounds a Push.Send, Dealer.Send or Router.Send whose
+// context has no deadline, and each message written for Router.Enqueue
+// (SGLang uses SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's
+// status sockets).
 // Zero means no bound. Default: DefaultSendTimeout.
 func WithSendTimeout(d time.Duration) Option {
 	return func(o *options) {
@@ -237,7 +243,7 @@ func WithSendTimeout(d time.Duration) Option {
 }
 
 // WithReconnectInterval sets the first and the largest wait between two
-// connection attempts of a PUSH socket (doubling in between).
+// connection attempts of a PUSH or DEALER socket (doubling in between).
 func WithReconnectInterval(min, max time.Duration) Option {
 	return func(o *options) {
 		if min > 0 {
@@ -247,4 +253,34 @@ func WithReconnectInterval(min, max time.Duration) Option {
 			o.reconnectMax = max
 		}
 	}
+}
+
+// WithSocketMode sets the permission bits of the socket file a PULL or
+// ROUTER bound to an ipc:// endpoint creates (the kernel checks them when
+// a peer connects; connecting needs write permission). For an abstract
+// socket (ipc://@name), which has no file, the socket applies the same
+// bits itself to each peer's SO_PEERCRED before the handshake (see
+// PeerCred). Default: DefaultSocketMode (0600, the user only).
+func WithSocketMode(mode os.FileMode) Option {
+	return func(o *options) { o.socketMode = mode.Perm() }
+}
+
+// WithDisconnectHandler makes a Router call fn with a peer's id once its
+// connection is gone, exactly once for every connection that completed
+// its handshake, whatever ended it: the peer closed it or died, a
+// protocol error, the idle timeout, eviction for a new connection, a
+// failed write, or Router.Close.
+//
+// fn runs on the goroutine of the Router.Recv call that reaches the
+// peer's end in the receive queue: after Recv has returned every message
+// that peer sent, so a handler that tears the peer's state down never
+// sees a message of it afterwards (Send and Enqueue to the id already
+// fail with ErrUnknownPeer). The connections still open when Close is
+// called, and those whose end no Recv reached, get fn from Close before
+// it returns; while nothing calls Recv, fn waits like the messages do.
+// fn must not block for long (it holds up Recv) and must not call Close.
+// Other sockets ignore the option (a Dealer reports its connection's end
+// through Recv: ErrDisconnected).
+func WithDisconnectHandler(fn func(peer []byte)) Option {
+	return func(o *options) { o.onDisconnect = fn }
 }
