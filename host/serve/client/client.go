@@ -142,7 +142,7 @@ func Dial(ctx context.Context, endpoint string, o Options) (*Client, error) {
 	if o.Name == "" {
 		o.Name = "kvhost-go"
 	}
-	v, err := c.Call(ctx, "hello", Fields{{"version", []int{Major, Minor}}, {"client", o.Name}, {"pid", os.Getpid()}})
+	v, err := c.call(ctx, "hello", Fields{{"version", []int{Major, Minor}}, {"client", o.Name}, {"pid", os.Getpid()}})
 	if err != nil {
 		c.Close()
 		return nil, err
@@ -312,7 +312,15 @@ func (c *Client) untrack(rank, room uint64) {
 // Call sends op with fields and waits for the reply: the reply map on
 // success, an *Error otherwise. Typed methods wrap it; it is exported for
 // tests and ops without a typed method.
-func (c *Client) Call(ctx context.Context, op string, f Fields) (msgpack.Value, error) {
+func (c *Client) Call(ctx context.Context, op string, fields map[string]any) (msgpack.Value, error) {
+	f := make(Fields, 0, len(fields))
+	for k, v := range fields {
+		f = append(f, Field{k, v})
+	}
+	return c.call(ctx, op, f)
+}
+
+func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, error) {
 	seq := c.seq.Add(1)
 	ch := make(chan reply, 1)
 	c.mu.Lock()
@@ -408,6 +416,11 @@ func encode(e *msgpack.Encoder, v any) {
 		e.ArrayHeader(len(x))
 		for _, s := range x {
 			e.Str(s)
+		}
+	case []map[string]any:
+		e.ArrayHeader(len(x))
+		for _, f := range x {
+			encode(e, f)
 		}
 	case []Fields:
 		e.ArrayHeader(len(x))
