@@ -16,6 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
 // Protocol version of docs/engine-api.md.
@@ -75,6 +76,9 @@ type Config struct {
 	// Version is the sidecar's version string for hello.
 	Version string
 	Logger  *slog.Logger
+	// CUDALibrary is the libcudart VRAM regions are opened with ("":
+	// $KVHOST_CUDART, then libcudart.so, .so.13, .so.12).
+	CUDALibrary string
 }
 
 func (c *Config) defaults() {
@@ -120,6 +124,7 @@ type Server struct {
 	log     *slog.Logger
 	router  *zmq.Router
 	session string // random per process (hello's session)
+	opener  engmem.Opener
 
 	nextRank atomic.Uint64 // rank ids, unique in the process
 	closing  atomic.Bool
@@ -153,6 +158,7 @@ func New(cfg Config) (*Server, error) {
 		sessions: make(map[string]*session), ext: make(map[string]any),
 		loopDone: make(chan struct{}), closed: make(chan struct{}),
 	}
+	s.opener.CUDALibrary = cfg.CUDALibrary
 	r, err := zmq.ListenRouter(cfg.Control, s.zmqOptions()...)
 	if err != nil {
 		return nil, fmt.Errorf("serve: control socket: %w", err)
