@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -342,4 +344,21 @@ func (s *Server) closeBootstrap() {
 		defer cancel()
 		b.Close(ctx)
 	}
+}
+
+// DefaultControl is the control endpoint of docs/engine-api.md:
+// ipc://$XDG_RUNTIME_DIR/kvhost.sock, else ipc:///tmp/kvhost-<uid>.sock.
+func DefaultControl() string {
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return "ipc://" + filepath.Join(d, "kvhost.sock")
+	}
+	return fmt.Sprintf("ipc:///tmp/kvhost-%d.sock", os.Getuid())
+}
+
+// CountRooms reports the rooms open on every connection (a metrics
+// RoomSource: state "open").
+func (s *Server) CountRooms(count func(state string, n int)) {
+	n := int64(0)
+	s.forEachSession(func(x *session) { n += x.rooms.Load() })
+	count("open", int(n))
 }
