@@ -241,7 +241,7 @@ func vllmCacheOf(s *session, r *request, rk *rankEntry) (pull.Cache, error) {
 			return c, err
 		}
 		kind, dev := abi.DRAM, uint64(0)
-		if reg.Kind == "vram" {
+		if reg.Kind.MemKind() == abi.VRAM {
 			kind, dev = abi.VRAM, uint64(reg.Device)
 		}
 		if i == 0 {
