@@ -2,17 +2,21 @@ package vllme2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/internal/faketest"
 	"github.com/kvhost/kvhost/host/serve"
 	"github.com/kvhost/kvhost/host/serve/client"
@@ -268,4 +272,92 @@ func TestVLLMSidecarPull(t *testing.T) {
 		t.Fatal(err)
 	}
 	released(t, schedT, "T", "req-t", "timeout")
+}
+
+// TestVLLMSidecarInterop: a decode engine behind a sidecar reads from
+// today's `kvhost prefill --style vllm` worker, which is no sidecar: it
+// runs its own pull.Sender over a synthetic pool in its own process. Its
+// HTTP API hands out vLLM's kv_transfer_params (JSON), as a proxy would;
+// the decode engine reads them through its sidecar and checks every byte
+// against what the worker filled (pullworker.KVSeed of the request id),
+// and the worker reports the request released "notified": the wire
+// between them is vLLM's, unchanged.
+func TestVLLMSidecarInterop(t *testing.T) {
+	bin, err := filepath.Abs("../../../bin/kvhost")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(bin); err != nil {
+		t.Fatalf("bin/kvhost is needed (make all): %v", err)
+	}
+	dir := t.TempDir()
+	urlFile, report := filepath.Join(dir, "api"), filepath.Join(dir, "report")
+	cmd := exec.Command(bin, "--backend", "fake", "prefill", "--style", "vllm", "--requests", "0",
+		"--api-port", "0", "--api-url-file", urlFile, "--side-channel-port", "0", "--tp-size", "1",
+		"--layers", "3", "--kv-heads", "4", "--head-dim", "8", "--dtype-bytes", "2", "--page-size", "4", "--pages", "64",
+		"--mem-kinds", "dram", "--model", model.Model, "--engine-id", "legacy-prefill", "--report", report, "--summary", "")
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	var api string
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		if b, err := os.ReadFile(urlFile); err == nil && len(b) > 0 {
+			api = strings.TrimSpace(string(b))
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("kvhost prefill --style vllm did not serve within 60 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	ds := sidecar(t)
+	de := startEngine(t, ds, engineCfg("decode", "D", 2, []int{0, 1}, 32))
+	const id, tokens = "interop-1", 21
+	body, _ := json.Marshal(map[string]any{"request_id": id, "num_tokens": tokens, "kv_transfer_params": map[string]any{"do_remote_decode": true}})
+	resp, err := http.Post(api+pullworker.PrefillPath, "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pr struct {
+		KVTransferParams map[string]any `json:"kv_transfer_params"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&pr)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("prefill API: %s %v", resp.Status, err)
+	}
+	local := []int32{5, 31, 0, 16, 22, 8}
+	a := de.do(command{Op: "read", RequestID: "dreq-interop", Params: pr.KVTransferParams, Blocks: local,
+		Seed: pullworker.KVSeed(id), Tokens: tokens})
+	if a.Err != "" || !a.OK || !a.Verified {
+		t.Fatalf("read from kvhost prefill: %+v", a)
+	}
+	// The worker released the request because both decode ranks notified.
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		b, _ := os.ReadFile(report)
+		var r pullworker.ReleaseReport
+		if json.Unmarshal(bytes.TrimSpace(b), &r) == nil && r.RequestID == id {
+			if r.Released != "notified" || r.Notifications != 2 {
+				t.Fatalf("worker report %+v, want notified by 2", r)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the worker did not release %s within 30 s (report %q)", id, b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

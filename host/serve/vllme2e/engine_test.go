@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"time"
 
@@ -324,5 +323,3 @@ func msgpackToJSON(v msgpack.Value) any {
 	}
 	return nil
 }
-
-var _ = strings.TrimSpace
