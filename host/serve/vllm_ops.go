@@ -47,17 +47,16 @@ func (s *session) vllmEmit(ev vllmEvent) {
 	}
 }
 
-// vllmBind binds the session to an engine (hub.bindLocked) and, the
-// first time, arranges for its holds to be released when it closes.
-func vllmBind(s *session, hub *vllmHub, engineID string) error {
+// vllmWatch arranges, once per session, for its holds to be released and
+// its binding dropped when it closes (hub.connClosed).
+func vllmWatch(s *session, hub *vllmHub) {
 	hub.mu.Lock()
-	_, was := hub.bound[s]
-	err := hub.bindLocked(s, engineID)
+	was := hub.watched[s]
+	hub.watched[s] = true
 	hub.mu.Unlock()
-	if err == nil && !was {
+	if !was {
 		s.atClose(func(string) { hub.connClosed(s) })
 	}
-	return err
 }
 
 // vllmPrefillImpl and vllmDecodeImpl are the rankImpls of vLLM ranks.
@@ -108,9 +107,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if herr != nil {
 		return nil, nil, errorf(CodeBadRequest, "%v", herr)
 	}
-	if err := vllmBind(s, hub, engineID); err != nil {
-		return nil, nil, vllmAPIError(err)
-	}
+	vllmWatch(s, hub)
 	agent, aerr := s.srv.cfg.Plugin.NewAgent(fmt.Sprintf("kvhost-serve-%s-vllm-%s-%d-%d", s.srv.session, rk.role, tpRank, rk.id), s.srv.cfg.AgentParams...)
 	if aerr != nil {
 		return nil, nil, errorf(CodeBackend, "agent: %v", aerr)
@@ -287,9 +284,7 @@ func opVLLMHold(s *session, r *request) (Fields, error) {
 	if len(blocks) > vllmMaxBlockIDs {
 		return nil, badValue("block_ids", "%d ids, at most %d", len(blocks), vllmMaxBlockIDs)
 	}
-	if err := vllmBind(s, hub, engineID); err != nil {
-		return nil, vllmAPIError(err)
-	}
+	vllmWatch(s, hub)
 	p, herr := hub.hold(s, engineID, requestID, blocks)
 	if herr != nil {
 		return nil, vllmAPIError(herr)

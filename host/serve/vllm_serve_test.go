@@ -326,3 +326,52 @@ func vsSetParam(params msgpack.Value, key string, v any) msgpack.Value {
 	}
 	return out
 }
+
+// TestServeVLLMRefusals: open_rank, hold and read refuse what they
+// cannot use with the API's codes, and a refused request binds the
+// connection to no engine.
+func TestServeVLLMRefusals(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	for _, bad := range []struct {
+		name string
+		mod  func(*client.VLLMRank)
+		code string
+	}{
+		{"region_len not whole blocks", func(r *client.VLLMRank) { r.RegionLen-- }, CodeGeometry},
+		{"a region outside the registered memory", func(r *client.VLLMRank) { r.KVCachesBaseAddr[1] += 1 << 40 }, CodeBadRegion},
+		{"a compat factor missing", func(r *client.VLLMRank) { r.Compat.Model = "" }, ""},
+		{"layout", func(r *client.VLLMRank) { r.KVCacheLayout = "XYZ" }, CodeBadRequest},
+		{"tp_rank outside tp_size", func(r *client.VLLMRank) { r.TPRank = 2 }, CodeBadRequest},
+	} {
+		vr, err := vsOpen(t, srv, "decode", "X-"+bad.name, 2, 0, 8, 4, bad.mod)
+		if bad.code == "" { // an empty model is a valid factor: the open succeeds
+			if err != nil {
+				t.Fatalf("%s: %v", bad.name, err)
+			}
+			continue
+		}
+		if !client.IsCode(err, bad.code) {
+			t.Fatalf("%s: %v, want %s", bad.name, err, bad.code)
+		}
+		// Not bound: the same connection may open a rank of another engine.
+		rk, err := vr.c.OpenVLLM(ctx, client.VLLMRank{Role: "decode", EngineID: "Y", TPSize: 1, KVCachesBaseAddr: []uint64{vr.pool.Regions()[0].Addr},
+			RegionLen: vr.pool.Regions()[0].Len, NumBlocks: 8, BlockSize: 4, TotalKVHeads: 4, Compat: vsModel})
+		if err != nil {
+			t.Fatalf("%s: then a good open_rank: %v", bad.name, err)
+		}
+		if _, err := vr.c.Hold(ctx, "Z", "r", []int32{1}); !client.IsCode(err, CodeUnknown) {
+			t.Fatalf("%s: a connection of engine Y held for Z: %v", bad.name, err)
+		}
+		_ = rk
+	}
+	c := dial(t, srv)
+	if _, err := c.Call(ctx, "hold", map[string]any{"engine_id": "P", "request_id": "r", "block_ids": []byte{1, 2, 3}}); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("hold with 3 bytes of block ids: %v", err)
+	}
+	if _, err := c.Call(ctx, "open_rank", map[string]any{"style": "vllm", "role": "decode", "engine_id": "P", "tp_size": 1, "tp_rank": 0,
+		"kv_caches_base_addr": []uint64{4096}, "region_len": 4096, "num_blocks": 1, "block_size": 1, "total_kv_heads": 1}); !client.IsCode(err, CodeBadRequest) &&
+		!client.IsCode(err, CodeBadRegion) {
+		t.Fatalf("open_rank without compat: %v", err)
+	}
+}
