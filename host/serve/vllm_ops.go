@@ -83,7 +83,7 @@ func (d *vllmDecodeImpl) close(reason string) {
 // openVLLMRank is open_rank style "vllm" (docs/engine-api.md, Ranks).
 func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, nil, err
 	}
@@ -172,6 +172,24 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 		return nil, nil, vllmAPIError(derr)
 	}
 	return &vllmDecodeImpl{d: d, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ""}}, nil
+}
+
+// vllmMaxID bounds engine and request ids (vLLM's are uuids with a
+// prefix and suffix, under 100 bytes): a hold keeps its id for as long
+// as the request is held, and every notification names it.
+const vllmMaxID = 1024
+
+// vllmID reads an engine or request id: a non-empty str of at most
+// vllmMaxID bytes.
+func vllmID(r *request, name string) (string, error) {
+	s, err := r.str(name)
+	if err != nil {
+		return "", err
+	}
+	if s == "" || len(s) > vllmMaxID {
+		return "", badValue(name, "%d bytes, want 1 to %d", len(s), vllmMaxID)
+	}
+	return s, nil
 }
 
 // vllmSeconds reads an optional positive number of seconds (int or
@@ -269,11 +287,11 @@ func vllmAPIError(err error) error {
 // opVLLMHold is vLLM's request_finished on the prefill.
 func opVLLMHold(s *session, r *request) (Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, err
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}
@@ -307,11 +325,11 @@ func vllmParamsMsg(p pull.KVTransferParams) msgpack.Value {
 // opVLLMRelease is the scheduler's abort of a held request.
 func opVLLMRelease(s *session, r *request) (Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, err
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}
@@ -327,7 +345,7 @@ func opVLLMRead(s *session, r *request) (Fields, error) {
 	if rerr != nil {
 		return nil, rerr
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}

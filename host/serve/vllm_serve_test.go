@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -373,5 +374,24 @@ func TestServeVLLMRefusals(t *testing.T) {
 		"kv_caches_base_addr": []uint64{4096}, "region_len": 4096, "num_blocks": 1, "block_size": 1, "total_kv_heads": 1}); !client.IsCode(err, CodeBadRequest) &&
 		!client.IsCode(err, CodeBadRegion) {
 		t.Fatalf("open_rank without compat: %v", err)
+	}
+}
+
+// TestServeVLLMIDBounds: engine and request ids longer than 1 KiB are
+// refused: a hold keeps its id until released.
+func TestServeVLLMIDBounds(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	w := vsMust(vsOpenT(t, srv, "prefill", "P", 1, 0, 8, 4, nil))
+	vsEvent(t, w.c)
+	long := strings.Repeat("x", 1025)
+	if _, err := w.c.Hold(ctx, "P", long, []int32{1}); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("hold with a 1025-byte request id: %v", err)
+	}
+	if err := w.c.Release(ctx, long, "r"); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("release with a 1025-byte engine id: %v", err)
+	}
+	if _, err := w.c.Hold(ctx, "P", strings.Repeat("x", 1024), []int32{1}); err != nil {
+		t.Fatalf("hold with a 1024-byte request id: %v", err)
 	}
 }
