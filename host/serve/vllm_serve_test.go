@@ -395,3 +395,41 @@ func TestServeVLLMIDBounds(t *testing.T) {
 		t.Fatalf("hold with a 1024-byte request id: %v", err)
 	}
 }
+
+// TestServeVLLMBlockSizeRatio: a decode whose blocks hold two prefill
+// blocks reads through its sidecar and gets every token in place: the
+// HND blocks are reordered in the sidecar's mapping of the engine's
+// shared memory (the Cache's host views), which the engine then sees.
+func TestServeVLLMBlockSizeRatio(t *testing.T) {
+	ctx := testCtx(t)
+	ps, ds := newTestServer(t), newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 32, 4, nil))
+	vsEvent(t, w.c)
+	const tokens = 19
+	blocks := []int32{9, 2, 30, 14, 6} // 5 blocks of 4 tokens
+	if err := w.pool.Fill(kvpool.Tokens{Request: 5, Pages: blocks, Count: tokens}); err != nil {
+		t.Fatal(err)
+	}
+	params, err := w.c.Hold(ctx, "P", "req", blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	local := []int32{7, 1, 4} // 3 blocks of 8 tokens
+	var dec []*vsRank
+	for rank := 0; rank < 2; rank++ {
+		d := vsMust(vsOpenT(t, ds, "decode", "D", 2, rank, 8, 8, nil))
+		dec = append(dec, d)
+		if err := d.c.Read(ctx, d.rank.ID, "dreq", params, local); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, d := range dec {
+		if r, ok := vsEvent(t, d.c).AsRead(); !ok || !r.OK {
+			t.Fatalf("rank %d: %+v", i, r)
+		}
+		if err := d.pool.Verify(kvpool.Tokens{Request: 5, Pages: local, Count: tokens}); err != nil {
+			t.Fatalf("rank %d: %v", i, err)
+		}
+	}
+	vsReleased(t, w.c, "P", "req", "notified")
+}
