@@ -29,7 +29,7 @@ func vllmHubOf(s *session) *vllmHub {
 			s.srv.log.Warn("serve: ignoring "+pull.EnvAbortTimeout, "err", err, "abort_timeout", pull.DefaultAbortTimeout)
 			abort = pull.DefaultAbortTimeout
 		}
-		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort})
+		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort, Observer: s.srv.cfg.PullObserver})
 	}).(*vllmHub)
 }
 
