@@ -433,3 +433,28 @@ func TestServeVLLMBlockSizeRatio(t *testing.T) {
 	}
 	vsReleased(t, w.c, "P", "req", "notified")
 }
+
+// TestServeVLLMDisconnect: a prefill worker that disconnects releases its
+// engine's holds "closed" (to the holder); a holder that disconnects
+// releases its holds "closed" (to the workers).
+func TestServeVLLMDisconnect(t *testing.T) {
+	ctx := testCtx(t)
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
+	vsEvent(t, w.c)
+	sched := dial(t, ps)
+	if _, err := sched.Hold(ctx, "P", "r1", []int32{3}); err != nil {
+		t.Fatal(err)
+	}
+	w.c.Close()
+	vsReleased(t, sched, "P", "r1", "closed")
+
+	w2 := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
+	vsEvent(t, w2.c)
+	if _, err := sched.Hold(ctx, "P", "r2", []int32{5}); err != nil {
+		t.Fatal(err)
+	}
+	sched.Close()
+	vsReleased(t, w2.c, "P", "r2", "closed")
+	vsNoEvent(t, w2.c)
+}
