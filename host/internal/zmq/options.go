@@ -93,6 +93,7 @@ type options struct {
 	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
 	socketMode       os.FileMode
 	onDisconnect     func(peer []byte)
+	discardOversize  bool // see WithDiscardOversize
 }
 
 func buildOptions(opts []Option) options {
