@@ -1525,7 +1525,9 @@ kvp_error *check_notif(const char *fn, const Agent &a, const kvp_notif &n) {
 nixl_xfer_op_t to_nixl_op(kvp_op op) { return op == KVP_OP_READ ? NIXL_READ : NIXL_WRITE; }
 
 // Inserts a new transfer and links it to its agent and peer.
-kvp_error *publish_xfer(const char *fn, Agent &a, XferPtr x, kvp_xfer *out) {
+// *made (when not null) receives the transfer, for submit_xfer to post it
+// without looking the handle up again.
+kvp_error *publish_xfer(const char *fn, Agent &a, XferPtr x, kvp_xfer *out, Xfer **made = nullptr) {
   Xfer *raw = x.get();
   kvp_xfer h = 0;
   if (kvp_error *e = kvp_ht_insert(tables()->xfers, raw, &h)) {
@@ -1542,6 +1544,7 @@ kvp_error *publish_xfer(const char *fn, Agent &a, XferPtr x, kvp_xfer *out) {
   }
   a.link(raw);
   *out = h;
+  if (made) *made = raw;
   return nullptr;
 }
 
@@ -1549,20 +1552,38 @@ kvp_error *publish_xfer(const char *fn, Agent &a, XferPtr x, kvp_xfer *out) {
 // notification (kvplugin.h). NIXL has no empty request, so its post sends
 // the notification with genNotif.
 kvp_error *notif_only_xfer(const char *fn, Agent &a, const PeerRef &peer, const kvp_notif &n,
-                           kvp_xfer *out) {
+                           kvp_xfer *out, Xfer **made) {
   XferPtr x = new_xfer(a);
   x->peer = peer;
   x->desc_count = 0;
   x->notif_only = true;
   x->has_notif = n.has_notif != 0;
   if (x->has_notif) x->notif.assign(reinterpret_cast<const char *>(n.msg), n.msg_len);
-  return publish_xfer(fn, a, std::move(x), out);
+  return publish_xfer(fn, a, std::move(x), out, made);
 }
+
+// An agent the caller holds a reference on, with Ref's interface, so that
+// the make functions' bodies serve make_* (their own reference) and
+// submit_xfer (one reference for make and post).
+struct AgentPtr {
+  Agent *p;
+  Agent *operator->() const { return p; }
+  Agent &operator*() const { return *p; }
+  Agent *get() const { return p; }
+};
+
+kvp_error *make_prepped_impl(AgentPtr a, kvp_make_prepped_xfer_args *args, Xfer **made);
+kvp_error *make_batch_impl(AgentPtr a, kvp_make_batch_xfer_args *args, Xfer **made);
 
 kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   static const char fn[] = "make_prepped_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
+  return make_prepped_impl(AgentPtr{a.get()}, args, nullptr);
+}
+
+kvp_error *make_prepped_impl(AgentPtr a, kvp_make_prepped_xfer_args *args, Xfer **made) {
+  static const char fn[] = "make_prepped_xfer";
   if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
   if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
@@ -1578,7 +1599,7 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   if (n != args->num_remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn, n,
                    args->num_remote_indices);
-  if (n == 0) return notif_only_xfer(fn, *a, rd->peer, args->notif, &args->xfer);
+  if (n == 0) return notif_only_xfer(fn, *a, rd->peer, args->notif, &args->xfer, made);
   if (!args->local_indices || !args->remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: index arrays must not be NULL", fn);
 
@@ -1627,13 +1648,18 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   nixl_status_t s = a->nixl->makeXferReq(to_nixl_op(args->op), ld->h, li, rd->h, ri, x->req,
                                          args->notif.has_notif ? &opt : nullptr);
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "makeXferReq(%zu descriptors)", n);
-  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+  return publish_xfer(fn, *a, std::move(x), &args->xfer, made);
 }
 
 kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
   static const char fn[] = "make_batch_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
+  return make_batch_impl(AgentPtr{a.get()}, args, nullptr);
+}
+
+kvp_error *make_batch_impl(AgentPtr a, kvp_make_batch_xfer_args *args, Xfer **made) {
+  static const char fn[] = "make_batch_xfer";
   if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
   if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
@@ -1678,7 +1704,7 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
                      fn, i);
   }
 
-  if (args->num_entries == 0) return notif_only_xfer(fn, *a, peer, args->notif, &args->xfer);
+  if (args->num_entries == 0) return notif_only_xfer(fn, *a, peer, args->notif, &args->xfer, made);
 
   nixl_xfer_dlist_t ll(to_nixl_mem(loc[0].kind)), rl(to_nixl_mem(rem[0].kind));
   size_t blocks = 0;
@@ -1722,8 +1748,10 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
                                            args->notif.has_notif ? &opt : nullptr);
   if (s != NIXL_SUCCESS)
     return nixl_err(s, fn, "createXferReq(%zu descriptors to '%s')", blocks, peer->name.c_str());
-  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+  return publish_xfer(fn, *a, std::move(x), &args->xfer, made);
 }
+
+kvp_error *post_locked(AgentPtr a, Xfer *x, kvp_xfer h, kvp_status *status);
 
 kvp_error *post_xfer(kvp_post_xfer_args *args) {
   static const char fn[] = "post_xfer";
@@ -1732,6 +1760,12 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
+  return post_locked(AgentPtr{a.get()}, x.get(), args->xfer, &args->status);
+}
+
+// post_xfer of transfer x (handle h), locked by the caller.
+kvp_error *post_locked(AgentPtr a, Xfer *x, kvp_xfer h, kvp_status *status) {
+  static const char fn[] = "post_xfer";
   if (x->dead) return peer_removed(fn, "the transfer goes to", *x->peer);
   if (x->notif_only) {
     x->start = Clock::now();
@@ -1745,7 +1779,7 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - x->start).count());
     x->posted = true;
     x->last = NIXL_SUCCESS;
-    args->status = KVP_SUCCESS;
+    *status = KVP_SUCCESS;
     return nullptr;
   }
   nixl_status_t s = a->nixl->postXferReq(x->req);
@@ -1757,8 +1791,8 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
     x->last = s;
   }
   if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer->name.c_str());
-  args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
-  if (s == NIXL_IN_PROG && a->ev_fd.load(std::memory_order_acquire) >= 0) ev_watch(*a, args->xfer);
+  *status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
+  if (s == NIXL_IN_PROG && a->ev_fd.load(std::memory_order_acquire) >= 0) ev_watch(*a, h);
   return nullptr;
 }
 
@@ -1771,12 +1805,46 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
 // transfer ended, KVP_POLL_TELEMETRY reads getXferTelemetry (as
 // xfer_telemetry does) and KVP_POLL_RELEASE releases it (releaseXferReq and
 // the handle, as release_xfer does), in the same call.
-kvp_error *poll_xfer_once(Agent &a, kvp_poll_xfer_args *args, bool *ended) {
+kvp_error *poll_locked(Agent &a, Xfer *x, kvp_poll_xfer_args *args, bool *ended);
+nixl_status_t telemetry_locked(Agent &a, Xfer *x, kvp_xfer_telemetry_args *t);
+
+kvp_error *poll_xfer_once(Agent &a, kvp_poll_xfer_args *args, uint32_t flags, bool *release) {
   static const char fn[] = "poll_xfer";
-  *ended = false;
+  *release = false;
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != &a) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
+  bool ended = false;
+  kvp_error *e = poll_locked(a, x.get(), args, &ended);
+  if (!ended) return e;
+  if (!e && (flags & KVP_POLL_TELEMETRY) && (a.caps & KVP_CAP_TELEMETRY)) {
+    kvp_xfer_telemetry_args t{};
+    if (telemetry_locked(a, x.get(), &t) == NIXL_SUCCESS) {
+      args->start_us = t.start_us;
+      args->post_us = t.post_us;
+      args->xfer_us = t.xfer_us;
+      args->total_bytes = t.total_bytes;
+      args->desc_count = t.desc_count;
+      args->has_telemetry = 1;
+    }
+  }
+  if (flags & KVP_POLL_RELEASE) {
+    // It ended: not active, so NIXL's request goes without waiting (as in
+    // release_xfer); the handle goes after the lock and reference.
+    if (x->req) {
+      if (a.nixl->releaseXferReq(x->req) != NIXL_SUCCESS) return e;  // released stays 0
+      x->req = nullptr;
+    }
+    *release = true;
+  }
+  return e;
+}
+
+// One poll of x, locked by the caller; *ended when it ended (done, failed,
+// dead).
+kvp_error *poll_locked(Agent &a, Xfer *x, kvp_poll_xfer_args *args, bool *ended) {
+  static const char fn[] = "poll_xfer";
+  *ended = false;
   if (x->dead) {
     *ended = true;
     if (x->dead_status != KVP_SUCCESS) return dead_poll(fn, *x);
@@ -1812,31 +1880,17 @@ kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
   }
   WITH_AGENT(a, fn);
   if (!(a->caps & KVP_CAP_SUBMIT)) flags = 0;
-  bool ended = false;
-  kvp_error *e = poll_xfer_once(*a, args, &ended);
-  if (!ended || !flags) return e;
-  if (!e && (flags & KVP_POLL_TELEMETRY) && (a->caps & KVP_CAP_TELEMETRY)) {
-    kvp_xfer_telemetry_args t{};
-    t.struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
-    t.agent = args->agent;
-    t.xfer = args->xfer;
-    if (kvp_error *te = xfer_telemetry(&t)) {
-      kvp_err_free(te);  // none: has_telemetry stays 0
-    } else {
-      args->start_us = t.start_us;
-      args->post_us = t.post_us;
-      args->xfer_us = t.xfer_us;
-      args->total_bytes = t.total_bytes;
-      args->desc_count = t.desc_count;
-      args->has_telemetry = 1;
-    }
-  }
-  if (flags & KVP_POLL_RELEASE) {
-    kvp_release_xfer_args r{KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, nullptr, args->agent, args->xfer};
-    if (kvp_error *re = release_xfer(&r))
-      kvp_err_free(re);  // not released: the handle stays valid (released 0)
-    else
+  bool release = false;
+  kvp_error *e = poll_xfer_once(*a, args, flags, &release);
+  if (release) {
+    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, args->xfer))) {
+      {
+        std::lock_guard<std::mutex> lk(a->mu);
+        a->unlink(x);
+      }
+      recycle_xfer(*a, x);
       args->released = 1;
+    }
   }
   return e;
 }
@@ -1883,9 +1937,26 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   if (x->dead)
     return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer's peer '%s' was removed", fn,
                    x->peer->name.c_str());
+  kvp_xfer_telemetry_args t{};
+  nixl_status_t s = telemetry_locked(*a, x.get(), &t);
+  if (s == NIXL_ERR_NOT_POSTED && x->notif_only)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was never posted", fn);
+  if (s != NIXL_SUCCESS)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer has not completed (%s)", fn,
+                   status_name(s).c_str());
+  args->start_us = t.start_us;
+  args->post_us = t.post_us;
+  args->xfer_us = t.xfer_us;
+  args->total_bytes = t.total_bytes;
+  args->desc_count = t.desc_count;
+  return nullptr;
+}
+
+// The telemetry of a transfer that ended (not dead), locked by the caller;
+// t->struct_size stays 0 when NIXL has none.
+nixl_status_t telemetry_locked(Agent &a, Xfer *x, kvp_xfer_telemetry_args *args) {
   if (x->notif_only) {
-    if (!x->posted)
-      return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was never posted", fn);
+    if (!x->posted) return NIXL_ERR_NOT_POSTED;
     auto start = std::chrono::system_clock::now() -
                  std::chrono::duration_cast<std::chrono::system_clock::duration>(Clock::now() - x->start);
     args->start_us = static_cast<uint64_t>(
@@ -1893,13 +1964,12 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
     args->post_us = args->xfer_us = x->post_us;
     args->total_bytes = 0;
     args->desc_count = 0;
-    return nullptr;
+    args->struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
+    return NIXL_SUCCESS;
   }
   nixl_xfer_telem_t tm{};
-  nixl_status_t s = a->nixl->getXferTelemetry(x->req, tm);
-  if (s != NIXL_SUCCESS)
-    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer has not completed (%s)", fn,
-                   status_name(s).c_str());
+  nixl_status_t s = a.nixl->getXferTelemetry(x->req, tm);
+  if (s != NIXL_SUCCESS) return s;
   // NIXL stamps the start on the steady clock; the ABI wants Unix time.
   auto since = std::chrono::steady_clock::now() - tm.startTime;
   auto start = std::chrono::system_clock::now() -
@@ -1910,7 +1980,8 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   args->xfer_us = static_cast<uint64_t>(tm.xferDuration.count());
   args->total_bytes = tm.totalBytes;
   args->desc_count = x->desc_count;
-  return nullptr;
+  args->struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
+  return NIXL_SUCCESS;
 }
 
 // ---------------------------------------------------------------------------
@@ -1934,21 +2005,29 @@ kvp_error *submit_xfer(kvp_submit_xfer_args *args) {
     ah = args->batch->agent;
     out = &args->batch->xfer;
   }
+  // One reference on the agent for the make and the post; the new
+  // transfer is posted through the pointer the make hands back (nobody
+  // else knows its handle yet, so nobody can release it meanwhile).
+  Ref<Agent> a(tables()->agents, ah);
+  if (!a) return bad_handle(fn, "agent", ah);
+  if (!(a->caps & KVP_CAP_SUBMIT))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: submit is off for this agent", fn);
+  Xfer *x = nullptr;
+  AgentPtr ap{a.get()};
+  if ((e = args->prepped ? make_prepped_impl(ap, args->prepped, &x) : make_batch_impl(ap, args->batch, &x)))
+    return e;
+  kvp_status st = KVP_IN_PROG;
   {
-    Ref<Agent> a(tables()->agents, ah);
-    if (!a) return bad_handle(fn, "agent", ah);
-    if (!(a->caps & KVP_CAP_SUBMIT))
-      return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: submit is off for this agent", fn);
+    std::lock_guard<std::mutex> lk(x->mu);
+    e = post_locked(ap, x, *out, &st);
   }
-  if ((e = args->prepped ? make_prepped_xfer(args->prepped) : make_batch_xfer(args->batch))) return e;
-  kvp_post_xfer_args p{KVP_POST_XFER_ARGS_STRUCT_SIZE, nullptr, ah, *out, KVP_IN_PROG};
-  if ((e = post_xfer(&p))) {
+  if (e) {
     kvp_release_xfer_args r{KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, nullptr, ah, *out};
     kvp_err_free(release_xfer(&r));  // never posted: nothing to wait for
     *out = 0;
     return e;
   }
-  args->status = p.status;
+  args->status = st;
   return nullptr;
 }
 
