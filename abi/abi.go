@@ -19,7 +19,7 @@ import (
 // ABI version this host speaks. See the versioning rules in kvplugin.h.
 const (
 	Major = 1
-	Minor = 0
+	Minor = 1
 )
 
 // EntrySymbol is the one symbol a plugin exports.
@@ -126,6 +126,8 @@ const (
 	CapTelemetry  Caps = 1 << 4
 	CapRemoteAddr Caps = 1 << 5
 	CapRemoteBlob Caps = 1 << 6
+	CapEventFD    Caps = 1 << 7 // ABI 1.1: get_event_fd
+	CapSubmit     Caps = 1 << 8 // ABI 1.1: submit_xfer, poll_xfer flags
 )
 
 var capNames = []struct {
@@ -139,6 +141,8 @@ var capNames = []struct {
 	{CapTelemetry, "telemetry"},
 	{CapRemoteAddr, "remote_addr"},
 	{CapRemoteBlob, "remote_blob"},
+	{CapEventFD, "event_fd"},
+	{CapSubmit, "submit"},
 }
 
 // Has reports whether every bit of want is set.
@@ -449,13 +453,45 @@ type PostXferArgs struct {
 	Status     Status         `c:"status"`
 }
 
-// PollXferArgs is kvp_poll_xfer_args.
+// PollXferArgs is kvp_poll_xfer_args. The fields after Status are ABI 1.1.
 type PollXferArgs struct {
+	StructSize   uintptr        `c:"struct_size"`
+	Ext          unsafe.Pointer `c:"ext"`
+	Agent        Agent          `c:"agent"`
+	Xfer         Xfer           `c:"xfer"`
+	Status       Status         `c:"status"`
+	Flags        uint32         `c:"flags"`
+	Released     uint32         `c:"released"`
+	HasTelemetry uint32         `c:"has_telemetry"`
+	StartUs      uint64         `c:"start_us"`
+	PostUs       uint64         `c:"post_us"`
+	XferUs       uint64         `c:"xfer_us"`
+	TotalBytes   uint64         `c:"total_bytes"`
+	DescCount    uint64         `c:"desc_count"`
+}
+
+// Poll flags (KVP_POLL_*, ABI 1.1; need CapSubmit).
+const (
+	PollRelease   uint32 = 1 << 0
+	PollTelemetry uint32 = 1 << 1
+)
+
+// SubmitXferArgs is kvp_submit_xfer_args (ABI 1.1): exactly one of Prepped
+// and Batch is set.
+type SubmitXferArgs struct {
+	StructSize uintptr              `c:"struct_size"`
+	Ext        unsafe.Pointer       `c:"ext"`
+	Prepped    *MakePreppedXferArgs `c:"prepped"`
+	Batch      *MakeBatchXferArgs   `c:"batch"`
+	Status     Status               `c:"status"`
+}
+
+// GetEventFDArgs is kvp_get_event_fd_args (ABI 1.1).
+type GetEventFDArgs struct {
 	StructSize uintptr        `c:"struct_size"`
 	Ext        unsafe.Pointer `c:"ext"`
 	Agent      Agent          `c:"agent"`
-	Xfer       Xfer           `c:"xfer"`
-	Status     Status         `c:"status"`
+	FD         int32          `c:"fd"`
 }
 
 // ReleaseXferArgs is kvp_release_xfer_args.
@@ -541,6 +577,10 @@ type API struct {
 
 	GetNotifs uintptr `c:"get_notifs"`
 	SendNotif uintptr `c:"send_notif"`
+
+	// ABI 1.1
+	SubmitXfer uintptr `c:"submit_xfer"`
+	GetEventFD uintptr `c:"get_event_fd"`
 }
 
 // GetAPIArgs is kvp_get_api_args.
@@ -576,12 +616,16 @@ var (
 	MakePreppedXferArgsSize     = unsafe.Offsetof(MakePreppedXferArgs{}.Xfer) + unsafe.Sizeof(MakePreppedXferArgs{}.Xfer)
 	MakeBatchXferArgsSize       = unsafe.Offsetof(MakeBatchXferArgs{}.Xfer) + unsafe.Sizeof(MakeBatchXferArgs{}.Xfer)
 	PostXferArgsSize            = unsafe.Offsetof(PostXferArgs{}.Status) + unsafe.Sizeof(PostXferArgs{}.Status)
-	PollXferArgsSize            = unsafe.Offsetof(PollXferArgs{}.Status) + unsafe.Sizeof(PollXferArgs{}.Status)
+	PollXferArgsSize            = unsafe.Offsetof(PollXferArgs{}.DescCount) + unsafe.Sizeof(PollXferArgs{}.DescCount)
+	PollXferArgsSize10          = unsafe.Offsetof(PollXferArgs{}.Status) + unsafe.Sizeof(PollXferArgs{}.Status)
+	SubmitXferArgsSize          = unsafe.Offsetof(SubmitXferArgs{}.Status) + unsafe.Sizeof(SubmitXferArgs{}.Status)
+	GetEventFDArgsSize          = unsafe.Offsetof(GetEventFDArgs{}.FD) + unsafe.Sizeof(GetEventFDArgs{}.FD)
 	ReleaseXferArgsSize         = unsafe.Offsetof(ReleaseXferArgs{}.Xfer) + unsafe.Sizeof(ReleaseXferArgs{}.Xfer)
 	XferTelemetryArgsSize       = unsafe.Offsetof(XferTelemetryArgs{}.DescCount) + unsafe.Sizeof(XferTelemetryArgs{}.DescCount)
 	GetNotifsArgsSize           = unsafe.Offsetof(GetNotifsArgs{}.Needed) + unsafe.Sizeof(GetNotifsArgs{}.Needed)
 	SendNotifArgsSize           = unsafe.Offsetof(SendNotifArgs{}.MsgLen) + unsafe.Sizeof(SendNotifArgs{}.MsgLen)
-	APISize                     = unsafe.Offsetof(API{}.SendNotif) + unsafe.Sizeof(API{}.SendNotif)
+	APISize                     = unsafe.Offsetof(API{}.GetEventFD) + unsafe.Sizeof(API{}.GetEventFD)
+	APISize10                   = unsafe.Offsetof(API{}.SendNotif) + unsafe.Sizeof(API{}.SendNotif)
 	GetAPIArgsSize              = unsafe.Offsetof(GetAPIArgs{}.API) + unsafe.Sizeof(GetAPIArgs{}.API)
 )
 

@@ -21,7 +21,19 @@
  * constant. Older plugins and hosts keep working because every args struct
  * starts with struct_size (see KVP_STRUCT_SIZE): a callee reads only the
  * fields that both it and the caller know, and treats fields the caller did
- * not send as zero.
+ * not send as zero (KVP_ARGS_HAS). So a callee checks struct_size against
+ * the size of the minor that introduced the function (the *_STRUCT_SIZE_1_0
+ * macros keep the ABI 1.0 sizes of structs that grew since), never against
+ * the current size. A plugin of an older minor hands out a shorter kvp_api
+ * (its struct_size); the host treats the functions it lacks as NULL and the
+ * capabilities they belong to as absent.
+ *
+ * History:
+ *   1.0  first version.
+ *   1.1  KVP_CAP_EVENT_FD (get_event_fd: a per-agent completion descriptor),
+ *        KVP_CAP_SUBMIT (submit_xfer: make and post in one call; poll_xfer
+ *        flags that release a finished transfer and return its telemetry
+ *        in the same call), KVP_ARGS_HAS, the *_STRUCT_SIZE_1_0 macros.
  *
  * ---------------------------------------------------------------------------
  * Calling convention
@@ -72,8 +84,8 @@
  * call, on the same agent or on different agents; a plugin synchronises
  * internally. The caller guarantees two things only:
  *   1. a handle is not released (agent_destroy, deregister_mem,
- *      remote_region_release, release_dlist, release_xfer) while another
- *      call that uses it is running, and
+ *      remote_region_release, release_dlist, release_xfer, poll_xfer with
+ *      KVP_POLL_RELEASE) while another call that uses it is running, and
  *   2. one transfer handle is not used by two calls at the same time
  *      (post_xfer, poll_xfer, xfer_telemetry, release_xfer on one xfer are
  *      serialised by the caller).
@@ -111,11 +123,17 @@ extern "C" {
 #endif
 
 #define KVP_ABI_MAJOR 1
-#define KVP_ABI_MINOR 0
+#define KVP_ABI_MINOR 1
 
 /* Size of an args struct up to and including its last field. */
 #define KVP_STRUCT_SIZE(type, last_field) \
   (offsetof(type, last_field) + sizeof(((type *)0)->last_field))
+
+/* Whether the caller of an args struct sent `field` (its struct_size covers
+ * it). A callee reads an appended field only when this holds, treats it as
+ * zero otherwise, and writes an appended out field only when this holds.
+ * (ABI 1.1) */
+#define KVP_ARGS_HAS(args, type, field) ((args)->struct_size >= KVP_STRUCT_SIZE(type, field))
 
 #if defined(_WIN32)
 #define KVP_EXPORT __declspec(dllexport)
@@ -167,6 +185,8 @@ typedef uint32_t kvp_op;
 #define KVP_CAP_TELEMETRY (1ull << 4)   /* xfer_telemetry */
 #define KVP_CAP_REMOTE_ADDR (1ull << 5) /* remote regions and remote dlists by address */
 #define KVP_CAP_REMOTE_BLOB (1ull << 6) /* remote regions from region_export blobs */
+#define KVP_CAP_EVENT_FD (1ull << 7)    /* get_event_fd (ABI 1.1) */
+#define KVP_CAP_SUBMIT (1ull << 8)      /* submit_xfer, poll_xfer flags (ABI 1.1) */
 
 /* Bit for a memory kind in kvp_plugin_info_args.mem_kinds. */
 #define KVP_MEM_BIT(kind) (1ull << (kind))
@@ -555,15 +575,47 @@ typedef struct kvp_post_xfer_args {
  * plugin bounds that work per call and documents the bound. A failed
  * transfer returns an error carrying the failure's code and message (every
  * poll after the failure returns the same). Polling a transfer that was
- * never posted is KVP_ERR_NOT_POSTED. */
+ * never posted is KVP_ERR_NOT_POSTED.
+ *
+ * ABI 1.1, on an agent with KVP_CAP_SUBMIT (a plugin ignores flags on an
+ * agent without it, and a caller of ABI 1.0 sends none):
+ *   KVP_POLL_RELEASE: a poll that finds the transfer ended, done (status
+ *     KVP_SUCCESS) or failed (the failure returned as the error), also
+ *     releases it, as release_xfer would, and sets `released` to 1. Then
+ *     the handle is invalid on return. `released` is written even when the
+ *     poll returns an error (an exception to the rule that out fields are
+ *     unspecified then): 0 means the handle is still valid, e.g. because
+ *     the error concerns the call itself (unknown handle, bad args) or the
+ *     plugin could not release the ended transfer; the caller then releases
+ *     it with release_xfer as usual. A transfer in progress is never
+ *     released by a poll.
+ *   KVP_POLL_TELEMETRY: a poll that finds the transfer done also writes
+ *     its telemetry (as xfer_telemetry would) into the fields below and
+ *     sets has_telemetry to 1; it leaves has_telemetry 0 when the agent has
+ *     no telemetry (no KVP_CAP_TELEMETRY, or the backend has it switched
+ *     off). With KVP_POLL_RELEASE the telemetry is read before the release.
+ * So a transfer costs one call to start (submit_xfer) and, with both flags,
+ * one call to finish. */
 typedef struct kvp_poll_xfer_args {
   size_t struct_size;
   void *ext;
   kvp_agent agent;
   kvp_xfer xfer;
   kvp_status status; /* out: KVP_SUCCESS or KVP_IN_PROG */
+  /* ABI 1.1 */
+  uint32_t flags;         /* KVP_POLL_* */
+  uint32_t released;      /* out: 1 when the poll released the transfer */
+  uint32_t has_telemetry; /* out: 1 when the telemetry fields are set */
+  uint64_t start_us;      /* out: as kvp_xfer_telemetry_args */
+  uint64_t post_us;       /* out */
+  uint64_t xfer_us;       /* out */
+  uint64_t total_bytes;   /* out */
+  uint64_t desc_count;    /* out */
 } kvp_poll_xfer_args;
-#define KVP_POLL_XFER_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_poll_xfer_args, status)
+#define KVP_POLL_XFER_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_poll_xfer_args, desc_count)
+#define KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0 KVP_STRUCT_SIZE(kvp_poll_xfer_args, status)
+#define KVP_POLL_RELEASE (1u << 0)
+#define KVP_POLL_TELEMETRY (1u << 1)
 
 /* Releases a transfer, cancelling it if active. On return the plugin no
  * longer reads or writes the memory of this transfer, so the caller may
@@ -591,6 +643,70 @@ typedef struct kvp_xfer_telemetry_args {
                            descriptors count once) */
 } kvp_xfer_telemetry_args;
 #define KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_xfer_telemetry_args, desc_count)
+
+/* ------------------------------------------------------------------------ */
+/* Submit (KVP_CAP_SUBMIT, ABI 1.1)                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Makes a transfer and posts it, in one call: exactly one of prepped and
+ * batch is non-NULL and is handled as make_prepped_xfer or make_batch_xfer
+ * would (same checks, same errors, and the same capability needed: a
+ * prepped form needs KVP_CAP_PREPPED, a batch form KVP_CAP_BATCH); the
+ * transfer is then posted as post_xfer would. The handle is written into
+ * the inner args' xfer field and status is post_xfer's. All or nothing: on
+ * error no transfer exists (a plugin releases one it made when the post
+ * fails). The transfer is afterwards a transfer like any other: poll it
+ * (with KVP_POLL_RELEASE to release it in the final poll), post it again,
+ * release it. */
+typedef struct kvp_submit_xfer_args {
+  size_t struct_size;
+  void *ext;
+  kvp_make_prepped_xfer_args *prepped; /* the prepped form, or NULL */
+  kvp_make_batch_xfer_args *batch;     /* the batch form, or NULL */
+  kvp_status status;                   /* out: KVP_SUCCESS or KVP_IN_PROG */
+} kvp_submit_xfer_args;
+#define KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_submit_xfer_args, status)
+
+/* ------------------------------------------------------------------------ */
+/* Event descriptor (KVP_CAP_EVENT_FD, ABI 1.1)                             */
+/* ------------------------------------------------------------------------ */
+
+/* Returns the agent's event descriptor: a Linux eventfd (non-blocking,
+ * close-on-exec, counter mode, not EFD_SEMAPHORE) that the plugin makes
+ * readable whenever
+ *   - a transfer of this agent ends (done, failed or cancelled) after the
+ *     call that posted it returned (one that post_xfer or submit_xfer
+ *     reports done may signal too), and
+ *   - a notification for this agent is queued (get_notifs would return it).
+ * The plugin signals by adding to the counter (write(2) of a uint64_t 1)
+ * after the outcome is visible: a poll_xfer or get_notifs that starts after
+ * the descriptor became readable sees it.
+ *
+ * Level-triggered: the descriptor stays readable until the host resets it
+ * by reading it (read(2) of 8 bytes; EAGAIN means it was not set). Events
+ * coalesce: one readable state may stand for any number of them. So the
+ * host's loop is: wait until readable, read it, then poll every transfer
+ * in flight and drain the notifications; an event that happens after the
+ * read makes the descriptor readable again, so none is lost.
+ *
+ * Ownership: the plugin owns the descriptor. Every call for an agent
+ * returns the same descriptor; the plugin closes it in agent_destroy, and
+ * the host never closes it (to hand it to an event loop that closes what it
+ * is given, the host dups it) and stops using it before agent_destroy.
+ *
+ * Progress: from the first get_event_fd call of an agent on, its transfers
+ * complete without being polled (the plugin's own threads move them, or,
+ * where the backend must be driven, a plugin thread drives it while
+ * transfers are in flight), so a host may wait on the descriptor alone.
+ * Before that call a plugin may rely on polls for progress, as in ABI 1.0.
+ * No callbacks from the plugin to the host are involved. */
+typedef struct kvp_get_event_fd_args {
+  size_t struct_size;
+  void *ext;
+  kvp_agent agent;
+  int32_t fd; /* out: the descriptor, >= 0 */
+} kvp_get_event_fd_args;
+#define KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_get_event_fd_args, fd)
 
 /* ------------------------------------------------------------------------ */
 /* Notifications (KVP_CAP_NOTIF)                                            */
@@ -670,8 +786,13 @@ typedef struct kvp_api {
 
   kvp_error *(*get_notifs)(kvp_get_notifs_args *args);
   kvp_error *(*send_notif)(kvp_send_notif_args *args);
+
+  /* ABI 1.1 */
+  kvp_error *(*submit_xfer)(kvp_submit_xfer_args *args);
+  kvp_error *(*get_event_fd)(kvp_get_event_fd_args *args);
 } kvp_api;
-#define KVP_API_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_api, send_notif)
+#define KVP_API_STRUCT_SIZE KVP_STRUCT_SIZE(kvp_api, get_event_fd)
+#define KVP_API_STRUCT_SIZE_1_0 KVP_STRUCT_SIZE(kvp_api, send_notif)
 
 /* ------------------------------------------------------------------------ */
 /* The entry point                                                          */

@@ -43,6 +43,8 @@ var mirrored = []struct {
 	{"kvp_make_batch_xfer_args", MakeBatchXferArgs{}},
 	{"kvp_post_xfer_args", PostXferArgs{}},
 	{"kvp_poll_xfer_args", PollXferArgs{}},
+	{"kvp_submit_xfer_args", SubmitXferArgs{}},
+	{"kvp_get_event_fd_args", GetEventFDArgs{}},
 	{"kvp_release_xfer_args", ReleaseXferArgs{}},
 	{"kvp_xfer_telemetry_args", XferTelemetryArgs{}},
 	{"kvp_get_notifs_args", GetNotifsArgs{}},
@@ -73,11 +75,15 @@ var structSizes = map[string]uintptr{
 	"KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE":       MakeBatchXferArgsSize,
 	"KVP_POST_XFER_ARGS_STRUCT_SIZE":             PostXferArgsSize,
 	"KVP_POLL_XFER_ARGS_STRUCT_SIZE":             PollXferArgsSize,
+	"KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0":         PollXferArgsSize10,
+	"KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE":           SubmitXferArgsSize,
+	"KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE":          GetEventFDArgsSize,
 	"KVP_RELEASE_XFER_ARGS_STRUCT_SIZE":          ReleaseXferArgsSize,
 	"KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE":        XferTelemetryArgsSize,
 	"KVP_GET_NOTIFS_ARGS_STRUCT_SIZE":            GetNotifsArgsSize,
 	"KVP_SEND_NOTIF_ARGS_STRUCT_SIZE":            SendNotifArgsSize,
 	"KVP_API_STRUCT_SIZE":                        APISize,
+	"KVP_API_STRUCT_SIZE_1_0":                    APISize10,
 	"KVP_GET_API_ARGS_STRUCT_SIZE":               GetAPIArgsSize,
 }
 
@@ -97,7 +103,9 @@ var constants = map[string]int64{
 	"KVP_CAP_STRIDED": int64(CapStrided), "KVP_CAP_NOTIF": int64(CapNotif),
 	"KVP_CAP_TELEMETRY": int64(CapTelemetry), "KVP_CAP_REMOTE_ADDR": int64(CapRemoteAddr),
 	"KVP_CAP_REMOTE_BLOB": int64(CapRemoteBlob),
-	"KVP_MAX_NAME_LEN":    MaxNameLen, "KVP_NOTIF_RECORD_HEADER": NotifRecordHeader,
+	"KVP_CAP_EVENT_FD":    int64(CapEventFD), "KVP_CAP_SUBMIT": int64(CapSubmit),
+	"KVP_POLL_RELEASE": int64(PollRelease), "KVP_POLL_TELEMETRY": int64(PollTelemetry),
+	"KVP_MAX_NAME_LEN": MaxNameLen, "KVP_NOTIF_RECORD_HEADER": NotifRecordHeader,
 }
 
 // TestLayoutMatchesC compiles a C program against kvplugin.h that prints the

@@ -115,7 +115,7 @@ func TestPluginsListJSON(t *testing.T) {
 		byFile[p.File] = p
 	}
 	fake := byFile[filepath.Join(dir, plugin.FileName("fake"))]
-	if fake.Name != "fake" || !fake.Used || fake.ABI != "1.0" || fake.Version == "" || fake.Error != "" ||
+	if fake.Name != "fake" || !fake.Used || fake.ABI != "1.1" || fake.Version == "" || fake.Error != "" ||
 		!strings.Contains(strings.Join(fake.Caps, ","), "prepped,batch,strided,notif,telemetry") ||
 		strings.Join(fake.MemKinds, ",") != "DRAM,VRAM" || len(fake.Params) == 0 {
 		t.Errorf("fake entry %+v", fake)
@@ -153,8 +153,8 @@ func TestPluginsListText(t *testing.T) {
 	for _, want := range []string{
 		"plugin path: " + dir + ":",
 		"fake  " + filepath.Join(dir, plugin.FileName("fake")),
-		"version 1.0.0, ABI 1.0",
-		"capabilities: prepped batch strided notif telemetry remote_addr remote_blob",
+		"version 1.0.0, ABI 1.1",
+		"capabilities: prepped batch strided notif telemetry remote_addr remote_blob event_fd submit",
 		"memory kinds: DRAM VRAM",
 		"caps_off=",
 		"junk  " + filepath.Join(dir, plugin.FileName("junk")),

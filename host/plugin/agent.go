@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
@@ -76,6 +77,11 @@ type Agent struct {
 	notif   notifState
 
 	scratch sync.Pool // *scratch: per-call buffers of the hot paths
+
+	// The event descriptor (CapEventFD): evFD is -1 until EventFD got it
+	// from the plugin, which owns it; evMu serialises the first call.
+	evMu sync.Mutex
+	evFD atomic.Int32
 }
 
 // peer is what the agent tracks of one remote agent, so that RemoveRemote
@@ -108,6 +114,7 @@ func (p *Plugin) NewAgent(name string, params ...Param) (*Agent, error) {
 		return nil, err
 	}
 	a := &Agent{p: p, name: name, h: args.Agent, caps: args.Caps, peers: map[string]*peer{}, loaded: map[string]struct{}{}}
+	a.evFD.Store(-1)
 	a.scratch.New = func() any { return new(scratch) }
 	bad := ""
 	if extra := args.Caps &^ p.info.Caps; extra != 0 {
@@ -141,11 +148,16 @@ func (a *Agent) Caps() abi.Caps { return a.caps }
 
 // Emulated returns the capabilities the host provides for this agent on top
 // of the native ones: CapPrepped (Go-side lists over batch transfers),
-// CapBatch (prepped lists per transfer) and CapStrided (expansion into plain
-// descriptors). Notifications, telemetry and remote regions cannot be
-// emulated.
+// CapBatch (prepped lists per transfer), CapStrided (expansion into plain
+// descriptors) and CapSubmit (SubmitPrepped and SubmitBatch as make and
+// post, PollRelease as poll, telemetry and release). Notifications,
+// telemetry, remote regions and the event descriptor (CapEventFD) cannot
+// be emulated.
 func (a *Agent) Emulated() abi.Caps {
 	var e abi.Caps
+	if !a.caps.Has(abi.CapSubmit) {
+		e |= abi.CapSubmit
+	}
 	if !a.caps.Has(abi.CapPrepped) {
 		e |= abi.CapPrepped
 	}
@@ -180,6 +192,69 @@ func (a *Agent) Close() error {
 }
 
 func (a *Agent) closedErr() error { return closedError("agent " + a.name) }
+
+// EventFD returns the agent's event descriptor (kvp_get_event_fd_args in
+// abi/kvplugin.h), ok only on an agent with native CapEventFD. It becomes
+// readable when a transfer of the agent ends (done, failed or cancelled)
+// or a notification for it is queued, and stays readable until
+// DrainEvents. Events coalesce, so after a wakeup: DrainEvents first, then
+// poll every transfer in flight and drain the notifications; an event
+// after the drain makes it readable again.
+//
+// The plugin owns the descriptor and closes it when the agent is closed:
+// never close it, and stop waiting on it before Agent.Close (to hand it to
+// something that closes what it is given, such as os.NewFile, dup it
+// first). From the first call on, the plugin completes the agent's
+// transfers without polls, so the descriptor alone may be waited on. Every
+// call returns the same descriptor.
+func (a *Agent) EventFD() (fd int, ok bool) {
+	if fd := a.evFD.Load(); fd >= 0 {
+		return int(fd), true
+	}
+	if !a.caps.Has(abi.CapEventFD) {
+		return -1, false
+	}
+	if a.use() != nil {
+		return -1, false
+	}
+	defer a.mu.RUnlock()
+	a.evMu.Lock()
+	defer a.evMu.Unlock()
+	if fd := a.evFD.Load(); fd >= 0 {
+		return int(fd), true
+	}
+	args := &abi.GetEventFDArgs{StructSize: abi.GetEventFDArgsSize, Agent: a.h, FD: -1}
+	if err := a.check("get_event_fd", callC(a.p.api.GetEventFD, unsafe.Pointer(args))); err != nil || args.FD < 0 {
+		return -1, false
+	}
+	a.evFD.Store(args.FD)
+	return int(args.FD), true
+}
+
+// DrainEvents resets the event descriptor after a wakeup by reading its
+// eventfd counter; without a descriptor (EventFD not called, or not ok) it
+// does nothing. It does not block and allocates nothing.
+func (a *Agent) DrainEvents() error {
+	fd := a.evFD.Load()
+	if fd < 0 {
+		return nil
+	}
+	if err := a.use(); err != nil {
+		return err
+	}
+	defer a.mu.RUnlock()
+	var buf [8]byte
+	for {
+		_, err := syscall.Read(int(fd), buf[:])
+		switch err {
+		case nil, syscall.EAGAIN:
+			return nil
+		case syscall.EINTR:
+			continue
+		}
+		return a.hostErr("get_event_fd", abi.ErrBackend, "reading the event descriptor %d: %v", fd, err)
+	}
+}
 
 // use takes the agent shared for one call; the caller must call a.mu.RUnlock
 // when it returns nil.

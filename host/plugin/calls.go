@@ -26,26 +26,41 @@ func (p *Plugin) releaseDList(agent abi.Agent, d abi.DList) error {
 	return p.check("release_dlist", callC(p.api.ReleaseDList, unsafe.Pointer(args)))
 }
 
-func (p *Plugin) makePrepped(agent abi.Agent, op abi.Op, ld abi.DList, li []int32, rd abi.DList, ri []int32, n abi.Notif) (abi.Xfer, error) {
+// makePrepped calls make_prepped_xfer, or with submit submit_xfer in its
+// prepped form (ABI 1.1: make and post in one call), which also reports
+// the post's status (for make_prepped_xfer it is 0).
+func (p *Plugin) makePrepped(agent abi.Agent, op abi.Op, ld abi.DList, li []int32, rd abi.DList, ri []int32, n abi.Notif, submit bool) (abi.Xfer, abi.Status, error) {
 	args := &abi.MakePreppedXferArgs{
 		StructSize: abi.MakePreppedXferArgsSize, Agent: agent, Op: op,
 		LocalDList: ld, LocalIndices: sliceData(li), NumLocalIndices: uintptr(len(li)),
 		RemoteDList: rd, RemoteIndices: sliceData(ri), NumRemoteIndices: uintptr(len(ri)),
 		Notif: n,
 	}
+	if submit {
+		sub := &abi.SubmitXferArgs{StructSize: abi.SubmitXferArgsSize, Prepped: args}
+		err := p.check("submit_xfer", callC(p.api.SubmitXfer, unsafe.Pointer(sub)))
+		return args.Xfer, sub.Status, err
+	}
 	err := p.check("make_prepped_xfer", callC(p.api.MakePreppedXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
+	return args.Xfer, 0, err
 }
 
-func (p *Plugin) makeBatch(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry, n abi.Notif) (abi.Xfer, error) {
+// makeBatch calls make_batch_xfer, or with submit submit_xfer in its batch
+// form; see makePrepped.
+func (p *Plugin) makeBatch(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry, n abi.Notif, submit bool) (abi.Xfer, abi.Status, error) {
 	args := &abi.MakeBatchXferArgs{
 		StructSize: abi.MakeBatchXferArgsSize, Agent: agent, Op: op,
 		Pairs: sliceData(pairs), NumPairs: uintptr(len(pairs)),
 		Entries: sliceData(entries), NumEntries: uintptr(len(entries)),
 		Notif: n,
 	}
+	if submit {
+		sub := &abi.SubmitXferArgs{StructSize: abi.SubmitXferArgsSize, Batch: args}
+		err := p.check("submit_xfer", callC(p.api.SubmitXfer, unsafe.Pointer(sub)))
+		return args.Xfer, sub.Status, err
+	}
 	err := p.check("make_batch_xfer", callC(p.api.MakeBatchXfer, unsafe.Pointer(args)))
-	return args.Xfer, err
+	return args.Xfer, 0, err
 }
 
 // importRegion imports a region of peer: from blob when it is not empty,

@@ -170,7 +170,7 @@ func TestAgentCapsAreValidated(t *testing.T) {
 	if a.Caps() != abi.CapBatch|abi.CapRemoteAddr {
 		t.Errorf("Caps = %v", a.Caps().Names())
 	}
-	if want := abi.CapPrepped | abi.CapStrided; a.Emulated() != want {
+	if want := abi.CapPrepped | abi.CapStrided | abi.CapSubmit; a.Emulated() != want {
 		t.Errorf("Emulated = %v, want %v", a.Emulated().Names(), want.Names())
 	}
 	if err := p.Close(); err != nil {

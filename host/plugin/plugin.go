@@ -196,8 +196,10 @@ func loadTable(path string, lib uintptr) (abi.API, Info, error) {
 }
 
 // minAPISize is the size of the ABI 1.0 table, the smallest a major-1 plugin
-// may hand out.
-var minAPISize = abi.APISize
+// may hand out. A 1.0 table lacks the 1.1 functions (submit_xfer,
+// get_event_fd): copyTable leaves them 0, and checkCapFuncs refuses a
+// plugin that claims their capabilities without them.
+var minAPISize = abi.APISize10
 
 // copyTable copies the plugin's kvp_api (static plugin memory) into Go. A
 // table from an older minor is shorter: the fields it lacks stay zero.
@@ -261,6 +263,8 @@ var capFuncs = []struct {
 		{"remote_region_release", func(a *abi.API) uintptr { return a.RemoteRegionRelease }},
 	}},
 	{abi.CapRemoteBlob, []tableFunc{{"region_export", func(a *abi.API) uintptr { return a.RegionExport }}}},
+	{abi.CapSubmit, []tableFunc{{"submit_xfer", func(a *abi.API) uintptr { return a.SubmitXfer }}}},
+	{abi.CapEventFD, []tableFunc{{"get_event_fd", func(a *abi.API) uintptr { return a.GetEventFD }}}},
 }
 
 // checkRequired checks the functions every plugin must provide.

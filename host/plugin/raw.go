@@ -92,7 +92,8 @@ func (r Raw) MakeBatchXfer(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, e
 	if err := r.absent(r.p.api.MakeBatchXfer, "make_batch_xfer"); err != nil {
 		return 0, err
 	}
-	return r.p.makeBatch(agent, op, pairs, entries, abi.Notif{})
+	h, _, err := r.p.makeBatch(agent, op, pairs, entries, abi.Notif{}, false)
+	return h, err
 }
 
 // MakePreppedXfer calls make_prepped_xfer with raw lists and indices,
@@ -101,7 +102,8 @@ func (r Raw) MakePreppedXfer(agent abi.Agent, op abi.Op, local abi.DList, li []i
 	if err := r.absent(r.p.api.MakePreppedXfer, "make_prepped_xfer"); err != nil {
 		return 0, err
 	}
-	return r.p.makePrepped(agent, op, local, li, remote, ri, abi.Notif{})
+	h, _, err := r.p.makePrepped(agent, op, local, li, remote, ri, abi.Notif{}, false)
+	return h, err
 }
 
 // PostXfer calls post_xfer.

@@ -23,6 +23,8 @@ type Xfer struct {
 	mu     sync.Mutex
 	h      abi.Xfer
 	closed bool
+	// finished: PollRelease closed the transfer; Close is then a no-op.
+	finished bool
 	// released: release_xfer succeeded but a list of tmp did not release
 	// yet; the transfer is unusable and Close retries the lists.
 	released bool
@@ -93,66 +95,112 @@ func (a *Agent) newXfer(h abi.Xfer, op abi.Op, descs int, shaped bool) *Xfer {
 // of different length or count ErrMismatch. The transfer is not started:
 // call Post.
 func (a *Agent) MakePreppedXfer(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+	x, _, err := a.makePrepped(false, op, local, localIdx, remote, remoteIdx, notif)
+	return x, err
+}
+
+// SubmitPrepped makes a prepped transfer as MakePreppedXfer does and posts
+// it, and reports whether it already completed. On an agent with native
+// CapSubmit that is one plugin call (submit_xfer); otherwise the host
+// emulates it with make and post. All or nothing: on error no transfer
+// exists. Finish it with PollRelease (or Poll/Wait and Close).
+func (a *Agent) SubmitPrepped(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, bool, error) {
+	if !a.caps.Has(abi.CapSubmit) {
+		x, _, err := a.makePrepped(false, op, local, localIdx, remote, remoteIdx, notif)
+		return postNew(x, err)
+	}
+	return a.makePrepped(true, op, local, localIdx, remote, remoteIdx, notif)
+}
+
+// postNew posts a transfer just made (emulated submit) and closes it when
+// the post fails, so that no transfer exists on error.
+func postNew(x *Xfer, err error) (*Xfer, bool, error) {
+	if err != nil {
+		return nil, false, err
+	}
+	done, err := x.Post()
+	if err != nil {
+		return nil, false, errors.Join(err, x.Close())
+	}
+	return x, done, nil
+}
+
+// submitted turns the result of a make or submit into an *Xfer. With
+// submit it interprets the post's status; a status that is neither done
+// nor in progress releases the transfer and is an error.
+func (a *Agent) submitted(h abi.Xfer, st abi.Status, err error, submit bool, op abi.Op, descs int, shaped bool) (*Xfer, bool, error) {
+	if err != nil {
+		return nil, false, err
+	}
+	x := a.newXfer(h, op, descs, shaped)
+	if !submit {
+		return x, false, nil
+	}
+	done, err := x.status("submit_xfer", st)
+	if err != nil {
+		rerr := a.check("release_xfer", callC(a.p.api.ReleaseXfer, unsafe.Pointer(&abi.ReleaseXferArgs{StructSize: abi.ReleaseXferArgsSize, Agent: a.h, Xfer: h})))
+		return nil, false, errors.Join(err, rerr)
+	}
+	return x, done, nil
+}
+
+// makePrepped is MakePreppedXfer (submit false) and the native form of
+// SubmitPrepped (submit true).
+func (a *Agent) makePrepped(submit bool, op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, bool, error) {
 	const opName = "make_prepped_xfer"
 	switch {
 	case local == nil || remote == nil || local.a != a || remote.a != a:
-		return nil, a.hostErr(opName, abi.ErrInvalidParam, "both lists must be prepared on agent %s", a.name)
+		return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "both lists must be prepared on agent %s", a.name)
 	case local.peer != "":
-		return nil, a.hostErr(opName, abi.ErrInvalidParam, "the local list is a list of peer %s", local.peer)
+		return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "the local list is a list of peer %s", local.peer)
 	case remote.peer == "":
-		return nil, a.hostErr(opName, abi.ErrInvalidParam, "the remote list is a local list")
+		return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "the remote list is a local list")
 	case len(localIdx) != len(remoteIdx):
-		return nil, a.hostErr(opName, abi.ErrInvalidParam, "%d local indices but %d remote indices", len(localIdx), len(remoteIdx))
+		return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "%d local indices but %d remote indices", len(localIdx), len(remoteIdx))
 	case notif != nil && !a.caps.Has(abi.CapNotif):
-		return nil, a.needCaps(opName, abi.CapNotif)
+		return nil, false, a.needCaps(opName, abi.CapNotif)
 	}
 	if err := a.use(); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	// One defer and few returns here keep the defer open-coded (cheap); the
 	// work, with its many returns, is in makePreppedLocked.
 	defer a.mu.RUnlock()
-	return a.makePreppedLocked(op, local, localIdx, remote, remoteIdx, notif)
+	return a.makePreppedLocked(submit, op, local, localIdx, remote, remoteIdx, notif)
 }
 
-// makePreppedLocked is MakePreppedXfer past its argument checks. Needs a.mu
+// makePreppedLocked is makePrepped past its argument checks. Needs a.mu
 // held (shared).
-func (a *Agent) makePreppedLocked(op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+func (a *Agent) makePreppedLocked(submit bool, op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, bool, error) {
 	const opName = "make_prepped_xfer"
 	if local.closed {
-		return nil, closedError(local.describe())
+		return nil, false, closedError(local.describe())
 	}
 	if remote.closed {
-		return nil, closedError(remote.describe())
+		return nil, false, closedError(remote.describe())
 	}
 	if local.emu != nil || local.first != nil || remote.first != nil {
 		s := a.getScratch()
 		defer a.putScratch(s)
 		if local.emu != nil {
-			return a.makePreppedEmulated(s, op, local, localIdx, remote, remoteIdx, notif)
+			return a.makePreppedEmulated(submit, s, op, local, localIdx, remote, remoteIdx, notif)
 		}
 		if cerr := s.expandIndices(local.first, local.n, localIdx, remote.first, remote.n, remoteIdx); cerr != nil {
-			return nil, a.wrap(opName, cerr)
+			return nil, false, a.wrap(opName, cerr)
 		}
-		h, err := a.p.makePrepped(a.h, op, local.h, s.local, remote.h, s.remote, cNotif(notif))
-		if err != nil {
-			return nil, err
-		}
-		return a.newXfer(h, op, len(localIdx), true), nil
+		h, st, err := a.p.makePrepped(a.h, op, local.h, s.local, remote.h, s.remote, cNotif(notif), submit)
+		return a.submitted(h, st, err, submit, op, len(localIdx), true)
 	}
-	h, err := a.p.makePrepped(a.h, op, local.h, localIdx, remote.h, remoteIdx, cNotif(notif))
-	if err != nil {
-		return nil, err
-	}
-	return a.newXfer(h, op, len(localIdx), false), nil
+	h, st, err := a.p.makePrepped(a.h, op, local.h, localIdx, remote.h, remoteIdx, cNotif(notif), submit)
+	return a.submitted(h, st, err, submit, op, len(localIdx), false)
 }
 
 // makePreppedEmulated builds a prepped transfer over emulated lists as one
 // batch transfer, in s. Needs a.mu held (shared).
-func (a *Agent) makePreppedEmulated(s *scratch, op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, error) {
+func (a *Agent) makePreppedEmulated(submit bool, s *scratch, op abi.Op, local *DList, localIdx []int32, remote *DList, remoteIdx []int32, notif []byte) (*Xfer, bool, error) {
 	const opName = "make_prepped_xfer"
 	if cerr := s.buildPreppedBatch(local.emu, remote.emu, localIdx, remoteIdx, !a.caps.Has(abi.CapStrided)); cerr != nil {
-		return nil, a.wrap(opName, cerr)
+		return nil, false, a.wrap(opName, cerr)
 	}
 	if len(s.pairs) == 0 && notif != nil {
 		// A notification-only transfer (no indices): make_batch_xfer
@@ -160,15 +208,12 @@ func (a *Agent) makePreppedEmulated(s *scratch, op abi.Op, local *DList, localId
 		// entry uses.
 		pair, err := a.notifPair(local, remote)
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		s.pairs = append(s.pairs, pair)
 	}
-	h, err := a.p.makeBatch(a.h, op, s.pairs, s.entries, cNotif(notif))
-	if err != nil {
-		return nil, err
-	}
-	return a.newXfer(h, op, len(localIdx), true), nil
+	h, st, err := a.p.makeBatch(a.h, op, s.pairs, s.entries, cNotif(notif), submit)
+	return a.submitted(h, st, err, submit, op, len(localIdx), true)
 }
 
 // notifPair returns a region pair that names the peer of an emulated
@@ -203,12 +248,33 @@ func (a *Agent) notifPair(local, remote *DList) (abi.RegionPair, error) {
 // to make the transfer and 2 more to release the lists with it. The
 // transfer is not started: call Post.
 func (a *Agent) MakeBatchXfer(op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, error) {
+	x, _, err := a.makeBatch(false, op, pairs, entries, notif)
+	return x, err
+}
+
+// SubmitBatch makes a batch transfer as MakeBatchXfer does and posts it,
+// and reports whether it already completed. On an agent with native
+// CapSubmit that is one plugin call (submit_xfer; plus the list calls of
+// batch emulation on an agent without CapBatch); otherwise the host
+// emulates it with make and post. All or nothing: on error no transfer
+// exists. Finish it with PollRelease (or Poll/Wait and Close).
+func (a *Agent) SubmitBatch(op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, bool, error) {
+	if !a.caps.Has(abi.CapSubmit) {
+		x, _, err := a.makeBatch(false, op, pairs, entries, notif)
+		return postNew(x, err)
+	}
+	return a.makeBatch(true, op, pairs, entries, notif)
+}
+
+// makeBatch is MakeBatchXfer (submit false) and the native form of
+// SubmitBatch (submit true).
+func (a *Agent) makeBatch(submit bool, op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, bool, error) {
 	const opName = "make_batch_xfer"
 	if notif != nil && !a.caps.Has(abi.CapNotif) {
-		return nil, a.needCaps(opName, abi.CapNotif)
+		return nil, false, a.needCaps(opName, abi.CapNotif)
 	}
 	if err := a.use(); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	defer a.mu.RUnlock()
 	s := a.getScratch()
@@ -216,77 +282,75 @@ func (a *Agent) MakeBatchXfer(op abi.Op, pairs []Pair, entries []abi.BatchEntry,
 	s.pairs = s.pairs[:0]
 	for i, p := range pairs {
 		if p.Local == nil || p.Remote == nil || p.Local.a != a || p.Remote.a != a {
-			return nil, a.hostErr(opName, abi.ErrInvalidParam, "pair %d: both regions must belong to agent %s", i, a.name)
+			return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "pair %d: both regions must belong to agent %s", i, a.name)
 		}
 		if p.Local.closed {
-			return nil, closedError("pair " + itoa(uint32(i)) + ": local region")
+			return nil, false, closedError("pair " + itoa(uint32(i)) + ": local region")
 		}
 		if p.Remote.closed {
-			return nil, closedError("pair " + itoa(uint32(i)) + ": remote region")
+			return nil, false, closedError("pair " + itoa(uint32(i)) + ": remote region")
 		}
 		s.pairs = append(s.pairs, abi.RegionPair{Local: p.Local.h, Remote: p.Remote.h})
 	}
 	if !a.caps.Has(abi.CapBatch) {
-		return a.batchViaPrepped(s, op, pairs, entries, notif)
+		return a.batchViaPrepped(submit, s, op, pairs, entries, notif)
 	}
 	e, shaped := entries, false
 	if !a.caps.Has(abi.CapStrided) && hasStrided(entries) {
 		var cerr *codedError
 		if e, cerr = s.expandEntries(entries); cerr != nil {
-			return nil, a.wrap(opName, cerr)
+			return nil, false, a.wrap(opName, cerr)
 		}
 		shaped = true
 	}
-	h, err := a.p.makeBatch(a.h, op, s.pairs, e, cNotif(notif))
-	if err != nil {
-		return nil, err
-	}
-	return a.newXfer(h, op, len(entries), shaped), nil
+	h, st, err := a.p.makeBatch(a.h, op, s.pairs, e, cNotif(notif), submit)
+	return a.submitted(h, st, err, submit, op, len(entries), shaped)
 }
 
 // batchViaPrepped emulates make_batch_xfer with two temporary lists and
-// make_prepped_xfer over identity indices. Needs a.mu held (shared).
-func (a *Agent) batchViaPrepped(s *scratch, op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, error) {
+// make_prepped_xfer (or, with submit, submit_xfer) over identity indices.
+// Needs a.mu held (shared).
+func (a *Agent) batchViaPrepped(submit bool, s *scratch, op abi.Op, pairs []Pair, entries []abi.BatchEntry, notif []byte) (*Xfer, bool, error) {
 	const opName = "make_batch_xfer"
 	if len(pairs) == 0 {
-		return nil, a.hostErr(opName, abi.ErrInvalidParam, "no region pairs")
+		return nil, false, a.hostErr(opName, abi.ErrInvalidParam, "no region pairs")
 	}
 	peerName := pairs[0].Remote.peer
 	lsides := make([]batchSide, len(pairs))
 	rsides := make([]batchSide, len(pairs))
 	for i, p := range pairs {
 		if p.Remote.peer != peerName {
-			return nil, a.hostErr(opName, abi.ErrMismatch, "pair %d is a region of peer %s, pair 0 of %s: one transfer reaches one peer", i, p.Remote.peer, peerName)
+			return nil, false, a.hostErr(opName, abi.ErrMismatch, "pair %d is a region of peer %s, pair 0 of %s: one transfer reaches one peer", i, p.Remote.peer, peerName)
 		}
 		lsides[i] = batchSide{addr: p.Local.desc.Addr, len: p.Local.desc.Len, dev: p.Local.desc.DevID, kind: p.Local.desc.MemKind}
 		rsides[i] = batchSide{addr: p.Remote.desc.Addr, len: p.Remote.desc.Len, dev: p.Remote.desc.DevID, kind: p.Remote.desc.MemKind}
 	}
 	lkind, rkind, cerr := s.buildBatchDescs(lsides, rsides, entries, !a.caps.Has(abi.CapStrided))
 	if cerr != nil {
-		return nil, a.wrap(opName, cerr)
+		return nil, false, a.wrap(opName, cerr)
 	}
 	if len(entries) == 0 {
 		lkind, rkind = lsides[0].kind, rsides[0].kind
 	}
 	ld, err := a.p.prepDList(a.h, "", lkind, s.ldescs)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	rd, err := a.p.prepDList(a.h, peerName, rkind, s.rdescs)
 	if err != nil {
-		return nil, errors.Join(err, a.p.releaseDList(a.h, ld))
+		return nil, false, errors.Join(err, a.p.releaseDList(a.h, ld))
 	}
 	idx := s.identity(len(s.ldescs))
-	h, err := a.p.makePrepped(a.h, op, ld, idx, rd, idx, cNotif(notif))
+	h, st, err := a.p.makePrepped(a.h, op, ld, idx, rd, idx, cNotif(notif), submit)
+	x, done, err := a.submitted(h, st, err, submit, op, len(entries), true)
 	if err != nil {
-		return nil, errors.Join(err, a.p.releaseDList(a.h, ld), a.p.releaseDList(a.h, rd))
+		return nil, false, errors.Join(err, a.p.releaseDList(a.h, ld), a.p.releaseDList(a.h, rd))
 	}
-	x := a.newXfer(h, op, len(entries), true)
 	x.tmp = [2]abi.DList{ld, rd}
 	a.book.Lock()
 	x.tmpPeer = a.peerLocked(peerName)
 	a.book.Unlock()
-	return x, nil
+	return x, done, nil
 }
 
 // Op returns the transfer's operation.
@@ -359,11 +423,96 @@ func (x *Xfer) Poll() (done bool, err error) {
 		return false, err
 	}
 	defer x.unlock()
-	x.poll.Status = 0
+	return x.pollLocked()
+}
+
+// pollLocked is Poll with x locked (x.lock).
+func (x *Xfer) pollLocked() (bool, error) {
+	x.poll.Status, x.poll.Flags = 0, 0
 	if err := x.a.check("poll_xfer", callHeap(x.a.p.api.PollXfer, unsafe.Pointer(&x.poll), &x.slot)); err != nil {
 		return false, err
 	}
 	return x.status("poll_xfer", x.poll.Status)
+}
+
+// PollRelease polls the transfer and, once it ended, releases it in the
+// same call: on an agent with native CapSubmit a poll_xfer with
+// KVP_POLL_RELEASE and KVP_POLL_TELEMETRY, so a transfer costs one plugin
+// call to finish; otherwise the host emulates it with poll, telemetry and
+// release. It reports done and the transfer's telemetry (zero but for
+// Descs on an agent without CapTelemetry) when the transfer completed, the
+// failure when it failed, and (false, zero, nil) while it is in progress.
+// Once it reports done or the transfer's failure, the transfer is closed
+// (its lists too, for an emulated batch transfer): Close is then a no-op
+// and every other method returns ErrClosed. Should the release itself fail
+// (a plugin that refuses it), the error says so and the transfer stays
+// open: Close it later. It allocates nothing.
+func (x *Xfer) PollRelease() (done bool, tel Telemetry, err error) {
+	if err := x.lock(); err != nil {
+		return false, Telemetry{}, err
+	}
+	defer x.unlock()
+	if !x.a.caps.Has(abi.CapSubmit) {
+		return x.pollReleaseEmulated()
+	}
+	p := &x.poll
+	p.Flags = abi.PollRelease | abi.PollTelemetry
+	p.Status, p.Released, p.HasTelemetry = 0, 0, 0
+	err = x.a.check("poll_xfer", callHeap(x.a.p.api.PollXfer, unsafe.Pointer(p), &x.slot))
+	p.Flags = 0
+	if p.Released != 0 {
+		x.released = true // the handle is gone; closeLocked releases the lists
+	}
+	if err == nil {
+		if done, err = x.status("poll_xfer", p.Status); err == nil && !done {
+			if p.Released != 0 { // a plugin bug: released a transfer in progress
+				err = x.a.hostErr("poll_xfer", abi.ErrBackend, "plugin released a transfer in progress")
+			} else {
+				return false, Telemetry{}, nil
+			}
+		}
+	}
+	if done {
+		tel = Telemetry{Descs: uint64(x.descs)}
+		if p.HasTelemetry != 0 {
+			tel = x.telemetry(p.StartUs, p.PostUs, p.XferUs, p.TotalBytes, p.DescCount)
+		}
+	}
+	// Ended (done or failed): release what the poll did not.
+	if cerr := x.closeLocked(); cerr != nil {
+		if err == nil {
+			return done, tel, cerr
+		}
+		return false, Telemetry{}, errors.Join(err, cerr)
+	}
+	x.finished = true
+	return done, tel, err
+}
+
+// pollReleaseEmulated is PollRelease on an agent without native CapSubmit:
+// poll, then telemetry (with CapTelemetry) and release once ended.
+func (x *Xfer) pollReleaseEmulated() (bool, Telemetry, error) {
+	done, err := x.pollLocked()
+	if err == nil && !done {
+		return false, Telemetry{}, nil
+	}
+	var tel Telemetry
+	if done {
+		tel = Telemetry{Descs: uint64(x.descs)}
+		if x.a.caps.Has(abi.CapTelemetry) {
+			if t, terr := x.telemetryLocked(); terr == nil {
+				tel = t
+			}
+		}
+	}
+	if cerr := x.closeLocked(); cerr != nil {
+		if err == nil {
+			return done, tel, cerr
+		}
+		return false, Telemetry{}, errors.Join(err, cerr)
+	}
+	x.finished = true
+	return done, tel, err
 }
 
 // Backoff of Wait: poll back to back for spinFor, so that short transfers
@@ -400,22 +549,32 @@ func (x *Xfer) Telemetry() (Telemetry, error) {
 		return Telemetry{}, err
 	}
 	defer x.unlock()
+	return x.telemetryLocked()
+}
+
+// telemetryLocked is Telemetry with x locked.
+func (x *Xfer) telemetryLocked() (Telemetry, error) {
 	args := &x.tel
 	args.StartUs, args.PostUs, args.XferUs, args.TotalBytes, args.DescCount = 0, 0, 0, 0, 0
 	if err := x.a.check("xfer_telemetry", callHeap(x.a.p.api.XferTelemetry, unsafe.Pointer(args), &x.slot)); err != nil {
 		return Telemetry{}, err
 	}
+	return x.telemetry(args.StartUs, args.PostUs, args.XferUs, args.TotalBytes, args.DescCount), nil
+}
+
+// telemetry converts the plugin's telemetry fields.
+func (x *Xfer) telemetry(startUs, postUs, xferUs, bytes, descs uint64) Telemetry {
 	t := Telemetry{
-		Start: time.UnixMicro(int64(args.StartUs)),
-		Post:  time.Duration(args.PostUs) * time.Microsecond,
-		Xfer:  time.Duration(args.XferUs) * time.Microsecond,
-		Bytes: args.TotalBytes,
-		Descs: args.DescCount,
+		Start: time.UnixMicro(int64(startUs)),
+		Post:  time.Duration(postUs) * time.Microsecond,
+		Xfer:  time.Duration(xferUs) * time.Microsecond,
+		Bytes: bytes,
+		Descs: descs,
 	}
 	if x.shaped {
 		t.Descs = uint64(x.descs)
 	}
-	return t, nil
+	return t
 }
 
 // Close releases the transfer, cancelling it if active; on return the
@@ -429,10 +588,15 @@ func (x *Xfer) Telemetry() (Telemetry, error) {
 // (the plugin no longer knows the handle) closes it with the error. A list
 // of an emulated batch transfer that the plugin refuses to release keeps
 // the transfer closed to every use but Close, which releases the rest.
+//
+// After PollRelease closed the transfer, Close is a no-op and returns nil.
 func (x *Xfer) Close() error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if x.closed {
+		if x.finished {
+			return nil
+		}
 		return closedError("transfer")
 	}
 	if err := x.a.use(); err != nil {
@@ -440,6 +604,11 @@ func (x *Xfer) Close() error {
 		return err
 	}
 	defer x.a.mu.RUnlock()
+	return x.closeLocked()
+}
+
+// closeLocked is Close with x.mu held and the agent in use.
+func (x *Xfer) closeLocked() error {
 	var errs [3]error // release_xfer, then the lists; allocated only when joined
 	if !x.released {
 		err := x.a.check("release_xfer", callHeap(x.a.p.api.ReleaseXfer, unsafe.Pointer(&x.rel), &x.slot))

@@ -93,11 +93,25 @@
 #ifndef KVP_FAKE_ABI_MAJOR
 #define KVP_FAKE_ABI_MAJOR KVP_ABI_MAJOR
 #endif
+/* The ABI minor this build claims. A test build sets 0 to be an ABI 1.0
+ * plugin: a 1.0-sized table without submit_xfer and get_event_fd, no
+ * KVP_CAP_EVENT_FD or KVP_CAP_SUBMIT, and poll_xfer ignoring the 1.1
+ * fields, so that hosts can show they emulate what it lacks. */
+#ifndef KVP_FAKE_ABI_MINOR
+#define KVP_FAKE_ABI_MINOR KVP_ABI_MINOR
+#endif
+#if KVP_FAKE_ABI_MINOR >= 1
+#define FAKE_CAPS_1_1 (KVP_CAP_EVENT_FD | KVP_CAP_SUBMIT)
+#define FAKE_API_SIZE KVP_API_STRUCT_SIZE
+#else
+#define FAKE_CAPS_1_1 0
+#define FAKE_API_SIZE KVP_API_STRUCT_SIZE_1_0
+#endif
 
 #define FAKE_VERSION "1.0.0"
 #define FAKE_CAPS                                                                      \
   (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY | \
-   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB)
+   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB | FAKE_CAPS_1_1)
 #define FAKE_MEM_KINDS (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM))
 
 /* Largest notification message (bytes). Cross-process notifications travel
@@ -168,7 +182,7 @@ enum { VOUCH_YES = 0, VOUCH_NO = 1, VOUCH_NOT_ME = 2 };
 
 static const char PARAMS_DOC[] =
     "caps_off=\tcomma list of capabilities this agent switches off, so the host emulates "
-    "them: prepped, batch, strided, notif, telemetry, remote_addr, remote_blob (not both "
+    "them: prepped, batch, strided, notif, telemetry, remote_addr, remote_blob, event_fd, submit (not both "
     "prepped and batch); the agent refuses their calls with KVP_ERR_NOT_SUPPORTED\n"
     "fail_rate=0\tprobability in [0,1] that a posted transfer fails with KVP_ERR_BACKEND "
     "\"fake: injected failure\" after moving half of its bytes\n"
@@ -186,8 +200,8 @@ static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
 #define NUM_PARAM_KEYS (sizeof PARAM_KEYS / sizeof PARAM_KEYS[0])
 
 /* Names of the KVP_CAP_* bits, bit i = names[i]. */
-static const char *const CAP_NAMES[] = {"prepped",   "batch",       "strided",    "notif",
-                                        "telemetry", "remote_addr", "remote_blob"};
+static const char *const CAP_NAMES[] = {"prepped",     "batch",       "strided",  "notif", "telemetry",
+                                        "remote_addr", "remote_blob", "event_fd", "submit"};
 #define NUM_CAPS (sizeof CAP_NAMES / sizeof CAP_NAMES[0])
 
 /* ------------------------------------------------------------------------ */
@@ -449,6 +463,12 @@ typedef struct agent {
   unsigned workers_started;
 
   kvp_notif_queue *nq;
+  /* The event descriptor (KVP_CAP_EVENT_FD): -1 until the first
+   * get_event_fd makes it (under own_lock); then signalled by ev_signal
+   * and closed in agent_free. From then on the agent's transfers are not
+   * pollable: workers run them at once, so the host may wait on the
+   * descriptor alone (see kvp_get_event_fd_args). */
+  atomic_int ev_fd;
   int rx_sock, stop_fd, ob_wake;
   int rx_started;
   pthread_t rx_thread;
@@ -1087,6 +1107,11 @@ static void wake_fd(int fd) {
   (void)wr;
 }
 
+/* Makes the agent's event descriptor readable, if it has one: a transfer
+ * of the agent ended or a notification was queued for it. Called after the
+ * outcome is visible (state stored, notification queued). */
+static void ev_signal(struct agent *ag);
+
 static kvp_error *notif_send_err(int err, uint32_t pid) {
   if (err == ECONNREFUSED || err == ENOENT || err == ENOTCONN)
     return kvp_err(KVP_ERR_REMOTE_DISCONNECT,
@@ -1122,8 +1147,8 @@ static kvp_error *notif_submit(agent *ag, peer *p, const route *rt, struct xfer 
     if (!(to->caps & KVP_CAP_NOTIF))
       e = kvp_err(KVP_ERR_NOT_SUPPORTED, "notification: peer \"%.*s\" switched notifications off",
                   (int)to->name_len, to->name);
-    else
-      e = kvp_nq_push(to->nq, ag->name, ag->name_len, msg, len);
+    else if (!(e = kvp_nq_push(to->nq, ag->name, ag->name_len, msg, len)))
+      ev_signal(to);
     agent_put(to);
     return kvp_err_wrap(e, "notification not delivered");
   }
@@ -1408,8 +1433,10 @@ static void rx_drain(agent *ag, uint8_t *buf, size_t cap) {
       atomic_fetch_add(&ag->notif_forged, 1);
       continue;
     }
-    kvp_err_free(kvp_nq_push(ag->nq, (const char *)buf + NOTIF_FIXED, sl, buf + NOTIF_FIXED + sl,
-                             (size_t)n - NOTIF_FIXED - sl));
+    kvp_error *pe = kvp_nq_push(ag->nq, (const char *)buf + NOTIF_FIXED, sl, buf + NOTIF_FIXED + sl,
+                                (size_t)n - NOTIF_FIXED - sl);
+    if (!pe) ev_signal(ag);
+    kvp_err_free(pe);
   }
 }
 
@@ -1766,6 +1793,7 @@ static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
     atomic_store_explicit(&x->state, X_DONE, memory_order_release);
   }
   if (waiters) pthread_cond_broadcast(&ag->donecv);
+  ev_signal(ag);
 }
 
 static void xfer_finish(agent *ag, xfer *x, kvp_error *e) {
@@ -1816,6 +1844,7 @@ static void xfer_cancel_locked(agent *ag, xfer *x, const char *msg) {
     x->err_code = KVP_ERR_CANCELED;
     snprintf(x->err_msg, sizeof x->err_msg, "%s", msg);
     atomic_store(&x->state, X_FAILED);
+    ev_signal(ag);
   } else if (st == X_RUNNING) {
     snprintf(x->cancel_msg, sizeof x->cancel_msg, "%s", msg);
     atomic_store(&x->cancel, 1);
@@ -1955,7 +1984,7 @@ static kvp_error *fake_plugin_info(kvp_plugin_info_args *a) {
   a->version = FAKE_VERSION;
   a->params_doc = PARAMS_DOC;
   a->abi_major = KVP_FAKE_ABI_MAJOR;
-  a->abi_minor = KVP_ABI_MINOR;
+  a->abi_minor = KVP_FAKE_ABI_MINOR;
   a->caps = FAKE_CAPS;
   a->mem_kinds = FAKE_MEM_KINDS;
   return NULL;
@@ -2029,6 +2058,7 @@ static kvp_error *fake_agent_create(kvp_agent_create_args *a) {
   agent *ag = (agent *)calloc(1, sizeof *ag);
   if (!ag) return kvp_err_oom();
   ag->rx_sock = ag->stop_fd = ag->ob_wake = -1;
+  atomic_init(&ag->ev_fd, -1);
   memcpy(ag->name, a->name, a->name_len);
   ag->name_len = a->name_len;
   pthread_rwlock_init(&ag->mem_lock, NULL);
@@ -2112,6 +2142,7 @@ static void agent_free(agent *ag) {
   if (ag->stop_fd >= 0) close(ag->stop_fd);
   ob_free_all(ag);
   if (ag->ob_wake >= 0) close(ag->ob_wake);
+  if (atomic_load(&ag->ev_fd) >= 0) close(atomic_load(&ag->ev_fd));
   peer *p = ag->peers;
   while (p) {
     peer *next = p->next;
@@ -3333,7 +3364,7 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   x->cur_pair = 0;
   x->cur_blk = x->cur_off = x->moved = 0;
   x->limit = x->fail ? x->total_bytes / 2 : x->total_bytes;
-  x->pollable = !ag->delay_us;
+  x->pollable = !ag->delay_us && atomic_load_explicit(&ag->ev_fd, memory_order_relaxed) < 0;
   uint64_t now = now_ns();
   x->post_us = dur_us(now - t0);
   queue_push_locked(ag, x, now);
@@ -3396,18 +3427,34 @@ static void poll_drive(agent *ag, xfer *x) {
       ; /* its notification waits in an outbox: the rx thread finishes it */
     else if (e || done)
       xfer_finish_locked(ag, x, e);
-    else
+    else {
+      /* get_event_fd during the slice: from now on workers run it. */
+      if (atomic_load_explicit(&ag->ev_fd, memory_order_relaxed) >= 0) x->pollable = 0;
       queue_push_locked(ag, x, now_ns());
+    }
   }
   pthread_mutex_unlock(&ag->qlock);
 }
 
 static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
   const char *fn = "poll_xfer";
-  kvp_error *e = KVP_CHECK_ARGS(a, KVP_POLL_XFER_ARGS_STRUCT_SIZE);
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0);
   if (e) return e;
+#if KVP_FAKE_ABI_MINOR >= 1
+  /* ABI 1.1 flags; released is written on every path once the args are
+   * known to be long enough (see kvp_poll_xfer_args). */
+  uint32_t flags = 0;
+  if (KVP_ARGS_HAS(a, kvp_poll_xfer_args, desc_count)) {
+    flags = a->flags;
+    a->released = 0;
+    a->has_telemetry = 0;
+  }
+#endif
   agent *ag = agent_get(a->agent, fn, &e);
   if (!ag) return e;
+#if KVP_FAKE_ABI_MINOR >= 1
+  if (!(ag->caps & KVP_CAP_SUBMIT)) flags = 0; /* ignored without the capability */
+#endif
   xfer *x = (xfer *)obj_get(g_xfers, a->xfer, ag, "xfer", fn, &e);
   if (x) {
     if (x->polled++ > 0 && x->pollable && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
@@ -3427,7 +3474,28 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
         e = kvp_err(x->err_code, "%s", x->err_msg);
         break;
     }
+#if KVP_FAKE_ABI_MINOR >= 1
+    int st = atomic_load_explicit(&x->state, memory_order_acquire);
+    if (st == X_DONE && (flags & KVP_POLL_TELEMETRY) && (ag->caps & KVP_CAP_TELEMETRY) && x->done.valid) {
+      /* Done: no run writes x->done any more (see fake_xfer_telemetry). */
+      a->start_us = x->done.start_us;
+      a->post_us = x->done.post_us;
+      a->xfer_us = x->done.xfer_us;
+      a->total_bytes = x->done.bytes;
+      a->desc_count = x->done.descs;
+      a->has_telemetry = 1;
+    }
     kvp_ht_put(g_xfers, a->xfer);
+    if ((flags & KVP_POLL_RELEASE) && (st == X_DONE || st == X_FAILED)) {
+      xfer *rx = (xfer *)kvp_ht_remove(g_xfers, a->xfer);
+      if (rx) {
+        xfer_destroy(ag, rx);
+        a->released = 1;
+      }
+    }
+#else
+    kvp_ht_put(g_xfers, a->xfer);
+#endif
   }
   agent_put(ag);
   return e;
@@ -3492,6 +3560,84 @@ static kvp_error *fake_xfer_telemetry(kvp_xfer_telemetry_args *a) {
 /* Notifications                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* ABI 1.1: submit and the event descriptor. */
+
+static void ev_signal(agent *ag) {
+  int fd = atomic_load_explicit(&ag->ev_fd, memory_order_acquire);
+  if (fd >= 0) wake_fd(fd);
+}
+
+#if KVP_FAKE_ABI_MINOR >= 1
+/* make_prepped_xfer or make_batch_xfer, then post_xfer; a transfer whose
+ * post fails is released, so on error none exists. */
+static kvp_error *fake_submit_xfer(kvp_submit_xfer_args *a) {
+  const char *fn = "submit_xfer";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  if (!a->prepped == !a->batch)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: exactly one of prepped and batch must be set", fn);
+  if (a->prepped && (e = KVP_CHECK_ARGS(a->prepped, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE))) return e;
+  if (a->batch && (e = KVP_CHECK_ARGS(a->batch, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE))) return e;
+  kvp_agent h = a->prepped ? a->prepped->agent : a->batch->agent;
+  agent *ag = agent_get(h, fn, &e);
+  if (!ag) return e;
+  e = need_cap(ag, KVP_CAP_SUBMIT, fn);
+  agent_put(ag);
+  if (e) return e;
+  if ((e = a->prepped ? fake_make_prepped_xfer(a->prepped) : fake_make_batch_xfer(a->batch))) return e;
+  kvp_xfer x = a->prepped ? a->prepped->xfer : a->batch->xfer;
+  kvp_post_xfer_args p = {KVP_POST_XFER_ARGS_STRUCT_SIZE, NULL, h, x, 0};
+  if ((e = fake_post_xfer(&p))) {
+    kvp_release_xfer_args r = {KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, NULL, h, x};
+    kvp_err_free(fake_release_xfer(&r));
+    if (a->prepped)
+      a->prepped->xfer = 0;
+    else
+      a->batch->xfer = 0;
+    return e;
+  }
+  a->status = p.status;
+  return NULL;
+}
+
+static kvp_error *fake_get_event_fd(kvp_get_event_fd_args *a) {
+  const char *fn = "get_event_fd";
+  kvp_error *e = KVP_CHECK_ARGS(a, KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE);
+  if (e) return e;
+  agent *ag = agent_get(a->agent, fn, &e);
+  if (!ag) return e;
+  if (!(e = need_cap(ag, KVP_CAP_EVENT_FD, fn))) {
+    pthread_mutex_lock(&ag->own_lock);
+    int fd = atomic_load(&ag->ev_fd);
+    if (fd < 0) {
+      fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (fd < 0)
+        e = kvp_err(KVP_ERR_BACKEND, "%s: eventfd: %s", fn, strerror(errno));
+      else
+        atomic_store_explicit(&ag->ev_fd, fd, memory_order_release);
+    }
+    pthread_mutex_unlock(&ag->own_lock);
+    if (!e) {
+      /* Transfers posted before the first call may be pollable and wait
+       * for a poll or a grace period: make them urgent so workers take
+       * them over now. */
+      pthread_mutex_lock(&ag->qlock);
+      for (xfer *q = ag->qhead; q; q = q->qnext) {
+        if (q->pollable) {
+          q->pollable = 0;
+          atomic_fetch_add_explicit(&ag->urgent, 1, memory_order_release);
+        }
+      }
+      if (ag->qhead) pthread_cond_broadcast(&ag->qcv);
+      pthread_mutex_unlock(&ag->qlock);
+      a->fd = fd;
+    }
+  }
+  agent_put(ag);
+  return e;
+}
+#endif
+
 static kvp_error *fake_get_notifs(kvp_get_notifs_args *a) {
   kvp_error *e = KVP_CHECK_ARGS(a, KVP_GET_NOTIFS_ARGS_STRUCT_SIZE);
   if (e) return e;
@@ -3552,10 +3698,10 @@ static void test_agent_counters(struct agent *ag, uint64_t out[2]) {
 /* ------------------------------------------------------------------------ */
 
 static const kvp_api g_api = {
-    KVP_API_STRUCT_SIZE,
+    FAKE_API_SIZE,
     NULL,
     KVP_FAKE_ABI_MAJOR,
-    KVP_ABI_MINOR,
+    KVP_FAKE_ABI_MINOR,
     kvp_util_error_destroy,
     kvp_util_error_message,
     kvp_util_error_code,
@@ -3580,6 +3726,13 @@ static const kvp_api g_api = {
     fake_xfer_telemetry,
     fake_get_notifs,
     fake_send_notif,
+#if KVP_FAKE_ABI_MINOR >= 1
+    fake_submit_xfer,
+    fake_get_event_fd,
+#else
+    NULL, /* beyond the 1.0 table's struct_size: never read */
+    NULL,
+#endif
 };
 
 KVP_EXPORT kvp_status kvp_plugin_get_api(kvp_get_api_args *args) {
