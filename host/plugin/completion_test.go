@@ -18,9 +18,8 @@ import (
 	"github.com/kvhost/kvhost/host/internal/backoff"
 )
 
-// pollingParams mask the event descriptor so the engine polls.
-// TODO(abi11): caps_off of the events capability once fake has it.
-var pollingParams []Param
+// pollingParams mask the fake's event descriptor, so the engine polls.
+var pollingParams = []Param{{"caps_off", "event_fd"}}
 
 // chanHandler hands every event to a channel.
 type chanHandler chan TransferEvent
