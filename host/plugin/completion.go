@@ -119,7 +119,20 @@ type Engine struct {
 	pool sync.Pool // *pending
 }
 
-type sub struct{ fn func([]Notif) }
+// sub is a subscriber; mu makes unsubscribing wait for a call in progress.
+type sub struct {
+	mu   sync.Mutex
+	dead bool
+	fn   func([]Notif)
+}
+
+func (s *sub) call(ns []Notif) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.dead {
+		s.fn(ns)
+	}
+}
 
 type abortReq struct {
 	x   *Xfer
@@ -407,7 +420,8 @@ func (e *Engine) Abort(x *Xfer, err error) {
 // Subscribe has fn called with every batch of notifications the agent
 // receives, from the engine's goroutine (fn must be quick; the slice is
 // shared by every subscriber: do not modify it). The returned function
-// unsubscribes. Needs CapNotif.
+// unsubscribes: once it returns fn is not running and is never called
+// again (so it must not be called from fn). Needs CapNotif.
 func (e *Engine) Subscribe(fn func([]Notif)) (cancel func(), err error) {
 	if err := e.a.needCaps("get_notifs", abi.CapNotif); err != nil {
 		return nil, err
@@ -422,6 +436,9 @@ func (e *Engine) Subscribe(fn func([]Notif)) (cancel func(), err error) {
 	e.kickLocked()
 	e.mu.Unlock()
 	return func() {
+		s.mu.Lock()
+		s.dead = true
+		s.mu.Unlock()
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		for i, x := range e.subs {
@@ -551,7 +568,7 @@ func (e *Engine) run() {
 			if len(ns) > 0 {
 				progressed = true
 				for _, s := range subs {
-					s.fn(ns)
+					s.call(ns)
 				}
 			}
 			_ = err // transient; the next poll retries (subscribers see no gap: nothing is lost)
