@@ -60,8 +60,8 @@ func (m *Metrics) PullObserver() pull.Observer { return pullObserver{m} }
 type pullObserver struct{ m *Metrics }
 
 func (o pullObserver) Transfer(t pull.TransferStat) { o.m.Transfer(t) }
-func (o pullObserver) FailedTransfer()     { o.m.FailedTransfer(nil) }
-func (o pullObserver) FailedNotification() { o.m.FailedNotification() }
+func (o pullObserver) FailedTransfer()              { o.m.FailedTransfer(nil) }
+func (o pullObserver) FailedNotification()          { o.m.FailedNotification() }
 func (o pullObserver) Handshake(d time.Duration, err error) {
 	o.m.Handshake("vllm_handshake", d, err)
 }

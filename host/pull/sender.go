@@ -207,11 +207,11 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		return nil, err
 	}
 	s := &Sender{
-		cfg:   cfg,
-		clock: cfg.Clock,
-		log:   cfg.Logger,
-		obs:   cfg.Observer,
-		held:  make(map[string]*heldReq),
+		cfg:     cfg,
+		clock:   cfg.Clock,
+		log:     cfg.Logger,
+		obs:     cfg.Observer,
+		held:    make(map[string]*heldReq),
 		stop:    make(chan struct{}),
 		done:    make(chan struct{}),
 		runWake: make(chan struct{}, 1),
