@@ -58,7 +58,7 @@ func benchCommand() *cli.Command {
 			&cli.StringFlag{Name: "max-buffer", EnvVars: env("BENCH_MAX_BUFFER"), Value: "256M", Usage: "skip rows needing more than this per side (block x batch x threads)"},
 			&cli.StringSliceFlag{Name: "param", EnvVars: env("BENCH_PARAMS"), Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2"},
 			&cli.BoolFlag{Name: "telemetry", EnvVars: env("BENCH_TELEMETRY"), Usage: "also read the plugin's telemetry each transfer and report its own post and transfer time (JSON, CSV)"},
-			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers with the host's Wait (poll with backoff, as the workers do) instead of polling back to back (as nixlbench does)"},
+			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers through the completion engine (as the workers do) instead of polling back to back (as nixlbench does)"},
 			&cli.BoolFlag{Name: "json", EnvVars: env("BENCH_JSON"), Usage: "print the result as JSON (no table, no progress bar)"},
 			&cli.BoolFlag{Name: "csv", EnvVars: env("BENCH_CSV"), Usage: "print the rows as CSV (no table, no progress bar)"},
 			&cli.StringFlag{Name: "plot", EnvVars: env("BENCH_PLOT"), Usage: "draw bandwidth against block size, baselines dashed, into `FILE` (.png or .svg)"},
