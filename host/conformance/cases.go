@@ -36,6 +36,8 @@ var cases = []Case{
 	{"notif-buffer", "get_notifs with records larger than the host's buffer and more records than fit", caseNotifBuffer},
 	{"poll-progress", "post_xfer/poll_xfer: NOT_POSTED, IN_PROG before done, REPOST_ACTIVE, cancel by release", casePollProgress},
 	{"telemetry", "xfer_telemetry: bytes, descriptor count, times; NO_TELEMETRY before completion", caseTelemetry},
+	{"submit", "ABI 1.1 submit_xfer (native, or emulated as make + post) of prepped and batch transfers, READ and WRITE, strided, with notifications, finished by poll-release (native KVP_POLL_RELEASE, or poll + telemetry + release): bytes, telemetry, the transfer closed; refused submits leave nothing", caseSubmit},
+	{"event-fd", "ABI 1.1 get_event_fd: none without the capability; else one descriptor per agent, not readable when idle, readable after a transfer ends with no poll and after a notification arrives, reset by DrainEvents", caseEventFD},
 	{"concurrency", "8 goroutines posting at once on one agent, 20 rounds, bytes verified", caseConcurrency},
 	{"remove-remote", "remove_remote cancels a transfer in flight (CANCELED); the peer's transfers, lists and regions stay handles to release, dead (NOT_FOUND)", caseRemoveRemote},
 	{"peer-exit", "a transfer to a peer process that died fails (no hang, no false success); remove_remote still works", casePeerExit},

@@ -39,13 +39,17 @@ type configuration struct {
 }
 
 // ciConfigurations are the fake plugin's configurations CI proves: every
-// capability native, then each of prepped lists, batch transfers and
-// strides switched off so that the host emulates it, and MORI-IO's profile.
+// capability native, then each of prepped lists, batch transfers, strides
+// and the ABI 1.1 pair (event descriptor, submit) switched off so that the
+// host emulates it (or does without), and MORI-IO's profile.
 var ciConfigurations = []configuration{
 	{"all-caps", nil},
 	{"caps_off=prepped", []plugin.Param{{Key: "caps_off", Value: "prepped"}}},
 	{"caps_off=batch", []plugin.Param{{Key: "caps_off", Value: "batch"}}},
 	{"caps_off=strided", []plugin.Param{{Key: "caps_off", Value: "strided"}}},
+	// ABI 1.1 emulated: no event descriptor, submit and poll-release by
+	// the host.
+	{"caps_off=event_fd,submit", []plugin.Param{{Key: "caps_off", Value: "event_fd,submit"}}},
 	// The MORI-IO profile, as plugins/mori reports it: batch transfers
 	// with native strides, regions named by blobs (no remote addresses), no
 	// prepped lists and no notifications (SGLang runs MORI-IO without

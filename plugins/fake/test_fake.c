@@ -22,6 +22,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -38,7 +39,7 @@ extern char **environ;
 
 #define FAKE_ALL_CAPS                                                                   \
   (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY | \
-   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB)
+   KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB | KVP_CAP_EVENT_FD | KVP_CAP_SUBMIT)
 
 static const kvp_api *A;
 static int failures, checks;
@@ -317,7 +318,12 @@ static kvp_error *post(uint64_t ag, uint64_t x, kvp_status *st) {
 }
 
 static kvp_error *poll1(uint64_t ag, uint64_t x, kvp_status *st) {
-  kvp_poll_xfer_args a = {KVP_POLL_XFER_ARGS_STRUCT_SIZE, NULL, ag, x, 99};
+  kvp_poll_xfer_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.xfer = x;
+  a.status = 99;
   kvp_error *e = A->poll_xfer(&a);
   if (st) *st = a.status;
   return e;
@@ -512,7 +518,7 @@ static void test_negotiation(void) {
   size_t nfn = (KVP_API_STRUCT_SIZE - offsetof(kvp_api, error_destroy)) / sizeof(void *);
   int all = 1;
   for (size_t i = 0; i < nfn; i++) all &= fp[i] != NULL;
-  CHECK(nfn == 24 && all);
+  CHECK(nfn == 26 && all); /* 24 of ABI 1.0, 2 of 1.1 */
 
   kvp_plugin_info_args pi;
   memset(&pi, 0, sizeof pi);
@@ -520,8 +526,7 @@ static void test_negotiation(void) {
   OK(A->plugin_info(&pi));
   CHECK(strcmp(pi.name, "fake") == 0 && pi.version && pi.version[0]);
   CHECK(pi.abi_major == 1 && pi.abi_minor == KVP_ABI_MINOR);
-  CHECK(pi.caps == (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF |
-                    KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB));
+  CHECK(pi.caps == FAKE_ALL_CAPS);
   CHECK(pi.mem_kinds == (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM)));
   /* params_doc: one "key=default<TAB>description" line per parameter. */
   const char *keys[] = {"caps_off=", "fail_rate=0\t", "fail_seed=1\t", "delay_us=0\t",
@@ -580,8 +585,7 @@ static void test_shared_object(const char *path, uint32_t claims_major) {
 static void test_agents_and_params(void) {
   uint64_t ag = 0, caps = 0;
   OK(agent_new("a", &ag, &caps, NULL));
-  CHECK(ag != 0 && caps == (KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_NOTIF |
-                            KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_ADDR | KVP_CAP_REMOTE_BLOB));
+  CHECK(ag != 0 && caps == FAKE_ALL_CAPS);
   OK(agent_del(ag));
   EXPECT(agent_del(ag), KVP_ERR_INVALID_PARAM, "unknown or released agent");
   EXPECT(agent_del(0), KVP_ERR_INVALID_PARAM, NULL);
@@ -613,7 +617,7 @@ static void test_agents_and_params(void) {
   /* caps_off: effective caps and refused calls. */
   OK(agent_new("c", &ag, &caps, "caps_off", "batch, strided,notif,telemetry,remote_blob", "workers", "3",
                "fail_seed", "42", "delay_us", "0", NULL));
-  CHECK(caps == (KVP_CAP_PREPPED | KVP_CAP_REMOTE_ADDR));
+  CHECK(caps == (KVP_CAP_PREPPED | KVP_CAP_REMOTE_ADDR | KVP_CAP_EVENT_FD | KVP_CAP_SUBMIT));
   uint64_t peer = agent_ok("peer");
   static uint8_t mem[4096], pmem[4096];
   uint64_t r = reg1(ag, mem, sizeof mem, KVP_MEM_DRAM, 0);
@@ -1092,6 +1096,296 @@ static void test_notifications(void) {
 }
 
 /* Runs one prepped WRITE of 64 KiB from E.a to E.b; returns the xfer. */
+/* ------------------------------------------------------------------------ */
+/* ABI 1.1: submit_xfer, poll_xfer flags, get_event_fd                      */
+/* ------------------------------------------------------------------------ */
+
+static kvp_error *event_fd(uint64_t ag, int *fd) {
+  kvp_get_event_fd_args a = {KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE, NULL, ag, -1};
+  kvp_error *e = A->get_event_fd(&a);
+  *fd = e ? -1 : a.fd;
+  return e;
+}
+
+/* Whether fd becomes readable within ms milliseconds. */
+static int fd_readable(int fd, int ms) {
+  struct pollfd p = {fd, POLLIN, 0};
+  int n;
+  while ((n = poll(&p, 1, ms)) < 0 && errno == EINTR) {
+  }
+  return n > 0 && (p.revents & POLLIN);
+}
+
+/* Reads the eventfd counter; 0 when it was not set. */
+static uint64_t fd_drain(int fd) {
+  uint64_t v = 0;
+  if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) return 0;
+  return v;
+}
+
+/* submit_xfer in its prepped (bt == NULL) or batch form. */
+static kvp_error *submit(kvp_make_prepped_xfer_args *pr, kvp_make_batch_xfer_args *bt, uint64_t *x,
+                         kvp_status *st) {
+  kvp_submit_xfer_args a = {KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE, NULL, pr, bt, 99};
+  kvp_error *e = A->submit_xfer(&a);
+  if (x) *x = e ? 0 : (pr ? pr->xfer : bt ? bt->xfer : 0);
+  if (st) *st = a.status;
+  return e;
+}
+
+static kvp_make_prepped_xfer_args prepped_args(uint64_t ag, uint64_t ld, const int32_t *li, uint64_t rd,
+                                               const int32_t *ri, size_t n, kvp_notif nt) {
+  kvp_make_prepped_xfer_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
+  a.agent = ag;
+  a.op = KVP_OP_WRITE;
+  a.local_dlist = ld;
+  a.local_indices = li;
+  a.num_local_indices = n;
+  a.remote_dlist = rd;
+  a.remote_indices = ri;
+  a.num_remote_indices = n;
+  a.notif = nt;
+  return a;
+}
+
+/* poll_xfer with ABI 1.1 flags. */
+static kvp_error *poll_flags(uint64_t ag, uint64_t x, uint32_t flags, kvp_poll_xfer_args *out) {
+  memset(out, 0, sizeof *out);
+  out->struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE;
+  out->agent = ag;
+  out->xfer = x;
+  out->status = 99;
+  out->flags = flags;
+  out->released = 77;
+  out->has_telemetry = 77;
+  return A->poll_xfer(out);
+}
+
+static void test_abi11_submit_and_event_fd(void) {
+  pair_env E;
+  env_open(&E, 1 << 20, NULL, NULL);
+  uint64_t ld, rd;
+  kvp_xfer_desc l[2] = {XD(E.abuf, 65536, 0, 1), XD(E.abuf + 131072, 100, 300, 4)};
+  kvp_xfer_desc r[2] = {XD(E.bbuf + 65536, 65536, 0, 1), XD(E.bbuf + 262144, 100, 200, 4)};
+  r[0].dev_id = r[1].dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, l, 2, &ld));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, r, 2, &rd));
+  int32_t idx[2] = {0, 1};
+
+  /* One descriptor per agent, the same on every call; idle: not readable. */
+  int fa, fa2, fb;
+  OK(event_fd(E.a, &fa));
+  OK(event_fd(E.a, &fa2));
+  OK(event_fd(E.b, &fb));
+  CHECK(fa >= 0 && fa == fa2 && fb >= 0 && fb != fa);
+  CHECK(!fd_readable(fa, 10));
+  CHECK(!fd_readable(fb, 10));
+
+  /* submit, then wait on the descriptor alone (no poll), then one poll
+   * that finishes, releases and reports telemetry. */
+  for (int round = 0; round < 20; round++) {
+    char msg[16];
+    snprintf(msg, sizeof msg, "s%d", round);
+    kvp_make_prepped_xfer_args pa = prepped_args(E.a, ld, idx, rd, idx, 2, NOTIF(msg));
+    uint64_t x;
+    kvp_status st;
+    fill(E.abuf, E.len, (uint32_t)round + 10);
+    OK(submit(&pa, NULL, &x, &st));
+    CHECK(x != 0 && (st == KVP_IN_PROG || st == KVP_SUCCESS));
+    CHECK(fd_readable(fa, 10000));
+    CHECK(fd_drain(fa) >= 1);
+    kvp_poll_xfer_args pl;
+    OK(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl));
+    CHECK(pl.status == KVP_SUCCESS && pl.released == 1 && pl.has_telemetry == 1);
+    CHECK(pl.total_bytes == 65536 + 400 && pl.desc_count == 2 && pl.start_us > 0);
+    CHECK(memcmp(E.bbuf + 65536, E.abuf, 65536) == 0);
+    for (int k = 0; k < 4; k++) CHECK(memcmp(E.bbuf + 262144 + 200 * k, E.abuf + 131072 + 300 * k, 100) == 0);
+    /* Released: the handle is gone. */
+    EXPECT(poll1(E.a, x, NULL), KVP_ERR_INVALID_PARAM, NULL);
+    EXPECT(xfer_del(E.a, x), KVP_ERR_INVALID_PARAM, NULL);
+    /* The notification made B readable. */
+    CHECK(fd_readable(fb, 10000));
+    CHECK(fd_drain(fb) >= 1);
+    notes ns;
+    memset(&ns, 0, sizeof ns);
+    CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", msg));
+  }
+  CHECK(!fd_readable(fa, 10));
+  CHECK(!fd_readable(fb, 10));
+
+  /* send_notif wakes the receiver too. */
+  OK(send_n(E.a, "B", "hello", 5));
+  CHECK(fd_readable(fb, 10000));
+  CHECK(fd_drain(fb) >= 1);
+  notes ns;
+  memset(&ns, 0, sizeof ns);
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "hello"));
+
+  /* Batch form, and a poll that finds it in progress does not release it. */
+  kvp_region_pair pr = {E.ar, 0};
+  uint64_t rr;
+  OK(import_rr(E.a, "B", NULL, 0, (uint64_t)(uintptr_t)E.bbuf, E.len, KVP_MEM_VRAM, &rr, NULL));
+  pr.remote = rr;
+  kvp_batch_entry be = BE(0, 0, 500000, 300000, 0, 0, 1);
+  kvp_make_batch_xfer_args ba;
+  memset(&ba, 0, sizeof ba);
+  ba.struct_size = KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE;
+  ba.agent = E.a;
+  ba.op = KVP_OP_WRITE;
+  ba.pairs = &pr;
+  ba.num_pairs = 1;
+  ba.entries = &be;
+  ba.num_entries = 1;
+  uint64_t x;
+  OK(submit(NULL, &ba, &x, NULL));
+  kvp_poll_xfer_args pl;
+  kvp_error *pe;
+  do {
+    pe = poll_flags(E.a, x, KVP_POLL_RELEASE, &pl);
+    if (!pe && pl.status == KVP_IN_PROG) CHECK(pl.released == 0);
+  } while (!pe && pl.status == KVP_IN_PROG);
+  OK(pe);
+  CHECK(pl.released == 1 && pl.has_telemetry == 0); /* no KVP_POLL_TELEMETRY asked */
+  CHECK(memcmp(E.bbuf + 500000, E.abuf, 300000) == 0);
+
+  /* An ABI 1.0 caller: 1.0-sized poll args; the plugin neither reads
+   * flags nor writes beyond status. */
+  fd_drain(fa); /* the batch transfer's signal */
+  OK(submit(NULL, &ba, &x, NULL));
+  CHECK(fd_readable(fa, 10000));
+  fd_drain(fa);
+  memset(&pl, 0, sizeof pl);
+  pl.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0;
+  pl.agent = E.a;
+  pl.xfer = x;
+  pl.flags = KVP_POLL_RELEASE | KVP_POLL_TELEMETRY;
+  pl.released = 77;
+  pl.has_telemetry = 77;
+  OK(A->poll_xfer(&pl));
+  CHECK(pl.status == KVP_SUCCESS && pl.released == 77 && pl.has_telemetry == 77);
+  OK(xfer_del(E.a, x)); /* still valid */
+
+  /* Wrong forms: neither or both, and a refused make leaves no transfer. */
+  EXPECT(submit(NULL, NULL, NULL, NULL), KVP_ERR_INVALID_PARAM, "exactly one");
+  kvp_make_prepped_xfer_args pa = prepped_args(E.a, ld, idx, rd, idx, 2, NOTIF(NULL));
+  EXPECT(submit(&pa, &ba, NULL, NULL), KVP_ERR_INVALID_PARAM, "exactly one");
+  int32_t bad = 7;
+  pa = prepped_args(E.a, ld, &bad, rd, &bad, 1, NOTIF(NULL));
+  EXPECT(submit(&pa, NULL, NULL, NULL), KVP_ERR_INVALID_PARAM, NULL);
+  CHECK(pa.xfer == 0);
+  /* A poll of an unknown handle with KVP_POLL_RELEASE: released stays 0. */
+  EXPECT(poll_flags(E.a, 0x1234, KVP_POLL_RELEASE, &pl), KVP_ERR_INVALID_PARAM, NULL);
+  CHECK(pl.released == 0);
+  OK(rr_del(E.a, rr));
+  OK(dlist_del(E.a, ld));
+  OK(dlist_del(E.a, rd));
+  env_close(&E); /* closes both descriptors: the harness counts fds */
+}
+
+/* A failed transfer: the final poll returns the failure and releases it. */
+static void test_abi11_failure_and_caps_off(void) {
+  pair_env E;
+  env_open(&E, 1 << 16, "fail_rate", "1");
+  uint64_t ldl, rdl;
+  kvp_xfer_desc l = XD(E.abuf, 4096, 0, 1), r = XD(E.bbuf, 4096, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+  int32_t z = 0;
+  int fa;
+  OK(event_fd(E.a, &fa));
+  kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
+  uint64_t x;
+  OK(submit(&pa, NULL, &x, NULL));
+  CHECK(fd_readable(fa, 10000));
+  kvp_poll_xfer_args pl;
+  EXPECT(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl), KVP_ERR_BACKEND, "injected failure");
+  CHECK(pl.released == 1 && pl.has_telemetry == 0);
+  EXPECT(xfer_del(E.a, x), KVP_ERR_INVALID_PARAM, NULL);
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+
+  /* caps_off: submit and get_event_fd refused, poll flags ignored. */
+  env_open(&E, 1 << 16, "caps_off", "submit,event_fd");
+  l = XD(E.abuf, 4096, 0, 1);
+  r = XD(E.bbuf, 4096, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+  EXPECT(event_fd(E.a, &fa), KVP_ERR_NOT_SUPPORTED, "event_fd");
+  pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
+  EXPECT(submit(&pa, NULL, NULL, NULL), KVP_ERR_NOT_SUPPORTED, "submit");
+  CHECK(pa.xfer == 0);
+  OK(xfer_prepped(E.a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+  OK(run_xfer(E.a, x));
+  OK(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl));
+  CHECK(pl.status == KVP_SUCCESS && pl.released == 0 && pl.has_telemetry == 0);
+  OK(xfer_del(E.a, x));
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
+/* Concurrency (for TSan): one thread submits and finishes transfers by the
+ * descriptor while another sends notifications into the same agent. */
+typedef struct abi11_conc {
+  pair_env *E;
+  int n, bad; /* the thread counts failures itself: CHECK is not thread-safe */
+} abi11_conc;
+
+static void *abi11_notifier(void *p) {
+  abi11_conc *c = (abi11_conc *)p;
+  for (int i = 0; i < c->n; i++) {
+    kvp_error *e = send_n(c->E->b, "A", "x", 1);
+    if (e) c->bad++;
+    kvp_err_free(e);
+  }
+  return NULL;
+}
+
+static void test_abi11_concurrent(void) {
+  pair_env E;
+  env_open(&E, 1 << 16, NULL, NULL);
+  uint64_t ldl, rdl;
+  kvp_xfer_desc l = XD(E.abuf, 1024, 0, 1), r = XD(E.bbuf, 1024, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+  int fa;
+  OK(event_fd(E.a, &fa));
+  abi11_conc c = {&E, 200, 0};
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, abi11_notifier, &c) == 0);
+  int32_t z = 0;
+  int finished = 0;
+  for (int i = 0; i < 200; i++) {
+    kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
+    uint64_t x;
+    if (!OK(submit(&pa, NULL, &x, NULL))) break;
+    for (;;) {
+      if (!CHECKV(fd_readable(fa, 10000))) break;
+      fd_drain(fa); /* drain, then poll: no wakeup is lost */
+      kvp_poll_xfer_args pl;
+      if (!OK(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl))) break;
+      if (pl.status == KVP_SUCCESS) {
+        finished += pl.released == 1;
+        break;
+      }
+    }
+  }
+  pthread_join(th, NULL);
+  CHECK(finished == 200 && c.bad == 0);
+  notes ns;
+  memset(&ns, 0, sizeof ns);
+  CHECK(wait_notes(E.a, &ns, 64)); /* notes keeps 64; more were queued */
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
 static uint64_t simple_write(pair_env *E, const char *notif, size_t len, uint64_t *ldl, uint64_t *rdl) {
   kvp_xfer_desc l = XD(E->abuf, len, 0, 1), r = XD(E->bbuf, len, 0, 1);
   r.dev_id = 5;
@@ -2758,6 +3052,9 @@ int main(int argc, char **argv) {
       {"notif_sender", test_notif_sender},
       {"forged_reload", test_forged_reload},
       {"stalled_peer", test_stalled_peer},
+      {"abi11_submit_event_fd", test_abi11_submit_and_event_fd},
+      {"abi11_failure_caps_off", test_abi11_failure_and_caps_off},
+      {"abi11_concurrent", test_abi11_concurrent},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     int before = failures;
