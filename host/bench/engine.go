@@ -362,12 +362,23 @@ func (w *worker) transfer(record bool) (time.Duration, error) {
 		ev := w.ag.Engine().Finish(context.Background(), x, t0, t1.Sub(t0), plugin.Watch{})
 		err = ev.Err
 		tel = plugin.Telemetry{Post: ev.Post, Xfer: ev.Xfer}
-	} else {
+	} else if w.ag.Caps().Has(abi.CapSubmit) || w.telemetry {
+		// Also when done at submit: the poll releases it (and brings the
+		// telemetry).
 		for {
-			done, tel, err = x.PollRelease()
-			if err != nil || done {
+			if done, tel, err = x.PollRelease(); done || err != nil {
 				break
 			}
+		}
+	} else {
+		// Without native submit the emulated PollRelease also reads the
+		// telemetry, a plugin call the run did not ask for: poll, then
+		// release, as before submit existed.
+		for !done && err == nil {
+			done, err = x.Poll()
+		}
+		if err == nil {
+			err = x.Close()
 		}
 	}
 	t3 := time.Now()
