@@ -84,8 +84,9 @@ const (
 // Engine is an agent's one completion engine: one goroutine that finishes
 // every transfer submitted through it and delivers every notification of
 // the agent to its subscribers. With an event descriptor (Agent.EventFD)
-// it waits on it through Go's netpoller, spinning only briefly after
-// progress; without one it polls adaptively (spin, then back off) while
+// it waits on it through Go's netpoller and never spins (the plugin
+// completes transfers on its own); without one it polls adaptively
+// (transfers: spin, then back off; notifications: back off) while
 // transfers are in flight or notifications are Expected, polls
 // notifications every idleNotifPeriod otherwise, and sleeps when there is
 // neither. Get it with Agent.Engine; Agent.Close stops it.
@@ -583,14 +584,13 @@ func (e *Engine) run() {
 			sleep.Reset()
 		}
 		busy := len(active) > 0 || (e.file == nil && expect && nsubs > 0)
-		// Spin for transfers only: a poll may drive them (the fake plugin
-		// copies in polls), while a notification comes from the plugin's
-		// own thread, which a spinning poller would keep off the CPU
-		// (measured on 2 cores: notification p50 1.1ms spinning, 40µs not).
-		if len(active) > 0 && now.Sub(lastProgress) < spinFor {
-			if e.file != nil && readableFD(e.fd) {
-				events = true
-			}
+		// Spin for transfers only, and only without an event descriptor:
+		// there a poll may drive them (the fake plugin copies in polls),
+		// while with one the plugin completes them on its own threads
+		// (kvp_get_event_fd_args), and a notification always comes from
+		// the plugin's thread, which a spinning poller would keep off the
+		// CPU on a small machine.
+		if e.file == nil && len(active) > 0 && now.Sub(lastProgress) < spinFor {
 			continue
 		}
 

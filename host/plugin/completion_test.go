@@ -21,6 +21,17 @@ import (
 // pollingParams mask the fake's event descriptor, so the engine polls.
 var pollingParams = []Param{{"caps_off", "event_fd"}}
 
+// stampHandler hands every event to a channel with the time it ran.
+type stampHandler struct {
+	ch chan TransferEvent
+	at chan time.Time
+}
+
+func (h stampHandler) TransferDone(_ any, ev TransferEvent) {
+	h.at <- time.Now()
+	h.ch <- ev
+}
+
 // chanHandler hands every event to a channel.
 type chanHandler chan TransferEvent
 
@@ -382,7 +393,7 @@ func TestEngineCompletionLatency(t *testing.T) {
 		}
 		rng := rand.New(rand.NewPCG(1, 2))
 		var xl, nl []time.Duration
-		ch := make(chanHandler, 1)
+		sh := stampHandler{ch: make(chan TransferEvent, 1), at: make(chan time.Time, 1)}
 		for i := range n {
 			ps := pairs[i%len(pairs)]
 			if legacy {
@@ -405,11 +416,11 @@ func TestEngineCompletionLatency(t *testing.T) {
 				x.Close()
 				continue
 			}
-			if _, err := ps.a.a.Engine().SubmitPrepped(abi.Write, ps.local, []int32{0}, ps.rem, []int32{0}, nil, Watch{Handler: ch}); err != nil {
+			if _, err := ps.a.a.Engine().SubmitPrepped(abi.Write, ps.local, []int32{0}, ps.rem, []int32{0}, nil, Watch{Handler: sh}); err != nil {
 				t.Fatal(err)
 			}
-			ev := <-ch
-			seen := time.Now()
+			ev := <-sh.ch
+			seen := <-sh.at // when the handler ran: the runtime saw it
 			if ev.Err != nil {
 				t.Fatal(ev.Err)
 			}

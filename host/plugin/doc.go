@@ -68,8 +68,8 @@
 // finished and released later if the plugin refuses). Subscribers
 // (Engine.Subscribe) get the agent's notifications. With an event
 // descriptor (CapEventFD, Agent.EventFD) the engine waits on a dup of it
-// through Go's netpoller and spins only for spinFor after progress; an
-// idle engine costs nothing. Without one it polls transfers in flight
+// through Go's netpoller and never spins (the plugin completes transfers
+// on its own threads); an idle engine costs nothing. Without one it polls transfers in flight
 // adaptively (spin, then 20µs doubling to 1ms), notifications adaptively
 // while a runtime Expects them (a decode room waiting, a prefill holding
 // blocks) and every 50ms otherwise (about 0.5% of a core on a loaded
