@@ -182,22 +182,40 @@ func caseEventFD(t TB, s *Suite) {
 	}
 	// A transfer ends: readable, with no poll in between (the plugin
 	// progresses on its own once the descriptor was asked for).
+	wakeups := 0
 	for _, path := range []string{"prepped", "batch"} {
 		what := fmt.Sprintf("%s write", path)
 		runs := f.genRuns(8, abi.Write, false)
 		var x *plugin.Xfer
+		var done bool
 		var err error
 		if path == "prepped" {
 			p := f.prepRuns(runs)
-			x, _, err = a.SubmitPrepped(abi.Write, p.local, p.li, p.remote, p.ri, nil)
+			x, done, err = a.SubmitPrepped(abi.Write, p.local, p.li, p.remote, p.ri, nil)
 		} else {
 			pairs, entries := f.batchOf(runs)
-			x, _, err = a.SubmitBatch(abi.Write, pairs, entries, nil)
+			x, done, err = a.SubmitBatch(abi.Write, pairs, entries, nil)
 		}
 		if err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
 		t.Cleanup(func() { closeQuietly(t, "transfer", x.Close) })
+		if done {
+			// Done within the call that posted it: the plugin may skip the
+			// wakeup (kvplugin.h); the host knows already.
+			t.Logf("%s: done within submit_xfer; no wakeup to check for it", what)
+			if err := a.DrainEvents(); err != nil {
+				t.Fatalf("%s: DrainEvents: %v", what, err)
+			}
+			if done, _, err := x.PollRelease(); err != nil || !done {
+				t.Fatalf("%s: PollRelease after a submit that said done: done %v, err %v", what, done, err)
+			}
+			f.apply(abi.Write, runs)
+			f.verify(what)
+			f.refillSource(abi.Write)
+			continue
+		}
+		wakeups++
 		if !readable(t, fd, s.cfg.Timeout) {
 			t.Fatalf("%s: the descriptor did not become readable within %v, with no poll", what, s.cfg.Timeout)
 		}
@@ -207,13 +225,16 @@ func caseEventFD(t TB, s *Suite) {
 		if readable(t, fd, 0) {
 			t.Errorf("%s: readable right after DrainEvents", what)
 		}
-		done, _, err := x.PollRelease()
+		done, _, err = x.PollRelease()
 		if err != nil || !done {
 			t.Fatalf("%s: after the wakeup, PollRelease says done %v, err %v", what, done, err)
 		}
 		f.apply(abi.Write, runs)
 		f.verify(what)
 		f.refillSource(abi.Write)
+	}
+	if wakeups == 0 {
+		t.Logf("every transfer was done within submit_xfer (NIXL over UCX cma copies in the post): no transfer wakeup was checked")
 	}
 	// A notification arrives: readable.
 	if a.Caps().Has(abi.CapNotif) && f.peer.Caps().Has(abi.CapNotif) {

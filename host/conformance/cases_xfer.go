@@ -576,7 +576,39 @@ func caseBadHandles(t TB, s *Suite) {
 			expectCode(t, "xfer_telemetry of "+what, raw.XferTelemetry(a.Handle(), handle), abi.ErrInvalidParam)
 		}
 	}
+	// ABI 1.1: a poll that may release, and submit, with bad handles.
+	if a.Caps().Has(abi.CapSubmit) {
+		for _, handle := range []abi.Xfer{h, 0, h + 1<<40} {
+			_, released, err := raw.PollRelease(a.Handle(), handle)
+			expectCode(t, fmt.Sprintf("poll-release of transfer handle %#x", uint64(handle)), err, abi.ErrInvalidParam)
+			if released {
+				t.Errorf("poll-release of transfer handle %#x says it released it", uint64(handle))
+			}
+		}
+		y := f.makeBatch(abi.Write, runs, nil)
+		f.run("transfer for foreign poll-release", y)
+		_, released, err := raw.PollRelease(other.Agent.Handle(), y.Handle())
+		expectCode(t, "poll-release of another agent's transfer", err, abi.ErrInvalidParam)
+		if released {
+			t.Errorf("poll-release of another agent's transfer says it released it")
+		}
+		if done, _, err := y.PollRelease(); !done || err != nil {
+			t.Errorf("the transfer after a foreign poll-release: done %v, %v", done, err)
+		}
+	}
+	if a.Caps().Has(abi.CapEventFD) {
+		for _, agent := range []abi.Agent{0, a.Handle() + 1<<40} {
+			_, err := raw.EventFD(agent)
+			expectCode(t, fmt.Sprintf("get_event_fd of agent handle %#x", uint64(agent)), err, abi.ErrInvalidParam)
+		}
+	}
 	rrs := f.importRemote()
+	if a.Caps().Has(abi.CapSubmit) && a.Caps().Has(abi.CapBatch) {
+		_, _, err = raw.SubmitBatchXfer(a.Handle(), abi.Write, []abi.RegionPair{{Local: other.Registered[0].Handle(), Remote: rrs[0].Handle()}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+		expectCode(t, "submit_xfer with another agent's region", err, abi.ErrInvalidParam)
+		_, _, err = raw.SubmitBatchXfer(0, abi.Write, []abi.RegionPair{{Local: f.local.Registered[0].Handle(), Remote: rrs[0].Handle()}}, []abi.BatchEntry{{Len: 8, Count: 1}})
+		expectCode(t, "submit_xfer with agent handle 0", err, abi.ErrInvalidParam)
+	}
 	if s.p.Info().Caps&(abi.CapRemoteAddr|abi.CapRemoteBlob) != 0 {
 		expectCode(t, "remote_region_release of handle 0", raw.RemoteRegionRelease(a.Handle(), 0), abi.ErrInvalidParam)
 		expectCode(t, "remote_region_release with another agent", raw.RemoteRegionRelease(other.Agent.Handle(), rrs[0].Handle()), abi.ErrInvalidParam)

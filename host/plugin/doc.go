@@ -40,6 +40,16 @@
 //   - strided descriptors (CapStrided): expanded into plain descriptors (at
 //     prep time for lists, keeping prefix offsets so indices expand; per
 //     transfer for batch entries, into reused buffers).
+//   - submit (CapSubmit, ABI 1.1): SubmitPrepped and SubmitBatch make and
+//     post a transfer in one plugin call (submit_xfer) where native, else
+//     as make + post; PollRelease finishes one with one poll_xfer
+//     (KVP_POLL_RELEASE | KVP_POLL_TELEMETRY) where native, else with poll,
+//     telemetry and release. Plugins of ABI 1.0 get this emulation.
+//
+// The event descriptor (CapEventFD, ABI 1.1) cannot be emulated:
+// Agent.EventFD reports it only where the plugin has one; it becomes
+// readable when a transfer of the agent ends or a notification arrives,
+// and Agent.DrainEvents resets it. The plugin owns and closes it.
 //
 // Peers: RemoveRemote has the plugin forget a peer and cancel its active
 // transfers (they report ErrCanceled, and ErrNotFound when posted again,
@@ -49,8 +59,9 @@
 // Hot paths make one plugin call per transfer on native paths and pass the
 // caller's index and entry slices to C unchanged; making a transfer
 // allocates its *Xfer only (on amd64; the purego path also allocates the
-// args struct and SyscallN's argument slice); Post, Poll, Telemetry, Close
-// of a transfer and Notifs with nothing queued allocate nothing.
+// args struct and SyscallN's argument slice); Post, Poll, PollRelease,
+// Telemetry, Close of a transfer, DrainEvents and Notifs with nothing
+// queued allocate nothing.
 // Strided descriptors the host expands are bounded (16 Mi plain
 // descriptors per list or transfer).
 //

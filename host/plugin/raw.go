@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"errors"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
@@ -133,4 +134,37 @@ func (r Raw) XferTelemetry(agent abi.Agent, x abi.Xfer) error {
 	}
 	args := &abi.XferTelemetryArgs{StructSize: abi.XferTelemetryArgsSize, Agent: agent, Xfer: x}
 	return r.p.check("xfer_telemetry", callC(r.p.api.XferTelemetry, unsafe.Pointer(args)))
+}
+
+// PollRelease calls poll_xfer with KVP_POLL_RELEASE and KVP_POLL_TELEMETRY
+// (ABI 1.1) and reports the status and whether the plugin released the
+// transfer (the released out field, which a plugin writes even when it
+// returns an error).
+func (r Raw) PollRelease(agent abi.Agent, x abi.Xfer) (abi.Status, bool, error) {
+	args := &abi.PollXferArgs{StructSize: abi.PollXferArgsSize, Agent: agent, Xfer: x,
+		Flags: abi.PollRelease | abi.PollTelemetry, Released: 77}
+	err := r.p.check("poll_xfer", callC(r.p.api.PollXfer, unsafe.Pointer(args)))
+	if args.Released != 0 && args.Released != 1 {
+		err = errors.Join(err, hostError(r.p.info.Name, "poll_xfer", abi.ErrBackend, "released is %d, want 0 or 1", args.Released))
+	}
+	return args.Status, args.Released == 1, err
+}
+
+// SubmitBatchXfer calls submit_xfer (ABI 1.1) in its batch form, without a
+// notification. The handle is the caller's to release.
+func (r Raw) SubmitBatchXfer(agent abi.Agent, op abi.Op, pairs []abi.RegionPair, entries []abi.BatchEntry) (abi.Xfer, abi.Status, error) {
+	if err := r.absent(r.p.api.SubmitXfer, "submit_xfer"); err != nil {
+		return 0, 0, err
+	}
+	return r.p.makeBatch(agent, op, pairs, entries, abi.Notif{}, true)
+}
+
+// EventFD calls get_event_fd (ABI 1.1).
+func (r Raw) EventFD(agent abi.Agent) (int, error) {
+	if err := r.absent(r.p.api.GetEventFD, "get_event_fd"); err != nil {
+		return -1, err
+	}
+	args := &abi.GetEventFDArgs{StructSize: abi.GetEventFDArgsSize, Agent: agent, FD: -1}
+	err := r.p.check("get_event_fd", callC(r.p.api.GetEventFD, unsafe.Pointer(args)))
+	return int(args.FD), err
 }

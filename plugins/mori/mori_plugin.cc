@@ -15,9 +15,17 @@
  *   post_xfer             ONE IOEngine::BatchWrite/BatchRead, one TransferStatus
  *                         per (local, remote) region pair, fresh transfer uids
  *   poll_xfer             IOEngine::WaitAll(statuses, 0)
+ *   submit_xfer (1.1)     make_batch_xfer + post_xfer in one call
+ *   poll_xfer flags (1.1) KVP_POLL_TELEMETRY: the shim's timestamps;
+ *                         KVP_POLL_RELEASE: release_xfer once nothing of the
+ *                         transfer runs in MORI (never waits: a failed
+ *                         transfer whose posted work still runs is left to
+ *                         release_xfer, released = 0)
+ *   get_event_fd (1.1)    an eventfd signalled by a shim thread per agent
+ *                         (see "Event descriptor")
  *
  * Capabilities: KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY |
- * KVP_CAP_REMOTE_BLOB.
+ * KVP_CAP_REMOTE_BLOB | KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD.
  *   - No KVP_CAP_PREPPED: MORI-IO has no prepared descriptor lists; the host
  *     emulates them over make_batch_xfer.
  *   - KVP_CAP_STRIDED: MORI has no strided descriptors, but the shim must copy
@@ -60,13 +68,16 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -77,6 +88,7 @@
 #include <shared_mutex>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -95,8 +107,8 @@ namespace mio = mori::io;
 constexpr const char *kPluginName = "mori";
 constexpr const char *kPluginVersion = "0.1.0";
 
-constexpr uint64_t kCaps =
-    KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_BLOB;
+constexpr uint64_t kCaps = KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY |
+                           KVP_CAP_REMOTE_BLOB | KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD;
 
 // The largest piece handed to MORI as one work request. MORI rejects sizes
 // above UINT32_MAX and NICs cap a message at max_msg_sz (1 GiB on some, 2 GiB
@@ -283,6 +295,16 @@ struct Agent {
   // is destroyed (agent_destroy), when MORI's threads are joined.
   std::vector<std::unique_ptr<mio::TransferStatus>> status_pool;
   std::vector<std::unique_ptr<mio::TransferStatus>> quarantine;
+
+  // The event descriptor (KVP_CAP_EVENT_FD, see "Event descriptor"): -1
+  // until get_event_fd makes it and starts ev_thread. ev_mu guards
+  // ev_watch (transfers posted in progress) and ev_stop.
+  std::atomic<int> ev_fd{-1};
+  std::mutex ev_mu;
+  std::condition_variable ev_cv;
+  std::vector<kvp_xfer> ev_watch;
+  bool ev_stop = false;
+  std::thread ev_thread;
 };
 
 // 1 if peer `name` is loaded under `epoch`. Caller holds a.mu.
@@ -544,6 +566,130 @@ void TakeStatuses(Agent &a, Xfer &x, size_t n) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Event descriptor (KVP_CAP_EVENT_FD)                                      */
+/* ------------------------------------------------------------------------ */
+
+// MORI-IO calls nothing back and has no descriptor, but its completion
+// thread notifies each TransferStatus's condition variable when the status
+// ends. The first get_event_fd of an agent starts a shim thread that
+// watches the transfers post_xfer and submit_xfer left in progress: with
+// one in flight it sleeps on an unfinished status of it
+// (TransferStatus::WaitFor, at most 1 ms, so a transfer posted meanwhile is
+// seen within 1 ms); with several it checks their statuses (atomic loads)
+// from every 2 us, backing off to every 100 us; with none it sleeps until
+// a post. It adds to the agent's eventfd when a watched transfer ended
+// (done, failed, or its peer removed). Statuses are never freed while the
+// engine lives (Agent::status_pool), so the thread may wait on one after
+// its transfer was released; the engine is destroyed only after the thread
+// is joined.
+
+void EvSignal(Agent &a) {
+  int fd = a.ev_fd.load(std::memory_order_acquire);
+  if (fd < 0) return;
+  uint64_t one = 1;
+  ssize_t wr = write(fd, &one, sizeof one);
+  (void)wr;  // EAGAIN: the counter is saturated, still readable
+}
+
+void EvWatch(Agent &a, kvp_xfer h) {
+  {
+    std::lock_guard<std::mutex> g(a.ev_mu);
+    a.ev_watch.push_back(h);
+  }
+  a.ev_cv.notify_one();
+}
+
+// One look at a watched transfer: true when it is no longer to be watched
+// (*ended: it ended, signal), else *wait is a status still in progress.
+bool EvCheck(Agent &a, kvp_xfer h, bool *ended, mio::TransferStatus **wait) {
+  *ended = false;
+  *wait = nullptr;
+  const Tables &t = GetTables();
+  Ref<Xfer> xr(t.xfers, h);
+  if (!xr || xr->owner != a.handle) return true;  // released meanwhile
+  Xfer &x = *xr;
+  std::lock_guard<std::mutex> g(x.mu);
+  if (x.state != Xfer::State::kActive) {  // a poll saw it end first
+    *ended = x.state != Xfer::State::kIdle;
+    return true;
+  }
+  {
+    std::lock_guard<std::mutex> ga(a.mu);
+    if (!PeerLive(a, x.peer, x.peer_epoch)) {  // cancelled: the next poll says so
+      *ended = true;
+      return true;
+    }
+  }
+  for (auto &st : x.statuses) {
+    if (st->InProgress()) {
+      *wait = st.get();
+      return false;
+    }
+  }
+  *ended = true;  // every status left IN_PROGRESS: the next poll reports it
+  return true;
+}
+
+void EvMain(Agent *a) {
+  std::vector<kvp_xfer> watch, keep;
+  std::chrono::microseconds pause(2);
+  std::unique_lock<std::mutex> lk(a->ev_mu);
+  for (;;) {
+    if (watch.empty()) a->ev_cv.wait(lk, [a] { return a->ev_stop || !a->ev_watch.empty(); });
+    if (a->ev_stop) return;
+    if (!a->ev_watch.empty()) {
+      watch.insert(watch.end(), a->ev_watch.begin(), a->ev_watch.end());
+      a->ev_watch.clear();
+      pause = std::chrono::microseconds(2);
+    }
+    lk.unlock();
+    bool signal = false;
+    mio::TransferStatus *wait = nullptr;
+    keep.clear();
+    for (kvp_xfer h : watch) {
+      bool ended = false;
+      mio::TransferStatus *w = nullptr;
+      bool drop = true;
+      try {
+        drop = EvCheck(*a, h, &ended, &w);
+      } catch (...) {  // the host's poll reports what went wrong
+        ended = true;
+      }
+      signal = signal || ended;
+      if (!drop) {
+        keep.push_back(h);
+        if (!wait) wait = w;
+      }
+    }
+    watch.swap(keep);
+    if (signal) EvSignal(*a);
+    if (watch.size() == 1 && wait) {
+      (void)wait->WaitFor(1);  // MORI's completion thread wakes it
+      lk.lock();
+    } else {
+      lk.lock();
+      if (!watch.empty()) {
+        a->ev_cv.wait_for(lk, pause, [a] { return a->ev_stop || !a->ev_watch.empty(); });
+        pause = std::min(pause * 2, std::chrono::microseconds(100));
+      }
+    }
+  }
+}
+
+// Stops the event thread and closes the descriptor (agent_destroy, before
+// the engine goes).
+void EvStop(Agent &a) {
+  {
+    std::lock_guard<std::mutex> g(a.ev_mu);
+    a.ev_stop = true;
+  }
+  a.ev_cv.notify_all();
+  if (a.ev_thread.joinable()) a.ev_thread.join();
+  int fd = a.ev_fd.exchange(-1);
+  if (fd >= 0) close(fd);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Agent creation helpers                                                   */
 /* ------------------------------------------------------------------------ */
 
@@ -687,6 +833,7 @@ kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
     // Waits for calls that hold the agent; later calls find it gone.
     std::unique_ptr<Agent> a(static_cast<Agent *>(kvp_ht_remove(t.agents, args->agent)));
     if (!a) return BadAgent("agent_destroy", args->agent);
+    EvStop(*a);  // it looks at the transfers, which go next
 
     std::vector<std::unique_ptr<Xfer>> xfers;
     std::vector<std::unique_ptr<Region>> regions;
@@ -995,6 +1142,7 @@ kvp_error *RemoveRemote(kvp_remove_remote_args *args) {
       return kvp_err(KVP_ERR_NOT_FOUND, "remove_remote: no loaded peer %s", name.c_str());
     a->engine->DeregisterRemoteEngine(it->second->desc);  // throws: nothing changed
     a->peers.erase(it);
+    EvSignal(*a);  // the peer's transfers in progress ended (cancelled)
     return nullptr;
   });
 }
@@ -1308,26 +1456,21 @@ kvp_error *PostXfer(kvp_post_xfer_args *args) {
                   ": " + thrown;
       return kvp_err(x.err_code, "%s", x.err_msg.c_str());
     }
-    return Progress(*a->engine, x, &args->status);
+    kvp_error *pe = Progress(*a->engine, x, &args->status);
+    if (!pe && args->status == KVP_IN_PROG && a->ev_fd.load(std::memory_order_acquire) >= 0)
+      EvWatch(*a, args->xfer);
+    return pe;
   });
 }
 
-kvp_error *PollXfer(kvp_poll_xfer_args *args) {
-  return Guard("poll_xfer", [&]() -> kvp_error * {
-    const char *fn = "poll_xfer";
-    if (kvp_error *e = kvp_check_args(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE, fn)) return e;
-    const Tables &t = GetTables();
-    Ref<Agent> a(t.agents, args->agent);
-    if (!a) return BadAgent("poll_xfer", args->agent);
-    Ref<Xfer> xr(t.xfers, args->xfer);
-    if (!xr || xr->owner != a->handle) return BadHandle("poll_xfer", "transfer", args->xfer);
-    Xfer &x = *xr;
-    std::lock_guard<std::mutex> g(x.mu);
+// One poll of x, as poll_xfer without ABI 1.1 flags. Caller holds x.mu.
+kvp_error *PollLocked(Agent &a, Xfer &x, kvp_status *status) {
+  {
     switch (x.state) {
       case Xfer::State::kIdle:
         return kvp_err(KVP_ERR_NOT_POSTED, "poll_xfer: the transfer was never posted");
       case Xfer::State::kDone:
-        args->status = KVP_SUCCESS;
+        *status = KVP_SUCCESS;
         return nullptr;
       case Xfer::State::kFailed:
         return kvp_err(x.err_code, "%s", x.err_msg.c_str());
@@ -1335,8 +1478,8 @@ kvp_error *PollXfer(kvp_poll_xfer_args *args) {
         break;
     }
     {
-      std::lock_guard<std::mutex> ga(a->mu);
-      if (!PeerLive(*a, x.peer, x.peer_epoch)) {
+      std::lock_guard<std::mutex> ga(a.mu);
+      if (!PeerLive(a, x.peer, x.peer_epoch)) {
         // remove_remote cancelled it. Posted work may still run in MORI;
         // release_xfer waits for it.
         x.state = Xfer::State::kFailed;
@@ -1349,7 +1492,57 @@ kvp_error *PollXfer(kvp_poll_xfer_args *args) {
     // this poll does no transfer work here. (The XGMI backend, which MORI
     // adds only with MORI_DISABLE_AUTO_XGMI=0, runs a non-blocking event
     // query per status.)
-    return Progress(*a->engine, x, &args->status);
+    return Progress(*a.engine, x, status);
+  }
+}
+
+kvp_error *ReleaseXfer(kvp_release_xfer_args *args);
+
+// ABI 1.1 flags (KVP_CAP_SUBMIT): once the transfer ended,
+// KVP_POLL_TELEMETRY copies the shim's telemetry and KVP_POLL_RELEASE
+// releases it, but only when nothing of it runs in MORI any more (a
+// failed or cancelled transfer's posted work may): release never waits
+// inside a poll; released stays 0 and the host calls release_xfer.
+kvp_error *PollXfer(kvp_poll_xfer_args *args) {
+  return Guard("poll_xfer", [&]() -> kvp_error * {
+    const char *fn = "poll_xfer";
+    if (kvp_error *e = kvp_check_args(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0, fn)) return e;
+    uint32_t flags = 0;
+    if (KVP_ARGS_HAS(args, kvp_poll_xfer_args, desc_count)) {
+      flags = args->flags;
+      args->released = 0;
+      args->has_telemetry = 0;
+    }
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent("poll_xfer", args->agent);
+    kvp_error *e;
+    bool release = false;
+    {
+      Ref<Xfer> xr(t.xfers, args->xfer);
+      if (!xr || xr->owner != a->handle) return BadHandle("poll_xfer", "transfer", args->xfer);
+      Xfer &x = *xr;
+      std::lock_guard<std::mutex> g(x.mu);
+      e = PollLocked(*a, x, &args->status);
+      bool ended = x.state == Xfer::State::kDone || x.state == Xfer::State::kFailed;
+      if (ended && !e && (flags & KVP_POLL_TELEMETRY) && x.tel_valid) {
+        args->start_us = x.tel_start_us;
+        args->post_us = x.tel_post_us;
+        args->xfer_us = x.tel_xfer_us;
+        args->total_bytes = x.total_bytes;
+        args->desc_count = x.desc_count;
+        args->has_telemetry = 1;
+      }
+      release = ended && (flags & KVP_POLL_RELEASE) && !InFlight(x);
+    }
+    if (release) {
+      kvp_release_xfer_args r{KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, nullptr, args->agent, args->xfer};
+      if (kvp_error *re = ReleaseXfer(&r))
+        kvp_err_free(re);  // the handle stays valid: released 0
+      else
+        args->released = 1;
+    }
+    return e;
   });
 }
 
@@ -1407,6 +1600,80 @@ kvp_error *XferTelemetry(kvp_xfer_telemetry_args *args) {
   });
 }
 
+// make_batch_xfer + post_xfer. The prepped form needs KVP_CAP_PREPPED, which
+// MORI-IO lacks (the host emulates prepped lists with the batch form).
+kvp_error *SubmitXfer(kvp_submit_xfer_args *args) {
+  return Guard("submit_xfer", [&]() -> kvp_error * {
+    const char *fn = "submit_xfer";
+    if (kvp_error *e = kvp_check_args(args, KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE, fn)) return e;
+    if (!args->prepped == !args->batch)
+      return kvp_err(KVP_ERR_INVALID_PARAM, "%s: exactly one of prepped and batch must be set", fn);
+    if (args->prepped)
+      return kvp_err(KVP_ERR_NOT_SUPPORTED,
+                     "%s: the prepped form needs KVP_CAP_PREPPED, which the mori plugin lacks "
+                     "(the host emulates prepped lists with the batch form)",
+                     fn);
+    kvp_make_batch_xfer_args *m = args->batch;
+    if (kvp_error *e = MakeBatchXfer(m)) return e;
+    kvp_post_xfer_args p{KVP_POST_XFER_ARGS_STRUCT_SIZE, nullptr, m->agent, m->xfer, KVP_IN_PROG};
+    if (kvp_error *e = PostXfer(&p)) {
+      // Work posted before a failure may run: release waits for it, as
+      // release_xfer does (release_timeout_ms).
+      kvp_release_xfer_args r{KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, nullptr, m->agent, m->xfer};
+      kvp_err_free(ReleaseXfer(&r));
+      m->xfer = 0;
+      return e;
+    }
+    args->status = p.status;
+    return nullptr;
+  });
+}
+
+kvp_error *GetEventFd(kvp_get_event_fd_args *args) {
+  return Guard("get_event_fd", [&]() -> kvp_error * {
+    const char *fn = "get_event_fd";
+    if (kvp_error *e = kvp_check_args(args, KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE, fn)) return e;
+    const Tables &t = GetTables();
+    Ref<Agent> a(t.agents, args->agent);
+    if (!a) return BadAgent(fn, args->agent);
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> g(a->ev_mu);
+      if (a->ev_fd.load(std::memory_order_acquire) < 0) {
+        int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (fd < 0) return kvp_err(KVP_ERR_BACKEND, "%s: eventfd: %s", fn, strerror(errno));
+        try {
+          a->ev_thread = std::thread(EvMain, a.get());
+        } catch (...) {
+          close(fd);
+          throw;
+        }
+        a->ev_fd.store(fd, std::memory_order_release);
+        first = true;
+      }
+      args->fd = a->ev_fd.load(std::memory_order_acquire);
+    }
+    if (first) {  // transfers posted before: watch those still in progress
+      std::vector<kvp_xfer> xs;
+      {
+        std::lock_guard<std::mutex> g(a->mu);
+        xs.assign(a->xfers.begin(), a->xfers.end());
+      }
+      for (kvp_xfer h : xs) {
+        Ref<Xfer> xr(t.xfers, h);
+        if (!xr) continue;
+        bool active;
+        {
+          std::lock_guard<std::mutex> g(xr->mu);
+          active = xr->state == Xfer::State::kActive;
+        }
+        if (active) EvWatch(*a, h);
+      }
+    }
+    return nullptr;
+  });
+}
+
 // Entries of capabilities this plugin does not report. The host never calls
 // them; they answer KVP_ERR_NOT_SUPPORTED rather than crash if one does.
 kvp_error *NotSupported(const char *fn, const char *cap) {
@@ -1457,6 +1724,8 @@ const kvp_api kApi = {
     XferTelemetry,
     GetNotifs,
     SendNotif,
+    SubmitXfer,
+    GetEventFd,
 };
 
 }  // namespace

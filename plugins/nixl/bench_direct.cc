@@ -74,6 +74,7 @@ struct Options {
   nixl_b_params_t bparams;
   std::string plugin;  // --plugin: go through this kvhost plugin's ABI
   bool raw = false;    // --raw: interleave a raw copy of the same blocks
+  bool submit = false; // --submit: ABI 1.1 submit_xfer + poll-release (with --plugin)
 };
 
 [[noreturn]] void die(const char *fmt, const std::string &a = "", int b = 0) {
@@ -132,6 +133,8 @@ void usage() {
       "  --param key=value      backend parameter (repeatable), e.g.\n"
       "                         --param ucx_error_handling_mode=none\n"
       "  --plugin PATH          go through the kvhost plugin ABI of PATH\n"
+      "  --submit               with --plugin: ABI 1.1, submit_xfer (make + post in one call)\n"
+      "                         and a final poll_xfer that releases (KVP_POLL_RELEASE)\n"
       "                         (lib/kvhost/libkvhost_nixl.so) instead of NIXL directly,\n"
       "                         with the same NIXL settings\n"
       "  --raw                  after every request, copy the same blocks the raw way\n"
@@ -193,6 +196,8 @@ Options parse(int argc, char **argv) {
       o.plugin = val();
     } else if (a == "--raw") {
       o.raw = true;
+    } else if (a == "--submit") {
+      o.submit = true;
     } else if (a == "--param") {
       std::string kv = val();
       size_t eq = kv.find('=');
@@ -370,7 +375,10 @@ const kvp_api *plugin_api(const std::string &path) {
 
 class PluginEngine : public Engine {
  public:
-  PluginEngine(const std::string &name, const Options &o, uint64_t n) : t_(plugin_api(o.plugin)) {
+  PluginEngine(const std::string &name, const Options &o, uint64_t n)
+      : t_(plugin_api(o.plugin)), submit_(o.submit) {
+    if (submit_ && (t_->struct_size < KVP_API_STRUCT_SIZE || !t_->submit_xfer))
+      die("--submit: %s has no submit_xfer (an ABI 1.0 plugin)", o.plugin);
     std::vector<std::pair<std::string, std::string>> kv = {
         {"backend", o.backend},
         {"progress_thread", o.progress_thread ? "true" : "false"},
@@ -494,6 +502,31 @@ class PluginEngine : public Engine {
   }
   void make(bool write, bool prepped) override {
     kvp_op op = write ? KVP_OP_WRITE : KVP_OP_READ;
+    if (submit_) {  // made by post(): submit_xfer
+      mp_ = {};
+      mb_ = {};
+      if (prepped) {
+        mp_.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
+        mp_.agent = agent_;
+        mp_.op = op;
+        mp_.local_dlist = ldl_;
+        mp_.local_indices = idx_.data();
+        mp_.num_local_indices = idx_.size();
+        mp_.remote_dlist = rdl_;
+        mp_.remote_indices = idx_.data();
+        mp_.num_remote_indices = idx_.size();
+      } else {
+        mb_.struct_size = KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE;
+        mb_.agent = agent_;
+        mb_.op = op;
+        mb_.pairs = &pair_;
+        mb_.num_pairs = 1;
+        mb_.entries = entries_.data();
+        mb_.num_entries = entries_.size();
+      }
+      sub_prepped_ = prepped;
+      return;
+    }
     if (prepped) {
       kvp_make_prepped_xfer_args m{};
       m.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
@@ -521,16 +554,32 @@ class PluginEngine : public Engine {
     }
   }
   bool post() override {
+    if (submit_) {
+      kvp_submit_xfer_args s{};
+      s.struct_size = KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE;
+      s.prepped = sub_prepped_ ? &mp_ : nullptr;
+      s.batch = sub_prepped_ ? nullptr : &mb_;
+      ok(t_->submit_xfer(&s), "submit_xfer");
+      xfer_ = sub_prepped_ ? mp_.xfer : mb_.xfer;
+      released_ = false;
+      // Done within the call: one poll-release still finishes it (the
+      // host's PollRelease), so a transfer costs two calls either way.
+      if (s.status == KVP_SUCCESS) (void)poll();
+      return s.status == KVP_SUCCESS;
+    }
     post_.xfer = xfer_;
     ok(t_->post_xfer(&post_), "post_xfer");
     return post_.status == KVP_SUCCESS;
   }
   bool poll() override {
     poll_.xfer = xfer_;
+    poll_.flags = submit_ ? (KVP_POLL_RELEASE | KVP_POLL_TELEMETRY) : 0;
     ok(t_->poll_xfer(&poll_), "poll_xfer");
+    if (poll_.released) released_ = true;
     return poll_.status == KVP_SUCCESS;
   }
   void release() override {
+    if (submit_ && released_) return;  // the final poll released it
     rel_.xfer = xfer_;
     ok(t_->release_xfer(&rel_), "release_xfer");
   }
@@ -564,6 +613,9 @@ class PluginEngine : public Engine {
   std::vector<int32_t> idx_;
   std::vector<kvp_batch_entry> entries_;
   kvp_xfer xfer_ = 0;
+  bool submit_ = false, sub_prepped_ = false, released_ = false;
+  kvp_make_prepped_xfer_args mp_{};
+  kvp_make_batch_xfer_args mb_{};
   // Reused args structs of the hot calls, as the Go host keeps them.
   kvp_post_xfer_args post_{};
   kvp_poll_xfer_args poll_{};

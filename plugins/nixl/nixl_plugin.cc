@@ -17,7 +17,17 @@
 //   RRegion  an address range inside a peer's advertised memory
 //   Dlist    a prepXferDlist handle plus the descriptor shapes (len, count)
 //            the shim needs for index and pairing checks
-//   Xfer     a nixlXferReqH
+//   Xfer     a nixlXferReqH; the Xfer structs are recycled per agent (see
+//            alloc_xfer), so making and releasing a transfer does not
+//            new/delete the shim's own object
+//
+// ABI 1.1: submit_xfer is make_prepped_xfer/make_batch_xfer plus post_xfer
+// in one call (makeXferReq or createXferReq, then postXferReq), and
+// poll_xfer with KVP_POLL_RELEASE is getXferStatus plus, once the transfer
+// ended, getXferTelemetry and releaseXferReq. NIXL has no completion
+// descriptor, so get_event_fd starts a shim thread per agent (see
+// "Event descriptor") that polls the agent's transfers in flight and, every
+// event_notif_us, NIXL's notifications, and signals an eventfd.
 //
 // Locking: every call holds a reference on its agent handle for its whole
 // duration (so agent_destroy, which removes the agent handle first, waits for
@@ -27,10 +37,14 @@
 // mode RW or STRICT) serialises what happens inside NIXL.
 
 #include <nixl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -197,7 +211,28 @@ struct Xfer {
   nixl_status_t last = NIXL_SUCCESS;  // outcome of the last post or poll
   bool dead = false;
   kvp_status dead_status = KVP_SUCCESS;  // what poll reports once dead
+
+  // Back to the state of a new Xfer for reuse (alloc_xfer); keeps the
+  // notification string's storage.
+  void reset() noexcept {
+    agent = nullptr;
+    peer.reset();
+    desc_count = 0;
+    handle = 0;
+    prev = next = nullptr;
+    notif_only = has_notif = false;
+    notif.clear();
+    start = Clock::time_point();
+    post_us = 0;
+    req = nullptr;
+    posted = active = dead = false;
+    last = NIXL_SUCCESS;
+    dead_status = KVP_SUCCESS;
+  }
 };
+
+// Released transfers an agent keeps for reuse (alloc_xfer).
+constexpr unsigned kXferCache = 32;
 
 struct Agent {
   std::string name;
@@ -217,6 +252,23 @@ struct Agent {
   // loaded peers, NIXL's loadRemoteMD and the peer record happen as one.
   // Taken before mu.
   std::mutex load_mu;
+
+  // Released Xfer structs kept for reuse (linked by next), under xfree_mu.
+  std::mutex xfree_mu;
+  Xfer *xfree = nullptr;
+  unsigned nxfree = 0;
+
+  // The event descriptor (KVP_CAP_EVENT_FD; see "Event descriptor"):
+  // ev_fd is -1 until get_event_fd makes it and starts ev_thread. ev_mu
+  // guards ev_watch (handles of transfers posted IN_PROG, for the thread
+  // to poll) and ev_stop.
+  std::atomic<int> ev_fd{-1};
+  std::chrono::microseconds ev_notif_interval{0};
+  std::mutex ev_mu;
+  std::condition_variable ev_cv;
+  std::vector<kvp_xfer> ev_watch;
+  bool ev_stop = false;
+  std::thread ev_thread;
 
   std::mutex mu;  // guards everything below
   std::vector<RegionEntry> regions;  // sorted by addr, non-overlapping
@@ -240,8 +292,159 @@ struct Agent {
 
   ~Agent() {
     if (notifs) kvp_nq_destroy(notifs);
+    while (xfree) {
+      Xfer *x = xfree;
+      xfree = x->next;
+      delete x;
+    }
   }
 };
+
+// A new or recycled Xfer of agent a.
+Xfer *alloc_xfer(Agent &a) {
+  {
+    std::lock_guard<std::mutex> lk(a.xfree_mu);
+    if (Xfer *x = a.xfree) {
+      a.xfree = x->next;
+      a.nxfree--;
+      x->next = nullptr;
+      x->agent = &a;
+      return x;
+    }
+  }
+  Xfer *x = new Xfer();
+  x->agent = &a;
+  return x;
+}
+
+// Takes back an Xfer whose handle is gone and whose request was released.
+void recycle_xfer(Agent &a, Xfer *x) noexcept {
+  x->reset();
+  {
+    std::lock_guard<std::mutex> lk(a.xfree_mu);
+    if (a.nxfree < kXferCache) {
+      x->next = a.xfree;
+      a.xfree = x;
+      a.nxfree++;
+      return;
+    }
+  }
+  delete x;
+}
+
+// unique_ptr deleter for an Xfer not published yet: recycles it.
+struct XferRecycle {
+  Agent *a;
+  void operator()(Xfer *x) const noexcept { recycle_xfer(*a, x); }
+};
+using XferPtr = std::unique_ptr<Xfer, XferRecycle>;
+XferPtr new_xfer(Agent &a) { return XferPtr(alloc_xfer(a), XferRecycle{&a}); }
+
+// ---------------------------------------------------------------------------
+// Event descriptor (KVP_CAP_EVENT_FD)
+// ---------------------------------------------------------------------------
+//
+// NIXL has no completion descriptor and calls nothing back, so the shim
+// stands in with one thread per agent, started by the first get_event_fd:
+// it polls (getXferStatus) the agent's transfers that post_xfer or
+// submit_xfer left in progress, from every 2 us backing off to every
+// 100 us while any is in flight, and checks NIXL's notifications
+// (getNotifs, moved into the agent's queue) every event_notif_us; it adds
+// to the eventfd when a watched transfer ended (done, failed, or removed
+// with its peer) or a notification arrived. With nothing in flight it
+// sleeps between notification checks. Its polls also drive NIXL's progress,
+// so transfers complete without the host polling even with
+// progress_thread=false.
+
+void ev_signal(Agent &a) {
+  int fd = a.ev_fd.load(std::memory_order_acquire);
+  if (fd < 0) return;
+  uint64_t one = 1;
+  ssize_t wr = write(fd, &one, sizeof one);
+  (void)wr;  // EAGAIN: the counter is saturated, still readable
+}
+
+// Has the event thread watch a transfer that post_xfer left in progress.
+void ev_watch(Agent &a, kvp_xfer h) {
+  {
+    std::lock_guard<std::mutex> lk(a.ev_mu);
+    a.ev_watch.push_back(h);
+  }
+  a.ev_cv.notify_one();
+}
+
+kvp_error *pull_notifs(Agent &a, const char *fn, size_t *n);
+
+// One check of a watched transfer: true when it is no longer to be
+// watched; *ended when it ended (the descriptor is to be signalled).
+bool ev_check(Agent &a, kvp_xfer h, bool *ended);
+
+void ev_main(Agent *a) {
+  using namespace std::chrono;
+  std::vector<kvp_xfer> watch, keep;
+  const bool notif = (a->caps & KVP_CAP_NOTIF) != 0;
+  Clock::time_point notif_due = Clock::now();
+  microseconds pause(2);
+  std::unique_lock<std::mutex> lk(a->ev_mu);
+  for (;;) {
+    auto wake = [a] { return a->ev_stop || !a->ev_watch.empty(); };
+    if (watch.empty()) {
+      if (notif)
+        a->ev_cv.wait_until(lk, notif_due, wake);
+      else
+        a->ev_cv.wait(lk, wake);
+    } else {
+      a->ev_cv.wait_for(lk, pause, [a] { return a->ev_stop; });
+    }
+    if (a->ev_stop) return;
+    if (!a->ev_watch.empty()) {
+      watch.insert(watch.end(), a->ev_watch.begin(), a->ev_watch.end());
+      a->ev_watch.clear();
+      pause = microseconds(2);
+    } else {
+      pause = std::min(pause * 2, microseconds(100));
+    }
+    lk.unlock();
+    bool signal = false;
+    keep.clear();
+    for (kvp_xfer h : watch) {
+      bool ended = false;
+      bool drop = true;
+      try {
+        drop = ev_check(*a, h, &ended);
+      } catch (...) {  // NIXL threw: stop watching it; the host's poll reports it
+        ended = true;
+      }
+      signal = signal || ended;
+      if (!drop) keep.push_back(h);
+    }
+    watch.swap(keep);
+    if (notif && Clock::now() >= notif_due) {
+      try {
+        std::lock_guard<std::mutex> nl(a->notif_mu);
+        size_t n = 0;
+        kvp_err_free(pull_notifs(*a, "event thread", &n));
+        signal = signal || n > 0;
+      } catch (...) {  // the host's get_notifs reports NIXL's failure
+      }
+      notif_due = Clock::now() + a->ev_notif_interval;
+    }
+    if (signal) ev_signal(*a);
+    lk.lock();
+  }
+}
+
+// Stops the event thread (agent_destroy); the descriptor is closed after.
+void ev_stop(Agent &a) {
+  {
+    std::lock_guard<std::mutex> lk(a.ev_mu);
+    a.ev_stop = true;
+  }
+  a.ev_cv.notify_all();
+  if (a.ev_thread.joinable()) a.ev_thread.join();
+  int fd = a.ev_fd.exchange(-1);
+  if (fd >= 0) close(fd);
+}
 
 // The handle tables, one per kind (distinct tags keep handles of one kind
 // from being accepted as another). Created once, never destroyed: a plugin
@@ -298,7 +501,7 @@ kvp_error *bad_handle(const char *fn, const char *kind, uint64_t h) {
 // The agent parameters the shim itself reads; every other key is passed to
 // the NIXL backend as a string parameter.
 const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode", "release_wait_ms",
-                                "telemetry", "tcp_put_emulation"};
+                                "telemetry", "tcp_put_emulation", "event_notif_us"};
 
 const char kParamsDoc[] =
     "backend=UCX\tNIXL backend plugin to create (an unknown name is an error listing the "
@@ -313,6 +516,10 @@ const char kParamsDoc[] =
     "sync_mode=rw\tNIXL thread sync mode: rw or strict (none is refused: the host calls "
     "concurrently)\n"
     "telemetry=true\tcapture per-transfer telemetry (xfer_telemetry)\n"
+    "event_notif_us=200\tonce the host asked for the event descriptor (get_event_fd), how often "
+    "the shim's event thread checks NIXL for notifications, microseconds (1..1000000): a "
+    "notification wakes the host at most this much after NIXL received it; transfers in "
+    "flight are checked from every 2 us, backing off to 100 us\n"
     "release_wait_ms=30000\thow long release_xfer, remove_remote and agent_destroy wait for an "
     "active transfer to finish: NIXL cannot cancel an in-flight UCX transfer, so they wait "
     "rather than return while it still touches memory\n"
@@ -330,6 +537,7 @@ const char kParamsDoc[] =
 constexpr int kDefaultProgressThread = 1;
 constexpr uint64_t kDefaultProgressDelayUs = 1000;
 constexpr uint64_t kDefaultReleaseWaitMs = 30000;
+constexpr uint64_t kDefaultEventNotifUs = 200;
 
 // UCX guards a worker shared by threads with a spinlock unless told to use
 // a mutex (UCX_USE_MT_MUTEX). NIXL's worker is shared by the progress thread
@@ -493,7 +701,7 @@ void shim_log(const std::string &line) {
 // ---------------------------------------------------------------------------
 
 constexpr uint64_t kCaps = KVP_CAP_PREPPED | KVP_CAP_BATCH | KVP_CAP_NOTIF | KVP_CAP_TELEMETRY |
-                           KVP_CAP_REMOTE_ADDR
+                           KVP_CAP_REMOTE_ADDR | KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD
 #if KVP_NIXL_HAVE_STRIDE
                            | KVP_CAP_STRIDED
 #endif
@@ -620,6 +828,28 @@ void kill_xfer(Agent &a, kvp_xfer h, Clock::time_point deadline) {
   }
 }
 
+bool ev_check(Agent &a, kvp_xfer h, bool *ended) {
+  *ended = false;
+  Ref<Xfer> x(tables()->xfers, h);
+  if (!x || x->agent != &a) return true;  // released meanwhile
+  std::lock_guard<std::mutex> lk(x->mu);
+  if (x->dead) {  // cancelled with its peer
+    *ended = true;
+    return true;
+  }
+  if (!x->req || !x->posted) return true;
+  if (!x->active) {  // a poll of the host saw it end first
+    *ended = true;
+    return true;
+  }
+  nixl_status_t s = a.nixl->getXferStatus(x->req);
+  x->active = s == NIXL_IN_PROG;
+  x->last = s;
+  if (s == NIXL_IN_PROG) return false;
+  *ended = true;
+  return true;
+}
+
 // The errors of dead handles, whose peer was removed.
 kvp_error *peer_removed(const char *fn, const char *what, const Peer &p) {
   return kvp_err(KVP_ERR_NOT_FOUND, "%s: %s peer '%s', which was removed (remove_remote)", fn,
@@ -698,6 +928,9 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", kDefaultProgressThread, &prog))
     return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_bool(p, np, "telemetry", 1, &telem)) return kvp_err_wrap(e, "%s", fn);
+  uint64_t ev_notif_us = 0;
+  if (kvp_error *e = kvp_param_u64(p, np, "event_notif_us", kDefaultEventNotifUs, 1, 1000000, &ev_notif_us))
+    return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_u64(p, np, "progress_delay_us", kDefaultProgressDelayUs, 0,
                                    10000000, &delay))
     return kvp_err_wrap(e, "%s", fn);
@@ -743,6 +976,7 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   auto a = std::make_unique<Agent>();
   a->name = as_string(args->name, args->name_len);
   a->release_wait = std::chrono::milliseconds(release_wait);
+  a->ev_notif_interval = std::chrono::microseconds(ev_notif_us);
   a->notifs = kvp_nq_create(0);
   if (!a->notifs) return kvp_err_oom();
   nixlAgentConfig cfg(prog != 0, false, default_comm_port, sync, 1, delay,
@@ -787,6 +1021,7 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
   auto *a = static_cast<Agent *>(kvp_ht_remove(t->agents, args->agent));
   if (!a) return bad_handle("agent_destroy", "agent", args->agent);
   std::unique_ptr<Agent> owner(a);
+  ev_stop(*a);  // before the transfers go: the event thread polls them
   std::vector<kvp_xfer> xs;
   std::vector<kvp_dlist> ds;
   std::vector<kvp_rregion> rs;
@@ -1061,6 +1296,7 @@ kvp_error *remove_remote(kvp_remove_remote_args *args) {
   // and remote regions: the caller releases them all.
   Clock::time_point deadline = Clock::now() + a->release_wait;
   for (kvp_xfer h : xs) kill_xfer(*a, h, deadline);
+  if (!xs.empty()) ev_signal(*a);  // its transfers ended (cancelled)
   nixl_status_t s = a->nixl->invalidateRemoteMD(name);
   if (s != NIXL_SUCCESS && s != NIXL_ERR_NOT_FOUND) return nixl_err(s, fn, "invalidateRemoteMD(%s)", name.c_str());
   return nullptr;
@@ -1289,7 +1525,9 @@ kvp_error *check_notif(const char *fn, const Agent &a, const kvp_notif &n) {
 nixl_xfer_op_t to_nixl_op(kvp_op op) { return op == KVP_OP_READ ? NIXL_READ : NIXL_WRITE; }
 
 // Inserts a new transfer and links it to its agent and peer.
-kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_xfer *out) {
+// *made (when not null) receives the transfer, for submit_xfer to post it
+// without looking the handle up again.
+kvp_error *publish_xfer(const char *fn, Agent &a, XferPtr x, kvp_xfer *out, Xfer **made = nullptr) {
   Xfer *raw = x.get();
   kvp_xfer h = 0;
   if (kvp_error *e = kvp_ht_insert(tables()->xfers, raw, &h)) {
@@ -1306,6 +1544,7 @@ kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_x
   }
   a.link(raw);
   *out = h;
+  if (made) *made = raw;
   return nullptr;
 }
 
@@ -1313,21 +1552,38 @@ kvp_error *publish_xfer(const char *fn, Agent &a, std::unique_ptr<Xfer> x, kvp_x
 // notification (kvplugin.h). NIXL has no empty request, so its post sends
 // the notification with genNotif.
 kvp_error *notif_only_xfer(const char *fn, Agent &a, const PeerRef &peer, const kvp_notif &n,
-                           kvp_xfer *out) {
-  auto x = std::make_unique<Xfer>();
-  x->agent = &a;
+                           kvp_xfer *out, Xfer **made) {
+  XferPtr x = new_xfer(a);
   x->peer = peer;
   x->desc_count = 0;
   x->notif_only = true;
   x->has_notif = n.has_notif != 0;
   if (x->has_notif) x->notif.assign(reinterpret_cast<const char *>(n.msg), n.msg_len);
-  return publish_xfer(fn, a, std::move(x), out);
+  return publish_xfer(fn, a, std::move(x), out, made);
 }
+
+// An agent the caller holds a reference on, with Ref's interface, so that
+// the make functions' bodies serve make_* (their own reference) and
+// submit_xfer (one reference for make and post).
+struct AgentPtr {
+  Agent *p;
+  Agent *operator->() const { return p; }
+  Agent &operator*() const { return *p; }
+  Agent *get() const { return p; }
+};
+
+kvp_error *make_prepped_impl(AgentPtr a, kvp_make_prepped_xfer_args *args, Xfer **made);
+kvp_error *make_batch_impl(AgentPtr a, kvp_make_batch_xfer_args *args, Xfer **made);
 
 kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   static const char fn[] = "make_prepped_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
+  return make_prepped_impl(AgentPtr{a.get()}, args, nullptr);
+}
+
+kvp_error *make_prepped_impl(AgentPtr a, kvp_make_prepped_xfer_args *args, Xfer **made) {
+  static const char fn[] = "make_prepped_xfer";
   if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
   if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
@@ -1343,7 +1599,7 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   if (n != args->num_remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: %zu local indices but %zu remote indices", fn, n,
                    args->num_remote_indices);
-  if (n == 0) return notif_only_xfer(fn, *a, rd->peer, args->notif, &args->xfer);
+  if (n == 0) return notif_only_xfer(fn, *a, rd->peer, args->notif, &args->xfer, made);
   if (!args->local_indices || !args->remote_indices)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: index arrays must not be NULL", fn);
 
@@ -1386,20 +1642,24 @@ kvp_error *make_prepped_xfer(kvp_make_prepped_xfer_args *args) {
   nixl_opt_args_t opt;
   if (args->notif.has_notif)
     opt.notif = nixl_blob_t(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
-  auto x = std::make_unique<Xfer>();
-  x->agent = a.get();
+  XferPtr x = new_xfer(*a);
   x->peer = rd->peer;
   x->desc_count = n;
   nixl_status_t s = a->nixl->makeXferReq(to_nixl_op(args->op), ld->h, li, rd->h, ri, x->req,
                                          args->notif.has_notif ? &opt : nullptr);
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "makeXferReq(%zu descriptors)", n);
-  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+  return publish_xfer(fn, *a, std::move(x), &args->xfer, made);
 }
 
 kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
   static const char fn[] = "make_batch_xfer";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE)) return e;
   WITH_AGENT(a, fn);
+  return make_batch_impl(AgentPtr{a.get()}, args, nullptr);
+}
+
+kvp_error *make_batch_impl(AgentPtr a, kvp_make_batch_xfer_args *args, Xfer **made) {
+  static const char fn[] = "make_batch_xfer";
   if (args->op != KVP_OP_READ && args->op != KVP_OP_WRITE)
     return kvp_err(KVP_ERR_INVALID_PARAM, "%s: unknown op %u", fn, args->op);
   if (kvp_error *e = check_notif(fn, *a, args->notif)) return e;
@@ -1444,7 +1704,7 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
                      fn, i);
   }
 
-  if (args->num_entries == 0) return notif_only_xfer(fn, *a, peer, args->notif, &args->xfer);
+  if (args->num_entries == 0) return notif_only_xfer(fn, *a, peer, args->notif, &args->xfer, made);
 
   nixl_xfer_dlist_t ll(to_nixl_mem(loc[0].kind)), rl(to_nixl_mem(rem[0].kind));
   size_t blocks = 0;
@@ -1481,16 +1741,17 @@ kvp_error *make_batch_xfer(kvp_make_batch_xfer_args *args) {
   nixl_opt_args_t opt;
   if (args->notif.has_notif)
     opt.notif = nixl_blob_t(reinterpret_cast<const char *>(args->notif.msg), args->notif.msg_len);
-  auto x = std::make_unique<Xfer>();
-  x->agent = a.get();
+  XferPtr x = new_xfer(*a);
   x->peer = peer;
   x->desc_count = args->num_entries;
   nixl_status_t s = a->nixl->createXferReq(to_nixl_op(args->op), ll, rl, peer->name, x->req,
                                            args->notif.has_notif ? &opt : nullptr);
   if (s != NIXL_SUCCESS)
     return nixl_err(s, fn, "createXferReq(%zu descriptors to '%s')", blocks, peer->name.c_str());
-  return publish_xfer(fn, *a, std::move(x), &args->xfer);
+  return publish_xfer(fn, *a, std::move(x), &args->xfer, made);
 }
+
+kvp_error *post_locked(AgentPtr a, Xfer *x, kvp_xfer h, kvp_status *status);
 
 kvp_error *post_xfer(kvp_post_xfer_args *args) {
   static const char fn[] = "post_xfer";
@@ -1499,6 +1760,12 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
   Ref<Xfer> x(tables()->xfers, args->xfer);
   if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
+  return post_locked(AgentPtr{a.get()}, x.get(), args->xfer, &args->status);
+}
+
+// post_xfer of transfer x (handle h), locked by the caller.
+kvp_error *post_locked(AgentPtr a, Xfer *x, kvp_xfer h, kvp_status *status) {
+  static const char fn[] = "post_xfer";
   if (x->dead) return peer_removed(fn, "the transfer goes to", *x->peer);
   if (x->notif_only) {
     x->start = Clock::now();
@@ -1512,7 +1779,7 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - x->start).count());
     x->posted = true;
     x->last = NIXL_SUCCESS;
-    args->status = KVP_SUCCESS;
+    *status = KVP_SUCCESS;
     return nullptr;
   }
   nixl_status_t s = a->nixl->postXferReq(x->req);
@@ -1524,7 +1791,8 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
     x->last = s;
   }
   if (s < 0) return nixl_err(s, fn, "postXferReq to '%s'", x->peer->name.c_str());
-  args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
+  *status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
+  if (s == NIXL_IN_PROG && a->ev_fd.load(std::memory_order_acquire) >= 0) ev_watch(*a, h);
   return nullptr;
 }
 
@@ -1532,14 +1800,53 @@ kvp_error *post_xfer(kvp_post_xfer_args *args) {
 // progresses the UCX worker in the calling thread until it has no more
 // completions ready (ucp_worker_progress in a loop while it reports
 // progress): it may move data the transport has ready, but never waits.
-kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
+//
+// ABI 1.1 flags (agents with KVP_CAP_SUBMIT, args of the 1.1 size): once the
+// transfer ended, KVP_POLL_TELEMETRY reads getXferTelemetry (as
+// xfer_telemetry does) and KVP_POLL_RELEASE releases it (releaseXferReq and
+// the handle, as release_xfer does), in the same call.
+kvp_error *poll_locked(Agent &a, Xfer *x, kvp_poll_xfer_args *args, bool *ended);
+nixl_status_t telemetry_locked(Agent &a, Xfer *x, kvp_xfer_telemetry_args *t);
+
+kvp_error *poll_xfer_once(Agent &a, kvp_poll_xfer_args *args, uint32_t flags, bool *release) {
   static const char fn[] = "poll_xfer";
-  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE)) return e;
-  WITH_AGENT(a, fn);
+  *release = false;
   Ref<Xfer> x(tables()->xfers, args->xfer);
-  if (!x || x->agent != a.get()) return bad_handle(fn, "xfer", args->xfer);
+  if (!x || x->agent != &a) return bad_handle(fn, "xfer", args->xfer);
   std::lock_guard<std::mutex> lk(x->mu);
+  bool ended = false;
+  kvp_error *e = poll_locked(a, x.get(), args, &ended);
+  if (!ended) return e;
+  if (!e && (flags & KVP_POLL_TELEMETRY) && (a.caps & KVP_CAP_TELEMETRY)) {
+    kvp_xfer_telemetry_args t{};
+    if (telemetry_locked(a, x.get(), &t) == NIXL_SUCCESS) {
+      args->start_us = t.start_us;
+      args->post_us = t.post_us;
+      args->xfer_us = t.xfer_us;
+      args->total_bytes = t.total_bytes;
+      args->desc_count = t.desc_count;
+      args->has_telemetry = 1;
+    }
+  }
+  if (flags & KVP_POLL_RELEASE) {
+    // It ended: not active, so NIXL's request goes without waiting (as in
+    // release_xfer); the handle goes after the lock and reference.
+    if (x->req) {
+      if (a.nixl->releaseXferReq(x->req) != NIXL_SUCCESS) return e;  // released stays 0
+      x->req = nullptr;
+    }
+    *release = true;
+  }
+  return e;
+}
+
+// One poll of x, locked by the caller; *ended when it ended (done, failed,
+// dead).
+kvp_error *poll_locked(Agent &a, Xfer *x, kvp_poll_xfer_args *args, bool *ended) {
+  static const char fn[] = "poll_xfer";
+  *ended = false;
   if (x->dead) {
+    *ended = true;
     if (x->dead_status != KVP_SUCCESS) return dead_poll(fn, *x);
     args->status = KVP_SUCCESS;
     return nullptr;
@@ -1547,14 +1854,45 @@ kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
   if (x->notif_only) {
     if (!x->posted) return kvp_err(KVP_ERR_NOT_POSTED, "%s: the transfer was never posted", fn);
     args->status = KVP_SUCCESS;
+    *ended = true;
     return nullptr;
   }
-  nixl_status_t s = a->nixl->getXferStatus(x->req);
+  nixl_status_t s = a.nixl->getXferStatus(x->req);
   x->active = s == NIXL_IN_PROG;
   if (x->posted) x->last = s;
+  *ended = x->posted && s != NIXL_IN_PROG;
   if (s < 0) return nixl_err(s, fn, "getXferStatus of a transfer to '%s'", x->peer->name.c_str());
   args->status = s == NIXL_SUCCESS ? KVP_SUCCESS : KVP_IN_PROG;
   return nullptr;
+}
+
+kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args);
+kvp_error *release_xfer(kvp_release_xfer_args *args);
+
+kvp_error *poll_xfer(kvp_poll_xfer_args *args) {
+  static const char fn[] = "poll_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0)) return e;
+  uint32_t flags = 0;
+  if (KVP_ARGS_HAS(args, kvp_poll_xfer_args, desc_count)) {
+    flags = args->flags;
+    args->released = 0;
+    args->has_telemetry = 0;
+  }
+  WITH_AGENT(a, fn);
+  if (!(a->caps & KVP_CAP_SUBMIT)) flags = 0;
+  bool release = false;
+  kvp_error *e = poll_xfer_once(*a, args, flags, &release);
+  if (release) {
+    if (auto *x = static_cast<Xfer *>(kvp_ht_remove(tables()->xfers, args->xfer))) {
+      {
+        std::lock_guard<std::mutex> lk(a->mu);
+        a->unlink(x);
+      }
+      recycle_xfer(*a, x);
+      args->released = 1;
+    }
+  }
+  return e;
 }
 
 kvp_error *release_xfer(kvp_release_xfer_args *args) {
@@ -1583,7 +1921,7 @@ kvp_error *release_xfer(kvp_release_xfer_args *args) {
     std::lock_guard<std::mutex> lk(a->mu);
     a->unlink(x);
   }
-  delete x;
+  recycle_xfer(*a, x);
   return nullptr;
 }
 
@@ -1599,9 +1937,26 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   if (x->dead)
     return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer's peer '%s' was removed", fn,
                    x->peer->name.c_str());
+  kvp_xfer_telemetry_args t{};
+  nixl_status_t s = telemetry_locked(*a, x.get(), &t);
+  if (s == NIXL_ERR_NOT_POSTED && x->notif_only)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was never posted", fn);
+  if (s != NIXL_SUCCESS)
+    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer has not completed (%s)", fn,
+                   status_name(s).c_str());
+  args->start_us = t.start_us;
+  args->post_us = t.post_us;
+  args->xfer_us = t.xfer_us;
+  args->total_bytes = t.total_bytes;
+  args->desc_count = t.desc_count;
+  return nullptr;
+}
+
+// The telemetry of a transfer that ended (not dead), locked by the caller;
+// t->struct_size stays 0 when NIXL has none.
+nixl_status_t telemetry_locked(Agent &a, Xfer *x, kvp_xfer_telemetry_args *args) {
   if (x->notif_only) {
-    if (!x->posted)
-      return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer was never posted", fn);
+    if (!x->posted) return NIXL_ERR_NOT_POSTED;
     auto start = std::chrono::system_clock::now() -
                  std::chrono::duration_cast<std::chrono::system_clock::duration>(Clock::now() - x->start);
     args->start_us = static_cast<uint64_t>(
@@ -1609,13 +1964,12 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
     args->post_us = args->xfer_us = x->post_us;
     args->total_bytes = 0;
     args->desc_count = 0;
-    return nullptr;
+    args->struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
+    return NIXL_SUCCESS;
   }
   nixl_xfer_telem_t tm{};
-  nixl_status_t s = a->nixl->getXferTelemetry(x->req, tm);
-  if (s != NIXL_SUCCESS)
-    return kvp_err(KVP_ERR_NO_TELEMETRY, "%s: no telemetry: the transfer has not completed (%s)", fn,
-                   status_name(s).c_str());
+  nixl_status_t s = a.nixl->getXferTelemetry(x->req, tm);
+  if (s != NIXL_SUCCESS) return s;
   // NIXL stamps the start on the steady clock; the ABI wants Unix time.
   auto since = std::chrono::steady_clock::now() - tm.startTime;
   auto start = std::chrono::system_clock::now() -
@@ -1626,6 +1980,98 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
   args->xfer_us = static_cast<uint64_t>(tm.xferDuration.count());
   args->total_bytes = tm.totalBytes;
   args->desc_count = x->desc_count;
+  args->struct_size = KVP_XFER_TELEMETRY_ARGS_STRUCT_SIZE;
+  return NIXL_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Submit (ABI 1.1)
+// ---------------------------------------------------------------------------
+
+kvp_error *submit_xfer(kvp_submit_xfer_args *args) {
+  static const char fn[] = "submit_xfer";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE)) return e;
+  if (!args->prepped == !args->batch)
+    return kvp_err(KVP_ERR_INVALID_PARAM, "%s: exactly one of prepped and batch must be set", fn);
+  kvp_agent ah;
+  kvp_xfer *out;
+  kvp_error *e;
+  if (args->prepped) {
+    if ((e = KVP_CHECK_ARGS(args->prepped, KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE))) return e;
+    ah = args->prepped->agent;
+    out = &args->prepped->xfer;
+  } else {
+    if ((e = KVP_CHECK_ARGS(args->batch, KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE))) return e;
+    ah = args->batch->agent;
+    out = &args->batch->xfer;
+  }
+  // One reference on the agent for the make and the post; the new
+  // transfer is posted through the pointer the make hands back (nobody
+  // else knows its handle yet, so nobody can release it meanwhile).
+  Ref<Agent> a(tables()->agents, ah);
+  if (!a) return bad_handle(fn, "agent", ah);
+  if (!(a->caps & KVP_CAP_SUBMIT))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: submit is off for this agent", fn);
+  Xfer *x = nullptr;
+  AgentPtr ap{a.get()};
+  if ((e = args->prepped ? make_prepped_impl(ap, args->prepped, &x) : make_batch_impl(ap, args->batch, &x)))
+    return e;
+  kvp_status st = KVP_IN_PROG;
+  {
+    std::lock_guard<std::mutex> lk(x->mu);
+    e = post_locked(ap, x, *out, &st);
+  }
+  if (e) {
+    kvp_release_xfer_args r{KVP_RELEASE_XFER_ARGS_STRUCT_SIZE, nullptr, ah, *out};
+    kvp_err_free(release_xfer(&r));  // never posted: nothing to wait for
+    *out = 0;
+    return e;
+  }
+  args->status = st;
+  return nullptr;
+}
+
+kvp_error *get_event_fd(kvp_get_event_fd_args *args) {
+  static const char fn[] = "get_event_fd";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!(a->caps & KVP_CAP_EVENT_FD))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: the event descriptor is off for this agent", fn);
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lk(a->ev_mu);
+    if (a->ev_fd.load(std::memory_order_acquire) < 0) {
+      int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (fd < 0) return kvp_err(KVP_ERR_BACKEND, "%s: eventfd: %s", fn, std::strerror(errno));
+      try {
+        a->ev_thread = std::thread(ev_main, a.get());
+      } catch (...) {
+        close(fd);
+        throw;
+      }
+      a->ev_fd.store(fd, std::memory_order_release);
+      first = true;
+    }
+    args->fd = a->ev_fd.load(std::memory_order_acquire);
+  }
+  if (first) {
+    // Transfers posted before: the thread watches those still in progress.
+    std::vector<kvp_xfer> xs;
+    {
+      std::lock_guard<std::mutex> lk(a->mu);
+      for (Xfer *x = a->xfers; x; x = x->next) xs.push_back(x->handle);
+    }
+    for (kvp_xfer h : xs) {
+      Ref<Xfer> x(tables()->xfers, h);
+      if (!x) continue;
+      bool active;
+      {
+        std::lock_guard<std::mutex> lk(x->mu);
+        active = x->active && !x->dead;
+      }
+      if (active) ev_watch(*a, h);
+    }
+  }
   return nullptr;
 }
 
@@ -1633,30 +2079,40 @@ kvp_error *xfer_telemetry(kvp_xfer_telemetry_args *args) {
 // Notifications
 // ---------------------------------------------------------------------------
 
-kvp_error *get_notifs(kvp_get_notifs_args *args) {
-  static const char fn[] = "get_notifs";
-  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_GET_NOTIFS_ARGS_STRUCT_SIZE)) return e;
-  WITH_AGENT(a, fn);
-  if (!(a->caps & KVP_CAP_NOTIF))
-    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
-  // Pull what NIXL has received (this also drives the backend's progress)
-  // into the agent's queue, then hand out whole records that fit.
-  std::lock_guard<std::mutex> lk(a->notif_mu);
+// Moves what NIXL has received (getNotifs, which also drives the backend's
+// progress) into the agent's queue; *n counts the notifications moved.
+// Needs a.notif_mu.
+kvp_error *pull_notifs(Agent &a, const char *fn, size_t *n) {
+  *n = 0;
   nixl_notifs_t got;
-  nixl_status_t s = a->nixl->getNotifs(got);
+  nixl_status_t s = a.nixl->getNotifs(got);
   if (s != NIXL_SUCCESS) return nixl_err(s, fn, "getNotifs");
   kvp_error *first = nullptr;
   for (auto &kv : got) {
     for (auto &msg : kv.second) {
-      kvp_error *e = kvp_nq_push(a->notifs, kv.first.data(), kv.first.size(),
+      kvp_error *e = kvp_nq_push(a.notifs, kv.first.data(), kv.first.size(),
                                  reinterpret_cast<const uint8_t *>(msg.data()), msg.size());
+      if (!e) (*n)++;
       if (e && !first)
         first = kvp_err_wrap(e, "%s: notification from '%s' dropped", fn, kv.first.c_str());
       else if (e)
         kvp_err_free(e);
     }
   }
-  if (first) return first;
+  return first;
+}
+
+kvp_error *get_notifs(kvp_get_notifs_args *args) {
+  static const char fn[] = "get_notifs";
+  if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_GET_NOTIFS_ARGS_STRUCT_SIZE)) return e;
+  WITH_AGENT(a, fn);
+  if (!(a->caps & KVP_CAP_NOTIF))
+    return kvp_err(KVP_ERR_NOT_SUPPORTED, "%s: notifications are off for this agent", fn);
+  // Pull what NIXL has received into the agent's queue, then hand out
+  // whole records that fit.
+  std::lock_guard<std::mutex> lk(a->notif_mu);
+  size_t n;
+  if (kvp_error *e = pull_notifs(*a, fn, &n)) return e;
   kvp_nq_drain(a->notifs, args->buf, args->cap, &args->size, &args->count, &args->needed);
   return nullptr;
 }
@@ -1710,6 +2166,8 @@ GUARD(release_xfer, kvp_release_xfer_args)
 GUARD(xfer_telemetry, kvp_xfer_telemetry_args)
 GUARD(get_notifs, kvp_get_notifs_args)
 GUARD(send_notif, kvp_send_notif_args)
+GUARD(submit_xfer, kvp_submit_xfer_args)
+GUARD(get_event_fd, kvp_get_event_fd_args)
 
 const kvp_api kApi = {
     KVP_API_STRUCT_SIZE,
@@ -1740,6 +2198,8 @@ const kvp_api kApi = {
     xfer_telemetry_entry,
     get_notifs_entry,
     send_notif_entry,
+    submit_xfer_entry,
+    get_event_fd_entry,
 };
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -140,7 +141,11 @@ static kvp_status post(kvp_agent a, kvp_xfer x, kvp_status *st) {
 }
 
 static kvp_status poll1(kvp_agent a, kvp_xfer x, kvp_status *st, char *msg, size_t cap) {
-  kvp_poll_xfer_args p = {KVP_POLL_XFER_ARGS_STRUCT_SIZE, NULL, a, x, 0};
+  kvp_poll_xfer_args p;
+  memset(&p, 0, sizeof p);
+  p.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE;
+  p.agent = a;
+  p.xfer = x;
   kvp_status s = take(api->poll_xfer(&p), msg, cap);
   if (st) *st = p.status;
   return s;
@@ -196,7 +201,8 @@ int main(void) {
   kvp_plugin_info_args info = {KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE};
   CHECK(take(api->plugin_info(&info), NULL, 0) == 0, "plugin_info");
   CHECK(strcmp(info.name, "mori") == 0, "name %s", info.name);
-  CHECK(info.caps == (KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_BLOB),
+  CHECK(info.caps == (KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_BLOB |
+                      KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD),
         "caps 0x%llx", (unsigned long long)info.caps);
   CHECK(info.mem_kinds == (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM)), "mem kinds");
   CHECK(strstr(info.params_doc, "qp_per_transfer=4\t") && strstr(info.params_doc, "num_worker_threads=4\t") &&
@@ -439,6 +445,78 @@ int main(void) {
     CHECK(memcmp(b2 + 200, remote_before, 300) == 0, "read left the remote side alone");
   }
   CHECK(release(A, xr) == 0, "release read");
+
+  /* ---- ABI 1.1: event descriptor, submit, poll-release ---- */
+  {
+    kvp_get_event_fd_args ef = {KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE, NULL, A, -1};
+    CHECK(take(api->get_event_fd(&ef), NULL, 0) == 0 && ef.fd >= 0, "get_event_fd");
+    kvp_get_event_fd_args ef2 = {KVP_GET_EVENT_FD_ARGS_STRUCT_SIZE, NULL, A, -1};
+    CHECK(take(api->get_event_fd(&ef2), NULL, 0) == 0 && ef2.fd == ef.fd, "get_event_fd again");
+    struct pollfd pf = {ef.fd, POLLIN, 0};
+    CHECK(poll(&pf, 1, 20) == 0, "idle: not readable");
+    setenv("MORI_STUB_DELAY_MS", "20", 1);
+    fill(a1, N, 21);
+    kvp_make_batch_xfer_args m;
+    memset(&m, 0, sizeof m);
+    m.struct_size = KVP_MAKE_BATCH_XFER_ARGS_STRUCT_SIZE;
+    m.agent = A;
+    m.op = KVP_OP_WRITE;
+    m.pairs = rp;
+    m.num_pairs = 1;
+    m.entries = re;
+    m.num_entries = 1;
+    kvp_submit_xfer_args sb = {KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE, NULL, NULL, &m, 99};
+    CHECK(take(api->submit_xfer(&sb), NULL, 0) == 0 && m.xfer && sb.status == KVP_IN_PROG,
+          "submit: status %d", sb.status);
+    /* completes with no poll: the descriptor says so */
+    CHECK(poll(&pf, 1, 5000) == 1 && (pf.revents & POLLIN), "readable after the transfer ended");
+    uint64_t cnt = 0;
+    CHECK(read(ef.fd, &cnt, sizeof cnt) == (ssize_t)sizeof cnt && cnt >= 1, "drain");
+    kvp_poll_xfer_args pl;
+    memset(&pl, 0, sizeof pl);
+    pl.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE;
+    pl.agent = A;
+    pl.xfer = m.xfer;
+    pl.flags = KVP_POLL_RELEASE | KVP_POLL_TELEMETRY;
+    CHECK(take(api->poll_xfer(&pl), NULL, 0) == 0 && pl.status == KVP_SUCCESS && pl.released == 1 &&
+              pl.has_telemetry == 1 && pl.total_bytes == 300 && pl.desc_count == 1,
+          "poll-release: status %d released %u tel %u bytes %llu", pl.status, pl.released,
+          pl.has_telemetry, (unsigned long long)pl.total_bytes);
+    CHECK(memcmp(b2 + 200, a1 + 100, 300) == 0, "submitted bytes");
+    CHECK(release(A, m.xfer) == KVP_ERR_INVALID_PARAM, "released by the poll");
+    unsetenv("MORI_STUB_DELAY_MS");
+    pf.revents = 0;
+    CHECK(poll(&pf, 1, 20) == 0, "idle again: not readable");
+    /* the prepped form needs KVP_CAP_PREPPED; both or neither is refused */
+    kvp_make_prepped_xfer_args mp;
+    memset(&mp, 0, sizeof mp);
+    mp.struct_size = KVP_MAKE_PREPPED_XFER_ARGS_STRUCT_SIZE;
+    mp.agent = A;
+    kvp_submit_xfer_args sp = {KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE, NULL, &mp, NULL, 0};
+    CHECK(take(api->submit_xfer(&sp), NULL, 0) == KVP_ERR_NOT_SUPPORTED, "submit prepped");
+    kvp_submit_xfer_args sn = {KVP_SUBMIT_XFER_ARGS_STRUCT_SIZE, NULL, NULL, NULL, 0};
+    CHECK(take(api->submit_xfer(&sn), NULL, 0) == KVP_ERR_INVALID_PARAM, "submit neither");
+    /* a refused submit leaves no transfer */
+    kvp_batch_entry oob = {0, 0, N - 10, 0, 20, 0, 0, 1};
+    m.entries = &oob;
+    m.xfer = 0;
+    CHECK(take(api->submit_xfer(&sb), NULL, 0) == KVP_ERR_INVALID_PARAM && m.xfer == 0, "submit oob");
+    /* an ABI 1.0 poll (1.0 struct_size): flags neither read nor written */
+    kvp_xfer x10 = 0;
+    CHECK(make(A, KVP_OP_WRITE, rp, 1, re, 1, &x10) == 0 && post(A, x10, NULL) == 0 &&
+              wait_done(A, x10, NULL) == 0,
+          "1.0 transfer");
+    memset(&pl, 0, sizeof pl);
+    pl.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0;
+    pl.agent = A;
+    pl.xfer = x10;
+    pl.flags = KVP_POLL_RELEASE;
+    pl.released = 77;
+    CHECK(take(api->poll_xfer(&pl), NULL, 0) == 0 && pl.status == KVP_SUCCESS && pl.released == 77,
+          "1.0 poll");
+    CHECK(release(A, x10) == 0, "1.0 transfer still valid");
+    read(ef.fd, &cnt, sizeof cnt); /* the 1.0 transfer's signal, if any */
+  }
 
   /* ---- bad transfers: nothing built, nothing moved ---- */
   {
