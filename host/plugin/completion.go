@@ -58,6 +58,14 @@ type Watch struct {
 	Bytes   uint64
 	Descs   uint64
 	Plan    time.Duration
+	// Drive has the submitter poll the transfer itself first, while the
+	// polls make progress, on an engine without an event descriptor: a
+	// plugin may move the bytes in polls (the fake plugin does), and one
+	// engine goroutine driving every transfer of an agent would serialise
+	// what the submitters' goroutines copy in parallel. For submitters
+	// that wait for their transfers anyway (push's transfer workers); the
+	// submit call then returns when the transfer is done or stalls.
+	Drive bool
 }
 
 // ErrAborted is the error of a transfer event for a transfer its runtime
@@ -255,8 +263,14 @@ func (e *Engine) SubmitBatch(op abi.Op, pairs []Pair, entries []abi.BatchEntry, 
 func (e *Engine) submitted(x *Xfer, op abi.Op, t0 time.Time, done bool, s0 uint64, w Watch) {
 	p := e.pool.Get().(*pending)
 	*p = pending{x: x, w: w, op: op, posted: t0, post: time.Since(t0)}
+	var tel Telemetry
+	var err error
 	if done {
-		_, tel, err := x.PollRelease()
+		_, tel, err = x.PollRelease()
+	} else if w.Drive && e.file == nil {
+		done, tel, err = e.drive(x)
+	}
+	if done || err != nil {
 		if err != nil {
 			x.Close()
 		}
@@ -268,6 +282,26 @@ func (e *Engine) submitted(x *Xfer, op abi.Op, t0 time.Time, done bool, s0 uint6
 		// The agent is closing: it releases the transfer.
 		e.deliver(p, e.event(p, time.Now(), Telemetry{}, err))
 		e.pool.Put(p)
+	}
+}
+
+// drive polls x (PollRelease) in the calling goroutine while it makes
+// progress: back to back for spinFor, and on for as long as each poll moves
+// bytes (takes spinFor or more), as Finish does.
+func (e *Engine) drive(x *Xfer) (bool, Telemetry, error) {
+	spinStart := time.Now()
+	for {
+		p0 := time.Now()
+		done, tel, err := x.PollRelease()
+		if err != nil || done {
+			return done, tel, err
+		}
+		now := time.Now()
+		if now.Sub(p0) >= spinFor {
+			spinStart = now
+		} else if now.Sub(spinStart) >= spinFor {
+			return false, Telemetry{}, nil
+		}
 	}
 }
 

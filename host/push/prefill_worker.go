@@ -641,7 +641,10 @@ func (w *worker) untrack(f *inflight) {
 
 // watch is what the completion engine is told of f.
 func (w *worker) watch(f *inflight) plugin.Watch {
-	return plugin.Watch{Handler: w, Tag: f, Bytes: f.ev.Bytes, Descs: f.ev.Descs, Plan: f.ev.Plan}
+	// Drive: the worker waits for its chunk anyway, so it moves the bytes
+	// of a plugin that copies in polls itself, as each worker did before
+	// the engine (in parallel, not one engine goroutine for all).
+	return plugin.Watch{Handler: w, Tag: f, Bytes: f.ev.Bytes, Descs: f.ev.Descs, Plan: f.ev.Plan, Drive: true}
 }
 
 // TransferDone is the completion engine's report of one of the chunk's
