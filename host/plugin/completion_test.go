@@ -481,3 +481,44 @@ func TestEngineCompletionLatency(t *testing.T) {
 		t.Errorf("the polling engine's p50 (xfer %v, notif %v) is far past the old loops' (%v, %v)", px.p50, pn.p50, lx.p50, ln.p50)
 	}
 }
+
+// Watch.Drive on an engine without an event descriptor: the submitter
+// moves the bytes itself (the fake plugin copies in polls) and the
+// transfer is reported before the submit returns; with the descriptor the
+// plugin completes it and the engine reports it.
+func TestEngineDrive(t *testing.T) {
+	p := openFake(t)
+	for _, c := range []struct {
+		name   string
+		params []Param
+		inline bool
+	}{{"polling", pollingParams, true}, {"default", nil, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			ps := newPairSides(t, p, 1<<20, c.params...)
+			fill(ps.a.bufs[0], 9)
+			ch := make(chanHandler, 1)
+			idx := make([]int32, 256)
+			for i := range idx {
+				idx[i] = int32(i)
+			}
+			if _, err := ps.a.a.Engine().SubmitPrepped(abi.Write, ps.local, idx, ps.rem, idx, nil, Watch{Handler: ch, Drive: true}); err != nil {
+				t.Fatal(err)
+			}
+			if c.inline {
+				select {
+				case ev := <-ch:
+					if ev.Err != nil {
+						t.Fatal(ev.Err)
+					}
+				default:
+					t.Fatal("a driven transfer on a polling engine was not done when the submit returned")
+				}
+			} else if ev := recvEvent(t, ch); ev.Err != nil {
+				t.Fatal(ev.Err)
+			}
+			if !bytes.Equal(ps.a.bufs[0], ps.b.bufs[0]) {
+				t.Fatal("bytes did not land")
+			}
+		})
+	}
+}
