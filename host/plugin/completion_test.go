@@ -501,20 +501,33 @@ func TestEngineDrive(t *testing.T) {
 			for i := range idx {
 				idx[i] = int32(i)
 			}
-			if _, err := ps.a.a.Engine().SubmitPrepped(abi.Write, ps.local, idx, ps.rem, idx, nil, Watch{Handler: ch, Drive: true}); err != nil {
-				t.Fatal(err)
-			}
-			if c.inline {
+			// A submitter descheduled for spinFor on a loaded machine hands
+			// the transfer to the engine (as it should): count the inline
+			// ones over a few tries.
+			inline := 0
+			for range 10 {
+				if _, err := ps.a.a.Engine().SubmitPrepped(abi.Write, ps.local, idx, ps.rem, idx, nil, Watch{Handler: ch, Drive: true}); err != nil {
+					t.Fatal(err)
+				}
 				select {
 				case ev := <-ch:
 					if ev.Err != nil {
 						t.Fatal(ev.Err)
 					}
+					inline++
+					continue
 				default:
-					t.Fatal("a driven transfer on a polling engine was not done when the submit returned")
 				}
-			} else if ev := recvEvent(t, ch); ev.Err != nil {
-				t.Fatal(ev.Err)
+				if ev := recvEvent(t, ch); ev.Err != nil {
+					t.Fatal(ev.Err)
+				}
+			}
+			t.Logf("%d of 10 transfers done when the submit returned", inline)
+			if c.inline && inline == 0 {
+				t.Fatal("no driven transfer on a polling engine was done when its submit returned")
+			}
+			if !c.inline && inline > 2 {
+				t.Fatalf("%d of 10 transfers done at submit with an event descriptor (the plugin completes them)", inline)
 			}
 			if !bytes.Equal(ps.a.bufs[0], ps.b.bufs[0]) {
 				t.Fatal("bytes did not land")
