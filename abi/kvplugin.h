@@ -680,7 +680,10 @@ typedef struct kvp_submit_xfer_args {
  *   - a notification for this agent is queued (get_notifs would return it).
  * The plugin signals by adding to the counter (write(2) of a uint64_t 1)
  * after the outcome is visible: a poll_xfer or get_notifs that starts after
- * the descriptor became readable sees it.
+ * the descriptor became readable sees it. A plugin whose backend has no
+ * completion signal may stand in with a thread of its own that polls the
+ * backend and signals; it documents how late it can be (the nixl plugin's
+ * README: event_notif_max_us for notifications, 100 us for transfers).
  *
  * Level-triggered: the descriptor stays readable until the host resets it
  * by reading it (read(2) of 8 bytes; EAGAIN means it was not set). Events

@@ -174,7 +174,7 @@ func TestPluginsCheckFake(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	for _, want := range []string{"PASS  in-process   prepped-write", "PASS  two-process  prepped-write", "PASS  two-process  notif-buffer", "PASS  two-process  peer-exit", "fake: 53 passed, 0 failed, 1 skipped"} {
+	for _, want := range []string{"PASS  in-process   prepped-write", "PASS  two-process  prepped-write", "PASS  two-process  notif-buffer", "PASS  two-process  peer-exit", "fake: 57 passed, 0 failed, 1 skipped"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}

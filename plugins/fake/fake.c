@@ -193,7 +193,8 @@ static const char PARAMS_DOC[] =
     "drop_notif_rate=0\tprobability in [0,1] that the notification of a successful "
     "transfer is silently dropped\n"
     "workers=1\tworker threads per agent (1..64); they take over transfers nobody polls, and "
-    "every transfer of an agent with delay_us\n";
+    "run every transfer of an agent with delay_us or whose event descriptor was asked for "
+    "(get_event_fd): raise it to run that many at once\n";
 
 static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
                                          "delay_us", "drop_notif_rate", "workers"};

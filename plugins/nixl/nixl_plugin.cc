@@ -263,7 +263,8 @@ struct Agent {
   // guards ev_watch (handles of transfers posted IN_PROG, for the thread
   // to poll) and ev_stop.
   std::atomic<int> ev_fd{-1};
-  std::chrono::microseconds ev_notif_interval{0};
+  std::chrono::microseconds ev_notif_interval{0};  // shortest notification check interval
+  std::chrono::microseconds ev_notif_max{0};       // longest
   std::mutex ev_mu;
   std::condition_variable ev_cv;
   std::vector<kvp_xfer> ev_watch;
@@ -385,6 +386,7 @@ void ev_main(Agent *a) {
   const bool notif = (a->caps & KVP_CAP_NOTIF) != 0;
   Clock::time_point notif_due = Clock::now();
   microseconds pause(2);
+  microseconds notif_every = a->ev_notif_interval;  // doubles while checks find nothing
   std::unique_lock<std::mutex> lk(a->ev_mu);
   for (;;) {
     auto wake = [a] { return a->ev_stop || !a->ev_watch.empty(); };
@@ -401,6 +403,7 @@ void ev_main(Agent *a) {
       watch.insert(watch.end(), a->ev_watch.begin(), a->ev_watch.end());
       a->ev_watch.clear();
       pause = microseconds(2);
+      notif_every = a->ev_notif_interval;  // activity: a notification may follow
     } else {
       pause = std::min(pause * 2, microseconds(100));
     }
@@ -420,14 +423,15 @@ void ev_main(Agent *a) {
     }
     watch.swap(keep);
     if (notif && Clock::now() >= notif_due) {
+      size_t n = 0;
       try {
         std::lock_guard<std::mutex> nl(a->notif_mu);
-        size_t n = 0;
         kvp_err_free(pull_notifs(*a, "event thread", &n));
-        signal = signal || n > 0;
       } catch (...) {  // the host's get_notifs reports NIXL's failure
       }
-      notif_due = Clock::now() + a->ev_notif_interval;
+      signal = signal || n > 0;
+      notif_every = n > 0 || !watch.empty() ? a->ev_notif_interval : std::min(notif_every * 2, a->ev_notif_max);
+      notif_due = Clock::now() + notif_every;
     }
     if (signal) ev_signal(*a);
     lk.lock();
@@ -501,7 +505,8 @@ kvp_error *bad_handle(const char *fn, const char *kind, uint64_t h) {
 // The agent parameters the shim itself reads; every other key is passed to
 // the NIXL backend as a string parameter.
 const char *const kOwnKeys[] = {"backend", "progress_thread", "progress_delay_us", "sync_mode", "release_wait_ms",
-                                "telemetry", "tcp_put_emulation", "event_notif_us"};
+                                "telemetry", "tcp_put_emulation", "event_notif_us",
+                                "event_notif_max_us"};
 
 const char kParamsDoc[] =
     "backend=UCX\tNIXL backend plugin to create (an unknown name is an error listing the "
@@ -516,10 +521,14 @@ const char kParamsDoc[] =
     "sync_mode=rw\tNIXL thread sync mode: rw or strict (none is refused: the host calls "
     "concurrently)\n"
     "telemetry=true\tcapture per-transfer telemetry (xfer_telemetry)\n"
-    "event_notif_us=200\tonce the host asked for the event descriptor (get_event_fd), how often "
-    "the shim's event thread checks NIXL for notifications, microseconds (1..1000000): a "
-    "notification wakes the host at most this much after NIXL received it; transfers in "
-    "flight are checked from every 2 us, backing off to 100 us\n"
+    "event_notif_us=100\tonce the host asked for the event descriptor (get_event_fd), the "
+    "shortest interval at which the shim's event thread checks NIXL for notifications, "
+    "microseconds (1..1000000): right after a notification, a post or a transfer's end\n"
+    "event_notif_max_us=2000\tthe longest such interval (event_notif_us..1000000): each check "
+    "that finds nothing doubles the interval up to this, so an idle agent costs one getNotifs "
+    "call per event_notif_max_us and a notification after a quiet spell wakes the host at most "
+    "this much after NIXL received it; transfers in flight are checked from every 2 us, backing "
+    "off to 100 us\n"
     "release_wait_ms=30000\thow long release_xfer, remove_remote and agent_destroy wait for an "
     "active transfer to finish: NIXL cannot cancel an in-flight UCX transfer, so they wait "
     "rather than return while it still touches memory\n"
@@ -537,7 +546,8 @@ const char kParamsDoc[] =
 constexpr int kDefaultProgressThread = 1;
 constexpr uint64_t kDefaultProgressDelayUs = 1000;
 constexpr uint64_t kDefaultReleaseWaitMs = 30000;
-constexpr uint64_t kDefaultEventNotifUs = 200;
+constexpr uint64_t kDefaultEventNotifUs = 100;
+constexpr uint64_t kDefaultEventNotifMaxUs = 2000;
 
 // UCX guards a worker shared by threads with a spinlock unless told to use
 // a mutex (UCX_USE_MT_MUTEX). NIXL's worker is shared by the progress thread
@@ -928,8 +938,11 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   if (kvp_error *e = kvp_param_bool(p, np, "progress_thread", kDefaultProgressThread, &prog))
     return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_bool(p, np, "telemetry", 1, &telem)) return kvp_err_wrap(e, "%s", fn);
-  uint64_t ev_notif_us = 0;
+  uint64_t ev_notif_us = 0, ev_notif_max_us = 0;
   if (kvp_error *e = kvp_param_u64(p, np, "event_notif_us", kDefaultEventNotifUs, 1, 1000000, &ev_notif_us))
+    return kvp_err_wrap(e, "%s", fn);
+  if (kvp_error *e = kvp_param_u64(p, np, "event_notif_max_us", std::max(kDefaultEventNotifMaxUs, ev_notif_us),
+                                   ev_notif_us, 1000000, &ev_notif_max_us))
     return kvp_err_wrap(e, "%s", fn);
   if (kvp_error *e = kvp_param_u64(p, np, "progress_delay_us", kDefaultProgressDelayUs, 0,
                                    10000000, &delay))
@@ -977,6 +990,7 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   a->name = as_string(args->name, args->name_len);
   a->release_wait = std::chrono::milliseconds(release_wait);
   a->ev_notif_interval = std::chrono::microseconds(ev_notif_us);
+  a->ev_notif_max = std::chrono::microseconds(ev_notif_max_us);
   a->notifs = kvp_nq_create(0);
   if (!a->notifs) return kvp_err_oom();
   nixlAgentConfig cfg(prog != 0, false, default_comm_port, sync, 1, delay,
