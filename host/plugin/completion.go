@@ -169,8 +169,14 @@ func (a *Agent) Engine() *Engine {
 // stopEngine stops the engine if it runs; Agent.Close calls it before
 // destroying the agent.
 func (a *Agent) stopEngine() {
-	a.engineOnce.Do(func() {}) // no engine from now on but a stopped one
-	if a.engine != nil {
+	started := true
+	a.engineOnce.Do(func() { // never started: a stopped one from now on
+		started = false
+		a.engine = &Engine{a: a, closed: true, wake: make(chan struct{}, 1), done: make(chan struct{})}
+		a.engine.pool.New = func() any { return new(pending) }
+		close(a.engine.done)
+	})
+	if started {
 		a.engine.stop()
 	}
 }

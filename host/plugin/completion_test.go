@@ -535,3 +535,30 @@ func TestEngineDrive(t *testing.T) {
 		})
 	}
 }
+
+// The engine of a closed agent, started before or not, is a stopped one:
+// its calls fail with ErrClosed instead of panicking.
+func TestEngineAfterAgentClose(t *testing.T) {
+	p := openFake(t)
+	for _, started := range []bool{false, true} {
+		ps := newPairSides(t, p, 16<<10)
+		if started {
+			ps.a.a.Engine()
+		}
+		if err := ps.a.a.Close(); err != nil {
+			t.Fatal(err)
+		}
+		e := ps.a.a.Engine()
+		if e == nil {
+			t.Fatalf("started %v: no engine after Close", started)
+		}
+		if _, err := e.Subscribe(func([]Notif) {}); !errors.Is(err, ErrClosed) {
+			t.Errorf("started %v: Subscribe after Close: %v", started, err)
+		}
+		if _, err := e.SubmitPrepped(abi.Write, ps.local, []int32{0}, ps.rem, []int32{0}, nil, Watch{}); !errors.Is(err, ErrClosed) {
+			t.Errorf("started %v: SubmitPrepped after Close: %v", started, err)
+		}
+		e.Expect(1)
+		e.Abort(nil, nil)
+	}
+}
