@@ -26,12 +26,13 @@ func benchCommand() *cli.Command {
 		UsageText: "kvhost [--backend NAME] bench [--procs 1,2] [--ops WRITE,READ] [--paths prepped,batch]\n" +
 			"    [--blocks 4K..64M] [--batches 1,16] [--threads 1,2] [--json | --csv] [--plot FILE.png]",
 		Description: "A nixlbench-style sweep of the plugin chosen with --backend. Every combination of the\n" +
-			"lists given is a row; one iteration makes a transfer of BATCH descriptors of BLOCK bytes\n" +
-			"(contiguous), posts it, polls it to completion and releases it, per thread. Columns follow\n" +
-			"nixlbench (and bin/nixl-bench-direct, the direct-NIXL baseline): block size, batch size,\n" +
-			"bandwidth (1e9 bytes/s), average latency of a whole iteration, average and p99 of the prep\n" +
-			"(making the transfer), post, and transfer (post to completion) times in µs, and the posting\n" +
-			"thread's CPU time per iteration (CPU/op).\n\n" +
+			"lists given is a row; one iteration submits a transfer of BATCH descriptors of BLOCK bytes\n" +
+			"(contiguous; made and posted in one plugin call) and polls it to completion with the poll\n" +
+			"that releases it, per thread. Columns follow nixlbench (and bin/nixl-bench-direct, the\n" +
+			"direct-NIXL baseline): block size, batch size, bandwidth (1e9 bytes/s), average latency of\n" +
+			"a whole iteration, average and p99 of the prep (the submit call: making and posting the\n" +
+			"transfer), post (0: part of the submit), and transfer (submit to completion) times in µs,\n" +
+			"and the posting thread's CPU time per iteration (CPU/op).\n\n" +
 			"The raw baseline of this machine is measured in the same run: every thread alternates one\n" +
 			"transfer with one raw copy of the same blocks between the same buffers, so load from\n" +
 			"elsewhere hits both alike: memcpy (Go's copy and libc's memcpy, the faster counts) with both\n" +
@@ -57,8 +58,8 @@ func benchCommand() *cli.Command {
 			&cli.IntFlag{Name: "rounds", EnvVars: env("BENCH_ROUNDS"), Value: 5, Usage: "rounds per row; rates are medians over rounds"},
 			&cli.StringFlag{Name: "max-buffer", EnvVars: env("BENCH_MAX_BUFFER"), Value: "256M", Usage: "skip rows needing more than this per side (block x batch x threads)"},
 			&cli.StringSliceFlag{Name: "param", EnvVars: env("BENCH_PARAMS"), Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2"},
-			&cli.BoolFlag{Name: "telemetry", EnvVars: env("BENCH_TELEMETRY"), Usage: "also read the plugin's telemetry each transfer and report its own post and transfer time (JSON, CSV)"},
-			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers with the host's Wait (poll with backoff, as the workers do) instead of polling back to back (as nixlbench does)"},
+			&cli.BoolFlag{Name: "telemetry", EnvVars: env("BENCH_TELEMETRY"), Usage: "report the plugin's own post and transfer time from its telemetry, which the releasing poll returns (JSON, CSV)"},
+			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers through the completion engine (as the workers do) instead of polling back to back (as nixlbench does)"},
 			&cli.BoolFlag{Name: "json", EnvVars: env("BENCH_JSON"), Usage: "print the result as JSON (no table, no progress bar)"},
 			&cli.BoolFlag{Name: "csv", EnvVars: env("BENCH_CSV"), Usage: "print the rows as CSV (no table, no progress bar)"},
 			&cli.StringFlag{Name: "plot", EnvVars: env("BENCH_PLOT"), Usage: "draw bandwidth against block size, baselines dashed, into `FILE` (.png or .svg)"},

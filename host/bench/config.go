@@ -51,12 +51,13 @@ type Config struct {
 	Iters  int
 	Time   time.Duration
 	Rounds int
-	// Telemetry also reads the plugin's telemetry of every transfer (one
-	// more plugin call per iteration, inside the timed loop) and reports
-	// the plugin's own post and transfer time beside the host's.
+	// Telemetry reports the plugin's own post and transfer time beside the
+	// host's (the telemetry the poll that releases a transfer returns: no
+	// extra plugin call on a plugin with CapSubmit).
 	Telemetry bool
-	// Wait completes each transfer with Xfer.Wait (polls with backoff, as
-	// the runtimes do) instead of polling back to back (as nixlbench does).
+	// Wait completes each transfer through the agent's completion engine
+	// (plugin.Engine.Finish: a moment of polling, then the engine, as the
+	// runtimes do) instead of polling back to back (as nixlbench does).
 	Wait bool
 
 	// TargetCommand makes the command of the target process for Procs 2

@@ -11,13 +11,19 @@
 // plugins/nixl/bench_direct.cc (the direct-NIXL baseline), so that the two
 // tables compare column for column:
 //
-//   - prep: build the transfer (prepped path: MakePreppedXfer over lists
-//     prepared once per row, outside the timing; batch path: MakeBatchXfer
-//     from region-relative entries against a remote region imported once);
-//   - post: Post;
-//   - transfer (tx): from before Post until a Poll reports completion
-//     (polling back to back, as nixlbench does);
-//   - latency: prep + transfer + releasing the transfer (Close);
+//   - prep: the submit call, which makes and posts the transfer (prepped
+//     path: Agent.SubmitPrepped over lists prepared once per row, outside
+//     the timing; batch path: Agent.SubmitBatch from region-relative
+//     entries against a remote region imported once): one plugin call on a
+//     plugin with CapSubmit, make and post otherwise;
+//   - post: 0, as posting is part of the submit call (prep);
+//   - transfer (tx): from before the submit until the poll that releases
+//     the transfer reports completion (Xfer.PollRelease polled back to
+//     back, as nixlbench polls; with --wait, the agent's completion engine
+//     finishes it, as the runtimes do);
+//   - latency: the same as tx: the final poll released the transfer (one
+//     plugin call to finish on a plugin with CapSubmit; poll, telemetry
+//     and release otherwise);
 //   - CPU/op: the posting thread's CPU time per iteration (as bench_direct's
 //     CPU/op; a plugin's own threads are not in it).
 //

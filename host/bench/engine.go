@@ -335,29 +335,51 @@ type namedCopier struct {
 	copier
 }
 
-// transfer runs one iteration: make, post, poll to completion, close, and
-// returns its latency. A recorded iteration adds it to w.subject.
+// transfer runs one iteration: submit (make and post in one call), poll to
+// completion with the poll that releases the transfer (PollRelease: its
+// telemetry comes with it), and returns its latency: one plugin call to
+// start and one to finish on a plugin with CapSubmit. With Config.Wait the
+// agent's completion engine finishes it (Engine.Finish: polls in this
+// goroutine for a moment, then waits for the engine, as the runtimes do).
+// A recorded iteration adds it to w.subject.
 func (w *worker) transfer(record bool) (time.Duration, error) {
 	cpu0 := threadCPU()
 	t0 := time.Now()
 	var x *plugin.Xfer
+	var done bool
 	var err error
 	if w.path == Prepped {
-		x, err = w.ag.MakePreppedXfer(w.op, w.ldl, w.idx, w.rdl, w.idx, nil)
+		x, done, err = w.ag.SubmitPrepped(w.op, w.ldl, w.idx, w.rdl, w.idx, nil)
 	} else {
-		x, err = w.ag.MakeBatchXfer(w.op, w.pairs, w.entries, nil)
+		x, done, err = w.ag.SubmitBatch(w.op, w.pairs, w.entries, nil)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("making the transfer: %w", err)
+		return 0, fmt.Errorf("submitting the transfer: %w", err)
 	}
 	t1 := time.Now()
-	done, err := x.Post()
-	t2 := time.Now()
-	if w.wait && err == nil && !done {
-		err = x.Wait(context.Background())
-	}
-	for err == nil && !done {
-		done, err = x.Poll()
+	var tel plugin.Telemetry
+	if w.wait {
+		ev := w.ag.Engine().Finish(context.Background(), x, t0, t1.Sub(t0), plugin.Watch{})
+		err = ev.Err
+		tel = plugin.Telemetry{Post: ev.Post, Xfer: ev.Xfer}
+	} else if w.ag.Caps().Has(abi.CapSubmit) || w.telemetry {
+		// Also when done at submit: the poll releases it (and brings the
+		// telemetry).
+		for {
+			if done, tel, err = x.PollRelease(); done || err != nil {
+				break
+			}
+		}
+	} else {
+		// Without native submit the emulated PollRelease also reads the
+		// telemetry, a plugin call the run did not ask for: poll, then
+		// release, as before submit existed.
+		for !done && err == nil {
+			done, err = x.Poll()
+		}
+		if err == nil {
+			err = x.Close()
+		}
 	}
 	t3 := time.Now()
 	if err != nil {
@@ -365,28 +387,19 @@ func (w *worker) transfer(record bool) (time.Duration, error) {
 		return 0, fmt.Errorf("transfer: %w", err)
 	}
 	if w.telemetry && record {
-		tel, err := x.Telemetry()
-		if err != nil {
-			x.Close()
-			return 0, fmt.Errorf("telemetry: %w", err)
-		}
 		w.plugPost += tel.Post
 		w.plugXfer += tel.Xfer
 		w.plugN++
 	}
-	if err := x.Close(); err != nil {
-		return 0, fmt.Errorf("releasing the transfer: %w", err)
-	}
-	t4 := time.Now()
 	if record {
 		w.cpu += threadCPU() - cpu0
-		w.prep.add(t1.Sub(t0))
-		w.post.add(t2.Sub(t1))
-		w.tx.add(t3.Sub(t1))
-		w.lat.add(t4.Sub(t0))
-		w.subject += t4.Sub(t0)
+		w.prep.add(t1.Sub(t0)) // make and post: one submit call
+		w.post.add(0)
+		w.tx.add(t3.Sub(t0))
+		w.lat.add(t3.Sub(t0))
+		w.subject += t3.Sub(t0)
 	}
-	return t4.Sub(t0), nil
+	return t3.Sub(t0), nil
 }
 
 // interleaved runs iterations until it has done at least minIters and

@@ -3,9 +3,23 @@ package metrics
 import (
 	"time"
 
+	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 )
+
+// Transfer is the one adapter of transfer events, push's and pull's alike
+// (the completion engine's plugin.TransferEvent): the planning time feeds
+// kvhost_plan_time_seconds; a completed transfer the NIXL histograms, a
+// failed one the failure counter and the plugin error counter.
+func (m *Metrics) Transfer(e plugin.TransferEvent) {
+	m.ObservePlan(e.Plan)
+	if e.Err != nil {
+		m.FailedTransfer(e.Err)
+		return
+	}
+	m.ObserveTransfer(e.Xfer, e.Post, e.Bytes, e.Descs)
+}
 
 // PushObserver adapts m to the push runtime's observer (SGLang style):
 // transfers feed kvhost_plan_time_seconds and the NIXL histograms (failed ones the failure counter and
@@ -17,14 +31,7 @@ func (m *Metrics) PushObserver() push.Observer { return pushObserver{m} }
 
 type pushObserver struct{ m *Metrics }
 
-func (o pushObserver) Transfer(e push.TransferEvent) {
-	o.m.ObservePlan(e.Plan)
-	if e.Err != nil {
-		o.m.FailedTransfer(e.Err)
-		return
-	}
-	o.m.ObserveTransfer(e.Xfer, e.Post, e.Bytes, e.Descs)
-}
+func (o pushObserver) Transfer(e push.TransferEvent) { o.m.Transfer(e.TransferEvent) }
 
 func (o pushObserver) Failure(e push.FailureEvent) { o.m.RoomFailed(e.Remote) }
 
@@ -52,12 +59,9 @@ func (m *Metrics) PullObserver() pull.Observer { return pullObserver{m} }
 
 type pullObserver struct{ m *Metrics }
 
-func (o pullObserver) Transfer(t pull.TransferStat) {
-	o.m.ObservePlan(t.Plan)
-	o.m.ObserveTransfer(t.Xfer, t.Post, t.Bytes, t.Descs)
-}
-func (o pullObserver) FailedTransfer()     { o.m.FailedTransfer(nil) }
-func (o pullObserver) FailedNotification() { o.m.FailedNotification() }
+func (o pullObserver) Transfer(t pull.TransferStat) { o.m.Transfer(t) }
+func (o pullObserver) FailedTransfer()              { o.m.FailedTransfer(nil) }
+func (o pullObserver) FailedNotification()          { o.m.FailedNotification() }
 func (o pullObserver) Handshake(d time.Duration, err error) {
 	o.m.Handshake("vllm_handshake", d, err)
 }

@@ -143,8 +143,8 @@ func TestPluginErrors(t *testing.T) {
 func TestPushObserver(t *testing.T) {
 	m := New(nil)
 	o := m.PushObserver()
-	o.Transfer(push.TransferEvent{Room: 1, Bytes: 4096, Descs: 2, Post: time.Microsecond, Xfer: time.Millisecond})
-	o.Transfer(push.TransferEvent{Room: 1, Err: &plugin.Error{Op: "poll_xfer", Code: abi.ErrRemoteDisconnect}})
+	o.Transfer(push.TransferEvent{Room: 1, TransferEvent: plugin.TransferEvent{Bytes: 4096, Descs: 2, Post: time.Microsecond, Xfer: time.Millisecond}})
+	o.Transfer(push.TransferEvent{Room: 1, TransferEvent: plugin.TransferEvent{Err: &plugin.Error{Op: "poll_xfer", Code: abi.ErrRemoteDisconnect}}})
 	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollBootstrapping, To: sglang.KVPollBootstrapping, New: true}})
 	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollBootstrapping, To: sglang.KVPollWaitingForInput}})
 	o.Room(push.RoomEvent{Role: push.RolePrefill, Change: rooms.Change{Room: 1, From: sglang.KVPollWaitingForInput, To: sglang.KVPollWaitingForInput}})

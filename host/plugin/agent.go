@@ -60,6 +60,11 @@ type Agent struct {
 	mu     sync.RWMutex
 	closed bool
 
+	// engine is the agent's completion engine (completion.go), started
+	// by the first Engine call and stopped by Close.
+	engine     *Engine
+	engineOnce sync.Once
+
 	// book guards the bookkeeping below. Lock order: mu, then book.
 	book    sync.Mutex
 	regions []*Region        // registered on this agent, sorted by Addr
@@ -172,6 +177,7 @@ func (a *Agent) Emulated() abi.Caps {
 // reports (e.g. NIXL's "the agent is gone, but NIXL failed") is returned,
 // and the agent is closed all the same.
 func (a *Agent) Close() error {
+	a.stopEngine()
 	a.mu.Lock()
 	if a.closed {
 		a.mu.Unlock()

@@ -65,6 +65,28 @@
 // Strided descriptors the host expands are bounded (16 Mi plain
 // descriptors per list or transfer).
 //
+// Completion: every agent has one completion engine (Agent.Engine,
+// completion.go), one goroutine through which the runtimes (host/push,
+// host/pull, host/bench) finish every transfer and receive every
+// notification. Engine.SubmitPrepped and SubmitBatch make and post a
+// transfer in one plugin call (Agent.SubmitPrepped, SubmitBatch); the
+// engine finishes it with the poll that releases it (Xfer.PollRelease) and
+// tells the submitter's Handler one TransferEvent (bytes, descriptors,
+// post time, post and transfer durations, planning time, error), which is
+// also the event push and pull report to their observers. Engine.Finish
+// waits for one transfer in the caller's goroutine (bench), Xfer.Wait for
+// a transfer the caller posted, Engine.Abort gives one up (released, or
+// finished and released later if the plugin refuses). Subscribers
+// (Engine.Subscribe) get the agent's notifications. With an event
+// descriptor (CapEventFD, Agent.EventFD) the engine waits on a dup of it
+// through Go's netpoller and never spins (the plugin completes transfers
+// on its own threads); an idle engine costs nothing. Without one it polls transfers in flight
+// adaptively (spin, then 20µs doubling to 1ms), notifications adaptively
+// while a runtime Expects them (a decode room waiting, a prefill holding
+// blocks) and every 50ms otherwise (about 0.5% of a core on a loaded
+// 2-core machine), and sleeps with nothing to watch. Agent.Close stops
+// the engine first; what it still watched fails with ErrClosed.
+//
 // Releases a plugin refuses (a transfer still in flight after MORI-IO's or
 // NIXL's release timeout, a region or list still in use: ErrNotAllowed)
 // leave the handle open and usable; Close it again later.

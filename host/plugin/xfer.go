@@ -8,7 +8,6 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/internal/backoff"
 )
 
 // Xfer is a transfer request (kvp_xfer): made once, posted one or more times
@@ -532,44 +531,12 @@ const (
 	maxSleep = time.Millisecond
 )
 
-// Wait polls until the transfer completes or fails, or ctx ends (then it
-// returns ctx.Err() and the transfer keeps running: Close cancels it).
+// Wait waits until the transfer completes or fails, or ctx ends (then it
+// returns ctx.Err() and the transfer keeps running: Close cancels it). It
+// polls in the calling goroutine for spinFor, then leaves the transfer to
+// the agent's completion engine (Agent.Engine), which wakes it.
 func (x *Xfer) Wait(ctx context.Context) error {
-	start := time.Now()
-	var timer *time.Timer
-	sleep := backoff.New(minSleep, maxSleep)
-	for {
-		t0 := time.Now()
-		done, err := x.Poll()
-		if err != nil || done {
-			if timer != nil {
-				timer.Stop()
-			}
-			return err
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if now := time.Now(); now.Sub(t0) >= spinFor {
-			start = now // the poll moved bytes: keep driving
-			sleep.Reset()
-			continue
-		}
-		if time.Since(start) < spinFor {
-			continue
-		}
-		if d := sleep.Next(); timer == nil {
-			timer = time.NewTimer(d)
-		} else {
-			timer.Reset(d)
-		}
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return ctx.Err()
-		case <-timer.C:
-		}
-	}
+	return x.a.Engine().wait(ctx, x)
 }
 
 // Telemetry returns the telemetry of the last completed post (needs

@@ -26,9 +26,13 @@
 //     the geometry (planner.NewVLLMReader), loads the peer's agent
 //     metadata and prepares both descriptor lists once. Every request is
 //     then ONE prepped READ carrying the notification, or, on a full prefix
-//     hit, only the notification. A poller completes transfers with
-//     backoff; a failed read marks the request's blocks invalid
-//     (BlockIDsWithLoadErrors).
+//     hit, only the notification, submitted in one plugin call through
+//     the agent's completion engine (plugin.Engine), which reports the
+//     READ when it ends (Receiver.TransferDone) and releases it; a failed
+//     read marks the request's blocks invalid (BlockIDsWithLoadErrors).
+//     The Sender receives notifications from the engines of its ranks'
+//     agents (subscriptions) and keeps one goroutine for expiries, asleep
+//     while it holds nothing.
 //
 // What a peer can cost a decode is bounded. The declared geometry is
 // checked against MaxDescriptors (per list; by default 16 times the rank's
@@ -45,6 +49,9 @@
 // Both sides record vLLM's kv_connector/v1/nixl_connector.py's per-transfer statistics (Stats, with
 // its Reduce summary) and report events to an Observer, which the CLI
 // wires to Prometheus under vLLM's metric names (host/metrics owns them).
+// A READ's TransferStat is the completion engine's plugin.TransferEvent,
+// the transfer event push reports too, so host/metrics has one adapter
+// for both (Metrics.Transfer).
 //
 // Ownership: the caller owns the plugin agents and the KV memory. A Sender
 // or Receiver registers that memory on its agent and deregisters it on
@@ -101,9 +108,11 @@
 // eviction and latencies are timed on their Clock (host/internal/clock;
 // the wall clock by default), as hashicorp/raft injects its Transport.
 // Tests run the timeout paths on a clock.Fake they advance by hand and an
-// in-memory transport (host/internal/memtransport). Polling the plugin for
-// notifications and READ completions stays on the wall clock: the plugin
-// works in real time. So does timing the planner (TransferStat.Plan):
-// it is CPU work on the calling goroutine, which a fake clock would report
-// as zero.
+// in-memory transport (host/internal/memtransport). Completing READs and
+// receiving notifications (the completion engine), and a READ's
+// TransferStat times, stay on the wall clock: the plugin works in real
+// time. So does timing the planner (TransferStat.Plan): it is CPU work on
+// the calling goroutine, which a fake clock would report as zero. A READ's
+// timeout (ReadTimeout) is timed on the Clock and aborts the READ through
+// the engine.
 package pull

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/memkind"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
@@ -190,8 +189,8 @@ type Receiver struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	ops    sync.WaitGroup // issuers running; Close waits for them
-	wg     sync.WaitGroup // poller and handshakes
-	wake   chan struct{}
+	wg     sync.WaitGroup // eviction and handshakes
+	reads  sync.WaitGroup // READs submitted and not reported yet
 
 	mu     sync.Mutex
 	closed bool
@@ -199,7 +198,7 @@ type Receiver struct {
 	// remoteDescs counts the remote descriptors of the peers in peers
 	// (reserved by a handshake before it builds its list).
 	remoteDescs int
-	pending     []*readOp // posted READs not yet with the poller
+	inflight    map[*readOp]struct{} // submitted READs the engine has not reported
 	invalid     map[int32]struct{}
 	stats       Stats
 
@@ -253,23 +252,25 @@ type peer struct {
 	localBlocks int
 }
 
-// readOp is a posted READ.
+// readOp is a READ submitted to the agent's completion engine. x, expiry
+// and done are guarded by Receiver.mu.
 type readOp struct {
+	r      *Receiver
 	load   *Load
 	peer   *peer
 	x      *plugin.Xfer
-	posted time.Time
-	post   time.Duration
-	expiry clock.Timer // wakes poll at ReadTimeout; nil without one
-	descs  int
-	bytes  uint64 // from the descriptors, for agents without telemetry
-	// plan is the time spent planning the READ's descriptor ids.
-	plan time.Duration
+	expiry clock.Timer // aborts the READ at ReadTimeout; nil without one
+	done   bool        // the engine reported it
 }
 
-func (op *readOp) stopExpiry() {
-	if op.expiry != nil {
-		op.expiry.Stop()
+// expire aborts the READ: ReadTimeout passed (on the Receiver's clock).
+func (op *readOp) expire() {
+	r := op.r
+	r.mu.Lock()
+	x := op.x
+	r.mu.Unlock()
+	if x != nil {
+		r.cfg.Agent.Engine().Abort(x, fmt.Errorf("%w after %v", ErrReadTimeout, r.cfg.ReadTimeout))
 	}
 }
 
@@ -304,12 +305,6 @@ func DefaultMaxDescriptors(own int) int {
 	}
 	return max(own*DefaultDescriptorFactor, MinDefaultMaxDescriptors)
 }
-
-// Poll backoff of the Receiver's poller.
-const (
-	pollMinSleep = 20 * time.Microsecond
-	pollMaxSleep = 200 * time.Microsecond
-)
 
 // NewReceiver checks the rank's geometry, registers its KV cache and starts
 // its poller. Close undoes it.
@@ -352,7 +347,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		log:        cfg.Logger,
 		obs:        cfg.Observer,
 		hasTelem:   cfg.Agent.Caps()&abi.CapTelemetry != 0,
-		wake:       make(chan struct{}, 1),
+		inflight:   map[*readOp]struct{}{},
 		peers:      make(map[string]*peer),
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
@@ -390,8 +385,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	}
 	r.regions = regs
 	r.ctx, r.cancel = context.WithCancel(context.Background())
-	r.wg.Add(2)
-	go r.poll()
+	r.wg.Add(1)
 	go r.evictIdle()
 	return r, nil
 }
@@ -711,124 +705,68 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 		r.finish(l, res)
 		return
 	}
-	op := &readOp{load: l, peer: pr, descs: len(lids), plan: planned}
+	op := &readOp{r: r, load: l, peer: pr}
+	var bytes uint64
 	if !r.hasTelem {
 		for _, id := range lids {
-			op.bytes += pr.localLens[int(id)/pr.localBlocks]
+			bytes += pr.localLens[int(id)/pr.localBlocks]
 		}
 	}
-	x, err := r.cfg.Agent.MakePreppedXfer(abi.Read, pr.localDL, lids, pr.remoteDL, rids, notif)
+	r.mu.Lock()
+	r.inflight[op] = struct{}{}
+	r.mu.Unlock()
+	r.reads.Add(1)
+	// One plugin call to make and post the READ (submit_xfer where the
+	// plugin has it); the engine reports it to TransferDone and releases
+	// it (one more call).
+	x, err := r.cfg.Agent.Engine().SubmitPrepped(abi.Read, pr.localDL, lids, pr.remoteDL, rids, notif,
+		plugin.Watch{Handler: r, Tag: op, Bytes: bytes, Descs: uint64(len(lids)), Plan: planned})
 	r.scratchMu.Unlock()
 	if err != nil {
-		r.fail(l, fmt.Errorf("%w: make: %w", ErrTransfer, err), true)
-		return
-	}
-	op.x = x
-	op.posted = r.clock.Now()
-	if r.cfg.ReadTimeout > 0 {
-		// Poll checks the timeout when this wakes it, not only when its
-		// backoff ends (and on a fake clock, as soon as it passes it).
-		op.expiry = r.clock.AfterFunc(r.cfg.ReadTimeout, r.wakePoll)
-	}
-	done, err := x.Post()
-	op.post = r.clock.Since(op.posted)
-	if err != nil {
-		r.failOp(op, fmt.Errorf("%w: post: %w", ErrTransfer, err))
-		return
-	}
-	if done {
-		r.complete(op)
+		r.mu.Lock()
+		delete(r.inflight, op)
+		r.mu.Unlock()
+		r.reads.Done()
+		r.fail(l, fmt.Errorf("%w: submit: %w", ErrTransfer, err), true)
 		return
 	}
 	r.mu.Lock()
-	r.pending = append(r.pending, op)
+	if !op.done {
+		op.x = x
+		if r.cfg.ReadTimeout > 0 {
+			op.expiry = r.clock.AfterFunc(r.cfg.ReadTimeout, op.expire)
+		}
+	}
 	r.mu.Unlock()
-	r.wakePoll()
 }
 
-// wakePoll makes poll look at its READs now.
-func (r *Receiver) wakePoll() {
-	select {
-	case r.wake <- struct{}{}:
+// TransferDone is the completion engine's report of a READ: it completed,
+// failed, timed out (aborted by expire) or was cancelled by Close.
+func (r *Receiver) TransferDone(tag any, ev plugin.TransferEvent) {
+	op := tag.(*readOp)
+	r.mu.Lock()
+	op.done, op.x = true, nil
+	expiry := op.expiry
+	delete(r.inflight, op)
+	r.mu.Unlock()
+	if expiry != nil {
+		expiry.Stop()
+	}
+	defer r.reads.Done()
+	switch {
+	case ev.Err == nil:
+		r.complete(op, ev)
+	case errors.Is(ev.Err, ErrReadTimeout), errors.Is(ev.Err, ErrClosed):
+		r.fail(op.load, ev.Err, !errors.Is(ev.Err, ErrClosed))
 	default:
+		r.fail(op.load, fmt.Errorf("%w: %w", ErrTransfer, ev.Err), true)
 	}
 }
 
-// poll completes posted READs, backing off while none progresses. On Close
-// it cancels the ones still running.
-func (r *Receiver) poll() {
-	defer r.wg.Done()
-	var active []*readOp
-	sleep := backoff.New(pollMinSleep, pollMaxSleep)
-	// Polling the plugin is paced on the wall clock (the plugin works in
-	// real time); ReadTimeout is timed on r.clock.
-	t := clock.Real{}.NewTimer(time.Hour)
-	defer t.Stop()
-	for {
-		r.mu.Lock()
-		active = append(active, r.pending...)
-		clear(r.pending)
-		r.pending = r.pending[:0]
-		r.mu.Unlock()
-		if r.ctx.Err() != nil {
-			for _, op := range active {
-				r.failOp(op, ErrClosed)
-			}
-			return
-		}
-		if len(active) == 0 {
-			sleep.Reset()
-			select {
-			case <-r.wake:
-			case <-r.ctx.Done():
-			}
-			continue
-		}
-		progressed := false
-		now := r.clock.Now()
-		kept := active[:0]
-		for _, op := range active {
-			done, err := op.x.Poll()
-			switch {
-			case err != nil:
-				r.failOp(op, fmt.Errorf("%w: %w", ErrTransfer, err))
-			case done:
-				r.complete(op)
-			case r.cfg.ReadTimeout > 0 && now.Sub(op.posted) >= r.cfg.ReadTimeout:
-				r.failOp(op, fmt.Errorf("%w after %v", ErrReadTimeout, r.cfg.ReadTimeout))
-			default:
-				kept = append(kept, op)
-				continue
-			}
-			progressed = true
-		}
-		clear(active[len(kept):])
-		active = kept
-		t.Reset(sleep.After(progressed))
-		select {
-		case <-r.wake:
-			sleep.Reset()
-		case <-t.C():
-		case <-r.ctx.Done():
-		}
-	}
-}
-
-// complete finishes a READ that completed.
-func (r *Receiver) complete(op *readOp) {
-	op.stopExpiry()
-	stat := TransferStat{Xfer: r.clock.Since(op.posted), Post: op.post, Bytes: op.bytes, Descs: uint64(op.descs)}
-	if r.hasTelem {
-		if t, err := op.x.Telemetry(); err == nil {
-			stat = TransferStat{Xfer: t.Xfer, Post: t.Post, Bytes: t.Bytes, Descs: t.Descs}
-		} else {
-			r.log.Warn("no telemetry for a completed READ", "request_id", op.load.req.RequestID, "err", err)
-		}
-	}
-	stat.Plan = op.plan
-	if err := op.x.Close(); err != nil {
-		r.log.Warn("releasing a completed READ", "request_id", op.load.req.RequestID, "err", err)
-	}
+// complete finishes a READ that completed: stat is the engine's event
+// (telemetry when the plugin has it, else the host's clock and the bytes
+// of the READ's descriptors).
+func (r *Receiver) complete(op *readOp, stat TransferStat) {
 	if op.peer.info.Reorder {
 		if err := r.reorder(op.load.req.LocalBlockIDs, op.peer.info.BlockSizeRatio); err != nil {
 			r.fail(op.load, err, false)
@@ -840,15 +778,6 @@ func (r *Receiver) complete(op *readOp) {
 	r.mu.Unlock()
 	r.obs.Transfer(stat)
 	r.finish(op.load, LoadResult{Stat: stat})
-}
-
-// failOp releases a READ that failed (or is abandoned) and fails its load.
-func (r *Receiver) failOp(op *readOp, err error) {
-	op.stopExpiry()
-	if cerr := op.x.Close(); cerr != nil {
-		r.log.Warn("releasing a failed READ", "request_id", op.load.req.RequestID, "err", cerr)
-	}
-	r.fail(op.load, err, !errors.Is(err, ErrClosed))
 }
 
 // fail finishes a load that did not deliver its blocks: they are invalid.
@@ -1033,7 +962,21 @@ func (r *Receiver) Close() error {
 	r.mu.Unlock()
 	r.ops.Wait() // nothing posts after this
 	r.cancel()
-	r.wg.Wait() // the poller released its READs, handshakes failed their waiters
+	// The engine releases (cancels) the READs still running and reports
+	// them failed with ErrClosed.
+	r.mu.Lock()
+	var running []*plugin.Xfer
+	for op := range r.inflight {
+		if op.x != nil {
+			running = append(running, op.x)
+		}
+	}
+	r.mu.Unlock()
+	for _, x := range running {
+		r.cfg.Agent.Engine().Abort(x, ErrClosed)
+	}
+	r.reads.Wait()
+	r.wg.Wait() // handshakes failed their waiters
 	for _, pr := range r.peers {
 		if pr.ready {
 			r.releasePeer(pr)

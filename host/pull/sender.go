@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/internal/ratelog"
 	"github.com/kvhost/kvhost/host/plugin"
@@ -149,15 +148,16 @@ type Sender struct {
 	counts SenderCounts
 	closed bool
 
-	stop chan struct{}
-	done chan struct{}
+	stop    chan struct{}
+	done    chan struct{}
+	runWake chan struct{} // a request was held: run watches expiries
+	unsubs  []func()      // the ranks' notification subscriptions
 }
 
 type senderRank struct {
 	tpRank  int
 	agent   *plugin.Agent
 	regions []*plugin.Region
-	lastErr string // last Notifs error logged, to log each kind once
 }
 
 type heldReq struct {
@@ -195,11 +195,9 @@ type expiry struct {
 	at  time.Time
 }
 
-// Notification polling backoff of the Sender's goroutine.
-const (
-	senderMinIdle = 50 * time.Microsecond
-	senderMaxIdle = 2 * time.Millisecond
-)
+// senderExpiryPeriod is how often (wall clock) the Sender's goroutine
+// looks for expired requests while it holds any; holding none it sleeps.
+const senderExpiryPeriod = 2 * time.Millisecond
 
 // NewSender registers every rank's KV cache, publishes the handshake
 // payloads on the side channel and starts watching notifications and
@@ -209,13 +207,14 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		return nil, err
 	}
 	s := &Sender{
-		cfg:   cfg,
-		clock: cfg.Clock,
-		log:   cfg.Logger,
-		obs:   cfg.Observer,
-		held:  make(map[string]*heldReq),
-		stop:  make(chan struct{}),
-		done:  make(chan struct{}),
+		cfg:     cfg,
+		clock:   cfg.Clock,
+		log:     cfg.Logger,
+		obs:     cfg.Observer,
+		held:    make(map[string]*heldReq),
+		stop:    make(chan struct{}),
+		done:    make(chan struct{}),
+		runWake: make(chan struct{}, 1),
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -255,8 +254,25 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 	}
 	s.log.Info("serving vLLM handshakes", "endpoint", s.server.Endpoint(), "advertise", net.JoinHostPort(s.host, strconv.Itoa(s.port)),
 		"tp_ranks", len(s.ranks), "abort_timeout", cfg.AbortTimeout)
+	// Every rank's notifications come from its agent's completion engine.
+	for i := range s.ranks {
+		unsub, err := s.ranks[i].agent.Engine().Subscribe(func(ns []plugin.Notif) { s.applyNotifs(i, ns) })
+		if err != nil {
+			s.unsubscribe()
+			s.server.Close()
+			return nil, fmt.Errorf("pull: notifications of TP rank %d: %w", s.ranks[i].tpRank, err)
+		}
+		s.unsubs = append(s.unsubs, unsub)
+	}
 	go s.run()
 	return s, nil
+}
+
+func (s *Sender) unsubscribe() {
+	for _, u := range s.unsubs {
+		u()
+	}
+	s.unsubs = nil
 }
 
 func checkSenderConfig(c *SenderConfig) error {
@@ -377,6 +393,10 @@ func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, err
 	s.held[requestID] = newHeldReq(s.seq, p.RemoteBlockIDs, now, len(s.ranks))
 	s.fifo = append(s.fifo, expiry{id: requestID, seq: s.seq, at: now.Add(s.cfg.AbortTimeout)})
 	s.counts.Held++
+	select {
+	case s.runWake <- struct{}{}:
+	default:
+	}
 	return p, nil
 }
 
@@ -432,55 +452,63 @@ func (s *Sender) Counts() SenderCounts {
 // now reads the Sender's clock.
 func (s *Sender) now() time.Time { return clock.Or(s.clock).Now() }
 
-// run drains notifications and expires requests until Close.
+// run expires requests until Close: every senderExpiryPeriod while any is
+// held, asleep while none is. While it holds requests it tells the ranks'
+// completion engines that notifications are expected, so engines without
+// an event descriptor poll for them adaptively (see plugin.Engine.Expect).
 func (s *Sender) run() {
 	defer close(s.done)
-	idle := backoff.New(senderMinIdle, senderMaxIdle)
-	// Polling the plugin is paced on the wall clock (the plugin works in
-	// real time); expiry is timed on s.clock.
-	t := clock.Real{}.NewTimer(senderMinIdle)
+	expecting := false
+	expect := func(on bool) {
+		if on == expecting {
+			return
+		}
+		expecting = on
+		d := -1
+		if on {
+			d = 1
+		}
+		for i := range s.ranks {
+			s.ranks[i].agent.Engine().Expect(d)
+		}
+	}
+	defer expect(false)
+	// Expiry is timed on s.clock; the period is wall clock.
+	t := clock.Real{}.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
-		got := s.drainNotifs()
 		s.expire(s.now())
-		t.Reset(idle.After(got))
+		s.mu.Lock()
+		held := len(s.held) > 0
+		s.mu.Unlock()
+		expect(held)
+		var tick <-chan time.Time
+		if held {
+			t.Reset(senderExpiryPeriod)
+			tick = t.C()
+		}
 		select {
 		case <-s.stop:
 			return
-		case <-t.C():
+		case <-s.runWake:
+		case <-tick:
 		}
 	}
 }
 
-// drainNotifs takes every rank's new notifications and applies them. It
-// reports whether any arrived.
-func (s *Sender) drainNotifs() bool {
-	got := false
-	for i := range s.ranks {
-		r := &s.ranks[i]
-		notifs, err := r.agent.Notifs()
-		if err != nil {
-			if msg := err.Error(); msg != r.lastErr {
-				s.log.Error("reading notifications failed", "tp_rank", r.tpRank, "err", err)
-				r.lastErr = msg
-			}
+// applyNotifs applies notifications hosted rank i received (the rank's
+// completion engine calls it).
+func (s *Sender) applyNotifs(i int, notifs []plugin.Notif) {
+	var rels []Release
+	now := s.now()
+	s.mu.Lock()
+	for _, n := range notifs {
+		if rel, ok := s.applyLocked(i, n, now); ok {
+			rels = append(rels, rel)
 		}
-		if len(notifs) == 0 {
-			continue
-		}
-		got = true
-		var rels []Release
-		now := s.now()
-		s.mu.Lock()
-		for _, n := range notifs {
-			if rel, ok := s.applyLocked(i, n, now); ok {
-				rels = append(rels, rel)
-			}
-		}
-		s.mu.Unlock()
-		s.deliver(rels)
 	}
-	return got
+	s.mu.Unlock()
+	s.deliver(rels)
 }
 
 // applyLocked counts one notification received by hosted rank i. A
@@ -614,6 +642,7 @@ func (s *Sender) Close() error {
 	s.mu.Unlock()
 	close(s.stop)
 	<-s.done
+	s.unsubscribe()
 	err := s.server.Close()
 	s.rlog.Close()
 	return errors.Join(err, s.deregister())

@@ -2,25 +2,19 @@ package pull
 
 import (
 	"math"
-	"time"
+
+	"github.com/kvhost/kvhost/host/plugin"
 
 	"github.com/kvhost/kvhost/host/internal/quantile"
 )
 
 // TransferStat is the telemetry of one completed READ, as vLLM's kv_connector/v1/nixl_connector.py
-// records it from nixlXferTelemetry (record_transfer).
-type TransferStat struct {
-	// Xfer is the time from post to completion.
-	Xfer time.Duration
-	// Post is the time spent inside post.
-	Post time.Duration
-	// Bytes moved by the transfer.
-	Bytes uint64
-	// Descs is the number of descriptors of the transfer as made.
-	Descs uint64
-	// Plan is the time spent planning the READ's descriptor ids.
-	Plan time.Duration
-}
+// records it from nixlXferTelemetry (record_transfer): the agent's
+// completion engine's transfer event, the one push reports too. Xfer is the
+// time from post to completion, Post the time spent inside the call that
+// posted it, Bytes the bytes moved, Descs the descriptors of the transfer
+// as made, Plan the time spent planning the READ's descriptor ids.
+type TransferStat = plugin.TransferEvent
 
 // Stats accumulates transfer statistics the way vLLM's kv_connector/v1/nixl_connector.py's
 // NixlKVConnectorStats does: one entry per successful transfer, plus

@@ -86,7 +86,8 @@ type Decode struct {
 	agentOf map[string]string       // endpoint -> agent name
 	initMu  sync.Mutex
 
-	notifWake chan struct{}
+	// unsubNotifs ends the notification subscription (nil without one).
+	unsubNotifs func()
 }
 
 // prefillInfo is one prefill deployment as seen from this decode rank.
@@ -183,7 +184,6 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 		prefills: make(map[string]*prefillInfo), conns: make(map[string][]target),
 		recvs: make(map[uint64]*Receiver), addrRooms: make(map[string]map[uint64]struct{}), dead: make(map[string]bool),
 		agents: make(map[string]*senderAgent), agentOf: make(map[string]string),
-		notifWake: make(chan struct{}, 1),
 	}
 	if err := d.open(rankSetup{role: RoleDecode, plugin: cfg.Plugin, agentName: cfg.AgentName, agentParams: cfg.AgentParams,
 		parallel: cfg.Parallel, settings: cfg.Settings, observer: cfg.Observer, logger: cfg.Logger,
@@ -218,7 +218,11 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	d.goEvery(d.set.HeartbeatInterval, d.heartbeat)
 	d.goEvery(sweepPeriod(d.set.WaitingTimeout), d.janitor)
 	if d.useNote {
-		d.goRun(d.notifLoop)
+		unsub, err := d.agent.Engine().Subscribe(d.handleNotifs)
+		if err != nil {
+			return fail(err)
+		}
+		d.unsubNotifs = unsub
 	}
 	d.log.Info("decode rank ready", "agent", d.agent.Name(), "endpoint", d.pull.Endpoint(),
 		"variant", cfg.Variant, "notifications", d.useNote)
@@ -236,6 +240,9 @@ func (d *Decode) Close() error {
 	d.mu.Unlock()
 	for _, r := range open {
 		d.rooms.Fail(r, "decode rank closed")
+	}
+	if d.unsubNotifs != nil {
+		d.unsubNotifs()
 	}
 	return d.shutdown()
 }
@@ -635,43 +642,13 @@ func (d *Decode) senderSlot(ts []target, agent string, n sglang.Notif) (int, err
 	return slot, nil
 }
 
-// notifLoop drains the agent's notifications and tracks arrivals. It
-// polls with backoff while rooms wait (the ABI has no blocking wait for
-// notifications) and sleeps when none do.
-func (d *Decode) notifLoop() {
-	sleep := backoff.New(20*time.Microsecond, time.Millisecond)
-	timer := d.poll.NewTimer(time.Hour)
-	timer.Stop()
-	defer timer.Stop()
-	for {
-		d.mu.Lock()
-		idle := d.waiting == 0
-		d.mu.Unlock()
-		if idle {
-			select {
-			case <-d.ctx.Done():
-				return
-			case <-d.notifWake:
-			}
-			sleep.Reset()
-		}
-		ns, err := d.agent.Notifs()
-		if err != nil && d.ctx.Err() == nil {
-			d.log.Warn("get notifications", "err", err)
-		}
-		for _, n := range ns {
-			d.handleNotif(n)
-		}
-		if len(ns) > 0 {
-			sleep.Reset()
-			continue
-		}
-		timer.Reset(sleep.Next())
-		select {
-		case <-d.ctx.Done():
-			return
-		case <-timer.C():
-		}
+// handleNotifs takes the notifications the agent's completion engine
+// delivers and tracks arrivals. While rooms wait for notifications the
+// engine is told to expect them (expectNotifs), so an engine without an
+// event descriptor polls for them adaptively.
+func (d *Decode) handleNotifs(ns []plugin.Notif) {
+	for _, n := range ns {
+		d.handleNotif(n)
 	}
 }
 
@@ -691,12 +668,9 @@ func (d *Decode) handleNotif(n plugin.Notif) {
 	}
 }
 
-func (d *Decode) wakeNotif() {
-	select {
-	case d.notifWake <- struct{}{}:
-	default:
-	}
-}
+// expectNotifs tells the completion engine that one room more (delta 1)
+// or fewer (-1) waits for notifications.
+func (d *Decode) expectNotifs(delta int) { d.agent.Engine().Expect(delta) }
 
 // heartbeat checks every known bootstrap server; after
 // HeartbeatMaxFailures failed checks in a row, every unfinished room of that

@@ -36,10 +36,12 @@
 // heartbeat, sweep and latency is timed on its Clock (host/internal/clock;
 // the wall clock by default), as hashicorp/raft injects its Transport.
 // Tests run the timeout paths on a clock.Fake they advance by hand and an
-// in-memory transport (host/internal/memtransport). Polling the plugin for
-// notifications stays on the wall clock: the plugin works in real time. So
-// does timing the planner (TransferEvent.Plan): it is CPU work
-// on the calling goroutine, which a fake clock would report as zero.
+// in-memory transport (host/internal/memtransport). Completing transfers
+// and receiving notifications (the agent's completion engine,
+// plugin.Engine) and the times of a TransferEvent stay on the wall clock:
+// the plugin works in real time. So does timing the planner
+// (TransferEvent.Plan): it is CPU work on the calling goroutine, which a
+// fake clock would report as zero.
 //
 // # Semantics (SGLang's python/sglang/srt/disaggregation/{nixl,mori}/conn.py)
 //
@@ -52,7 +54,14 @@
 // registered memory, every byte written in memory the peer registered),
 // for every rank before anything is posted, and then posted from those
 // same plans as one plugin transfer (one per memory-kind segment on mixed
-// VRAM/DRAM pools). Aux and state go with the last chunk. The planning
+// VRAM/DRAM pools), each submitted (made and posted) in one plugin call
+// through the agent's completion engine, which reports it to the worker
+// when it ends and releases it; the worker waits for the chunk's last
+// report, its first failure or the SLA, and cancels (Engine.Abort) what is
+// left. Aux and state go with the last chunk. Decode receives
+// notifications from the engine (a subscription); while rooms wait for
+// them it tells the engine to expect them (Engine.Expect), so an engine
+// without an event descriptor polls for them adaptively. The planning
 // time is TransferEvent.Plan (kvhost_plan_time_seconds).
 //
 // How KV reaches the plugin (PrefillConfig.XferMode): the default, auto,
@@ -86,10 +95,13 @@
 // heartbeat to the bootstrap server (a dead prefill fails its rooms).
 // Every plugin handle of a finished or failed transfer is released.
 //
-// Observability: an Observer sees every transfer (bytes, descriptors and
-// SGLang's descriptor count for the same bytes, post and transfer time from
-// the plugin's telemetry), failure, room state change and handshake or
-// heartbeat latency. It is the hook for Prometheus metrics: implement it
+// Observability: an Observer sees every transfer (the completion engine's
+// plugin.TransferEvent: bytes, descriptors, post time, post and transfer
+// durations from the plugin's telemetry, planning time, error; with the
+// room, decode rank, chunk and SGLang's descriptor count for the same
+// bytes), failure, room state change and handshake or heartbeat latency.
+// pull reports its READs with the same plugin.TransferEvent, so
+// host/metrics adapts both with one function (Metrics.Transfer). It is the hook for Prometheus metrics: implement it
 // (embed NopObserver for the events you ignore) and pass it in the config.
 //
 // # Containment

@@ -3,6 +3,7 @@ package push
 import (
 	"time"
 
+	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push/rooms"
 )
 
@@ -41,26 +42,21 @@ func (k TransferKind) String() string {
 }
 
 // TransferEvent describes one plugin transfer a prefill rank posted and
-// finished (successfully or not). Durations come from the plugin's
-// telemetry when it has it, else from the host's clock.
+// finished (successfully or not): the agent's completion engine's event
+// (plugin.TransferEvent: bytes, descriptors, post and transfer times from
+// the plugin's telemetry when it has it, else from the host's clock; the
+// planning time; the error) and which room, decode rank and chunk it
+// served. pull reports its READs with the same plugin.TransferEvent, so
+// metrics has one adapter for both.
 type TransferEvent struct {
 	Room  uint64
 	Peer  string // the decode rank's agent (engine) name
 	Kind  TransferKind
 	Chunk int
-	// Bytes moved and descriptors handed to the plugin (strided
-	// descriptors count once; batch entries count as descriptors).
-	Bytes uint64
-	Descs uint64
 	// ReferenceDescs is how many descriptors SGLang's connector would have
 	// handed its backend for the same bytes (0 when unknown).
 	ReferenceDescs uint64
-	Post           time.Duration // inside post_xfer
-	Xfer           time.Duration // from post to completion
-	Err            error         // nil on success
-	// Plan is the time spent planning the transfer's descriptors (strided
-	// copies or prepped indices) before it was made.
-	Plan time.Duration
+	plugin.TransferEvent
 }
 
 // FailureEvent is a room that failed.

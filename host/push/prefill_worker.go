@@ -81,6 +81,13 @@ type worker struct {
 	m      *Prefill
 	b      batch
 	flight []*inflight
+	// The chunk's transfers still running, the first failure, and the
+	// signal of the last completion or of a failure; written by the
+	// completion engine (TransferDone).
+	fmu     sync.Mutex
+	left    int
+	failed  error
+	settled chan struct{}
 	// jobs are the chunk's transfers to each decode rank (by info index):
 	// check plans and validates them all, post posts them from the same
 	// plans, so every chunk is planned once.
@@ -124,15 +131,20 @@ type auxJob struct {
 	dst   []planner.Region
 }
 
-// inflight is one posted transfer and what the observer will be told.
+// inflight is one submitted transfer and what the observer will be told.
+// The agent's completion engine fills ev.TransferEvent when it ends.
 type inflight struct {
-	x     *plugin.Xfer
-	ev    TransferEvent
-	start time.Time
+	x    *plugin.Xfer // nil once reported; guarded by worker.fmu
+	done bool         // reported; guarded by worker.fmu
+	ev   TransferEvent
 }
 
+// errAbandoned aborts the transfers of a chunk that already failed: they
+// are released without being reported (the chunk's failure is).
+var errAbandoned = errors.New("push: chunk abandoned")
+
 func (m *Prefill) runWorker(sh *shard) {
-	w := &worker{m: m}
+	w := &worker{m: m, settled: make(chan struct{}, 1)}
 	for {
 		c := sh.pop(m.ctx)
 		if c == nil {
@@ -493,14 +505,14 @@ func (w *worker) postPrepped(c *chunk, p *peer, j *rankJob, statusMode bool) err
 			}
 			notif = []byte(tag)
 		}
-		xf, err := m.agent.MakePreppedXfer(abi.Write, pp.src[i], x.src, pp.dst[i], x.dst, notif)
+		f := w.track(TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id, ReferenceDescs: uint64(len(x.src)),
+			TransferEvent: plugin.TransferEvent{Descs: uint64(len(x.src)), Plan: x.plan}})
+		xf, err := m.agent.Engine().SubmitPrepped(abi.Write, pp.src[i], x.src, pp.dst[i], x.dst, notif, w.watch(f))
 		if err != nil {
-			return fmt.Errorf("make prepped transfer to %s: %w", p.name, err)
+			w.untrack(f)
+			return fmt.Errorf("submit prepped transfer to %s: %w", p.name, err)
 		}
-		if err := w.start(xf, TransferEvent{Room: c.room, Peer: p.name, Kind: TransferKV, Chunk: c.id,
-			Descs: uint64(len(x.src)), ReferenceDescs: uint64(len(x.src)), Plan: x.plan}); err != nil {
-			return err
-		}
+		w.submitted(f, xf)
 	}
 	return nil
 }
@@ -588,61 +600,143 @@ func (w *worker) postBatch(ctx context.Context, c *chunk, p *peer, kind Transfer
 	if w.b.empty() {
 		return nil
 	}
-	x, err := w.m.agent.MakeBatchXfer(abi.Write, w.b.pairs, w.b.entries, notif)
+	f := w.track(TransferEvent{Room: c.room, Peer: p.name, Kind: kind, Chunk: c.id, ReferenceDescs: w.b.refDesc,
+		TransferEvent: plugin.TransferEvent{Bytes: w.b.bytes, Descs: uint64(len(w.b.entries)), Plan: w.b.plan}})
+	x, err := w.m.agent.Engine().SubmitBatch(abi.Write, w.b.pairs, w.b.entries, notif, w.watch(f))
 	if err != nil {
-		return fmt.Errorf("make transfer to %s: %w", p.name, err)
+		w.untrack(f)
+		return fmt.Errorf("submit transfer to %s: %w", p.name, err)
 	}
-	return w.start(x, TransferEvent{Room: c.room, Peer: p.name, Kind: kind, Chunk: c.id,
-		Bytes: w.b.bytes, Descs: uint64(len(w.b.entries)), ReferenceDescs: w.b.refDesc, Plan: w.b.plan})
+	w.submitted(f, x)
+	return nil
 }
 
-func (w *worker) start(x *plugin.Xfer, ev TransferEvent) error {
-	f := &inflight{x: x, ev: ev, start: w.m.clock.Now()}
+// submitted records f's transfer, for abort, unless it is over already.
+func (w *worker) submitted(f *inflight, x *plugin.Xfer) {
+	w.fmu.Lock()
+	if !f.done {
+		f.x = x
+	}
+	w.fmu.Unlock()
+}
+
+// track records a transfer about to be submitted, counted as running
+// until the engine reports it (TransferDone).
+func (w *worker) track(ev TransferEvent) *inflight {
+	f := &inflight{ev: ev}
 	w.flight = append(w.flight, f)
-	if _, err := x.Post(); err != nil {
-		return fmt.Errorf("post transfer to %s: %w", ev.Peer, err)
-	}
-	f.ev.Post = w.m.clock.Since(f.start)
-	return nil
+	w.fmu.Lock()
+	w.left++
+	w.fmu.Unlock()
+	return f
 }
 
-// wait waits for every transfer in flight (polling with backoff).
+// untrack forgets the last tracked transfer, whose submit failed.
+func (w *worker) untrack(f *inflight) {
+	w.flight = w.flight[:len(w.flight)-1]
+	w.fmu.Lock()
+	w.left--
+	w.fmu.Unlock()
+}
+
+// watch is what the completion engine is told of f.
+func (w *worker) watch(f *inflight) plugin.Watch {
+	// Drive: the worker waits for its chunk anyway, so it moves the bytes
+	// of a plugin that copies in polls itself, as each worker did before
+	// the engine (in parallel, not one engine goroutine for all).
+	return plugin.Watch{Handler: w, Tag: f, Bytes: f.ev.Bytes, Descs: f.ev.Descs, Plan: f.ev.Plan, Drive: true}
+}
+
+// TransferDone is the completion engine's report of one of the chunk's
+// transfers: the observer learns it (unless the chunk abandoned it after
+// another failure), and wait learns the chunk's last completion or first
+// failure.
+func (w *worker) TransferDone(tag any, ev plugin.TransferEvent) {
+	f := tag.(*inflight)
+	f.ev.TransferEvent = ev
+	if !errors.Is(ev.Err, errAbandoned) {
+		w.m.obs.Transfer(f.ev)
+	}
+	w.fmu.Lock()
+	f.x, f.done = nil, true // released by the engine
+	w.left--
+	if ev.Err != nil && w.failed == nil {
+		w.failed = ev.Err
+	}
+	signal := w.left == 0 || ev.Err != nil
+	w.fmu.Unlock()
+	if signal {
+		select {
+		case w.settled <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// wait waits for every transfer of the chunk, or its first failure, or ctx.
 func (w *worker) wait(ctx context.Context, c *chunk) error {
-	m := w.m
-	for _, f := range w.flight {
-		err := f.x.Wait(ctx)
-		f.ev.Xfer = m.clock.Since(f.start)
-		if err != nil {
-			f.ev.Err = err
-			m.obs.Transfer(f.ev)
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			return fmt.Errorf("KV transfer failed: %w", err)
+	for {
+		w.fmu.Lock()
+		left, failed := w.left, w.failed
+		w.fmu.Unlock()
+		switch {
+		case failed != nil && ctx.Err() != nil:
+			return ctx.Err()
+		case failed != nil:
+			return fmt.Errorf("KV transfer failed: %w", failed)
+		case left == 0:
+			return nil
 		}
-		if t, err := f.x.Telemetry(); err == nil {
-			f.ev.Post, f.ev.Xfer = t.Post, t.Xfer
-			if t.Bytes > 0 {
-				f.ev.Bytes = t.Bytes
-			}
-			if t.Descs > 0 {
-				f.ev.Descs = t.Descs
-			}
+		select {
+		case <-w.settled:
+		case <-ctx.Done():
+			// The transfers still running fail with ctx's error (and are
+			// reported so); release waits for them.
+			w.abort(ctx.Err())
+			return ctx.Err()
 		}
-		m.obs.Transfer(f.ev)
 	}
-	return nil
 }
 
-// release closes every transfer of the chunk (cancelling those still
-// running) so no handle outlives it.
-func (w *worker) release() {
-	for i, f := range w.flight {
-		if err := f.x.Close(); err != nil {
-			w.m.log.Debug("release transfer", "err", err)
+// abort has the engine release (cancel) every transfer of the chunk still
+// running; they end with err.
+func (w *worker) abort(err error) {
+	e := w.m.agent.Engine()
+	for _, f := range w.flight {
+		if x := w.running(f); x != nil {
+			e.Abort(x, err)
 		}
-		w.flight[i] = nil
 	}
+}
+
+// running returns f's transfer while the engine has not reported it.
+func (w *worker) running(f *inflight) *plugin.Xfer {
+	w.fmu.Lock()
+	defer w.fmu.Unlock()
+	return f.x
+}
+
+// release cancels every transfer of the chunk still running and waits
+// until the engine reported them all, so no handle outlives the chunk.
+func (w *worker) release() {
+	w.abort(errAbandoned)
+	for {
+		w.fmu.Lock()
+		left := w.left
+		w.fmu.Unlock()
+		if left == 0 {
+			break
+		}
+		<-w.settled
+	}
+	w.fmu.Lock()
+	w.failed = nil
+	w.fmu.Unlock()
+	select { // a signal of the last chunk
+	case <-w.settled:
+	default:
+	}
+	clear(w.flight)
 	w.flight = w.flight[:0]
 	for i, rr := range w.imported {
 		if err := rr.Close(); err != nil {

@@ -31,9 +31,6 @@ type rank struct {
 	agent *plugin.Agent
 	regs  *registered
 	clock clock.Clock // every protocol time and timeout
-	// poll paces polling the plugin (its notifications), which works in
-	// real time whatever clock times the protocol: always the wall clock.
-	poll  clock.Clock
 	tr    Transport
 	pull  Inbox
 	push  Outbox
@@ -85,7 +82,7 @@ func checkConfig(p *Parallel, kv *KVArgs, mla bool, plug *plugin.Plugin, host, k
 // agent. On error nothing is left open.
 func (r *rank) open(s rankSetup) error {
 	r.set, r.log, r.obs = s.settings.withDefaults(), s.logger, s.observer
-	r.clock, r.poll, r.tr = clock.Or(s.clock), clock.Real{}, s.transport
+	r.clock, r.tr = clock.Or(s.clock), s.transport
 	if r.tr == nil {
 		r.tr = ZMQ{}
 	}

@@ -143,7 +143,7 @@ func (r *Receiver) SendMetadata(ctx context.Context, pages []int32, auxIndex int
 		d.mu.Lock()
 		d.waiting++
 		d.mu.Unlock()
-		d.wakeNotif()
+		d.expectNotifs(1)
 	}
 	name := d.agent.Name()
 	for _, t := range ts {
@@ -209,6 +209,9 @@ func (r *Receiver) Close() {
 		d.waiting--
 	}
 	d.mu.Unlock()
+	if counted {
+		d.expectNotifs(-1)
+	}
 	d.rooms.Remove(r.room)
 }
 
@@ -225,6 +228,7 @@ func (r *Receiver) uncount(u bool) {
 		r.d.mu.Lock()
 		r.d.waiting--
 		r.d.mu.Unlock()
+		r.d.expectNotifs(-1)
 	}
 }
 

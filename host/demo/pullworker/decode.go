@@ -14,6 +14,7 @@ import (
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/internal/quantile"
+	"github.com/kvhost/kvhost/host/internal/span"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 )
@@ -109,8 +110,15 @@ type DecodeSummary struct {
 	Bytes         uint64  `json:"bytes"`
 	VerifiedBytes uint64  `json:"verified_bytes"`
 	Seconds       float64 `json:"seconds"`
-	// GBps is Bytes over the run's wall time (10^9 bytes per second).
+	// GBps is Bytes over the run's wall time (10^9 bytes per second): the
+	// end-to-end rate, which includes filling and checking the synthetic
+	// KV.
 	GBps float64 `json:"gbps"`
+	// TransferSeconds is the time this process's READs were in flight (the
+	// union of their post-to-completion intervals) and TransferGBps Bytes
+	// over it: the rate at which kvhost moved bytes.
+	TransferSeconds float64 `json:"transfer_seconds,omitempty"`
+	TransferGBps    float64 `json:"transfer_gbps,omitempty"`
 	// TransferMs is the READs' post-to-completion time (telemetry);
 	// RequestMs each request's time from the prefill call to verified.
 	TransferMs Percentiles `json:"transfer_ms"`
@@ -146,6 +154,7 @@ type decodeRun struct {
 	mu        sync.Mutex
 	sum       DecodeSummary
 	xferMs    []float64
+	busy      span.Union // the READs' post-to-completion intervals
 	requestMs []float64
 	descs     uint64
 	finished  int
@@ -397,6 +406,7 @@ func (d *decodeRun) record(res pull.LoadResult) {
 		d.sum.Bytes += res.Stat.Bytes
 		d.descs += res.Stat.Descs
 		d.xferMs = append(d.xferMs, float64(res.Stat.Xfer.Microseconds())/1e3)
+		d.busy.Add(res.Stat.Posted, res.Stat.Posted.Add(res.Stat.Xfer))
 	}
 }
 
@@ -410,6 +420,9 @@ func (d *decodeRun) collect(seconds float64) {
 		s.GBps = float64(s.Bytes) / seconds / 1e9
 	}
 	s.TransferMs = percentiles(d.xferMs)
+	if s.TransferSeconds = d.busy.Total().Seconds(); s.TransferSeconds > 0 {
+		s.TransferGBps = float64(s.Bytes) / s.TransferSeconds / 1e9
+	}
 	s.RequestMs = percentiles(d.requestMs)
 	if s.Reads > 0 {
 		s.DescriptorsPerRead = float64(d.descs) / float64(s.Reads)

@@ -207,7 +207,11 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	st.mu.Lock()
 	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
 	s.XferP50us, s.XferP99us, s.PostP50us = quantile.Percentile(st.xfer, 50), quantile.Percentile(st.xfer, 99), quantile.Percentile(st.post, 50)
+	s.TransferSec = st.busy.Total().Seconds()
 	st.mu.Unlock()
+	if s.TransferSec > 0 {
+		s.TransferGBps = float64(s.Bytes) / s.TransferSec / 1e9
+	}
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9
 	}

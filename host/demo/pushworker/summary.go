@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/internal/quantile"
+	"github.com/kvhost/kvhost/host/internal/span"
 	"github.com/kvhost/kvhost/host/push"
 )
 
@@ -49,7 +50,14 @@ type Summary struct {
 	LatencyP99us float64 `json:"latency_p99_us,omitempty"`
 
 	DurationSec float64 `json:"duration_sec"`
-	GBps        float64 `json:"gb_per_sec"`
+	// GBps is Bytes over DurationSec: the end-to-end rate, which includes
+	// filling and checking the synthetic KV.
+	GBps float64 `json:"gb_per_sec"`
+	// TransferSec is the time the prefill's transfers were in flight (the
+	// union of their post-to-completion intervals) and TransferGBps Bytes
+	// over it: the rate at which kvhost moved bytes.
+	TransferSec  float64 `json:"transfer_sec,omitempty"`
+	TransferGBps float64 `json:"transfer_gb_per_sec,omitempty"`
 	// Dropped counts malformed or unexpected control messages.
 	Dropped int64 `json:"dropped_messages"`
 	// Leaked counts rooms of this worker's requests that the runtime still
@@ -98,6 +106,7 @@ type stats struct {
 	refDescs  uint64
 	xfer      []float64 // µs
 	post      []float64 // µs
+	busy      span.Union
 	extra     push.Observer
 }
 
@@ -115,6 +124,7 @@ func (s *stats) Transfer(e push.TransferEvent) {
 	s.refDescs += e.ReferenceDescs
 	s.xfer = append(s.xfer, float64(e.Xfer)/float64(time.Microsecond))
 	s.post = append(s.post, float64(e.Post)/float64(time.Microsecond))
+	s.busy.Add(e.Posted, e.Posted.Add(e.Xfer))
 	s.mu.Unlock()
 }
 

@@ -1,5 +1,5 @@
 // Package backoff is the one doubling interval of kvhost's polling and
-// retry loops: completion pollers (host/pull, host/plugin's Xfer.Wait),
+// retry loops: the completion engine's polling fallback (host/plugin),
 // handshake and accept retries (host/push, host/internal/zmq) and the demo
 // workers' HTTP polls. It holds no clock: callers sleep or wait for the
 // durations it returns however they wait.
