@@ -3,10 +3,12 @@ package serve
 import (
 	"context"
 	"encoding/binary"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 	"github.com/kvhost/kvhost/host/serve/client"
 	"github.com/kvhost/kvhost/host/serve/internal/fakeengine"
 )
@@ -160,3 +162,81 @@ func TestShutdownFailsRooms(t *testing.T) {
 		t.Fatalf("after shutdown: %v", err)
 	}
 }
+
+// TestRequestBytesBound: while a connection's session is busy (an
+// open_rank waiting for a bootstrap server that never answers), the
+// requests waiting for it are bounded in bytes: the excess is answered
+// `limit` at once, and the counts return to zero.
+func TestRequestBytesBound(t *testing.T) {
+	const maxMsg = 4096
+	s := newTestServer(t, func(c *Config) { c.MaxMessage = maxMsg; c.OpenTimeout = 2 * time.Second })
+	// A bootstrap server that accepts and never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	p := dialRaw(t, s)
+	wantOK(t, p.call(req("op", "hello", "seq", 1, "version", []int{1, 0})))
+	r, err := fakeengine.NewRank(shmName(), "prefill", smallShape, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	regs := r.MemRegions()
+	wantOK(t, p.call(req("op", "register_memory", "seq", 2, "regions", []any{Fields{{"kind", "dram"}, {"addr", regs[0].Addr}, {"length", regs[0].Length}, {"shm", regs[0].SHM}}})))
+	a := r.Args("nixl", ln.Addr().String())
+	open := req("op", "open_rank", "seq", 3, "style", "sglang", "role", "prefill", "bootstrap_addr", a.BootstrapAddr,
+		"kv_data_ptrs", a.KVDataPtrs, "kv_data_lens", a.KVDataLens, "kv_item_lens", a.KVItemLens,
+		"page_size", a.PageSize, "kv_head_num", a.KVHeadNum, "total_kv_head_num", a.TotalKVHeadNum)
+	if err := p.r.Send(open); err != nil {
+		t.Fatal(err)
+	}
+	// 3000-byte requests: the first two fit in 2 max_message, the rest
+	// are refused at once while open_rank waits.
+	pad := make([]byte, 3000)
+	for i := 0; i < 6; i++ {
+		if err := p.r.Send(req("op", "deregister_memory", "seq", 10+i, "regions", []uint64{}, "pad", pad)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var limited, ok int
+	p.r.SetReadDeadline(time.Now().Add(20 * time.Second))
+	for limited+ok < 7 {
+		m, err := p.r.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := msgpack.Decode(m[0])
+		okv, _ := v.Get("ok")
+		code, _ := v.Get("code")
+		switch b, _ := okv.Bool(); {
+		case b:
+			ok++
+		default:
+			if c, _ := code.Str(); c == CodeLimit {
+				limited++
+			} else if sq, _ := v.Get("seq"); mustUint(sq) != 3 {
+				t.Fatalf("unexpected reply %v", v)
+			} else {
+				ok++ // open_rank's failure (the bootstrap never answered)
+			}
+		}
+	}
+	if limited != 4 {
+		t.Fatalf("%d requests refused with limit, want 4 (ok %d)", limited, ok)
+	}
+	// The session uncounts a request after answering it.
+	waitFor(t, "no bytes counted as queued", func() bool { return s.queued.Load() == 0 })
+}
+
+func mustUint(v msgpack.Value) uint64 { n, _ := v.Uint(); return n }

@@ -35,8 +35,9 @@ type session struct {
 	onClose []func(reason string)
 	closing bool
 
-	rooms atomic.Int64 // rooms open on the session's ranks
-	dead  atomic.Bool  // torn down or dropped: nothing more is sent
+	rooms  atomic.Int64 // rooms open on the session's ranks
+	queued atomic.Int64 // bytes of requests waiting in in
+	dead   atomic.Bool  // torn down or dropped: nothing more is sent
 }
 
 func newSession(s *Server, peer []byte) *session {
@@ -68,6 +69,8 @@ func (s *session) run() {
 		select {
 		case b := <-s.in:
 			s.handle(b)
+			s.queued.Add(-int64(len(b)))
+			s.srv.queued.Add(-int64(len(b)))
 		case <-s.quit:
 			s.teardown(s.why)
 			return
@@ -90,6 +93,17 @@ func (s *session) teardown(reason string) {
 	s.mem.close()
 	s.dead.Store(true)
 	s.srv.forget(s)
+	// Requests that came after the end are not answered: the
+	// connection is gone or going.
+	for {
+		select {
+		case b := <-s.in:
+			s.queued.Add(-int64(len(b)))
+			s.srv.queued.Add(-int64(len(b)))
+		default:
+			return
+		}
+	}
 }
 
 // handle runs one request and answers it exactly once.

@@ -7,7 +7,6 @@ import (
 	"net"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
@@ -33,10 +32,6 @@ func init() {
 	registerOp("poll", opPoll)
 	registerOp("start_bootstrap", opStartBootstrap)
 }
-
-// openTimeout bounds creating a rank: its agent, its socket and, for a
-// prefill rank, its registration with the bootstrap server.
-const openTimeout = 30 * time.Second
 
 // sglRank is one SGLang rank of a session.
 type sglRank struct {
@@ -268,7 +263,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		sr.aux = append(sr.aux, uint64(len(b.Mem))/b.ItemLen)
 	}
 	obs := sglObserver{Observer: s.srv.cfg.Observer, r: sr}
-	ctx, cancel := context.WithTimeout(context.Background(), openTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.srv.cfg.OpenTimeout)
 	defer cancel()
 	var perr error
 	var f Fields
