@@ -3,6 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -48,7 +51,7 @@ func (s *syncBuffer) String() string {
 }
 
 // TestServeCommand: kvhost serve prints its endpoint, answers hello with
-// the backend, and on cancellation (SIGTERM's path) exits cleanly and
+// the backend, serves /health and /metrics, and on cancellation (SIGTERM's path) exits cleanly and
 // removes its socket file.
 func TestServeCommand(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "k.sock")
@@ -59,7 +62,15 @@ func TestServeCommand(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- app.RunContext(ctx, []string{"kvhost", "serve", "--control", "ipc://" + sock}) }()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	maddr := ln.Addr().String()
+	ln.Close()
+	go func() {
+		done <- app.RunContext(ctx, []string{"kvhost", "serve", "--control", "ipc://" + sock, "--metrics-addr", maddr})
+	}()
 	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(out.String(), "ipc://"+sock) {
 		if time.Now().After(deadline) {
@@ -78,6 +89,20 @@ func TestServeCommand(t *testing.T) {
 	}
 	if h := c.Hello(); h.Backend != "fake" || !h.Has("sglang") || !strings.HasPrefix(h.Sidecar, "kvhost") {
 		t.Fatalf("hello %+v", h)
+	}
+	for _, path := range []string{"/health", "/metrics"} {
+		resp, err := http.Get("http://" + maddr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %s\n%s", path, resp.Status, body)
+		}
+		if path == "/metrics" && !strings.Contains(string(body), `role="sidecar"`) {
+			t.Fatalf("/metrics lacks the sidecar's labels:\n%s", body)
+		}
 	}
 	cancel()
 	select {

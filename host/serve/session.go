@@ -33,7 +33,6 @@ type session struct {
 	mem     *memTable
 	ranks   map[uint64]*rankEntry
 	onClose []func(reason string)
-	closing bool
 
 	rooms  atomic.Int64 // rooms open on the session's ranks
 	queued atomic.Int64 // bytes of requests waiting in in
@@ -80,7 +79,6 @@ func (s *session) run() {
 
 // teardown fails everything the session holds and releases it.
 func (s *session) teardown(reason string) {
-	s.closing = true
 	s.log.Debug("serve: session ends", "reason", reason)
 	for id, rk := range s.ranks {
 		rk.impl.close(reason)
