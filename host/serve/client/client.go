@@ -342,7 +342,12 @@ func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, 
 	e.Uint(seq)
 	for _, x := range f {
 		e.Str(x.K)
-		encode(&e, x.V)
+		if err := encode(&e, x.V); err != nil {
+			c.mu.Lock()
+			delete(c.pending, seq)
+			c.mu.Unlock()
+			return msgpack.Value{}, fmt.Errorf("kvhost serve: %s: field %s: %w", op, x.K, err)
+		}
 	}
 	// The socket reconnects by itself; a session does not survive that,
 	// so a send stops once the connection is lost.
@@ -394,7 +399,8 @@ func u64(v msgpack.Value, k string) (uint64, bool) {
 	return x.Uint()
 }
 
-func encode(e *msgpack.Encoder, v any) {
+// encode appends v; a type the API has no use for is an error.
+func encode(e *msgpack.Encoder, v any) error {
 	switch x := v.(type) {
 	case nil:
 		e.Nil()
@@ -413,7 +419,7 @@ func encode(e *msgpack.Encoder, v any) {
 	case []byte:
 		if x == nil {
 			e.Nil()
-			return
+			return nil
 		}
 		e.Bin(x)
 	case []int:
@@ -434,30 +440,39 @@ func encode(e *msgpack.Encoder, v any) {
 	case []map[string]any:
 		e.ArrayHeader(len(x))
 		for _, f := range x {
-			encode(e, f)
+			if err := encode(e, f); err != nil {
+				return err
+			}
 		}
 	case []Fields:
 		e.ArrayHeader(len(x))
 		for _, f := range x {
-			encode(e, f)
+			if err := encode(e, f); err != nil {
+				return err
+			}
 		}
 	case Fields:
 		e.MapHeader(len(x))
 		for _, f := range x {
 			e.Str(f.K)
-			encode(e, f.V)
+			if err := encode(e, f.V); err != nil {
+				return fmt.Errorf("%s: %w", f.K, err)
+			}
 		}
 	case map[string]any:
 		e.MapHeader(len(x))
 		for k, v := range x {
 			e.Str(k)
-			encode(e, v)
+			if err := encode(e, v); err != nil {
+				return fmt.Errorf("%s: %w", k, err)
+			}
 		}
 	case msgpack.Value:
 		encodeValue(e, x)
 	default:
-		panic(fmt.Sprintf("client: cannot encode %T", v))
+		return fmt.Errorf("cannot encode %T", v)
 	}
+	return nil
 }
 
 func encodeValue(e *msgpack.Encoder, v msgpack.Value) {
