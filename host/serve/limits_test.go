@@ -163,14 +163,74 @@ func TestShutdownFailsRooms(t *testing.T) {
 	}
 }
 
-// TestRequestBytesBound: while a connection's session is busy (an
-// open_rank waiting for a bootstrap server that never answers), the
+// blockOp, registered for tests only, holds its session until the test
+// sends on blockRelease: a session busy with a long request.
+var blockRelease = make(chan struct{})
+
+func init() {
+	registerOp("test_block", func(s *session, r *request) (Fields, error) {
+		select {
+		case <-blockRelease:
+		case <-time.After(20 * time.Second):
+		}
+		return Fields{}, nil
+	})
+}
+
+// TestRequestBytesBound: while a connection's session is busy, the
 // requests waiting for it are bounded in bytes: the excess is answered
-// `limit` at once, and the counts return to zero.
+// `limit` at once, the rest is answered once the session is free, and
+// the counts return to zero.
 func TestRequestBytesBound(t *testing.T) {
 	const maxMsg = 4096
-	s := newTestServer(t, func(c *Config) { c.MaxMessage = maxMsg; c.OpenTimeout = 2 * time.Second })
-	// A bootstrap server that accepts and never answers.
+	s := newTestServer(t, func(c *Config) { c.MaxMessage = maxMsg })
+	p := dialRaw(t, s)
+	wantOK(t, p.call(req("op", "hello", "seq", 1, "version", []int{1, 0})))
+	if err := p.r.Send(req("op", "test_block", "seq", 2)); err != nil {
+		t.Fatal(err)
+	}
+	// 3000-byte requests: the first two fit in 2 max_message, the rest
+	// are refused at once while the session is busy.
+	pad := make([]byte, 3000)
+	for i := 0; i < 6; i++ {
+		if err := p.r.Send(req("op", "deregister_memory", "seq", 10+i, "regions", []uint64{}, "pad", pad)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var limited, ok int
+	p.r.SetReadDeadline(time.Now().Add(20 * time.Second))
+	for limited < 4 {
+		m, err := p.r.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := msgpack.Decode(m[0])
+		code, _ := v.Get("code")
+		if c, _ := code.Str(); c != CodeLimit {
+			t.Fatalf("while the session is busy: %v", v)
+		}
+		limited++
+	}
+	blockRelease <- struct{}{}
+	for ok < 3 {
+		m, err := p.r.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := msgpack.Decode(m[0])
+		wantOK(t, v)
+		ok++
+	}
+	// The session uncounts a request after answering it.
+	waitFor(t, "no bytes counted as queued", func() bool { return s.queued.Load() == 0 })
+}
+
+// TestOpenRankDoesNotBlock: an SGLang prefill rank whose bootstrap server
+// never answers is opened on its own goroutine: the connection's other
+// requests are answered meanwhile, and its regions stay busy until the
+// open gives up (bad: the plugin would use unmapped memory).
+func TestOpenRankDoesNotBlock(t *testing.T) {
+	s := newTestServer(t, func(c *Config) { c.OpenTimeout = 3 * time.Second })
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -185,58 +245,33 @@ func TestRequestBytesBound(t *testing.T) {
 			defer c.Close()
 		}
 	}()
-	p := dialRaw(t, s)
-	wantOK(t, p.call(req("op", "hello", "seq", 1, "version", []int{1, 0})))
+	c := dial(t, s)
+	ctx := testCtx(t)
 	r, err := fakeengine.NewRank(shmName(), "prefill", smallShape, 1, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	regs := r.MemRegions()
-	wantOK(t, p.call(req("op", "register_memory", "seq", 2, "regions", []any{Fields{{"kind", "dram"}, {"addr", regs[0].Addr}, {"length", regs[0].Length}, {"shm", regs[0].SHM}}})))
-	a := r.Args("nixl", ln.Addr().String())
-	open := req("op", "open_rank", "seq", 3, "style", "sglang", "role", "prefill", "bootstrap_addr", a.BootstrapAddr,
-		"kv_data_ptrs", a.KVDataPtrs, "kv_data_lens", a.KVDataLens, "kv_item_lens", a.KVItemLens,
-		"page_size", a.PageSize, "kv_head_num", a.KVHeadNum, "total_kv_head_num", a.TotalKVHeadNum)
-	if err := p.r.Send(open); err != nil {
+	ids, err := c.RegisterMemory(ctx, r.MemRegions())
+	if err != nil {
 		t.Fatal(err)
 	}
-	// 3000-byte requests: the first two fit in 2 max_message, the rest
-	// are refused at once while open_rank waits.
-	pad := make([]byte, 3000)
-	for i := 0; i < 6; i++ {
-		if err := p.r.Send(req("op", "deregister_memory", "seq", 10+i, "regions", []uint64{}, "pad", pad)); err != nil {
-			t.Fatal(err)
-		}
+	open := c.Start(ctx, "open_rank", map[string]any{"style": "sglang", "role": "prefill", "bootstrap_addr": ln.Addr().String(),
+		"kv_data_ptrs": r.Args("", "").KVDataPtrs, "kv_data_lens": r.Args("", "").KVDataLens, "kv_item_lens": r.Args("", "").KVItemLens,
+		"page_size": smallShape.PageSize, "kv_head_num": smallShape.KVHeads})
+	start := time.Now()
+	if err := c.DeregisterMemory(ctx, ids); !client.IsCode(err, CodeBusy) {
+		t.Fatalf("deregistering the regions of a rank being opened: %v", err)
 	}
-	var limited, ok int
-	p.r.SetReadDeadline(time.Now().Add(20 * time.Second))
-	for limited+ok < 7 {
-		m, err := p.r.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		v, _ := msgpack.Decode(m[0])
-		okv, _ := v.Get("ok")
-		code, _ := v.Get("code")
-		switch b, _ := okv.Bool(); {
-		case b:
-			ok++
-		default:
-			if c, _ := code.Str(); c == CodeLimit {
-				limited++
-			} else if sq, _ := v.Get("seq"); mustUint(sq) != 3 {
-				t.Fatalf("unexpected reply %v", v)
-			} else {
-				ok++ // open_rank's failure (the bootstrap never answered)
-			}
-		}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("a request waited %v behind open_rank", d)
 	}
-	if limited != 4 {
-		t.Fatalf("%d requests refused with limit, want 4 (ok %d)", limited, ok)
+	if _, err := open.Wait(ctx); !client.IsCode(err, CodeBackend) || !strings.Contains(err.Error(), "bootstrap") {
+		t.Fatalf("open_rank against a silent bootstrap server: %v", err)
 	}
-	// The session uncounts a request after answering it.
-	waitFor(t, "no bytes counted as queued", func() bool { return s.queued.Load() == 0 })
+	if err := c.DeregisterMemory(ctx, ids); err != nil {
+		t.Fatalf("regions after the open gave up: %v", err)
+	}
 }
 
 func mustUint(v msgpack.Value) uint64 { n, _ := v.Uint(); return n }
