@@ -18,12 +18,22 @@
 // A session's requests run one at a time, in arrival order, on the
 // session's goroutine; every request gets exactly one reply. No handler
 // blocks on a peer: bootstrap, receiver init and transfers run on
-// goroutines and report through events. Replies and events share the
-// connection's queue (Config.EventQueue messages, DefaultEventQueue by
-// default), so one connection's events are never reordered; an engine
+// goroutines and report through events: an SGLang prefill rank's
+// open_rank, which registers with its bootstrap server, is finished on a
+// goroutine (deferredOpen, within Config.OpenTimeout) and answered from
+// the session's goroutine when done, after the replies of requests that
+// came later.
+//
+// Everything one connection can make the sidecar hold is bounded: the
+// requests waiting for its session (Config.RequestQueue of them, and 2
+// MaxMessage bytes; 8 MaxMessage bytes over all connections), its ranks,
+// regions and rooms (Config.Limits), and the replies and events waiting
+// to be written to it (Config.EventQueue). Replies and events share that
+// one queue, so one connection's events are never reordered; an engine
 // that leaves the queue full, or does not take a message within the send
-// timeout, is dropped and its session torn down. Other connections are
-// not affected.
+// timeout, is dropped and its session torn down. A message over
+// MaxMessage is read and discarded (zmq.WithDiscardOversize) and answered
+// too_large. Other connections are not affected by any of this.
 //
 // # Files
 //
