@@ -13,7 +13,7 @@ CXXFLAGS_PLUGIN ?= -std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror -pthread -fvisi
 COMMON_SRC := plugins/common/kvp_util.c
 COMMON_HDR := plugins/common/kvp_util.h abi/kvplugin.h
 
-.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo bench install dist clean
+.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo demo-engine bench install dist clean
 
 all: kvhost plugin-fake
 
@@ -213,6 +213,18 @@ demo: all
 
 bench: all
 	$(BIN) bench $(BENCH_ARGS)
+
+# demo-engine is the real integration: Python engines (KV pools in shared
+# memory) driving the kvhost.vllm and kvhost.sglang adapters, each engine
+# beside its own `kvhost serve`, every byte verified in the engines' memory
+# (python/kvhost/demo_engine.py). PYTHON needs pyzmq, msgpack and numpy
+# (Debian: python3-zmq python3-msgpack python3-numpy), e.g.
+# make demo-engine PYTHON=/usr/bin/python3 DEMO_ENGINE_ARGS="--styles vllm --baseline".
+PYTHON ?= python3
+DEMO_ENGINE_ARGS ?=
+
+demo-engine: all
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.demo_engine --kvhost $(BIN) $(DEMO_ENGINE_ARGS)
 
 # test runs everything CI runs: vet, staticcheck and go mod tidy -diff
 # (lint), the plugins' C tests under sanitizers,

@@ -28,11 +28,12 @@ initialised), ``kvhost_attn_backend`` and ``kvhost_kv_cache_layout``
 caches, ``(num_blocks, 2, ...)`` per layer), ``kvhost_side_channel_host``
 and ``kvhost_side_channel_port`` (else vLLM's
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT`` plus the DP rank, as the NIXL
-connector does).
+connector does), ``kvhost_abort_timeout`` (seconds; else vLLM's
+``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` when vLLM is present, else the
+sidecar's default).
 
-The prefill engine's abort timeout (vLLM's
-``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``) is the sidecar's: it releases held
-blocks that no decode read in time and reports them like a read's
+The prefill engine's abort timeout is kept by the sidecar: it releases
+held blocks that no decode read in time and reports them like a read's
 release, so the workers' ``get_finished`` returns them as
 ``finished_sending`` either way.
 
@@ -380,6 +381,17 @@ def _shm_mappings():
     return out
 
 
+def _dram_regions(ranges):
+    """kvhost.shm's regions for ranges in its pools, else the shared-memory
+    mappings holding them (memory another allocator put in /dev/shm)."""
+    from kvhost import shm
+
+    try:
+        return shm.regions_for(ranges)
+    except ValueError:
+        return dram_regions(ranges)
+
+
 def dram_regions(ranges):
     """The ``dram`` regions (docs/engine-api.md, register_memory) that hold
     the given (addr, length) ranges: one per shared-memory mapping of this
@@ -518,6 +530,20 @@ def _side_channel(vllm_config):
     return str(host), int(port)
 
 
+def _abort_timeout(vllm_config):
+    """Seconds the prefill holds blocks no decode read (vLLM's
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT); None: the sidecar's default."""
+    t = _extra(vllm_config, "kvhost_abort_timeout")
+    if t is not None:
+        return float(t)
+    try:
+        from vllm import envs  # type: ignore
+
+        return float(envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+    except ImportError:
+        return None
+
+
 def _role(vllm_config):
     role = _extra(vllm_config, "kvhost_role")
     if role:
@@ -614,7 +640,7 @@ class KvhostConnectorWorker:
                     seen_alloc.add(r["addr"])
                     regions.append(r)
         else:
-            regions = dram_regions([_ptr_len(t) for t in tensors])
+            regions = _dram_regions([_ptr_len(t) for t in tensors])
         self.region_ids = list(self._client.register_memory(regions))
 
         mc = self.vllm_config.model_config
@@ -635,6 +661,9 @@ class KvhostConnectorWorker:
         if self.role == "prefill":
             host, port = _side_channel(self.vllm_config)
             fields.update(side_channel_host=host, side_channel_port=port)
+            abort = _abort_timeout(self.vllm_config)
+            if abort is not None:
+                fields["abort_timeout"] = abort
         reply = self._client.open_rank(style="vllm", role=self.role, **fields)
         self.rank = reply["rank"]
         self.endpoint = reply.get("endpoint", "")
