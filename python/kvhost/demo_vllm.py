@@ -228,11 +228,11 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 err = None
                 bad = errors & set(ids)
                 if bad:
-                    reasons = {w.read_results.get(rid, {}).get("reason", "") for w in workers}
+                    reasons = {w.connector_worker.read_results.get(rid, {}).get("reason", "") for w in workers}
                     err = "load errors in blocks %s: %s" % (sorted(bad)[:8], "; ".join(sorted(r for r in reasons if r)))
                 nbytes = 0
                 for r in range(tp):
-                    res = workers[r].read_results.pop(rid, {})
+                    res = workers[r].connector_worker.read_results.pop(rid, {})
                     nbytes += int(res.get("bytes", 0) or 0)
                     if err is None and not res.get("ok", False):
                         err = "rank %d: read failed: %s" % (r, res.get("reason", ""))

@@ -260,7 +260,12 @@ class KvhostConnectorScheduler:
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self._client = client if client is not None else _connect(vllm_config)
-        self._reqs_need_recv: dict[str, tuple[Any, list]] = {}
+        # Request id -> (its kv_transfer_params as the proxy sent them,
+        # local block ids). A copy: vLLM's scheduler clears
+        # do_remote_prefill in the request's own dict once the load is
+        # scheduled, and the sidecar reads the params as the prefill made
+        # them.
+        self._reqs_need_recv: dict[str, tuple[dict, list]] = {}
         self._reqs_need_send: dict[str, float] = {}
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
@@ -292,7 +297,7 @@ class KvhostConnectorScheduler:
                     # num_external_tokens == 0 is a full prefix hit: read
                     # nothing, but tell the prefill so it frees its blocks.
                     local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-                    self._reqs_need_recv[request.request_id] = (request, local)
+                    self._reqs_need_recv[request.request_id] = (dict(params), local)
                 else:
                     logger.warning(
                         "kvhost: invalid kv_transfer_params %s: request %s will not load KV",
@@ -306,8 +311,7 @@ class KvhostConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output):
         meta = KvhostConnectorMetadata()
-        for req_id, (req, block_ids) in self._reqs_need_recv.items():
-            params = dict(req.kv_transfer_params)
+        for req_id, (params, block_ids) in self._reqs_need_recv.items():
             meta.reqs_to_recv[req_id] = ReqMeta(
                 local_block_ids=list(block_ids),
                 kv_transfer_params=params,
@@ -329,7 +333,7 @@ class KvhostConnectorScheduler:
         if params.get("do_remote_prefill"):
             # Finished (aborted) before it was scheduled: read nothing but
             # notify the prefill so its blocks are freed now, not at timeout.
-            self._reqs_need_recv[request.request_id] = (request, [])
+            self._reqs_need_recv[request.request_id] = (dict(params), [])
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):
