@@ -16,7 +16,7 @@ func TestHello(t *testing.T) {
 	if !h.Has("dram_shm") || !h.Has("events") {
 		t.Fatalf("capabilities %v", h.Capabilities)
 	}
-	_, err := c.Call(testCtx(t), "hello", client.Fields{{"version", []int{1, 0}}})
+	_, err := c.Call(testCtx(t), "hello", map[string]any{"version": []int{1, 0}})
 	if !client.IsCode(err, CodeOutOfOrder) {
 		t.Fatalf("second hello: %v", err)
 	}

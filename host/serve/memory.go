@@ -18,15 +18,15 @@ type memSpec struct {
 }
 
 // parseRegion reads one element of register_memory's regions.
-func parseRegion(i int, v msgpack.Value) (memSpec, *Error) {
+func parseRegion(i int, v msgpack.Value) (memSpec, error) {
 	var s memSpec
 	if v.Kind != msgpack.Map {
 		return s, errorf(CodeBadRequest, "field \"regions\"[%d]: want map, got %v", i, v.Kind)
 	}
 	r := &request{m: v}
 	name := func(f string) string { return "regions[" + strconv.Itoa(i) + "]." + f }
-	var err *Error
-	get := func(f string) (uint64, *Error) {
+	var err error
+	get := func(f string) (uint64, error) {
 		x, ok := r.get(f)
 		if !ok {
 			return 0, missing(name(f))

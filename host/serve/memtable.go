@@ -31,7 +31,7 @@ type memTable struct {
 func newMemTable() *memTable { return &memTable{} }
 
 // add maps every spec or none.
-func (t *memTable) add(specs []memSpec) ([]*memRegion, *Error) {
+func (t *memTable) add(specs []memSpec) ([]*memRegion, error) {
 	// Overlaps with each other and with what is registered.
 	all := slices.Clone(t.regions)
 	for i := range specs {
@@ -54,13 +54,13 @@ func (t *memTable) add(specs []memSpec) ([]*memRegion, *Error) {
 	}
 	var out []*memRegion
 	for i, s := range specs {
-		r, err := mapRegion(s)
-		if err != nil {
+		r, merr := mapRegion(s)
+		if merr != nil {
 			for _, o := range out {
 				o.unmap()
 			}
-			err.Message = fmt.Sprintf("regions[%d]: %s", i, err.Message)
-			return nil, err
+			e := asError(merr, CodeBadRegion)
+			return nil, &Error{Code: e.Code, Message: fmt.Sprintf("regions[%d]: %s", i, e.Message)}
 		}
 		t.nextID++
 		r.ID = t.nextID
@@ -79,7 +79,7 @@ func (t *memTable) add(specs []memSpec) ([]*memRegion, *Error) {
 // shmPath resolves register_memory's shm: a POSIX shared-memory name
 // ("/name", under /dev/shm) or an absolute path under /dev/shm or
 // /dev/hugepages.
-func shmPath(name string) (string, *Error) {
+func shmPath(name string) (string, error) {
 	if name == "" {
 		return "", errorf(CodeBadRegion, "empty shm name")
 	}
@@ -93,7 +93,7 @@ func shmPath(name string) (string, *Error) {
 	return p, nil
 }
 
-func mapRegion(s memSpec) (*memRegion, *Error) {
+func mapRegion(s memSpec) (*memRegion, error) {
 	if s.Kind != "dram" {
 		return nil, errorf(CodeUnsupported, "vram regions need the engmem table (CUDA IPC) which this sidecar does not have")
 	}
@@ -129,7 +129,7 @@ func mapRegion(s memSpec) (*memRegion, *Error) {
 }
 
 // find returns the region holding [addr, addr+length).
-func (t *memTable) find(addr, length uint64) (*memRegion, *Error) {
+func (t *memTable) find(addr, length uint64) (*memRegion, error) {
 	i, _ := slices.BinarySearchFunc(t.regions, addr, func(r *memRegion, a uint64) int {
 		switch {
 		case r.Addr+r.Length <= a:
@@ -149,7 +149,7 @@ func (t *memTable) find(addr, length uint64) (*memRegion, *Error) {
 }
 
 // translate maps an engine pointer range to the sidecar's address.
-func (t *memTable) translate(addr, length uint64) (uintptr, *memRegion, *Error) {
+func (t *memTable) translate(addr, length uint64) (uintptr, *memRegion, error) {
 	r, err := t.find(addr, length)
 	if err != nil {
 		return 0, nil, err
@@ -158,7 +158,7 @@ func (t *memTable) translate(addr, length uint64) (uintptr, *memRegion, *Error) 
 }
 
 // bytes returns the sidecar's mapping of a DRAM range.
-func (t *memTable) bytes(addr, length uint64) ([]byte, *Error) {
+func (t *memTable) bytes(addr, length uint64) ([]byte, error) {
 	r, err := t.find(addr, length)
 	if err != nil {
 		return nil, err

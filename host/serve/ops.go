@@ -111,7 +111,7 @@ func opRegisterMemory(s *session, r *request) (Fields, error) {
 	}
 	specs := make([]memSpec, len(v.Items))
 	for i, it := range v.Items {
-		var err *Error
+		var err error
 		if specs[i], err = parseRegion(i, it); err != nil {
 			return nil, err
 		}

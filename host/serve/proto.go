@@ -20,7 +20,7 @@ type request struct {
 
 // parseRequest decodes a request frame. seqOK reports whether seq could be
 // read (else the error reply carries seq nil).
-func parseRequest(b []byte) (r *request, seqOK bool, err *Error) {
+func parseRequest(b []byte) (r *request, seqOK bool, err error) {
 	v, derr := msgpack.Decode(b)
 	if derr != nil {
 		return nil, false, errorf(CodeBadRequest, "not a msgpack message: %v", derr)
@@ -51,19 +51,19 @@ func (r *request) get(name string) (msgpack.Value, bool) {
 	return v, true
 }
 
-func missing(name string) *Error { return errorf(CodeBadRequest, "field %q is missing", name) }
+func missing(name string) error { return errorf(CodeBadRequest, "field %q is missing", name) }
 
-func wrongType(name, want string, v msgpack.Value) *Error {
+func wrongType(name, want string, v msgpack.Value) error {
 	return errorf(CodeBadRequest, "field %q: want %s, got %v", name, want, v.Kind)
 }
 
-func badValue(name, format string, args ...any) *Error {
+func badValue(name, format string, args ...any) error {
 	return errorf(CodeBadRequest, "field %q: %s", name, fmt.Sprintf(format, args...))
 }
 
 func (r *request) has(name string) bool { _, ok := r.get(name); return ok }
 
-func (r *request) u64(name string) (uint64, *Error) {
+func (r *request) u64(name string) (uint64, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return 0, missing(name)
@@ -71,7 +71,7 @@ func (r *request) u64(name string) (uint64, *Error) {
 	return asU64(name, v)
 }
 
-func asU64(name string, v msgpack.Value) (uint64, *Error) {
+func asU64(name string, v msgpack.Value) (uint64, error) {
 	n, ok := v.Uint()
 	if !ok {
 		if v.Kind == msgpack.Int {
@@ -82,7 +82,7 @@ func asU64(name string, v msgpack.Value) (uint64, *Error) {
 	return n, nil
 }
 
-func (r *request) optU64(name string, def uint64) (uint64, *Error) {
+func (r *request) optU64(name string, def uint64) (uint64, error) {
 	if !r.has(name) {
 		return def, nil
 	}
@@ -90,7 +90,7 @@ func (r *request) optU64(name string, def uint64) (uint64, *Error) {
 }
 
 // int reads a non-negative int that fits an int32 (counts, ranks, sizes).
-func (r *request) int(name string) (int, *Error) {
+func (r *request) int(name string) (int, error) {
 	n, err := r.u64(name)
 	if err != nil {
 		return 0, err
@@ -101,7 +101,7 @@ func (r *request) int(name string) (int, *Error) {
 	return int(n), nil
 }
 
-func (r *request) optInt(name string, def int) (int, *Error) {
+func (r *request) optInt(name string, def int) (int, error) {
 	if !r.has(name) {
 		return def, nil
 	}
@@ -109,7 +109,7 @@ func (r *request) optInt(name string, def int) (int, *Error) {
 }
 
 // i64 reads a signed int64 (page and aux indices may be -1 in SGLang).
-func (r *request) i64(name string) (int64, *Error) {
+func (r *request) i64(name string) (int64, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return 0, missing(name)
@@ -121,14 +121,14 @@ func (r *request) i64(name string) (int64, *Error) {
 	return n, nil
 }
 
-func (r *request) optI64(name string, def int64) (int64, *Error) {
+func (r *request) optI64(name string, def int64) (int64, error) {
 	if !r.has(name) {
 		return def, nil
 	}
 	return r.i64(name)
 }
 
-func (r *request) str(name string) (string, *Error) {
+func (r *request) str(name string) (string, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return "", missing(name)
@@ -140,14 +140,14 @@ func (r *request) str(name string) (string, *Error) {
 	return s, nil
 }
 
-func (r *request) optStr(name, def string) (string, *Error) {
+func (r *request) optStr(name, def string) (string, error) {
 	if !r.has(name) {
 		return def, nil
 	}
 	return r.str(name)
 }
 
-func (r *request) bool(name string, def bool) (bool, *Error) {
+func (r *request) bool(name string, def bool) (bool, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return def, nil
@@ -159,7 +159,7 @@ func (r *request) bool(name string, def bool) (bool, *Error) {
 	return b, nil
 }
 
-func (r *request) bin(name string) ([]byte, *Error) {
+func (r *request) bin(name string) ([]byte, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return nil, missing(name)
@@ -172,7 +172,7 @@ func (r *request) bin(name string) ([]byte, *Error) {
 }
 
 // optBin returns nil, nil for an absent or nil field.
-func (r *request) optBin(name string) ([]byte, *Error) {
+func (r *request) optBin(name string) ([]byte, error) {
 	if !r.has(name) {
 		return nil, nil
 	}
@@ -180,7 +180,7 @@ func (r *request) optBin(name string) ([]byte, *Error) {
 }
 
 // u64s reads an array of uints.
-func (r *request) u64s(name string) ([]uint64, *Error) {
+func (r *request) u64s(name string) ([]uint64, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return nil, missing(name)
@@ -188,7 +188,7 @@ func (r *request) u64s(name string) ([]uint64, *Error) {
 	return asU64s(name, v)
 }
 
-func asU64s(name string, v msgpack.Value) ([]uint64, *Error) {
+func asU64s(name string, v msgpack.Value) ([]uint64, error) {
 	if v.Kind != msgpack.Array {
 		return nil, wrongType(name, "array of uint", v)
 	}
@@ -203,7 +203,7 @@ func asU64s(name string, v msgpack.Value) ([]uint64, *Error) {
 	return out, nil
 }
 
-func (r *request) optU64s(name string) ([]uint64, *Error) {
+func (r *request) optU64s(name string) ([]uint64, error) {
 	if !r.has(name) {
 		return nil, nil
 	}
@@ -212,7 +212,7 @@ func (r *request) optU64s(name string) ([]uint64, *Error) {
 
 // pages reads packed little-endian int32 page indices (docs/engine-api.md:
 // numpy.asarray(x, dtype="<i4").tobytes()). Negative indices are refused.
-func (r *request) pages(name string) ([]int32, *Error) {
+func (r *request) pages(name string) ([]int32, error) {
 	b, err := r.bin(name)
 	if err != nil {
 		return nil, err
@@ -220,7 +220,7 @@ func (r *request) pages(name string) ([]int32, *Error) {
 	return asPages(name, b)
 }
 
-func asPages(name string, b []byte) ([]int32, *Error) {
+func asPages(name string, b []byte) ([]int32, error) {
 	if len(b)%4 != 0 {
 		return nil, badValue(name, "%d bytes is not a whole number of int32", len(b))
 	}
@@ -236,7 +236,7 @@ func asPages(name string, b []byte) ([]int32, *Error) {
 }
 
 // optPages is pages for an optional field: nil, nil when absent.
-func (r *request) optPages(name string) ([]int32, *Error) {
+func (r *request) optPages(name string) ([]int32, error) {
 	if !r.has(name) {
 		return nil, nil
 	}
@@ -244,7 +244,7 @@ func (r *request) optPages(name string) ([]int32, *Error) {
 }
 
 // rooms reads packed little-endian uint64 room ids.
-func (r *request) rooms(name string) ([]uint64, *Error) {
+func (r *request) rooms(name string) ([]uint64, error) {
 	b, err := r.bin(name)
 	if err != nil {
 		return nil, err

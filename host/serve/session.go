@@ -100,7 +100,7 @@ func (s *session) handle(b []byte) {
 		if r != nil {
 			seq = r.seq
 		}
-		s.send(encodeError(seq, seqOK, perr))
+		s.send(encodeError(seq, seqOK, asError(perr, CodeBadRequest)))
 		return
 	}
 	f, err := s.call(r)
@@ -154,7 +154,7 @@ func (s *session) send(msg []byte) {
 func (s *session) event(name string, f Fields) { s.send(encodeEvent(name, f)) }
 
 // takeRoom counts a new room against the connection's limit.
-func (s *session) takeRoom() *Error {
+func (s *session) takeRoom() error {
 	if n := s.rooms.Add(1); n > int64(s.srv.cfg.Limits.Rooms) {
 		s.rooms.Add(-1)
 		return errorf(CodeLimit, "this connection already has %d rooms open (limit %d)", n-1, s.srv.cfg.Limits.Rooms)
@@ -218,7 +218,7 @@ func rankAs[T rankImpl](s *session, r *request) (*rankEntry, T, error) {
 func (s *session) useRegion(rk *rankEntry, what string, addr, length uint64) (uintptr, *memRegion, error) {
 	local, reg, err := s.mem.translate(addr, length)
 	if err != nil {
-		return 0, nil, errorf(CodeBadRegion, "%s: %s", what, err.Message)
+		return 0, nil, errorf(CodeBadRegion, "%s: %s", what, asError(err, CodeBadRegion).Message)
 	}
 	for _, id := range rk.regions {
 		if id == reg.ID {

@@ -96,9 +96,9 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if err != nil {
 		return nil, nil, err
 	}
-	cache, err := vllmCacheOf(s, r, rk)
-	if err != nil {
-		return nil, nil, err
+	cache, cerr := vllmCacheOf(s, r, rk)
+	if cerr != nil {
+		return nil, nil, cerr
 	}
 	cv, ok := r.get("compat")
 	if !ok {
@@ -328,9 +328,9 @@ func opVLLMRelease(s *session, r *request) (Fields, error) {
 
 // opVLLMRead is the decode worker's start_load_kv for one request.
 func opVLLMRead(s *session, r *request) (Fields, error) {
-	_, d, err := rankAs[*vllmDecodeImpl](s, r)
-	if err != nil {
-		return nil, err
+	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
+	if rerr != nil {
+		return nil, rerr
 	}
 	requestID, err := r.str("request_id")
 	if err != nil {

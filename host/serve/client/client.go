@@ -113,6 +113,7 @@ type Client struct {
 	lost    bool
 	rooms   map[[2]uint64]bool // (rank, room) in flight, for the lost events
 
+	vllm   vllmTrack // vLLM reads in flight (vllm.go)
 	events *eventQueue
 	done   chan struct{}
 	err    error // why the connection ended (after done)
@@ -141,7 +142,7 @@ func Dial(ctx context.Context, endpoint string, o Options) (*Client, error) {
 	if o.Name == "" {
 		o.Name = "kvhost-go"
 	}
-	v, err := c.Call(ctx, "hello", Fields{{"version", []int{Major, Minor}}, {"client", o.Name}, {"pid", os.Getpid()}})
+	v, err := c.call(ctx, "hello", Fields{{"version", []int{Major, Minor}}, {"client", o.Name}, {"pid", os.Getpid()}})
 	if err != nil {
 		c.Close()
 		return nil, err
@@ -271,6 +272,7 @@ func (c *Client) read() {
 	for k := range rooms {
 		c.events.push(Event{Name: "room", Rank: k[0], Room: k[1], State: 0, Reason: ReasonConnectionLost, Local: true})
 	}
+	c.vllmLost()
 	c.events.close()
 	close(c.done)
 }
@@ -282,6 +284,7 @@ func (c *Client) event(name msgpack.Value, v msgpack.Value) {
 	e.Room, _ = u64(v, "room")
 	e.State = int(i64(v, "state"))
 	e.Reason = str(v, "reason")
+	c.vllmEvent(e)
 	if e.Name == "room" && (e.State == StateFailed || e.State == StateSuccess) {
 		c.mu.Lock()
 		delete(c.rooms, [2]uint64{e.Rank, e.Room})
@@ -309,7 +312,15 @@ func (c *Client) untrack(rank, room uint64) {
 // Call sends op with fields and waits for the reply: the reply map on
 // success, an *Error otherwise. Typed methods wrap it; it is exported for
 // tests and ops without a typed method.
-func (c *Client) Call(ctx context.Context, op string, f Fields) (msgpack.Value, error) {
+func (c *Client) Call(ctx context.Context, op string, fields map[string]any) (msgpack.Value, error) {
+	f := make(Fields, 0, len(fields))
+	for k, v := range fields {
+		f = append(f, Field{k, v})
+	}
+	return c.call(ctx, op, f)
+}
+
+func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, error) {
 	seq := c.seq.Add(1)
 	ch := make(chan reply, 1)
 	c.mu.Lock()
@@ -405,6 +416,11 @@ func encode(e *msgpack.Encoder, v any) {
 		e.ArrayHeader(len(x))
 		for _, s := range x {
 			e.Str(s)
+		}
+	case []map[string]any:
+		e.ArrayHeader(len(x))
+		for _, f := range x {
+			encode(e, f)
 		}
 	case []Fields:
 		e.ArrayHeader(len(x))

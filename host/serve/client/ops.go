@@ -42,7 +42,7 @@ func (c *Client) RegisterMemory(ctx context.Context, regions []Region) ([]uint64
 	for i, r := range regions {
 		fs[i] = r.fields()
 	}
-	v, err := c.Call(ctx, "register_memory", Fields{{"regions", fs}})
+	v, err := c.call(ctx, "register_memory", Fields{{"regions", fs}})
 	if err != nil {
 		return nil, err
 	}
@@ -56,7 +56,7 @@ func (c *Client) RegisterMemory(ctx context.Context, regions []Region) ([]uint64
 
 // DeregisterMemory releases regions.
 func (c *Client) DeregisterMemory(ctx context.Context, ids []uint64) error {
-	_, err := c.Call(ctx, "deregister_memory", Fields{{"regions", ids}})
+	_, err := c.call(ctx, "deregister_memory", Fields{{"regions", ids}})
 	return err
 }
 
@@ -108,12 +108,20 @@ func (c *Client) OpenSGLang(ctx context.Context, r SGLangRank) (Rank, error) {
 			f = append(f, Field{s.k, s.v})
 		}
 	}
-	return c.OpenRank(ctx, f)
+	return c.openRank(ctx, f)
 }
 
 // OpenRank opens a rank with raw fields (style, role and the style's).
-func (c *Client) OpenRank(ctx context.Context, f Fields) (Rank, error) {
-	v, err := c.Call(ctx, "open_rank", f)
+func (c *Client) OpenRank(ctx context.Context, fields map[string]any) (Rank, error) {
+	f := make(Fields, 0, len(fields))
+	for k, v := range fields {
+		f = append(f, Field{k, v})
+	}
+	return c.openRank(ctx, f)
+}
+
+func (c *Client) openRank(ctx context.Context, f Fields) (Rank, error) {
+	v, err := c.call(ctx, "open_rank", f)
 	if err != nil {
 		return Rank{}, err
 	}
@@ -123,14 +131,14 @@ func (c *Client) OpenRank(ctx context.Context, f Fields) (Rank, error) {
 
 // CloseRank closes a rank (its rooms fail with "rank closed").
 func (c *Client) CloseRank(ctx context.Context, rank uint64) error {
-	_, err := c.Call(ctx, "close_rank", Fields{{"rank", rank}})
+	_, err := c.call(ctx, "close_rank", Fields{{"rank", rank}})
 	return err
 }
 
 // StartBootstrap starts the sidecar's bootstrap server (SGLang's
 // KVBootstrapServer) and returns its host:port.
 func (c *Client) StartBootstrap(ctx context.Context, host string, port int) (string, error) {
-	v, err := c.Call(ctx, "start_bootstrap", Fields{{"host", host}, {"port", port}})
+	v, err := c.call(ctx, "start_bootstrap", Fields{{"host", host}, {"port", port}})
 	if err != nil {
 		return "", err
 	}
@@ -156,7 +164,7 @@ func pagesOrNil(p []int32) any {
 
 // SenderCreate opens a prefill room (Bootstrapping).
 func (c *Client) SenderCreate(ctx context.Context, rank, room uint64) error {
-	_, err := c.Call(ctx, "sender_create", Fields{{"rank", rank}, {"room", room}})
+	_, err := c.call(ctx, "sender_create", Fields{{"rank", rank}, {"room", room}})
 	if err == nil {
 		c.track(rank, room)
 	}
@@ -165,14 +173,14 @@ func (c *Client) SenderCreate(ctx context.Context, rank, room uint64) error {
 
 // SenderInit declares the pages the room will send and its aux slot.
 func (c *Client) SenderInit(ctx context.Context, rank, room uint64, numPages int, auxIndex int64) error {
-	_, err := c.Call(ctx, "sender_init", Fields{{"rank", rank}, {"room", room}, {"num_pages", numPages}, {"aux_index", auxIndex}})
+	_, err := c.call(ctx, "sender_init", Fields{{"rank", rank}, {"room", room}, {"num_pages", numPages}, {"aux_index", auxIndex}})
 	return err
 }
 
 // SenderSend sends one chunk of pages (state indices with the last one,
 // or nil).
 func (c *Client) SenderSend(ctx context.Context, rank, room uint64, pages []int32, stateIndices []int32) error {
-	_, err := c.Call(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
+	_, err := c.call(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
 	return err
 }
 
@@ -183,7 +191,7 @@ func (c *Client) ReceiverCreate(ctx context.Context, rank, room uint64, bootstra
 	if prefillDPRank >= 0 {
 		dp = prefillDPRank
 	}
-	_, err := c.Call(ctx, "receiver_create", Fields{{"rank", rank}, {"room", room}, {"bootstrap_addr", bootstrapAddr}, {"prefill_dp_rank", dp}})
+	_, err := c.call(ctx, "receiver_create", Fields{{"rank", rank}, {"room", room}, {"bootstrap_addr", bootstrapAddr}, {"prefill_dp_rank", dp}})
 	if err == nil {
 		c.track(rank, room)
 	}
@@ -193,20 +201,20 @@ func (c *Client) ReceiverCreate(ctx context.Context, rank, room uint64, bootstra
 // ReceiverInit sends decode's page list, aux slot, state slots (nil: none)
 // and prefix length to the prefill ranks.
 func (c *Client) ReceiverInit(ctx context.Context, rank, room uint64, pages []int32, auxIndex int64, stateIndices []int32, prefixLen int) error {
-	_, err := c.Call(ctx, "receiver_init", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"aux_index", auxIndex},
+	_, err := c.call(ctx, "receiver_init", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"aux_index", auxIndex},
 		{"state_indices", pagesOrNil(stateIndices)}, {"prefix_len", prefixLen}})
 	return err
 }
 
 // Abort fails a room (prefill or decode) and tells its peers.
 func (c *Client) Abort(ctx context.Context, rank, room uint64) error {
-	_, err := c.Call(ctx, "abort", Fields{{"rank", rank}, {"room", room}})
+	_, err := c.call(ctx, "abort", Fields{{"rank", rank}, {"room", room}})
 	return err
 }
 
 // CloseRoom forgets a room.
 func (c *Client) CloseRoom(ctx context.Context, rank, room uint64) error {
-	_, err := c.Call(ctx, "close_room", Fields{{"rank", rank}, {"room", room}})
+	_, err := c.call(ctx, "close_room", Fields{{"rank", rank}, {"room", room}})
 	c.untrack(rank, room)
 	return err
 }
@@ -218,7 +226,7 @@ func (c *Client) Poll(ctx context.Context, rank uint64, rooms []uint64) ([]int, 
 	for i, r := range rooms {
 		binary.LittleEndian.PutUint64(b[8*i:], r)
 	}
-	v, err := c.Call(ctx, "poll", Fields{{"rank", rank}, {"rooms", b}})
+	v, err := c.call(ctx, "poll", Fields{{"rank", rank}, {"rooms", b}})
 	if err != nil {
 		return nil, nil, err
 	}
