@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"math"
 
-	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
 
 // moriDesc builds a blob shaped like a packed MORI descriptor (a msgpack

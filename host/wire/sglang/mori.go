@@ -4,7 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 
-	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
 
 // MORIGuard is the first frame of MORI-variant messages (decode to prefill,

@@ -26,7 +26,7 @@ import (
 	"fmt"
 	"unicode/utf8"
 
-	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
 
 // GetMetaMsg is the request tag of the handshake.

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/host/wire/internal/msgpack"
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
 
 func sampleMetadata() *AgentMetadata {

@@ -225,6 +225,151 @@ func TestDecodeValueBudget(t *testing.T) {
 	}
 }
 
+// Floats are packed as msgpack-python packs a Python float: always the
+// 9-byte form.
+func TestEncodeFloatLikePython(t *testing.T) {
+	for f, want := range map[float64]string{1.5: "cb3ff8000000000000", math.Copysign(0, -1): "cb8000000000000000", math.Inf(1): "cb7ff0000000000000"} {
+		var e Encoder
+		e.Float(f)
+		if got := hex.EncodeToString(e.Bytes()); got != want {
+			t.Errorf("Float(%v) = %s, want %s", f, got, want)
+		}
+		v, err := Decode(e.Bytes())
+		if g, ok := v.Float(); err != nil || !ok || math.Float64bits(g) != math.Float64bits(f) {
+			t.Errorf("round trip of %v gave %v %v %v", f, g, ok, err)
+		}
+	}
+}
+
+// A control message as msgpack.packb({'op': 'send', 'pages': [1, 2],
+// 't': 0.25}) writes it, read through Len, Index and Each, and the same
+// message encoded by an Encoder.
+func TestIterateControlMessage(t *testing.T) {
+	golden, _ := hex.DecodeString("83a26f70a473656e64a57061676573920102a174cb3fd0000000000000")
+	var e Encoder
+	e.MapHeader(3)
+	e.Str("op")
+	e.Str("send")
+	e.Str("pages")
+	e.ArrayHeader(2)
+	e.Int(1)
+	e.Int(2)
+	e.Str("t")
+	e.Float(0.25)
+	if !bytes.Equal(e.Bytes(), golden) {
+		t.Fatalf("encoded %x, want %x", e.Bytes(), golden)
+	}
+	v, err := Decode(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v.Len() != 3 {
+		t.Fatalf("map Len %d", v.Len())
+	}
+	var keys []string
+	err = v.Each(func(k string, val Value) bool {
+		keys = append(keys, strings.Clone(k))
+		switch k {
+		case "op":
+			if s, _ := val.Str(); s != "send" || val.Len() != 4 {
+				t.Errorf("op %q len %d", s, val.Len())
+			}
+		case "pages":
+			if val.Len() != 2 {
+				t.Errorf("pages len %d", val.Len())
+			}
+			for i := range val.Len() {
+				x, ok := val.Index(i)
+				if n, _ := x.Int(); !ok || n != int64(i+1) {
+					t.Errorf("pages[%d] = %v %v", i, n, ok)
+				}
+			}
+			if _, ok := val.Index(2); ok {
+				t.Error("Index past the end succeeded")
+			}
+			if _, ok := val.Index(-1); ok {
+				t.Error("Index(-1) succeeded")
+			}
+		case "t":
+			if f, _ := val.Float(); f != 0.25 {
+				t.Errorf("t %v", f)
+			}
+		}
+		return true
+	})
+	if err != nil || strings.Join(keys, ",") != "op,pages,t" {
+		t.Fatalf("Each visited %v, %v", keys, err)
+	}
+	// fn returning false stops the walk.
+	n := 0
+	if err := v.Each(func(string, Value) bool { n++; return false }); err != nil || n != 1 {
+		t.Fatalf("stopped Each: %d calls, %v", n, err)
+	}
+	// Index and Each on the wrong kinds.
+	if _, ok := v.Index(0); ok {
+		t.Error("Index on a map succeeded")
+	}
+	pages, _ := v.Get("pages")
+	if err := pages.Each(func(string, Value) bool { t.Error("fn called"); return true }); !errors.Is(err, ErrType) {
+		t.Errorf("Each on an array: %v", err)
+	}
+	for _, k := range []Value{{Kind: Nil}, {Kind: Bool}, {Kind: Uint}, {Kind: Float}} {
+		if k.Len() != 0 {
+			t.Errorf("Len of %s = %d", k.Kind, k.Len())
+		}
+	}
+}
+
+// A map with a key that is not a string is refused whole: fn is never
+// called, even for the string keys before it.
+func TestEachRefusesNonStringKeys(t *testing.T) {
+	b, _ := hex.DecodeString("82a16101c402616202") // {'a': 1, b'ab': 2}
+	v, err := Decode(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	called := false
+	err = v.Each(func(string, Value) bool { called = true; return true })
+	if !errors.Is(err, ErrType) || called || !strings.Contains(err.Error(), "map key 1 is bin") {
+		t.Fatalf("Each: %v, fn called %v", err, called)
+	}
+	if x, ok := v.Get("a"); !ok || x.Len() != 0 {
+		t.Fatal("Get of the string key failed")
+	}
+}
+
+// Reading a decoded control message and encoding a reply into a reused
+// Encoder allocate nothing.
+func TestReadAndEncodeAllocateNothing(t *testing.T) {
+	golden, _ := hex.DecodeString("83a26f70a473656e64a57061676573920102a174cb3fd0000000000000")
+	v, err := Decode(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e Encoder
+	sum := 0
+	allocs := testing.AllocsPerRun(100, func() {
+		if x, ok := v.Get("pages"); ok {
+			for i := range x.Len() {
+				y, _ := x.Index(i)
+				n, _ := y.Int()
+				sum += int(n)
+			}
+		}
+		_ = v.Each(func(k string, _ Value) bool { sum += len(k); return true })
+		e.Reset()
+		e.MapHeader(2)
+		e.Str("status")
+		e.Int(0)
+		e.Str("t")
+		e.Float(1.5)
+		e.Bin(golden)
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocations per read and reply", allocs)
+	}
+}
+
 func FuzzDecode(f *testing.F) {
 	var e Encoder
 	e.ArrayHeader(2)
@@ -242,16 +387,139 @@ func FuzzDecode(f *testing.F) {
 		if n := walk(v); n > len(b) || n > MaxValues+1 {
 			t.Fatalf("%d values from %d bytes", n, len(b))
 		}
+		// Re-encoding the tree and decoding it again gives the same
+		// values (the forms may shrink: the encoder picks the smallest).
+		var e Encoder
+		encode(&e, v)
+		w, err := Decode(e.Bytes())
+		if err != nil {
+			t.Fatalf("re-encoded %x: %v", e.Bytes(), err)
+		}
+		if !same(v, w) {
+			t.Fatalf("re-encoding %x gave %x", b, e.Bytes())
+		}
 	})
 }
 
+// walk counts the values of a tree through Len, Index and Each, checking
+// that they agree with each other.
 func walk(v Value) int {
 	n := 1
-	for _, it := range v.Items {
-		n += walk(it)
-	}
-	for _, p := range v.Pairs {
-		n += walk(p[0]) + walk(p[1])
+	switch v.Kind {
+	case Array:
+		for i := range v.Len() {
+			x, ok := v.Index(i)
+			if !ok {
+				panic("Index within Len failed")
+			}
+			n += walk(x)
+		}
+		if _, ok := v.Index(v.Len()); ok {
+			panic("Index at Len succeeded")
+		}
+	case Map:
+		strKeys := true
+		for _, p := range v.Pairs {
+			n += walk(p[0]) + walk(p[1])
+			strKeys = strKeys && p[0].Kind == Str
+		}
+		seen := 0
+		err := v.Each(func(k string, val Value) bool {
+			if g, ok := v.Get(k); !ok || !dupKey(v, k) && !same(g, val) {
+				panic("Get of a visited key failed")
+			}
+			seen++
+			return true
+		})
+		if strKeys != (err == nil) || strKeys && seen != v.Len() {
+			panic("Each disagrees with the keys")
+		}
 	}
 	return n
+}
+
+func dupKey(v Value, k string) bool {
+	c := 0
+	for _, p := range v.Pairs {
+		if s, ok := p[0].Str(); ok && s == k {
+			c++
+		}
+	}
+	return c > 1
+}
+
+// encode writes a decoded tree back with an Encoder.
+func encode(e *Encoder, v Value) {
+	switch v.Kind {
+	case Nil:
+		e.Nil()
+	case Bool:
+		b, _ := v.Bool()
+		e.Bool(b)
+	case Int:
+		i, _ := v.Int()
+		e.Int(i)
+	case Uint:
+		u, _ := v.Uint()
+		e.Uint(u)
+	case Float:
+		f, _ := v.Float()
+		e.Float(f)
+	case Str:
+		s, _ := v.Str()
+		e.Str(s)
+	case Bin:
+		b, _ := v.Bin()
+		e.Bin(b)
+	case Ext:
+		// The Encoder writes no ext values: write the smallest form by hand.
+		e.buf = append(e.buf, 0xc9, byte(v.Len()>>24), byte(v.Len()>>16), byte(v.Len()>>8), byte(v.Len()), byte(v.ExtType))
+		e.buf = append(e.buf, v.Raw()...)
+	case Array:
+		e.ArrayHeader(v.Len())
+		for _, x := range v.Items {
+			encode(e, x)
+		}
+	case Map:
+		e.MapHeader(v.Len())
+		for _, p := range v.Pairs {
+			encode(e, p[0])
+			encode(e, p[1])
+		}
+	}
+}
+
+// same compares two trees by value: an integer is the same whether it was
+// encoded signed or unsigned, floats by their bits.
+func same(a, b Value) bool {
+	if ai, ok := a.Int(); ok {
+		bi, ok := b.Int()
+		return ok && ai == bi
+	}
+	if au, ok := a.Uint(); ok {
+		bu, ok := b.Uint()
+		return ok && au == bu
+	}
+	if a.Kind != b.Kind || a.Len() != b.Len() || a.ExtType != b.ExtType || !bytes.Equal(a.Raw(), b.Raw()) {
+		return false
+	}
+	switch a.Kind {
+	case Bool:
+		return a.b == b.b
+	case Float:
+		return math.Float64bits(a.f) == math.Float64bits(b.f)
+	case Array:
+		for i := range a.Items {
+			if !same(a.Items[i], b.Items[i]) {
+				return false
+			}
+		}
+	case Map:
+		for i := range a.Pairs {
+			if !same(a.Pairs[i][0], b.Pairs[i][0]) || !same(a.Pairs[i][1], b.Pairs[i][1]) {
+				return false
+			}
+		}
+	}
+	return true
 }

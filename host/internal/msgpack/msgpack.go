@@ -1,5 +1,5 @@
-// Package msgpack is the small MessagePack codec the wire formats need:
-// an encoder that writes the same bytes as Python's msgspec and msgpack
+// Package msgpack is the small MessagePack codec the wire formats and the
+// sidecar's control API need: an encoder that writes the same bytes as Python's msgspec and msgpack
 // (smallest integer, string and container forms), and a decoder into a
 // value tree that is safe on hostile input: every length is checked
 // against the bytes left before anything is allocated, nesting is bounded,
@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"unsafe"
 )
 
 // Kind is the type of a decoded Value.
@@ -98,15 +99,73 @@ func (v Value) Bin() ([]byte, bool) { return v.bytes, v.Kind == Bin }
 // Raw returns the payload of a Str, Bin or Ext value.
 func (v Value) Raw() []byte { return v.bytes }
 
-// Get returns the value stored under the string key in a Map.
+// Get returns the value stored under the string key in a Map (the first
+// if the key is duplicated). It allocates nothing.
 func (v Value) Get(key string) (Value, bool) {
 	for _, p := range v.Pairs {
-		if k, ok := p[0].Str(); ok && k == key {
+		if p[0].Kind == Str && string(p[0].bytes) == key {
 			return p[1], true
 		}
 	}
 	return Value{}, false
 }
+
+// Len returns the number of elements of an Array, of key-value pairs of a
+// Map, of bytes of a Str, Bin or Ext, and 0 for every other kind.
+func (v Value) Len() int {
+	switch v.Kind {
+	case Array:
+		return len(v.Items)
+	case Map:
+		return len(v.Pairs)
+	case Str, Bin, Ext:
+		return len(v.bytes)
+	}
+	return 0
+}
+
+// Index returns element i of an Array; false if v is not an Array or i is
+// out of range (a nil element is returned as a Nil value with true).
+func (v Value) Index(i int) (Value, bool) {
+	if v.Kind != Array || i < 0 || i >= len(v.Items) {
+		return Value{}, false
+	}
+	return v.Items[i], true
+}
+
+// ErrType marks a value of another kind than the caller asked for.
+var ErrType = errors.New("msgpack: wrong type")
+
+// Each calls fn with every key and value of a Map whose keys are all
+// strings, in encoded order, until fn returns false. It returns an error
+// wrapping ErrType, before calling fn at all, if v is not a Map or any key
+// is not a Str (a control message from Python has string keys only; a map
+// with other keys is refused whole rather than half visited). Duplicate
+// keys are passed on as encoded; Get returns the first. Each allocates
+// nothing: key aliases the decoded input, like Raw, so it is valid only
+// while the input is unchanged; strings.Clone it to keep it longer (a kept
+// alias would also keep the whole input alive).
+func (v Value) Each(fn func(key string, val Value) bool) error {
+	if v.Kind != Map {
+		return fmt.Errorf("%w: %s, want map", ErrType, v.Kind)
+	}
+	for i, p := range v.Pairs {
+		if p[0].Kind != Str {
+			return fmt.Errorf("%w: map key %d is %s, want str", ErrType, i, p[0].Kind)
+		}
+	}
+	for _, p := range v.Pairs {
+		if !fn(p[0].str(), p[1]) {
+			break
+		}
+	}
+	return nil
+}
+
+// str returns the text of a Str without copying it: the string aliases
+// the decoded input, which callers of Decode must not change while they
+// use the tree.
+func (v Value) str() string { return unsafe.String(unsafe.SliceData(v.bytes), len(v.bytes)) }
 
 // MaxDepth bounds nesting of arrays and maps.
 const MaxDepth = 32
@@ -344,6 +403,10 @@ type Encoder struct {
 // Bytes returns the encoded bytes.
 func (e *Encoder) Bytes() []byte { return e.buf }
 
+// Reset empties the buffer and keeps its capacity, so one Encoder can
+// encode message after message without allocating.
+func (e *Encoder) Reset() { e.buf = e.buf[:0] }
+
 // Nil appends nil.
 func (e *Encoder) Nil() { e.buf = append(e.buf, 0xc0) }
 
@@ -391,6 +454,12 @@ func (e *Encoder) Uint(v uint64) {
 	default:
 		e.buf = binary.BigEndian.AppendUint64(append(e.buf, 0xcf), v)
 	}
+}
+
+// Float appends a float64, always in the 9-byte form (0xcb), as
+// msgpack-python and msgspec pack a Python float.
+func (e *Encoder) Float(f float64) {
+	e.buf = binary.BigEndian.AppendUint64(append(e.buf, 0xcb), math.Float64bits(f))
 }
 
 // Str appends a string.

@@ -1,0 +1,339 @@
+package serve
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/host/bootstrap"
+	"github.com/kvhost/kvhost/host/internal/zmq"
+	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/push"
+)
+
+// Protocol version of docs/engine-api.md.
+const (
+	ProtocolMajor = 1
+	ProtocolMinor = 0
+)
+
+// Defaults of Config.
+const (
+	DefaultMaxMessage = 64 << 20
+	DefaultMaxRanks   = 64
+	DefaultMaxRegions = 4096
+	DefaultMaxRooms   = 1 << 16
+	// DefaultEventQueue bounds the replies and events waiting to be
+	// written to one connection. An engine that leaves this many unread
+	// (or does not take one within the send timeout) is dropped: its
+	// session is torn down as if it had disconnected; other connections
+	// are not affected.
+	DefaultEventQueue = 1 << 14
+	// DefaultRequestQueue bounds the requests of one connection waiting
+	// for its session; more are answered with `limit` at once.
+	DefaultRequestQueue = 1024
+	// DefaultSendTimeout bounds writing one message to an engine.
+	DefaultSendTimeout = 30 * time.Second
+)
+
+// Limits bound what one connection may hold (sent in hello).
+type Limits struct {
+	Ranks   int
+	Regions int
+	Rooms   int
+}
+
+// Config configures a Server.
+type Config struct {
+	// Control is the endpoint of the ROUTER socket (ipc://path; tcp://
+	// works too, for tests).
+	Control string
+	// Plugin moves the bytes: every rank gets its own agent of it.
+	Plugin      *plugin.Plugin
+	Backend     string // the plugin's name, for hello
+	AgentParams []plugin.Param
+	// Settings are the push runtime's tunables for SGLang ranks.
+	Settings push.Settings
+	// Observer, if set, also sees every push runtime event (metrics).
+	Observer push.Observer
+	// Host is the default IP ranks bind to and advertise (default
+	// 127.0.0.1); a rank's own `host` field wins.
+	Host string
+
+	Limits       Limits
+	MaxMessage   int64
+	EventQueue   int
+	RequestQueue int
+	SendTimeout  time.Duration
+	// Version is the sidecar's version string for hello.
+	Version string
+	Logger  *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.Limits.Ranks <= 0 {
+		c.Limits.Ranks = DefaultMaxRanks
+	}
+	if c.Limits.Regions <= 0 {
+		c.Limits.Regions = DefaultMaxRegions
+	}
+	if c.Limits.Rooms <= 0 {
+		c.Limits.Rooms = DefaultMaxRooms
+	}
+	if c.MaxMessage <= 0 {
+		c.MaxMessage = DefaultMaxMessage
+	}
+	if c.EventQueue <= 0 {
+		c.EventQueue = DefaultEventQueue
+	}
+	if c.RequestQueue <= 0 {
+		c.RequestQueue = DefaultRequestQueue
+	}
+	if c.SendTimeout <= 0 {
+		c.SendTimeout = DefaultSendTimeout
+	}
+	if c.Host == "" {
+		c.Host = "127.0.0.1"
+	}
+	if c.Version == "" {
+		c.Version = "kvhost"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if c.Observer == nil {
+		c.Observer = push.NopObserver{}
+	}
+}
+
+// Server is the control server of `kvhost serve`: one session per engine
+// connection on a ZeroMQ ROUTER socket. See the package doc.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	router  *zmq.Router
+	session string // random per process (hello's session)
+
+	nextRank atomic.Uint64 // rank ids, unique in the process
+	closing  atomic.Bool
+
+	mu       sync.Mutex
+	sessions map[string]*session
+	wg       sync.WaitGroup // the receive loop and every session goroutine
+	ext      map[string]any // per-style server state (see Server.state)
+
+	bootMu   sync.Mutex
+	boot     *bootstrap.Running
+	bootPort int
+
+	stop     context.CancelFunc
+	loopDone chan struct{}
+	closed   chan struct{}
+	once     sync.Once
+	closeErr error
+}
+
+// New binds the control socket and starts serving.
+func New(cfg Config) (*Server, error) {
+	cfg.defaults()
+	if cfg.Plugin == nil {
+		return nil, errors.New("serve: no plugin")
+	}
+	var id [8]byte
+	rand.Read(id[:])
+	s := &Server{
+		cfg: cfg, log: cfg.Logger, session: hex.EncodeToString(id[:]),
+		sessions: make(map[string]*session), ext: make(map[string]any),
+		loopDone: make(chan struct{}), closed: make(chan struct{}),
+	}
+	r, err := zmq.ListenRouter(cfg.Control, s.zmqOptions()...)
+	if err != nil {
+		return nil, fmt.Errorf("serve: control socket: %w", err)
+	}
+	s.router = r
+	ctx, cancel := context.WithCancel(context.Background())
+	s.stop = cancel
+	go s.loop(ctx)
+	return s, nil
+}
+
+// Endpoint is the control endpoint engines connect to.
+func (s *Server) Endpoint() string { return s.router.Endpoint() }
+
+// Session is this process's session id (hello's session).
+func (s *Server) Session() string { return s.session }
+
+// Sessions is the number of engine connections with a session.
+func (s *Server) Sessions() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.sessions)
+}
+
+// state returns the server-wide state a style keeps under key, made by mk
+// the first time (vLLM's engine groups span connections).
+func (s *Server) state(key string, mk func() any) any {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v, ok := s.ext[key]
+	if !ok {
+		v = mk()
+		s.ext[key] = v
+	}
+	return v
+}
+
+// forEachSession calls fn for every live session (events to several
+// connections).
+func (s *Server) forEachSession(fn func(*session)) {
+	s.mu.Lock()
+	ss := make([]*session, 0, len(s.sessions))
+	for _, x := range s.sessions {
+		ss = append(ss, x)
+	}
+	s.mu.Unlock()
+	for _, x := range ss {
+		fn(x)
+	}
+}
+
+// loop receives every engine message and hands it to its session.
+func (s *Server) loop(ctx context.Context) {
+	defer close(s.loopDone)
+	for {
+		m, err := s.router.Recv(ctx)
+		if err != nil {
+			return
+		}
+		s.dispatch(m)
+	}
+}
+
+func (s *Server) dispatch(m zmq.RouterMsg) {
+	peer := string(m.Peer)
+	if len(m.Frames) != 1 {
+		// A REQ peer's delimiter or a multi-frame message: the API is one
+		// frame per message.
+		s.replyRaw(m.Peer, encodeError(0, false, errorf(CodeBadRequest, "a request is one frame holding a msgpack map, got %d frames", len(m.Frames))))
+		return
+	}
+	s.mu.Lock()
+	sess := s.sessions[peer]
+	if sess == nil {
+		if s.closing.Load() {
+			s.mu.Unlock()
+			s.replyRaw(m.Peer, encodeError(0, false, errorf(CodeShuttingDown, "the sidecar is stopping")))
+			return
+		}
+		sess = newSession(s, m.Peer)
+		s.sessions[peer] = sess
+		s.wg.Add(1)
+		go sess.run()
+	}
+	s.mu.Unlock()
+	select {
+	case sess.in <- m.Frames[0]:
+	default:
+		r, seqOK, _ := parseRequest(m.Frames[0])
+		var seq uint64
+		if r != nil {
+			seq = r.seq
+		}
+		sess.send(encodeError(seq, seqOK, errorf(CodeLimit, "more than %d requests waiting on this connection", cap(sess.in))))
+	}
+}
+
+// replyRaw answers a peer that has no session.
+func (s *Server) replyRaw(peer []byte, msg []byte) {
+	if err := s.router.Enqueue(peer, msg); err != nil {
+		s.log.Debug("serve: reply not queued", "err", err)
+	}
+}
+
+// peerGone tears down the session of a connection that closed.
+func (s *Server) peerGone(peer []byte) {
+	s.mu.Lock()
+	sess := s.sessions[string(peer)]
+	s.mu.Unlock()
+	if sess != nil {
+		sess.stop("engine disconnected", false)
+	}
+}
+
+// forget removes a finished session.
+func (s *Server) forget(sess *session) {
+	s.mu.Lock()
+	if s.sessions[string(sess.peer)] == sess {
+		delete(s.sessions, string(sess.peer))
+	}
+	s.mu.Unlock()
+}
+
+// Close stops the sidecar (docs/engine-api.md, Lifecycle): new requests
+// are refused with shutting_down, every session fails its unfinished rooms
+// with "sidecar shutting down" and sends those events (within ctx), then
+// everything is released and the control socket closed.
+func (s *Server) Close(ctx context.Context) error {
+	s.once.Do(func() {
+		s.closing.Store(true)
+		s.mu.Lock()
+		ss := make([]*session, 0, len(s.sessions))
+		for _, x := range s.sessions {
+			ss = append(ss, x)
+		}
+		s.mu.Unlock()
+		for _, x := range ss {
+			x.stop("sidecar shutting down", true)
+		}
+		for _, x := range ss {
+			select {
+			case <-x.done:
+			case <-ctx.Done():
+			}
+		}
+		// Let the failure events reach the engines.
+		s.router.Flush(ctx)
+		s.stop()
+		<-s.loopDone
+		s.closeErr = s.router.Close()
+		// Sessions made after the snapshot (none: closing refuses them)
+		// and the ones ctx cut short.
+		s.forEachSession(func(x *session) { x.stop("sidecar shutting down", false) })
+		s.wg.Wait()
+		s.closeBootstrap()
+		close(s.closed)
+	})
+	return s.closeErr
+}
+
+func (s *Server) zmqOptions() []zmq.Option {
+	return []zmq.Option{
+		zmq.WithLogger(s.log),
+		zmq.WithMaxMessageSize(s.cfg.MaxMessage),
+		zmq.WithSendQueue(s.cfg.EventQueue),
+		zmq.WithSendTimeout(s.cfg.SendTimeout),
+		// An engine may stay quiet for hours between requests; its
+		// connection is its session.
+		zmq.WithIdleTimeout(0),
+	}
+}
+
+// closeBootstrap stops the bootstrap server of start_bootstrap, if any.
+func (s *Server) closeBootstrap() {
+	s.bootMu.Lock()
+	b := s.boot
+	s.boot = nil
+	s.bootMu.Unlock()
+	if b != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		b.Close(ctx)
+	}
+}
