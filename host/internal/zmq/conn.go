@@ -35,13 +35,14 @@ type conn struct {
 	msgTimeout  time.Duration
 	idleTimeout time.Duration
 
-	// Accepted connections: src is the peer's IP address (the "source"
-	// the server's connection limit is shared fairly between);
+	// Accepted connections: src is the peer's IP address or process (the
+	// "source" the server's connection limit is shared fairly between);
 	// lastActive (unix ns) is when the peer last began or finished a
 	// message, or finished its handshake; inMessage is set while a
 	// message is being read. The read loop writes them, the server's
 	// eviction reads them.
 	src        string
+	cred       *PeerCred // ipc peers (SO_PEERCRED); nil for TCP
 	lastActive atomic.Int64
 	inMessage  atomic.Bool
 
@@ -76,7 +77,7 @@ func handshake(nc net.Conn, local string, o *options) (*conn, error) {
 	}
 	if err != nil {
 		nc.Close()
-		return nil, fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
+		return nil, fmt.Errorf("zmq: handshake with %s: %w", remoteName(nc), err)
 	}
 	return c, nil
 }
@@ -105,7 +106,7 @@ func handshakeConn(nc net.Conn, local string, o *options, peerFirst bool) (*conn
 		nc:   nc,
 		r:    r,
 		lim:  limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames},
-		peer: nc.RemoteAddr().String(),
+		peer: remoteName(nc),
 		done: make(chan struct{}),
 	}
 	if !peerFirst {

@@ -1,14 +1,43 @@
 // Package zmq is kvhost's ZeroMQ: a small, pure-Go implementation of the
-// ZMTP 3.1 wire protocol (NULL security, TCP) with exactly the socket
-// patterns the control plane needs, so a kvhost worker can talk to SGLang
-// and vLLM peers that use libzmq (pyzmq):
+// ZMTP 3.1 wire protocol (NULL security, over TCP and ipc) with exactly the
+// socket patterns the control plane needs, so a kvhost worker can talk to
+// SGLang and vLLM peers that use libzmq (pyzmq):
 //
 //   - PULL (bind) and PUSH (connect, one socket per destination endpoint) for
 //     SGLang's bootstrap, transfer-info, status and abort messages;
-//   - ROUTER (bind) and a one-shot REQ exchange for vLLM's NIXL handshake.
+//   - ROUTER (bind) and a one-shot REQ exchange for vLLM's NIXL handshake;
+//   - ROUTER (bind) for the control socket of `kvhost serve`, which engine
+//     processes reach with libzmq DEALER sockets.
 //
 // Every blocking call takes a context.Context; a cancelled or expired
 // context interrupts it.
+//
+// # Endpoints
+//
+// "tcp://host:port" (binding: "tcp://*:port", port 0 picks a free port)
+// and "ipc://path", a unix-domain stream socket, as libzmq's ipc
+// transport: everything after "ipc://" is the socket file's path
+// (IPCEndpoint), and "ipc://@name" is a Linux abstract socket (no file).
+// Binding ipc is implemented for Linux only. A bound ipc socket:
+//
+//   - creates its file with mode 0600 (WithSocketMode): the mode is set
+//     between bind and listen, so no peer can connect before it applies;
+//     an abstract socket has no file, so it applies the same bits itself
+//     to each peer's credentials before the handshake;
+//   - refuses to start (an error wrapping syscall.EADDRINUSE) when a
+//     listener answers at the path or the path is not a socket, and
+//     removes a stale socket file (one whose connection attempt is
+//     refused: its listener died without removing it);
+//   - removes its file on Close, unless another listener has replaced it;
+//   - tells who each peer is: the kernel's SO_PEERCRED (PeerCred: PID,
+//     UID, GID) is on every RouterMsg (Cred) and names the peer in logs;
+//   - shares the connection limit (WithMaxConns) fairly between peer
+//     processes instead of IP addresses (see PeerCred's source method):
+//     every ipc peer is of the socket's user anyway, and a process that
+//     leaks connections then gives them up before another loses any.
+//
+// Pull.RecvFrom reports no address for ipc peers (unix sockets have none)
+// and Port is 0 for ipc endpoints.
 //
 // # Why not go-zeromq/zmq4 or libzmq
 //
@@ -54,8 +83,8 @@
 //     that second.) A bound socket keeps at most MaxConns connections
 //     past their handshake and as many more (at most 1024) in it; when a
 //     new connection finishes its handshake with the socket full, a
-//     source (IP address) holding the most connections gives up its least
-//     recently active one: at once if it holds at least two more than the
+//     source (IP address; for ipc, the peer process) holding the most
+//     connections gives up its least recently active one: at once if it holds at least two more than the
 //     new connection's source, otherwise only one idle for 1 s. So no
 //     source can take every slot from another, idle connections give way
 //     to new ones, and active ones are not pushed out by new connections

@@ -3,6 +3,8 @@ package zmq
 import (
 	"bufio"
 	"bytes"
+	"net"
+	"strings"
 	"testing"
 )
 
@@ -57,5 +59,32 @@ func FuzzHandshakeParsing(f *testing.F) {
 			}
 		}
 		_, _ = parseCommand(props)
+	})
+}
+
+// FuzzParseEndpoint: endpoint parsing never panics, and what it accepts
+// is usable: an ipc path within sun_path without NUL bytes, a TCP
+// address that splits into host and port.
+func FuzzParseEndpoint(f *testing.F) {
+	for _, s := range []string{"ipc:///run/kvhost/engine.sock", "ipc://@kvhost", "ipc://", "ipc://*", "tcp://127.0.0.1:5", "tcp://*:0", "tcp://[::1]:80", "ipc://a\x00"} {
+		f.Add(s, true)
+	}
+	f.Fuzz(func(t *testing.T, ep string, bind bool) {
+		a, err := parseEndpoint(ep, bind)
+		if err != nil {
+			return
+		}
+		switch a.network {
+		case "unix":
+			if a.addr == "" || len(a.addr) > maxIPCPath || strings.IndexByte(a.addr, 0) >= 0 || IPCEndpoint(a.addr) != ep {
+				t.Fatalf("%q: bad ipc address %q", ep, a.addr)
+			}
+		case "tcp":
+			if _, _, err := net.SplitHostPort(a.addr); err != nil {
+				t.Fatalf("%q: bad tcp address %q: %v", ep, a.addr, err)
+			}
+		default:
+			t.Fatalf("%q: network %q", ep, a.network)
+		}
 	})
 }

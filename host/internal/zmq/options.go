@@ -2,6 +2,7 @@ package zmq
 
 import (
 	"log/slog"
+	"os"
 	"time"
 )
 
@@ -90,6 +91,7 @@ type options struct {
 	messageTimeout   time.Duration // see messageTimeout; tests shorten it
 	evictIdle        time.Duration // see evictIdle; tests shorten it
 	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
+	socketMode       os.FileMode
 }
 
 func buildOptions(opts []Option) options {
@@ -110,6 +112,7 @@ func buildOptions(opts []Option) options {
 		messageTimeout:   messageTimeout,
 		evictIdle:        evictIdle,
 		contendedTimeout: contendedTimeout,
+		socketMode:       DefaultSocketMode,
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -191,8 +194,9 @@ func WithRecvBudget(n int64) Option {
 // their handshake, and one past that is closed as soon as it is accepted.
 // A connection that finishes its handshake with the socket full makes
 // room by closing the least recently active connection of a source (IP
-// address) holding the most: at once if that source holds at least two
-// more than the new connection's, otherwise only one idle for a second;
+// address; for ipc, the peer process) holding the most: at once if that
+// source holds at least two more than the new connection's, otherwise
+// only one idle for a second;
 // with nothing to close it is refused before it may send a message.
 // Refusals are logged, rate-limited. Default: DefaultMaxConns.
 func WithMaxConns(n int) Option {
@@ -247,4 +251,14 @@ func WithReconnectInterval(min, max time.Duration) Option {
 			o.reconnectMax = max
 		}
 	}
+}
+
+// WithSocketMode sets the permission bits of the socket file a PULL or
+// ROUTER bound to an ipc:// endpoint creates (the kernel checks them when
+// a peer connects; connecting needs write permission). For an abstract
+// socket (ipc://@name), which has no file, the socket applies the same
+// bits itself to each peer's SO_PEERCRED before the handshake (see
+// PeerCred). Default: DefaultSocketMode (0600, the user only).
+func WithSocketMode(mode os.FileMode) Option {
+	return func(o *options) { o.socketMode = mode.Perm() }
 }

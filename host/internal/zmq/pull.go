@@ -23,7 +23,8 @@ type received struct {
 }
 
 // ListenPull binds a PULL socket to endpoint ("tcp://host:port",
-// "tcp://*:port"; port 0 picks a free port, see Endpoint).
+// "tcp://*:port"; port 0 picks a free port, see Endpoint; or
+// "ipc:///path/to/socket", see the package doc).
 func ListenPull(endpoint string, opts ...Option) (*Pull, error) {
 	o := buildOptions(opts)
 	p := &Pull{msgs: make(chan received, o.recvQueue), budget: newRecvBudget(o.recvBudget, o.contendedTimeout)}
@@ -61,7 +62,8 @@ func (p *Pull) Recv(ctx context.Context) ([][]byte, error) {
 }
 
 // RecvFrom is Recv that also returns the remote address of the connection
-// the message came on (a *net.TCPAddr for TCP endpoints): what the
+// the message came on (a *net.TCPAddr for TCP endpoints; for ipc an
+// unnamed *net.UnixAddr or nil, as unix peers have no address): what the
 // transport knows about the sender, for a caller that accepts a message
 // only from the peers it expects. The address is the connection's, so it
 // is as trustworthy as the network's routing of it (TCP's handshake makes
@@ -97,8 +99,8 @@ func (p *Pull) Endpoint() string { return p.srv.addr }
 // Addr is the listener's address.
 func (p *Pull) Addr() net.Addr { return p.srv.ln.Addr() }
 
-// Port is the TCP port the socket listens on.
-func (p *Pull) Port() int { return p.srv.ln.Addr().(*net.TCPAddr).Port }
+// Port is the TCP port the socket listens on (0 for an ipc endpoint).
+func (p *Pull) Port() int { return portOf(p.srv.ln.Addr()) }
 
 // Close stops listening and closes every connection. Messages not yet
 // received are dropped. Close waits for the socket's goroutines to end;

@@ -20,7 +20,7 @@ import (
 // concurrent Sends are never interleaved.
 type Push struct {
 	endpoint string
-	addr     string
+	addr     address
 	o        options
 	log      *slog.Logger    // rate-limited: the peer can trigger its lines
 	rlog     *ratelog.Logger // log's limiter, flushed by Close
@@ -34,10 +34,11 @@ type Push struct {
 	wg     sync.WaitGroup // connection watchers
 }
 
-// DialPush returns a PUSH socket for endpoint ("tcp://host:port"). It does
-// not connect yet: the first Send does, so the peer need not be up.
+// DialPush returns a PUSH socket for endpoint ("tcp://host:port" or
+// "ipc:///path/to/socket"). It does not connect yet: the first Send does,
+// so the peer need not be up.
 func DialPush(endpoint string, opts ...Option) (*Push, error) {
-	addr, err := tcpAddress(endpoint, false)
+	addr, err := parseEndpoint(endpoint, false)
 	if err != nil {
 		return nil, err
 	}
@@ -148,7 +149,7 @@ func (p *Push) sendError(ctx context.Context, last error) error {
 // connect dials and handshakes; ctx bounds both.
 func (p *Push) connect(ctx context.Context) (*conn, error) {
 	var d net.Dialer
-	nc, err := d.DialContext(ctx, "tcp", p.addr)
+	nc, err := d.DialContext(ctx, p.addr.network, p.addr.addr)
 	if err != nil {
 		return nil, err
 	}

@@ -56,7 +56,7 @@ func TestEndpoints(t *testing.T) {
 	if got := TCPEndpoint("::1", 5); got != "tcp://[::1]:5" {
 		t.Fatalf("TCPEndpoint = %q", got)
 	}
-	for _, bad := range []string{"ipc:///tmp/x", "tcp://host", "tcp://h:99999", "tcp://*:5", "tcp://h:0", "127.0.0.1:5"} {
+	for _, bad := range []string{"ipc://", "inproc://x", "tcp://host", "tcp://h:99999", "tcp://*:5", "tcp://h:0", "127.0.0.1:5"} {
 		if _, err := DialPush(bad); err == nil {
 			t.Errorf("DialPush(%q) accepted", bad)
 		}

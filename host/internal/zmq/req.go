@@ -10,7 +10,7 @@ import (
 )
 
 // Request performs one REQ exchange with the ROUTER (or REP) socket at
-// endpoint: connect, send frames as one request (after the empty
+// endpoint (tcp:// or ipc://): connect, send frames as one request (after the empty
 // delimiter REQ adds), wait for the reply, disconnect. It returns the reply
 // frames without the delimiter. ctx bounds everything: vLLM gives its
 // handshake 5 s (RCVTIMEO) so a dead prefill cannot hang decode; pass a
@@ -19,13 +19,13 @@ func Request(ctx context.Context, endpoint string, frames [][]byte, opts ...Opti
 	if len(frames) == 0 {
 		return nil, fmt.Errorf("zmq: a request needs at least one frame")
 	}
-	addr, err := tcpAddress(endpoint, false)
+	addr, err := parseEndpoint(endpoint, false)
 	if err != nil {
 		return nil, err
 	}
 	o := buildOptions(opts)
 	var d net.Dialer
-	nc, err := d.DialContext(ctx, "tcp", addr)
+	nc, err := d.DialContext(ctx, addr.network, addr.addr)
 	if err != nil {
 		return nil, fmt.Errorf("zmq: request to %s: %w", endpoint, err)
 	}

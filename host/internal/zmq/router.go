@@ -22,9 +22,14 @@ var ErrPeerBusy = errors.New("zmq: peer's send queue is full")
 // came from and its frames. From a REQ peer the frames are the empty
 // delimiter followed by the request body, exactly as libzmq's ROUTER
 // returns them after the identity frame.
+//
+// Cred is the sending process's credentials for a peer connected over
+// ipc (see PeerCred), nil over TCP; it is the same for every message of
+// a connection and must not be modified.
 type RouterMsg struct {
 	Peer   []byte
 	Frames [][]byte
+	Cred   *PeerCred
 }
 
 // Router is a bound ROUTER socket: any number of REQ/DEALER peers, each
@@ -88,7 +93,7 @@ func (r *Router) serve(c *conn) {
 			return
 		}
 		select {
-		case r.msgs <- routerItem{RouterMsg{Peer: []byte(id), Frames: frames}, size}:
+		case r.msgs <- routerItem{RouterMsg{Peer: []byte(id), Frames: frames, Cred: c.cred}, size}:
 		case <-r.srv.done:
 			return
 		}
@@ -246,8 +251,8 @@ func (r *Router) Endpoint() string { return r.srv.addr }
 // Addr is the listener's address.
 func (r *Router) Addr() net.Addr { return r.srv.ln.Addr() }
 
-// Port is the TCP port the socket listens on.
-func (r *Router) Port() int { return r.srv.ln.Addr().(*net.TCPAddr).Port }
+// Port is the TCP port the socket listens on (0 for an ipc endpoint).
+func (r *Router) Port() int { return portOf(r.srv.ln.Addr()) }
 
 // Close stops listening, closes every connection (messages still queued
 // by Enqueue are dropped) and waits for the socket's goroutines. Calling

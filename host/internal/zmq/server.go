@@ -24,7 +24,7 @@ const maxPendingHandshakes = 1024
 //
 // It keeps at most MaxConns connections past their handshake. When a new
 // one finishes its handshake with the socket full, a source (remote IP
-// address) holding the most connections gives one up, the one least
+// address; for ipc peers their process, see PeerCred.source) holding the most connections gives one up, the one least
 // recently active that is not in the middle of a message (victimLocked):
 // a source holding fewer than another therefore always gets in, and
 // where sources hold about as many (everyone on one host) connections
@@ -39,6 +39,11 @@ type server struct {
 	rlog *ratelog.Logger // log's limiter, flushed by close
 	ln   net.Listener
 	addr string // connectable endpoint of ln
+	// ipc endpoints: file is the socket file (nil when abstract),
+	// removed by close; abstract sockets check each peer's credentials
+	// against o.socketMode themselves.
+	file     *socketFile
+	abstract bool
 
 	// serve runs the read loop of one connection; it returns when the
 	// connection ends or the server closes.
@@ -57,11 +62,17 @@ type server struct {
 
 // listen binds endpoint; start begins accepting.
 func listen(endpoint, typ string, o options, serve func(*conn)) (*server, error) {
-	addr, err := tcpAddress(endpoint, true)
+	a, err := parseEndpoint(endpoint, true)
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.Listen("tcp", addr)
+	var ln net.Listener
+	var file *socketFile
+	if a.network == "unix" {
+		ln, file, err = listenUnix(a, o.socketMode)
+	} else {
+		ln, err = net.Listen(a.network, a.addr)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -73,6 +84,8 @@ func listen(endpoint, typ string, o options, serve func(*conn)) (*server, error)
 		rlog:     rlog,
 		ln:       ln,
 		addr:     endpointOf(ln.Addr()),
+		file:     file,
+		abstract: a.abstract(),
 		serve:    serve,
 		pending:  make(chan struct{}, min(maxPendingHandshakes, o.maxConns)),
 		done:     make(chan struct{}),
@@ -128,7 +141,7 @@ func (s *server) acceptLoop() {
 // (rate-limited: a flood of connections must not flood the log).
 func (s *server) refuse(nc net.Conn, msg string, args ...any) {
 	nc.Close()
-	s.log.Warn(msg, append(args, "peer", nc.RemoteAddr())...)
+	s.log.Warn(msg, append(args, "peer", remoteName(nc))...)
 }
 
 func (s *server) handle(nc net.Conn) {
@@ -142,21 +155,36 @@ func (s *server) handle(nc net.Conn) {
 		case <-handshaking:
 		}
 	}()
-	c, err := handshakeConn(nc, s.typ, &s.o, true)
+	// An ipc peer is named by its credentials, taken before anything is
+	// read from it; an abstract socket refuses other users here (it has
+	// no file mode for the kernel to check).
+	cred, err := peerCred(nc)
+	if err == nil && cred != nil && s.abstract && !credAllowed(*cred, s.o.socketMode) {
+		err = fmt.Errorf("peer %v may not connect (socket mode %v)", *cred, s.o.socketMode)
+	}
+	name := remoteName(nc)
+	if cred != nil {
+		name = "ipc " + cred.String()
+	}
+	var c *conn
+	if err == nil {
+		c, err = handshakeConn(nc, s.typ, &s.o, true)
+	}
 	close(handshaking)
 	<-s.pending
 	if err != nil {
 		nc.Close()
-		err = fmt.Errorf("zmq: handshake with %s: %w", nc.RemoteAddr(), err)
+		err = fmt.Errorf("zmq: handshake with %s: %w", name, err)
 		select {
 		case <-s.done:
 		default:
-			s.log.Warn("zmq peer rejected", "peer", nc.RemoteAddr(), "err", err)
+			s.log.Warn("zmq peer rejected", "peer", name, "err", err)
 		}
 		return
 	}
 	c.msgTimeout, c.idleTimeout = s.o.messageTimeout, s.o.idleTimeout
-	c.src = sourceOf(nc.RemoteAddr())
+	c.peer, c.cred = name, cred
+	c.src = sourceOf(nc.RemoteAddr(), cred)
 	c.lastActive.Store(time.Now().UnixNano())
 	if !s.admit(c) {
 		nc.Close()
@@ -171,10 +199,17 @@ func (s *server) handle(nc net.Conn) {
 }
 
 // sourceOf is what the connection limit is shared fairly between: the
-// peer's IP address.
-func sourceOf(a net.Addr) string {
+// peer's IP address, or for an ipc peer its process (PeerCred.source;
+// one shared source where the credentials are unknown).
+func sourceOf(a net.Addr, cred *PeerCred) string {
+	if cred != nil {
+		return cred.source()
+	}
 	if ta, ok := a.(*net.TCPAddr); ok {
 		return ta.IP.String()
+	}
+	if _, ok := a.(*net.UnixAddr); ok || a == nil {
+		return "ipc"
 	}
 	return a.String()
 }
@@ -295,6 +330,7 @@ func (s *server) close() error {
 		}
 		s.mu.Unlock()
 		err = s.ln.Close()
+		s.file.remove()
 		for _, c := range conns {
 			c.close()
 		}

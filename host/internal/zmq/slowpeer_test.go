@@ -22,10 +22,15 @@ func withContendedTimeout(d time.Duration) Option {
 }
 
 // rawPeer completes a ZMTP handshake by hand as a socket of type typ and
-// returns the connection, positioned after the server's READY.
+// returns the connection, positioned after the server's READY. addr is
+// "host:port", or a unix socket path ("/..." or "@name").
 func rawPeer(t *testing.T, addr, typ string) (net.Conn, *bufio.Reader) {
 	t.Helper()
-	c, err := net.Dial("tcp", addr)
+	network := "tcp"
+	if strings.HasPrefix(addr, "/") || strings.HasPrefix(addr, "@") {
+		network = "unix"
+	}
+	c, err := net.Dial(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,12 +5,24 @@ Modes (first argument):
   push-heartbeat ENDPOINT
                      PUSH with ZMTP heartbeats every 50 ms (timeout 1 s):
                      send "one", idle 3 s, send "two", close
-  pull               bind PULL on 127.0.0.1, print "PORT <n>", receive the
-                     standard messages and print "OK <n>" when they match
+  pull [ENDPOINT]    bind PULL on 127.0.0.1 (or ENDPOINT), print "PORT <n>"
+                     (0 for ENDPOINT), receive the standard messages and
+                     print "OK <n>" when they match
   req ENDPOINT N     N times: new REQ socket, send [b"req", i], expect
                      [b"rep", i] back, close; print "OK <n>"
-  router N           bind ROUTER, print "PORT <n>", answer N requests
-                     [id, b"", *frames] with [id, b"", b"echo", *frames]
+  router N [ENDPOINT]
+                     bind ROUTER (on ENDPOINT: print "PORT 0"), print
+                     "PORT <n>", answer N requests [id, b"", *frames] with
+                     [id, b"", b"echo", *frames]
+  router-dealer N [ENDPOINT]
+                     bind ROUTER as router, answer N messages [id, *frames]
+                     from DEALER peers with [id, b"echo", *frames]
+  dealer ENDPOINT N  connect DEALER, send N messages [b"d", i] without
+                     waiting, then expect N replies [b"echo", b"d", i] in
+                     order; print "OK <n>"
+  dealer-hold ENDPOINT
+                     connect DEALER, send [b"hello"], print "SENT", then
+                     wait to be killed
 
 The standard messages are also built by the Go test (standardMessages).
 """
@@ -27,6 +39,15 @@ def standard_messages():
         [big, b""],
         [b"NixlMsgGuard", b"12345", b"127.0.0.1", b"5555"],
     ] + [[b"seq", str(i).encode()] for i in range(100)]
+
+
+def bind(s, endpoint):
+    """Binds s to endpoint[0] if given (returns 0), else to a random TCP
+    port on 127.0.0.1 (returns it)."""
+    if endpoint:
+        s.bind(endpoint[0])
+        return 0
+    return s.bind_to_random_port("tcp://127.0.0.1")
 
 
 def main():
@@ -58,8 +79,7 @@ def main():
     elif mode == "pull":
         s = ctx.socket(zmq.PULL)
         s.setsockopt(zmq.RCVTIMEO, 20000)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        print("PORT", port, flush=True)
+        print("PORT", bind(s, sys.argv[2:3]), flush=True)
         want = standard_messages()
         for i, w in enumerate(want):
             got = s.recv_multipart()
@@ -84,8 +104,7 @@ def main():
         n = int(sys.argv[2])
         s = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.RCVTIMEO, 20000)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        print("PORT", port, flush=True)
+        print("PORT", bind(s, sys.argv[3:4]), flush=True)
         for _ in range(n):
             frames = s.recv_multipart()
             ident, delim, body = frames[0], frames[1], frames[2:]
@@ -94,6 +113,37 @@ def main():
             s.send_multipart([ident, b"", b"echo"] + body)
         print("OK", n, flush=True)
         s.close()
+    elif mode == "router-dealer":
+        n = int(sys.argv[2])
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.RCVTIMEO, 20000)
+        print("PORT", bind(s, sys.argv[3:4]), flush=True)
+        for _ in range(n):
+            frames = s.recv_multipart()
+            s.send_multipart([frames[0], b"echo"] + frames[1:])
+        print("OK", n, flush=True)
+        s.close()
+    elif mode == "dealer":
+        n = int(sys.argv[3])
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVTIMEO, 10000)
+        s.setsockopt(zmq.LINGER, 5000)
+        s.connect(sys.argv[2])
+        for i in range(n):
+            s.send_multipart([b"d", str(i).encode()])
+        for i in range(n):
+            rep = s.recv_multipart()
+            if rep != [b"echo", b"d", str(i).encode()]:
+                raise SystemExit(f"reply {i}: {rep!r}")
+        print("OK", n, flush=True)
+        s.close()
+    elif mode == "dealer-hold":
+        import time
+        s = ctx.socket(zmq.DEALER)
+        s.connect(sys.argv[2])
+        s.send(b"hello")
+        print("SENT", flush=True)
+        time.sleep(60)
     else:
         raise SystemExit(f"unknown mode {mode}")
     ctx.term()

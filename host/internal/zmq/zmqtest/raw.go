@@ -21,7 +21,7 @@ type Raw struct {
 	r *bufio.Reader
 }
 
-// DialRaw connects to endpoint ("tcp://host:port") and completes the
+// DialRaw connects to endpoint ("tcp://host:port" or "ipc://path") and completes the
 // NULL-mechanism handshake as a socket of type socketType ("REQ", "PUSH",
 // "DEALER"...). The connection is closed when the test ends.
 func DialRaw(t testing.TB, endpoint, socketType string) *Raw {
@@ -49,7 +49,11 @@ func TryDialRaw(endpoint, socketType, localIP string) (*Raw, error) {
 	if localIP != "" {
 		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(localIP)}
 	}
-	nc, err := d.Dial("tcp", strings.TrimPrefix(endpoint, "tcp://"))
+	network, addr := "tcp", strings.TrimPrefix(endpoint, "tcp://")
+	if path, ok := strings.CutPrefix(endpoint, "ipc://"); ok {
+		network, addr = "unix", path
+	}
+	nc, err := d.Dial(network, addr)
 	if err != nil {
 		return nil, fmt.Errorf("zmqtest: dial %s: %w", endpoint, err)
 	}
