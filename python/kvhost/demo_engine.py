@@ -224,6 +224,9 @@ def run_style(style, ns, workdir, reqs, progress):
     except Exception as e:
         summary["failures"].append(str(e))
         summary["failed"] = summary["requests"] - summary["ok"]
+        crashed = True
+    else:
+        crashed = False
     finally:
         for p in procs:
             if p.is_alive():
@@ -231,11 +234,12 @@ def run_style(style, ns, workdir, reqs, progress):
                 p.join(5)
         for s in sidecars:
             s.stop()
-        if summary["failures"]:
-            for s in sidecars:
-                t = s.tail(8)
-                if t:
-                    summary["failures"].append("kvhost serve (%s) log:\n%s" % (s.name, t))
+    if crashed:
+        # Not a wrong byte: something stopped; the sidecars may say what.
+        for s in sidecars:
+            t = s.tail(8)
+            if t:
+                summary["failures"].append("kvhost serve (%s) log (%s):\n%s" % (s.name, s.log_path, t))
     if summary["seconds"] > 0:
         summary["gb_per_s"] = summary["bytes_moved"] / summary["seconds"] / 1e9
     summary["latency_p50_ms"] = _pct(lat, 0.5) * 1e3
@@ -293,6 +297,7 @@ def main(argv=None):
     os.makedirs(workdir, exist_ok=True)
     reqs = workload(ns.requests, ns.seed, ns.min_tokens, ns.max_tokens)
     summaries = []
+    ok = False
     try:
         for style in styles:
             prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
@@ -309,12 +314,15 @@ def main(argv=None):
             summaries.append(s)
             if not ns.json:
                 print(text(s, ns), flush=True)
+        ok = all(s["ok"] == s["requests"] and not s["failed"] and not s["failures"] for s in summaries)
     finally:
         if not ns.work_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+            if ok:
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                print("demo-engine: the sidecars' logs are kept in %s" % workdir, file=sys.stderr)
     if ns.json:
         print(json.dumps(summaries, indent=2))
-    ok = all(s["ok"] == s["requests"] and not s["failed"] and not s["failures"] for s in summaries)
     return 0 if ok else 1
 
 
