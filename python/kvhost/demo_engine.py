@@ -56,7 +56,11 @@ def _parse(argv):
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--prefill-tp", type=int, default=2)
     p.add_argument("--decode-tp", type=int, default=4)
+    p.add_argument("--sglang-decode-tp", type=int, default=0,
+                   help="decode TP of the sglang pair (default: the prefill TP: SGLang's NIXL connector moves "
+                        "heterogeneous-TP MHA KV only into GPU memory, and these pools are host memory)")
     p.add_argument("--concurrency", type=int, default=16, help="requests loading at once on decode")
+    p.add_argument("--chunk-pages", type=int, default=8, help="sglang: pages per send (chunked prefill)")
     p.add_argument("--backend", default="fake")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--baseline", action="store_true",
@@ -161,7 +165,8 @@ def run_style(style, ns, workdir, reqs, progress):
         "page_size": ns.page_size, "prefill_tp": ns.prefill_tp, "decode_tp": ns.decode_tp,
         "concurrency": ns.concurrency, "prefill_inflight": 2 * ns.concurrency,
         "num_blocks": 2 * ns.concurrency * max_pages + max_pages, "timeout": ns.timeout,
-        "corrupt": ns.corrupt,
+        "corrupt": ns.corrupt, "chunk_pages": ns.chunk_pages,
+        "sglang_decode_tp": ns.sglang_decode_tp or ns.prefill_tp,
     }
     if style == "vllm":
         from kvhost import demo_vllm as mod
@@ -172,8 +177,9 @@ def run_style(style, ns, workdir, reqs, progress):
     ctx = mp.get_context("spawn")
     sidecars = [Sidecar(ns.kvhost, workdir, "%s-%s" % (style, role), ns.backend, ns.serve_arg) for role in ("prefill", "decode")]
     procs = []
+    decode_tp = ns.decode_tp if style == "vllm" else args["sglang_decode_tp"]
     summary = {"style": style, "requests": len(reqs), "ok": 0, "failed": 0, "bytes_moved": 0, "bytes_verified": 0,
-               "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": ns.decode_tp}
+               "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp}
     lat = []
     try:
         for s in sidecars:
@@ -248,13 +254,13 @@ def run_style(style, ns, workdir, reqs, progress):
     return summary
 
 
-def baseline(ns, style):
+def baseline(ns, style, decode_tp):
     """``kvhost demo --in-process`` on the same shape: its GB/s."""
     cmd = [ns.kvhost, "--backend", ns.backend, "demo", "--in-process", "--json", "--style", style,
            "--requests", str(ns.requests), "--seed", str(ns.seed), "--layers", str(ns.layers),
            "--kv-heads", str(ns.kv_heads), "--head-dim", str(ns.head_dim), "--dtype-bytes", str(ns.dtype_bytes),
            "--page-size", str(ns.page_size), "--min-tokens", str(ns.min_tokens), "--max-tokens", str(ns.max_tokens),
-           "--prefill-tp", str(ns.prefill_tp), "--decode-tp", str(ns.decode_tp)]
+           "--prefill-tp", str(ns.prefill_tp), "--decode-tp", str(decode_tp)]
     out = subprocess.run(cmd, capture_output=True, timeout=ns.timeout)
     if out.returncode != 0:
         raise RuntimeError("%s: exit %d: %s" % (" ".join(cmd), out.returncode, out.stderr.decode(errors="replace")[-2000:]))
@@ -307,7 +313,7 @@ def main(argv=None):
                 prog.close()
             if ns.baseline:
                 try:
-                    s["baseline_gb_per_s"] = baseline(ns, style)
+                    s["baseline_gb_per_s"] = baseline(ns, style, s["decode_tp"])
                     s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
                 except Exception as e:
                     s["baseline_error"] = str(e)

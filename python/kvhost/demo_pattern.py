@@ -64,18 +64,30 @@ def expected(seed, shape, npages, h0, h1):
     )
 
 
-def fill(pool, block_ids, seed, shape, h0, h1):
-    """Writes the request's KV for heads [h0, h1) into ``pool`` (shape
-    (layers, 2, num_blocks, heads, page_size, head_bytes)) at block_ids."""
+def _hnd(x, layout):
+    """x (layers, 2, pages, ...) in HND order: a view."""
+    if layout == "HND":
+        return x
+    if layout == "NHD":  # (.., page_size, heads, head_bytes): SGLang's MHA pages
+        return x.transpose(0, 1, 2, 4, 3, 5)
+    raise ValueError("layout %r: want HND or NHD" % layout)
+
+
+def fill(pool, block_ids, seed, shape, h0, h1, layout="HND"):
+    """Writes the request's KV for heads [h0, h1) into ``pool`` at
+    block_ids. pool: (layers, 2, num_blocks, heads, page_size, head_bytes)
+    (HND, vLLM's) or (layers, 2, num_blocks, page_size, heads, head_bytes)
+    (NHD, SGLang's MHA pages)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    pool[:, :, ids] = expected(seed, shape, len(ids), h0, h1)
+    want = expected(seed, shape, len(ids), h0, h1)
+    pool[:, :, ids] = want if layout == "HND" else want.transpose(0, 1, 2, 4, 3, 5)
 
 
-def check(pool, block_ids, seed, shape, h0, h1):
+def check(pool, block_ids, seed, shape, h0, h1, layout="HND"):
     """None when the request's pages hold exactly its KV for heads
     [h0, h1), else a sentence naming the first wrong byte."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    got = pool[:, :, ids]
+    got = _hnd(pool[:, :, ids], layout)
     want = expected(seed, shape, len(ids), h0, h1)
     bad = got != want
     if not bad.any():
@@ -97,3 +109,9 @@ def check(pool, block_ids, seed, shape, h0, h1):
             n,
         )
     )
+
+
+def aux_bytes(seed, n):
+    """The request's aux (SGLang's metadata buffer slot) contents."""
+    rng = np.random.default_rng([0x617578, int(seed)])
+    return rng.integers(0, 256, n, dtype=np.uint8)
