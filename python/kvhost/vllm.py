@@ -343,6 +343,9 @@ class KvhostConnectorScheduler:
             self._reqs_not_processed.add(request.request_id)
             return False, None
         if len(block_ids) == 0:
+            # Nothing to hold (vLLM's NIXL connector returns params with no
+            # blocks, which the decode then loads nothing from).
+            self._reqs_not_processed.add(request.request_id)
             return False, None
         kv_params = self._client.hold(self.engine_id, request.request_id, list(block_ids))
         # The worker learns of it from the metadata; expiry is the sidecar's.
@@ -688,12 +691,14 @@ class KvhostConnectorWorker:
                 # NIXL's failed handshake.
                 logger.error("kvhost: read of request %s refused: %s", req_id, e)
                 self._fail_recv(req_id, None, str(e))
+        # As vLLM's NIXL worker: a prefill request is tracked from the step
+        # it is scheduled in (reqs_in_batch) until its release is reported;
+        # reqs_to_send (the step after request_finished) adds nothing, as
+        # the release may already have been reported by then.
         for req_id in metadata.reqs_in_batch:
             self._reqs_to_process.add(req_id)
         for req_id in metadata.reqs_not_processed:
             self._reqs_to_process.discard(req_id)
-        for req_id in metadata.reqs_to_send:
-            self._reqs_to_process.add(req_id)
 
     def _fail_recv(self, req_id, invalid, reason):
         meta = self._recving.get(req_id)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import kvhost
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 KVHOST = os.environ.get("KVHOST_BIN", os.path.join(ROOT, "bin", "kvhost"))
 CI_SCALE = ["--requests", "24", "--layers", "4", "--max-tokens", "160", "--concurrency", "8"]
@@ -20,7 +22,8 @@ CI_SCALE = ["--requests", "24", "--layers", "4", "--max-tokens", "160", "--concu
 def run_demo(*args, timeout=300):
     if not os.access(KVHOST, os.X_OK):
         pytest.fail("%s is missing: run make (the demo needs the kvhost binary)" % KVHOST)
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    # The kvhost package under test, wherever pytest imported it from.
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kvhost.__file__))))
     return subprocess.run(
         [sys.executable, "-m", "kvhost.demo_engine", "--kvhost", KVHOST, "--timeout", "240"] + CI_SCALE + list(args),
         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,

@@ -332,3 +332,26 @@ def test_sidecar_gone_fails_reads_in_flight(pair):
     res = d.workers[0].connector_worker.read_results["d-k"]
     if not res["ok"]:
         assert {5, 6} <= d.errors
+
+
+def test_release_before_reqs_to_send_leaves_nothing_tracked(pair):
+    """The decode can read and the prefill's sidecar release before the
+    prefill scheduler's next build_connector_meta names the request in
+    reqs_to_send (async scheduling): the worker reports it once and keeps
+    tracking nothing (as vLLM's NIXL worker, which only arms requests still
+    in _reqs_to_process)."""
+    p, d, _, _ = pair(prefill_tp=1, decode_tp=1)
+    params = prefill(p, "e", 8, 4, [0, 1])
+    load(d, "d-e", 8, params, [2, 3])
+    d.until(lambda: d.recving.get("d-e") == 1, "decode finished_recving")
+    w = p.workers[0]
+    deadline = time.monotonic() + WAIT
+    sent = set()
+    while "e" not in sent:  # the workers' get_finished, no scheduler step
+        assert time.monotonic() < deadline, "no release"
+        sent |= w.get_finished(set())[0]
+        time.sleep(0.005)
+    meta = p.step()  # now the scheduler's metadata names it in reqs_to_send
+    assert "e" in meta.reqs_to_send
+    assert "e" not in p.sending
+    assert w.connector_worker._reqs_to_process == set()
