@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
 // Protocol version of docs/engine-api.md.
@@ -75,6 +78,9 @@ type Config struct {
 	// Version is the sidecar's version string for hello.
 	Version string
 	Logger  *slog.Logger
+	// CUDALibrary is the libcudart VRAM regions are opened with ("":
+	// $KVHOST_CUDART, then libcudart.so, .so.13, .so.12).
+	CUDALibrary string
 }
 
 func (c *Config) defaults() {
@@ -120,6 +126,7 @@ type Server struct {
 	log     *slog.Logger
 	router  *zmq.Router
 	session string // random per process (hello's session)
+	opener  engmem.Opener
 
 	nextRank atomic.Uint64 // rank ids, unique in the process
 	closing  atomic.Bool
@@ -153,6 +160,7 @@ func New(cfg Config) (*Server, error) {
 		sessions: make(map[string]*session), ext: make(map[string]any),
 		loopDone: make(chan struct{}), closed: make(chan struct{}),
 	}
+	s.opener.CUDALibrary = cfg.CUDALibrary
 	r, err := zmq.ListenRouter(cfg.Control, s.zmqOptions()...)
 	if err != nil {
 		return nil, fmt.Errorf("serve: control socket: %w", err)
@@ -218,6 +226,12 @@ func (s *Server) loop(ctx context.Context) {
 
 func (s *Server) dispatch(m zmq.RouterMsg) {
 	peer := string(m.Peer)
+	if len(m.Frames) == 0 {
+		// zmq.WithDiscardOversize's marker: the message was read and
+		// dropped; its seq is unknown.
+		s.replyRaw(m.Peer, encodeError(0, false, errorf(CodeTooLarge, "the message is larger than max_message (%d bytes) and was discarded unread", s.cfg.MaxMessage)))
+		return
+	}
 	if len(m.Frames) != 1 {
 		// A REQ peer's delimiter or a multi-frame message: the API is one
 		// frame per message.
@@ -317,6 +331,7 @@ func (s *Server) zmqOptions() []zmq.Option {
 	return []zmq.Option{
 		zmq.WithLogger(s.log),
 		zmq.WithMaxMessageSize(s.cfg.MaxMessage),
+		zmq.WithDiscardOversize(),
 		zmq.WithSendQueue(s.cfg.EventQueue),
 		zmq.WithSendTimeout(s.cfg.SendTimeout),
 		// An engine may stay quiet for hours between requests; its
@@ -336,4 +351,21 @@ func (s *Server) closeBootstrap() {
 		defer cancel()
 		b.Close(ctx)
 	}
+}
+
+// DefaultControl is the control endpoint of docs/engine-api.md:
+// ipc://$XDG_RUNTIME_DIR/kvhost.sock, else ipc:///tmp/kvhost-<uid>.sock.
+func DefaultControl() string {
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return "ipc://" + filepath.Join(d, "kvhost.sock")
+	}
+	return fmt.Sprintf("ipc:///tmp/kvhost-%d.sock", os.Getuid())
+}
+
+// CountRooms reports the rooms open on every connection (a metrics
+// RoomSource: state "open").
+func (s *Server) CountRooms(count func(state string, n int)) {
+	n := int64(0)
+	s.forEachSession(func(x *session) { n += x.rooms.Load() })
+	count("open", int(n))
 }

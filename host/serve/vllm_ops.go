@@ -140,7 +140,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 		return &vllmPrefillImpl{r: pr, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ep}}, nil
 	}
 	spec := vllmDecodeSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: hash}
-	var perr *Error
+	var perr error
 	if spec.MLA, perr = r.bool("is_mla", false); perr != nil {
 		agent.Close()
 		return nil, nil, perr
@@ -179,7 +179,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 
 // vllmSeconds reads an optional positive number of seconds (int or
 // float); 0 when absent.
-func vllmSeconds(r *request, name string) (time.Duration, *Error) {
+func vllmSeconds(r *request, name string) (time.Duration, error) {
 	v, ok := r.get(name)
 	if !ok {
 		return 0, nil
@@ -241,7 +241,7 @@ func vllmCacheOf(s *session, r *request, rk *rankEntry) (pull.Cache, error) {
 			return c, err
 		}
 		kind, dev := abi.DRAM, uint64(0)
-		if reg.Kind == "vram" {
+		if reg.Kind.MemKind() == abi.VRAM {
 			kind, dev = abi.VRAM, uint64(reg.Device)
 		}
 		if i == 0 {

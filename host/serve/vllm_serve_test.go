@@ -252,13 +252,13 @@ func TestServeVLLMFailures(t *testing.T) {
 	}
 	failed("c", []int32{9}, "do_remote_prefill false")
 	// Not a map at all is the request's fault.
-	if _, err := d.c.Call(ctx, "read", client.Fields{{"rank", d.rank.ID}, {"request_id", "x"}, {"kv_transfer_params", "nope"},
-		{"block_ids", client.Pages([]int32{1})}}); !client.IsCode(err, CodeBadRequest) {
+	if _, err := d.c.Call(ctx, "read", map[string]any{"rank": d.rank.ID, "request_id": "x", "kv_transfer_params": "nope",
+		"block_ids": client.Pages([]int32{1})}); !client.IsCode(err, CodeBadRequest) {
 		t.Fatalf("read with a str for params: %v", err)
 	}
 	// read on a prefill rank.
-	if _, err := w.c.Call(ctx, "read", client.Fields{{"rank", w.rank.ID}, {"request_id", "x"}, {"kv_transfer_params", params},
-		{"block_ids", client.Pages([]int32{1})}}); !client.IsCode(err, CodeBadRequest) {
+	if _, err := w.c.Call(ctx, "read", map[string]any{"rank": w.rank.ID, "request_id": "x", "kv_transfer_params": params,
+		"block_ids": client.Pages([]int32{1})}); !client.IsCode(err, CodeBadRequest) {
 		t.Fatalf("read on a prefill rank: %v", err)
 	}
 
@@ -307,31 +307,6 @@ func sched2Release(ctx context.Context, t *testing.T, ps *Server) error {
 	return nil
 }
 
-// TestServeVLLMDisconnect: a prefill worker that disconnects releases its
-// engine's holds "closed" (to the holder); a holder that disconnects
-// releases its holds "closed" (to the workers).
-func TestServeVLLMDisconnect(t *testing.T) {
-	ctx := testCtx(t)
-	ps := newTestServer(t)
-	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
-	vsEvent(t, w.c)
-	sched := dial(t, ps)
-	if _, err := sched.Hold(ctx, "P", "r1", []int32{3}); err != nil {
-		t.Fatal(err)
-	}
-	w.c.Close()
-	vsReleased(t, sched, "P", "r1", "closed")
-
-	w2 := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
-	vsEvent(t, w2.c)
-	if _, err := sched.Hold(ctx, "P", "r2", []int32{5}); err != nil {
-		t.Fatal(err)
-	}
-	sched.Close()
-	vsReleased(t, w2.c, "P", "r2", "closed")
-	vsNoEvent(t, w2.c)
-}
-
 // vsSetParam returns params (a map) with one field replaced.
 func vsSetParam(params msgpack.Value, key string, v any) msgpack.Value {
 	var e msgpack.Encoder
@@ -351,4 +326,3 @@ func vsSetParam(params msgpack.Value, key string, v any) msgpack.Value {
 	}
 	return out
 }
-

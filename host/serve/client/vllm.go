@@ -80,14 +80,14 @@ func (c *Client) OpenVLLM(ctx context.Context, r VLLMRank) (Rank, error) {
 	if r.AbortTimeout > 0 {
 		f = append(f, Field{"abort_timeout", r.AbortTimeout.Seconds()})
 	}
-	return c.OpenRank(ctx, f)
+	return c.openRank(ctx, f)
 }
 
 // Hold holds a finished request's blocks on the prefill engine (vLLM's
 // request_finished) and returns the kv_transfer_params map vLLM puts in
 // the response; pass it to the decode's Read as it is.
 func (c *Client) Hold(ctx context.Context, engineID, requestID string, blockIDs []int32) (msgpack.Value, error) {
-	v, err := c.Call(ctx, "hold", Fields{{"engine_id", engineID}, {"request_id", requestID}, {"block_ids", Pages(blockIDs)}})
+	v, err := c.call(ctx, "hold", Fields{{"engine_id", engineID}, {"request_id", requestID}, {"block_ids", Pages(blockIDs)}})
 	if err != nil {
 		return msgpack.Value{}, err
 	}
@@ -97,7 +97,7 @@ func (c *Client) Hold(ctx context.Context, engineID, requestID string, blockIDs 
 
 // Release frees a held request at once (the engine aborted it).
 func (c *Client) Release(ctx context.Context, engineID, requestID string) error {
-	_, err := c.Call(ctx, "release", Fields{{"engine_id", engineID}, {"request_id", requestID}})
+	_, err := c.call(ctx, "release", Fields{{"engine_id", engineID}, {"request_id", requestID}})
 	return err
 }
 
@@ -106,7 +106,7 @@ func (c *Client) Release(ctx context.Context, engineID, requestID string) error 
 // the kv_transfer_params map (from Hold, or any msgpack map).
 func (c *Client) Read(ctx context.Context, rank uint64, requestID string, params msgpack.Value, blockIDs []int32) error {
 	c.vllm.track(rank, requestID, blockIDs)
-	_, err := c.Call(ctx, "read", Fields{{"rank", rank}, {"request_id", requestID}, {"kv_transfer_params", params},
+	_, err := c.call(ctx, "read", Fields{{"rank", rank}, {"request_id", requestID}, {"kv_transfer_params", params},
 		{"block_ids", Pages(blockIDs)}})
 	if err != nil {
 		c.vllm.untrack(rank, requestID)
