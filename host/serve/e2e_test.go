@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/serve/client"
@@ -18,16 +19,16 @@ type engine struct {
 }
 
 // newEngine makes tpSize ranks of role over shm and opens them on s.
-func newEngine(t *testing.T, s *Server, role, variant string, shape fakeengine.Shape, tpSize int, boot string) *engine {
+func newEngine(t *testing.T, s *Server, role, variant string, vram bool, shape fakeengine.Shape, tpSize int, boot string) *engine {
 	t.Helper()
 	c := dial(t, s)
 	e := &engine{c: c, w: fakeengine.Watch(c)}
 	for tp := 0; tp < tpSize; tp++ {
-		name := fmt.Sprintf("/kvhost-test-%d-%s-%s-%d", os.Getpid(), sanitize(t.Name()), role, tp)
-		r, err := fakeengine.NewRank(name, role, shape, tpSize, tp)
+		r, err := fakeengine.NewRank(shmName(), role, shape, tpSize, tp)
 		if err != nil {
 			t.Fatal(err)
 		}
+		r.VRAM = vram
 		t.Cleanup(r.Close)
 		if err := r.Open(testCtx(t), c, variant, boot); err != nil {
 			t.Fatal(err)
@@ -37,28 +38,24 @@ func newEngine(t *testing.T, s *Server, role, variant string, shape fakeengine.S
 	return e
 }
 
-func sanitize(s string) string {
-	b := []byte(s)
-	for i, c := range b {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9') {
-			b[i] = '_'
-		}
-	}
-	return string(b)
-}
+var shmCount atomic.Int64
+
+// shmName is a fresh POSIX shared-memory name.
+func shmName() string { return fmt.Sprintf("/kvt-%d-%d", os.Getpid(), shmCount.Add(1)) }
 
 // pair starts a prefill and a decode sidecar with their engines.
-func pair(t *testing.T, variant string, shape fakeengine.Shape, ptp, dtp int) (pre, dec *engine, boot string) {
+func pair(t *testing.T, variant string, vram bool, shape fakeengine.Shape, ptp, dtp int) (pre, dec *engine, boot string) {
 	t.Helper()
-	ps := newTestServer(t)
-	ds := newTestServer(t)
+	cuda := func(c *Config) { c.CUDALibrary = standin(t) }
+	ps := newTestServer(t, cuda)
+	ds := newTestServer(t, cuda)
 	pc := dial(t, ps)
 	boot, err := pc.StartBootstrap(testCtx(t), "127.0.0.1", 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pre = newEngine(t, ps, "prefill", variant, shape, ptp, boot)
-	dec = newEngine(t, ds, "decode", variant, shape, dtp, "")
+	pre = newEngine(t, ps, "prefill", variant, vram, shape, ptp, boot)
+	dec = newEngine(t, ds, "decode", variant, vram, shape, dtp, "")
 	return pre, dec, boot
 }
 
@@ -99,21 +96,22 @@ func run(t *testing.T, pre, dec *engine, boot string, reqs []fakeengine.Request)
 var smallShape = fakeengine.Shape{Layers: 2, KVHeads: 4, HeadBytes: 16, PageSize: 4, Pages: 64, AuxItems: 8}
 
 func TestSGLangPush1to1(t *testing.T) {
-	pre, dec, boot := pair(t, "nixl", smallShape, 1, 1)
+	pre, dec, boot := pair(t, "nixl", false, smallShape, 1, 1)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 1, Tokens: 30, Chunk: 2}, {Room: 2, Tokens: 7}})
 }
 
-// TestSGLangPush2to4 runs on the MORI wire: SGLang's NIXL connector does
-// not move heterogeneous-TP KV straight into host memory (planner
-// refuses it, as SGLang does), and the engine's KV here is host memory.
+// TestSGLangPush2to4 registers the KV as GPU memory (CUDA IPC handles of
+// the stand-in libcudart): SGLang's NIXL connector does not move
+// heterogeneous-TP KV straight into host memory (the planner refuses it,
+// as SGLang does).
 func TestSGLangPush2to4(t *testing.T) {
-	pre, dec, boot := pair(t, "mori", smallShape, 2, 4)
+	pre, dec, boot := pair(t, "nixl", true, smallShape, 2, 4)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 11, Tokens: 33, Chunk: 3}, {Room: 12, Tokens: 5}})
 }
 
 func TestSGLangPushMLA(t *testing.T) {
 	shape := smallShape
 	shape.MLA = true
-	pre, dec, boot := pair(t, "nixl", shape, 2, 2)
+	pre, dec, boot := pair(t, "nixl", false, shape, 2, 2)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 21, Tokens: 17, Chunk: 1}})
 }

@@ -1,5 +1,11 @@
 package serve
 
-import "testing"
+import (
+	"path/filepath"
+	"testing"
+)
 
-func testEndpoint(t testing.TB) string { return "tcp://127.0.0.1:0" }
+// testEndpoint is an ipc endpoint in the test's temporary directory.
+func testEndpoint(t testing.TB) string {
+	return "ipc://" + filepath.Join(t.TempDir(), "kvhost.sock")
+}

@@ -4,22 +4,12 @@ import (
 	"strconv"
 
 	"github.com/kvhost/kvhost/host/internal/msgpack"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
-// memSpec is one region of register_memory as the engine declared it.
-type memSpec struct {
-	Kind      string // "dram" or "vram"
-	Addr      uint64
-	Length    uint64
-	SHM       string
-	Offset    uint64
-	IPCHandle [64]byte
-	Device    int
-}
-
 // parseRegion reads one element of register_memory's regions.
-func parseRegion(i int, v msgpack.Value) (memSpec, error) {
-	var s memSpec
+func parseRegion(i int, v msgpack.Value) (engmem.Spec, error) {
+	var s engmem.Spec
 	if v.Kind != msgpack.Map {
 		return s, errorf(CodeBadRequest, "field \"regions\"[%d]: want map, got %v", i, v.Kind)
 	}
@@ -41,7 +31,6 @@ func parseRegion(i int, v msgpack.Value) (memSpec, error) {
 	if !ok {
 		return s, wrongType(name("kind"), "str", kv)
 	}
-	s.Kind = kind
 	if s.Addr, err = get("addr"); err != nil {
 		return s, err
 	}
@@ -61,6 +50,7 @@ func parseRegion(i int, v msgpack.Value) (memSpec, error) {
 	}
 	switch kind {
 	case "dram":
+		s.Kind = engmem.DRAM
 		x, ok := r.get("shm")
 		if !ok {
 			return s, missing(name("shm"))
@@ -69,6 +59,7 @@ func parseRegion(i int, v msgpack.Value) (memSpec, error) {
 			return s, wrongType(name("shm"), "str", x)
 		}
 	case "vram":
+		s.Kind = engmem.VRAM
 		x, ok := r.get("cuda_ipc")
 		if !ok {
 			return s, missing(name("cuda_ipc"))

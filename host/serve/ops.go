@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"github.com/kvhost/kvhost/host/serve/engmem"
 	"sort"
 
 	"github.com/kvhost/kvhost/host/internal/msgpack"
@@ -50,7 +51,7 @@ func capabilities() []string {
 		c = append(c, name)
 	}
 	sort.Strings(c)
-	return append(c, "dram_shm", "events", "poll")
+	return append(c, "dram_shm", "vram_cuda_ipc", "events", "poll")
 }
 
 func opHello(s *session, r *request) (Fields, error) {
@@ -109,7 +110,7 @@ func opRegisterMemory(s *session, r *request) (Fields, error) {
 	if n := s.mem.len() + len(v.Items); n > s.srv.cfg.Limits.Regions {
 		return nil, errorf(CodeLimit, "%d regions on this connection would exceed the limit of %d", n, s.srv.cfg.Limits.Regions)
 	}
-	specs := make([]memSpec, len(v.Items))
+	specs := make([]engmem.Spec, len(v.Items))
 	for i, it := range v.Items {
 		var err error
 		if specs[i], err = parseRegion(i, it); err != nil {
@@ -140,7 +141,9 @@ func opDeregisterMemory(s *session, r *request) (Fields, error) {
 			return nil, err
 		}
 	}
-	s.mem.remove(ids)
+	if err := s.mem.remove(ids); err != nil {
+		return nil, err
+	}
 	return Fields{}, nil
 }
 

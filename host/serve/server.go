@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
 // Protocol version of docs/engine-api.md.
@@ -75,6 +78,9 @@ type Config struct {
 	// Version is the sidecar's version string for hello.
 	Version string
 	Logger  *slog.Logger
+	// CUDALibrary is the libcudart VRAM regions are opened with ("":
+	// $KVHOST_CUDART, then libcudart.so, .so.13, .so.12).
+	CUDALibrary string
 }
 
 func (c *Config) defaults() {
@@ -120,6 +126,7 @@ type Server struct {
 	log     *slog.Logger
 	router  *zmq.Router
 	session string // random per process (hello's session)
+	opener  engmem.Opener
 
 	nextRank atomic.Uint64 // rank ids, unique in the process
 	closing  atomic.Bool
@@ -153,6 +160,7 @@ func New(cfg Config) (*Server, error) {
 		sessions: make(map[string]*session), ext: make(map[string]any),
 		loopDone: make(chan struct{}), closed: make(chan struct{}),
 	}
+	s.opener.CUDALibrary = cfg.CUDALibrary
 	r, err := zmq.ListenRouter(cfg.Control, s.zmqOptions()...)
 	if err != nil {
 		return nil, fmt.Errorf("serve: control socket: %w", err)
@@ -336,4 +344,21 @@ func (s *Server) closeBootstrap() {
 		defer cancel()
 		b.Close(ctx)
 	}
+}
+
+// DefaultControl is the control endpoint of docs/engine-api.md:
+// ipc://$XDG_RUNTIME_DIR/kvhost.sock, else ipc:///tmp/kvhost-<uid>.sock.
+func DefaultControl() string {
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return "ipc://" + filepath.Join(d, "kvhost.sock")
+	}
+	return fmt.Sprintf("ipc:///tmp/kvhost-%d.sock", os.Getuid())
+}
+
+// CountRooms reports the rooms open on every connection (a metrics
+// RoomSource: state "open").
+func (s *Server) CountRooms(count func(state string, n int)) {
+	n := int64(0)
+	s.forEachSession(func(x *session) { n += x.rooms.Load() })
+	count("open", int(n))
 }

@@ -45,7 +45,7 @@ func newSession(s *Server, peer []byte) *session {
 		log:  s.log.With("conn", hex.EncodeToString(peer)),
 		in:   make(chan []byte, s.cfg.RequestQueue),
 		quit: make(chan struct{}), done: make(chan struct{}),
-		mem: newMemTable(), ranks: make(map[uint64]*rankEntry),
+		mem: newMemTable(&s.opener), ranks: make(map[uint64]*rankEntry),
 	}
 }
 

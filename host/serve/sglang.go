@@ -90,12 +90,7 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.r.s.event("room", f)
 }
 
-func kindOf(r *memRegion) abi.MemKind {
-	if r.Kind == "vram" {
-		return abi.VRAM
-	}
-	return abi.DRAM
-}
+func kindOf(r *memRegion) abi.MemKind { return r.Kind.MemKind() }
 
 // u64List reads three parallel lists (ptrs, lens, item lens).
 func (r *request) lists3(p, l, i string, required bool) (ptrs, lens, items []uint64, err error) {

@@ -113,6 +113,7 @@ type Client struct {
 	lost    bool
 	rooms   map[[2]uint64]bool // (rank, room) in flight, for the lost events
 
+	vllm   vllmTrack // vLLM reads in flight (vllm.go)
 	events *eventQueue
 	done   chan struct{}
 	err    error // why the connection ended (after done)
@@ -271,6 +272,7 @@ func (c *Client) read() {
 	for k := range rooms {
 		c.events.push(Event{Name: "room", Rank: k[0], Room: k[1], State: 0, Reason: ReasonConnectionLost, Local: true})
 	}
+	c.vllmLost()
 	c.events.close()
 	close(c.done)
 }
@@ -282,6 +284,7 @@ func (c *Client) event(name msgpack.Value, v msgpack.Value) {
 	e.Room, _ = u64(v, "room")
 	e.State = int(i64(v, "state"))
 	e.Reason = str(v, "reason")
+	c.vllmEvent(e)
 	if e.Name == "room" && (e.State == StateFailed || e.State == StateSuccess) {
 		c.mu.Lock()
 		delete(c.rooms, [2]uint64{e.Rank, e.Room})

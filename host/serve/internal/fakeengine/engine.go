@@ -11,8 +11,10 @@ package fakeengine
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -35,18 +37,24 @@ type Shape struct {
 // Rank is one engine rank: its pool in shared memory and the sidecar's
 // rank over it.
 type Rank struct {
-	Role   string
-	TP     int
-	TPSize int
-	Pool   *kvpool.Pool
-	SHM    string // POSIX shared-memory name
-	mem    []byte
-	ID     uint64 // the sidecar's rank id (after Open)
-	Region uint64 // the registered region's id
+	Role    string
+	TP      int
+	TPSize  int
+	Pool    *kvpool.Pool
+	SHM     string // POSIX shared-memory name
+	mem     []byte
+	ID      uint64   // the sidecar's rank id (after Open)
+	Regions []uint64 // the registered regions' ids
+	// VRAM registers the pool as GPU memory by CUDA IPC handle, in the
+	// handle layout of the stand-in libcudart the tests load
+	// (host/serve/engmem/testdata/cudart_standin.c): the pool's shm
+	// object is the "device allocation".
+	VRAM bool
 }
 
 // NewRank creates a rank's pool in a fresh shared-memory object named
-// name (a POSIX name: "/kvhost-test-...").
+// name (a POSIX name: "/kvt-..."; at most 47 bytes without the slash for
+// VRAM, the stand-in handle's limit).
 func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
 	g := kvpool.Geometry{
 		Attention: kvpool.MHA, Order: kvpool.KThenV,
@@ -98,9 +106,25 @@ func (r *Rank) Close() {
 // Base is the engine's pointer to its pool.
 func (r *Rank) Base() uint64 { return r.Pool.Regions()[0].Addr }
 
-// MemRegion is the pool as register_memory's region.
-func (r *Rank) MemRegion() client.Region {
-	return client.Region{Kind: "dram", Addr: r.Base(), Length: uint64(len(r.mem)), SHM: r.SHM}
+// MemRegions are the pool as register_memory's regions: one DRAM region,
+// or with VRAM the KV as a VRAM region and aux (host memory in SGLang) as
+// a DRAM region of the same object.
+func (r *Rank) MemRegions() []client.Region {
+	if !r.VRAM {
+		return []client.Region{{Kind: "dram", Addr: r.Base(), Length: uint64(len(r.mem)), SHM: r.SHM}}
+	}
+	h := make([]byte, 64)
+	copy(h, "KVSI")
+	binary.LittleEndian.PutUint32(h[4:], 0)
+	copy(h[8:55], strings.TrimPrefix(r.SHM, "/"))
+	binary.LittleEndian.PutUint64(h[56:], uint64(len(r.mem)))
+	kv := uint64(len(r.mem))
+	out := []client.Region{}
+	if aux := r.Pool.Aux(); aux.Len > 0 {
+		kv = aux.Addr - r.Base()
+		out = append(out, client.Region{Kind: "dram", Addr: aux.Addr, Length: aux.Len, SHM: r.SHM, Offset: kv})
+	}
+	return append(out, client.Region{Kind: "vram", Addr: r.Base(), Length: kv, CUDAIPC: h, Device: 0})
 }
 
 // Args are open_rank's SGLang fields for the pool.
@@ -121,11 +145,11 @@ func (r *Rank) Args(variant, bootstrap string) client.SGLangRank {
 
 // Open registers the pool and opens the rank on the sidecar.
 func (r *Rank) Open(ctx context.Context, c *client.Client, variant, bootstrap string) error {
-	ids, err := c.RegisterMemory(ctx, []client.Region{r.MemRegion()})
+	ids, err := c.RegisterMemory(ctx, r.MemRegions())
 	if err != nil {
 		return fmt.Errorf("register_memory: %w", err)
 	}
-	r.Region = ids[0]
+	r.Regions = ids
 	rk, err := c.OpenSGLang(ctx, r.Args(variant, bootstrap))
 	if err != nil {
 		return fmt.Errorf("open_rank: %w", err)
