@@ -137,6 +137,21 @@ def sidecar_factory(tmpdir_short, request):
             sys.stderr.write("---- %s log ----\n%s\n" % (s.name, s.log()))
 
 
+@pytest.fixture(scope="session")
+def standin_cudart(tmp_path_factory):
+    """host/serve/engmem's stand-in libcudart (CUDA's IPC entry points over
+    POSIX shared memory; CI has no GPU), built with gcc; no gcc fails."""
+    import shutil
+
+    src = os.path.join(REPO, "host", "serve", "engmem", "testdata", "cudart_standin.c")
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is needed to build the stand-in libcudart")
+    out = str(tmp_path_factory.mktemp("cudart") / "libcudart_standin.so")
+    subprocess.run([gcc, "-std=c11", "-O1", "-fPIC", "-shared", "-pthread", "-o", out, src], check=True)
+    return out
+
+
 @pytest.fixture
 def sidecar(sidecar_factory):
     return sidecar_factory()

@@ -36,12 +36,48 @@ class Geometry:
         return self.page_size * self.heads_per_rank(tp) * self.head_bytes
 
 
+class VramPool:
+    """KVPool's fields over "GPU memory": one kvhost.cuda.malloc for the KV
+    buffers (with the stand-in libcudart, host-visible, so numpy can fill
+    and check it; the sidecar opens it by CUDA IPC handle) and aux in a
+    kvhost.shm pool (SGLang's aux buffers are host memory)."""
+
+    def __init__(self, layers, pages, item_len, mla, aux_bytes, aux_slots, device=0):
+        import ctypes
+
+        from kvhost import cuda
+
+        nbuf = layers * (1 if mla else 2)
+        buf_len = pages * item_len
+        self.base = cuda.malloc(nbuf * buf_len, device)
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * (nbuf * buf_len)).from_address(self.base))
+        self.kv_data_ptrs = [self.base + i * buf_len for i in range(nbuf)]
+        self.kv_data_lens = [buf_len] * nbuf
+        self.kv_item_lens = [item_len] * nbuf
+        self.kv = [raw[i * buf_len:(i + 1) * buf_len].reshape(pages, item_len) for i in range(nbuf)]
+        self.auxpool = shm.KVPool(0, 0, 0, aux_item_lens=[aux_bytes], aux_slots=aux_slots)
+        self.aux_data_ptrs = self.auxpool.aux_data_ptrs
+        self.aux_data_lens = self.auxpool.aux_data_lens
+        self.aux_item_lens = self.auxpool.aux_item_lens
+        self.aux = self.auxpool.aux
+
+    def close(self):
+        from kvhost import cuda
+
+        self.kv = []
+        cuda.free(self.base)
+        self.auxpool.close()
+
+
 class Rank:
     def __init__(self, geo: Geometry, tp: int, tp_rank: int, role: str, pages: int, aux_slots: int,
-                 server_args, seed: int):
+                 server_args, seed: int, vram: bool = False):
         self.geo, self.tp, self.tp_rank, self.role = geo, tp, tp_rank, role
-        self.pool = shm.KVPool(geo.layers, pages, geo.item_len(tp), mla=geo.mla,
-                               aux_item_lens=[geo.aux_bytes], aux_slots=aux_slots)
+        if vram:
+            self.pool = VramPool(geo.layers, pages, geo.item_len(tp), geo.mla, geo.aux_bytes, aux_slots)
+        else:
+            self.pool = shm.KVPool(geo.layers, pages, geo.item_len(tp), mla=geo.mla,
+                                   aux_item_lens=[geo.aux_bytes], aux_slots=aux_slots)
         self.rng = np.random.default_rng(seed)
         for buf in self.pool.kv:
             buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)

@@ -14,14 +14,20 @@ from kvhost import sglang as ks
 from kvhost.sglang import KVPoll
 
 
-def engines(sidecar_factory, geo, p_tp, d_tp, pages=256, variant="nixl"):
-    a = sidecar_factory("prefill")
-    b = sidecar_factory("decode")
+def engines(sidecar_factory, geo, p_tp, d_tp, pages=256, variant="nixl", cudart=None):
+    """Two engines (prefill TP p_tp, decode TP d_tp), each beside its own
+    sidecar. With ``cudart`` (the stand-in libcudart) the KV pools are
+    "GPU memory" registered by CUDA IPC handle."""
+    extra = ["--cudart", cudart] if cudart else None
+    a = sidecar_factory("prefill", extra)
+    b = sidecar_factory("decode", extra)
     port = free_port()
     boot = ks.KVBootstrapServer("127.0.0.1", port, endpoint=a.endpoint)
-    prefill = [se.Rank(geo, p_tp, r, "prefill", pages, 8, se.server_args(p_tp, port, a.endpoint, geo.page_size, variant), 100 + r)
+    prefill = [se.Rank(geo, p_tp, r, "prefill", pages, 8, se.server_args(p_tp, port, a.endpoint, geo.page_size, variant), 100 + r,
+                       vram=cudart is not None)
                for r in range(p_tp)]
-    decode = [se.Rank(geo, d_tp, r, "decode", pages, 8, se.server_args(d_tp, port, b.endpoint, geo.page_size, variant), 200 + r)
+    decode = [se.Rank(geo, d_tp, r, "decode", pages, 8, se.server_args(d_tp, port, b.endpoint, geo.page_size, variant), 200 + r,
+                      vram=cudart is not None)
               for r in range(d_tp)]
     return a, b, boot, prefill, decode, "127.0.0.1:%d" % port
 
@@ -34,13 +40,19 @@ def close_all(boot, ranks):
 
 # SGLang's NIXL connector refuses heterogeneous TP into host memory
 # (nixl/conn.py: "direct-to-host KV transfer is not implemented safely
-# yet"), and these pools are host memory: TP 2 -> 4 runs on the MORI wire.
-@pytest.mark.parametrize("p_tp,d_tp,mla,variant", [
-    (1, 1, False, "nixl"), (2, 4, False, "mori"), (1, 1, True, "nixl"), (1, 1, False, "mori"), (2, 2, False, "nixl"),
+# yet") and its MORI connector registers KV as GPU memory only, so the
+# heterogeneous-TP cases keep KV in "GPU memory": the stand-in libcudart's
+# allocations, shared by CUDA IPC handle.
+@pytest.mark.parametrize("p_tp,d_tp,mla,variant,vram", [
+    (1, 1, False, "nixl", False), (1, 1, True, "nixl", False), (2, 2, False, "nixl", False),
+    (2, 4, False, "nixl", True), (2, 4, False, "mori", True), (1, 1, False, "mori", True),
 ])
-def test_two_engines_move_kv(sidecar_factory, p_tp, d_tp, mla, variant):
+def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp, d_tp, mla, variant, vram):
+    cudart = None
+    if vram:
+        cudart = use_standin(monkeypatch, standin_cudart)
     geo = se.Geometry(layers=2, heads=1 if mla else 4, mla=mla)
-    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, variant=variant)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, variant=variant, cudart=cudart)
     try:
         rng = np.random.default_rng(7)
         reqs = [se.Request(room=1000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
@@ -154,6 +166,17 @@ def test_regions_one_per_pool():
         assert regs == [p.pool.region()]
     finally:
         p.close()
+
+
+def use_standin(monkeypatch, path):
+    """Points kvhost.cuda (this process, the engine) at the stand-in."""
+    from kvhost import cuda
+
+    monkeypatch.setenv("KVHOST_CUDART", path)
+    cuda.reset()
+    monkeypatch.setattr(cuda, "_libs", None)
+    assert cuda.available()
+    return path
 
 
 def wait(cond, timeout=30.0):
