@@ -254,3 +254,80 @@ def verify(geo: Geometry, prefill: List[Rank], decode: List[Rank], r: Request) -
                                       "room %d decode rank %d aux" % (r.room, di))
         checked += geo.aux_bytes
     return checked
+
+
+# --------------------------------------------------------------------------
+# The byte formula of kvhost's demo workers (kvhost's
+# host/demo/kvpool/kvpool.go: seedKey.seed, mix, word), so a Python engine
+# fills and checks KV exactly as `kvhost prefill` / `kvhost decode` do.
+
+_M64 = (1 << 64) - 1
+_GOLD = 0x9E3779B97F4A7C15
+
+
+def _mix(z):
+    """SplitMix64's finalizer on numpy uint64 arrays (wrapping)."""
+    z = z + np.uint64(_GOLD)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def kvpool_seeds(room: int, layer: int, kv: int, tokens, heads):
+    """seedKey{room, layer, kv, token, head}.seed() for every (token, head):
+    a (len(tokens), len(heads)) uint64 array. layer -1 is aux."""
+    with np.errstate(over="ignore"):
+        h = _mix(np.uint64(room ^ 0x6B76686F7374))
+        h = _mix(h ^ np.uint64(((layer << 1) & _M64)) ^ np.uint64(kv))
+        t = np.asarray(tokens, dtype=np.uint64)[:, None]
+        h = _mix(h ^ t)
+        return _mix(h ^ np.asarray(heads, dtype=np.uint64)[None, :])
+
+
+def kvpool_bytes(seeds, head_bytes: int):
+    """The content of each head: little-endian words seed + i*golden,
+    truncated to head_bytes. Shape seeds.shape + (head_bytes,)."""
+    nwords = -(-head_bytes // 8)
+    with np.errstate(over="ignore"):
+        words = seeds[..., None] + np.arange(nwords, dtype=np.uint64) * np.uint64(_GOLD)
+    b = words.astype("<u8").view(np.uint8).reshape(seeds.shape + (nwords * 8,))
+    return b[..., :head_bytes]
+
+
+def fill_like_kvhost(rank: Rank, room: int, pages, tokens: int, aux_slot: int):
+    """Writes the tokens of ``room`` into ``pages`` and its aux into
+    ``aux_slot`` the way kvhost's demo prefill does (SGLang K-then-V
+    layout, token-major pages)."""
+    geo = rank.geo
+    hl = geo.heads_per_rank(rank.tp)
+    heads = [0] if geo.mla else [rank.tp_rank * hl + h for h in range(hl)]
+    kvs = 1 if geo.mla else 2
+    npages = len(pages)
+    toks = np.arange(npages * geo.page_size)
+    for kv in range(kvs):
+        for layer in range(geo.layers):
+            buf = rank.pool.kv[kv * geo.layers + layer]
+            content = kvpool_bytes(kvpool_seeds(room, layer, kv, toks, heads), geo.head_bytes)
+            content[tokens:] = 0  # beyond the prompt: not part of the request
+            buf[np.asarray(pages)] = content.reshape(npages, geo.item_len(rank.tp))
+    aux = kvpool_bytes(kvpool_seeds(room, -1, 0, [0], [0]), geo.aux_bytes).reshape(-1)
+    rank.pool.aux[0][aux_slot] = aux
+
+
+def check_like_kvhost(rank: Rank, room: int, pages, tokens: int, aux_slot: int):
+    """Checks the tokens of ``room`` in ``pages`` (and its aux slot) against
+    kvhost's formula; AssertionError names the first difference."""
+    geo = rank.geo
+    hl = geo.heads_per_rank(rank.tp)
+    heads = [0] if geo.mla else [rank.tp_rank * hl + h for h in range(hl)]
+    kvs = 1 if geo.mla else 2
+    npages = len(pages)
+    toks = np.arange(npages * geo.page_size)
+    for kv in range(kvs):
+        for layer in range(geo.layers):
+            buf = rank.pool.kv[kv * geo.layers + layer]
+            want = kvpool_bytes(kvpool_seeds(room, layer, kv, toks, heads), geo.head_bytes)[:tokens]
+            got = buf[np.asarray(pages)].reshape(npages * geo.page_size, hl, geo.head_bytes)[:tokens]
+            np.testing.assert_array_equal(got, want, "room %d layer %d kv %d" % (room, layer, kv))
+    aux = kvpool_bytes(kvpool_seeds(room, -1, 0, [0], [0]), geo.aux_bytes).reshape(-1)
+    np.testing.assert_array_equal(rank.pool.aux[0][aux_slot], aux, "room %d aux" % room)
