@@ -231,12 +231,20 @@ demo-engine: all
 # every Go test under the race detector, an install from a temporary prefix,
 # and the end-to-end demo at CI scale in both styles (separate processes,
 # every byte verified).
-test: all vet lint plugin-fake-abi2 plugin-test
+test: all vet lint plugin-fake-abi2 plugin-test python-test
 	$(GO) test -race -count=1 ./...
 	$(GO) test -count=1 ./...
 	$(MAKE) --no-print-directory install-check
 	$(BIN) demo --requests 48 --layers 4
 	$(BIN) demo --requests 48 --layers 4 --style vllm
+
+# python-test runs the Python package's tests (python/tests) with Debian's
+# python3-pytest against live `kvhost serve` sidecars of bin/kvhost.
+PYTHON ?= /usr/bin/python3
+PYTEST_ARGS ?=
+.PHONY: python-test
+python-test: all
+	cd python && $(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 # flake-check runs the whole Go suite repeatedly, the way a loaded machine
 # shakes out tests that pass only sometimes: every package -count=20

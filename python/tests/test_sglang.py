@@ -1,0 +1,189 @@
+"""kvhost.sglang's connector classes driven in SGLang's scheduler order,
+two engines each beside its own ``kvhost serve``, every byte verified in
+the engines' numpy pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sglang_engine as se
+from conftest import free_port
+from kvhost import client as kc
+from kvhost import sglang as ks
+from kvhost.sglang import KVPoll
+
+
+def engines(sidecar_factory, geo, p_tp, d_tp, pages=256, variant="nixl", cudart=None):
+    """Two engines (prefill TP p_tp, decode TP d_tp), each beside its own
+    sidecar. With ``cudart`` (the stand-in libcudart) the KV pools are
+    "GPU memory" registered by CUDA IPC handle."""
+    extra = ["--cudart", cudart] if cudart else None
+    a = sidecar_factory("prefill", extra)
+    b = sidecar_factory("decode", extra)
+    port = free_port()
+    boot = ks.KVBootstrapServer("127.0.0.1", port, endpoint=a.endpoint)
+    prefill = [se.Rank(geo, p_tp, r, "prefill", pages, 8, se.server_args(p_tp, port, a.endpoint, geo.page_size, variant), 100 + r,
+                       vram=cudart is not None)
+               for r in range(p_tp)]
+    decode = [se.Rank(geo, d_tp, r, "decode", pages, 8, se.server_args(d_tp, port, b.endpoint, geo.page_size, variant), 200 + r,
+                      vram=cudart is not None)
+              for r in range(d_tp)]
+    return a, b, boot, prefill, decode, "127.0.0.1:%d" % port
+
+
+def close_all(boot, ranks):
+    for r in ranks:
+        r.close()
+    boot.close()
+
+
+# SGLang's NIXL connector refuses heterogeneous TP into host memory
+# (nixl/conn.py: "direct-to-host KV transfer is not implemented safely
+# yet") and its MORI connector registers KV as GPU memory only, so the
+# heterogeneous-TP cases keep KV in "GPU memory": the stand-in libcudart's
+# allocations, shared by CUDA IPC handle.
+@pytest.mark.parametrize("p_tp,d_tp,mla,variant,vram", [
+    (1, 1, False, "nixl", False), (1, 1, True, "nixl", False), (2, 2, False, "nixl", False),
+    (2, 4, False, "nixl", True), (2, 4, False, "mori", True), (1, 1, False, "mori", True),
+])
+def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp, d_tp, mla, variant, vram):
+    cudart = None
+    if vram:
+        cudart = use_standin(monkeypatch, standin_cudart)
+    geo = se.Geometry(layers=2, heads=1 if mla else 4, mla=mla)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, variant=variant, cudart=cudart)
+    try:
+        rng = np.random.default_rng(7)
+        reqs = [se.Request(room=1000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
+                for i in range(12)]
+        se.run(geo, prefill, decode, reqs, addr)
+        total = 0
+        for r in reqs:
+            assert r.prefill_result == KVPoll.Success, (r.room, r.failure)
+            assert r.decode_result == KVPoll.Success, (r.room, r.failure)
+            total += se.verify(geo, prefill, decode, r)
+        assert total > 0
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_nixl_hetero_tp_into_host_memory_fails_with_reason(sidecar_factory):
+    """What SGLang's NIXL connector refuses, the sidecar refuses the same
+    way: the room fails with the reason, nothing hangs."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 2, pages=32)
+    try:
+        reqs = [se.Request(room=9, tokens=9, chunk_pages=2)]
+        se.run(geo, prefill, decode, reqs, addr)
+        assert reqs[0].prefill_result == KVPoll.Failed
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_a_wrong_byte_is_caught(sidecar_factory):
+    """The check fails when one byte differs (proves verify looks)."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        reqs = [se.Request(room=5, tokens=9, chunk_pages=2)]
+        se.run(geo, prefill, decode, reqs, addr)
+        se.verify(geo, prefill, decode, reqs[0])
+        decode[0].pool.kv[0][reqs[0].dst_pages[0][1], 3] ^= 0xFF
+        with pytest.raises(AssertionError):
+            se.verify(geo, prefill, decode, reqs[0])
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_abort_on_decode_fails_both_sides(sidecar_factory):
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        s = ks.KVSender(prefill[0].mgr, addr, 77, [0], 0)
+        rc = ks.KVReceiver(decode[0].mgr, addr, 77)
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.abort()
+        assert rc.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError):
+            rc.failure_exception()
+        # The prefill side hears of it (SGLang's decode sends ABORT).
+        wait(lambda: s.poll() in (KVPoll.Failed, KVPoll.WaitingForInput))
+        s.abort()
+        assert s.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError) as e:
+            s.failure_exception()
+        assert "Abort" in str(e.value)
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_prefill_sidecar_killed_mid_transfer(sidecar_factory):
+    """The prefill's sidecar dies with rooms in flight: every sender polls
+    Failed with "sidecar connection lost"; the manager reconnects to a
+    restarted sidecar, registers again and serves new rooms."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=64)
+    try:
+        senders = [ks.KVSender(prefill[0].mgr, addr, 300 + i, [0], 0) for i in range(3)]
+        assert all(s.poll() == KVPoll.Bootstrapping for s in senders)
+        a.kill()
+        wait(lambda: prefill[0].mgr.client.lost is not None)
+        for s in senders:
+            assert s.poll() == KVPoll.Failed
+            with pytest.raises(ks.KVTransferError) as e:
+                s.failure_exception()
+            assert kc.LOST_REASON in str(e.value)
+        a.start()
+        boot.client.reconnect()
+        boot.addr = boot.client.start_bootstrap(boot.host, boot.port)
+        assert prefill[0].mgr.reconnect() is True
+        reqs = [se.Request(room=400, tokens=17, chunk_pages=2)]
+        se.run(geo, prefill, decode, reqs, addr)
+        assert reqs[0].prefill_result == KVPoll.Success and reqs[0].decode_result == KVPoll.Success
+        se.verify(geo, prefill, decode, reqs[0])
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_host_memory_must_be_shared():
+    """A pointer outside every kvhost.shm pool (and not CUDA memory) is
+    refused before anything reaches the sidecar, naming the range."""
+    buf = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(ValueError) as e:
+        ks.regions_for_pointers([(buf.ctypes.data, buf.nbytes)])
+    assert "kvhost.shm" in str(e.value)
+
+
+def test_regions_one_per_pool():
+    from kvhost import shm
+
+    p = shm.KVPool(2, 4, 64, aux_item_lens=[8], aux_slots=2)
+    try:
+        regs = ks.regions_for_pointers(list(zip(p.kv_data_ptrs, p.kv_data_lens)) +
+                                       list(zip(p.aux_data_ptrs, p.aux_data_lens)))
+        assert regs == [p.pool.region()]
+    finally:
+        p.close()
+
+
+def use_standin(monkeypatch, path):
+    """Points kvhost.cuda (this process, the engine) at the stand-in."""
+    from kvhost import cuda
+
+    monkeypatch.setenv("KVHOST_CUDART", path)
+    cuda.reset()
+    monkeypatch.setattr(cuda, "_libs", None)
+    assert cuda.available()
+    return path
+
+
+def wait(cond, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met within %.0f s" % timeout)
+        time.sleep(0.005)
