@@ -217,10 +217,9 @@ bench: all
 # demo-engine is the real integration: Python engines (KV pools in shared
 # memory) driving the kvhost.vllm and kvhost.sglang adapters, each engine
 # beside its own `kvhost serve`, every byte verified in the engines' memory
-# (python/kvhost/demo_engine.py). PYTHON needs pyzmq, msgpack and numpy
-# (Debian: python3-zmq python3-msgpack python3-numpy), e.g.
-# make demo-engine PYTHON=/usr/bin/python3 DEMO_ENGINE_ARGS="--styles vllm --baseline".
-PYTHON ?= python3
+# (python/kvhost/demo_engine.py). PYTHON (see python-test) needs pyzmq,
+# msgpack and numpy (Debian: python3-zmq python3-msgpack python3-numpy), e.g.
+# make demo-engine DEMO_ENGINE_ARGS="--styles vllm --baseline".
 DEMO_ENGINE_ARGS ?=
 
 demo-engine: all
