@@ -40,6 +40,24 @@ release, so the workers' ``get_finished`` returns them as
 vLLM itself is imported lazily: when it is absent (tests, the engine
 demo) small stand-ins take the place of vLLM's base classes
 (``KVConnectorBase_V1``, ``KVConnectorMetadata``, ``KVConnectorRole``).
+
+What is proven without vLLM (python/tests/test_vllm_connector.py and
+``make demo-engine``, against live ``kvhost serve`` sidecars on the fake
+plugin, engines' KV in shared-memory numpy pools): the scheduler and worker
+calls in vLLM's order (kvhost.vllm_standins stands in for vLLM's config,
+request, block and scheduler-output types) move every byte, TP 1 -> 2 and
+2 -> 4, HND; releases (notified, abort timeout) reach every prefill
+worker's finished_sending; a full prefix hit and a request aborted before
+it was scheduled free the prefill's blocks; bad kv_transfer_params, a
+prefill sidecar gone and the decode's own sidecar gone end the load as
+finished_recving with its blocks in get_block_ids_with_load_errors.
+What needs a real vLLM: vLLM's own scheduler, KVOutputAggregator and
+model runner calling these methods (including async scheduling), CUDA
+tensors (the vram path uses torch's CUDA IPC handles and is not run here),
+layouts other than split K/V HND (NHD, blocks-first, MLA: passed to the
+sidecar as vLLM describes them, not exercised), the compatibility hash
+against a NIXL-connector vLLM peer (factors as vLLM computes them; vLLM's
+version and attention backend name come from vLLM when present).
 """
 
 from __future__ import annotations
