@@ -365,7 +365,15 @@ class KvhostConnectorScheduler:
             # blocks, which the decode then loads nothing from).
             self._reqs_not_processed.add(request.request_id)
             return False, None
-        kv_params = self._client.hold(self.engine_id, request.request_id, list(block_ids))
+        try:
+            kv_params = self._client.hold(self.engine_id, request.request_id, list(block_ids))
+        except _client_error_types() as e:
+            # Not held (the sidecar refused, or is gone): the blocks are
+            # freed now and the response carries no params, so no decode
+            # waits for them; vLLM's scheduler goes on.
+            logger.error("kvhost: hold of request %s refused: %s", request.request_id, e)
+            self._reqs_not_processed.add(request.request_id)
+            return False, None
         # The worker learns of it from the metadata; expiry is the sidecar's.
         self._reqs_need_send[request.request_id] = 0.0
         return True, dict(kv_params)
@@ -615,8 +623,11 @@ class KvhostConnectorWorker:
         # _failed_recv_reqs).
         self._done_recving: set[str] = set()
         # The prefill requests this engine scheduled to send (vLLM's NIXL
-        # _reqs_to_process) and those released but not yet reported.
+        # _reqs_to_process), those of them held by the sidecar (request_
+        # finished ran: NIXL's _reqs_to_send), and those released but not
+        # yet reported.
         self._reqs_to_process: set[str] = set()
+        self._reqs_to_send: set[str] = set()
         self._done_sending: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         # The last release/read reasons, for logs and tests.
@@ -717,6 +728,21 @@ class KvhostConnectorWorker:
             self._reqs_to_process.add(req_id)
         for req_id in metadata.reqs_not_processed:
             self._reqs_to_process.discard(req_id)
+        for req_id in metadata.reqs_to_send:
+            if req_id in self._reqs_to_process:
+                self._reqs_to_send.add(req_id)
+        if self._client.lost is not None:
+            self._release_all_held()
+
+    def _release_all_held(self):
+        """The sidecar is gone, and with it every hold: nothing will read
+        these blocks, so they are reported finished (vLLM frees them), as
+        NIXL's worker does when their abort timeout expires."""
+        for req_id in self._reqs_to_send:
+            self._reqs_to_process.discard(req_id)
+            self._done_sending.add(req_id)
+            self.release_reasons[req_id] = "sidecar connection lost"
+        self._reqs_to_send.clear()
 
     def _fail_recv(self, req_id, invalid, reason):
         meta = self._recving.get(req_id)
@@ -755,6 +781,7 @@ class KvhostConnectorWorker:
                 self.release_reasons[req_id] = ev.get("reason", "")
                 if req_id in self._reqs_to_process:
                     self._reqs_to_process.discard(req_id)
+                    self._reqs_to_send.discard(req_id)
                     self._done_sending.add(req_id)
                 else:
                     # As vLLM's NIXL connector: a release of a request this
@@ -762,10 +789,11 @@ class KvhostConnectorWorker:
                     logger.warning("kvhost: release of unrecognized request %s", req_id)
             elif kind == "connection_lost":
                 # Every read in flight is lost with the sidecar: its blocks
-                # are invalid (vLLM recomputes them).
+                # are invalid (vLLM recomputes them). Every hold too.
                 for req_id in list(self._recving):
                     if req_id not in self._done_recving:
                         self._fail_recv(req_id, None, ev.get("reason", "sidecar connection lost"))
+                self._release_all_held()
 
     def get_finished(self):
         """(finished_sending, finished_recving) since the last call."""

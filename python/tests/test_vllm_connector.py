@@ -355,3 +355,26 @@ def test_release_before_reqs_to_send_leaves_nothing_tracked(pair):
     assert "e" in meta.reqs_to_send
     assert "e" not in p.sending
     assert w.connector_worker._reqs_to_process == set()
+
+
+def test_prefill_sidecar_gone_frees_held_blocks(pair):
+    """The prefill's own sidecar dies with requests held: nothing can read
+    them any more, so every worker reports them finished_sending (vLLM
+    frees the blocks) instead of holding them forever; a request finishing
+    afterwards is not held (request_finished returns (False, None), it does
+    not raise into vLLM's scheduler)."""
+    p, _, sp, _ = pair(prefill_tp=2, decode_tp=2)
+    prefill(p, "q1", 8, 4, [0, 1])
+    p.step()  # the metadata naming q1 in reqs_to_send reaches the workers
+    prefill(p, "q2", 8, 5, [2, 3])  # held; its reqs_to_send comes after the loss
+    sp.kill()
+    p.until(lambda: p.sending.get("q1") == 2 and p.sending.get("q2") == 2, "held requests reported after the loss")
+    req = vs.Request("q3", list(range(8)), {"do_remote_decode": True})
+    p.sched.update_state_after_alloc(req, vs.KVCacheBlocks([4, 5]), 0)
+    p.step()
+    req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.sched.request_finished(req, [4, 5]) == (False, None)
+    meta = p.step()
+    assert "q3" in meta.reqs_not_processed
+    for w in p.workers:
+        assert w.connector_worker._reqs_to_process == set()
