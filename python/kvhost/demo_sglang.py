@@ -32,7 +32,7 @@ import types
 import numpy as np
 
 from kvhost import demo_pattern as pat
-from kvhost.demo_vllm import BlockPool
+from kvhost.demo_vllm import BlockPool, exit_on_sigterm
 
 AUX_LEN = 64  # bytes per aux slot (SGLang's metadata buffers: output ids, logprobs...)
 
@@ -87,6 +87,7 @@ def prefill_engine(args, control, requests, to_decode, results):
     goes to the decode with the bootstrap address and room."""
     from kvhost import sglang as ksg
 
+    exit_on_sigterm()
     ranks = []
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
@@ -164,7 +165,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 time.sleep(0.001)
         results.put(("prefill_done", {}))
         boot.close()
-    except BaseException as e:
+    except Exception as e:
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
     finally:
         for mgr, pool, _, _ in ranks:
@@ -174,6 +175,7 @@ def prefill_engine(args, control, requests, to_decode, results):
 def decode_engine(args, control, nreq, from_prefill, results):
     from kvhost import sglang as ksg
 
+    exit_on_sigterm()
     ranks = []
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
@@ -266,7 +268,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
             if not busy:
                 time.sleep(0.001)
         results.put(("decode_done", {"seconds": time.monotonic() - (t_first or time.monotonic())}))
-    except BaseException as e:
+    except Exception as e:
         results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))
     finally:
         for mgr, pool, _, _ in ranks:

@@ -26,6 +26,8 @@ wrong bytes.
 from __future__ import annotations
 
 import queue
+import signal
+import sys
 import time
 import traceback
 
@@ -34,6 +36,13 @@ import numpy as np
 from kvhost import demo_pattern as pat
 from kvhost import vllm as kvllm
 from kvhost import vllm_standins as vs
+
+
+def exit_on_sigterm():
+    """An engine the demo terminates (SIGTERM) exits through Python, so
+    kvhost.shm unlinks its pools (at exit) instead of leaving them in
+    /dev/shm."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 class BlockPool:
@@ -109,6 +118,7 @@ def prefill_engine(args, control, requests, to_decode, results):
     rank's pages), finishes it with max_tokens=1 and hands the
     kv_transfer_params of request_finished to the decode (the proxy's
     part)."""
+    exit_on_sigterm()
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["prefill_tp"]
@@ -167,7 +177,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         for w in workers:
             w.shutdown()
         sched.shutdown()
-    except BaseException as e:  # reported to the demo, which fails the run
+    except Exception as e:  # reported to the demo, which fails the run
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
 
 
@@ -175,6 +185,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
     """The decode engine: takes each request with the prefill's
     kv_transfer_params, loads its KV through the connector, checks every
     byte on every rank, frees the blocks."""
+    exit_on_sigterm()
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["decode_tp"]
@@ -263,5 +274,5 @@ def decode_engine(args, control, nreq, from_prefill, results):
         for w in workers:
             w.shutdown()
         sched.shutdown()
-    except BaseException as e:
+    except Exception as e:
         results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))

@@ -67,8 +67,7 @@ import enum
 import logging
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 logger = logging.getLogger("kvhost.vllm")
 

@@ -46,3 +46,43 @@ def test_demo_engine_fails_on_one_wrong_byte(style):
     assert "FAILED" in out.stdout
     assert "request req-1-0005: decode rank 0: page 0" in out.stdout and "byte 0: got" in out.stdout, out.stdout
     assert "23 ok, 1 failed" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("style", ["vllm", "sglang"])
+def test_engine_terminated_leaves_no_shared_memory(tmp_path, style):
+    """The demo terminates its engines when the run stops early (a timeout,
+    the other engine failing): their shared-memory pools must not stay in
+    /dev/shm."""
+    import multiprocessing as mp
+    import time
+
+    from kvhost import demo_engine as de
+
+    if not os.access(KVHOST, os.X_OK):
+        pytest.fail("%s is missing: run make" % KVHOST)
+    side = de.Sidecar(KVHOST, str(tmp_path), "decode", "fake", [])
+    try:
+        side.wait_ready()
+        mod = __import__("kvhost.demo_" + style, fromlist=["decode_engine"])
+        args = {"layers": 2, "kv_heads": 4, "head_bytes": 32, "page_size": 4, "prefill_tp": 2, "decode_tp": 2,
+                "sglang_decode_tp": 2, "concurrency": 2, "prefill_inflight": 4, "num_blocks": 8, "timeout": 60,
+                "corrupt": None, "chunk_pages": 2}
+        ctx = mp.get_context("spawn")
+        inbox, results = ctx.Queue(), ctx.Queue()  # referenced until the child has them
+        p = ctx.Process(target=mod.decode_engine, args=(args, side.control, 1, inbox, results))
+        p.start()
+        prefix = "kvhost-%d-" % p.pid
+        deadline = time.monotonic() + 60
+        while len([f for f in os.listdir("/dev/shm") if f.startswith(prefix)]) < 2:
+            if not p.is_alive() or time.monotonic() > deadline:
+                pytest.fail("the engine made no pools: %s" % (results.get(timeout=5) if p.exitcode is not None else "timeout"))
+            time.sleep(0.05)
+        time.sleep(0.2)
+        p.terminate()
+        p.join(30)
+        left = [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+        for f in left:
+            os.unlink(os.path.join("/dev/shm", f))
+        assert left == [], "left in /dev/shm: %s" % left
+    finally:
+        side.stop()
