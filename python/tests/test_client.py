@@ -321,3 +321,28 @@ def test_message_too_large_is_refused_locally(sidecar):
         # The connection still works.
         with pytest.raises(kc.UnknownObject):
             c.close_rank(99)
+
+
+def test_no_leaked_threads_or_fds(sidecar, pool):
+    """Clients opened, lost, reconnected and closed leave no thread or file
+    descriptor behind."""
+    import gc
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    # One client first: ZeroMQ's context threads and sockets are per process.
+    open_client(sidecar).close()
+    gc.collect()
+    base_fds, base_threads = fds(), threading.active_count()
+    for _ in range(10):
+        c = open_client(sidecar)
+        c.register_memory(pool.regions())
+        c.reconnect()
+        c.close()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (fds() > base_fds or threading.active_count() > base_threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == base_threads
+    assert fds() <= base_fds
