@@ -37,7 +37,7 @@ func parseRequest(b []byte) (r *request, seqOK bool, err error) {
 		return nil, false, errorf(CodeBadRequest, `field "seq": want uint, got %v`, sv.Kind)
 	}
 	if r.op, err = r.str("op"); err != nil {
-		return nil, true, err
+		return r, true, err
 	}
 	return r, true, nil
 }

@@ -226,6 +226,12 @@ func (s *Server) loop(ctx context.Context) {
 
 func (s *Server) dispatch(m zmq.RouterMsg) {
 	peer := string(m.Peer)
+	if len(m.Frames) == 0 {
+		// zmq.WithDiscardOversize's marker: the message was read and
+		// dropped; its seq is unknown.
+		s.replyRaw(m.Peer, encodeError(0, false, errorf(CodeTooLarge, "the message is larger than max_message (%d bytes) and was discarded unread", s.cfg.MaxMessage)))
+		return
+	}
 	if len(m.Frames) != 1 {
 		// A REQ peer's delimiter or a multi-frame message: the API is one
 		// frame per message.
@@ -325,6 +331,7 @@ func (s *Server) zmqOptions() []zmq.Option {
 	return []zmq.Option{
 		zmq.WithLogger(s.log),
 		zmq.WithMaxMessageSize(s.cfg.MaxMessage),
+		zmq.WithDiscardOversize(),
 		zmq.WithSendQueue(s.cfg.EventQueue),
 		zmq.WithSendTimeout(s.cfg.SendTimeout),
 		// An engine may stay quiet for hours between requests; its

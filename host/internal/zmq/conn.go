@@ -105,7 +105,7 @@ func handshakeConn(nc net.Conn, local string, o *options, peerFirst bool) (*conn
 	c := &conn{
 		nc:   nc,
 		r:    r,
-		lim:  limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames},
+		lim:  limits{maxMessageSize: o.maxMessageSize, maxFrames: o.maxFrames, discardOversize: o.discardOversize},
 		peer: remoteName(nc),
 		done: make(chan struct{}),
 	}
@@ -215,6 +215,9 @@ func (c *conn) recv() ([][]byte, int64, error) {
 		c.held = 0
 		if c.budget != nil {
 			c.budget.endMessage(c, held, err == nil)
+		}
+		if err == errOversized {
+			return [][]byte{}, 0, nil // the marker: see WithDiscardOversize
 		}
 		if err != nil {
 			return nil, 0, err

@@ -92,6 +92,7 @@ type options struct {
 	evictIdle        time.Duration // see evictIdle; tests shorten it
 	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
 	socketMode       os.FileMode
+	discardOversize  bool // see WithDiscardOversize
 }
 
 func buildOptions(opts []Option) options {

@@ -182,6 +182,10 @@ type limits struct {
 	// allocated, with the bytes about to be allocated; it may wait (for a
 	// receive budget) and fails the read when it returns an error.
 	reserve func(n int64) error
+	// discardOversize: a data message over maxMessageSize or maxFrames is
+	// read to its end and dropped (errOversized) instead of ending the
+	// connection (WithDiscardOversize).
+	discardOversize bool
 }
 
 func (l limits) take(n int64) error {
@@ -198,6 +202,7 @@ func (l limits) take(n int64) error {
 // with a declared length.
 func readMessage(r *bufio.Reader, lim limits) (frames [][]byte, cmd *command, err error) {
 	var total int64
+	discarding := false
 	for {
 		flags, err := r.ReadByte()
 		if err != nil {
@@ -240,11 +245,31 @@ func readMessage(r *bufio.Reader, lim limits) (frames [][]byte, cmd *command, er
 			}
 			return nil, &c, nil
 		}
-		if len(frames) >= lim.maxFrames {
-			return nil, nil, protoErr("message has more than %d frames", lim.maxFrames)
+		if !discarding && len(frames) >= lim.maxFrames {
+			if !lim.discardOversize {
+				return nil, nil, protoErr("message has more than %d frames", lim.maxFrames)
+			}
+			discarding, frames = true, nil
 		}
-		if size > uint64(lim.maxMessageSize-total) {
-			return nil, nil, protoErr("message larger than %d bytes", lim.maxMessageSize)
+		if !discarding && size > uint64(lim.maxMessageSize-total) {
+			if !lim.discardOversize {
+				return nil, nil, protoErr("message larger than %d bytes", lim.maxMessageSize)
+			}
+			discarding, frames = true, nil
+		}
+		if discarding {
+			// Read and drop: memory does not grow, and the connection
+			// stays in step with the peer's frames.
+			if size > 1<<62 {
+				return nil, nil, protoErr("frame of %d bytes", size)
+			}
+			if _, err := io.CopyN(io.Discard, r, int64(size)); err != nil {
+				return nil, nil, truncated(err, true)
+			}
+			if flags&flagMore == 0 {
+				return nil, nil, errOversized
+			}
+			continue
 		}
 		total += int64(size)
 		body, err := readBody(r, int64(size), lim)
