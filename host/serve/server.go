@@ -17,6 +17,7 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/serve/engmem"
 )
@@ -66,6 +67,8 @@ type Config struct {
 	Settings push.Settings
 	// Observer, if set, also sees every push runtime event (metrics).
 	Observer push.Observer
+	// PullObserver, if set, sees every pull runtime event of vLLM ranks.
+	PullObserver pull.Observer
 	// Host is the default IP ranks bind to and advertise (default
 	// 127.0.0.1); a rank's own `host` field wins.
 	Host string
@@ -337,6 +340,8 @@ func (s *Server) zmqOptions() []zmq.Option {
 		// An engine may stay quiet for hours between requests; its
 		// connection is its session.
 		zmq.WithIdleTimeout(0),
+		// The connection is the session: its end tears the session down.
+		zmq.WithDisconnectHandler(s.peerGone),
 	}
 }
 

@@ -340,6 +340,11 @@ class Client:
         self._lock = threading.Lock()  # guards everything below that callers touch
         self._seq = itertools.count(1)
         self._pending: Dict[int, _Pending] = {}
+        # seqs of requests sent larger than the sidecar's announced
+        # max_message (only when a caller raised hello.max_message): the
+        # sidecar discards them unread and answers too_large with seq nil.
+        self._oversize: collections.deque = collections.deque()
+        self._announced_max = 1 << 62
         self._outbox: collections.deque = collections.deque()
         self._rooms: Dict[Tuple[int, int], Tuple[int, str]] = {}
         self._listeners: List[Callable[[dict], None]] = []
@@ -374,6 +379,8 @@ class Client:
         with self._lock:
             self._lost = None
             self._outbox.clear()
+            self._oversize.clear()
+            self._announced_max = 1 << 62
         self._sock, self._mon = sock, mon
         self._stop = False
         self._thread = threading.Thread(
@@ -391,6 +398,7 @@ class Client:
             self._shutdown_io("hello failed")
             raise
         self.hello = hello
+        self._announced_max = hello.max_message
         self.generation += 1
 
     @property
@@ -527,14 +535,33 @@ class Client:
             return
         seq = msg.get("seq")
         with self._lock:
+            if seq is None:
+                seq = self._unnumbered_locked(msg)
             p = self._pending.pop(seq, None) if isinstance(seq, int) else None
         if p is None:
+            if seq is None:
+                _log().warning("kvhost client: the sidecar answered a request it could not number: %s: %s",
+                               msg.get("code"), msg.get("message"))
             return  # a reply to a request that already timed out
         if msg.get("ok"):
             p.reply = msg
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
         p.done.set()
+
+    def _unnumbered_locked(self, msg: dict) -> Optional[int]:
+        """The request a reply with ``seq`` nil answers (docs/engine-api.md:
+        a request whose seq cannot be read). This client always sends a
+        seq, so it is a too_large refusal of an oversize request (the oldest
+        one sent), or, with one request in flight, that request."""
+        if msg.get("code") == "too_large":
+            while self._oversize:
+                seq = self._oversize.popleft()
+                if seq in self._pending:
+                    return seq
+        if len(self._pending) == 1:
+            return next(iter(self._pending))
+        return None
 
     def _on_event(self, ev: dict) -> None:
         if ev.get("event") == "room":
@@ -610,6 +637,8 @@ class Client:
                 raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
                     op, len(data), self.hello.max_message))
             self._pending[seq] = p
+            if len(data) > self._announced_max:
+                self._oversize.append(seq)
             self._outbox.append(data)
         self._wake()
         t = self.timeout if timeout is None else timeout

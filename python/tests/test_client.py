@@ -321,3 +321,97 @@ def test_message_too_large_is_refused_locally(sidecar):
         # The connection still works.
         with pytest.raises(kc.UnknownObject):
             c.close_rank(99)
+
+
+def test_no_leaked_threads_or_fds(sidecar, pool):
+    """Clients opened, lost, reconnected and closed leave no thread or file
+    descriptor behind."""
+    import gc
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    # One client first: ZeroMQ's context threads and sockets are per process.
+    open_client(sidecar).close()
+    gc.collect()
+    base_fds, base_threads = fds(), threading.active_count()
+    for _ in range(10):
+        c = open_client(sidecar)
+        c.register_memory(pool.regions())
+        c.reconnect()
+        c.close()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (fds() > base_fds or threading.active_count() > base_threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == base_threads
+    assert fds() <= base_fds
+
+
+def test_sidecar_sigterm_fails_rooms_with_its_reason(sidecar, pool):
+    """SIGTERM: the sidecar fails every unfinished room "sidecar shutting
+    down" and sends those events before it closes; the client keeps that
+    reason (not "connection lost") and then sees the connection go."""
+    c = open_client(sidecar)
+    try:
+        c.register_memory(pool.regions())
+        rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
+        c.sender_create(rank, 1)
+        sidecar.stop()
+        deadline = time.monotonic() + 20
+        while c.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.lost is not None
+        assert c.state(rank, 1) == kc.FAILED
+        assert "shutting down" in c.failure_reason(rank, 1)
+        assert not os.path.exists(sidecar.sock)
+    finally:
+        c.close()
+
+
+def test_sidecar_refuses_too_large_and_stays_usable(sidecar_factory):
+    sc = sidecar_factory("small", ["--max-message", str(1 << 20)])
+    with open_client(sc) as c:
+        assert c.hello.max_message == 1 << 20
+        c.hello.max_message = 1 << 30  # bypass the client's own check
+        with pytest.raises(kc.TooLarge):
+            c.call("sender_send", rank=1, room=1, pages=b"\0" * ((1 << 20) + 8))
+        with pytest.raises(kc.UnknownObject):
+            c.close_rank(99)
+        # The refusal (seq nil) finds its request among others in flight.
+        stop, errors = threading.Event(), []
+
+        def others():
+            while not stop.is_set():
+                try:
+                    c.close_rank(98)
+                except kc.UnknownObject:
+                    pass
+                except Exception as e:  # pragma: no cover: reported below
+                    errors.append(e)
+                    return
+
+        ts = [threading.Thread(target=others) for _ in range(3)]
+        for t in ts:
+            t.start()
+        try:
+            for _ in range(5):
+                with pytest.raises(kc.TooLarge):
+                    c.call("sender_send", rank=1, room=1, pages=b"\0" * ((1 << 20) + 8))
+        finally:
+            stop.set()
+            for t in ts:
+                t.join(30)
+        assert not errors, errors
+
+
+def test_start_bootstrap_once_per_sidecar(sidecar):
+    from conftest import free_port
+
+    with open_client(sidecar) as c:
+        port = free_port()
+        addr = c.start_bootstrap("127.0.0.1", port)
+        assert addr.endswith(":%d" % port)
+        assert c.start_bootstrap("127.0.0.1", port) == addr
+        with pytest.raises(kc.Exists):
+            c.start_bootstrap("127.0.0.1", free_port())

@@ -212,7 +212,8 @@ func with(p map[string]any, k string, v any) map[string]any {
 // blocks on the prefill sidecar and hands the kv_transfer_params to the
 // decode, which reads them and checks every byte in its own memory.
 // Then the failures: params naming an engine the side channel is not,
-// params of the wrong type, and a hold nobody reads (abort timeout).
+// params of the wrong type, a hold nobody reads (abort timeout), and the
+// prefill engine killed while a request is held.
 func TestVLLMSidecarPull(t *testing.T) {
 	ctx := ctxT(t)
 	ps, ds := sidecar(t), sidecar(t)
@@ -272,6 +273,26 @@ func TestVLLMSidecarPull(t *testing.T) {
 		t.Fatal(err)
 	}
 	released(t, schedT, "T", "req-t", "timeout")
+
+	// The prefill engine dies (SIGKILL) while a request is held: its
+	// sidecar sees the connection drop, closes the engine's side channel
+	// and releases the request "closed" to the scheduler.
+	if _, err := sched.Hold(ctx, "P", "req-3", prefillBlocks); err != nil {
+		t.Fatal(err)
+	}
+	pe.kill()
+	released(t, sched, "P", "req-3", "closed")
+	if _, err := sched.Hold(ctx, "P", "req-4", prefillBlocks); !client.IsCode(err, serve.CodeUnknown) {
+		t.Fatalf("hold on the dead engine: %v", err)
+	}
+	// The decode engine dies too: both sidecars end its sessions.
+	de.kill()
+	for deadline := time.Now().Add(30 * time.Second); ds.Sessions() != 0; {
+		if time.Now().After(deadline) {
+			t.Fatalf("decode sidecar still has %d sessions", ds.Sessions())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // TestVLLMSidecarInterop: a decode engine behind a sidecar reads from

@@ -138,7 +138,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not install():
         raise SystemExit("kvhost.sglang.launch: SGLang is not importable here (pip install sglang)")
     sys.argv = ["sglang.launch_server"] + args
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    # alter_sys=False keeps this module as __main__, so the processes SGLang
+    # spawns import it (and install the patch) before anything else.
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=False)
 
 
 install()  # also in spawned children, which import this module first
