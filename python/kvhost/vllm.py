@@ -67,6 +67,7 @@ import enum
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger("kvhost.vllm")
@@ -178,6 +179,34 @@ def _connect(vllm_config):
     return kvclient.Client(addr, client_name="kvhost.vllm", queue_events=False)
 
 
+# After the sidecar connection is lost: how often to try again, and how
+# long each try waits for the sidecar's hello (it blocks the engine's step).
+RECONNECT_INTERVAL = 2.0
+RECONNECT_TIMEOUT = 1.0
+
+
+def _reconnect(client, next_try, who):
+    """(connected, next try time): reconnects a lost client when it is
+    time (waiting at most RECONNECT_TIMEOUT for the sidecar's hello)."""
+    if client.lost is None:
+        return True, next_try
+    now = time.monotonic()
+    if now < next_try:
+        return False, next_try
+    next_try = now + RECONNECT_INTERVAL
+    saved = client.connect_timeout
+    client.connect_timeout = min(saved, RECONNECT_TIMEOUT)
+    try:
+        restarted = client.reconnect()
+    except Exception as e:  # still gone; try again later
+        logger.warning("kvhost: %s: sidecar still unreachable: %s", who, e)
+        return False, next_try
+    finally:
+        client.connect_timeout = saved
+    logger.warning("kvhost: %s: reconnected to %s sidecar", who, "a restarted" if restarted else "the")
+    return True, next_try
+
+
 def _client_error_types():
     from kvhost import client as kvclient
 
@@ -277,6 +306,7 @@ class KvhostConnectorScheduler:
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self._client = client if client is not None else _connect(vllm_config)
+        self._next_reconnect = 0.0
         # Request id -> (its kv_transfer_params as the proxy sent them,
         # local block ids). A copy: vLLM's scheduler clears
         # do_remote_prefill in the request's own dict once the load is
@@ -365,6 +395,7 @@ class KvhostConnectorScheduler:
             self._reqs_not_processed.add(request.request_id)
             return False, None
         try:
+            self._next_reconnect = _reconnect(self._client, self._next_reconnect, "scheduler")[1]
             kv_params = self._client.hold(self.engine_id, request.request_id, list(block_ids))
         except _client_error_types() as e:
             # Not held (the sidecar refused, or is gone): the blocks are
@@ -610,8 +641,10 @@ class KvhostConnectorWorker:
         # Events, appended by the client's I/O thread, handled by the
         # worker's thread in get_finished.
         self._events = collections.deque()
-        self._client.add_listener(self._events.append)
+        self._client.add_listener(self._on_event)
         self.rank = None  # the sidecar's rank id once register_kv_caches ran
+        self._rank_open = False
+        self._next_reconnect = 0.0
         self.region_ids: list = []
         self.kv_caches = None
         self.num_blocks = 0
@@ -676,7 +709,7 @@ class KvhostConnectorWorker:
                     regions.append(r)
         else:
             regions = _dram_regions([_ptr_len(t) for t in tensors])
-        self.region_ids = list(self._client.register_memory(regions))
+        self._regions = regions
 
         mc = self.vllm_config.model_config
         fields = dict(
@@ -699,16 +732,53 @@ class KvhostConnectorWorker:
             abort = _abort_timeout(self.vllm_config)
             if abort is not None:
                 fields["abort_timeout"] = abort
-        reply = self._client.open_rank(style="vllm", role=self.role, **fields)
-        self.rank = reply["rank"]
-        self.endpoint = reply.get("endpoint", "")
+        self._fields = fields
+        self._open()
         self.kv_caches = kv_caches
         self.num_blocks = num_blocks
+
+    def _open(self):
+        """Registers the KV caches' memory and opens the rank (again, after
+        a reconnect: the sidecar forgot everything of the old connection)."""
+        self._rank_open = False
+        self.region_ids = list(self._client.register_memory(self._regions))
+        reply = self._client.open_rank(style="vllm", role=self.role, **self._fields)
+        self.rank = reply["rank"]
+        self.endpoint = reply.get("endpoint", "")
+        self._rank_open = True
+
+    def _connected(self):
+        """False while the sidecar is gone. After the connection was lost,
+        tries (at most every RECONNECT_INTERVAL seconds) to connect again
+        and register the rank again, so a restarted sidecar serves this
+        worker without restarting vLLM."""
+        if self._client.lost is None:
+            if self._rank_open:
+                return True
+            if time.monotonic() < self._next_reconnect:
+                return False  # registering again failed a moment ago
+        lost = self._client.lost
+        ok, self._next_reconnect = _reconnect(self._client, self._next_reconnect, "worker")
+        if not ok:
+            return False
+        if lost is not None:
+            # What the old connection had ended with it, whether or not its
+            # connection_lost event was handled yet.
+            self._lost_all(lost)
+        try:
+            self._open()
+        except _client_error_types() as e:
+            logger.warning("kvhost: worker: registering again: %s", e)
+            self._next_reconnect = time.monotonic() + RECONNECT_INTERVAL
+            return False
+        return True
 
     # -- per step --
 
     def start_load_kv(self, metadata):
         errors = _client_error_types()
+        if self.rank is not None:
+            self._connected()  # reads fail at once while it is gone
         for req_id, meta in metadata.reqs_to_recv.items():
             self._recving[req_id] = meta
             try:
@@ -752,9 +822,25 @@ class KvhostConnectorWorker:
         self.read_results[req_id] = {"ok": False, "reason": reason}
         self._done_recving.add(req_id)
 
+    def _on_event(self, ev):
+        # On the client's I/O thread: only queue it, with the connection it
+        # came on (an old connection's late events must not touch the new
+        # one's reads).
+        self._events.append((self._client.generation, ev))
+
+    def _lost_all(self, reason):
+        """Every read in flight is lost with the connection: its blocks are
+        invalid (vLLM recomputes them). Every hold too."""
+        for req_id in list(self._recving):
+            if req_id not in self._done_recving:
+                self._fail_recv(req_id, None, reason)
+        self._release_all_held()
+
     def _handle_events(self):
         while self._events:
-            ev = self._events.popleft()
+            gen, ev = self._events.popleft()
+            if gen != self._client.generation:
+                continue  # the old connection's: _connected ended its work
             kind = ev.get("event")
             if kind == "read":
                 if ev.get("rank") != self.rank:
@@ -787,12 +873,7 @@ class KvhostConnectorWorker:
                     # engine is not sending (expired, or already aborted).
                     logger.warning("kvhost: release of unrecognized request %s", req_id)
             elif kind == "connection_lost":
-                # Every read in flight is lost with the sidecar: its blocks
-                # are invalid (vLLM recomputes them). Every hold too.
-                for req_id in list(self._recving):
-                    if req_id not in self._done_recving:
-                        self._fail_recv(req_id, None, ev.get("reason", "sidecar connection lost"))
-                self._release_all_held()
+                self._lost_all(ev.get("reason", "sidecar connection lost"))
 
     def get_finished(self):
         """(finished_sending, finished_recving) since the last call."""

@@ -378,3 +378,37 @@ def test_prefill_sidecar_gone_frees_held_blocks(pair):
     assert "q3" in meta.reqs_not_processed
     for w in p.workers:
         assert w.connector_worker._reqs_to_process == set()
+
+
+@pytest.mark.parametrize("which", ["decode", "prefill"])
+def test_sidecar_restarted_serves_again(pair, sidecars, which):
+    """A sidecar dies and another starts on the same socket: the engine's
+    connectors connect again and register again on their own (no vLLM
+    restart), and the next request moves every byte."""
+    p, d, sp, sd = pair(prefill_tp=1, decode_tp=2)
+    eng, side = (d, sd) if which == "decode" else (p, sp)
+    side.kill()
+    os.unlink(side.sock)  # the killed sidecar's socket file
+    deadline = time.monotonic() + WAIT
+    while any(w.connector_worker._client.lost is None for w in eng.workers):
+        assert time.monotonic() < deadline, "the loss was not noticed"
+        time.sleep(0.01)
+    new = sidecars(which + "2")
+    os.rename(new.sock, side.sock)  # the new sidecar at the old address
+    params = None
+    deadline = time.monotonic() + WAIT
+    while params is None:  # the prefill scheduler's hold reconnects too
+        assert time.monotonic() < deadline, "hold never succeeded again"
+        p.step()
+        req = vs.Request("n%d" % int(time.monotonic() * 1000), list(range(8)), {"do_remote_decode": True})
+        p.sched.update_state_after_alloc(req, vs.KVCacheBlocks([0, 1]), 0)
+        for r in range(p.tp):
+            pat.fill(p.pools[r][1], [0, 1], 9, SHAPE, *SHAPE.heads_of(r, p.tp))
+        p.step()
+        req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = p.sched.request_finished(req, [0, 1])
+        time.sleep(0.05)
+    load(d, "d-n", 8, params, [4, 5])
+    d.until(lambda: d.recving.get("d-n") == 2, "decode finished_recving")
+    assert not d.errors, [w.connector_worker.read_results for w in d.workers]
+    check_all(d, [4, 5], 9)
