@@ -50,7 +50,9 @@ request, block and scheduler-output types) move every byte, TP 1 -> 2 and
 worker's finished_sending; a full prefix hit and a request aborted before
 it was scheduled free the prefill's blocks; bad kv_transfer_params, a
 prefill sidecar gone and the decode's own sidecar gone end the load as
-finished_recving with its blocks in get_block_ids_with_load_errors.
+finished_recving with its blocks in get_block_ids_with_load_errors; a
+prefill sidecar gone reports its held requests finished_sending; a
+restarted sidecar is reconnected to and registered with again.
 What needs a real vLLM: vLLM's own scheduler, KVOutputAggregator and
 model runner calling these methods (including async scheduling), CUDA
 tensors (the vram path uses torch's CUDA IPC handles and is not run here),
