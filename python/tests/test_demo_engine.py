@@ -49,7 +49,7 @@ def test_demo_engine_fails_on_one_wrong_byte(style):
 
 
 @pytest.mark.parametrize("style", ["vllm", "sglang"])
-def test_engine_terminated_leaves_no_shared_memory(tmp_path, style):
+def test_engine_terminated_leaves_no_shared_memory(tmpdir_short, style):
     """The demo terminates its engines when the run stops early (a timeout,
     the other engine failing): their shared-memory pools must not stay in
     /dev/shm."""
@@ -60,7 +60,7 @@ def test_engine_terminated_leaves_no_shared_memory(tmp_path, style):
 
     if not os.access(KVHOST, os.X_OK):
         pytest.fail("%s is missing: run make" % KVHOST)
-    side = de.Sidecar(KVHOST, str(tmp_path), "decode", "fake", [])
+    side = de.Sidecar(KVHOST, tmpdir_short, "decode", "fake", [])
     try:
         side.wait_ready()
         mod = __import__("kvhost.demo_" + style, fromlist=["decode_engine"])

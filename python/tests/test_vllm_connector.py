@@ -33,12 +33,12 @@ WAIT = 30.0  # generous: the machine is shared
 
 
 class Sidecar:
-    def __init__(self, tmp_path, name, env=None):
+    def __init__(self, tmpdir, name, env=None):
         if not os.access(KVHOST, os.X_OK):
             pytest.fail("%s is missing: run make (these tests need the kvhost binary)" % KVHOST)
-        self.sock = str(tmp_path / (name + ".sock"))
+        self.sock = os.path.join(tmpdir, name + ".sock")
         self.control = "ipc://" + self.sock
-        self.log = open(str(tmp_path / (name + ".log")), "wb")
+        self.log = open(os.path.join(tmpdir, name + ".log"), "wb")
         self.proc = subprocess.Popen(
             [KVHOST, "--backend", "fake", "serve", "--control", self.control],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -68,11 +68,12 @@ class Sidecar:
 
 
 @pytest.fixture
-def sidecars(tmp_path):
+def sidecars(tmpdir_short):
+    # tmpdir_short (conftest.py): ipc:// paths are limited to ~107 bytes.
     made = []
 
     def make(name, env=None):
-        s = Sidecar(tmp_path, name, env)
+        s = Sidecar(tmpdir_short, name, env)
         made.append(s)
         return s
 
