@@ -226,3 +226,62 @@ def test_decode_engine_gone_fails_prefill_room(sidecar_factory, standin_cudart, 
         assert str(e.value)
     finally:
         close_all(boot, prefill + decode)
+
+
+def test_refusals_fail_the_room_not_the_scheduler(sidecar_factory):
+    """What the sidecar (or protocol 1.0) refuses fails the room with the
+    reason; nothing raises into SGLang's scheduler loop but
+    failure_exception."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        mgr = decode[0].mgr
+        rc = ks.KVReceiver(mgr, addr, 61)
+        rc.send_metadata(decode[0].alloc(1), 0)  # before init: nothing was created, nothing sent
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(1), 0, [[1], [2]])  # two state components
+        assert rc.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError) as e:
+            rc.failure_exception()
+        assert "state" in str(e.value)
+        # A sender whose room already exists on the rank.
+        s1 = ks.KVSender(prefill[0].mgr, addr, 62, [0], 0)
+        s2 = ks.KVSender(prefill[0].mgr, addr, 62, [0], 0)
+        assert s1.poll() == KVPoll.Bootstrapping
+        assert s2.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError) as e:
+            s2.failure_exception()
+        assert "exists" in str(e.value)
+        # A sender that sends before init is refused by the sidecar.
+        s3 = ks.KVSender(prefill[0].mgr, addr, 63, [0], 0)
+        s3.num_kv_indices = 1
+        s3.send(np.array([0], dtype=np.int32))
+        assert s3.poll() == KVPoll.Failed
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_manager_refused_closes_its_connection(sidecar):
+    """A KVManager whose memory is refused raises and leaves nothing open."""
+    import threading
+
+    from kvhost import shm
+
+    p = shm.KVPool(1, 4, 64)
+    try:
+        args = ks.KVArgs()
+        args.engine_rank = 0
+        args.kv_data_ptrs = p.kv_data_ptrs
+        args.kv_data_lens = [x + 64 for x in p.kv_data_lens]  # past the pool
+        args.kv_item_lens = p.kv_item_lens
+        before = threading.active_count()
+        with pytest.raises(ValueError):
+            ks.KVManager(args, ks.DisaggregationMode.DECODE, se.server_args(1, 1, sidecar.endpoint, 4))
+        args.kv_data_lens = p.kv_data_lens
+        args.kv_item_lens = [63, 63]  # not a whole number of pages
+        with pytest.raises(kc.GeometryError):
+            ks.KVManager(args, ks.DisaggregationMode.DECODE, se.server_args(1, 1, sidecar.endpoint, 4))
+        assert threading.active_count() == before
+    finally:
+        p.close()

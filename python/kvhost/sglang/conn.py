@@ -265,7 +265,11 @@ class KVManager:
         endpoint = _setting(server_args, "kvhost_control", "KVHOST_CONTROL")
         self.client = _client.Client(endpoint, queue_events=False)
         self._lock = threading.Lock()
-        self._open()
+        try:
+            self._open()
+        except BaseException:
+            self.client.close()  # the sidecar releases what was registered
+            raise
 
     def _ranges(self) -> List[Tuple[int, int]]:
         a = self.kv_args
@@ -470,8 +474,13 @@ class KVSender(_Room):
         if n == 0 and not last and state_indices is None:
             return  # SGLang's _prepare_send_indices skips an empty middle chunk
         self.curr_idx += n
+        try:
+            state = _flat_state(state_indices) if last else None
+        except ValueError as e:
+            self._fail_local(str(e))
+            return
         if self._call(self.kv_mgr.client.sender_send, self.kv_mgr.rank, self.bootstrap_room, kv_indices,
-                      _flat_state(state_indices) if last else None) and last:
+                      state) and last:
             self.has_sent = True
 
 
@@ -515,9 +524,13 @@ class KVReceiver(_Room):
             return
         import time
 
+        try:
+            state = _flat_state(state_indices)
+        except ValueError as e:
+            self._fail_local(str(e))
+            return
         self._call(self.kv_mgr.client.receiver_init, self.kv_mgr.rank, self.bootstrap_room, kv_indices,
-                   -1 if aux_index is None else int(aux_index), _flat_state(state_indices),
-                   int(decode_prefix_len or 0))
+                   -1 if aux_index is None else int(aux_index), state, int(decode_prefix_len or 0))
         self.init_time = time.time()
 
 
