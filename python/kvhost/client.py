@@ -411,18 +411,25 @@ class Client:
         """Why the connection was lost, or None while it is up."""
         return self._lost
 
-    def reconnect(self) -> bool:
+    def reconnect(self, connect_timeout: Optional[float] = None) -> bool:
         """Drops this connection (if still up, the sidecar tears down what it
-        made) and opens a new one with a fresh ``hello``. Returns True when
-        the sidecar is another process (another ``session``). Everything
-        registered before is gone: register regions and open ranks again.
-        The room state cache is emptied (rooms of the old connection were
-        Failed when it was lost)."""
+        made) and opens a new one with a fresh ``hello`` (waiting up to
+        ``connect_timeout`` seconds, default the client's). Returns True
+        when the sidecar is another process (another ``session``).
+        Everything registered before is gone: register regions and open
+        ranks again. The room state cache is emptied (rooms of the old
+        connection were Failed when it was lost). Listeners stay."""
         old = self.session
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
             self._rooms.clear()
-        self._connect()
+        saved = self.connect_timeout
+        if connect_timeout is not None:
+            self.connect_timeout = float(connect_timeout)
+        try:
+            self._connect()
+        finally:
+            self.connect_timeout = saved
         return self.session != old
 
     def close(self) -> None:

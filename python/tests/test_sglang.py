@@ -121,28 +121,35 @@ def test_abort_on_decode_fails_both_sides(sidecar_factory):
 
 def test_prefill_sidecar_killed_mid_transfer(sidecar_factory):
     """The prefill's sidecar dies with rooms in flight: every sender polls
-    Failed with "sidecar connection lost"; the manager reconnects to a
-    restarted sidecar, registers again and serves new rooms."""
+    Failed with "sidecar connection lost", new senders fail fast; once the
+    sidecar is back, the manager and the bootstrap server reconnect by
+    themselves (SGLang never calls reconnect), register again and serve
+    new rooms with every byte right."""
     geo = se.Geometry(layers=1, heads=4)
     a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=64)
     try:
-        senders = [ks.KVSender(prefill[0].mgr, addr, 300 + i, [0], 0) for i in range(3)]
+        mgr = prefill[0].mgr
+        senders = [ks.KVSender(mgr, addr, 300 + i, [0], 0) for i in range(3)]
         assert all(s.poll() == KVPoll.Bootstrapping for s in senders)
         a.kill()
-        wait(lambda: prefill[0].mgr.client.lost is not None)
+        wait(lambda: mgr.client.lost is not None)
         for s in senders:
             assert s.poll() == KVPoll.Failed
             with pytest.raises(ks.KVTransferError) as e:
                 s.failure_exception()
             assert kc.LOST_REASON in str(e.value)
+        late = ks.KVSender(mgr, addr, 310, [0], 0)  # while the sidecar is down
+        assert late.poll() == KVPoll.Failed
+        old_session = mgr.client.session
         a.start()
-        boot.client.reconnect()
-        boot.addr = boot.client.start_bootstrap(boot.host, boot.port)
-        assert prefill[0].mgr.reconnect() is True
-        reqs = [se.Request(room=400, tokens=17, chunk_pages=2)]
+        wait(lambda: mgr.client.lost is None and mgr.client.session != old_session
+             and mgr.conn[1] == mgr.client.generation)
+        wait(lambda: boot.client.lost is None and boot.client.session == mgr.client.session)
+        reqs = [se.Request(room=400 + i, tokens=17, chunk_pages=2) for i in range(3)]
         se.run(geo, prefill, decode, reqs, addr)
-        assert reqs[0].prefill_result == KVPoll.Success and reqs[0].decode_result == KVPoll.Success
-        se.verify(geo, prefill, decode, reqs[0])
+        for r in reqs:
+            assert r.prefill_result == KVPoll.Success and r.decode_result == KVPoll.Success, r.failure
+            se.verify(geo, prefill, decode, r)
     finally:
         close_all(boot, prefill + decode)
 
