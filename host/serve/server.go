@@ -337,6 +337,8 @@ func (s *Server) zmqOptions() []zmq.Option {
 		// An engine may stay quiet for hours between requests; its
 		// connection is its session.
 		zmq.WithIdleTimeout(0),
+		// The connection is the session: its end tears the session down.
+		zmq.WithDisconnectHandler(s.peerGone),
 	}
 }
 

@@ -7,7 +7,8 @@
 //     SGLang's bootstrap, transfer-info, status and abort messages;
 //   - ROUTER (bind) and a one-shot REQ exchange for vLLM's NIXL handshake;
 //   - ROUTER (bind) for the control socket of `kvhost serve`, which engine
-//     processes reach with libzmq DEALER sockets.
+//     processes reach with libzmq DEALER sockets, and DEALER (connect) for
+//     Go clients of it.
 //
 // Every blocking call takes a context.Context; a cancelled or expired
 // context interrupts it.
@@ -38,6 +39,20 @@
 //
 // Pull.RecvFrom reports no address for ipc peers (unix sockets have none)
 // and Port is 0 for ipc endpoints.
+//
+// # Learning that a peer is gone
+//
+// A sidecar must learn at once that an engine process died, and a client
+// that the sidecar did. A Router with WithDisconnectHandler calls the
+// handler exactly once for every connection that completed its
+// handshake, whatever ended it (the peer closed it or died, a protocol
+// error, the idle timeout, eviction, Router.Disconnect, Router.Close),
+// from Recv after that peer's last message, or from Close. A Dealer's
+// Recv returns an error wrapping ErrDisconnected once per connection,
+// after the messages received on it; its next Send reconnects. Over ipc
+// the kernel closes a dead process's sockets, so both notice at once;
+// over TCP a peer host that vanishes is noticed by keep-alives
+// (DefaultKeepAlive) or the idle timeout.
 //
 // # Why not go-zeromq/zmq4 or libzmq
 //

@@ -92,6 +92,7 @@ type options struct {
 	evictIdle        time.Duration // see evictIdle; tests shorten it
 	contendedTimeout time.Duration // see contendedTimeout; tests shorten it
 	socketMode       os.FileMode
+	onDisconnect     func(peer []byte)
 	discardOversize  bool // see WithDiscardOversize
 }
 
@@ -262,4 +263,24 @@ func WithReconnectInterval(min, max time.Duration) Option {
 // PeerCred). Default: DefaultSocketMode (0600, the user only).
 func WithSocketMode(mode os.FileMode) Option {
 	return func(o *options) { o.socketMode = mode.Perm() }
+}
+
+// WithDisconnectHandler makes a Router call fn with a peer's id once its
+// connection is gone, exactly once for every connection that completed
+// its handshake, whatever ended it: the peer closed it or died, a
+// protocol error, the idle timeout, eviction for a new connection, a
+// failed write, or Router.Close.
+//
+// fn runs on the goroutine of the Router.Recv call that reaches the
+// peer's end in the receive queue: after Recv has returned every message
+// that peer sent, so a handler that tears the peer's state down never
+// sees a message of it afterwards (Send and Enqueue to the id already
+// fail with ErrUnknownPeer). The connections still open when Close is
+// called, and those whose end no Recv reached, get fn from Close before
+// it returns; while nothing calls Recv, fn waits like the messages do.
+// fn must not block for long (it holds up Recv) and must not call Close.
+// Other sockets ignore the option (a Dealer reports its connection's end
+// through Recv: ErrDisconnected).
+func WithDisconnectHandler(fn func(peer []byte)) Option {
+	return func(o *options) { o.onDisconnect = fn }
 }

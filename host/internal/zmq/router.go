@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 )
 
@@ -51,6 +52,10 @@ type Router struct {
 	nextID  uint32
 	closing bool           // set by Close before it waits for writers
 	writers sync.WaitGroup // goroutines draining send queues
+	// unreported holds the ids of connections whose end has not been
+	// passed to o.onDisconnect yet (only when it is set); whoever
+	// deletes an id from it calls the handler (report).
+	unreported map[string]struct{}
 }
 
 // routerPeer is one connection of a Router and its send queue (Enqueue).
@@ -65,7 +70,8 @@ type routerPeer struct {
 // ListenRouter binds a ROUTER socket to endpoint.
 func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 	o := buildOptions(opts)
-	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget, o.contendedTimeout), peers: make(map[string]*routerPeer)}
+	r := &Router{msgs: make(chan routerItem, o.recvQueue), budget: newRecvBudget(o.recvBudget, o.contendedTimeout),
+		peers: make(map[string]*routerPeer), unreported: make(map[string]struct{})}
 	srv, err := listen(endpoint, typeRouter, o, r.serve)
 	if err != nil {
 		return nil, err
@@ -76,25 +82,34 @@ func ListenRouter(endpoint string, opts ...Option) (*Router, error) {
 }
 
 // routerItem is a message waiting for Recv and the bytes of the receive
-// budget it holds.
+// budget it holds, or (gone) the end of msg.Peer's connection, after its
+// last message.
 type routerItem struct {
 	msg  RouterMsg
 	size int64
+	gone bool
 }
 
 func (r *Router) serve(c *conn) {
 	c.useBudget(r.budget, r.srv.done)
 	id := r.register(c)
-	defer r.unregister(id)
 	for {
 		frames, size, err := c.recv()
 		if err != nil {
 			r.srv.readError(c, err)
+			r.unregister(id)
+			if r.srv.o.onDisconnect != nil {
+				select {
+				case r.msgs <- routerItem{msg: RouterMsg{Peer: []byte(id)}, gone: true}:
+				case <-r.srv.done: // Close reports it
+				}
+			}
 			return
 		}
 		select {
-		case r.msgs <- routerItem{RouterMsg{Peer: []byte(id), Frames: frames, Cred: c.cred}, size}:
+		case r.msgs <- routerItem{msg: RouterMsg{Peer: []byte(id), Frames: frames, Cred: c.cred}, size: size}:
 		case <-r.srv.done:
+			r.unregister(id)
 			return
 		}
 	}
@@ -107,7 +122,22 @@ func (r *Router) register(c *conn) string {
 	var id [5]byte
 	binary.BigEndian.PutUint32(id[1:], r.nextID)
 	r.peers[string(id[:])] = &routerPeer{c: c}
+	if r.srv.o.onDisconnect != nil {
+		r.unreported[string(id[:])] = struct{}{}
+	}
 	return string(id[:])
+}
+
+// report passes the end of peer's connection to the disconnect handler,
+// unless that was done already.
+func (r *Router) report(peer string) {
+	r.mu.Lock()
+	_, ok := r.unreported[peer]
+	delete(r.unreported, peer)
+	r.mu.Unlock()
+	if ok {
+		r.srv.o.onDisconnect([]byte(peer))
+	}
 }
 
 func (r *Router) unregister(id string) {
@@ -117,28 +147,58 @@ func (r *Router) unregister(id string) {
 }
 
 // Recv returns the next message from any peer. It blocks until one
-// arrives, ctx ends or the socket is closed (ErrClosed).
+// arrives, ctx ends or the socket is closed (ErrClosed). With
+// WithDisconnectHandler, Recv also calls the handler for each peer whose
+// connection ended, after returning that peer's last message.
 func (r *Router) Recv(ctx context.Context) (RouterMsg, error) {
+	for {
+		m, err := r.next(ctx)
+		if err != nil {
+			return RouterMsg{}, err
+		}
+		if m.gone {
+			r.report(string(m.msg.Peer))
+			continue
+		}
+		r.budget.release(m.size)
+		return m.msg, nil
+	}
+}
+
+func (r *Router) next(ctx context.Context) (routerItem, error) {
 	select {
 	case <-r.srv.done:
-		return RouterMsg{}, ErrClosed
+		return routerItem{}, ErrClosed
 	default:
 	}
 	select {
 	case m := <-r.msgs: // a waiting message wins over an expired ctx
-		r.budget.release(m.size)
-		return m.msg, nil
+		return m, nil
 	default:
 	}
 	select {
 	case m := <-r.msgs:
-		r.budget.release(m.size)
-		return m.msg, nil
+		return m, nil
 	case <-ctx.Done():
-		return RouterMsg{}, ctx.Err()
+		return routerItem{}, ctx.Err()
 	case <-r.srv.done:
-		return RouterMsg{}, ErrClosed
+		return routerItem{}, ErrClosed
 	}
+}
+
+// Disconnect closes the connection of the peer with the given id (a peer
+// that broke the caller's protocol, say); what was queued for it is
+// dropped, and the disconnect handler (WithDisconnectHandler) runs as for
+// any other end. ErrUnknownPeer if it is not (or no longer) connected.
+func (r *Router) Disconnect(peer []byte) error {
+	r.mu.RLock()
+	p := r.peers[string(peer)]
+	r.mu.RUnlock()
+	if p == nil {
+		return fmt.Errorf("%w: %x", ErrUnknownPeer, peer)
+	}
+	p.c.close()
+	return nil
 }
 
 // Send sends frames to the peer with the given id. To answer a REQ peer,
@@ -255,13 +315,26 @@ func (r *Router) Addr() net.Addr { return r.srv.ln.Addr() }
 func (r *Router) Port() int { return portOf(r.srv.ln.Addr()) }
 
 // Close stops listening, closes every connection (messages still queued
-// by Enqueue are dropped) and waits for the socket's goroutines. Calling
-// it again returns nil.
+// by Enqueue are dropped), waits for the socket's goroutines and calls the
+// disconnect handler (WithDisconnectHandler) for every connection whose
+// end Recv had not reported. Calling it again returns nil.
 func (r *Router) Close() error {
 	r.mu.Lock()
 	r.closing = true
 	r.mu.Unlock()
 	err := r.srv.close()
 	r.writers.Wait()
+	// Every connection has ended and no more register: report those no
+	// Recv reported, in the order they connected.
+	r.mu.Lock()
+	ids := make([]string, 0, len(r.unreported))
+	for id := range r.unreported {
+		ids = append(ids, id)
+	}
+	r.mu.Unlock()
+	slices.Sort(ids)
+	for _, id := range ids {
+		r.report(id)
+	}
 	return err
 }

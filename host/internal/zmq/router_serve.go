@@ -21,18 +21,6 @@ func WithDiscardOversize() Option {
 	return func(o *options) { o.discardOversize = true }
 }
 
-// Disconnect closes the connection of the peer with the given id (a
-// misbehaving peer: one that does not read what it is sent). Messages
-// still queued for it are dropped. Unknown ids are ignored.
-func (r *Router) Disconnect(peer []byte) {
-	r.mu.RLock()
-	p := r.peers[string(peer)]
-	r.mu.RUnlock()
-	if p != nil {
-		p.c.close()
-	}
-}
-
 // Flush waits until every message queued by Enqueue was written (or
 // dropped with its connection), or ctx ends.
 func (r *Router) Flush(ctx context.Context) {

@@ -18,5 +18,7 @@ type Receiver interface {
 
 var (
 	_ Sender   = (*Push)(nil)
+	_ Sender   = (*Dealer)(nil)
 	_ Receiver = (*Pull)(nil)
+	_ Receiver = (*Dealer)(nil)
 )

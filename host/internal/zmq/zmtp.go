@@ -36,6 +36,7 @@ const (
 	typePull   = "PULL"
 	typeRouter = "ROUTER"
 	typeReq    = "REQ"
+	typeDealer = "DEALER"
 )
 
 // ErrProtocol marks a peer that violated ZMTP (bad greeting, bad frame,
@@ -55,9 +56,11 @@ func compatible(local, peer string) bool {
 	case typePull:
 		return peer == typePush
 	case typeRouter:
-		return peer == typeReq || peer == "DEALER" || peer == typeRouter
+		return peer == typeReq || peer == typeDealer || peer == typeRouter
 	case typeReq:
 		return peer == "REP" || peer == typeRouter
+	case typeDealer:
+		return peer == typeRouter || peer == typeDealer || peer == "REP"
 	}
 	return false
 }
@@ -94,8 +97,8 @@ func checkGreeting(g []byte) error {
 }
 
 // readyMetadata builds the metadata of our READY command for a socket of
-// the given type. REQ and ROUTER also announce an empty Identity, as libzmq
-// does.
+// the given type. REQ, DEALER and ROUTER also announce an empty Identity,
+// as libzmq does.
 func readyMetadata(sockType string) []byte {
 	var b bytes.Buffer
 	writeProp := func(name string, value []byte) {
@@ -107,7 +110,7 @@ func readyMetadata(sockType string) []byte {
 		b.Write(value)
 	}
 	writeProp("Socket-Type", []byte(sockType))
-	if sockType == typeReq || sockType == typeRouter {
+	if sockType == typeReq || sockType == typeDealer || sockType == typeRouter {
 		writeProp("Identity", nil)
 	}
 	return b.Bytes()

@@ -2,35 +2,30 @@ package client
 
 import (
 	"context"
-	"sync"
 
-	"github.com/kvhost/kvhost/host/internal/zmq/zmqtest"
+	"github.com/kvhost/kvhost/host/internal/zmq"
 )
 
-// rawLink is a DEALER connection over zmqtest.Raw, the stand-in until
-// host/internal/zmq has a DEALER socket.
-type rawLink struct {
-	mu sync.Mutex
-	r  *zmqtest.Raw
-}
+// dealerLink is the client's DEALER socket (host/internal/zmq).
+type dealerLink struct{ d *zmq.Dealer }
 
 func dialLink(ctx context.Context, endpoint string) (link, error) {
-	r, err := zmqtest.TryDialRaw(endpoint, "DEALER", "")
+	// The sidecar's replies and events may be as large as its
+	// max_message; the client takes what its sidecar sends.
+	d, err := zmq.DialDealer(endpoint, zmq.WithMaxMessageSize(1<<30))
 	if err != nil {
 		return nil, err
 	}
-	return &rawLink{r: r}, nil
+	return &dealerLink{d: d}, nil
 }
 
-func (l *rawLink) send(ctx context.Context, msg []byte) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.r.Send(msg)
-}
+func (l *dealerLink) send(ctx context.Context, msg []byte) error { return l.d.Send(ctx, msg) }
 
-func (l *rawLink) recv() ([]byte, error) {
+// recv returns the next one-frame message; the first connection end
+// (zmq.ErrDisconnected) is the end of the session.
+func (l *dealerLink) recv() ([]byte, error) {
 	for {
-		m, err := l.r.Recv()
+		m, err := l.d.Recv(context.Background())
 		if err != nil {
 			return nil, err
 		}
@@ -40,4 +35,4 @@ func (l *rawLink) recv() ([]byte, error) {
 	}
 }
 
-func (l *rawLink) close() error { return l.r.Close() }
+func (l *dealerLink) close() error { return l.d.Close() }

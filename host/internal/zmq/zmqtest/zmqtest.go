@@ -120,6 +120,19 @@ func (p *Peer) wait() error {
 	}
 }
 
+// Kill kills the peer (SIGKILL, as a crash) and waits until it has exited,
+// so that the kernel has closed its sockets.
+func (p *Peer) Kill() {
+	p.t.Helper()
+	p.cmd.Process.Kill()
+	for range p.lines {
+	}
+	p.wait()
+}
+
+// PID is the peer's process id.
+func (p *Peer) PID() int { return p.cmd.Process.Pid }
+
 // Stderr is what the peer wrote to stderr so far.
 func (p *Peer) Stderr() string { return p.stderr.String() }
 

@@ -6,7 +6,8 @@
 // It prints one line per step on stdout, which the tests wait for:
 // "BOOTSTRAP host:port" (prefill with -start-bootstrap), "READY" once its
 // ranks are open, "CREATED" (-hold: every room created, now waiting to be
-// killed), then "OK" or "FAIL reason" per room, and exits 0 when every
+// killed; prefill then "INFLIGHT" once decode's metadata arrived for
+// all of them), then "OK" or "FAIL reason" per room, and exits 0 when every
 // room succeeded.
 package main
 
@@ -107,6 +108,17 @@ func run(control, role string, tp int, mla, vram bool, layers, pages int, roomLi
 			}
 		}
 		fmt.Println("CREATED")
+		if role == "prefill" {
+			// Wait for decode's metadata: the rooms are in flight.
+			for _, r := range ranks {
+				for _, id := range ids {
+					if _, err := w.Wait(ctx, r.ID, id, client.StateWaitingForInput); err != nil {
+						return err
+					}
+				}
+			}
+			fmt.Println("INFLIGHT")
+		}
 		<-ctx.Done()
 		return ctx.Err()
 	}
