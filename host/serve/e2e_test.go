@@ -13,6 +13,7 @@ import (
 
 // engine is one in-process engine: its ranks on one sidecar connection.
 type engine struct {
+	srv   *Server
 	c     *client.Client
 	w     *fakeengine.Rooms
 	ranks []*fakeengine.Rank
@@ -22,7 +23,7 @@ type engine struct {
 func newEngine(t *testing.T, s *Server, role, variant string, vram bool, shape fakeengine.Shape, tpSize int, boot string) *engine {
 	t.Helper()
 	c := dial(t, s)
-	e := &engine{c: c, w: fakeengine.Watch(c)}
+	e := &engine{srv: s, c: c, w: fakeengine.Watch(c)}
 	for tp := 0; tp < tpSize; tp++ {
 		r, err := fakeengine.NewRank(shmName(), role, shape, tpSize, tp)
 		if err != nil {

@@ -411,18 +411,25 @@ class Client:
         """Why the connection was lost, or None while it is up."""
         return self._lost
 
-    def reconnect(self) -> bool:
+    def reconnect(self, connect_timeout: Optional[float] = None) -> bool:
         """Drops this connection (if still up, the sidecar tears down what it
-        made) and opens a new one with a fresh ``hello``. Returns True when
-        the sidecar is another process (another ``session``). Everything
-        registered before is gone: register regions and open ranks again.
-        The room state cache is emptied (rooms of the old connection were
-        Failed when it was lost)."""
+        made) and opens a new one with a fresh ``hello`` (waiting up to
+        ``connect_timeout`` seconds, default the client's). Returns True
+        when the sidecar is another process (another ``session``).
+        Everything registered before is gone: register regions and open
+        ranks again. The room state cache is emptied (rooms of the old
+        connection were Failed when it was lost). Listeners stay."""
         old = self.session
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
             self._rooms.clear()
-        self._connect()
+        saved = self.connect_timeout
+        if connect_timeout is not None:
+            self.connect_timeout = float(connect_timeout)
+        try:
+            self._connect()
+        finally:
+            self.connect_timeout = saved
         return self.session != old
 
     def close(self) -> None:
@@ -691,17 +698,25 @@ class Client:
 
     # -- SGLang push rooms --------------------------------------------------
 
-    def _track(self, rank: int, room: int, st: int) -> None:
+    def _track(self, rank: int, room: int, st: int) -> bool:
+        """Starts tracking a room about to be created (before the request,
+        so no event can come first); False when the id is tracked already
+        (the create will be refused with ``exists``, and the room that has
+        the id keeps its state). close_room forgets ids, so reuse works."""
         with self._lock:
-            # A new room starts over (an id may be reused after close_room).
-            self._rooms[(int(rank), int(room))] = (st, "")
+            key = (int(rank), int(room))
+            if key in self._rooms:
+                return False
+            self._rooms[key] = (st, "")
+            return True
 
     def sender_create(self, rank: int, room: int) -> None:
-        self._track(rank, room, BOOTSTRAPPING)
+        added = self._track(rank, room, BOOTSTRAPPING)
         try:
             self.call("sender_create", rank=rank, room=room)
         except KVHostError:
-            self._forget(rank, room)
+            if added:
+                self._forget(rank, room)
             raise
 
     def sender_init(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
@@ -713,12 +728,13 @@ class Client:
 
     def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
                         prefill_dp_rank: Optional[int] = None) -> None:
-        self._track(rank, room, BOOTSTRAPPING)
+        added = self._track(rank, room, BOOTSTRAPPING)
         try:
             self.call("receiver_create", rank=rank, room=room, bootstrap_addr=bootstrap_addr,
                       prefill_dp_rank=prefill_dp_rank)
         except KVHostError:
-            self._forget(rank, room)
+            if added:
+                self._forget(rank, room)
             raise
 
     def receiver_init(self, rank: int, room: int, pages: Any, aux_index: int,

@@ -144,7 +144,7 @@ def all_reduce(polls):
 
 
 def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Request], bootstrap_addr: str,
-        timeout: float = 120.0):
+        timeout: float = 20.0):
     """Drives every request through both schedulers until each side
     concluded, one scheduler step at a time, as SGLang's event loops do."""
     pages_of = lambda r: -(-r.tokens // geo.page_size)  # noqa: E731
@@ -160,8 +160,10 @@ def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Reque
     deadline = time.monotonic() + timeout
     while any(r.prefill_result is None or r.decode_result is None for r in reqs):
         if time.monotonic() > deadline:
-            raise AssertionError("timed out: %s" % [(r.room, r.prefill_state, r.decode_state) for r in reqs
-                                                    if r.prefill_result is None or r.decode_result is None])
+            raise AssertionError("timed out: %s" % [
+                (r.room, r.prefill_state, r.prefill_result, [s._reason for s in r.senders], r.decode_state,
+                 [rc._reason for rc in r.receivers])
+                for r in reqs if r.prefill_result is None or r.decode_result is None])
         progressed = False
         for r in reqs:
             n = pages_of(r)

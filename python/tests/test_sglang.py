@@ -121,28 +121,35 @@ def test_abort_on_decode_fails_both_sides(sidecar_factory):
 
 def test_prefill_sidecar_killed_mid_transfer(sidecar_factory):
     """The prefill's sidecar dies with rooms in flight: every sender polls
-    Failed with "sidecar connection lost"; the manager reconnects to a
-    restarted sidecar, registers again and serves new rooms."""
+    Failed with "sidecar connection lost", new senders fail fast; once the
+    sidecar is back, the manager and the bootstrap server reconnect by
+    themselves (SGLang never calls reconnect), register again and serve
+    new rooms with every byte right."""
     geo = se.Geometry(layers=1, heads=4)
     a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=64)
     try:
-        senders = [ks.KVSender(prefill[0].mgr, addr, 300 + i, [0], 0) for i in range(3)]
+        mgr = prefill[0].mgr
+        senders = [ks.KVSender(mgr, addr, 300 + i, [0], 0) for i in range(3)]
         assert all(s.poll() == KVPoll.Bootstrapping for s in senders)
         a.kill()
-        wait(lambda: prefill[0].mgr.client.lost is not None)
+        wait(lambda: mgr.client.lost is not None)
         for s in senders:
             assert s.poll() == KVPoll.Failed
             with pytest.raises(ks.KVTransferError) as e:
                 s.failure_exception()
             assert kc.LOST_REASON in str(e.value)
+        late = ks.KVSender(mgr, addr, 310, [0], 0)  # while the sidecar is down
+        assert late.poll() == KVPoll.Failed
+        old_session = mgr.client.session
         a.start()
-        boot.client.reconnect()
-        boot.addr = boot.client.start_bootstrap(boot.host, boot.port)
-        assert prefill[0].mgr.reconnect() is True
-        reqs = [se.Request(room=400, tokens=17, chunk_pages=2)]
+        wait(lambda: mgr.client.lost is None and mgr.client.session != old_session
+             and mgr.conn[1] == mgr.client.generation)
+        wait(lambda: boot.client.lost is None and boot.client.session == mgr.client.session)
+        reqs = [se.Request(room=400 + i, tokens=17, chunk_pages=2) for i in range(3)]
         se.run(geo, prefill, decode, reqs, addr)
-        assert reqs[0].prefill_result == KVPoll.Success and reqs[0].decode_result == KVPoll.Success
-        se.verify(geo, prefill, decode, reqs[0])
+        for r in reqs:
+            assert r.prefill_result == KVPoll.Success and r.decode_result == KVPoll.Success, r.failure
+            se.verify(geo, prefill, decode, r)
     finally:
         close_all(boot, prefill + decode)
 
@@ -226,3 +233,62 @@ def test_decode_engine_gone_fails_prefill_room(sidecar_factory, standin_cudart, 
         assert str(e.value)
     finally:
         close_all(boot, prefill + decode)
+
+
+def test_refusals_fail_the_room_not_the_scheduler(sidecar_factory):
+    """What the sidecar (or protocol 1.0) refuses fails the room with the
+    reason; nothing raises into SGLang's scheduler loop but
+    failure_exception."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        mgr = decode[0].mgr
+        rc = ks.KVReceiver(mgr, addr, 61)
+        rc.send_metadata(decode[0].alloc(1), 0)  # before init: nothing was created, nothing sent
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(1), 0, [[1], [2]])  # two state components
+        assert rc.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError) as e:
+            rc.failure_exception()
+        assert "state" in str(e.value)
+        # A sender whose room already exists on the rank.
+        s1 = ks.KVSender(prefill[0].mgr, addr, 62, [0], 0)
+        s2 = ks.KVSender(prefill[0].mgr, addr, 62, [0], 0)
+        assert s1.poll() == KVPoll.Bootstrapping
+        assert s2.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError) as e:
+            s2.failure_exception()
+        assert "exists" in str(e.value)
+        # A sender that sends before init is refused by the sidecar.
+        s3 = ks.KVSender(prefill[0].mgr, addr, 63, [0], 0)
+        s3.num_kv_indices = 1
+        s3.send(np.array([0], dtype=np.int32))
+        assert s3.poll() == KVPoll.Failed
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_manager_refused_closes_its_connection(sidecar):
+    """A KVManager whose memory is refused raises and leaves nothing open."""
+    import threading
+
+    from kvhost import shm
+
+    p = shm.KVPool(1, 4, 64)
+    try:
+        args = ks.KVArgs()
+        args.engine_rank = 0
+        args.kv_data_ptrs = p.kv_data_ptrs
+        args.kv_data_lens = [x + 64 for x in p.kv_data_lens]  # past the pool
+        args.kv_item_lens = p.kv_item_lens
+        before = threading.active_count()
+        with pytest.raises(ValueError):
+            ks.KVManager(args, ks.DisaggregationMode.DECODE, se.server_args(1, 1, sidecar.endpoint, 4))
+        args.kv_data_lens = p.kv_data_lens
+        args.kv_item_lens = [63, 63]  # not a whole number of pages
+        with pytest.raises(kc.GeometryError):
+            ks.KVManager(args, ks.DisaggregationMode.DECODE, se.server_args(1, 1, sidecar.endpoint, 4))
+        assert threading.active_count() == before
+    finally:
+        p.close()

@@ -116,6 +116,8 @@ type Client struct {
 	vllm   vllmTrack // vLLM reads in flight (vllm.go)
 	events *eventQueue
 	done   chan struct{}
+	life   context.Context // cancelled when the connection is lost
+	kill   context.CancelFunc
 	err    error // why the connection ended (after done)
 	closed atomic.Bool
 }
@@ -157,6 +159,7 @@ func Dial(ctx context.Context, endpoint string, o Options) (*Client, error) {
 func newClient(l link) *Client {
 	c := &Client{l: l, pending: make(map[uint64]chan reply), rooms: make(map[[2]uint64]bool),
 		events: newEventQueue(), done: make(chan struct{})}
+	c.life, c.kill = context.WithCancel(context.Background())
 	go c.read()
 	return c
 }
@@ -259,6 +262,7 @@ func (c *Client) read() {
 	if c.closed.Load() {
 		err = errors.New("kvhost serve: client closed")
 	}
+	c.kill() // sends in progress stop reconnecting
 	c.mu.Lock()
 	c.lost = true
 	c.err = err
@@ -340,10 +344,20 @@ func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, 
 		e.Str(x.K)
 		encode(&e, x.V)
 	}
-	if err := c.l.send(ctx, e.Bytes()); err != nil {
+	// The socket reconnects by itself; a session does not survive that,
+	// so a send stops once the connection is lost.
+	sctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(c.life, cancel)
+	err := c.l.send(sctx, e.Bytes())
+	stop()
+	cancel()
+	if err != nil {
 		c.mu.Lock()
 		delete(c.pending, seq)
 		c.mu.Unlock()
+		if c.life.Err() != nil {
+			return msgpack.Value{}, &Error{Code: CodeDisconnected, Message: fmt.Sprintf("connection to the sidecar lost: %v", err)}
+		}
 		return msgpack.Value{}, fmt.Errorf("kvhost serve: %s: %w", op, err)
 	}
 	select {

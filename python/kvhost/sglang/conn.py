@@ -263,9 +263,17 @@ class KVManager:
         self.local_ip = _setting(server_args, "kvhost_host", "KVHOST_HOST") or local_ip()
         self.variant = _setting(server_args, "kvhost_variant", "KVHOST_SGLANG_VARIANT", "nixl")
         endpoint = _setting(server_args, "kvhost_control", "KVHOST_CONTROL")
+        self.reconnect_interval = float(_setting(server_args, "kvhost_reconnect_interval",
+                                                 "KVHOST_RECONNECT_INTERVAL", 1.0))
         self.client = _client.Client(endpoint, queue_events=False)
         self._lock = threading.Lock()
-        self._open()
+        self._closed = False
+        try:
+            self._open()
+        except BaseException:
+            self.client.close()  # the sidecar releases what was registered
+            raise
+        self._reconnector = _Reconnector(self.client, self._reopen, self.reconnect_interval, "rank")
 
     def _ranges(self) -> List[Tuple[int, int]]:
         a = self.kv_args
@@ -323,15 +331,31 @@ class KVManager:
         self.agent_name = str(reply.get("agent", ""))
         self.endpoint = str(reply.get("endpoint", ""))
         self.generation = self.client.generation
+        # What new rooms use, published in one assignment once the rank is
+        # open: a room made while a reconnect is under way sees the old
+        # generation, counts as stale and fails at once (no request with a
+        # rank id of another connection).
+        self.conn = (self.rank, self.generation)
 
-    def reconnect(self) -> bool:
-        """After the sidecar went away: connects again, registers the memory
-        and opens the rank again (rooms of the old connection stay Failed).
-        Returns True when the sidecar is a new process."""
+    def reconnect(self, connect_timeout: Optional[float] = None) -> bool:
+        """Connects again, registers the memory and opens the rank again
+        (rooms of the old connection stay Failed). Returns True when the
+        sidecar is a new process. The manager does this by itself after it
+        lost the sidecar, every ``reconnect_interval`` seconds
+        (``server_args.kvhost_reconnect_interval`` or
+        ``$KVHOST_RECONNECT_INTERVAL``, default 1; 0: never) until it
+        succeeds: SGLang never calls this."""
         with self._lock:
-            restarted = self.client.reconnect()
+            restarted = self.client.reconnect(connect_timeout)
             self._open()
             return restarted
+
+    def _reopen(self, connect_timeout: float) -> None:
+        with self._lock:
+            if self._closed or self.client.lost is None:
+                return  # closed, or someone reconnected already
+            self.client.reconnect(connect_timeout)
+            self._open()
 
     def check_status(self, bootstrap_room: int) -> int:
         """The room's KVPoll state from the client's cache (no round trip)."""
@@ -344,7 +368,53 @@ class KVManager:
     def close(self) -> None:
         """Closes the rank's connection (the sidecar fails its rooms and
         releases its mappings)."""
+        with self._lock:
+            self._closed = True
+        self._reconnector.stop()
         self.client.close()
+
+
+class _Reconnector:
+    """Reconnects a client after it lost the sidecar: on the client's
+    ``connection_lost`` event, a thread calls ``reopen(connect_timeout)``
+    every ``interval`` seconds until it succeeds (or :meth:`stop`). New
+    rooms fail fast (ConnectionLost) meanwhile; none waits for it."""
+
+    def __init__(self, client: _client.Client, reopen, interval: float, what: str):
+        self.client, self.reopen, self.interval, self.what = client, reopen, interval, what
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._mu = threading.Lock()
+        if interval > 0:
+            client.add_listener(self._on_event)
+
+    def _on_event(self, ev: dict) -> None:
+        if ev.get("event") != "connection_lost" or self._stop.is_set():
+            return
+        with self._mu:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._run, name="kvhost-reconnect", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval):
+            try:
+                self.reopen(max(1.0, min(5.0, 2 * self.interval)))
+                logger.info("kvhost: %s reconnected to the sidecar (session %s)", self.what, self.client.session)
+                return
+            except Exception as e:  # the sidecar is still down, or refuses: try again
+                if failures % 30 == 0:
+                    logger.warning("kvhost: %s cannot reconnect to the sidecar yet: %s", self.what, e)
+                failures += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._mu:
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(10)
 
 
 def _bootstrap_host(server_args: Any) -> str:
@@ -372,8 +442,13 @@ class _Room:
         self.conclude_state: Optional[int] = None
         self._error: Optional[BaseException] = None
         self._reason: Optional[str] = None
-        self._generation = mgr.client.generation
+        self._rank, self._generation = mgr.conn  # a reconnect opens another rank
         self._created = False
+
+    def _stale(self) -> bool:
+        """True when the connection this room was made on is gone."""
+        c = self.kv_mgr.client
+        return c.generation != self._generation or c.lost is not None
 
     def _fail_local(self, reason: str, exc: Optional[BaseException] = None) -> None:
         if self.conclude_state is None:
@@ -397,15 +472,15 @@ class _Room:
         if not self._created:
             return _poll(KVPoll.Bootstrapping)
         mgr = self.kv_mgr
-        if mgr.client.generation != self._generation or mgr.client.lost is not None:
+        if self._stale():
             self._fail_local(_client.LOST_REASON)
             return _poll(KVPoll.Failed)
-        st = mgr.client.state(mgr.rank, self.bootstrap_room)
+        st = mgr.client.state(self._rank, self.bootstrap_room)
         if st is None:
             self._fail_local("room %s is unknown to the sidecar" % self.bootstrap_room)
             return _poll(KVPoll.Failed)
         if st == KVPoll.Failed:
-            self._fail_local(mgr.failure_reason(self.bootstrap_room) or "KV transfer failed")
+            self._fail_local(mgr.client.failure_reason(self._rank, self.bootstrap_room) or "KV transfer failed")
         elif st == KVPoll.Success:
             self.conclude_state = KVPoll.Success
         return _poll(st)
@@ -421,8 +496,8 @@ class _Room:
 
     def abort(self):
         """Fails the room and tells the peers (SGLang's AbortReq)."""
-        if self._created and self.conclude_state is None:
-            self._call(self.kv_mgr.client.abort, self.kv_mgr.rank, self.bootstrap_room)
+        if self._created and self.conclude_state is None and not self._stale():
+            self._call(self.kv_mgr.client.abort, self._rank, self.bootstrap_room)
         self._fail_local("Aborted by AbortReq.")
 
     def clear(self) -> None:
@@ -431,10 +506,10 @@ class _Room:
             return
         self._created = False
         mgr = self.kv_mgr
-        if mgr.client.generation != self._generation or mgr.client.lost is not None:
+        if self._stale():
             return
         try:
-            mgr.client.close_room(mgr.rank, self.bootstrap_room)
+            mgr.client.close_room(self._rank, self.bootstrap_room)
         except _client.KVHostError as e:
             logger.debug("close_room %s: %s", self.bootstrap_room, e)
 
@@ -452,14 +527,16 @@ class KVSender(_Room):
         self.aux_index: Optional[int] = None
         self.curr_idx = 0
         self.has_sent = False
-        if self._call(mgr.client.sender_create, mgr.rank, bootstrap_room):
+        if self._stale():
+            self._fail_local(_client.LOST_REASON)
+        elif self._call(mgr.client.sender_create, self._rank, bootstrap_room):
             self._created = True
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
         if self._created and self.conclude_state is None:
-            self._call(self.kv_mgr.client.sender_init, self.kv_mgr.rank, self.bootstrap_room,
+            self._call(self.kv_mgr.client.sender_init, self._rank, self.bootstrap_room,
                        self.num_kv_indices, -1 if aux_index is None else int(aux_index))
 
     def send(self, kv_indices: Any, state_indices: Optional[Any] = None):
@@ -470,8 +547,13 @@ class KVSender(_Room):
         if n == 0 and not last and state_indices is None:
             return  # SGLang's _prepare_send_indices skips an empty middle chunk
         self.curr_idx += n
-        if self._call(self.kv_mgr.client.sender_send, self.kv_mgr.rank, self.bootstrap_room, kv_indices,
-                      _flat_state(state_indices) if last else None) and last:
+        try:
+            state = _flat_state(state_indices) if last else None
+        except ValueError as e:
+            self._fail_local(str(e))
+            return
+        if self._call(self.kv_mgr.client.sender_send, self._rank, self.bootstrap_room, kv_indices,
+                      state) and last:
             self.has_sent = True
 
 
@@ -495,7 +577,9 @@ class KVReceiver(_Room):
             return
         self.prefill_dp_rank = prefill_dp_rank
         mgr = self.kv_mgr
-        if self._call(mgr.client.receiver_create, mgr.rank, self.bootstrap_room, self.bootstrap_addr,
+        if self._stale():
+            self._fail_local(_client.LOST_REASON)
+        elif self._call(mgr.client.receiver_create, self._rank, self.bootstrap_room, self.bootstrap_addr,
                       None if prefill_dp_rank is None else int(prefill_dp_rank)):
             self._created = True
 
@@ -515,9 +599,13 @@ class KVReceiver(_Room):
             return
         import time
 
-        self._call(self.kv_mgr.client.receiver_init, self.kv_mgr.rank, self.bootstrap_room, kv_indices,
-                   -1 if aux_index is None else int(aux_index), _flat_state(state_indices),
-                   int(decode_prefix_len or 0))
+        try:
+            state = _flat_state(state_indices)
+        except ValueError as e:
+            self._fail_local(str(e))
+            return
+        self._call(self.kv_mgr.client.receiver_init, self._rank, self.bootstrap_room, kv_indices,
+                   -1 if aux_index is None else int(aux_index), state, int(decode_prefix_len or 0))
         self.init_time = time.time()
 
 
@@ -553,10 +641,21 @@ class KVBootstrapServer:
         self.port = int(port)
         self.client = _client.Client(endpoint or os.environ.get("KVHOST_CONTROL") or None, queue_events=False)
         self.addr = self.client.start_bootstrap(self.host, self.port)
+        interval = float(kw.get("reconnect_interval") or os.environ.get("KVHOST_RECONNECT_INTERVAL") or 1.0)
+        self._reconnector = _Reconnector(self.client, self._reopen, interval, "bootstrap server")
+
+    def _reopen(self, connect_timeout: float) -> None:
+        """After a sidecar restart: start the bootstrap server on the new
+        one (the prefill ranks register with it again)."""
+        if self.client.lost is None:
+            return
+        self.client.reconnect(connect_timeout)
+        self.addr = self.client.start_bootstrap(self.host, self.port)
 
     def run(self) -> None:
         """SGLang starts the server in the constructor; kept for callers
         that call run()."""
 
     def close(self) -> None:
+        self._reconnector.stop()
         self.client.close()

@@ -14,6 +14,8 @@ type Request struct {
 	Tokens int
 	// Chunk is the pages per sender_send (0: all at once).
 	Chunk int
+	// NoBytes skips filling and verifying the KV (benchmarks).
+	NoBytes bool
 }
 
 // pagesFor is the page count of n tokens.
@@ -89,13 +91,15 @@ func Prefill(ctx context.Context, c *client.Client, w *Rooms, r *Rank, q Request
 	}
 	pages := PrefillPages(r, q)
 	aux := AuxSlot(r, q)
-	if err := r.Pool.FillAux(q.Room, aux); err != nil {
+	if err := fill(!q.NoBytes, func() error { return r.Pool.FillAux(q.Room, aux) }); err != nil {
 		return err
 	}
 	if err := c.SenderInit(ctx, r.ID, q.Room, len(pages), int64(aux)); err != nil {
 		return err
 	}
-	if err := r.Pool.Fill(kvpool.Tokens{Request: q.Room, Pages: pages, First: 0, Count: q.Tokens}); err != nil {
+	if err := fill(!q.NoBytes, func() error {
+		return r.Pool.Fill(kvpool.Tokens{Request: q.Room, Pages: pages, First: 0, Count: q.Tokens})
+	}); err != nil {
 		return err
 	}
 	chunk := q.Chunk
@@ -139,13 +143,15 @@ func Decode(ctx context.Context, c *client.Client, w *Rooms, r *Rank, boot strin
 	}
 	pages := DecodePages(r, q)
 	aux := AuxSlot(r, q)
-	if err := r.Pool.ClearPages(pages); err != nil {
-		return err
+	if !q.NoBytes {
+		if err := r.Pool.ClearPages(pages); err != nil {
+			return err
+		}
+		g := r.Pool.Geometry()
+		a := r.Pool.Aux()
+		off := a.Addr - r.Base() + uint64(aux*g.AuxItemLen)
+		clear(r.Pool.Bytes()[off : off+uint64(g.AuxItemLen)])
 	}
-	g := r.Pool.Geometry()
-	a := r.Pool.Aux()
-	off := a.Addr - r.Base() + uint64(aux*g.AuxItemLen)
-	clear(r.Pool.Bytes()[off : off+uint64(g.AuxItemLen)])
 	if err := c.ReceiverInit(ctx, r.ID, q.Room, pages, int64(aux), nil, 0); err != nil {
 		return err
 	}
@@ -156,6 +162,9 @@ func Decode(ctx context.Context, c *client.Client, w *Rooms, r *Rank, boot strin
 	if e.State != client.StateSuccess {
 		return fmt.Errorf("room %d failed: %s", q.Room, e.Reason)
 	}
+	if q.NoBytes {
+		return nil
+	}
 	if err := r.Pool.Verify(kvpool.Tokens{Request: q.Room, Pages: pages, First: 0, Count: q.Tokens}); err != nil {
 		return fmt.Errorf("room %d: verify: %w", q.Room, err)
 	}
@@ -163,4 +172,12 @@ func Decode(ctx context.Context, c *client.Client, w *Rooms, r *Rank, boot strin
 		return fmt.Errorf("room %d: verify aux: %w", q.Room, err)
 	}
 	return nil
+}
+
+// fill runs fn when do is set.
+func fill(do bool, fn func() error) error {
+	if !do {
+		return nil
+	}
+	return fn()
 }
