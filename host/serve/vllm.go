@@ -16,11 +16,12 @@ package serve
 // get_block_ids_with_load_errors learn from the read events.
 //
 // Scoping: a connection names at most one vLLM engine id (bound by its
-// first vLLM open_rank or hold). Holds are scoped to the engine: any
-// connection bound to the engine may release them; a connection bound to
-// another engine sees them as unknown. A connection that has not named an
-// engine may name any (the scheduler owns no rank); the socket's mode
-// (0600) is what keeps other users out, as the doc's Transport says.
+// first vLLM open_rank or hold that succeeds). Holds are scoped to the
+// engine: any connection bound to the engine may release them; a
+// connection bound to another engine sees them as unknown. A connection
+// that has not named an engine may name any (the scheduler owns no rank);
+// the socket's mode (0600) is what keeps other users out, as the doc's
+// Transport says.
 
 import (
 	"errors"

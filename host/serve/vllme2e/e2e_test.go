@@ -382,3 +382,59 @@ func TestVLLMSidecarInterop(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestVLLMSidecarHandshakeFromPython: a vLLM-shaped Python client
+// (host/pull/testdata/vllm_nixl_peer.py: vLLM's _nixl_handshake with
+// msgspec's decoding rules) fetches every rank's handshake from the side
+// channel of a TP 2 engine whose ranks come from two connections; the
+// compatibility hash it receives is the one Python computes from the
+// factors the engine sent (vLLM's hash_factors: sha256 of
+// json.dumps(factors, sort_keys=True)).
+func TestVLLMSidecarHandshakeFromPython(t *testing.T) {
+	const python = "/usr/bin/python3"
+	if out, err := exec.Command(python, "-c", "import zmq, msgpack").CombinedOutput(); err != nil {
+		t.Fatalf("%s with python3-zmq and python3-msgpack is needed (scripts/install-test-deps.sh): %v\n%s", python, err, out)
+	}
+	ps := sidecar(t)
+	startEngine(t, ps, engineCfg("prefill", "P2", 2, []int{0}, 24))
+	pe1 := startEngine(t, ps, engineCfg("prefill", "P2", 2, []int{1}, 24))
+	if pe1.endpoint == "" {
+		t.Fatal("the engine's side channel did not open with its second rank")
+	}
+	factors, _ := json.Marshal(map[string]any{
+		"vllm_version": model.VLLMVersion, "nixl_connector_version": model.NixlConnectorVersion, "model": model.Model,
+		"dtype": model.DType, "num_kv_heads": model.NumKVHeads, "head_size": model.HeadSize,
+		"num_hidden_layers": model.NumHiddenLayers, "attn_backend_name": model.AttnBackendName, "cache_dtype": model.CacheDType})
+	want, err := exec.Command(python, "-c", "import hashlib, json, sys; "+
+		"print(hashlib.sha256(json.dumps(json.loads(sys.argv[1]), sort_keys=True).encode()).hexdigest())", string(factors)).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rank := range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		out, err := exec.CommandContext(ctx, python, "../../pull/testdata/vllm_nixl_peer.py", "req", pe1.endpoint, fmt.Sprint(rank)).Output()
+		cancel()
+		if err != nil {
+			t.Fatalf("rank %d: %v", rank, err)
+		}
+		var got struct {
+			Hash     string `json:"compatibility_hash"`
+			Metadata struct {
+				EngineID  string   `json:"engine_id"`
+				NumBlocks int      `json:"num_blocks"`
+				BlockSize int      `json:"block_size"`
+				Layout    string   `json:"kv_cache_layout"`
+				BaseAddrs []uint64 `json:"kv_caches_base_addr"`
+				BlockLens []int    `json:"block_lens"`
+			} `json:"metadata"`
+		}
+		if err := json.Unmarshal(out, &got); err != nil {
+			t.Fatalf("rank %d: %v: %s", rank, err, out)
+		}
+		md := got.Metadata
+		if got.Hash != strings.TrimSpace(string(want)) || md.EngineID != "P2" || md.NumBlocks != 24 || md.BlockSize != 4 ||
+			md.Layout != "HND" || len(md.BaseAddrs) != 6 || len(md.BlockLens) != 6 || md.BlockLens[0] != 4*2*16 {
+			t.Fatalf("rank %d: %s (want hash %s)", rank, out, want)
+		}
+	}
+}
