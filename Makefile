@@ -13,7 +13,7 @@ CXXFLAGS_PLUGIN ?= -std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror -pthread -fvisi
 COMMON_SRC := plugins/common/kvp_util.c
 COMMON_HDR := plugins/common/kvp_util.h abi/kvplugin.h
 
-.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo bench install dist clean
+.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo demo-engine bench install dist clean
 
 all: kvhost plugin-fake
 
@@ -214,17 +214,36 @@ demo: all
 bench: all
 	$(BIN) bench $(BENCH_ARGS)
 
+# demo-engine is the real integration: Python engines (KV pools in shared
+# memory) driving the kvhost.vllm and kvhost.sglang adapters, each engine
+# beside its own `kvhost serve`, every byte verified in the engines' memory
+# (python/kvhost/demo_engine.py). PYTHON (see python-test) needs pyzmq,
+# msgpack and numpy (Debian: python3-zmq python3-msgpack python3-numpy), e.g.
+# make demo-engine DEMO_ENGINE_ARGS="--styles vllm --baseline".
+DEMO_ENGINE_ARGS ?=
+
+demo-engine: all
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.demo_engine --kvhost $(BIN) $(DEMO_ENGINE_ARGS)
+
 # test runs everything CI runs: vet, staticcheck and go mod tidy -diff
 # (lint), the plugins' C tests under sanitizers,
 # every Go test under the race detector, an install from a temporary prefix,
 # and the end-to-end demo at CI scale in both styles (separate processes,
 # every byte verified).
-test: all vet lint plugin-fake-abi2 plugin-test
+test: all vet lint plugin-fake-abi2 plugin-test python-test
 	$(GO) test -race -count=1 ./...
 	$(GO) test -count=1 ./...
 	$(MAKE) --no-print-directory install-check
 	$(BIN) demo --requests 48 --layers 4
 	$(BIN) demo --requests 48 --layers 4 --style vllm
+
+# python-test runs the Python package's tests (python/tests) with Debian's
+# python3-pytest against live `kvhost serve` sidecars of bin/kvhost.
+PYTHON ?= /usr/bin/python3
+PYTEST_ARGS ?=
+.PHONY: python-test
+python-test: all
+	cd python && $(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
 
 # flake-check runs the whole Go suite repeatedly, the way a loaded machine
 # shakes out tests that pass only sometimes: every package -count=20

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the test suite needs (C compiler, and the
-# Python peers' libraries for the interop tests). Does nothing when they are
-# already present; needs root (or sudo) otherwise.
+# Installs the Debian packages the test suite needs (C compiler, the Python
+# peers' libraries for the interop tests, pytest and venv for python/tests).
+# Does nothing when they are already present; needs root (or sudo) otherwise.
 set -euo pipefail
 
 need=()
 command -v gcc >/dev/null || need+=(gcc)
 command -v g++ >/dev/null || need+=(g++)
 command -v make >/dev/null || need+=(make)
-for mod in zmq msgpack numpy; do
+for mod in zmq msgpack numpy pytest; do
   if ! /usr/bin/python3 -c "import $mod" >/dev/null 2>&1; then
     need+=("python3-$mod")
   fi
 done
+# python3-venv: the Python package's install check (pip install ./python in
+# a fresh virtual environment).
+/usr/bin/python3 -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 sudo=""

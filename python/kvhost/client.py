@@ -1,0 +1,843 @@
+"""The engine control API of ``kvhost serve`` (docs/engine-api.md, protocol 1.0).
+
+One :class:`Client` is one engine connection (one ZeroMQ DEALER socket to the
+sidecar's ROUTER). Everything the sidecar makes for this connection (regions,
+ranks, rooms, held requests) lives as long as the connection.
+
+Threading design
+----------------
+pyzmq sockets are not thread-safe, so exactly one thread, the client's I/O
+thread, owns the DEALER socket (and its monitor socket). Callers, from any
+thread, hand requests to it through a lock-protected queue and wake it with
+one byte on a pipe; each request waits on its own :class:`threading.Event`
+for the reply the I/O thread routes to it by ``seq``. Events (messages the
+sidecar sends unasked) are decoded on the I/O thread, which
+
+- updates the per-room state cache, so :meth:`Client.state` answers without
+  a round trip (KVPoll values; monotonic, Failed and Success final, Failed
+  always wins: SGLang's rule);
+- calls the listeners added with :meth:`Client.add_listener` (on the I/O
+  thread: they must be quick and must not call the client back and wait);
+- appends the event to a bounded queue read with :meth:`Client.next_event`
+  and :meth:`Client.drain_events` (when ``queue_events`` is true; on overflow
+  the oldest event is dropped and ``events_dropped`` counts it; the state
+  cache stays exact either way).
+
+Losing the sidecar
+------------------
+The connection is declared lost when the ZeroMQ monitor reports the
+connection closed, or when a request gets no reply within ``timeout``
+seconds. Then every request in flight raises :class:`ConnectionLost`, every
+room not yet final becomes Failed with the reason ``"sidecar connection
+lost"`` (a room event with that reason is delivered like any other, then a
+``{"event": "connection_lost", "reason": ...}`` event), later requests raise
+:class:`ConnectionLost` at once, and :meth:`Client.reconnect` opens a new
+connection and says ``hello`` again; its ``session`` tells whether the
+sidecar restarted. Everything registered before is gone either way (the
+sidecar tears a connection's objects down when it closes): register again.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import itertools
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+PROTOCOL_VERSION = (1, 0)
+CLIENT_NAME = "kvhost-python/0.1"
+
+# SGLang's KVPoll values (python/sglang/srt/disaggregation/base/conn.py).
+FAILED = 0
+BOOTSTRAPPING = 1
+WAITING_FOR_INPUT = 2
+TRANSFERRING = 3
+SUCCESS = 4
+_UNKNOWN_ROOM = 255
+
+LOST_REASON = "sidecar connection lost"
+
+DEFAULT_TIMEOUT = float(os.environ.get("KVHOST_CONTROL_TIMEOUT", "30"))
+"""Seconds a request waits for its reply before the sidecar is declared gone."""
+
+MAX_QUEUED_EVENTS = 1 << 16
+
+
+def default_endpoint() -> str:
+    """The control endpoint of docs/engine-api.md ("Transport"):
+    ``$KVHOST_CONTROL`` when set (the variable ``kvhost serve --control``
+    reads), else ``ipc://$XDG_RUNTIME_DIR/kvhost.sock``, else
+    ``ipc:///tmp/kvhost-<uid>.sock``."""
+    env = os.environ.get("KVHOST_CONTROL")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run:
+        return "ipc://" + os.path.join(run, "kvhost.sock")
+    return "ipc:///tmp/kvhost-%d.sock" % os.getuid()
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class KVHostError(Exception):
+    """An error reply of the sidecar: ``code`` (docs/engine-api.md, "Error
+    codes") and ``message``; raised as the subclass of its code."""
+
+    code = "error"
+
+    def __init__(self, code: str, message: str):
+        super().__init__("%s: %s" % (code, message))
+        self.code = code
+        self.message = message
+
+
+class BadRequest(KVHostError):
+    code = "bad_request"
+
+
+class UnknownOp(KVHostError):
+    code = "unknown_op"
+
+
+class VersionMismatch(KVHostError):
+    code = "version"
+
+
+class NoHello(KVHostError):
+    code = "no_hello"
+
+
+class OutOfOrder(KVHostError):
+    code = "out_of_order"
+
+
+class TooLarge(KVHostError):
+    code = "too_large"
+
+
+class BadRegion(KVHostError):
+    code = "bad_region"
+
+
+class GeometryError(KVHostError):
+    code = "geometry"
+
+
+class UnknownObject(KVHostError):
+    code = "unknown"
+
+
+class Exists(KVHostError):
+    code = "exists"
+
+
+class Busy(KVHostError):
+    code = "busy"
+
+
+class Unsupported(KVHostError):
+    code = "unsupported"
+
+
+class LimitReached(KVHostError):
+    code = "limit"
+
+
+class BackendError(KVHostError):
+    code = "backend"
+
+
+class ShuttingDown(KVHostError):
+    code = "shutting_down"
+
+
+class InternalError(KVHostError):
+    code = "internal"
+
+
+class ConnectionLost(KVHostError):
+    """The sidecar is gone (connection closed, or no reply in time). Not a
+    code the sidecar sends: the client's own."""
+
+    code = "connection_lost"
+
+
+ERRORS: Dict[str, type] = {
+    cls.code: cls
+    for cls in (
+        BadRequest, UnknownOp, VersionMismatch, NoHello, OutOfOrder, TooLarge,
+        BadRegion, GeometryError, UnknownObject, Exists, Busy, Unsupported,
+        LimitReached, BackendError, ShuttingDown, InternalError, ConnectionLost,
+    )
+}
+
+
+def error_for(code: str, message: str) -> KVHostError:
+    """The exception of an error reply: the subclass of its code, or
+    :class:`KVHostError` for a code this client does not know."""
+    return ERRORS.get(code, KVHostError)(code, message)
+
+
+# --------------------------------------------------------------------------
+# Packed index lists
+
+
+def pack_pages(pages: Any, field: str = "pages") -> bytes:
+    """Page (block) indices as the API's ``pages`` bin: packed little-endian
+    int32. Accepts bytes-like objects (taken as already packed; the length
+    must be a multiple of 4), numpy arrays (any integer dtype, values must
+    fit int32) and sequences of ints."""
+    if isinstance(pages, (bytes, bytearray, memoryview)):
+        b = bytes(pages)
+        if len(b) % 4:
+            raise ValueError("%s: %d bytes is not a whole number of int32" % (field, len(b)))
+        return b
+    np = _numpy()
+    if np is not None and isinstance(pages, np.ndarray):
+        if pages.dtype.kind not in "iu":
+            raise TypeError("%s: want an integer array, got dtype %s" % (field, pages.dtype))
+        flat = pages.reshape(-1)
+        if flat.size and (flat.min() < -(1 << 31) or flat.max() >= (1 << 31)):
+            raise ValueError("%s: values out of int32 range" % field)
+        return flat.astype("<i4", copy=False).tobytes()
+    a = array.array("i")
+    try:
+        a.extend(int(p) for p in pages)
+    except OverflowError:
+        raise ValueError("%s: values out of int32 range" % field) from None
+    if a.itemsize != 4:  # pragma: no cover: every CPython platform has 4-byte int
+        raise RuntimeError("array('i') is not 4 bytes here")
+    if sys.byteorder != "little":  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def pack_u64(values: Iterable[int]) -> bytes:
+    """Room ids as the API's ``rooms`` bin: packed little-endian uint64."""
+    a = array.array("Q", (int(v) for v in values))
+    if sys.byteorder != "little":  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_pages(b: bytes) -> List[int]:
+    """The inverse of :func:`pack_pages` (for invalid_blocks and tests)."""
+    a = array.array("i")
+    a.frombytes(bytes(b))
+    if sys.byteorder != "little":  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("kvhost.client")
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # numpy is optional
+        return None
+    return numpy
+
+
+def _plain(v: Any) -> Any:
+    """Converts numpy scalars and arrays, tuples and nested containers to
+    what msgpack packs (ints, lists, dicts)."""
+    if isinstance(v, bool) or v is None or isinstance(v, (str, bytes, float)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, (bytearray, memoryview)):
+        return bytes(v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    np = _numpy()
+    if np is not None:
+        if isinstance(v, np.integer):
+            return int(v)
+        if isinstance(v, np.floating):
+            return float(v)
+        if isinstance(v, np.bool_):
+            return bool(v)
+        if isinstance(v, np.ndarray):
+            return _plain(v.tolist())
+    return v
+
+
+# --------------------------------------------------------------------------
+# The client
+
+
+class _Pending:
+    __slots__ = ("op", "done", "reply", "error")
+
+    def __init__(self, op: str):
+        self.op = op
+        self.done = threading.Event()
+        self.reply: Optional[dict] = None
+        self.error: Optional[KVHostError] = None
+
+
+class Hello:
+    """The sidecar's answer to ``hello``."""
+
+    def __init__(self, reply: dict):
+        self.version = tuple(reply.get("version") or ())
+        self.sidecar = reply.get("sidecar", "")
+        self.session = reply.get("session", "")
+        self.backend = reply.get("backend", "")
+        self.capabilities = list(reply.get("capabilities") or [])
+        self.max_message = int(reply.get("max_message") or 64 << 20)
+        self.limits = dict(reply.get("limits") or {})
+
+    def __repr__(self) -> str:
+        return "Hello(sidecar=%r, session=%r, backend=%r, version=%r, capabilities=%r)" % (
+            self.sidecar, self.session, self.backend, self.version, self.capabilities)
+
+
+class Client:
+    """A connection to ``kvhost serve``.
+
+    ``endpoint``: the control socket (default :func:`default_endpoint`).
+    ``timeout``: seconds a request waits for its reply; past it the sidecar
+    is declared gone (:class:`ConnectionLost`). ``connect_timeout``: seconds
+    the first ``hello`` may wait for the sidecar to come up. ``queue_events``:
+    keep events for :meth:`next_event` / :meth:`drain_events` (an adapter
+    that only needs room states turns it off and reads :meth:`state`).
+    """
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: Optional[float] = None,
+        queue_events: bool = True,
+        max_queued_events: int = MAX_QUEUED_EVENTS,
+        client_name: str = CLIENT_NAME,
+        context: Optional[zmq.Context] = None,
+    ):
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = float(timeout)
+        self.connect_timeout = float(timeout if connect_timeout is None else connect_timeout)
+        self.client_name = client_name
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()  # guards everything below that callers touch
+        self._seq = itertools.count(1)
+        self._pending: Dict[int, _Pending] = {}
+        # seqs of requests sent larger than the sidecar's announced
+        # max_message (only when a caller raised hello.max_message): the
+        # sidecar discards them unread and answers too_large with seq nil.
+        self._oversize: collections.deque = collections.deque()
+        self._announced_max = 1 << 62
+        self._outbox: collections.deque = collections.deque()
+        self._rooms: Dict[Tuple[int, int], Tuple[int, str]] = {}
+        self._listeners: List[Callable[[dict], None]] = []
+        self._queue_events = queue_events
+        self._events: collections.deque = collections.deque()
+        self._events_cv = threading.Condition(self._lock)
+        self._max_events = max(1, int(max_queued_events))
+        self.events_dropped = 0
+        self._lost: Optional[str] = None
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self._wake_r = self._wake_w = -1
+        self.generation = 0
+        """Counts connections: 1 after the first hello, +1 per reconnect.
+        Adapters compare it with the generation their rooms were made in."""
+        self.hello: Optional[Hello] = None
+        self._connect()
+
+    # -- connection --------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A message to a peer that is not connected waits (no silent drop):
+        # the first hello waits for the sidecar to come up.
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        sock.connect(self.endpoint)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        with self._lock:
+            self._lost = None
+            self._outbox.clear()
+            self._oversize.clear()
+            self._announced_max = 1 << 62
+        self._sock, self._mon = sock, mon
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._io_loop, args=(sock, mon, self._wake_r), name="kvhost-client-io", daemon=True)
+        self._thread.start()
+        try:
+            reply = self._request(
+                {"op": "hello", "version": list(PROTOCOL_VERSION), "client": self.client_name, "pid": os.getpid()},
+                timeout=self.connect_timeout)
+            hello = Hello(reply)
+            if not hello.version or hello.version[0] != PROTOCOL_VERSION[0]:
+                raise VersionMismatch("version", "sidecar speaks protocol %r, this client %d.%d" % (
+                    hello.version, PROTOCOL_VERSION[0], PROTOCOL_VERSION[1]))
+        except BaseException:
+            self._shutdown_io("hello failed")
+            raise
+        self.hello = hello
+        self._announced_max = hello.max_message
+        self.generation += 1
+
+    @property
+    def session(self) -> str:
+        """The sidecar's session (random per sidecar process)."""
+        return self.hello.session if self.hello else ""
+
+    @property
+    def lost(self) -> Optional[str]:
+        """Why the connection was lost, or None while it is up."""
+        return self._lost
+
+    def reconnect(self, connect_timeout: Optional[float] = None) -> bool:
+        """Drops this connection (if still up, the sidecar tears down what it
+        made) and opens a new one with a fresh ``hello`` (waiting up to
+        ``connect_timeout`` seconds, default the client's). Returns True
+        when the sidecar is another process (another ``session``).
+        Everything registered before is gone: register regions and open
+        ranks again. The room state cache is emptied (rooms of the old
+        connection were Failed when it was lost). Listeners stay."""
+        old = self.session
+        self._shutdown_io(LOST_REASON + ": reconnecting")
+        with self._lock:
+            self._rooms.clear()
+        saved = self.connect_timeout
+        if connect_timeout is not None:
+            self.connect_timeout = float(connect_timeout)
+        try:
+            self._connect()
+        finally:
+            self.connect_timeout = saved
+        return self.session != old
+
+    def close(self) -> None:
+        """Closes the connection (the sidecar tears down everything this
+        connection made). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown_io("client closed")
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _shutdown_io(self, reason: str) -> None:
+        t = self._thread
+        if t is None:
+            return
+        self._stop = True
+        self._wake()
+        if t is not threading.current_thread():
+            t.join(5)
+        self._thread = None
+        # The I/O thread closed its sockets; fail whatever was still waiting.
+        self._declare_lost(reason, emit=False)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (the thread will wake anyway) or closed
+
+    # -- the I/O thread ----------------------------------------------------
+
+    def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        try:
+            while not self._stop:
+                for ready, _ in poller.poll(100):
+                    if ready == wake_r:
+                        try:
+                            while os.read(wake_r, 4096):
+                                pass
+                        except (BlockingIOError, OSError):
+                            pass
+                    elif ready is mon:
+                        while True:
+                            try:
+                                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                                self._declare_lost(LOST_REASON + ": the sidecar closed the connection")
+                                return
+                    elif ready is sock:
+                        while True:
+                            try:
+                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._dispatch(frames)
+                if self._lost is not None:
+                    return
+                with self._lock:
+                    out = list(self._outbox)
+                    self._outbox.clear()
+                for data in out:
+                    sock.send(data, copy=len(data) < 65536)
+        except zmq.ZMQError as e:
+            self._declare_lost("%s: %s" % (LOST_REASON, e))
+        finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(0)
+            sock.close(0)
+
+    def _dispatch(self, frames: List[bytes]) -> None:
+        # One frame per message (docs/engine-api.md, "Transport"); a ROUTER
+        # never adds frames on the DEALER side, so anything else is ignored.
+        if len(frames) != 1:
+            return
+        try:
+            msg = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        except Exception as e:
+            _log().warning("kvhost client: dropped a message the sidecar sent that is not msgpack: %s", e)
+            return  # a sidecar bug; nothing to route it to
+        if not isinstance(msg, dict):
+            return
+        if "event" in msg:
+            self._on_event(msg)
+            return
+        seq = msg.get("seq")
+        with self._lock:
+            if seq is None:
+                seq = self._unnumbered_locked(msg)
+            p = self._pending.pop(seq, None) if isinstance(seq, int) else None
+        if p is None:
+            if seq is None:
+                _log().warning("kvhost client: the sidecar answered a request it could not number: %s: %s",
+                               msg.get("code"), msg.get("message"))
+            return  # a reply to a request that already timed out
+        if msg.get("ok"):
+            p.reply = msg
+        else:
+            p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
+        p.done.set()
+
+    def _unnumbered_locked(self, msg: dict) -> Optional[int]:
+        """The request a reply with ``seq`` nil answers (docs/engine-api.md:
+        a request whose seq cannot be read). This client always sends a
+        seq, so it is a too_large refusal of an oversize request (the oldest
+        one sent), or, with one request in flight, that request."""
+        if msg.get("code") == "too_large":
+            while self._oversize:
+                seq = self._oversize.popleft()
+                if seq in self._pending:
+                    return seq
+        if len(self._pending) == 1:
+            return next(iter(self._pending))
+        return None
+
+    def _on_event(self, ev: dict) -> None:
+        if ev.get("event") == "room":
+            try:
+                key = (int(ev["rank"]), int(ev["room"]))
+                st = int(ev["state"])
+            except (KeyError, TypeError, ValueError):
+                return
+            with self._lock:
+                self._set_state_locked(key, st, str(ev.get("reason") or ""))
+        self._emit(ev)
+
+    def _emit(self, ev: dict) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+            if self._queue_events:
+                if len(self._events) >= self._max_events:
+                    self._events.popleft()
+                    self.events_dropped += 1
+                self._events.append(ev)
+                self._events_cv.notify_all()
+        for fn in listeners:
+            try:
+                fn(ev)
+            except Exception:  # a listener's bug must not kill the I/O thread
+                _log().exception("kvhost client: event listener failed")
+
+    def _set_state_locked(self, key: Tuple[int, int], st: int, reason: str) -> None:
+        """SGLang's rule (CommonKVManager.update_status): a room's state only
+        moves up, except Failed, which always wins; Failed and Success are
+        final."""
+        old = self._rooms.get(key)
+        if old is not None:
+            ost, oreason = old
+            if ost in (FAILED, SUCCESS):
+                return
+            if st != FAILED and st <= ost:
+                return
+        self._rooms[key] = (st, reason if st == FAILED else "")
+
+    def _declare_lost(self, reason: str, emit: bool = True) -> None:
+        with self._lock:
+            first = self._lost is None
+            if first:
+                self._lost = reason
+            pending = list(self._pending.values())
+            self._pending.clear()
+            failed = []
+            for key, (st, _) in list(self._rooms.items()):
+                if st not in (FAILED, SUCCESS):
+                    self._rooms[key] = (FAILED, LOST_REASON)
+                    failed.append(key)
+        for p in pending:
+            p.error = ConnectionLost("connection_lost", reason)
+            p.done.set()
+        if emit and first:
+            for rank, room in failed:
+                self._emit({"event": "room", "rank": rank, "room": room, "state": FAILED, "reason": LOST_REASON})
+            self._emit({"event": "connection_lost", "reason": reason})
+
+    # -- requests ----------------------------------------------------------
+
+    def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
+        op = msg["op"]
+        p = _Pending(op)
+        with self._lock:
+            if self._lost is not None:
+                raise ConnectionLost("connection_lost", self._lost)
+            seq = next(self._seq)
+            msg["seq"] = seq
+            data = msgpack.packb(msg, use_bin_type=True)
+            if self.hello is not None and len(data) > self.hello.max_message:
+                raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
+                    op, len(data), self.hello.max_message))
+            self._pending[seq] = p
+            if len(data) > self._announced_max:
+                self._oversize.append(seq)
+            self._outbox.append(data)
+        self._wake()
+        t = self.timeout if timeout is None else timeout
+        if not p.done.wait(t):
+            with self._lock:
+                self._pending.pop(seq, None)
+            self._declare_lost("%s: no reply to %s within %.1f s" % (LOST_REASON, op, t))
+            # The I/O thread stops on the lost mark; a reply it races in is dropped.
+            self._wake()
+            if p.error is None:
+                p.error = ConnectionLost("connection_lost", self._lost or LOST_REASON)
+        if p.error is not None:
+            raise p.error
+        return p.reply  # type: ignore[return-value]
+
+    def call(self, op: str, **fields: Any) -> dict:
+        """Sends one request (any op, for ops this client has no method for)
+        and returns the reply map; raises the :class:`KVHostError` subclass
+        of an error reply."""
+        msg = {k: _plain(v) for k, v in fields.items() if v is not None}
+        msg["op"] = op
+        return self._request(msg)
+
+    # -- memory ------------------------------------------------------------
+
+    def register_memory(self, regions: Sequence[dict]) -> List[int]:
+        """Registers regions (``{"kind": "dram", "addr", "length", "shm",
+        "offset"}`` or ``{"kind": "vram", "addr", "length", "cuda_ipc",
+        "offset", "device"}``; :mod:`kvhost.shm` builds the first kind).
+        All or nothing. Returns the region ids."""
+        return [int(r) for r in self.call("register_memory", regions=list(regions))["regions"]]
+
+    def deregister_memory(self, region_ids: Sequence[int]) -> None:
+        self.call("deregister_memory", regions=[int(r) for r in region_ids])
+
+    # -- ranks -------------------------------------------------------------
+
+    def open_rank(self, style: str, role: str, **fields: Any) -> dict:
+        """Opens an engine rank (fields of docs/engine-api.md, "Ranks").
+        Returns the reply (``rank``, ``agent``, ``endpoint``, ...)."""
+        return self.call("open_rank", style=style, role=role, **fields)
+
+    def close_rank(self, rank: int) -> None:
+        self.call("close_rank", rank=rank)
+        with self._lock:
+            for key in [k for k in self._rooms if k[0] == rank]:
+                st, _ = self._rooms[key]
+                if st not in (FAILED, SUCCESS):
+                    self._rooms[key] = (FAILED, "rank closed")
+
+    # -- SGLang push rooms --------------------------------------------------
+
+    def _track(self, rank: int, room: int, st: int) -> bool:
+        """Starts tracking a room about to be created (before the request,
+        so no event can come first); False when the id is tracked already
+        (the create will be refused with ``exists``, and the room that has
+        the id keeps its state). close_room forgets ids, so reuse works."""
+        with self._lock:
+            key = (int(rank), int(room))
+            if key in self._rooms:
+                return False
+            self._rooms[key] = (st, "")
+            return True
+
+    def sender_create(self, rank: int, room: int) -> None:
+        added = self._track(rank, room, BOOTSTRAPPING)
+        try:
+            self.call("sender_create", rank=rank, room=room)
+        except KVHostError:
+            if added:
+                self._forget(rank, room)
+            raise
+
+    def sender_init(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
+        self.call("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
+
+    def sender_send(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
+        self.call("sender_send", rank=rank, room=room, pages=pack_pages(pages),
+                  state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"))
+
+    def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
+                        prefill_dp_rank: Optional[int] = None) -> None:
+        added = self._track(rank, room, BOOTSTRAPPING)
+        try:
+            self.call("receiver_create", rank=rank, room=room, bootstrap_addr=bootstrap_addr,
+                      prefill_dp_rank=prefill_dp_rank)
+        except KVHostError:
+            if added:
+                self._forget(rank, room)
+            raise
+
+    def receiver_init(self, rank: int, room: int, pages: Any, aux_index: int,
+                      state_indices: Any = None, prefix_len: int = 0) -> None:
+        self.call("receiver_init", rank=rank, room=room, pages=pack_pages(pages), aux_index=aux_index,
+                  state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"),
+                  prefix_len=int(prefix_len or 0))
+
+    def abort(self, rank: int, room: int) -> None:
+        self.call("abort", rank=rank, room=room)
+
+    def close_room(self, rank: int, room: int) -> None:
+        """Forgets a room (sidecar and state cache)."""
+        try:
+            self.call("close_room", rank=rank, room=room)
+        finally:
+            self._forget(rank, room)
+
+    def _forget(self, rank: int, room: int) -> None:
+        with self._lock:
+            self._rooms.pop((int(rank), int(room)), None)
+
+    def poll(self, rank: int, rooms: Sequence[int]) -> List[Optional[int]]:
+        """Batched poll: the KVPoll state of each room (None for a room the
+        sidecar does not know). Failure reasons go to the state cache
+        (:meth:`failure_reason`)."""
+        rooms = [int(r) for r in rooms]
+        reply = self.call("poll", rank=rank, rooms=pack_u64(rooms))
+        states = bytes(reply.get("states") or b"")
+        if len(states) != len(rooms):
+            raise InternalError("internal", "poll answered %d states for %d rooms" % (len(states), len(rooms)))
+        reasons = reply.get("reasons") or {}
+        out: List[Optional[int]] = []
+        with self._lock:
+            for room, st in zip(rooms, states):
+                if st == _UNKNOWN_ROOM:
+                    out.append(None)
+                    continue
+                self._set_state_locked((int(rank), room), st, str(reasons.get(str(room), "")))
+                out.append(st)
+        return out
+
+    def state(self, rank: int, room: int) -> Optional[int]:
+        """The room's KVPoll state as the events said, without a round trip;
+        None for a room this client has not seen."""
+        with self._lock:
+            v = self._rooms.get((int(rank), int(room)))
+        return None if v is None else v[0]
+
+    def failure_reason(self, rank: int, room: int) -> Optional[str]:
+        """The reason of a Failed room, else None."""
+        with self._lock:
+            v = self._rooms.get((int(rank), int(room)))
+        return v[1] if v is not None and v[0] == FAILED else None
+
+    def start_bootstrap(self, host: str, port: int) -> str:
+        """Starts the sidecar's bootstrap server (SGLang's KVBootstrapServer);
+        returns its ``host:port``."""
+        return str(self.call("start_bootstrap", host=host, port=port)["addr"])
+
+    # -- vLLM pull requests ------------------------------------------------
+
+    def hold(self, engine_id: str, request_id: str, block_ids: Any) -> dict:
+        """Holds a finished prefill request's blocks; returns vLLM's
+        kv_transfer_params."""
+        return dict(self.call("hold", engine_id=engine_id, request_id=request_id,
+                              block_ids=pack_pages(block_ids, "block_ids"))["kv_transfer_params"])
+
+    def release(self, engine_id: str, request_id: str) -> None:
+        self.call("release", engine_id=engine_id, request_id=request_id)
+
+    def read(self, rank: int, request_id: str, kv_transfer_params: dict, block_ids: Any) -> None:
+        """Starts reading a request's blocks; a ``read`` event reports it."""
+        self.call("read", rank=rank, request_id=request_id, kv_transfer_params=kv_transfer_params,
+                  block_ids=pack_pages(block_ids, "block_ids"))
+
+    # -- events ------------------------------------------------------------
+
+    def add_listener(self, fn: Callable[[dict], None]) -> None:
+        """Calls ``fn(event)`` for every event, on the I/O thread."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[dict], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def next_event(self, timeout: Optional[float] = None) -> Optional[dict]:
+        """The oldest queued event, waiting up to ``timeout`` seconds (None:
+        forever); None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._events_cv:
+            while not self._events:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._events_cv.wait(left)
+            return self._events.popleft()
+
+    def drain_events(self) -> List[dict]:
+        """Every queued event, oldest first, without waiting."""
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+        return out

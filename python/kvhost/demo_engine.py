@@ -1,0 +1,336 @@
+"""``make demo-engine``: the real integration, end to end.
+
+Two Python "engines" per style, each a separate process that owns its KV
+pools (numpy arrays in POSIX shared memory, kvhost.shm) and runs beside its
+own ``kvhost serve`` (a separate process too), move the KV cache of a few
+hundred requests through the adapters an engine would load:
+
+- vLLM style (kvhost.demo_vllm): prefill TP 2 and decode TP 4 engines
+  driving kvhost.vllm.KvhostConnector in vLLM's scheduler/worker call
+  order; decode pulls.
+- SGLang style (kvhost.demo_sglang): prefill TP 2 and decode TP 4 engines
+  driving kvhost.sglang's KVManager/KVSender/KVReceiver in SGLang's
+  bootstrap/init/send/poll order; prefill pushes.
+
+Every decode rank checks every byte of every request in its own memory
+(kvhost.demo_pattern). The run prints a progress bar (stderr, on a
+terminal) and a summary like ``kvhost demo``'s, with the throughput beside
+``kvhost demo --in-process`` on the same shape (``--baseline``), and exits
+0 only when every byte of every request verified; otherwise non-zero with
+the request, page and byte that were wrong.
+
+    python3 -m kvhost.demo_engine [--styles vllm,sglang] [--requests 300] ...
+
+(``make demo-engine`` runs it with PYTHONPATH=python and bin/kvhost.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvhost import demo_pattern as pat
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python3 -m kvhost.demo_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kvhost", default=os.environ.get("KVHOST_BIN", "bin/kvhost"), help="the kvhost binary (default bin/kvhost, $KVHOST_BIN)")
+    p.add_argument("--styles", default="vllm,sglang", help="comma-separated: vllm, sglang (default both)")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--min-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--prefill-tp", type=int, default=2)
+    p.add_argument("--decode-tp", type=int, default=4)
+    p.add_argument("--sglang-decode-tp", type=int, default=0,
+                   help="decode TP of the sglang pair (default: the prefill TP: SGLang's NIXL connector moves "
+                        "heterogeneous-TP MHA KV only into GPU memory, and these pools are host memory)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests loading at once on decode")
+    p.add_argument("--chunk-pages", type=int, default=8, help="sglang: pages per send (chunked prefill)")
+    p.add_argument("--backend", default="fake")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--baseline", action="store_true",
+                   help="also run `kvhost demo --in-process` on the same shape and print the ratio")
+    p.add_argument("--corrupt", metavar="REQUEST",
+                   help="mutation check: flip one byte of REQUEST's KV in decode memory after its transfer (the run must fail)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    p.add_argument("--work-dir", help="keep the sidecars' logs here (default: a temporary folder, removed)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra argument for every kvhost serve (repeatable)")
+    return p.parse_args(argv)
+
+
+def workload(n, seed, min_tokens, max_tokens):
+    """(request id, tokens, pattern seed) of every request."""
+    import numpy as np
+
+    rng = np.random.default_rng([0x64656D6F, seed])
+    lens = rng.integers(min_tokens, max_tokens + 1, n)
+    return [("req-%d-%04d" % (seed, i), int(lens[i]), seed * 1_000_003 + i) for i in range(n)]
+
+
+class Sidecar:
+    """One ``kvhost serve`` process on an ipc:// control socket."""
+
+    def __init__(self, exe, workdir, name, backend, extra):
+        self.sock = os.path.join(workdir, name + ".sock")
+        self.control = "ipc://" + self.sock
+        self.log_path = os.path.join(workdir, name + ".log")
+        self.name = name
+        cmd = [exe, "--backend", backend, "serve", "--control", self.control] + list(extra)
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(self.sock):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError("kvhost serve (%s) exited with %s:\n%s" % (self.name, self.proc.returncode, self.tail()))
+            time.sleep(0.02)
+        raise RuntimeError("kvhost serve (%s) did not create %s within %.0f s:\n%s" % (self.name, self.sock, timeout, self.tail()))
+
+    def tail(self, n=20):
+        try:
+            with open(self.log_path, "rb") as f:
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Progress:
+    """A one-line progress bar on stderr (only on a terminal)."""
+
+    def __init__(self, total, label, enabled):
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def add(self, n=1):
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+            self._last = now
+            width = 30
+            fill = int(width * self.done / max(1, self.total))
+            sys.stderr.write("\r%-14s [%s%s] %d/%d requests %.1fs" % (
+                self.label, "=" * fill, " " * (width - fill), self.done, self.total, now - self.t0))
+            sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _pct(xs, q):
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def run_style(style, ns, workdir, reqs, progress):
+    """Runs one pair (two sidecars, two engine processes); returns the
+    style's summary dict."""
+    shape = pat.Shape(ns.layers, ns.kv_heads, ns.head_dim * ns.dtype_bytes, ns.page_size)
+    max_pages = shape.pages(ns.max_tokens)
+    args = {
+        "layers": ns.layers, "kv_heads": ns.kv_heads, "head_bytes": ns.head_dim * ns.dtype_bytes,
+        "page_size": ns.page_size, "prefill_tp": ns.prefill_tp, "decode_tp": ns.decode_tp,
+        "concurrency": ns.concurrency, "prefill_inflight": 2 * ns.concurrency,
+        "num_blocks": 2 * ns.concurrency * max_pages + max_pages, "timeout": ns.timeout,
+        "corrupt": ns.corrupt, "chunk_pages": ns.chunk_pages,
+        "sglang_decode_tp": ns.sglang_decode_tp or ns.prefill_tp,
+    }
+    if style == "vllm":
+        from kvhost import demo_vllm as mod
+    elif style == "sglang":
+        from kvhost import demo_sglang as mod
+    else:
+        raise ValueError("unknown style %r: want vllm or sglang" % style)
+    ctx = mp.get_context("spawn")
+    sidecars = [Sidecar(ns.kvhost, workdir, "%s-%s" % (style, role), ns.backend, ns.serve_arg) for role in ("prefill", "decode")]
+    procs = []
+    decode_tp = ns.decode_tp if style == "vllm" else args["sglang_decode_tp"]
+    summary = {"style": style, "requests": len(reqs), "ok": 0, "failed": 0, "bytes_moved": 0, "bytes_verified": 0,
+               "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp}
+    lat = []
+    try:
+        for s in sidecars:
+            s.wait_ready()
+        to_decode, results = ctx.Queue(), ctx.Queue()
+        procs = [
+            ctx.Process(target=mod.prefill_engine, args=(args, sidecars[0].control, reqs, to_decode, results), name=style + "-prefill"),
+            ctx.Process(target=mod.decode_engine, args=(args, sidecars[1].control, len(reqs), to_decode, results), name=style + "-decode"),
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + ns.timeout + 30
+        finished = set()
+        while finished != {"prefill_done", "decode_done"}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("%s: timed out after %.0f s" % (style, ns.timeout))
+            try:
+                kind, body = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError("%s exited with %s" % (dead[0].name, dead[0].exitcode))
+                for s in sidecars:
+                    if s.proc.poll() is not None:
+                        raise RuntimeError("kvhost serve (%s) exited with %s:\n%s" % (s.name, s.proc.returncode, s.tail()))
+                continue
+            if kind == "error":
+                raise RuntimeError(body)
+            if kind == "request":
+                if body["ok"]:
+                    summary["ok"] += 1
+                else:
+                    summary["failed"] += 1
+                    if len(summary["failures"]) < 10:
+                        summary["failures"].append("request %s: %s" % (body["request_id"], body["error"]))
+                summary["bytes_moved"] += body["bytes"]
+                summary["bytes_verified"] += body["verified"]
+                lat.append(body["latency"])
+                progress.add()
+            elif kind == "decode_done":
+                summary["seconds"] = body["seconds"]
+                finished.add(kind)
+            else:
+                finished.add(kind)
+        for p in procs:
+            p.join(30)
+    except Exception as e:
+        summary["failures"].append(str(e))
+        summary["failed"] = summary["requests"] - summary["ok"]
+        crashed = True
+    else:
+        crashed = False
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        for s in sidecars:
+            s.stop()
+    if crashed:
+        # Not a wrong byte: something stopped; the sidecars may say what.
+        for s in sidecars:
+            t = s.tail(8)
+            if t:
+                summary["failures"].append("kvhost serve (%s) log (%s):\n%s" % (s.name, s.log_path, t))
+    if summary["seconds"] > 0:
+        summary["gb_per_s"] = summary["bytes_moved"] / summary["seconds"] / 1e9
+    summary["latency_p50_ms"] = _pct(lat, 0.5) * 1e3
+    summary["latency_p99_ms"] = _pct(lat, 0.99) * 1e3
+    summary["processes"] = 2 + 2
+    return summary
+
+
+def baseline(ns, style, decode_tp):
+    """``kvhost demo --in-process`` on the same shape: its GB/s."""
+    cmd = [ns.kvhost, "--backend", ns.backend, "demo", "--in-process", "--json", "--style", style,
+           "--requests", str(ns.requests), "--seed", str(ns.seed), "--layers", str(ns.layers),
+           "--kv-heads", str(ns.kv_heads), "--head-dim", str(ns.head_dim), "--dtype-bytes", str(ns.dtype_bytes),
+           "--page-size", str(ns.page_size), "--min-tokens", str(ns.min_tokens), "--max-tokens", str(ns.max_tokens),
+           "--prefill-tp", str(ns.prefill_tp), "--decode-tp", str(decode_tp)]
+    out = subprocess.run(cmd, capture_output=True, timeout=ns.timeout)
+    if out.returncode != 0:
+        raise RuntimeError("%s: exit %d: %s" % (" ".join(cmd), out.returncode, out.stderr.decode(errors="replace")[-2000:]))
+    return float(json.loads(out.stdout)["gb_per_s"])
+
+
+def human(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return "%.1f %s" % (n, unit) if unit != "B" else "%d B" % n
+        n /= 1024.0
+
+
+def text(s, ns):
+    ok = s["ok"] == s["requests"] and not s["failed"] and not s["failures"]
+    lines = ["kvhost demo-engine (%s style, MHA, prefill TP %d -> decode TP %d, %s plugin, shared-memory pools, "
+             "%d processes + 2 kvhost serve): %s" % (
+                 s["style"], s["prefill_tp"], s["decode_tp"], ns.backend, s["processes"] - 2,
+                 "OK: every byte verified in the engines' memory" if ok else "FAILED")]
+    lines.append("  requests      %d ok, %d failed (of %d)" % (s["ok"], s["failed"], s["requests"]))
+    lines.append("  bytes         %s moved, %s verified on decode" % (human(s["bytes_moved"]), human(s["bytes_verified"])))
+    base = ""
+    if s.get("baseline_gb_per_s"):
+        base = "   (kvhost demo --in-process, same shape: %.2f GB/s; ratio %.2f)" % (s["baseline_gb_per_s"], s["ratio"])
+    lines.append("  throughput    %.2f GB/s over %.2f s%s" % (s["gb_per_s"], s["seconds"], base))
+    lines.append("  latency       request load p50 %.2f ms, p99 %.2f ms" % (s["latency_p50_ms"], s["latency_p99_ms"]))
+    for f in s["failures"]:
+        lines.append("  failure: " + f)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    styles = [x for x in ns.styles.split(",") if x]
+    if not os.access(ns.kvhost, os.X_OK):
+        print("demo-engine: %s is not an executable kvhost binary (run make, or pass --kvhost)" % ns.kvhost, file=sys.stderr)
+        return 2
+    ns.kvhost = os.path.abspath(ns.kvhost)
+    workdir = ns.work_dir or tempfile.mkdtemp(prefix="kvhost-demo-engine-")
+    os.makedirs(workdir, exist_ok=True)
+    reqs = workload(ns.requests, ns.seed, ns.min_tokens, ns.max_tokens)
+    summaries = []
+    ok = False
+    try:
+        for style in styles:
+            prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
+            try:
+                s = run_style(style, ns, workdir, reqs, prog)
+            finally:
+                prog.close()
+            if ns.baseline:
+                try:
+                    s["baseline_gb_per_s"] = baseline(ns, style, s["decode_tp"])
+                    s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
+                except Exception as e:
+                    s["baseline_error"] = str(e)
+            summaries.append(s)
+            if not ns.json:
+                print(text(s, ns), flush=True)
+        ok = all(s["ok"] == s["requests"] and not s["failed"] and not s["failures"] for s in summaries)
+    finally:
+        if not ns.work_dir:
+            if ok:
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                print("demo-engine: the sidecars' logs are kept in %s" % workdir, file=sys.stderr)
+    if ns.json:
+        print(json.dumps(summaries, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The engine demo's SGLang-style pair: a prefill engine and a decode
+engine, each a Python process that owns its KV pools (kvhost.shm.KVPool:
+per layer a K and a V buffer of pages, SGLang's KVArgs layout, plus an aux
+buffer) and drives kvhost.sglang's KVManager, KVSender, KVReceiver and
+KVBootstrapServer in the order SGLang's scheduler drives its connectors
+(SGLang's python/sglang/srt/disaggregation/prefill.py and decode.py),
+beside its own ``kvhost serve``.
+
+prefill, per request and rank: KVSender(mgr, bootstrap_addr, room, ...);
+poll until WaitingForInput; init(num_pages, aux_index); the forward pass
+writes the request's KV and aux; send(chunk) per chunk of pages (chunked
+prefill), the last one also carrying aux; poll until Success; clear.
+
+decode, per request and rank: KVReceiver(mgr, bootstrap_addr, room);
+init(prefill_dp_rank) (bootstrap); poll until WaitingForInput; allocate
+pages; send_metadata(pages, aux_index); poll until Success; then every
+byte of every rank's pages and aux slot is checked (kvhost.demo_pattern),
+and the pages are freed.
+
+A request moves on when every TP rank's room reached the state (SGLang's
+scheduler polls all ranks and reduces with all_reduce(min)).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import traceback
+import types
+
+import numpy as np
+
+from kvhost import demo_pattern as pat
+from kvhost.demo_vllm import BlockPool, exit_on_sigterm
+
+AUX_LEN = 64  # bytes per aux slot (SGLang's metadata buffers: output ids, logprobs...)
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _server_args(control, tp, port, page_size):
+    """The ServerArgs fields the adapter reads (SGLang's ServerArgs)."""
+    return types.SimpleNamespace(
+        tp_size=tp, dp_size=1, enable_dp_attention=False, pp_size=1,
+        disaggregation_bootstrap_port=port, host="127.0.0.1", page_size=page_size,
+        kv_cache_dtype="auto", kvhost_control=control, kvhost_host="127.0.0.1",
+    )
+
+
+def _ranks(shape, tp, num_pages, aux_slots, mode, server_args):
+    """Per rank: (KVManager, KVPool, KV view (layers, 2, pages, page_size,
+    heads, head_bytes), aux view (slots, AUX_LEN))."""
+    from kvhost import shm
+    from kvhost import sglang as ksg
+
+    heads = shape.kv_heads // tp
+    item = shape.page_size * heads * shape.head_bytes
+    out = []
+    for r in range(tp):
+        pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots)
+        kv = pool.pool.ndarray("uint8", (2, shape.layers, num_pages, shape.page_size, heads, shape.head_bytes))
+        kv = kv.transpose(1, 0, 2, 3, 4, 5)
+        args = ksg.KVArgs(
+            engine_rank=r, kv_data_ptrs=pool.kv_data_ptrs, kv_data_lens=pool.kv_data_lens,
+            kv_item_lens=pool.kv_item_lens, aux_data_ptrs=pool.aux_data_ptrs, aux_data_lens=pool.aux_data_lens,
+            aux_item_lens=pool.aux_item_lens, kv_head_num=heads, total_kv_head_num=shape.kv_heads,
+            page_size=shape.page_size, gpu_id=0, prefill_start_layer=0, pp_rank=0, system_dp_rank=0,
+        )
+        mgr = ksg.KVManager(args, mode, server_args, False)
+        out.append((mgr, pool, kv, pool.aux[0]))
+    return out
+
+
+def _all(polls, state):
+    return all(int(p) == int(state) for p in polls)
+
+
+def prefill_engine(args, control, requests, to_decode, results):
+    """The prefill engine; it also plays the proxy: each request it admits
+    goes to the decode with the bootstrap address and room."""
+    from kvhost import sglang as ksg
+
+    exit_on_sigterm()
+    ranks = []
+    try:
+        shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
+        tp = args["prefill_tp"]
+        num_pages = args["num_blocks"]
+        port = _free_port()
+        boot = ksg.KVBootstrapServer("127.0.0.1", port, endpoint=control)
+        sa = _server_args(control, tp, port, shape.page_size)
+        slots = args["prefill_inflight"]
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa)
+        pages = BlockPool(num_pages)
+        aux_free = list(range(slots))
+        todo = list(requests)
+        live = {}  # room -> dict
+        chunk = args["chunk_pages"]
+        deadline = time.monotonic() + args["timeout"]
+        while todo or live:
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefill: %d requests waiting, %d in flight" % (len(todo), len(live)))
+            busy = False
+            while todo and len(live) < args["prefill_inflight"] and aux_free:
+                rid, ntok, seed = todo[0]
+                ids = pages.take(shape.pages(ntok))
+                if ids is None:
+                    break
+                todo.pop(0)
+                room = int(rid.rsplit("-", 1)[1]) + 1
+                senders = [ksg.KVSender(mgr, boot.addr, room, None, 0) for mgr, _, _, _ in ranks]
+                live[room] = {"rid": rid, "seed": seed, "ids": ids, "aux": aux_free.pop(), "senders": senders,
+                              "sent": 0, "inited": False}
+                to_decode.put((rid, ntok, seed, boot.addr, room))
+                busy = True
+            for room, st in list(live.items()):
+                polls = [s.poll() for s in st["senders"]]
+                if any(int(p) == int(ksg.KVPoll.Failed) for p in polls):
+                    # SGLang's prefill: failure_exception() raises the
+                    # reason (logged), the request is dropped; the decode
+                    # reports it failed.
+                    for s in st["senders"]:
+                        try:
+                            s.failure_exception()
+                        except Exception:
+                            pass
+                    pages.give(st["ids"])
+                    aux_free.append(st["aux"])
+                    del live[room]
+                    busy = True
+                    continue
+                if not st["inited"]:
+                    if not _all(polls, ksg.KVPoll.WaitingForInput):
+                        continue
+                    for s in st["senders"]:
+                        s.init(len(st["ids"]), st["aux"])
+                    # The forward pass: this request's KV and aux on every rank.
+                    for r, (_, _, kv, aux) in enumerate(ranks):
+                        h0, h1 = shape.heads_of(r, tp)
+                        pat.fill(kv, st["ids"], st["seed"], shape, h0, h1, layout="NHD")
+                        aux[st["aux"]] = pat.aux_bytes(st["seed"], AUX_LEN)
+                    st["inited"] = True
+                    busy = True
+                if st["sent"] < len(st["ids"]):
+                    part = st["ids"][st["sent"]:st["sent"] + chunk]
+                    for s in st["senders"]:
+                        s.send(np.asarray(part, dtype=np.int32))
+                    st["sent"] += len(part)
+                    busy = True
+                elif _all(polls, ksg.KVPoll.Success):
+                    for s in st["senders"]:
+                        s.clear()
+                    pages.give(st["ids"])
+                    aux_free.append(st["aux"])
+                    del live[room]
+                    busy = True
+            if not busy:
+                time.sleep(0.001)
+        results.put(("prefill_done", {}))
+        boot.close()
+    except Exception as e:
+        results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
+    finally:
+        for mgr, pool, _, _ in ranks:
+            mgr.close()
+
+
+def decode_engine(args, control, nreq, from_prefill, results):
+    from kvhost import sglang as ksg
+
+    exit_on_sigterm()
+    ranks = []
+    try:
+        shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
+        tp = args["sglang_decode_tp"]
+        num_pages = args["num_blocks"]
+        slots = args["concurrency"]
+        sa = _server_args(control, tp, 0, shape.page_size)
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa)
+        pages = BlockPool(num_pages)
+        aux_free = list(range(slots))
+        waiting, live = [], {}
+        done = 0
+        corrupt = args.get("corrupt")
+        deadline = time.monotonic() + args["timeout"]
+        t_first = None
+        while done < nreq:
+            if time.monotonic() > deadline:
+                raise TimeoutError("decode: %d of %d requests done" % (done, nreq))
+            busy = False
+            while True:
+                try:
+                    waiting.append(from_prefill.get_nowait())
+                except queue.Empty:
+                    break
+            while waiting and len(live) < args["concurrency"]:
+                rid, ntok, seed, addr, room = waiting.pop(0)
+                recvs = []
+                for mgr, _, _, _ in ranks:
+                    rv = ksg.KVReceiver(mgr, addr, room)
+                    rv.init(0)  # prefill DP rank 0: starts the bootstrap
+                    recvs.append(rv)
+                live[room] = {"rid": rid, "ntok": ntok, "seed": seed, "recvs": recvs, "ids": None, "aux": None,
+                              "t0": time.monotonic()}
+                if t_first is None:
+                    t_first = time.monotonic()
+                busy = True
+            for room, st in list(live.items()):
+                polls = [rv.poll() for rv in st["recvs"]]
+                failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
+                if st["ids"] is None and not failed:
+                    if not _all(polls, ksg.KVPoll.WaitingForInput) or not aux_free:
+                        continue
+                    ids = pages.take(shape.pages(st["ntok"]))
+                    if ids is None:
+                        continue
+                    st["ids"], st["aux"] = ids, aux_free.pop()
+                    for rv in st["recvs"]:
+                        rv.send_metadata(np.asarray(ids, dtype=np.int32), st["aux"])
+                    busy = True
+                    continue
+                if not failed and not _all(polls, ksg.KVPoll.Success):
+                    continue
+                err = None
+                if failed:
+                    reasons = []
+                    for rv in st["recvs"]:
+                        try:
+                            rv.failure_exception()
+                        except Exception as e:
+                            reasons.append(str(e))
+                    err = "transfer failed: " + "; ".join(reasons)
+                else:
+                    ids = st["ids"]
+                    if corrupt is not None and corrupt == st["rid"]:
+                        ranks[0][2][0, 0, ids[0], 0, 0, 0] ^= 0xFF  # the mutation check
+                    for r, (_, _, kv, aux) in enumerate(ranks):
+                        h0, h1 = shape.heads_of(r, tp)
+                        why = pat.check(kv, ids, st["seed"], shape, h0, h1, layout="NHD")
+                        if why is None and not np.array_equal(aux[st["aux"]], pat.aux_bytes(st["seed"], AUX_LEN)):
+                            bad = int(np.flatnonzero(aux[st["aux"]] != pat.aux_bytes(st["seed"], AUX_LEN))[0])
+                            why = "aux slot %d byte %d wrong" % (st["aux"], bad)
+                        if why:
+                            err = "decode rank %d: %s" % (r, why)
+                            break
+                    for rv in st["recvs"]:
+                        rv.clear()
+                n = len(st["ids"]) if st["ids"] else 0
+                nbytes = shape.layers * 2 * shape.kv_heads * n * shape.page_size * shape.head_bytes
+                results.put(("request", {
+                    "request_id": st["rid"], "ok": err is None, "error": err or "",
+                    "bytes": nbytes if not failed else 0, "verified": 0 if err else nbytes,
+                    "latency": time.monotonic() - st["t0"], "pages": n,
+                }))
+                if st["ids"]:
+                    pages.give(st["ids"])
+                    aux_free.append(st["aux"])
+                del live[room]
+                done += 1
+                busy = True
+            if not busy:
+                time.sleep(0.001)
+        results.put(("decode_done", {"seconds": time.monotonic() - (t_first or time.monotonic())}))
+    except Exception as e:
+        results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))
+    finally:
+        for mgr, pool, _, _ in ranks:
+            mgr.close()

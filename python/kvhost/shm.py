@@ -1,0 +1,279 @@
+"""Engine KV pools in POSIX shared memory, shared with ``kvhost serve`` by name.
+
+A host-memory (DRAM) pool that the sidecar must read or write is allocated
+here: a file under /dev/shm (the POSIX shared-memory object ``/NAME``),
+mapped MAP_SHARED into this process. The engine works on numpy views (or,
+when torch is importable, torch tensors) over the mapping; the sidecar maps
+the same object by name and writes the very bytes the engine reads, without
+a copy. :meth:`SharedPool.region` gives the region map ``register_memory``
+takes (docs/engine-api.md, "Memory"): ``addr`` is this process's pointer to
+the first byte, which is what the engine later names in ``kv_data_ptrs``.
+
+Every pool this process allocates is recorded (:func:`find_region`), so an
+adapter handed only pointers (SGLang's KVArgs) finds the shared-memory
+object behind each one.
+
+Ownership: the pool that created the object unlinks it on :meth:`close`
+(and at interpreter exit, for pools never closed); the mapping stays valid
+while views of it are alive (Python keeps the mmap open until the last
+view is gone), so closing is safe at any time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+SHM_DIR = "/dev/shm"
+
+_lock = threading.Lock()
+_pools: "weakref.WeakValueDictionary[int, SharedPool]" = weakref.WeakValueDictionary()
+_counter = itertools.count()
+
+
+def _shm_path(name: str) -> str:
+    if name.startswith(SHM_DIR + "/") or name.startswith("/dev/hugepages/"):
+        return name
+    base = name.lstrip("/")
+    if not base or "/" in base:
+        raise ValueError("bad shared-memory name %r: want /NAME or a path under /dev/shm" % name)
+    return os.path.join(SHM_DIR, base)
+
+
+class SharedPool:
+    """``size`` bytes of POSIX shared memory, mapped MAP_SHARED.
+
+    ``name``: the shared-memory name (``/kvhost-<pid>-<n>-<random>`` when
+    None). ``create``: make a new object (O_EXCL) and own it (unlink on
+    close), else open an existing one.
+    """
+
+    def __init__(self, size: int, name: Optional[str] = None, *, create: bool = True):
+        size = int(size)
+        if size <= 0:
+            raise ValueError("size must be positive, got %d" % size)
+        if name is None:
+            name = "/kvhost-%d-%d-%s" % (os.getpid(), next(_counter), secrets.token_hex(4))
+        self.name = name if name.startswith("/") else "/" + name
+        self.path = _shm_path(name)
+        self.size = size
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError("%s holds %d bytes, fewer than %d" % (self.path, os.fstat(fd).st_size, size))
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            if create:
+                _unlink(self.path)
+            raise
+        os.close(fd)
+        # The address of the mapping: a ctypes array over the mmap (it holds
+        # an export of the buffer, which keeps the mapping alive as long as
+        # this pool).
+        self._cbuf = (ctypes.c_char * size).from_buffer(self._mmap)
+        self.addr = ctypes.addressof(self._cbuf)
+        self._closed = False
+        with _lock:
+            _pools[self.addr] = self
+
+    # -- views -------------------------------------------------------------
+
+    @property
+    def buffer(self) -> memoryview:
+        """A writable memoryview of the whole pool."""
+        return memoryview(self._cbuf).cast("B")
+
+    def ndarray(self, dtype: Any = "uint8", shape: Any = None, offset: int = 0):
+        """A numpy view of the pool from byte ``offset``: ``shape`` (default:
+        as many ``dtype`` items as fit)."""
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        if shape is None:
+            count = (self.size - offset) // dt.itemsize
+            shape = (count,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        count = 1
+        for d in shape:
+            count *= int(d)
+        if offset < 0 or offset + count * dt.itemsize > self.size:
+            raise ValueError("view of %d bytes at %d does not fit a %d-byte pool" % (
+                count * dt.itemsize, offset, self.size))
+        return np.frombuffer(self._cbuf, dtype=dt, count=count, offset=offset).reshape(shape)
+
+    def tensor(self, dtype: Any = None, shape: Any = None, offset: int = 0):
+        """A torch tensor over the same bytes (torch is imported here, only
+        when called). ``dtype`` is a torch dtype (default uint8)."""
+        import torch
+
+        dtype = dtype or torch.uint8
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if shape is None:
+            shape = ((self.size - offset) // itemsize,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        count = 1
+        for d in shape:
+            count *= int(d)
+        if offset < 0 or offset + count * itemsize > self.size:
+            raise ValueError("view does not fit the pool")
+        return torch.frombuffer(self._cbuf, dtype=dtype, count=count, offset=offset).view(*shape)
+
+    # -- registration --------------------------------------------------------
+
+    def region(self, addr: Optional[int] = None, length: Optional[int] = None) -> dict:
+        """The ``register_memory`` region of ``length`` bytes at this
+        process's address ``addr`` (default: the whole pool)."""
+        if addr is None:
+            addr = self.addr
+        if length is None:
+            length = self.addr + self.size - addr
+        off = addr - self.addr
+        if off < 0 or length < 0 or off + length > self.size:
+            raise ValueError("range [%#x, +%d) is not inside pool %s" % (addr, length, self.name))
+        return {"kind": "dram", "addr": int(addr), "length": int(length), "shm": self.name, "offset": int(off)}
+
+    def contains(self, addr: int, length: int = 1) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.size
+
+    # -- lifetime ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unlinks the object (when this pool created it) and drops the
+        pool's own reference to the mapping; views keep it mapped until
+        they are gone."""
+        if self._closed:
+            return
+        self._closed = True
+        with _lock:
+            if _pools.get(self.addr) is self:
+                del _pools[self.addr]
+        if self.owner:
+            _unlink(self.path)
+        self._cbuf = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # views still export it; the mapping goes with the last one
+
+    def __enter__(self) -> "SharedPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self.owner:
+                _unlink(self.path)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return "SharedPool(%s, %d bytes at %#x)" % (self.name, self.size, self.addr)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _unlink_all() -> None:
+    with _lock:
+        pools = list(_pools.values())
+    for p in pools:
+        if p.owner and not p._closed:
+            _unlink(p.path)
+
+
+def find_pool(addr: int, length: int = 1) -> Optional[SharedPool]:
+    """The live pool of this process that holds ``[addr, addr+length)``."""
+    with _lock:
+        pools = list(_pools.values())
+    for p in pools:
+        if not p._closed and p.contains(addr, length):
+            return p
+    return None
+
+
+def find_region(addr: int, length: int) -> dict:
+    """The ``register_memory`` region of a range of this process's memory
+    that lies in a :class:`SharedPool`; ValueError if none holds it (host
+    memory that is not shared cannot be registered)."""
+    p = find_pool(addr, length)
+    if p is None:
+        raise ValueError("host memory [%#x, +%d) is not in a kvhost.shm pool: allocate host KV "
+                         "buffers with kvhost.shm so the sidecar can map them" % (addr, length))
+    return p.region(addr, length)
+
+
+def regions_for(ranges: Sequence[Tuple[int, int]]) -> List[dict]:
+    """One region per pool touched by ``ranges`` ((addr, length) pairs),
+    each the whole pool: registering whole pools keeps regions from
+    overlapping when several buffers share one pool."""
+    seen: Dict[int, SharedPool] = {}
+    for addr, length in ranges:
+        p = find_pool(addr, length)
+        if p is None:
+            find_region(addr, length)  # raises with the message
+        seen[p.addr] = p  # type: ignore[union-attr]
+    return [p.region() for p in seen.values()]
+
+
+class KVPool:
+    """An SGLang-style KV pool in one shared-memory object: per layer a K
+    and a V buffer (MLA: one latent buffer) of ``num_pages`` pages of
+    ``item_len`` bytes, plus aux buffers, laid out back to back.
+
+    ``kv_data_ptrs``, ``kv_data_lens`` and ``kv_item_lens`` are in the order
+    of SGLang's KVArgs (K of every layer, then V of every layer);
+    ``kv[i]`` is a numpy (num_pages, item_len) uint8 view of buffer i.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, item_len: int, *, mla: bool = False,
+                 aux_item_lens: Sequence[int] = (), aux_slots: int = 0, name: Optional[str] = None):
+        self.num_layers = int(num_layers)
+        self.num_pages = int(num_pages)
+        self.item_len = int(item_len)
+        nbuf = self.num_layers * (1 if mla else 2)
+        buf_len = self.num_pages * self.item_len
+        aux_lens = [int(x) * int(aux_slots) for x in aux_item_lens]
+        self.pool = SharedPool(nbuf * buf_len + sum(aux_lens) or 1, name)
+        base = self.pool.addr
+        self.kv_data_ptrs = [base + i * buf_len for i in range(nbuf)]
+        self.kv_data_lens = [buf_len] * nbuf
+        self.kv_item_lens = [self.item_len] * nbuf
+        off = nbuf * buf_len
+        self.aux_data_ptrs, self.aux_data_lens, self.aux_item_lens = [], [], []
+        for il, ln in zip(aux_item_lens, aux_lens):
+            self.aux_data_ptrs.append(base + off)
+            self.aux_data_lens.append(ln)
+            self.aux_item_lens.append(int(il))
+            off += ln
+        self.kv = [self.pool.ndarray("uint8", (self.num_pages, self.item_len), i * buf_len) for i in range(nbuf)]
+        self.aux = [self.pool.ndarray("uint8", (int(aux_slots), int(il)), p - base)
+                    for p, il in zip(self.aux_data_ptrs, self.aux_item_lens)]
+
+    def regions(self) -> List[dict]:
+        return [self.pool.region()]
+
+    def close(self) -> None:
+        self.kv = []
+        self.aux = []
+        self.pool.close()
