@@ -274,4 +274,3 @@ func TestOpenRankDoesNotBlock(t *testing.T) {
 	}
 }
 
-func mustUint(v msgpack.Value) uint64 { n, _ := v.Uint(); return n }

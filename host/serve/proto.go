@@ -171,14 +171,6 @@ func (r *request) bin(name string) ([]byte, error) {
 	return b, nil
 }
 
-// optBin returns nil, nil for an absent or nil field.
-func (r *request) optBin(name string) ([]byte, error) {
-	if !r.has(name) {
-		return nil, nil
-	}
-	return r.bin(name)
-}
-
 // u64s reads an array of uints.
 func (r *request) u64s(name string) ([]uint64, error) {
 	v, ok := r.get(name)

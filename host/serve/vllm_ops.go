@@ -157,7 +157,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if wins, werr := r.optU64s("block_windows"); werr != nil {
 		agent.Close()
 		return nil, nil, werr
-	} else if wins != nil {
+	} else {
 		for i, w := range wins {
 			if w > math.MaxInt32 {
 				agent.Close()

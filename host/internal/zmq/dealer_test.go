@@ -234,7 +234,7 @@ func TestDealerMessageLimit(t *testing.T) {
 	if got, err := d.Recv(ctx); err != nil || len(got[0]) != 1000 {
 		t.Fatalf("message at the limit: %v", err)
 	}
-	if _, err := d.Recv(ctx); !errors.Is(err, ErrDisconnected) || !errors.Is(err, ErrDisconnected) {
+	if _, err := d.Recv(ctx); !errors.Is(err, ErrDisconnected) {
 		t.Fatalf("message over the limit: %v, want ErrDisconnected", err)
 	}
 }
