@@ -273,4 +273,3 @@ func TestOpenRankDoesNotBlock(t *testing.T) {
 		t.Fatalf("regions after the open gave up: %v", err)
 	}
 }
-

@@ -3,11 +3,10 @@ package serve
 import (
 	"context"
 	"errors"
-
-	"github.com/kvhost/kvhost/host/serve/engmem"
 	"sort"
 
 	"github.com/kvhost/kvhost/host/internal/msgpack"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
 // opFunc handles one request on its session's goroutine and returns the
