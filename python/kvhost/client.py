@@ -661,13 +661,14 @@ class Client:
             raise p.error
         return p.reply  # type: ignore[return-value]
 
-    def call(self, op: str, **fields: Any) -> dict:
+    def call(self, op: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
         """Sends one request (any op, for ops this client has no method for)
         and returns the reply map; raises the :class:`KVHostError` subclass
-        of an error reply."""
+        of an error reply. ``timeout``: this request's wait (default the
+        client's)."""
         msg = {k: _plain(v) for k, v in fields.items() if v is not None}
         msg["op"] = op
-        return self._request(msg)
+        return self._request(msg, timeout=timeout)
 
     # -- memory ------------------------------------------------------------
 
@@ -683,10 +684,16 @@ class Client:
 
     # -- ranks -------------------------------------------------------------
 
+    # open_rank may take up to 30 s on the sidecar (an SGLang prefill rank
+    # answers once it registered with its bootstrap server): its wait is
+    # that bound plus the client's timeout, so a slow bootstrap server is
+    # not mistaken for a lost sidecar.
+    OPEN_RANK_BOUND = 30.0
+
     def open_rank(self, style: str, role: str, **fields: Any) -> dict:
         """Opens an engine rank (fields of docs/engine-api.md, "Ranks").
         Returns the reply (``rank``, ``agent``, ``endpoint``, ...)."""
-        return self.call("open_rank", style=style, role=role, **fields)
+        return self.call("open_rank", timeout=self.timeout + self.OPEN_RANK_BOUND, style=style, role=role, **fields)
 
     def close_rank(self, rank: int) -> None:
         self.call("close_rank", rank=rank)
