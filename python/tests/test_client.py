@@ -297,6 +297,7 @@ def test_sidecar_hung_mid_request(sidecar, pool):
         rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
         c.sender_create(rank, 5)
         os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        wait_stopped(sidecar.proc.pid)
         try:
             with pytest.raises(kc.ConnectionLost) as e:
                 c.sender_create(rank, 6)
@@ -307,6 +308,25 @@ def test_sidecar_hung_mid_request(sidecar, pool):
             os.kill(sidecar.proc.pid, signal.SIGCONT)
     finally:
         c.close()
+
+
+def wait_stopped(pid, timeout=20.0):
+    """Waits until every thread of pid is stopped (SIGSTOP takes effect
+    asynchronously on threads running on other cores)."""
+    deadline = time.monotonic() + timeout
+    task = "/proc/%d/task" % pid
+    while True:
+        states = []
+        for t in os.listdir(task):
+            try:
+                with open(os.path.join(task, t, "stat")) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, "pid %d not stopped: %s" % (pid, states)
+        time.sleep(0.005)
 
 
 def test_connect_refused_when_no_sidecar(tmpdir_short):
