@@ -144,7 +144,7 @@ def all_reduce(polls):
 
 
 def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Request], bootstrap_addr: str,
-        timeout: float = 20.0):
+        timeout: float = 120.0):
     """Drives every request through both schedulers until each side
     concluded, one scheduler step at a time, as SGLang's event loops do."""
     pages_of = lambda r: -(-r.tokens // geo.page_size)  # noqa: E731
