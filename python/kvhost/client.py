@@ -419,6 +419,8 @@ class Client:
         Everything registered before is gone: register regions and open
         ranks again. The room state cache is emptied (rooms of the old
         connection were Failed when it was lost). Listeners stay."""
+        if self._closed:
+            raise ConnectionLost("connection_lost", "client closed")
         old = self.session
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
@@ -555,6 +557,11 @@ class Client:
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
         p.done.set()
+        if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
+            # This connection said hello, so the sidecar answering no_hello
+            # is another process that took over the endpoint before the
+            # monitor saw the old one go: everything registered is gone.
+            self._declare_lost(LOST_REASON + ": the sidecar restarted (it answered no_hello)")
 
     def _unnumbered_locked(self, msg: dict) -> Optional[int]:
         """The request a reply with ``seq`` nil answers (docs/engine-api.md:

@@ -478,3 +478,50 @@ def test_sender_init_aux_index_out_of_range(sidecar, pool):
         with pytest.raises(kc.BadRequest) as e:
             c.sender_init(rank, 1, 2, 99)  # 4 aux slots
         assert "aux_index" in e.value.message
+
+
+def test_no_hello_after_hello_means_restarted(tmpdir_short):
+    """A sidecar that answers no_hello to a connection that said hello is
+    another process on the endpoint (the monitor missed the restart): the
+    client declares the connection lost and fails its rooms. A scripted
+    ROUTER plays that sidecar."""
+    import msgpack
+    import zmq
+
+    ep = "ipc://" + os.path.join(tmpdir_short, "fake.sock")
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(ep)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, data = router.recv_multipart()
+            m = msgpack.unpackb(data, raw=False)
+            if m["op"] == "hello":
+                r = {"seq": m["seq"], "ok": True, "version": [1, 0], "session": "s1", "capabilities": [],
+                     "max_message": 1 << 20}
+            elif m["op"] == "sender_create":
+                r = {"seq": m["seq"], "ok": True}
+            else:
+                r = {"seq": m["seq"], "ok": False, "code": "no_hello", "message": "say hello first"}
+            router.send_multipart([ident, msgpack.packb(r)])
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with kc.Client(ep, timeout=20) as c:
+            c.sender_create(1, 5)
+            with pytest.raises(kc.NoHello):
+                c.sender_init(1, 5, 1, 0)
+            assert c.lost and "restarted" in c.lost
+            assert c.state(1, 5) == kc.FAILED
+            with pytest.raises(kc.ConnectionLost):
+                c.sender_create(1, 6)
+    finally:
+        stop.set()
+        t.join(10)
+        router.close(0)
