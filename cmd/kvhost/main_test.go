@@ -27,7 +27,7 @@ func TestEveryFlagShowsItsVariable(t *testing.T) {
 		}
 	}
 	check("kvhost", app.Flags)
-	if len(app.Commands) != 7 {
+	if len(app.Commands) != 8 {
 		t.Errorf("%d commands", len(app.Commands))
 	}
 	for _, c := range app.Commands {
@@ -44,7 +44,7 @@ func TestHelp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"kvhost demo", "bench", "bootstrap", "decode", "plan", "plugins", "prefill",
+	for _, want := range []string{"kvhost demo", "bench", "bootstrap", "decode", "plan", "plugins", "prefill", "serve",
 		"--backend NAME", "[$KVHOST_BACKEND]", "[$KVHOST_PLUGIN_PATH]", "[$KVHOST_LOG_LEVEL]", "[$KVHOST_LOG_FORMAT]"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("kvhost --help lacks %q:\n%s", want, out)

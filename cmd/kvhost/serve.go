@@ -91,7 +91,7 @@ func runServe(c *cli.Context) error {
 			WaitingTimeout:    secondsValue(c, "waiting-timeout"),
 			HeartbeatInterval: secondsValue(c, "heartbeat-interval"),
 		},
-		Observer: m.PushObserver(), Host: c.String("host"), CUDALibrary: c.String("cudart"),
+		Observer: m.PushObserver(), PullObserver: m.PullObserver(), Host: c.String("host"), CUDALibrary: c.String("cudart"),
 		MaxMessage: c.Int64("max-message"),
 		Limits:     serve.Limits{Ranks: c.Int("max-ranks"), Regions: c.Int("max-regions"), Rooms: c.Int("max-rooms")},
 		Version:    serveVersion(), Logger: slog.Default(),

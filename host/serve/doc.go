@@ -18,12 +18,21 @@
 // A session's requests run one at a time, in arrival order, on the
 // session's goroutine; every request gets exactly one reply. No handler
 // blocks on a peer: bootstrap, receiver init and transfers run on
-// goroutines and report through events. Replies and events share the
-// connection's queue (Config.EventQueue messages, DefaultEventQueue by
-// default), so one connection's events are never reordered; an engine
+// goroutines and report through events. The one exception is open_rank,
+// which creates the rank's agent and sockets and, for an SGLang prefill
+// rank, registers with its bootstrap server (Config.OpenTimeout); it
+// holds up only its own connection.
+//
+// Everything one connection can make the sidecar hold is bounded: the
+// requests waiting for its session (Config.RequestQueue of them, and 2
+// MaxMessage bytes; 8 MaxMessage bytes over all connections), its ranks,
+// regions and rooms (Config.Limits), and the replies and events waiting
+// to be written to it (Config.EventQueue). Replies and events share that
+// one queue, so one connection's events are never reordered; an engine
 // that leaves the queue full, or does not take a message within the send
-// timeout, is dropped and its session torn down. Other connections are
-// not affected.
+// timeout, is dropped and its session torn down. A message over
+// MaxMessage is read and discarded (zmq.WithDiscardOversize) and answered
+// too_large. Other connections are not affected by any of this.
 //
 // # Files
 //

@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/serve/client"
@@ -19,6 +20,9 @@ func TestHello(t *testing.T) {
 	_, err := c.Call(testCtx(t), "hello", map[string]any{"version": []int{1, 0}})
 	if !client.IsCode(err, CodeOutOfOrder) {
 		t.Fatalf("second hello: %v", err)
+	}
+	if _, err := c.Call(testCtx(t), "poll", map[string]any{"rank": struct{}{}}); err == nil || !strings.Contains(err.Error(), "cannot encode") {
+		t.Fatalf("a field the client cannot encode: %v", err)
 	}
 	_, err = c.Call(testCtx(t), "nope", nil)
 	if !client.IsCode(err, CodeUnknownOp) {

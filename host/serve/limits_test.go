@@ -3,10 +3,12 @@ package serve
 import (
 	"context"
 	"encoding/binary"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 	"github.com/kvhost/kvhost/host/serve/client"
 	"github.com/kvhost/kvhost/host/serve/internal/fakeengine"
 )
@@ -160,3 +162,116 @@ func TestShutdownFailsRooms(t *testing.T) {
 		t.Fatalf("after shutdown: %v", err)
 	}
 }
+
+// blockOp, registered for tests only, holds its session until the test
+// sends on blockRelease: a session busy with a long request.
+var blockRelease = make(chan struct{})
+
+func init() {
+	registerOp("test_block", func(s *session, r *request) (Fields, error) {
+		select {
+		case <-blockRelease:
+		case <-time.After(20 * time.Second):
+		}
+		return Fields{}, nil
+	})
+}
+
+// TestRequestBytesBound: while a connection's session is busy, the
+// requests waiting for it are bounded in bytes: the excess is answered
+// `limit` at once, the rest is answered once the session is free, and
+// the counts return to zero.
+func TestRequestBytesBound(t *testing.T) {
+	const maxMsg = 4096
+	s := newTestServer(t, func(c *Config) { c.MaxMessage = maxMsg })
+	p := dialRaw(t, s)
+	wantOK(t, p.call(req("op", "hello", "seq", 1, "version", []int{1, 0})))
+	if err := p.r.Send(req("op", "test_block", "seq", 2)); err != nil {
+		t.Fatal(err)
+	}
+	// 3000-byte requests: the first two fit in 2 max_message, the rest
+	// are refused at once while the session is busy.
+	pad := make([]byte, 3000)
+	for i := 0; i < 6; i++ {
+		if err := p.r.Send(req("op", "deregister_memory", "seq", 10+i, "regions", []uint64{}, "pad", pad)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var limited, ok int
+	p.r.SetReadDeadline(time.Now().Add(20 * time.Second))
+	for limited < 4 {
+		m, err := p.r.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := msgpack.Decode(m[0])
+		code, _ := v.Get("code")
+		if c, _ := code.Str(); c != CodeLimit {
+			t.Fatalf("while the session is busy: %v", v)
+		}
+		limited++
+	}
+	blockRelease <- struct{}{}
+	for ok < 3 {
+		m, err := p.r.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, _ := msgpack.Decode(m[0])
+		wantOK(t, v)
+		ok++
+	}
+	// The session uncounts a request after answering it.
+	waitFor(t, "no bytes counted as queued", func() bool { return s.queued.Load() == 0 })
+}
+
+// TestOpenRankDoesNotBlock: an SGLang prefill rank whose bootstrap server
+// never answers is opened on its own goroutine: the connection's other
+// requests are answered meanwhile, and its regions stay busy until the
+// open gives up (bad: the plugin would use unmapped memory).
+func TestOpenRankDoesNotBlock(t *testing.T) {
+	s := newTestServer(t, func(c *Config) { c.OpenTimeout = 3 * time.Second })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	c := dial(t, s)
+	ctx := testCtx(t)
+	r, err := fakeengine.NewRank(shmName(), "prefill", smallShape, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ids, err := c.RegisterMemory(ctx, r.MemRegions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	open := c.Start(ctx, "open_rank", map[string]any{"style": "sglang", "role": "prefill", "bootstrap_addr": ln.Addr().String(),
+		"kv_data_ptrs": r.Args("", "").KVDataPtrs, "kv_data_lens": r.Args("", "").KVDataLens, "kv_item_lens": r.Args("", "").KVItemLens,
+		"page_size": smallShape.PageSize, "kv_head_num": smallShape.KVHeads})
+	start := time.Now()
+	if err := c.DeregisterMemory(ctx, ids); !client.IsCode(err, CodeBusy) {
+		t.Fatalf("deregistering the regions of a rank being opened: %v", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("a request waited %v behind open_rank", d)
+	}
+	if _, err := open.Wait(ctx); !client.IsCode(err, CodeBackend) || !strings.Contains(err.Error(), "bootstrap") {
+		t.Fatalf("open_rank against a silent bootstrap server: %v", err)
+	}
+	if err := c.DeregisterMemory(ctx, ids); err != nil {
+		t.Fatalf("regions after the open gave up: %v", err)
+	}
+}
+
+func mustUint(v msgpack.Value) uint64 { n, _ := v.Uint(); return n }

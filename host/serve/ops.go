@@ -1,6 +1,9 @@
 package serve
 
 import (
+	"context"
+	"errors"
+
 	"github.com/kvhost/kvhost/host/serve/engmem"
 	"sort"
 
@@ -163,17 +166,59 @@ func opOpenRank(s *session, r *request) (Fields, error) {
 	if role != "prefill" && role != "decode" {
 		return nil, badValue("role", "%q is neither prefill nor decode", role)
 	}
-	if len(s.ranks) >= s.srv.cfg.Limits.Ranks {
-		return nil, errorf(CodeLimit, "this connection already has %d ranks open (limit %d)", len(s.ranks), s.srv.cfg.Limits.Ranks)
+	if n := len(s.ranks) + len(s.opening); n >= s.srv.cfg.Limits.Ranks {
+		return nil, errorf(CodeLimit, "this connection already has %d ranks open (limit %d)", n, s.srv.cfg.Limits.Ranks)
 	}
 	rk := &rankEntry{id: s.srv.nextRank.Add(1), style: style, role: role}
 	impl, f, oerr := open(s, r, rk)
+	var d *deferredOpen
+	if errors.As(oerr, &d) {
+		s.openLater(r.seq, rk, d)
+		return nil, errReplyLater
+	}
 	if oerr != nil {
 		return nil, oerr
 	}
 	rk.impl = impl
 	s.ranks[rk.id] = rk
 	return append(Fields{{"rank", rk.id}}, f...), nil
+}
+
+// deferredOpen is what a rankOpener returns, as its error, when creating
+// the rank waits on a peer (an SGLang prefill rank registers with its
+// bootstrap server): run finishes it on its own goroutine, within ctx,
+// and must not touch the session.
+type deferredOpen struct {
+	run func(ctx context.Context) (rankImpl, Fields, error)
+}
+
+func (*deferredOpen) Error() string { return "serve: rank opens later" }
+
+// openLater runs d on a goroutine; its completion adds the rank and
+// answers seq on the session's goroutine. The session's other requests
+// go on meanwhile; its regions stay busy and teardown waits for it.
+func (s *session) openLater(seq uint64, rk *rankEntry, d *deferredOpen) {
+	s.opening[rk.id] = rk
+	s.openWG.Add(1)
+	go func() {
+		defer s.openWG.Done()
+		ctx, cancel := context.WithTimeout(s.life, s.srv.cfg.OpenTimeout)
+		impl, f, err := d.run(ctx)
+		cancel()
+		s.later(func() {
+			delete(s.opening, rk.id)
+			switch {
+			case err != nil:
+				s.send(encodeError(seq, true, asError(err, CodeBackend)))
+			case s.ending:
+				impl.close("engine disconnected")
+			default:
+				rk.impl = impl
+				s.ranks[rk.id] = rk
+				s.send(encodeReply(seq, true, append(Fields{{"rank", rk.id}}, f...)))
+			}
+		})
+	}()
 }
 
 func opCloseRank(s *session, r *request) (Fields, error) {

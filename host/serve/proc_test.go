@@ -22,10 +22,8 @@ var (
 	buildErr  error
 )
 
-// binaries builds bin/kvhost and the test engine into a directory shared
-// by the test process (removed by TestMain's cleanup of the OS temp dir
-// is not needed: it lives under the test's cache of t.TempDir of the
-// first caller, so keep it for the whole run).
+// binaries builds kvhost and the test engine, once per test process,
+// into a directory TestMain removes.
 func binaries(t *testing.T) (kvhost, engine string) {
 	t.Helper()
 	buildOnce.Do(func() {

@@ -17,6 +17,7 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/internal/zmq"
 	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/serve/engmem"
 )
@@ -40,10 +41,16 @@ const (
 	// are not affected.
 	DefaultEventQueue = 1 << 14
 	// DefaultRequestQueue bounds the requests of one connection waiting
-	// for its session; more are answered with `limit` at once.
+	// for its session; more are answered with `limit` at once, as are
+	// requests beyond 2 MaxMessage bytes waiting on one connection or 8
+	// MaxMessage bytes on all of them.
 	DefaultRequestQueue = 1024
 	// DefaultSendTimeout bounds writing one message to an engine.
 	DefaultSendTimeout = 30 * time.Second
+	// DefaultOpenTimeout bounds creating a rank: its agent, its socket
+	// and, for an SGLang prefill rank, its registration with the
+	// bootstrap server.
+	DefaultOpenTimeout = 30 * time.Second
 )
 
 // Limits bound what one connection may hold (sent in hello).
@@ -66,6 +73,8 @@ type Config struct {
 	Settings push.Settings
 	// Observer, if set, also sees every push runtime event (metrics).
 	Observer push.Observer
+	// PullObserver, if set, sees every pull runtime event of vLLM ranks.
+	PullObserver pull.Observer
 	// Host is the default IP ranks bind to and advertise (default
 	// 127.0.0.1); a rank's own `host` field wins.
 	Host string
@@ -75,6 +84,7 @@ type Config struct {
 	EventQueue   int
 	RequestQueue int
 	SendTimeout  time.Duration
+	OpenTimeout  time.Duration
 	// Version is the sidecar's version string for hello.
 	Version string
 	Logger  *slog.Logger
@@ -105,6 +115,9 @@ func (c *Config) defaults() {
 	if c.SendTimeout <= 0 {
 		c.SendTimeout = DefaultSendTimeout
 	}
+	if c.OpenTimeout <= 0 {
+		c.OpenTimeout = DefaultOpenTimeout
+	}
 	if c.Host == "" {
 		c.Host = "127.0.0.1"
 	}
@@ -130,6 +143,7 @@ type Server struct {
 
 	nextRank atomic.Uint64 // rank ids, unique in the process
 	closing  atomic.Bool
+	queued   atomic.Int64 // bytes of requests waiting in every session's queue
 
 	mu       sync.Mutex
 	sessions map[string]*session
@@ -251,17 +265,37 @@ func (s *Server) dispatch(m zmq.RouterMsg) {
 		s.wg.Add(1)
 		go sess.run()
 	}
-	s.mu.Unlock()
-	select {
-	case sess.in <- m.Frames[0]:
-	default:
-		r, seqOK, _ := parseRequest(m.Frames[0])
-		var seq uint64
-		if r != nil {
-			seq = r.seq
-		}
-		sess.send(encodeError(seq, seqOK, errorf(CodeLimit, "more than %d requests waiting on this connection", cap(sess.in))))
+	// Queued under s.mu: once forget has removed the session, nothing
+	// more reaches its queue (teardown drains it).
+	b := m.Frames[0]
+	n := int64(len(b))
+	// Bytes waiting for sessions: at most two max_message per
+	// connection (one request may always wait) and eight in all.
+	var refuse *Error
+	if q := sess.queued.Add(n); q > n && q > 2*s.cfg.MaxMessage {
+		refuse = errorf(CodeLimit, "more than %d bytes of requests waiting on this connection", 2*s.cfg.MaxMessage)
+	} else if t := s.queued.Add(n); t > n && t > 8*s.cfg.MaxMessage {
+		s.queued.Add(-n)
+		refuse = errorf(CodeLimit, "the sidecar has more than %d bytes of requests waiting", 8*s.cfg.MaxMessage)
 	}
+	if refuse == nil {
+		select {
+		case sess.in <- b:
+			s.mu.Unlock()
+			return
+		default:
+			s.queued.Add(-n)
+			refuse = errorf(CodeLimit, "more than %d requests waiting on this connection", cap(sess.in))
+		}
+	}
+	s.mu.Unlock()
+	sess.queued.Add(-n)
+	r, seqOK, _ := parseRequest(b)
+	var seq uint64
+	if r != nil {
+		seq = r.seq
+	}
+	sess.send(encodeError(seq, seqOK, refuse))
 }
 
 // replyRaw answers a peer that has no session.

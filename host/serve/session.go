@@ -1,9 +1,9 @@
 package serve
 
 import (
+	"context"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"log/slog"
 	"runtime/debug"
 	"sync"
@@ -28,25 +28,41 @@ type session struct {
 	why   string // the first stop's reason
 	flush bool   // send the failure events before closing (shutdown)
 
+	// life ends when the session is asked to stop: work started for it
+	// (a rank being opened) gives up.
+	life context.Context
+	kill context.CancelFunc
+
 	// Owned by run's goroutine.
 	hello   bool
 	mem     *memTable
 	ranks   map[uint64]*rankEntry
+	opening map[uint64]*rankEntry // ranks whose creation runs on a goroutine
+	ending  bool                  // teardown started
 	onClose []func(reason string)
-	closing bool
 
-	rooms atomic.Int64 // rooms open on the session's ranks
-	dead  atomic.Bool  // torn down or dropped: nothing more is sent
+	// Work finished on other goroutines, run on run's goroutine.
+	compMu   sync.Mutex
+	comps    []func()
+	compWake chan struct{}
+	openWG   sync.WaitGroup
+
+	rooms  atomic.Int64 // rooms open on the session's ranks
+	queued atomic.Int64 // bytes of requests waiting in in
+	dead   atomic.Bool  // torn down or dropped: nothing more is sent
 }
 
 func newSession(s *Server, peer []byte) *session {
-	return &session{
+	x := &session{
 		srv: s, peer: append([]byte(nil), peer...),
 		log:  s.log.With("conn", hex.EncodeToString(peer)),
 		in:   make(chan []byte, s.cfg.RequestQueue),
 		quit: make(chan struct{}), done: make(chan struct{}),
 		mem: newMemTable(&s.opener), ranks: make(map[uint64]*rankEntry),
+		opening: make(map[uint64]*rankEntry), compWake: make(chan struct{}, 1),
 	}
+	x.life, x.kill = context.WithCancel(context.Background())
+	return x
 }
 
 // stop asks the session to tear down with reason (its rooms fail with it).
@@ -57,6 +73,7 @@ func (s *session) stop(reason string, flush bool) {
 		if !flush {
 			s.dead.Store(true)
 		}
+		s.kill()
 		close(s.quit)
 	})
 }
@@ -68,6 +85,10 @@ func (s *session) run() {
 		select {
 		case b := <-s.in:
 			s.handle(b)
+			s.queued.Add(-int64(len(b)))
+			s.srv.queued.Add(-int64(len(b)))
+		case <-s.compWake:
+			s.runCompletions()
 		case <-s.quit:
 			s.teardown(s.why)
 			return
@@ -75,10 +96,35 @@ func (s *session) run() {
 	}
 }
 
+// later runs fn on the session's goroutine (work finished elsewhere).
+func (s *session) later(fn func()) {
+	s.compMu.Lock()
+	s.comps = append(s.comps, fn)
+	s.compMu.Unlock()
+	select {
+	case s.compWake <- struct{}{}:
+	default:
+	}
+}
+
+func (s *session) runCompletions() {
+	s.compMu.Lock()
+	fns := s.comps
+	s.comps = nil
+	s.compMu.Unlock()
+	for _, fn := range fns {
+		fn()
+	}
+}
+
 // teardown fails everything the session holds and releases it.
 func (s *session) teardown(reason string) {
-	s.closing = true
 	s.log.Debug("serve: session ends", "reason", reason)
+	s.ending = true
+	// Ranks still being created give up (life ended) and are closed by
+	// their completions: none may outlive the regions they use.
+	s.openWG.Wait()
+	s.runCompletions()
 	for id, rk := range s.ranks {
 		rk.impl.close(reason)
 		delete(s.ranks, id)
@@ -90,6 +136,17 @@ func (s *session) teardown(reason string) {
 	s.mem.close()
 	s.dead.Store(true)
 	s.srv.forget(s)
+	// Requests that came after the end are not answered: the
+	// connection is gone or going.
+	for {
+		select {
+		case b := <-s.in:
+			s.queued.Add(-int64(len(b)))
+			s.srv.queued.Add(-int64(len(b)))
+		default:
+			return
+		}
+	}
 }
 
 // handle runs one request and answers it exactly once.
@@ -104,6 +161,9 @@ func (s *session) handle(b []byte) {
 		return
 	}
 	f, err := s.call(r)
+	if err == errReplyLater {
+		return // the handler answers when its work is done
+	}
 	if err != nil {
 		s.send(encodeError(r.seq, true, asError(err, CodeInternal)))
 		return
@@ -229,9 +289,10 @@ func (s *session) useRegion(rk *rankEntry, what string, addr, length uint64) (ui
 	return local, reg, nil
 }
 
-// regionBusy names a rank that uses region id, if any.
+// regionBusy names a rank that uses (or is being opened over) region id,
+// if any.
 func (s *session) regionBusy(id uint64) error {
-	for _, rk := range s.ranks {
+	for _, rk := range s.allRanks() {
 		for _, x := range rk.regions {
 			if x == id {
 				return errorf(CodeBusy, "region %d is used by rank %d", id, rk.id)
@@ -241,4 +302,18 @@ func (s *session) regionBusy(id uint64) error {
 	return nil
 }
 
-var _ = fmt.Sprint
+// allRanks are the open ranks and those being opened.
+func (s *session) allRanks() []*rankEntry {
+	out := make([]*rankEntry, 0, len(s.ranks)+len(s.opening))
+	for _, rk := range s.ranks {
+		out = append(out, rk)
+	}
+	for _, rk := range s.opening {
+		out = append(out, rk)
+	}
+	return out
+}
+
+// errReplyLater is a handler's answer when it replies itself, later, from
+// the session's goroutine (see deferredOpen).
+var errReplyLater = errors.New("serve: reply later")

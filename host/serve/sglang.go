@@ -7,7 +7,6 @@ import (
 	"net"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/bootstrap"
@@ -33,10 +32,6 @@ func init() {
 	registerOp("poll", opPoll)
 	registerOp("start_bootstrap", opStartBootstrap)
 }
-
-// openTimeout bounds creating a rank: its agent, its socket and, for a
-// prefill rank, its registration with the bootstrap server.
-const openTimeout = 30 * time.Second
 
 // sglRank is one SGLang rank of a session.
 type sglRank struct {
@@ -268,37 +263,42 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		sr.aux = append(sr.aux, uint64(len(b.Mem))/b.ItemLen)
 	}
 	obs := sglObserver{Observer: s.srv.cfg.Observer, r: sr}
-	ctx, cancel := context.WithTimeout(context.Background(), openTimeout)
-	defer cancel()
-	var perr error
-	var f Fields
+	sr.ctx, sr.cancel = context.WithCancel(context.Background())
 	if rk.role == "prefill" {
 		if boot == "" {
+			sr.cancel()
 			return nil, nil, missing("bootstrap_addr")
 		}
-		sr.prefill, perr = push.NewPrefill(ctx, push.PrefillConfig{
+		// Registering with the bootstrap server waits on it: the rank is
+		// finished on a goroutine and answered then.
+		cfg := push.PrefillConfig{
 			Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
 			Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
 			Host: host, BootstrapAddr: boot, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
-		})
-		if perr == nil {
-			f = Fields{{"agent", sr.prefill.Agent().Name()}, {"endpoint", sr.prefill.Endpoint()}}
 		}
-	} else {
-		sr.decode, perr = push.NewDecode(ctx, push.DecodeConfig{
-			Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
-			Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
-			Host: host, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
-		})
-		if perr == nil {
-			f = Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}}
-		}
+		return nil, nil, &deferredOpen{run: func(ctx context.Context) (rankImpl, Fields, error) {
+			m, err := push.NewPrefill(ctx, cfg)
+			if err != nil {
+				sr.cancel()
+				return nil, nil, errorf(CodeBackend, "open prefill rank: %v", err)
+			}
+			sr.prefill = m
+			return sr, Fields{{"agent", m.Agent().Name()}, {"endpoint", m.Endpoint()}}, nil
+		}}
 	}
-	if perr != nil {
-		return nil, nil, errorf(CodeBackend, "open %s rank: %v", rk.role, perr)
+	ctx, cancel := context.WithTimeout(s.life, s.srv.cfg.OpenTimeout)
+	defer cancel()
+	var err2 error
+	sr.decode, err2 = push.NewDecode(ctx, push.DecodeConfig{
+		Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
+		Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
+		Host: host, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
+	})
+	if err2 != nil {
+		sr.cancel()
+		return nil, nil, errorf(CodeBackend, "open decode rank: %v", err2)
 	}
-	sr.ctx, sr.cancel = context.WithCancel(context.Background())
-	return sr, f, nil
+	return sr, Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}}, nil
 }
 
 // close fails every unfinished room with reason (peers told), forgets

@@ -18,8 +18,10 @@ var (
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if standinDir != "" {
-		os.RemoveAll(standinDir)
+	for _, d := range []string{standinDir, buildDir} {
+		if d != "" {
+			os.RemoveAll(d)
+		}
 	}
 	os.Exit(code)
 }

@@ -16,11 +16,12 @@ package serve
 // get_block_ids_with_load_errors learn from the read events.
 //
 // Scoping: a connection names at most one vLLM engine id (bound by its
-// first vLLM open_rank or hold). Holds are scoped to the engine: any
-// connection bound to the engine may release them; a connection bound to
-// another engine sees them as unknown. A connection that has not named an
-// engine may name any (the scheduler owns no rank); the socket's mode
-// (0600) is what keeps other users out, as the doc's Transport says.
+// first vLLM open_rank or hold that succeeds). Holds are scoped to the
+// engine: any connection bound to the engine may release them; a
+// connection bound to another engine sees them as unknown. A connection
+// that has not named an engine may name any (the scheduler owns no rank);
+// the socket's mode (0600) is what keeps other users out, as the doc's
+// Transport says.
 
 import (
 	"errors"
@@ -116,6 +117,8 @@ type vllmHub struct {
 	mu      sync.Mutex
 	engines map[string]*vllmEngine
 	bound   map[vllmConn]string
+	// watched are the connections whose close calls connClosed.
+	watched map[vllmConn]bool
 }
 
 func newVLLMHub(cfg vllmConfig) *vllmHub {
@@ -130,22 +133,25 @@ func newVLLMHub(cfg vllmConfig) *vllmHub {
 		log:     cfg.Logger.With("component", "serve_vllm"),
 		engines: make(map[string]*vllmEngine),
 		bound:   make(map[vllmConn]string),
+		watched: make(map[vllmConn]bool),
 	}
 }
 
-// bindLocked binds c to engine id, or refuses when c names another one.
-func (h *vllmHub) bindLocked(c vllmConn, id string) error {
+// checkBindLocked refuses an engine id c may not name: c is bound to
+// another one. It binds nothing: bindLocked does, once the request that
+// names id succeeded, so a refused request leaves c as it was.
+func (h *vllmHub) checkBindLocked(c vllmConn, id string) error {
 	if id == "" {
 		return vllmErrf("bad_request", "engine_id: empty")
 	}
-	switch b, ok := h.bound[c]; {
-	case !ok:
-		h.bound[c] = id
-	case b != id:
+	if b, ok := h.bound[c]; ok && b != id {
 		return vllmErrf("unknown", "engine %q: this connection belongs to engine %q (one engine per connection)", id, b)
 	}
 	return nil
 }
+
+// bindLocked binds c to engine id (checked by checkBindLocked).
+func (h *vllmHub) bindLocked(c vllmConn, id string) { h.bound[c] = id }
 
 // vllmEngine is one prefill engine's group.
 type vllmEngine struct {
@@ -221,7 +227,7 @@ func (h *vllmHub) joinPrefill(c vllmConn, spec vllmPrefillSpec, agent *plugin.Ag
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if err := h.bindLocked(c, spec.EngineID); err != nil {
+	if err := h.checkBindLocked(c, spec.EngineID); err != nil {
 		return nil, "", err
 	}
 	e := h.engines[spec.EngineID]
@@ -255,16 +261,16 @@ func (h *vllmHub) joinPrefill(c vllmConn, spec vllmPrefillSpec, agent *plugin.Ag
 	r := &vllmPrefillRank{hub: h, conn: c, engine: e.id, tpRank: spec.TPRank, agent: agent, cache: cache}
 	e.ranks[spec.TPRank] = r
 	h.engines[e.id] = e
-	if len(e.ranks) < e.tpSize {
-		return r, "", nil
-	}
-	if err := h.startSenderLocked(e); err != nil {
-		delete(e.ranks, spec.TPRank)
-		if len(e.ranks) == 0 {
-			delete(h.engines, e.id)
+	if len(e.ranks) == e.tpSize {
+		if err := h.startSenderLocked(e); err != nil {
+			delete(e.ranks, spec.TPRank)
+			if len(e.ranks) == 0 {
+				delete(h.engines, e.id)
+			}
+			return nil, "", err
 		}
-		return nil, "", err
 	}
+	h.bindLocked(c, e.id)
 	return r, e.endpoint, nil
 }
 
@@ -383,7 +389,7 @@ func (h *vllmHub) hold(c vllmConn, engineID, requestID string, blockIDs []int32)
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if err := h.bindLocked(c, engineID); err != nil {
+	if err := h.checkBindLocked(c, engineID); err != nil {
 		return pull.KVTransferParams{}, err
 	}
 	e := h.engines[engineID]
@@ -406,6 +412,7 @@ func (h *vllmHub) hold(c vllmConn, engineID, requestID string, blockIDs []int32)
 	if len(blockIDs) > 0 {
 		e.holds[requestID] = &vllmHold{holder: c, sender: e.sender, gen: e.gen}
 	}
+	h.bindLocked(c, engineID)
 	return p, nil
 }
 
@@ -413,7 +420,7 @@ func (h *vllmHub) hold(c vllmConn, engineID, requestID string, blockIDs []int32)
 // reqs_not_processed): the blocks are freed at once, "aborted".
 func (h *vllmHub) release(c vllmConn, engineID, requestID string) error {
 	h.mu.Lock()
-	if err := h.bindLocked(c, engineID); err != nil {
+	if err := h.checkBindLocked(c, engineID); err != nil {
 		h.mu.Unlock()
 		return err
 	}
@@ -491,6 +498,7 @@ func (h *vllmHub) connClosed(c vllmConn) {
 	var todo []pending
 	h.mu.Lock()
 	delete(h.bound, c)
+	delete(h.watched, c)
 	for _, e := range h.engines {
 		for id, hd := range e.holds {
 			if hd.holder == c && hd.reason == "" {
@@ -561,7 +569,7 @@ func (h *vllmHub) openDecode(c vllmConn, rankID uint64, spec vllmDecodeSpec, age
 		return nil, vllmErrf("bad_request", "tp_rank: %d outside [0, %d)", spec.TPRank, spec.TPSize)
 	}
 	h.mu.Lock()
-	err := h.bindLocked(c, spec.EngineID)
+	err := h.checkBindLocked(c, spec.EngineID)
 	h.mu.Unlock()
 	if err != nil {
 		return nil, err
@@ -587,6 +595,11 @@ func (h *vllmHub) openDecode(c vllmConn, rankID uint64, spec vllmDecodeSpec, age
 	if err != nil {
 		return nil, vllmErrf("geometry", "%v", err)
 	}
+	// The connection's requests run one at a time (the session), so no
+	// other request of c bound it meanwhile.
+	h.mu.Lock()
+	h.bindLocked(c, spec.EngineID)
+	h.mu.Unlock()
 	return &vllmDecodeRank{hub: h, conn: c, id: rankID, rcv: rcv, reads: make(map[string]struct{})}, nil
 }
 

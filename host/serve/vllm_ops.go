@@ -29,7 +29,7 @@ func vllmHubOf(s *session) *vllmHub {
 			s.srv.log.Warn("serve: ignoring "+pull.EnvAbortTimeout, "err", err, "abort_timeout", pull.DefaultAbortTimeout)
 			abort = pull.DefaultAbortTimeout
 		}
-		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort})
+		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort, Observer: s.srv.cfg.PullObserver})
 	}).(*vllmHub)
 }
 
@@ -47,17 +47,16 @@ func (s *session) vllmEmit(ev vllmEvent) {
 	}
 }
 
-// vllmBind binds the session to an engine (hub.bindLocked) and, the
-// first time, arranges for its holds to be released when it closes.
-func vllmBind(s *session, hub *vllmHub, engineID string) error {
+// vllmWatch arranges, once per session, for its holds to be released and
+// its binding dropped when it closes (hub.connClosed).
+func vllmWatch(s *session, hub *vllmHub) {
 	hub.mu.Lock()
-	_, was := hub.bound[s]
-	err := hub.bindLocked(s, engineID)
+	was := hub.watched[s]
+	hub.watched[s] = true
 	hub.mu.Unlock()
-	if err == nil && !was {
+	if !was {
 		s.atClose(func(string) { hub.connClosed(s) })
 	}
-	return err
 }
 
 // vllmPrefillImpl and vllmDecodeImpl are the rankImpls of vLLM ranks.
@@ -84,7 +83,7 @@ func (d *vllmDecodeImpl) close(reason string) {
 // openVLLMRank is open_rank style "vllm" (docs/engine-api.md, Ranks).
 func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, nil, err
 	}
@@ -108,9 +107,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if herr != nil {
 		return nil, nil, errorf(CodeBadRequest, "%v", herr)
 	}
-	if err := vllmBind(s, hub, engineID); err != nil {
-		return nil, nil, vllmAPIError(err)
-	}
+	vllmWatch(s, hub)
 	agent, aerr := s.srv.cfg.Plugin.NewAgent(fmt.Sprintf("kvhost-serve-%s-vllm-%s-%d-%d", s.srv.session, rk.role, tpRank, rk.id), s.srv.cfg.AgentParams...)
 	if aerr != nil {
 		return nil, nil, errorf(CodeBackend, "agent: %v", aerr)
@@ -175,6 +172,24 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 		return nil, nil, vllmAPIError(derr)
 	}
 	return &vllmDecodeImpl{d: d, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ""}}, nil
+}
+
+// vllmMaxID bounds engine and request ids (vLLM's are uuids with a
+// prefix and suffix, under 100 bytes): a hold keeps its id for as long
+// as the request is held, and every notification names it.
+const vllmMaxID = 1024
+
+// vllmID reads an engine or request id: a non-empty str of at most
+// vllmMaxID bytes.
+func vllmID(r *request, name string) (string, error) {
+	s, err := r.str(name)
+	if err != nil {
+		return "", err
+	}
+	if s == "" || len(s) > vllmMaxID {
+		return "", badValue(name, "%d bytes, want 1 to %d", len(s), vllmMaxID)
+	}
+	return s, nil
 }
 
 // vllmSeconds reads an optional positive number of seconds (int or
@@ -272,11 +287,11 @@ func vllmAPIError(err error) error {
 // opVLLMHold is vLLM's request_finished on the prefill.
 func opVLLMHold(s *session, r *request) (Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, err
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}
@@ -287,9 +302,7 @@ func opVLLMHold(s *session, r *request) (Fields, error) {
 	if len(blocks) > vllmMaxBlockIDs {
 		return nil, badValue("block_ids", "%d ids, at most %d", len(blocks), vllmMaxBlockIDs)
 	}
-	if err := vllmBind(s, hub, engineID); err != nil {
-		return nil, vllmAPIError(err)
-	}
+	vllmWatch(s, hub)
 	p, herr := hub.hold(s, engineID, requestID, blocks)
 	if herr != nil {
 		return nil, vllmAPIError(herr)
@@ -312,11 +325,11 @@ func vllmParamsMsg(p pull.KVTransferParams) msgpack.Value {
 // opVLLMRelease is the scheduler's abort of a held request.
 func opVLLMRelease(s *session, r *request) (Fields, error) {
 	hub := vllmHubOf(s)
-	engineID, err := r.str("engine_id")
+	engineID, err := vllmID(r, "engine_id")
 	if err != nil {
 		return nil, err
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}
@@ -332,7 +345,7 @@ func opVLLMRead(s *session, r *request) (Fields, error) {
 	if rerr != nil {
 		return nil, rerr
 	}
-	requestID, err := r.str("request_id")
+	requestID, err := vllmID(r, "request_id")
 	if err != nil {
 		return nil, err
 	}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -325,4 +326,135 @@ func vsSetParam(params msgpack.Value, key string, v any) msgpack.Value {
 		panic(err)
 	}
 	return out
+}
+
+// TestServeVLLMRefusals: open_rank, hold and read refuse what they
+// cannot use with the API's codes, and a refused request binds the
+// connection to no engine.
+func TestServeVLLMRefusals(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	for _, bad := range []struct {
+		name string
+		mod  func(*client.VLLMRank)
+		code string
+	}{
+		{"region_len not whole blocks", func(r *client.VLLMRank) { r.RegionLen-- }, CodeGeometry},
+		{"a region outside the registered memory", func(r *client.VLLMRank) { r.KVCachesBaseAddr[1] += 1 << 40 }, CodeBadRegion},
+		{"a compat factor missing", func(r *client.VLLMRank) { r.Compat.Model = "" }, ""},
+		{"layout", func(r *client.VLLMRank) { r.KVCacheLayout = "XYZ" }, CodeBadRequest},
+		{"tp_rank outside tp_size", func(r *client.VLLMRank) { r.TPRank = 2 }, CodeBadRequest},
+	} {
+		vr, err := vsOpen(t, srv, "decode", "X-"+bad.name, 2, 0, 8, 4, bad.mod)
+		if bad.code == "" { // an empty model is a valid factor: the open succeeds
+			if err != nil {
+				t.Fatalf("%s: %v", bad.name, err)
+			}
+			continue
+		}
+		if !client.IsCode(err, bad.code) {
+			t.Fatalf("%s: %v, want %s", bad.name, err, bad.code)
+		}
+		// Not bound: the same connection may open a rank of another engine.
+		rk, err := vr.c.OpenVLLM(ctx, client.VLLMRank{Role: "decode", EngineID: "Y", TPSize: 1, KVCachesBaseAddr: []uint64{vr.pool.Regions()[0].Addr},
+			RegionLen: vr.pool.Regions()[0].Len, NumBlocks: 8, BlockSize: 4, TotalKVHeads: 4, Compat: vsModel})
+		if err != nil {
+			t.Fatalf("%s: then a good open_rank: %v", bad.name, err)
+		}
+		if _, err := vr.c.Hold(ctx, "Z", "r", []int32{1}); !client.IsCode(err, CodeUnknown) {
+			t.Fatalf("%s: a connection of engine Y held for Z: %v", bad.name, err)
+		}
+		_ = rk
+	}
+	c := dial(t, srv)
+	if _, err := c.Call(ctx, "hold", map[string]any{"engine_id": "P", "request_id": "r", "block_ids": []byte{1, 2, 3}}); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("hold with 3 bytes of block ids: %v", err)
+	}
+	if _, err := c.Call(ctx, "open_rank", map[string]any{"style": "vllm", "role": "decode", "engine_id": "P", "tp_size": 1, "tp_rank": 0,
+		"kv_caches_base_addr": []uint64{4096}, "region_len": 4096, "num_blocks": 1, "block_size": 1, "total_kv_heads": 1}); !client.IsCode(err, CodeBadRequest) &&
+		!client.IsCode(err, CodeBadRegion) {
+		t.Fatalf("open_rank without compat: %v", err)
+	}
+}
+
+// TestServeVLLMIDBounds: engine and request ids longer than 1 KiB are
+// refused: a hold keeps its id until released.
+func TestServeVLLMIDBounds(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	w := vsMust(vsOpenT(t, srv, "prefill", "P", 1, 0, 8, 4, nil))
+	vsEvent(t, w.c)
+	long := strings.Repeat("x", 1025)
+	if _, err := w.c.Hold(ctx, "P", long, []int32{1}); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("hold with a 1025-byte request id: %v", err)
+	}
+	if err := w.c.Release(ctx, long, "r"); !client.IsCode(err, CodeBadRequest) {
+		t.Fatalf("release with a 1025-byte engine id: %v", err)
+	}
+	if _, err := w.c.Hold(ctx, "P", strings.Repeat("x", 1024), []int32{1}); err != nil {
+		t.Fatalf("hold with a 1024-byte request id: %v", err)
+	}
+}
+
+// TestServeVLLMBlockSizeRatio: a decode whose blocks hold two prefill
+// blocks reads through its sidecar and gets every token in place: the
+// HND blocks are reordered in the sidecar's mapping of the engine's
+// shared memory (the Cache's host views), which the engine then sees.
+func TestServeVLLMBlockSizeRatio(t *testing.T) {
+	ctx := testCtx(t)
+	ps, ds := newTestServer(t), newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 32, 4, nil))
+	vsEvent(t, w.c)
+	const tokens = 19
+	blocks := []int32{9, 2, 30, 14, 6} // 5 blocks of 4 tokens
+	if err := w.pool.Fill(kvpool.Tokens{Request: 5, Pages: blocks, Count: tokens}); err != nil {
+		t.Fatal(err)
+	}
+	params, err := w.c.Hold(ctx, "P", "req", blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	local := []int32{7, 1, 4} // 3 blocks of 8 tokens
+	var dec []*vsRank
+	for rank := 0; rank < 2; rank++ {
+		d := vsMust(vsOpenT(t, ds, "decode", "D", 2, rank, 8, 8, nil))
+		dec = append(dec, d)
+		if err := d.c.Read(ctx, d.rank.ID, "dreq", params, local); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, d := range dec {
+		if r, ok := vsEvent(t, d.c).AsRead(); !ok || !r.OK {
+			t.Fatalf("rank %d: %+v", i, r)
+		}
+		if err := d.pool.Verify(kvpool.Tokens{Request: 5, Pages: local, Count: tokens}); err != nil {
+			t.Fatalf("rank %d: %v", i, err)
+		}
+	}
+	vsReleased(t, w.c, "P", "req", "notified")
+}
+
+// TestServeVLLMDisconnect: a prefill worker that disconnects releases its
+// engine's holds "closed" (to the holder); a holder that disconnects
+// releases its holds "closed" (to the workers).
+func TestServeVLLMDisconnect(t *testing.T) {
+	ctx := testCtx(t)
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
+	vsEvent(t, w.c)
+	sched := dial(t, ps)
+	if _, err := sched.Hold(ctx, "P", "r1", []int32{3}); err != nil {
+		t.Fatal(err)
+	}
+	w.c.Close()
+	vsReleased(t, sched, "P", "r1", "closed")
+
+	w2 := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 16, 4, nil))
+	vsEvent(t, w2.c)
+	if _, err := sched.Hold(ctx, "P", "r2", []int32{5}); err != nil {
+		t.Fatal(err)
+	}
+	sched.Close()
+	vsReleased(t, w2.c, "P", "r2", "closed")
+	vsNoEvent(t, w2.c)
 }

@@ -406,6 +406,11 @@ func TestVLLMHubReadFailures(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("c", []int32{7})
+	// Local blocks the rank does not have fail the read, not the sidecar.
+	if err := d.read("oob", params, nil, []int32{2, 1000}); err != nil {
+		t.Fatal(err)
+	}
+	check("oob", []int32{2, 1000})
 	if err := d.close("rank closed"); err != nil {
 		t.Fatal(err)
 	}

@@ -215,8 +215,6 @@ type Pool struct {
 	regions []Region
 	aux     Region
 	kvLen   uint64 // bytes of one KV region
-	// borrowed: mem belongs to the caller of NewOver; Close leaves it.
-	borrowed bool
 }
 
 // New maps a pool for g. Close unmaps it.
@@ -244,8 +242,7 @@ func New(g Geometry) (*Pool, error) {
 
 // Close unmaps the pool. Deregister it from every plugin first.
 func (p *Pool) Close() error {
-	if p.mem == nil || p.borrowed {
-		p.mem = nil
+	if p.mem == nil {
 		return nil
 	}
 	err := syscall.Munmap(p.mem)

@@ -28,8 +28,12 @@
 //   - refuses to start (an error wrapping syscall.EADDRINUSE) when a
 //     listener answers at the path or the path is not a socket, and
 //     removes a stale socket file (one whose connection attempt is
-//     refused: its listener died without removing it);
+//     refused: its listener died without removing it); the live
+//     listener sees the probe as a peer that left in its handshake;
 //   - removes its file on Close, unless another listener has replaced it;
+//   - expects a directory that others cannot write to (or a sticky one,
+//     like /tmp): whoever can replace the file there can take the
+//     endpoint over whatever its mode;
 //   - tells who each peer is: the kernel's SO_PEERCRED (PeerCred: PID,
 //     UID, GID) is on every RouterMsg (Cred) and names the peer in logs;
 //   - shares the connection limit (WithMaxConns) fairly between peer
@@ -52,7 +56,11 @@
 // after the messages received on it; its next Send reconnects. Over ipc
 // the kernel closes a dead process's sockets, so both notice at once;
 // over TCP a peer host that vanishes is noticed by keep-alives
-// (DefaultKeepAlive) or the idle timeout.
+// (DefaultKeepAlive) or the idle timeout. A bound socket whose connections
+// are sessions (the sidecar's control socket) should turn the idle
+// timeout off (WithIdleTimeout(0)) unless its clients send heartbeats:
+// libzmq peers are silent while idle, and the timeout would end the
+// session of an engine that merely had nothing to say.
 //
 // # Why not go-zeromq/zmq4 or libzmq
 //

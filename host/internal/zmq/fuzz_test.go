@@ -48,6 +48,8 @@ func FuzzReadMessage(f *testing.F) {
 // FuzzHandshakeParsing covers the greeting check and READY metadata parser.
 func FuzzHandshakeParsing(f *testing.F) {
 	f.Add(greeting(), readyMetadata(typeReq))
+	f.Add(greeting(), readyMetadata(typeDealer))
+	f.Add(greeting(), encodeCommand("READY", readyMetadata(typeDealer))[2:])
 	f.Add(make([]byte, 64), []byte{1, 'a', 0xff, 0xff, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, g, props []byte) {
 		_ = checkGreeting(g)

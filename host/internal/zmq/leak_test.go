@@ -60,6 +60,26 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 			t.Fatalf("request: %q %v", rep, err)
 		}
 	}
+	// A DEALER talking to an ipc ROUTER that reports disconnects.
+	reported := make(chan []byte, 4)
+	irouter, err := ListenRouter(IPCEndpoint(ipcPath(t, "r.sock")), quiet(), WithDisconnectHandler(func(p []byte) { reported <- p }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dealer, _ := DialDealer(irouter.Endpoint(), quiet())
+	if err := dealer.Send(ctx, []byte("d")); err != nil {
+		t.Fatal(err)
+	}
+	im, err := irouter.Recv(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := irouter.Send(ctx, im.Peer, []byte("r")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dealer.Recv(ctx); err != nil {
+		t.Fatal(err)
+	}
 	ps := NewPushers(quiet())
 	if err := ps.Send(ctx, pull.Endpoint(), []byte("via pushers")); err != nil {
 		t.Fatal(err)
@@ -114,8 +134,11 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	}
 	cancel()
 	<-echoDone
-	for _, c := range []interface{ Close() error }{push, ps, pull, router, mute, mrouter} {
+	for _, c := range []interface{ Close() error }{push, ps, pull, router, mute, mrouter, dealer, irouter} {
 		c.Close()
+	}
+	if len(reported) != 1 {
+		t.Fatalf("%d disconnects reported for the DEALER's one connection", len(reported))
 	}
 	// The hostile clients are still connected: closing the sockets must
 	// have ended the goroutines serving them.

@@ -165,8 +165,8 @@ func WithMaxFrames(n int) Option {
 	}
 }
 
-// WithRecvQueue sets how many received messages a PULL or ROUTER socket
-// buffers before it stops reading from its connections (back-pressure
+// WithRecvQueue sets how many received messages a PULL, ROUTER or DEALER
+// socket buffers before it stops reading from its connections (back-pressure
 // reaches the senders through TCP flow control, like libzmq's RCVHWM).
 func WithRecvQueue(n int) Option {
 	return func(o *options) {
@@ -176,8 +176,8 @@ func WithRecvQueue(n int) Option {
 	}
 }
 
-// WithRecvBudget bounds the memory in bytes that a PULL or ROUTER socket
-// holds for received messages, those waiting for Recv and those still
+// WithRecvBudget bounds the memory in bytes that a PULL, ROUTER or DEALER
+// socket holds for received messages, those waiting for Recv and those still
 // being read. While it is spent the socket stops reading from its
 // connections until Recv frees some (back-pressure on the senders, as
 // with WithRecvQueue); nothing is dropped. One message may go past the
@@ -230,9 +230,10 @@ func WithSendQueue(n int) Option {
 	}
 }
 
-// WithSendTimeout bounds a Push.Send or Router.Send whose context has no
-// deadline, and each message written for Router.Enqueue (SGLang uses
-// SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's status sockets).
+// WithSendTimeout bounds a Push.Send, Dealer.Send or Router.Send whose
+// context has no deadline, and each message written for Router.Enqueue
+// (SGLang uses SNDTIMEO 30 s for prefill-side sockets, 5 s for MORI's
+// status sockets).
 // Zero means no bound. Default: DefaultSendTimeout.
 func WithSendTimeout(d time.Duration) Option {
 	return func(o *options) {
@@ -243,7 +244,7 @@ func WithSendTimeout(d time.Duration) Option {
 }
 
 // WithReconnectInterval sets the first and the largest wait between two
-// connection attempts of a PUSH socket (doubling in between).
+// connection attempts of a PUSH or DEALER socket (doubling in between).
 func WithReconnectInterval(min, max time.Duration) Option {
 	return func(o *options) {
 		if min > 0 {

@@ -325,24 +325,54 @@ func (c *Client) Call(ctx context.Context, op string, fields map[string]any) (ms
 }
 
 func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, error) {
-	seq := c.seq.Add(1)
-	ch := make(chan reply, 1)
+	return c.start(ctx, op, f).Wait(ctx)
+}
+
+// Pending is a request sent and not yet answered (Start).
+type Pending struct {
+	c   *Client
+	op  string
+	seq uint64
+	ch  chan reply
+	err error // the request could not be sent
+}
+
+// Start sends a request and returns at once; Wait returns its reply.
+// Requests started one after another from one goroutine reach the
+// sidecar in that order (it answers them in that order too), so an
+// engine may pipeline, say, the chunks of a room without a round trip
+// each.
+func (c *Client) Start(ctx context.Context, op string, fields map[string]any) *Pending {
+	f := make(Fields, 0, len(fields))
+	for k, v := range fields {
+		f = append(f, Field{k, v})
+	}
+	return c.start(ctx, op, f)
+}
+
+func (c *Client) start(ctx context.Context, op string, f Fields) *Pending {
+	p := &Pending{c: c, op: op, seq: c.seq.Add(1), ch: make(chan reply, 1)}
 	c.mu.Lock()
 	if c.lost {
 		c.mu.Unlock()
-		return msgpack.Value{}, &Error{Code: CodeDisconnected, Message: "connection to the sidecar lost"}
+		p.err = &Error{Code: CodeDisconnected, Message: "connection to the sidecar lost"}
+		return p
 	}
-	c.pending[seq] = ch
+	c.pending[p.seq] = p.ch
 	c.mu.Unlock()
 	var e msgpack.Encoder
 	e.MapHeader(2 + len(f))
 	e.Str("op")
 	e.Str(op)
 	e.Str("seq")
-	e.Uint(seq)
+	e.Uint(p.seq)
 	for _, x := range f {
 		e.Str(x.K)
-		encode(&e, x.V)
+		if err := encode(&e, x.V); err != nil {
+			p.forget()
+			p.err = fmt.Errorf("kvhost serve: %s: field %s: %w", op, x.K, err)
+			return p
+		}
 	}
 	// The socket reconnects by itself; a session does not survive that,
 	// so a send stops once the connection is lost.
@@ -352,22 +382,34 @@ func (c *Client) call(ctx context.Context, op string, f Fields) (msgpack.Value, 
 	stop()
 	cancel()
 	if err != nil {
-		c.mu.Lock()
-		delete(c.pending, seq)
-		c.mu.Unlock()
+		p.forget()
 		if c.life.Err() != nil {
-			return msgpack.Value{}, &Error{Code: CodeDisconnected, Message: fmt.Sprintf("connection to the sidecar lost: %v", err)}
+			p.err = &Error{Code: CodeDisconnected, Message: fmt.Sprintf("connection to the sidecar lost: %v", err)}
+		} else {
+			p.err = fmt.Errorf("kvhost serve: %s: %w", op, err)
 		}
-		return msgpack.Value{}, fmt.Errorf("kvhost serve: %s: %w", op, err)
+	}
+	return p
+}
+
+func (p *Pending) forget() {
+	p.c.mu.Lock()
+	delete(p.c.pending, p.seq)
+	p.c.mu.Unlock()
+}
+
+// Wait waits for the reply: the reply map, or an *Error (CodeDisconnected
+// when the connection dropped first), or ctx's error.
+func (p *Pending) Wait(ctx context.Context) (msgpack.Value, error) {
+	if p.err != nil {
+		return msgpack.Value{}, p.err
 	}
 	select {
-	case r := <-ch:
+	case r := <-p.ch:
 		return r.v, r.err
 	case <-ctx.Done():
-		c.mu.Lock()
-		delete(c.pending, seq)
-		c.mu.Unlock()
-		return msgpack.Value{}, fmt.Errorf("kvhost serve: %s: %w", op, ctx.Err())
+		p.forget()
+		return msgpack.Value{}, fmt.Errorf("kvhost serve: %s: %w", p.op, ctx.Err())
 	}
 }
 
@@ -394,7 +436,8 @@ func u64(v msgpack.Value, k string) (uint64, bool) {
 	return x.Uint()
 }
 
-func encode(e *msgpack.Encoder, v any) {
+// encode appends v; a type the API has no use for is an error.
+func encode(e *msgpack.Encoder, v any) error {
 	switch x := v.(type) {
 	case nil:
 		e.Nil()
@@ -413,7 +456,7 @@ func encode(e *msgpack.Encoder, v any) {
 	case []byte:
 		if x == nil {
 			e.Nil()
-			return
+			return nil
 		}
 		e.Bin(x)
 	case []int:
@@ -434,30 +477,39 @@ func encode(e *msgpack.Encoder, v any) {
 	case []map[string]any:
 		e.ArrayHeader(len(x))
 		for _, f := range x {
-			encode(e, f)
+			if err := encode(e, f); err != nil {
+				return err
+			}
 		}
 	case []Fields:
 		e.ArrayHeader(len(x))
 		for _, f := range x {
-			encode(e, f)
+			if err := encode(e, f); err != nil {
+				return err
+			}
 		}
 	case Fields:
 		e.MapHeader(len(x))
 		for _, f := range x {
 			e.Str(f.K)
-			encode(e, f.V)
+			if err := encode(e, f.V); err != nil {
+				return fmt.Errorf("%s: %w", f.K, err)
+			}
 		}
 	case map[string]any:
 		e.MapHeader(len(x))
 		for k, v := range x {
 			e.Str(k)
-			encode(e, v)
+			if err := encode(e, v); err != nil {
+				return fmt.Errorf("%s: %w", k, err)
+			}
 		}
 	case msgpack.Value:
 		encodeValue(e, x)
 	default:
-		panic(fmt.Sprintf("client: cannot encode %T", v))
+		return fmt.Errorf("cannot encode %T", v)
 	}
+	return nil
 }
 
 func encodeValue(e *msgpack.Encoder, v msgpack.Value) {

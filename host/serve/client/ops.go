@@ -180,8 +180,14 @@ func (c *Client) SenderInit(ctx context.Context, rank, room uint64, numPages int
 // SenderSend sends one chunk of pages (state indices with the last one,
 // or nil).
 func (c *Client) SenderSend(ctx context.Context, rank, room uint64, pages []int32, stateIndices []int32) error {
-	_, err := c.call(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
+	_, err := c.StartSenderSend(ctx, rank, room, pages, stateIndices).Wait(ctx)
 	return err
+}
+
+// StartSenderSend is SenderSend without waiting for the reply (see Start):
+// the chunks of a room started in order are sent in order.
+func (c *Client) StartSenderSend(ctx context.Context, rank, room uint64, pages []int32, stateIndices []int32) *Pending {
+	return c.start(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
 }
 
 // ReceiverCreate opens a decode room and starts its bootstrap.
@@ -214,9 +220,14 @@ func (c *Client) Abort(ctx context.Context, rank, room uint64) error {
 
 // CloseRoom forgets a room.
 func (c *Client) CloseRoom(ctx context.Context, rank, room uint64) error {
-	_, err := c.call(ctx, "close_room", Fields{{"rank", rank}, {"room", room}})
-	c.untrack(rank, room)
+	_, err := c.StartCloseRoom(ctx, rank, room).Wait(ctx)
 	return err
+}
+
+// StartCloseRoom is CloseRoom without waiting for the reply (see Start).
+func (c *Client) StartCloseRoom(ctx context.Context, rank, room uint64) *Pending {
+	c.untrack(rank, room)
+	return c.start(ctx, "close_room", Fields{{"rank", rank}, {"room", room}})
 }
 
 // Poll returns the state of each room (StateUnknown for a room the rank

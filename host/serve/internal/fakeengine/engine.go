@@ -16,8 +16,7 @@ import (
 	"os"
 	"strings"
 	"sync"
-
-	"golang.org/x/sys/unix"
+	"syscall"
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/serve/client"
@@ -65,10 +64,10 @@ func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
 	if s.MLA {
 		g.Attention, g.TotalHeads = kvpool.MLA, 1
 	}
-	size, err := kvpool.Size(g)
-	if err != nil {
+	if err := g.Validate(); err != nil {
 		return nil, err
 	}
+	size := g.Size()
 	path := "/dev/shm" + name
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
@@ -79,27 +78,23 @@ func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
 		os.Remove(path)
 		return nil, err
 	}
-	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED) // kvpool.Wrap unmaps with syscall.Munmap
 	if err != nil {
 		os.Remove(path)
 		return nil, err
 	}
-	pool, err := kvpool.NewOver(g, mem)
+	pool, err := kvpool.Wrap(g, mem) // the pool unmaps mem on Close
 	if err != nil {
-		unix.Munmap(mem)
+		syscall.Munmap(mem)
 		os.Remove(path)
 		return nil, err
 	}
 	return &Rank{Role: role, TP: tp, TPSize: tpSize, Pool: pool, SHM: name, mem: mem}, nil
 }
 
-// Close unmaps and unlinks the pool.
+// Close unmaps and unlinks the pool. Calling it again does nothing.
 func (r *Rank) Close() {
 	r.Pool.Close()
-	if r.mem != nil {
-		unix.Munmap(r.mem)
-		r.mem = nil
-	}
 	os.Remove("/dev/shm" + r.SHM)
 }
 

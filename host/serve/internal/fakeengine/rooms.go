@@ -79,7 +79,8 @@ func Prefill(ctx context.Context, c *client.Client, w *Rooms, r *Rank, q Request
 		return err
 	}
 	defer func() {
-		c.CloseRoom(context.WithoutCancel(ctx), r.ID, q.Room)
+		// Not waited for: the next request need not wait a round trip.
+		c.StartCloseRoom(context.WithoutCancel(ctx), r.ID, q.Room)
 		w.Forget(r.ID, q.Room)
 	}()
 	e, err := w.Wait(ctx, r.ID, q.Room, client.StateWaitingForInput)
@@ -106,9 +107,15 @@ func Prefill(ctx context.Context, c *client.Client, w *Rooms, r *Rank, q Request
 	if chunk <= 0 {
 		chunk = len(pages)
 	}
+	// The chunks are pipelined (each started before the previous one's
+	// reply), as an engine whose chunks are ready at once would.
+	var sends []*client.Pending
 	for sent := 0; sent < len(pages); sent += chunk {
 		n := min(chunk, len(pages)-sent)
-		if err := c.SenderSend(ctx, r.ID, q.Room, pages[sent:sent+n], nil); err != nil {
+		sends = append(sends, c.StartSenderSend(ctx, r.ID, q.Room, pages[sent:sent+n], nil))
+	}
+	for _, p := range sends {
+		if _, err := p.Wait(ctx); err != nil {
 			return err
 		}
 	}
@@ -131,7 +138,8 @@ func Decode(ctx context.Context, c *client.Client, w *Rooms, r *Rank, boot strin
 		return err
 	}
 	defer func() {
-		c.CloseRoom(context.WithoutCancel(ctx), r.ID, q.Room)
+		// Not waited for: the next request need not wait a round trip.
+		c.StartCloseRoom(context.WithoutCancel(ctx), r.ID, q.Room)
 		w.Forget(r.ID, q.Room)
 	}()
 	e, err := w.Wait(ctx, r.ID, q.Room, client.StateWaitingForInput)
