@@ -35,6 +35,12 @@ lost"`` (a room event with that reason is delivered like any other, then a
 connection and says ``hello`` again; its ``session`` tells whether the
 sidecar restarted. Everything registered before is gone either way (the
 sidecar tears a connection's objects down when it closes): register again.
+The client tracks room states only; vLLM reads and holds in flight end
+with the connection too (docs/engine-api.md, "Lifecycle"), and the adapter
+that made them acts on the ``connection_lost`` event (kvhost.vllm marks the
+reads' blocks invalid and reports the holds finished). A sidecar that
+answers ``no_hello`` after this connection said hello is a restarted one
+the monitor did not report yet: the connection is lost the same way.
 """
 
 from __future__ import annotations
