@@ -81,8 +81,12 @@ class Rank:
         self.rng = np.random.default_rng(seed)
         for buf in self.pool.kv:
             buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        # Aux (SGLang's metadata: output ids and the like) is the same on
+        # every TP rank of an engine: with decode TP < prefill TP several
+        # prefill ranks write one decode slot.
+        aux_rng = np.random.default_rng(4242 if role == "prefill" else seed)
         for buf in self.pool.aux:
-            buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)
+            buf[:] = aux_rng.integers(0, 256, buf.shape, dtype=np.uint8)
         args = ks.KVArgs()
         args.engine_rank = tp_rank
         args.kv_data_ptrs = self.pool.kv_data_ptrs

@@ -46,6 +46,7 @@ def close_all(boot, ranks):
 @pytest.mark.parametrize("p_tp,d_tp,mla,variant,vram", [
     (1, 1, False, "nixl", False), (1, 1, True, "nixl", False), (2, 2, False, "nixl", False),
     (2, 4, False, "nixl", True), (2, 4, False, "mori", True), (1, 1, False, "mori", True),
+    (2, 4, True, "nixl", True), (4, 2, False, "nixl", True),
 ])
 def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp, d_tp, mla, variant, vram):
     cudart = None
