@@ -18,10 +18,11 @@
 // A session's requests run one at a time, in arrival order, on the
 // session's goroutine; every request gets exactly one reply. No handler
 // blocks on a peer: bootstrap, receiver init and transfers run on
-// goroutines and report through events. The one exception is open_rank,
-// which creates the rank's agent and sockets and, for an SGLang prefill
-// rank, registers with its bootstrap server (Config.OpenTimeout); it
-// holds up only its own connection.
+// goroutines and report through events: an SGLang prefill rank's
+// open_rank, which registers with its bootstrap server, is finished on a
+// goroutine (deferredOpen, within Config.OpenTimeout) and answered from
+// the session's goroutine when done, after the replies of requests that
+// came later.
 //
 // Everything one connection can make the sidecar hold is bounded: the
 // requests waiting for its session (Config.RequestQueue of them, and 2

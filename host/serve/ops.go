@@ -211,7 +211,7 @@ func (s *session) openLater(seq uint64, rk *rankEntry, d *deferredOpen) {
 			case err != nil:
 				s.send(encodeError(seq, true, asError(err, CodeBackend)))
 			case s.ending:
-				impl.close("engine disconnected")
+				impl.close(s.why)
 			default:
 				rk.impl = impl
 				s.ranks[rk.id] = rk
