@@ -287,3 +287,29 @@ def test_manager_refused_closes_its_connection(sidecar):
         assert threading.active_count() == before
     finally:
         p.close()
+
+
+def test_success_before_the_sidecar_died_stays_success(sidecar_factory):
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        # The rooms conclude on the sidecars; SGLang's scheduler has not
+        # polled them yet.
+        s = ks.KVSender(prefill[0].mgr, addr, 21, [0], 0)
+        rc = ks.KVReceiver(decode[0].mgr, addr, 21)
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(3), 0, None, 0)
+        wait(lambda: s.poll() == KVPoll.WaitingForInput)
+        s.init(3, 0)
+        s.send(prefill[0].alloc(3))
+        wait(lambda: decode[0].mgr.client.state(rc._rank, 21) == KVPoll.Success)
+        wait(lambda: prefill[0].mgr.client.state(s._rank, 21) == KVPoll.Success)
+        b.kill()
+        a.kill()
+        wait(lambda: decode[0].mgr.client.lost is not None and prefill[0].mgr.client.lost is not None)
+        # The scheduler polls only now: both rooms concluded before the loss.
+        assert rc.poll() == KVPoll.Success
+        assert s.poll() == KVPoll.Success
+    finally:
+        close_all(boot, prefill + decode)

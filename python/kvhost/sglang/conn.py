@@ -479,10 +479,16 @@ class _Room:
         if not self._created:
             return _poll(KVPoll.Bootstrapping)
         mgr = self.kv_mgr
-        if self._stale():
+        if mgr.client.generation != self._generation:
             self._fail_local(_client.LOST_REASON)
             return _poll(KVPoll.Failed)
+        # The cache first: a room that reached Success before the sidecar
+        # went away did move its KV (Success is final; the client fails
+        # only unfinished rooms when the connection is lost).
         st = mgr.client.state(self._rank, self.bootstrap_room)
+        if st != KVPoll.Success and mgr.client.lost is not None:
+            self._fail_local(_client.LOST_REASON)
+            return _poll(KVPoll.Failed)
         if st is None:
             self._fail_local("room %s is unknown to the sidecar" % self.bootstrap_room)
             return _poll(KVPoll.Failed)
