@@ -268,6 +268,16 @@ func TestForeign(t *testing.T) {
 	if err != nil || st[0] != client.StateBootstrapping || st[1] != client.StateUnknown {
 		t.Fatalf("a's rooms after b's attempts: %v %v", st, err)
 	}
+	// Out-of-range values are bad_request naming the field.
+	if err := a.c.SenderInit(ctx, rk.ID, 5, 1, 1<<20); !client.IsCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "aux_index") {
+		t.Fatalf("sender_init with an aux slot outside the aux buffer: %v", err)
+	}
+	if err := a.c.SenderInit(ctx, rk.ID, 5, 2, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.c.SenderSend(ctx, rk.ID, 5, []int32{int32(smallShape.Pages)}, nil); !client.IsCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "outside") {
+		t.Fatalf("sender_send of a page outside the pool: %v", err)
+	}
 	// a's region is in use: busy.
 	if err := a.c.DeregisterMemory(ctx, rk.Regions); !client.IsCode(err, CodeBusy) {
 		t.Fatalf("deregister a region a rank uses: %v", err)

@@ -393,7 +393,7 @@ func opSenderCreate(s *session, r *request) (Fields, error) {
 }
 
 func opSenderInit(s *session, r *request) (Fields, error) {
-	_, _, rm, err := roomOf(s, r)
+	sr, _, rm, err := roomOf(s, r)
 	if err != nil {
 		return nil, err
 	}
@@ -406,6 +406,9 @@ func opSenderInit(s *session, r *request) (Fields, error) {
 	}
 	aux, err := r.i64("aux_index")
 	if err != nil {
+		return nil, err
+	}
+	if err := sr.checkAux(aux); err != nil {
 		return nil, err
 	}
 	if perr := rm.sender.Init(n, aux); perr != nil {
@@ -537,6 +540,9 @@ func opReceiverInit(s *session, r *request) (Fields, error) {
 	prefix, err := r.optI64("prefix_len", 0)
 	if err != nil {
 		return nil, err
+	}
+	if prefix < 0 {
+		return nil, badValue("prefix_len", "%d is negative", prefix)
 	}
 	if rm.inited {
 		return nil, errorf(CodeOutOfOrder, "receiver_init was already accepted for room %d", room)
