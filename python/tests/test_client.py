@@ -463,13 +463,6 @@ def test_pages_and_roles_checked(sidecar, pool):
             c.sender_send(rank, 1, b"\xff\xff\xff\xff")  # -1
 
 
-# docs/engine-api.md: "an aux_index outside its aux buffers [is]
-# bad_request"; host/serve/sglang.go's opSenderInit does not call checkAux
-# (opReceiverInit does). The transfer is still refused when the last chunk
-# is planned (the room fails with "prefill_aux_index: copy 0 leaves the
-# prefill buffers"), so nothing is read out of bounds; only the error comes
-# later than the document says. strict: XPASS (fails) once serve checks it.
-@pytest.mark.xfail(strict=True, reason="sender_init does not check aux_index (receiver_init does)")
 def test_sender_init_aux_index_out_of_range(sidecar, pool):
     with open_client(sidecar) as c:
         c.register_memory(pool.regions())
