@@ -35,6 +35,12 @@ lost"`` (a room event with that reason is delivered like any other, then a
 connection and says ``hello`` again; its ``session`` tells whether the
 sidecar restarted. Everything registered before is gone either way (the
 sidecar tears a connection's objects down when it closes): register again.
+The client tracks room states only; vLLM reads and holds in flight end
+with the connection too (docs/engine-api.md, "Lifecycle"), and the adapter
+that made them acts on the ``connection_lost`` event (kvhost.vllm marks the
+reads' blocks invalid and reports the holds finished). A sidecar that
+answers ``no_hello`` after this connection said hello is a restarted one
+the monitor did not report yet: the connection is lost the same way.
 """
 
 from __future__ import annotations
@@ -419,6 +425,8 @@ class Client:
         Everything registered before is gone: register regions and open
         ranks again. The room state cache is emptied (rooms of the old
         connection were Failed when it was lost). Listeners stay."""
+        if self._closed:
+            raise ConnectionLost("connection_lost", "client closed")
         old = self.session
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
@@ -555,6 +563,11 @@ class Client:
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
         p.done.set()
+        if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
+            # This connection said hello, so the sidecar answering no_hello
+            # is another process that took over the endpoint before the
+            # monitor saw the old one go: everything registered is gone.
+            self._declare_lost(LOST_REASON + ": the sidecar restarted (it answered no_hello)")
 
     def _unnumbered_locked(self, msg: dict) -> Optional[int]:
         """The request a reply with ``seq`` nil answers (docs/engine-api.md:
@@ -661,13 +674,14 @@ class Client:
             raise p.error
         return p.reply  # type: ignore[return-value]
 
-    def call(self, op: str, **fields: Any) -> dict:
+    def call(self, op: str, *, timeout: Optional[float] = None, **fields: Any) -> dict:
         """Sends one request (any op, for ops this client has no method for)
         and returns the reply map; raises the :class:`KVHostError` subclass
-        of an error reply."""
+        of an error reply. ``timeout``: this request's wait (default the
+        client's)."""
         msg = {k: _plain(v) for k, v in fields.items() if v is not None}
         msg["op"] = op
-        return self._request(msg)
+        return self._request(msg, timeout=timeout)
 
     # -- memory ------------------------------------------------------------
 
@@ -683,10 +697,16 @@ class Client:
 
     # -- ranks -------------------------------------------------------------
 
+    # open_rank may take up to 30 s on the sidecar (an SGLang prefill rank
+    # answers once it registered with its bootstrap server): its wait is
+    # that bound plus the client's timeout, so a slow bootstrap server is
+    # not mistaken for a lost sidecar.
+    OPEN_RANK_BOUND = 30.0
+
     def open_rank(self, style: str, role: str, **fields: Any) -> dict:
         """Opens an engine rank (fields of docs/engine-api.md, "Ranks").
         Returns the reply (``rank``, ``agent``, ``endpoint``, ...)."""
-        return self.call("open_rank", style=style, role=role, **fields)
+        return self.call("open_rank", timeout=self.timeout + self.OPEN_RANK_BOUND, style=style, role=role, **fields)
 
     def close_rank(self, rank: int) -> None:
         self.call("close_rank", rank=rank)

@@ -134,7 +134,10 @@ def region_of(ptr: int, length: int) -> Optional[dict]:
     if known is not None:
         return _handle_region(rt, ptr, length, known[0], known[1])
     attrs = _PointerAttributes()
-    if rt.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
+    get_attrs = getattr(rt, "cudaPointerGetAttributes", None)
+    if get_attrs is None:  # a libcudart without it cannot tell device memory
+        return None
+    if get_attrs(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
         rt.cudaGetLastError()  # clear the sticky-free error of a host pointer
         return None
     if attrs.type != CUDA_MEMORY_TYPE_DEVICE:

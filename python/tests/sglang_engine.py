@@ -81,8 +81,12 @@ class Rank:
         self.rng = np.random.default_rng(seed)
         for buf in self.pool.kv:
             buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)
+        # Aux (SGLang's metadata: output ids and the like) is the same on
+        # every TP rank of an engine: with decode TP < prefill TP several
+        # prefill ranks write one decode slot.
+        aux_rng = np.random.default_rng(4242 if role == "prefill" else seed)
         for buf in self.pool.aux:
-            buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)
+            buf[:] = aux_rng.integers(0, 256, buf.shape, dtype=np.uint8)
         args = ks.KVArgs()
         args.engine_rank = tp_rank
         args.kv_data_ptrs = self.pool.kv_data_ptrs
@@ -143,8 +147,15 @@ def all_reduce(polls):
     return min(int(p) for p in polls)
 
 
+def decode_polls(receivers):
+    """SGLang's poll_and_all_reduce_with_staging (disaggregation/utils.py)
+    reads require_staging on every receiver before polling it."""
+    assert all(rc.require_staging is False for rc in receivers)
+    return all_reduce(rc.poll() for rc in receivers)
+
+
 def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Request], bootstrap_addr: str,
-        timeout: float = 20.0):
+        timeout: float = 120.0):
     """Drives every request through both schedulers until each side
     concluded, one scheduler step at a time, as SGLang's event loops do."""
     pages_of = lambda r: -(-r.tokens // geo.page_size)  # noqa: E731
@@ -169,7 +180,7 @@ def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Reque
             n = pages_of(r)
             # ---- decode scheduler
             if r.decode_state == "prealloc":
-                p = all_reduce(rc.poll() for rc in r.receivers)
+                p = decode_polls(r.receivers)
                 if p == KVPoll.WaitingForInput:
                     r.dst_pages = [rk.alloc(n) for rk in decode]
                     for rk, rc, pages in zip(decode, r.receivers, r.dst_pages):
@@ -179,7 +190,7 @@ def run(geo: Geometry, prefill: List[Rank], decode: List[Rank], reqs: List[Reque
                 elif p == KVPoll.Failed:
                     r.decode_state, r.decode_result = "done", KVPoll.Failed
             elif r.decode_state == "transfer":
-                p = all_reduce(rc.poll() for rc in r.receivers)
+                p = decode_polls(r.receivers)
                 if p in (KVPoll.Success, KVPoll.Failed):
                     r.decode_state, r.decode_result = "done", p
                     if p == KVPoll.Failed:

@@ -297,6 +297,7 @@ def test_sidecar_hung_mid_request(sidecar, pool):
         rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
         c.sender_create(rank, 5)
         os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        wait_stopped(sidecar.proc.pid)
         try:
             with pytest.raises(kc.ConnectionLost) as e:
                 c.sender_create(rank, 6)
@@ -307,6 +308,25 @@ def test_sidecar_hung_mid_request(sidecar, pool):
             os.kill(sidecar.proc.pid, signal.SIGCONT)
     finally:
         c.close()
+
+
+def wait_stopped(pid, timeout=20.0):
+    """Waits until every thread of pid is stopped (SIGSTOP takes effect
+    asynchronously on threads running on other cores)."""
+    deadline = time.monotonic() + timeout
+    task = "/proc/%d/task" % pid
+    while True:
+        states = []
+        for t in os.listdir(task):
+            try:
+                with open(os.path.join(task, t, "stat")) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, "pid %d not stopped: %s" % (pid, states)
+        time.sleep(0.005)
 
 
 def test_connect_refused_when_no_sidecar(tmpdir_short):
@@ -415,3 +435,86 @@ def test_start_bootstrap_once_per_sidecar(sidecar):
         assert c.start_bootstrap("127.0.0.1", port) == addr
         with pytest.raises(kc.Exists):
             c.start_bootstrap("127.0.0.1", free_port())
+
+
+def test_pages_and_roles_checked(sidecar, pool):
+    """Pages outside the pool, an aux index outside the aux buffers and a
+    room op on a rank of the other role are bad_request naming the field."""
+    with open_client(sidecar) as c:
+        c.register_memory(pool.regions())
+        rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
+        c.sender_create(rank, 1)
+        with pytest.raises(kc.BadRequest):
+            c.receiver_create(rank, 2, "127.0.0.1:1", 0)  # a prefill rank
+        assert c.state(rank, 2) is None
+        # The room events include its creation (state 1) and nothing else yet.
+        evs = [e for e in c.drain_events() if e.get("event") == "room" and e.get("room") == 1]
+        assert evs and all(e["state"] == kc.BOOTSTRAPPING for e in evs)
+        drank = c.open_rank("sglang", "decode", **sglang_fields(pool, "decode"))["rank"]
+        with pytest.raises(kc.BadRequest):
+            c.sender_create(drank, 3)  # a decode rank
+        c.receiver_create(drank, 4, "127.0.0.1:1", 0)  # the right role: accepted
+        c.close_room(drank, 4)
+        c.sender_init(rank, 1, 2, 0)
+        with pytest.raises(kc.BadRequest) as e:
+            c.sender_send(rank, 1, [0, pool.num_pages])  # one past the last page
+        assert "pages" in e.value.message
+        with pytest.raises(kc.BadRequest):
+            c.sender_send(rank, 1, b"\xff\xff\xff\xff")  # -1
+
+
+def test_sender_init_aux_index_out_of_range(sidecar, pool):
+    with open_client(sidecar) as c:
+        c.register_memory(pool.regions())
+        rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
+        c.sender_create(rank, 1)
+        with pytest.raises(kc.BadRequest) as e:
+            c.sender_init(rank, 1, 2, 99)  # 4 aux slots
+        assert "aux_index" in e.value.message
+
+
+def test_no_hello_after_hello_means_restarted(tmpdir_short):
+    """A sidecar that answers no_hello to a connection that said hello is
+    another process on the endpoint (the monitor missed the restart): the
+    client declares the connection lost and fails its rooms. A scripted
+    ROUTER plays that sidecar."""
+    import msgpack
+    import zmq
+
+    ep = "ipc://" + os.path.join(tmpdir_short, "fake.sock")
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(ep)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, data = router.recv_multipart()
+            m = msgpack.unpackb(data, raw=False)
+            if m["op"] == "hello":
+                r = {"seq": m["seq"], "ok": True, "version": [1, 0], "session": "s1", "capabilities": [],
+                     "max_message": 1 << 20}
+            elif m["op"] == "sender_create":
+                r = {"seq": m["seq"], "ok": True}
+            else:
+                r = {"seq": m["seq"], "ok": False, "code": "no_hello", "message": "say hello first"}
+            router.send_multipart([ident, msgpack.packb(r)])
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with kc.Client(ep, timeout=20) as c:
+            c.sender_create(1, 5)
+            with pytest.raises(kc.NoHello):
+                c.sender_init(1, 5, 1, 0)
+            assert c.lost and "restarted" in c.lost
+            assert c.state(1, 5) == kc.FAILED
+            with pytest.raises(kc.ConnectionLost):
+                c.sender_create(1, 6)
+    finally:
+        stop.set()
+        t.join(10)
+        router.close(0)

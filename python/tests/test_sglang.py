@@ -46,6 +46,7 @@ def close_all(boot, ranks):
 @pytest.mark.parametrize("p_tp,d_tp,mla,variant,vram", [
     (1, 1, False, "nixl", False), (1, 1, True, "nixl", False), (2, 2, False, "nixl", False),
     (2, 4, False, "nixl", True), (2, 4, False, "mori", True), (1, 1, False, "mori", True),
+    (2, 4, True, "nixl", True), (4, 2, False, "nixl", True),
 ])
 def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp, d_tp, mla, variant, vram):
     cudart = None
@@ -196,12 +197,6 @@ def wait(cond, timeout=30.0):
         time.sleep(0.005)
 
 
-# kvhost serve at wt-serve 540055a never tears down a closed connection:
-# host/serve/server.go's peerGone ("engine disconnected") has no caller, so
-# the gone engine's rank, rooms and mappings stay and the prefill's write
-# into them succeeds. strict: this fails (XPASS) once the sidecar does what
-# docs/engine-api.md ("Lifecycle") says; then drop the mark.
-@pytest.mark.xfail(strict=True, reason="kvhost serve does not tear down a closed engine connection (peerGone unused)")
 @pytest.mark.parametrize("variant", ["nixl", "mori"])
 def test_decode_engine_gone_fails_prefill_room(sidecar_factory, standin_cudart, monkeypatch, variant):
     """The decode engine's connection closes after its metadata went out:
@@ -292,3 +287,29 @@ def test_manager_refused_closes_its_connection(sidecar):
         assert threading.active_count() == before
     finally:
         p.close()
+
+
+def test_success_before_the_sidecar_died_stays_success(sidecar_factory):
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        # The rooms conclude on the sidecars; SGLang's scheduler has not
+        # polled them yet.
+        s = ks.KVSender(prefill[0].mgr, addr, 21, [0], 0)
+        rc = ks.KVReceiver(decode[0].mgr, addr, 21)
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(3), 0, None, 0)
+        wait(lambda: s.poll() == KVPoll.WaitingForInput)
+        s.init(3, 0)
+        s.send(prefill[0].alloc(3))
+        wait(lambda: decode[0].mgr.client.state(rc._rank, 21) == KVPoll.Success)
+        wait(lambda: prefill[0].mgr.client.state(s._rank, 21) == KVPoll.Success)
+        b.kill()
+        a.kill()
+        wait(lambda: decode[0].mgr.client.lost is not None and prefill[0].mgr.client.lost is not None)
+        # The scheduler polls only now: both rooms concluded before the loss.
+        assert rc.poll() == KVPoll.Success
+        assert s.poll() == KVPoll.Success
+    finally:
+        close_all(boot, prefill + decode)

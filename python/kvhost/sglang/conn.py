@@ -260,6 +260,13 @@ class KVManager:
         self.attn_tp_rank = int(args.engine_rank) % self.attn_tp_size
         self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
         self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        # Attributes SGLang's scheduler and utils read on a manager
+        # (disaggregation/utils.py filter_kv_indices_for_cp_rank; the
+        # staging checks of decode.py). Context parallelism and staging
+        # buffers are not part of protocol 1.0.
+        self.attn_cp_size = 1
+        self.attn_cp_rank = 0
+        self.enable_staging = False
         self.local_ip = _setting(server_args, "kvhost_host", "KVHOST_HOST") or local_ip()
         self.variant = _setting(server_args, "kvhost_variant", "KVHOST_SGLANG_VARIANT", "nixl")
         endpoint = _setting(server_args, "kvhost_control", "KVHOST_CONTROL")
@@ -472,10 +479,16 @@ class _Room:
         if not self._created:
             return _poll(KVPoll.Bootstrapping)
         mgr = self.kv_mgr
-        if self._stale():
+        if mgr.client.generation != self._generation:
             self._fail_local(_client.LOST_REASON)
             return _poll(KVPoll.Failed)
+        # The cache first: a room that reached Success before the sidecar
+        # went away did move its KV (Success is final; the client fails
+        # only unfinished rooms when the connection is lost).
         st = mgr.client.state(self._rank, self.bootstrap_room)
+        if st != KVPoll.Success and mgr.client.lost is not None:
+            self._fail_local(_client.LOST_REASON)
+            return _poll(KVPoll.Failed)
         if st is None:
             self._fail_local("room %s is unknown to the sidecar" % self.bootstrap_room)
             return _poll(KVPoll.Failed)
@@ -568,6 +581,10 @@ class KVReceiver(_Room):
         self._setup(mgr, bootstrap_addr, bootstrap_room)
         self.prefill_dp_rank: Optional[int] = None
         self.init_time = None
+        # Read by SGLang's poll_and_all_reduce_with_staging
+        # (disaggregation/utils.py): the sidecar writes into the pages
+        # themselves, never through a staging buffer.
+        self.require_staging = False
         dp = prefill_dp_rank if prefill_dp_rank is not None else data_parallel_rank
         if dp is not None:
             self._create(dp)
