@@ -604,10 +604,11 @@ func (e *Engine) run() {
 		if e.file == nil {
 			due = expect || !now.Before(nextNotifs)
 		}
+		more := false // Notifs returned a batch: the plugin may hold more
 		if len(subs) > 0 && due {
 			ns, err := e.a.Notifs()
 			if len(ns) > 0 {
-				progressed = true
+				progressed, more = true, true
 				for _, s := range subs {
 					s.call(ns)
 				}
@@ -618,6 +619,15 @@ func (e *Engine) run() {
 		nsubs := len(subs)
 		clear(subs)
 		events = false
+		if more {
+			// One Notifs call takes a bounded number of get_notifs
+			// rounds (maxNotifRounds), and the descriptor was drained
+			// before it: what it left queued would not wake the engine
+			// again until the next notification arrives. Read again at
+			// once until a call finds nothing.
+			events, nextNotifs = true, now
+			continue
+		}
 
 		if progressed {
 			lastProgress = now

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -560,5 +561,44 @@ func TestEngineAfterAgentClose(t *testing.T) {
 		}
 		e.Expect(1)
 		e.Abort(nil, nil)
+	}
+}
+
+// A backlog larger than one Notifs call takes (maxNotifRounds rounds of
+// get_notifs) reaches the subscriber whole: the engine reads again at once
+// after a batch instead of sleeping on a descriptor it drained before the
+// batch (it then slept until the next notification arrived, which in a
+// flood test could be never: 15,412 of 200,000 stayed queued).
+func TestEngineDeliversBacklogBeyondOneNotifsCall(t *testing.T) {
+	p := openFake(t)
+	for _, params := range [][]Param{nil, {{"caps_off", "event_fd"}}} {
+		t.Run(fmt.Sprint(params), func(t *testing.T) {
+			ps := newPairSides(t, p, 64<<10, params...)
+			e := ps.a.a.Engine()
+			// Records are about 30 bytes; one Notifs call takes at most
+			// maxNotifRounds buffers of initialNotifBuf.
+			n := 3 * maxNotifRounds * initialNotifBuf / 24
+			for i := range n {
+				if err := ps.b.a.SendNotif(ps.a.a.Name(), fmt.Appendf(nil, "n%06d", i)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var got atomic.Int64
+			cancel, err := e.Subscribe(func(ns []Notif) { got.Add(int64(len(ns))) })
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cancel()
+			deadline := time.Now().Add(10 * time.Second)
+			for got.Load() < int64(n) {
+				if time.Now().After(deadline) {
+					t.Fatalf("%d of %d notifications delivered in 10s", got.Load(), n)
+				}
+				time.Sleep(time.Millisecond)
+			}
+			if got.Load() != int64(n) {
+				t.Fatalf("%d notifications delivered, want %d", got.Load(), n)
+			}
+		})
 	}
 }
