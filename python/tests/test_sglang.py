@@ -196,12 +196,6 @@ def wait(cond, timeout=30.0):
         time.sleep(0.005)
 
 
-# kvhost serve at wt-serve 540055a never tears down a closed connection:
-# host/serve/server.go's peerGone ("engine disconnected") has no caller, so
-# the gone engine's rank, rooms and mappings stay and the prefill's write
-# into them succeeds. strict: this fails (XPASS) once the sidecar does what
-# docs/engine-api.md ("Lifecycle") says; then drop the mark.
-@pytest.mark.xfail(strict=True, reason="kvhost serve does not tear down a closed engine connection (peerGone unused)")
 @pytest.mark.parametrize("variant", ["nixl", "mori"])
 def test_decode_engine_gone_fails_prefill_room(sidecar_factory, standin_cudart, monkeypatch, variant):
     """The decode engine's connection closes after its metadata went out:
