@@ -3,12 +3,22 @@ package serve
 import (
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/serve/client"
 	"github.com/kvhost/kvhost/host/serve/internal/fakeengine"
+)
+
+// memMode is how a test engine registers its pool.
+type memMode uint8
+
+const (
+	memDRAM       memMode = iota // host memory, registered as DRAM
+	memVRAM                      // KV by CUDA IPC handle of the stand-in libcudart
+	memDRAMAsVRAM                // host memory with register_as "vram"
 )
 
 // engine is one in-process engine: its ranks on one sidecar connection.
@@ -20,7 +30,7 @@ type engine struct {
 }
 
 // newEngine makes tpSize ranks of role over shm and opens them on s.
-func newEngine(t *testing.T, s *Server, role, variant string, vram bool, shape fakeengine.Shape, tpSize int, boot string) *engine {
+func newEngine(t *testing.T, s *Server, role, variant string, mem memMode, shape fakeengine.Shape, tpSize int, boot string) *engine {
 	t.Helper()
 	c := dial(t, s)
 	e := &engine{srv: s, c: c, w: fakeengine.Watch(c)}
@@ -29,7 +39,10 @@ func newEngine(t *testing.T, s *Server, role, variant string, vram bool, shape f
 		if err != nil {
 			t.Fatal(err)
 		}
-		r.VRAM = vram
+		r.VRAM = mem == memVRAM
+		if mem == memDRAMAsVRAM {
+			r.RegisterAs = "vram"
+		}
 		t.Cleanup(r.Close)
 		if err := r.Open(testCtx(t), c, variant, boot); err != nil {
 			t.Fatal(err)
@@ -45,7 +58,7 @@ var shmCount atomic.Int64
 func shmName() string { return fmt.Sprintf("/kvt-%d-%d", os.Getpid(), shmCount.Add(1)) }
 
 // pair starts a prefill and a decode sidecar with their engines.
-func pair(t *testing.T, variant string, vram bool, shape fakeengine.Shape, ptp, dtp int) (pre, dec *engine, boot string) {
+func pair(t *testing.T, variant string, mem memMode, shape fakeengine.Shape, ptp, dtp int) (pre, dec *engine, boot string) {
 	t.Helper()
 	cuda := func(c *Config) { c.CUDALibrary = standin(t) }
 	ps := newTestServer(t, cuda)
@@ -55,8 +68,8 @@ func pair(t *testing.T, variant string, vram bool, shape fakeengine.Shape, ptp, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	pre = newEngine(t, ps, "prefill", variant, vram, shape, ptp, boot)
-	dec = newEngine(t, ds, "decode", variant, vram, shape, dtp, "")
+	pre = newEngine(t, ps, "prefill", variant, mem, shape, ptp, boot)
+	dec = newEngine(t, ds, "decode", variant, mem, shape, dtp, "")
 	return pre, dec, boot
 }
 
@@ -97,7 +110,7 @@ func run(t *testing.T, pre, dec *engine, boot string, reqs []fakeengine.Request)
 var smallShape = fakeengine.Shape{Layers: 2, KVHeads: 4, HeadBytes: 16, PageSize: 4, Pages: 64, AuxItems: 8}
 
 func TestSGLangPush1to1(t *testing.T) {
-	pre, dec, boot := pair(t, "nixl", false, smallShape, 1, 1)
+	pre, dec, boot := pair(t, "nixl", memDRAM, smallShape, 1, 1)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 1, Tokens: 30, Chunk: 2}, {Room: 2, Tokens: 7}})
 }
 
@@ -106,13 +119,55 @@ func TestSGLangPush1to1(t *testing.T) {
 // heterogeneous-TP KV straight into host memory (the planner refuses it,
 // as SGLang does).
 func TestSGLangPush2to4(t *testing.T) {
-	pre, dec, boot := pair(t, "nixl", true, smallShape, 2, 4)
+	pre, dec, boot := pair(t, "nixl", memVRAM, smallShape, 2, 4)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 11, Tokens: 33, Chunk: 3}, {Room: 12, Tokens: 5}})
 }
 
 func TestSGLangPushMLA(t *testing.T) {
 	shape := smallShape
 	shape.MLA = true
-	pre, dec, boot := pair(t, "nixl", false, shape, 2, 2)
+	pre, dec, boot := pair(t, "nixl", memDRAM, shape, 2, 2)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 21, Tokens: 17, Chunk: 1}})
+}
+
+// TestSGLangPush2to4RegisterAsVRAM moves heterogeneous-TP MHA KV between
+// two engines whose pools are host memory registered with register_as
+// "vram": the fake plugin models GPU memory with host memory, so the
+// planner moves the KV as it moves GPU pools (as `kvhost demo` does with
+// the fake plugin), and every byte lands in the engines' host memory.
+func TestSGLangPush2to4RegisterAsVRAM(t *testing.T) {
+	pre, dec, boot := pair(t, "nixl", memDRAMAsVRAM, smallShape, 2, 4)
+	run(t, pre, dec, boot, []fakeengine.Request{{Room: 31, Tokens: 33, Chunk: 3}, {Room: 32, Tokens: 5}})
+}
+
+// TestSGLangPush2to4HostMemoryRefused is the reason register_as exists:
+// without it, host-memory pools are DRAM and heterogeneous-TP MHA into
+// them is refused when the decode registers with the prefill (as SGLang's
+// NIXL connector refuses it); the decode's rooms fail with that reason.
+func TestSGLangPush2to4HostMemoryRefused(t *testing.T) {
+	pre, dec, boot := pair(t, "nixl", memDRAM, smallShape, 2, 4)
+	ctx := testCtx(t)
+	q := fakeengine.Request{Room: 41, Tokens: 9}
+	var wg sync.WaitGroup
+	for _, r := range pre.ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fakeengine.Prefill(ctx, pre.c, pre.w, r, q) // fails too
+		}()
+	}
+	errs := make([]error, len(dec.ranks))
+	for i, r := range dec.ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fakeengine.Decode(ctx, dec.c, dec.w, r, boot, q)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err == nil || !strings.Contains(err.Error(), "direct-to-host") {
+			t.Errorf("decode tp%d of heterogeneous-TP MHA into host memory: %v, want a failure naming direct-to-host", i, err)
+		}
+	}
 }

@@ -136,6 +136,9 @@ func TestMalformed(t *testing.T) {
 		{"region field missing", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "dram"}, {"addr", 4096}}}), CodeBadRequest, `regions[0].length`},
 		{"region negative", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "dram"}, {"addr", -1}}}), CodeBadRequest, `regions[0].addr`},
 		{"region kind", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "hbm"}, {"addr", 4096}, {"length", 1}}}), CodeBadRequest, `regions[0].kind`},
+		{"register_as value", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "dram"}, {"addr", 4096}, {"length", 1}, {"shm", "/x"}, {"register_as", "hbm"}}}), CodeBadRequest, `regions[0].register_as`},
+		{"register_as type", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "dram"}, {"addr", 4096}, {"length", 1}, {"shm", "/x"}, {"register_as", 1}}}), CodeBadRequest, `regions[0].register_as`},
+		{"register_as dram for vram", req("op", "register_memory", "seq", 6, "regions", []any{Fields{{"kind", "vram"}, {"addr", 4096}, {"length", 1}, {"cuda_ipc", make([]byte, 64)}, {"register_as", "dram"}}}), CodeBadRequest, `regions[0].register_as`},
 		{"rank missing", req("op", "sender_create", "seq", 6, "room", 1), CodeBadRequest, `"rank"`},
 		{"unknown rank", req("op", "sender_create", "seq", 6, "rank", 99, "room", 1), CodeUnknown, "rank 99"},
 		{"bad style", req("op", "open_rank", "seq", 6, "style", "trt", "role", "prefill"), CodeUnsupported, `"trt"`},
@@ -237,7 +240,7 @@ func TestForeign(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := newEngine(t, ps, "prefill", "nixl", false, smallShape, 1, boot)
+	a := newEngine(t, ps, "prefill", "nixl", memDRAM, smallShape, 1, boot)
 	ctx := testCtx(t)
 	rk := a.ranks[0]
 	if err := a.c.SenderCreate(ctx, rk.ID, 5); err != nil {

@@ -43,7 +43,7 @@ func TestInteropWorkerToSidecar(t *testing.T) {
 		}
 		errs <- err
 	}()
-	dec := newEngine(t, ds, "decode", "nixl", false, smallShape, 1, "")
+	dec := newEngine(t, ds, "decode", "nixl", memDRAM, smallShape, 1, "")
 	for _, q := range wl.List(smallShape.PageSize) {
 		if err := fakeengine.Decode(ctx, dec.c, dec.w, dec.ranks[0], boot, fakeengine.Request{Room: q.Room, Tokens: q.Tokens}); err != nil {
 			t.Fatalf("request %d: %v", q.Index, err)
@@ -64,7 +64,7 @@ func TestInteropSidecarToWorker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pre := newEngine(t, ps, "prefill", "nixl", false, smallShape, 1, boot)
+	pre := newEngine(t, ps, "prefill", "nixl", memDRAM, smallShape, 1, boot)
 	wl := pushworker.Workload{Seed: 6, Requests: 4, MinTokens: 5, MaxTokens: 60}
 	errs := make(chan error, 1)
 	go func() {

@@ -148,7 +148,7 @@ func TestSidecarRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pre := newEngine(t, ps, "prefill", "nixl", false, smallShape, 1, boot)
+	pre := newEngine(t, ps, "prefill", "nixl", memDRAM, smallShape, 1, boot)
 	sock := filepath.Join(t.TempDir(), "d.sock")
 	side, ep := sidecar(t, kvhost, sock)
 	ctx := testCtx(t)

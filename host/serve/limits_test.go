@@ -117,7 +117,7 @@ func TestStuckEngineDropped(t *testing.T) {
 // "sidecar shutting down", sends those events before the connection
 // closes, and the peer's rooms fail too (told with ABORT).
 func TestShutdownFailsRooms(t *testing.T) {
-	pre, dec, boot := pair(t, "nixl", false, smallShape, 1, 1)
+	pre, dec, boot := pair(t, "nixl", memDRAM, smallShape, 1, 1)
 	ctx := testCtx(t)
 	pr, dr := pre.ranks[0], dec.ranks[0]
 	const room = 42

@@ -85,5 +85,20 @@ func parseRegion(i int, v msgpack.Value) (engmem.Spec, error) {
 	default:
 		return s, badValue(name("kind"), "%q is neither dram nor vram", kind)
 	}
+	if x, ok := r.get("register_as"); ok {
+		as, ok := x.Str()
+		if !ok {
+			return s, wrongType(name("register_as"), "str", x)
+		}
+		switch {
+		case as == "vram":
+			s.AsVRAM = s.Kind == engmem.DRAM
+		case as == "dram" && s.Kind == engmem.DRAM:
+		case as == "dram":
+			return s, badValue(name("register_as"), "\"dram\" for a vram region: GPU memory is registered as VRAM")
+		default:
+			return s, badValue(name("register_as"), "%q is neither dram nor vram", as)
+		}
+	}
 	return s, nil
 }

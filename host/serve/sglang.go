@@ -85,7 +85,9 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.r.s.event("room", f)
 }
 
-func kindOf(r *memRegion) abi.MemKind { return r.Kind.MemKind() }
+// kindOf is the memory kind a buffer in r is registered with the plugin as
+// (the region's kind, or register_as).
+func kindOf(r *memRegion) abi.MemKind { return r.PluginKind() }
 
 // u64List reads three parallel lists (ptrs, lens, item lens).
 func (r *request) lists3(p, l, i string, required bool) (ptrs, lens, items []uint64, err error) {

@@ -5,10 +5,10 @@ import (
 	"math"
 	"time"
 
-	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/msgpack"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
+	"github.com/kvhost/kvhost/host/serve/engmem"
 )
 
 // The vLLM ops of docs/engine-api.md on the session dispatcher: open_rank
@@ -255,17 +255,14 @@ func vllmCacheOf(s *session, r *request, rk *rankEntry) (pull.Cache, error) {
 		if err != nil {
 			return c, err
 		}
-		kind, dev := abi.DRAM, uint64(0)
-		if reg.Kind.MemKind() == abi.VRAM {
-			kind, dev = abi.VRAM, uint64(reg.Device)
-		}
+		kind, dev := reg.PluginKind(), uint64(reg.Device)
 		if i == 0 {
 			c.Kind, c.DeviceID = kind, dev
 		} else if kind != c.Kind || dev != c.DeviceID {
 			return c, errorf(CodeBadRegion, "%s: %s memory on device %d, but region 0 is %s on device %d", what, kind, dev, c.Kind, c.DeviceID)
 		}
 		c.Regions = append(c.Regions, pull.Region{Addr: uint64(local), Len: regionLen})
-		if kind == abi.DRAM {
+		if reg.Kind == engmem.DRAM { // host memory, whatever it is registered as
 			b, err := s.mem.bytes(a, regionLen)
 			if err != nil {
 				return c, err

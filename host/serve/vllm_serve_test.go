@@ -67,11 +67,17 @@ type vsRank struct {
 // and opens its rank.
 func vsOpen(t *testing.T, srv *Server, role, engine string, tp, rank, blocks, blockSize int, mod func(*client.VLLMRank)) (*vsRank, error) {
 	t.Helper()
+	return vsOpenAs(t, srv, "", role, engine, tp, rank, blocks, blockSize, mod)
+}
+
+// vsOpenAs is vsOpen with the region's register_as.
+func vsOpenAs(t *testing.T, srv *Server, registerAs, role, engine string, tp, rank, blocks, blockSize int, mod func(*client.VLLMRank)) (*vsRank, error) {
+	t.Helper()
 	ctx := testCtx(t)
 	c := dial(t, srv)
 	pool, shm := vsShmPool(t, vsGeom(tp, rank, blocks, blockSize))
 	regs := pool.Regions()
-	if _, err := c.RegisterMemory(ctx, []client.Region{{Kind: "dram", Addr: regs[0].Addr, Length: pool.Geometry().Size(), SHM: shm}}); err != nil {
+	if _, err := c.RegisterMemory(ctx, []client.Region{{Kind: "dram", Addr: regs[0].Addr, Length: pool.Geometry().Size(), SHM: shm, RegisterAs: registerAs}}); err != nil {
 		t.Fatal(err)
 	}
 	r := client.VLLMRank{Role: role, EngineID: engine, TPSize: tp, TPRank: rank, RegionLen: regs[0].Len,
@@ -400,10 +406,23 @@ func TestServeVLLMIDBounds(t *testing.T) {
 // blocks reads through its sidecar and gets every token in place: the
 // HND blocks are reordered in the sidecar's mapping of the engine's
 // shared memory (the Cache's host views), which the engine then sees.
-func TestServeVLLMBlockSizeRatio(t *testing.T) {
+func TestServeVLLMBlockSizeRatio(t *testing.T) { testServeVLLMBlockSizeRatio(t, "") }
+
+// TestServeVLLMBlockSizeRatioRegisterAsVRAM: the same with both engines'
+// host memory registered as VRAM (register_as "vram", which the fake
+// plugin takes): the plugin sees GPU memory, and the decode still
+// reorders blocks in its host view of the region, which is host memory
+// whatever it is registered as.
+func TestServeVLLMBlockSizeRatioRegisterAsVRAM(t *testing.T) { testServeVLLMBlockSizeRatio(t, "vram") }
+
+func testServeVLLMBlockSizeRatio(t *testing.T, registerAs string) {
 	ctx := testCtx(t)
 	ps, ds := newTestServer(t), newTestServer(t)
-	w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 32, 4, nil))
+	open := func(srv *Server, role, engine string, tp, rank, blocks, blockSize int) (*testing.T, *vsRank, error) {
+		r, err := vsOpenAs(t, srv, registerAs, role, engine, tp, rank, blocks, blockSize, nil)
+		return t, r, err
+	}
+	w := vsMust(open(ps, "prefill", "P", 1, 0, 32, 4))
 	vsEvent(t, w.c)
 	const tokens = 19
 	blocks := []int32{9, 2, 30, 14, 6} // 5 blocks of 4 tokens
@@ -417,7 +436,7 @@ func TestServeVLLMBlockSizeRatio(t *testing.T) {
 	local := []int32{7, 1, 4} // 3 blocks of 8 tokens
 	var dec []*vsRank
 	for rank := 0; rank < 2; rank++ {
-		d := vsMust(vsOpenT(t, ds, "decode", "D", 2, rank, 8, 8, nil))
+		d := vsMust(open(ds, "decode", "D", 2, rank, 8, 8))
 		dec = append(dec, d)
 		if err := d.c.Read(ctx, d.rank.ID, "dreq", params, local); err != nil {
 			t.Fatal(err)

@@ -10,7 +10,13 @@ hundred requests through the adapters an engine would load:
   order; decode pulls.
 - SGLang style (kvhost.demo_sglang): prefill TP 2 and decode TP 4 engines
   driving kvhost.sglang's KVManager/KVSender/KVReceiver in SGLang's
-  bootstrap/init/send/poll order; prefill pushes.
+  bootstrap/init/send/poll order; prefill pushes. SGLang's NIXL connector
+  pushes heterogeneous-TP MHA KV only into GPU memory, and these pools are
+  host memory: with the fake plugin (which models GPU memory with host
+  memory) the engines register them with ``register_as: "vram"``, as
+  ``kvhost demo`` registers its pools, and the summary says so; with
+  another plugin (``--kv-register-as dram``) the pair runs decode TP =
+  prefill TP unless ``--sglang-decode-tp`` says otherwise.
 
 Every decode rank checks every byte of every request in its own memory
 (kvhost.demo_pattern). The run prints a progress bar (stderr, on a
@@ -57,8 +63,13 @@ def _parse(argv):
     p.add_argument("--prefill-tp", type=int, default=2)
     p.add_argument("--decode-tp", type=int, default=4)
     p.add_argument("--sglang-decode-tp", type=int, default=0,
-                   help="decode TP of the sglang pair (default: the prefill TP: SGLang's NIXL connector moves "
-                        "heterogeneous-TP MHA KV only into GPU memory, and these pools are host memory)")
+                   help="decode TP of the sglang pair (default: --decode-tp when its pools are registered as VRAM, "
+                        "else the prefill TP: SGLang's NIXL connector moves heterogeneous-TP MHA KV only into "
+                        "GPU memory, and these pools are host memory)")
+    p.add_argument("--kv-register-as", choices=("auto", "dram", "vram"), default="auto",
+                   help="what the sglang pair's host-memory KV pools are registered with the plugin as "
+                        "(register_as; default auto: vram with the fake plugin, which models GPU memory "
+                        "with host memory, else dram)")
     p.add_argument("--concurrency", type=int, default=16, help="requests loading at once on decode")
     p.add_argument("--chunk-pages", type=int, default=8, help="sglang: pages per send (chunked prefill)")
     p.add_argument("--backend", default="fake")
@@ -155,6 +166,25 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
+def sglang_register_as(ns):
+    """register_as of the sglang pair's pools: --kv-register-as, auto
+    being vram with the fake plugin (it models GPU memory with host memory,
+    as ``kvhost demo`` finds by probing it) and dram otherwise (real
+    backends refuse host memory as VRAM)."""
+    if ns.kv_register_as != "auto":
+        return ns.kv_register_as
+    return "vram" if ns.backend == "fake" else "dram"
+
+
+def sglang_decode_tp(ns):
+    """Decode TP of the sglang pair: --sglang-decode-tp, else --decode-tp
+    when the pools are registered as VRAM, else the prefill TP (SGLang's
+    NIXL connector refuses heterogeneous-TP MHA KV into host memory)."""
+    if ns.sglang_decode_tp:
+        return ns.sglang_decode_tp
+    return ns.decode_tp if sglang_register_as(ns) == "vram" else ns.prefill_tp
+
+
 def run_style(style, ns, workdir, reqs, progress):
     """Runs one pair (two sidecars, two engine processes); returns the
     style's summary dict."""
@@ -166,7 +196,7 @@ def run_style(style, ns, workdir, reqs, progress):
         "concurrency": ns.concurrency, "prefill_inflight": 2 * ns.concurrency,
         "num_blocks": 2 * ns.concurrency * max_pages + max_pages, "timeout": ns.timeout,
         "corrupt": ns.corrupt, "chunk_pages": ns.chunk_pages,
-        "sglang_decode_tp": ns.sglang_decode_tp or ns.prefill_tp,
+        "sglang_decode_tp": sglang_decode_tp(ns), "register_as": sglang_register_as(ns),
     }
     if style == "vllm":
         from kvhost import demo_vllm as mod
@@ -179,7 +209,8 @@ def run_style(style, ns, workdir, reqs, progress):
     procs = []
     decode_tp = ns.decode_tp if style == "vllm" else args["sglang_decode_tp"]
     summary = {"style": style, "requests": len(reqs), "ok": 0, "failed": 0, "bytes_moved": 0, "bytes_verified": 0,
-               "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp}
+               "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp,
+               "register_as": "dram" if style == "vllm" else args["register_as"]}
     lat = []
     try:
         for s in sidecars:
@@ -276,9 +307,13 @@ def human(n):
 
 def text(s, ns):
     ok = s["ok"] == s["requests"] and not s["failed"] and not s["failures"]
-    lines = ["kvhost demo-engine (%s style, MHA, prefill TP %d -> decode TP %d, %s plugin, shared-memory pools, "
+    pools = "shared-memory pools"
+    if s.get("register_as") == "vram":
+        pools = "shared-memory KV pools registered as VRAM (%s)" % (
+            "the fake plugin models GPU memory with host memory" if ns.backend == "fake" else "--kv-register-as vram")
+    lines = ["kvhost demo-engine (%s style, MHA, prefill TP %d -> decode TP %d, %s plugin, %s, "
              "%d processes + 2 kvhost serve): %s" % (
-                 s["style"], s["prefill_tp"], s["decode_tp"], ns.backend, s["processes"] - 2,
+                 s["style"], s["prefill_tp"], s["decode_tp"], ns.backend, pools, s["processes"] - 2,
                  "OK: every byte verified in the engines' memory" if ok else "FAILED")]
     lines.append("  requests      %d ok, %d failed (of %d)" % (s["ok"], s["failed"], s["requests"]))
     lines.append("  bytes         %s moved, %s verified on decode" % (human(s["bytes_moved"]), human(s["bytes_verified"])))

@@ -54,9 +54,12 @@ def _server_args(control, tp, port, page_size):
     )
 
 
-def _ranks(shape, tp, num_pages, aux_slots, mode, server_args):
+def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None):
     """Per rank: (KVManager, KVPool, KV view (layers, 2, pages, page_size,
-    heads, head_bytes), aux view (slots, AUX_LEN))."""
+    heads, head_bytes), aux view (slots, AUX_LEN)). ``register_as`` is the
+    pools' (kvhost.shm.KVPool): "vram" has the sidecar register the host
+    memory as GPU memory (for the fake plugin, which models GPU memory with
+    host memory), which heterogeneous-TP MHA KV needs."""
     from kvhost import shm
     from kvhost import sglang as ksg
 
@@ -64,7 +67,8 @@ def _ranks(shape, tp, num_pages, aux_slots, mode, server_args):
     item = shape.page_size * heads * shape.head_bytes
     out = []
     for r in range(tp):
-        pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots)
+        pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots,
+                          register_as=register_as)
         kv = pool.pool.ndarray("uint8", (2, shape.layers, num_pages, shape.page_size, heads, shape.head_bytes))
         kv = kv.transpose(1, 0, 2, 3, 4, 5)
         args = ksg.KVArgs(
@@ -97,7 +101,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         boot = ksg.KVBootstrapServer("127.0.0.1", port, endpoint=control)
         sa = _server_args(control, tp, port, shape.page_size)
         slots = args["prefill_inflight"]
-        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa)
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa, args.get("register_as"))
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         todo = list(requests)
@@ -183,7 +187,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         num_pages = args["num_blocks"]
         slots = args["concurrency"]
         sa = _server_args(control, tp, 0, shape.page_size)
-        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa)
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa, args.get("register_as"))
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         waiting, live = [], {}

@@ -38,6 +38,12 @@ _pools: "weakref.WeakValueDictionary[int, SharedPool]" = weakref.WeakValueDictio
 _counter = itertools.count()
 
 
+def _check_register_as(kind: Optional[str]) -> Optional[str]:
+    if kind is not None and kind not in ("dram", "vram"):
+        raise ValueError("register_as %r is neither 'dram' nor 'vram'" % (kind,))
+    return kind
+
+
 def _shm_path(name: str) -> str:
     if name.startswith(SHM_DIR + "/") or name.startswith("/dev/hugepages/"):
         return name
@@ -52,13 +58,17 @@ class SharedPool:
 
     ``name``: the shared-memory name (``/kvhost-<pid>-<n>-<random>`` when
     None). ``create``: make a new object (O_EXCL) and own it (unlink on
-    close), else open an existing one.
+    close), else open an existing one. ``register_as``: the default
+    ``register_as`` of the pool's regions (:meth:`region`); None leaves it
+    out (the sidecar registers host memory as DRAM).
     """
 
-    def __init__(self, size: int, name: Optional[str] = None, *, create: bool = True):
+    def __init__(self, size: int, name: Optional[str] = None, *, create: bool = True,
+                 register_as: Optional[str] = None):
         size = int(size)
         if size <= 0:
             raise ValueError("size must be positive, got %d" % size)
+        self.register_as = _check_register_as(register_as)
         if name is None:
             name = "/kvhost-%d-%d-%s" % (os.getpid(), next(_counter), secrets.token_hex(4))
         self.name = name if name.startswith("/") else "/" + name
@@ -134,9 +144,19 @@ class SharedPool:
 
     # -- registration --------------------------------------------------------
 
-    def region(self, addr: Optional[int] = None, length: Optional[int] = None) -> dict:
+    def region(self, addr: Optional[int] = None, length: Optional[int] = None,
+               register_as: Optional[str] = None) -> dict:
         """The ``register_memory`` region of ``length`` bytes at this
-        process's address ``addr`` (default: the whole pool)."""
+        process's address ``addr`` (default: the whole pool).
+
+        ``register_as`` (default: the pool's): the memory kind the sidecar
+        registers the region with its plugin as, ``"dram"`` or ``"vram"``
+        (docs/engine-api.md, "Memory"). ``"vram"`` is for plugins that
+        model GPU memory with host memory (the fake plugin), so transfers
+        that only go into GPU memory (heterogeneous-TP MHA pushed as
+        SGLang's NIXL connector pushes it) work with host-memory pools; a
+        plugin that refuses host memory as VRAM fails ``open_rank``."""
+        register_as = _check_register_as(register_as) or self.register_as
         if addr is None:
             addr = self.addr
         if length is None:
@@ -144,7 +164,10 @@ class SharedPool:
         off = addr - self.addr
         if off < 0 or length < 0 or off + length > self.size:
             raise ValueError("range [%#x, +%d) is not inside pool %s" % (addr, length, self.name))
-        return {"kind": "dram", "addr": int(addr), "length": int(length), "shm": self.name, "offset": int(off)}
+        r = {"kind": "dram", "addr": int(addr), "length": int(length), "shm": self.name, "offset": int(off)}
+        if register_as is not None:
+            r["register_as"] = register_as
+        return r
 
     def contains(self, addr: int, length: int = 1) -> bool:
         return self.addr <= addr and addr + length <= self.addr + self.size
@@ -244,17 +267,20 @@ class KVPool:
     ``kv_data_ptrs``, ``kv_data_lens`` and ``kv_item_lens`` are in the order
     of SGLang's KVArgs (K of every layer, then V of every layer);
     ``kv[i]`` is a numpy (num_pages, item_len) uint8 view of buffer i.
+    ``register_as`` is the pool's (:class:`SharedPool`): ``"vram"`` has the
+    sidecar register its KV buffers with the plugin as GPU memory.
     """
 
     def __init__(self, num_layers: int, num_pages: int, item_len: int, *, mla: bool = False,
-                 aux_item_lens: Sequence[int] = (), aux_slots: int = 0, name: Optional[str] = None):
+                 aux_item_lens: Sequence[int] = (), aux_slots: int = 0, name: Optional[str] = None,
+                 register_as: Optional[str] = None):
         self.num_layers = int(num_layers)
         self.num_pages = int(num_pages)
         self.item_len = int(item_len)
         nbuf = self.num_layers * (1 if mla else 2)
         buf_len = self.num_pages * self.item_len
         aux_lens = [int(x) * int(aux_slots) for x in aux_item_lens]
-        self.pool = SharedPool(nbuf * buf_len + sum(aux_lens) or 1, name)
+        self.pool = SharedPool(nbuf * buf_len + sum(aux_lens) or 1, name, register_as=register_as)
         base = self.pool.addr
         self.kv_data_ptrs = [base + i * buf_len for i in range(nbuf)]
         self.kv_data_lens = [buf_len] * nbuf

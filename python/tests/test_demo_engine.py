@@ -37,6 +37,39 @@ def test_demo_engine_every_byte(style):
     (s,) = json.loads(out.stdout)
     assert s["style"] == style and s["ok"] == 24 and s["failed"] == 0 and not s["failures"], s
     assert s["bytes_verified"] > 0 and s["gb_per_s"] > 0
+    # Both pairs are prefill TP 2 -> decode TP 4 (issue 15); the sglang
+    # pair's host-memory pools are registered as VRAM with the fake
+    # plugin, since SGLang's NIXL connector pushes heterogeneous-TP MHA KV
+    # only into GPU memory.
+    assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
+    assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+
+
+def test_demo_engine_sglang_options():
+    """The sglang pair's TP and register_as: VRAM with the fake plugin
+    (decode TP 4), DRAM otherwise (decode TP = prefill TP, which SGLang's
+    NIXL connector moves into host memory); --sglang-decode-tp wins."""
+    from kvhost import demo_engine as de
+
+    def pick(*argv):
+        ns = de._parse(list(argv))
+        return de.sglang_register_as(ns), de.sglang_decode_tp(ns)
+
+    assert pick() == ("vram", 4)
+    assert pick("--backend", "nixl") == ("dram", 2)
+    assert pick("--backend", "nixl", "--kv-register-as", "vram") == ("vram", 4)
+    assert pick("--kv-register-as", "dram") == ("dram", 2)
+    assert pick("--sglang-decode-tp", "1") == ("vram", 1)
+    assert pick("--kv-register-as", "dram", "--decode-tp", "8", "--prefill-tp", "4") == ("dram", 4)
+
+
+def test_demo_engine_sglang_host_memory_as_dram():
+    """--kv-register-as dram: the sglang pair registers its pools as host
+    memory and runs decode TP = prefill TP, every byte verified."""
+    out = run_demo("--styles", "sglang", "--kv-register-as", "dram", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (s,) = json.loads(out.stdout)
+    assert s["ok"] == 24 and (s["prefill_tp"], s["decode_tp"], s["register_as"]) == (2, 2, "dram"), s
 
 
 @pytest.mark.parametrize("style", ["vllm", "sglang"])
@@ -46,6 +79,12 @@ def test_demo_engine_fails_on_one_wrong_byte(style):
     assert "FAILED" in out.stdout
     assert "request req-1-0005: decode rank 0: page 0" in out.stdout and "byte 0: got" in out.stdout, out.stdout
     assert "23 ok, 1 failed" in out.stdout, out.stdout
+    head = out.stdout.splitlines()[0]
+    assert "prefill TP 2 -> decode TP 4" in head, head
+    if style == "sglang":
+        assert "KV pools registered as VRAM (the fake plugin models GPU memory with host memory)" in head, head
+    else:
+        assert "VRAM" not in head, head
 
 
 @pytest.mark.parametrize("style", ["vllm", "sglang"])

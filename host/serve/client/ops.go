@@ -18,18 +18,25 @@ const (
 
 // Region is one region of register_memory: host memory by shared-memory
 // name (Kind "dram") or GPU memory by CUDA IPC handle (Kind "vram").
+// RegisterAs, when set, is the region's register_as: the memory kind the
+// sidecar registers it with the plugin as ("vram" for host memory that a
+// plugin modelling GPU memory with host memory, the fake one, takes).
 type Region struct {
-	Kind    string
-	Addr    uint64
-	Length  uint64
-	SHM     string
-	Offset  uint64
-	CUDAIPC []byte
-	Device  int
+	Kind       string
+	Addr       uint64
+	Length     uint64
+	SHM        string
+	Offset     uint64
+	CUDAIPC    []byte
+	Device     int
+	RegisterAs string
 }
 
 func (r Region) fields() Fields {
 	f := Fields{{"kind", r.Kind}, {"addr", r.Addr}, {"length", r.Length}, {"offset", r.Offset}}
+	if r.RegisterAs != "" {
+		f = append(f, Field{"register_as", r.RegisterAs})
+	}
 	if r.Kind == "vram" {
 		return append(f, Field{"cuda_ipc", r.CUDAIPC}, Field{"device", r.Device})
 	}

@@ -12,7 +12,9 @@
 //     sidecar maps it MAP_SHARED read-write; nothing else can be mapped
 //     (no other path, no symbolic link leading out of those folders, no
 //     file that is not regular), so a client cannot make the sidecar map an
-//     arbitrary file.
+//     arbitrary file. Spec.AsVRAM (register_as "vram") changes only the
+//     kind the sidecar registers the region's buffers with the plugin as
+//     ([Spec.PluginKind]); the region is opened as host memory all the same.
 //   - GPU memory (VRAM) is shared by CUDA IPC handle (cudaIpcGetMemHandle's
 //     64 bytes), opened with cudaIpcOpenMemHandle through libcudart, which
 //     is loaded with purego at run time when the first VRAM region is

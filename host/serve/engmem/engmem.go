@@ -56,6 +56,21 @@ type Spec struct {
 	IPCHandle [64]byte
 	// Device (VRAM) is the CUDA device ordinal the handle is opened on.
 	Device int
+	// AsVRAM (DRAM) has the sidecar register the region's buffers with
+	// the plugin as VRAM (register_as "vram"), for plugins that model GPU
+	// memory with host memory (the fake plugin). Opening is unchanged:
+	// the region is mapped and read as host memory.
+	AsVRAM bool
+}
+
+// PluginKind is the memory kind the region's buffers are registered with
+// the plugin as: VRAM for VRAM regions and DRAM regions with AsVRAM, else
+// DRAM.
+func (s *Spec) PluginKind() abi.MemKind {
+	if s.Kind == VRAM || s.AsVRAM {
+		return abi.VRAM
+	}
+	return abi.DRAM
 }
 
 // Region is an opened Spec: the same bytes in this process. Its fields do

@@ -49,6 +49,10 @@ type Rank struct {
 	// (host/serve/engmem/testdata/cudart_standin.c): the pool's shm
 	// object is the "device allocation".
 	VRAM bool
+	// RegisterAs, when set, is register_as of the pool's host-memory
+	// region (without VRAM): "vram" has the sidecar register host memory
+	// as GPU memory, which the fake plugin accepts.
+	RegisterAs string
 }
 
 // NewRank creates a rank's pool in a fresh shared-memory object named
@@ -106,7 +110,7 @@ func (r *Rank) Base() uint64 { return r.Pool.Regions()[0].Addr }
 // a DRAM region of the same object.
 func (r *Rank) MemRegions() []client.Region {
 	if !r.VRAM {
-		return []client.Region{{Kind: "dram", Addr: r.Base(), Length: uint64(len(r.mem)), SHM: r.SHM}}
+		return []client.Region{{Kind: "dram", Addr: r.Base(), Length: uint64(len(r.mem)), SHM: r.SHM, RegisterAs: r.RegisterAs}}
 	}
 	h := make([]byte, 64)
 	copy(h, "KVSI")

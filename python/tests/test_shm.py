@@ -1,0 +1,53 @@
+"""kvhost.shm's region builder: ``register_as`` (docs/engine-api.md,
+"Memory"), alone and against a live sidecar."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhost import client as kc
+from kvhost import shm
+
+
+def test_region_register_as_argument_and_pool_default():
+    with shm.SharedPool(8192) as p:
+        assert "register_as" not in p.region()  # the sidecar's default: DRAM
+        assert p.region(register_as="vram")["register_as"] == "vram"
+        assert p.region(p.addr + 4096, 4096, register_as="dram") == {
+            "kind": "dram", "addr": p.addr + 4096, "length": 4096, "shm": p.name, "offset": 4096,
+            "register_as": "dram"}
+        with pytest.raises(ValueError, match="register_as"):
+            p.region(register_as="gpu")
+    with pytest.raises(ValueError, match="register_as"):
+        shm.SharedPool(4096, register_as="hbm")
+
+
+def test_kvpool_register_as_reaches_every_region_lookup():
+    pool = shm.KVPool(2, 4, 256, aux_item_lens=[64], aux_slots=2, register_as="vram")
+    try:
+        assert [r["register_as"] for r in pool.regions()] == ["vram"]
+        # What an adapter handed only pointers finds (kvhost.sglang,
+        # kvhost.vllm): the pool's default too.
+        (r,) = shm.regions_for([(pool.kv_data_ptrs[1], pool.kv_data_lens[1])])
+        assert r["register_as"] == "vram" and r["addr"] == pool.pool.addr
+        assert shm.find_region(pool.aux_data_ptrs[0], 64)["register_as"] == "vram"
+        # The argument wins over the pool's default.
+        assert pool.pool.region(register_as="dram")["register_as"] == "dram"
+    finally:
+        pool.close()
+
+
+def test_sidecar_takes_register_as_and_names_a_bad_value(sidecar):
+    pool = shm.KVPool(2, 4, 256, register_as="vram")
+    try:
+        with kc.Client(sidecar.endpoint, timeout=20) as c:
+            ids = c.register_memory(pool.regions())
+            assert len(ids) == 1
+            c.deregister_memory(ids)
+            bad = dict(pool.pool.region(), register_as="gpu")  # past the builder's check
+            with pytest.raises(kc.BadRequest) as e:
+                c.register_memory([bad])
+            assert "regions[0].register_as" in e.value.message
+            assert c.register_memory(pool.regions())  # nothing was registered by the refusal
+    finally:
+        pool.close()
