@@ -235,14 +235,21 @@ func benchThroughput(b *testing.B, inflight int) {
 		dcommon := common
 		dcommon.Progress = func(int) { m.done() }
 		ctx := context.Background()
+		var ps *pushworker.Summary
 		pch := make(chan error, 1)
 		go func() {
-			_, err := pushworker.RunPrefill(ctx, pushworker.PrefillOptions{Common: common, BootstrapAddr: addr})
+			var err error
+			ps, err = pushworker.RunPrefill(ctx, pushworker.PrefillOptions{Common: common, BootstrapAddr: addr})
 			pch <- err
 		}()
 		ds, err := pushworker.RunDecode(ctx, pushworker.DecodeOptions{Common: dcommon, BootstrapAddr: addr})
 		if perr := <-pch; err != nil || perr != nil || ds.OK != n {
 			b.Fatalf("in-process worker: %v %v %+v", err, perr, ds)
+		}
+		// Both paths are credited the same bytes: check that the worker
+		// moved them all.
+		if want := uint64(reqBytes) * uint64(n); ps.Bytes < want {
+			b.Fatalf("in-process worker moved %d bytes, want %d", ps.Bytes, want)
 		}
 		return m.rate(reqBytes)
 	}
