@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"testing"
@@ -91,5 +92,60 @@ func BenchmarkPushPull(b *testing.B) {
 		b.ReportMetric(float64(ours.Nanoseconds()), "ns/msg")
 		b.ReportMetric(float64(raw.Nanoseconds()), "baseline-ns/msg")
 		b.ReportMetric(float64(ours)/float64(raw), "ratio")
+	}
+}
+
+// BenchmarkRouterEnqueue measures what a kvhost serve sidecar does for
+// its replies and events: a ROUTER queues small messages (about 100
+// bytes) to one DEALER peer faster than they are written (Enqueue), and
+// the peer reads them all.
+func BenchmarkRouterEnqueue(b *testing.B) {
+	r, err := ListenRouter("ipc://"+b.TempDir()+"/r.sock", quiet())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer r.Close()
+	d, err := DialDealer(r.Endpoint(), quiet())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	if err := d.Send(ctx, []byte("hello")); err != nil {
+		b.Fatal(err)
+	}
+	m, err := r.Recv(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	peer := m.Peer
+	msg := make([]byte, 100)
+	const n = 20000
+	for b.Loop() {
+		done := make(chan error, 1)
+		go func() {
+			for range n {
+				if _, err := d.Recv(ctx); err != nil {
+					done <- err
+					return
+				}
+			}
+			done <- nil
+		}()
+		start := time.Now()
+		for i := 0; i < n; {
+			if err := r.Enqueue(peer, msg); err != nil {
+				if errors.Is(err, ErrPeerBusy) {
+					time.Sleep(10 * time.Microsecond)
+					continue
+				}
+				b.Fatal(err)
+			}
+			i++
+		}
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(time.Since(start).Nanoseconds())/n, "ns/msg")
 	}
 }

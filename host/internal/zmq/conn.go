@@ -297,21 +297,33 @@ func (c *conn) readMessage() ([][]byte, *command, error) {
 // message leaves the stream unusable, and the receiver drops the partial
 // message.
 func (c *conn) send(ctx context.Context, frames [][]byte) error {
-	if len(frames) == 0 {
-		return errors.New("zmq: a message needs at least one frame")
-	}
-	hdrs := make([]byte, 9*len(frames))
-	bufs := make(net.Buffers, 0, 2*len(frames))
-	for i, f := range frames {
-		var flags byte
-		if i < len(frames)-1 {
-			flags = flagMore
+	return c.sendBatch(ctx, [][][]byte{frames})
+}
+
+// sendBatch writes msgs, in order, in one write.
+func (c *conn) sendBatch(ctx context.Context, msgs [][][]byte) error {
+	nf := 0
+	for _, frames := range msgs {
+		if len(frames) == 0 {
+			return errors.New("zmq: a message needs at least one frame")
 		}
-		h := hdrs[9*i : 9*i+9]
-		n := frameHeader(h, flags, len(f))
-		bufs = append(bufs, h[:n])
-		if len(f) > 0 {
-			bufs = append(bufs, f)
+		nf += len(frames)
+	}
+	hdrs := make([]byte, 9*nf)
+	bufs := make(net.Buffers, 0, 2*nf)
+	for _, frames := range msgs {
+		for i, f := range frames {
+			var flags byte
+			if i < len(frames)-1 {
+				flags = flagMore
+			}
+			h := hdrs[:9:9]
+			hdrs = hdrs[9:]
+			n := frameHeader(h, flags, len(f))
+			bufs = append(bufs, h[:n])
+			if len(f) > 0 {
+				bufs = append(bufs, f)
+			}
 		}
 	}
 	deadline, _ := ctx.Deadline()

@@ -268,9 +268,16 @@ func (r *Router) Enqueue(peer []byte, frames ...[]byte) error {
 	return nil
 }
 
+// drainBatchBytes bounds the bytes drain hands to one write: the messages
+// queued for a peer go out together (one writev, one wakeup of the peer's
+// reader instead of one per message) up to this much, so that one write's
+// send timeout still bounds a similar amount of data.
+const drainBatchBytes = 256 << 10
+
 // drain writes p's queue until it is empty or a write fails.
 func (r *Router) drain(p *routerPeer) {
 	defer r.writers.Done()
+	var batch [][][]byte
 	for {
 		p.mu.Lock()
 		if len(p.queue) == 0 {
@@ -278,17 +285,24 @@ func (r *Router) drain(p *routerPeer) {
 			p.mu.Unlock()
 			return
 		}
-		frames := p.queue[0]
-		p.queue[0] = nil
-		p.queue = p.queue[1:]
+		// Always at least one message, however large.
+		batch = batch[:0]
+		size := 0
+		for len(p.queue) > 0 && (len(batch) == 0 || size+msgSize(p.queue[0]) <= drainBatchBytes) {
+			size += msgSize(p.queue[0])
+			batch = append(batch, p.queue[0])
+			p.queue[0] = nil
+			p.queue = p.queue[1:]
+		}
 		p.mu.Unlock()
 
 		ctx, cancel := context.Background(), context.CancelFunc(func() {})
 		if t := r.srv.o.sendTimeout; t > 0 {
 			ctx, cancel = context.WithTimeout(ctx, t)
 		}
-		err := p.c.send(ctx, frames) // closes the connection on failure
+		err := p.c.sendBatch(ctx, batch) // closes the connection on failure
 		cancel()
+		clear(batch)
 		if err != nil {
 			p.mu.Lock()
 			dropped := len(p.queue)
@@ -303,6 +317,15 @@ func (r *Router) drain(p *routerPeer) {
 			return
 		}
 	}
+}
+
+// msgSize is the bytes of a message's frames.
+func msgSize(frames [][]byte) int {
+	n := 0
+	for _, f := range frames {
+		n += len(f)
+	}
+	return n
 }
 
 // Endpoint is the endpoint peers connect to.

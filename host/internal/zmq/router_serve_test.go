@@ -3,6 +3,7 @@ package zmq
 import (
 	"bytes"
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -81,4 +82,51 @@ func TestRouterDisconnect(t *testing.T) {
 		t.Fatalf("other peer: %v %q", err, got)
 	}
 	r.Flush(ctx)
+}
+
+// TestRouterEnqueueBatches: messages queued faster than they are written
+// go out several to a write (drain's batches, bounded by drainBatchBytes,
+// a larger message alone) and arrive whole, in order, frame boundaries
+// kept.
+func TestRouterEnqueueBatches(t *testing.T) {
+	r, err := ListenRouter("ipc://"+t.TempDir()+"/r.sock", quiet(), WithSendQueue(1000))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	d, err := DialDealer(r.Endpoint(), quiet(), WithMaxMessageSize(1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := d.Send(ctx, []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	m, err := r.Recv(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sizes := []int{0, 1, 100, 100 << 10, drainBatchBytes, drainBatchBytes + 1, 3}
+	const n = 300
+	msg := func(i int) [][]byte {
+		body := bytes.Repeat([]byte{byte(i)}, sizes[i%len(sizes)])
+		return [][]byte{[]byte(strconv.Itoa(i)), body}
+	}
+	for i := range n {
+		if err := r.Enqueue(m.Peer, msg(i)...); err != nil {
+			t.Fatal(i, err)
+		}
+	}
+	for i := range n {
+		got, err := d.Recv(ctx)
+		if err != nil {
+			t.Fatal(i, err)
+		}
+		want := msg(i)
+		if len(got) != 2 || !bytes.Equal(got[0], want[0]) || !bytes.Equal(got[1], want[1]) {
+			t.Fatalf("message %d: got %d frames, first %q", i, len(got), got[0])
+		}
+	}
 }

@@ -547,24 +547,41 @@ func encodeValue(e *msgpack.Encoder, v msgpack.Value) {
 	}
 }
 
-// eventQueue is an unbounded FIFO in front of a channel.
+// eventQueue is an unbounded FIFO in front of a channel. While the
+// channel's buffer has room and nothing is queued, push puts the event
+// on the channel itself: the reader hands it to the engine without a
+// wakeup of pump (a goroutine hop per event). pump takes over what does
+// not fit, in order.
 type eventQueue struct {
-	mu     sync.Mutex
-	q      []Event
-	closed bool
-	wake   chan struct{}
-	out    chan Event
-	quit   chan struct{} // closed by Client.Close: nobody reads any more
+	mu       sync.Mutex
+	q        []Event
+	carrying bool // pump holds an event it took from q and has not delivered
+	closed   bool
+	wake     chan struct{}
+	out      chan Event
+	quit     chan struct{} // closed by Client.Close: nobody reads any more
 }
 
+// eventBuffer is the events the channel holds before pump queues them.
+const eventBuffer = 256
+
 func newEventQueue() *eventQueue {
-	q := &eventQueue{wake: make(chan struct{}, 1), out: make(chan Event), quit: make(chan struct{})}
+	q := &eventQueue{wake: make(chan struct{}, 1), out: make(chan Event, eventBuffer), quit: make(chan struct{})}
 	go q.pump()
 	return q
 }
 
 func (q *eventQueue) push(e Event) {
 	q.mu.Lock()
+	if len(q.q) == 0 && !q.carrying {
+		// Every earlier event is on the channel already: order holds.
+		select {
+		case q.out <- e:
+			q.mu.Unlock()
+			return
+		default:
+		}
+	}
 	q.q = append(q.q, e)
 	q.mu.Unlock()
 	select {
@@ -603,11 +620,15 @@ func (q *eventQueue) pump() {
 		e := q.q[0]
 		q.q[0] = Event{}
 		q.q = q.q[1:]
+		q.carrying = true
 		q.mu.Unlock()
 		select {
 		case q.out <- e:
 		case <-q.quit:
 			return
 		}
+		q.mu.Lock()
+		q.carrying = false
+		q.mu.Unlock()
 	}
 }
