@@ -389,10 +389,11 @@ typedef struct xfer {
 
   /* Execution. state is read without a lock by poll, telemetry and
    * release (X_DONE and X_FAILED are stored with release order after the
-   * last write of the run, see xfer_finish_locked); everything else below
+   * last write of the run, see xfer_record_locked); everything else below
    * changes under ag->qlock, or, while the transfer is X_RUNNING, by the
-   * one thread running it (its "runner": a worker, or a poll running a
-   * slice); X_RUNNING is entered and left under qlock. */
+   * one thread running it (its "runner": a worker, a poll running a
+   * slice, or, in event mode, the post running the first one); X_RUNNING
+   * is entered and left under qlock. */
   atomic_int state;
   atomic_int cancel;
   int fail, drop_notif; /* drawn at post */
@@ -1494,8 +1495,9 @@ typedef struct iovbuf {
   struct iovec l[FAKE_IOV_MAX], r[FAKE_IOV_MAX];
 } iovbuf;
 
-/* The thread running a transfer (a worker, or a poll running a slice) and
- * its iovecs (NULL for same-process transfers run by a poll). */
+/* The thread running a transfer (a worker, or a poll or post running a
+ * slice) and its iovecs (NULL for same-process transfers run by a poll or
+ * post). */
 typedef struct runner {
   agent *ag;
   iovbuf *iov;
