@@ -3545,7 +3545,11 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
   if (x) {
     if (x->polled++ > 0 && x->pollable && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
       poll_drive(ag, x);
-    switch (atomic_load_explicit(&x->state, memory_order_acquire)) {
+    /* One load: the status, the telemetry and KVP_POLL_RELEASE all follow
+     * it, so a run that ends meanwhile (on a worker) cannot have a poll
+     * report IN_PROG and release the transfer. */
+    int st = atomic_load_explicit(&x->state, memory_order_acquire);
+    switch (st) {
       case X_IDLE:
         e = kvp_err(KVP_ERR_NOT_POSTED, "%s: transfer 0x%" PRIx64 " was never posted", fn, a->xfer);
         break;
@@ -3561,7 +3565,6 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
         break;
     }
 #if KVP_FAKE_ABI_MINOR >= 1
-    int st = atomic_load_explicit(&x->state, memory_order_acquire);
     if (st == X_DONE && (flags & KVP_POLL_TELEMETRY) && (ag->caps & KVP_CAP_TELEMETRY) && x->done.valid) {
       /* Done: no run writes x->done any more (see fake_xfer_telemetry). */
       a->start_us = x->done.start_us;

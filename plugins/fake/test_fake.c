@@ -1914,6 +1914,50 @@ static void test_abi11_inline(void) {
   env_close(&E);
 }
 
+/* A poll with KVP_POLL_RELEASE racing the worker that ends the transfer:
+ * a poll that says IN_PROG never released it, and the poll that says done
+ * did. Polls back to back, as the host's Engine.Finish does, on transfers
+ * a worker runs (delay_us); the status and the release follow one read of
+ * the transfer's state. */
+static void test_abi11_poll_release_race(void) {
+  pair_env E;
+  env_open(&E, 1 << 16, "delay_us", "1");
+  int fa;
+  OK(event_fd(E.a, &fa));
+  uint64_t ldl, rdl;
+  kvp_xfer_desc l = XD(E.abuf, 4096, 0, 1), r = XD(E.bbuf, 4096, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+  int32_t z = 0;
+  int bad = 0, lost = 0, ok = 0;
+  for (int i = 0; i < 3000 && !bad && !lost; i++) {
+    kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
+    uint64_t x;
+    if (!OK(submit(&pa, NULL, &x, NULL))) break;
+    for (;;) {
+      kvp_poll_xfer_args pl;
+      kvp_error *e = poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl);
+      if (e) { /* released by an earlier poll that said IN_PROG */
+        lost++;
+        kvp_err_free(e);
+        break;
+      }
+      if (pl.status == KVP_IN_PROG) {
+        if (pl.released) bad++;
+        continue;
+      }
+      ok += pl.status == KVP_SUCCESS && pl.released == 1;
+      break;
+    }
+  }
+  CHECK(bad == 0 && lost == 0 && ok == 3000);
+  fd_drain(fa);
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
 static void test_cancel_running(void) {
   for (int mode = 0; mode < 3; mode++) {
     pair_env E;
@@ -3219,6 +3263,7 @@ int main(int argc, char **argv) {
       {"abi11_failure_caps_off", test_abi11_failure_and_caps_off},
       {"abi11_concurrent", test_abi11_concurrent},
       {"abi11_inline", test_abi11_inline},
+      {"abi11_poll_release_race", test_abi11_poll_release_race},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     if (only && strcmp(only, tests[i].name) != 0) continue;
