@@ -1830,10 +1830,12 @@ static void test_abi11_inline(void) {
   uint64_t ldl, rdl;
   kvp_status st;
   uint64_t x = slices_xfer(&E, idx, &ldl, &rdl);
+  fake_test_tune(0, HOUR_NS); /* no worker takes it over while we look */
   OK(post(E.a, x, &st));
   CHECK(st == KVP_IN_PROG && memcmp(E.bbuf, orig, E.len) == 0);
   OK(wait_xfer(E.a, x, NULL));
   CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  fake_test_tune(0, 0);
   notes ns = {0};
   CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
 
