@@ -698,9 +698,10 @@ typedef struct kvp_submit_xfer_args {
  * is given, the host dups it) and stops using it before agent_destroy.
  *
  * Progress: from the first get_event_fd call of an agent on, its transfers
- * complete without being polled (the plugin's own threads move them, or,
- * where the backend must be driven, a plugin thread drives it while
- * transfers are in flight), so a host may wait on the descriptor alone.
+ * complete without being polled (the call that posts one may move it and
+ * report it done; otherwise the plugin's own threads move them, or, where
+ * the backend must be driven, a plugin thread drives it while transfers
+ * are in flight), so a host may wait on the descriptor alone.
  * Before that call a plugin may rely on polls for progress, as in ABI 1.0.
  * No callbacks from the plugin to the host are involved. */
 typedef struct kvp_get_event_fd_args {

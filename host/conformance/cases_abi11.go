@@ -233,6 +233,11 @@ func caseEventFD(t TB, s *Suite) {
 		f.verify(what)
 		f.refillSource(abi.Write)
 	}
+	if wakeups == 0 && s.p.Info().HasParam("delay_us") {
+		// Every transfer was done within its submit (the fake moves one
+		// in the call): delay one, so that it ends after the call.
+		wakeups += delayedWakeup(t, s)
+	}
 	if wakeups == 0 {
 		t.Logf("every transfer was done within submit_xfer (NIXL over UCX cma copies in the post): no transfer wakeup was checked")
 	}
@@ -258,4 +263,43 @@ func caseEventFD(t TB, s *Suite) {
 	if readable(t, fd, settle) {
 		t.Errorf("idle again after draining: the descriptor is readable")
 	}
+}
+
+// delayedWakeup submits a write delayed by delay_us on an agent whose
+// descriptor was asked for: it must not be done within the call, and must
+// make the descriptor readable with no poll when it ends. Returns the
+// wakeups checked (1).
+func delayedWakeup(t TB, s *Suite) int {
+	f := s.newFixture(t, plugin.Param{Key: "delay_us", Value: "2000"})
+	a := f.local.Agent
+	fd, ok := a.EventFD()
+	if !ok || fd < 0 {
+		t.Fatalf("EventFD on an agent with delay_us: %d, %v", fd, ok)
+	}
+	const what = "write delayed by 2ms"
+	runs := f.genRuns(8, abi.Write, false)
+	p := f.prepRuns(runs)
+	x, done, err := a.SubmitPrepped(abi.Write, p.local, p.li, p.remote, p.ri, nil)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	t.Cleanup(func() { closeQuietly(t, "transfer", x.Close) })
+	if done {
+		t.Errorf("%s: done within submit_xfer", what)
+	} else if !readable(t, fd, s.cfg.Timeout) {
+		t.Fatalf("%s: the descriptor did not become readable within %v, with no poll", what, s.cfg.Timeout)
+	}
+	if err := a.DrainEvents(); err != nil {
+		t.Fatalf("%s: DrainEvents: %v", what, err)
+	}
+	if readable(t, fd, 0) {
+		t.Errorf("%s: readable right after DrainEvents", what)
+	}
+	if done, _, err = x.PollRelease(); err != nil || !done {
+		t.Fatalf("%s: after the wakeup, PollRelease says done %v, err %v", what, done, err)
+	}
+	f.apply(abi.Write, runs)
+	f.verify(what)
+	t.Logf("%s: not done within submit_xfer; the descriptor woke with no poll", what)
+	return 1
 }

@@ -283,24 +283,23 @@ func TestFakeEventFD(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Completed without a single poll: the descriptor is enough.
+	// Once the descriptor was asked for, the fake moves a transfer of one
+	// slice in the call that submits it: done when the submit returns,
+	// and no wakeup for it (kvp_get_event_fd_args: the caller knows).
 	for i := range 20 {
-		x, _, err := a.a.SubmitBatch(abi.Write, []Pair{{a.regions[0], rr}}, []abi.BatchEntry{{Len: 256 << 10, Count: 1}}, []byte(fmt.Sprint(i)))
+		x, done, err := a.a.SubmitBatch(abi.Write, []Pair{{a.regions[0], rr}}, []abi.BatchEntry{{Len: 256 << 10, Count: 1}}, []byte(fmt.Sprint(i)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !readable(t, fd, 10*time.Second) {
-			t.Fatalf("transfer %d: not readable within 10 s without polls", i)
-		}
-		if err := a.a.DrainEvents(); err != nil {
-			t.Fatal(err)
-		}
-		done, _, err := x.PollRelease()
-		if err != nil || !done {
-			t.Fatalf("transfer %d after the wakeup: done %v err %v", i, done, err)
+		if !done {
+			t.Fatalf("transfer %d: not done when submit_xfer returned", i)
 		}
 		if readable(t, fd, 0) {
-			t.Errorf("transfer %d: readable after DrainEvents", i)
+			t.Errorf("transfer %d: readable after a submit that said done", i)
+		}
+		done, _, err = x.PollRelease()
+		if err != nil || !done {
+			t.Fatalf("transfer %d after the submit said done: done %v err %v", i, done, err)
 		}
 		// The notification wakes b.
 		if !readable(t, bfd, 10*time.Second) {
@@ -321,6 +320,44 @@ func TestFakeEventFD(t *testing.T) {
 		t.Error("idle after the transfers: readable")
 	}
 	if err := rr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// With delay_us a worker ends the transfer after the submit returned:
+	// completed without a single poll, the descriptor is enough.
+	c := newSide(t, p, "c", []int{1 << 20}, Param{"delay_us", "500"})
+	cpeer := connect(t, c, b)
+	connect(t, b, c)
+	cfd, ok := c.a.EventFD()
+	if !ok || cfd < 0 {
+		t.Fatalf("c's EventFD = %d, %v", cfd, ok)
+	}
+	crr, err := c.a.ImportRange(cpeer, addr(b.bufs[0]), 1<<20, 0, abi.DRAM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		x, done, err := c.a.SubmitBatch(abi.Write, []Pair{{c.regions[0], crr}}, []abi.BatchEntry{{Len: 256 << 10, Count: 1}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if done {
+			t.Fatalf("delayed transfer %d: done when submit_xfer returned", i)
+		}
+		if !readable(t, cfd, 10*time.Second) {
+			t.Fatalf("delayed transfer %d: not readable within 10 s without polls", i)
+		}
+		if err := c.a.DrainEvents(); err != nil {
+			t.Fatal(err)
+		}
+		done, _, err = x.PollRelease()
+		if err != nil || !done {
+			t.Fatalf("delayed transfer %d after the wakeup: done %v err %v", i, done, err)
+		}
+		if readable(t, cfd, 0) {
+			t.Errorf("delayed transfer %d: readable after DrainEvents", i)
+		}
+	}
+	if err := crr.Close(); err != nil {
 		t.Fatal(err)
 	}
 	// The plugin closes the descriptor with the agent; DrainEvents then

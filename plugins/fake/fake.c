@@ -128,6 +128,10 @@
  * last slice a poll ran, with nobody polling, a worker takes it over and
  * runs the rest, so transfers nobody polls still complete and notify.
  * Transfers of an agent with delay_us go to a worker at once ("urgent").
+ * In event mode (from the agent's first get_event_fd on) no transfer is
+ * pollable: a post runs the first slice itself (post_here), so one that
+ * fits is done when the post returns; what is left of a larger one, and
+ * every transfer with delay_us or a drawn failure, is urgent.
  * After running a transfer a worker spins FAKE_SPIN_NS for the next urgent
  * one before it sleeps; while the agent is active (a post or a slice within
  * FAKE_ACTIVE_NS, or a poll running a slice) an idle worker sleeps at most
@@ -193,8 +197,9 @@ static const char PARAMS_DOC[] =
     "drop_notif_rate=0\tprobability in [0,1] that the notification of a successful "
     "transfer is silently dropped\n"
     "workers=1\tworker threads per agent (1..64); they take over transfers nobody polls, and "
-    "run every transfer of an agent with delay_us or whose event descriptor was asked for "
-    "(get_event_fd): raise it to run that many at once\n";
+    "run every transfer with delay_us or a drawn fail_rate failure and, once the event "
+    "descriptor was asked for (get_event_fd), the rest of a transfer larger than the 16 MiB "
+    "slice its post moves: raise it to run that many at once\n";
 
 static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
                                          "delay_us", "drop_notif_rate", "workers"};
@@ -384,10 +389,11 @@ typedef struct xfer {
 
   /* Execution. state is read without a lock by poll, telemetry and
    * release (X_DONE and X_FAILED are stored with release order after the
-   * last write of the run, see xfer_finish_locked); everything else below
+   * last write of the run, see xfer_record_locked); everything else below
    * changes under ag->qlock, or, while the transfer is X_RUNNING, by the
-   * one thread running it (its "runner": a worker, or a poll running a
-   * slice); X_RUNNING is entered and left under qlock. */
+   * one thread running it (its "runner": a worker, a poll running a
+   * slice, or, in event mode, the post running the first one); X_RUNNING
+   * is entered and left under qlock. */
   atomic_int state;
   atomic_int cancel;
   int fail, drop_notif; /* drawn at post */
@@ -467,8 +473,9 @@ typedef struct agent {
   /* The event descriptor (KVP_CAP_EVENT_FD): -1 until the first
    * get_event_fd makes it (under own_lock); then signalled by ev_signal
    * and closed in agent_free. From then on the agent's transfers are not
-   * pollable: workers run them at once, so the host may wait on the
-   * descriptor alone (see kvp_get_event_fd_args). */
+   * pollable: a post moves the first slice itself (post_here) and workers
+   * run what is left at once, so the host may wait on the descriptor
+   * alone (see kvp_get_event_fd_args). */
   atomic_int ev_fd;
   int rx_sock, stop_fd, ob_wake;
   int rx_started;
@@ -1488,8 +1495,9 @@ typedef struct iovbuf {
   struct iovec l[FAKE_IOV_MAX], r[FAKE_IOV_MAX];
 } iovbuf;
 
-/* The thread running a transfer (a worker, or a poll running a slice) and
- * its iovecs (NULL for same-process transfers run by a poll). */
+/* The thread running a transfer (a worker, or a poll or post running a
+ * slice) and its iovecs (NULL for same-process transfers run by a poll or
+ * post). */
 typedef struct runner {
   agent *ag;
   iovbuf *iov;
@@ -1755,8 +1763,10 @@ static xfer *worker_next(agent *ag, int spin) {
     }
     /* While active, wake at least every grace period: then neither a post
      * of a pollable transfer nor a poll requeueing one after a slice needs
-     * a signal (see queue_push_locked). */
-    int active = ag->driving || now - ag->last_active_ns < FAKE_ACTIVE_NS;
+     * a signal (see queue_push_locked). In event mode no transfer is
+     * pollable, and every push of one that is not signals a sleeper. */
+    int active = atomic_load_explicit(&ag->ev_fd, memory_order_relaxed) < 0 &&
+                 (ag->driving || now - ag->last_active_ns < FAKE_ACTIVE_NS);
     if (active && now + grace_ns() < wake) wake = now + grace_ns();
     ag->sleepers++;
     if (wake == UINT64_MAX) {
@@ -1772,10 +1782,11 @@ static xfer *worker_next(agent *ag, int spin) {
   }
 }
 
-/* Records the outcome of a run (consuming e) and wakes waiters. qlock
- * held. Storing the final state is its last access to x: from then on
- * telemetry and release may use x without qlock (see xfer_destroy). */
-static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
+/* Records the outcome of a run (consuming e) and wakes waiters, without
+ * signalling the event descriptor. qlock held. Storing the final state is
+ * its last access to x: from then on telemetry and release may use x
+ * without qlock (see xfer_destroy). */
+static void xfer_record_locked(agent *ag, xfer *x, kvp_error *e) {
   int waiters = x->waiters;
   if (e) {
     x->err_code = kvp_err_code(e);
@@ -1794,6 +1805,12 @@ static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
     atomic_store_explicit(&x->state, X_DONE, memory_order_release);
   }
   if (waiters) pthread_cond_broadcast(&ag->donecv);
+}
+
+/* Records the outcome of a run that ends after the call that posted it
+ * returned (or may have), and signals the event descriptor. qlock held. */
+static void xfer_finish_locked(agent *ag, xfer *x, kvp_error *e) {
+  xfer_record_locked(ag, x, e);
   ev_signal(ag);
 }
 
@@ -3329,6 +3346,61 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
   return e;
 }
 
+/* iovec arrays for a cross-process slice that a caller's thread runs (a
+ * poll, or a post in event mode): from the agent's free list, else new;
+ * NULL when out of memory. iov_put_locked gives them back (qlock held). */
+static iovbuf *iov_get(agent *ag) {
+  pthread_mutex_lock(&ag->qlock);
+  iovbuf *iov = ag->iov_free;
+  if (iov) ag->iov_free = iov->next;
+  pthread_mutex_unlock(&ag->qlock);
+  return iov ? iov : (iovbuf *)malloc(sizeof *iov);
+}
+
+static void iov_put_locked(agent *ag, iovbuf *iov) {
+  if (!iov) return;
+  iov->next = ag->iov_free;
+  ag->iov_free = iov;
+}
+
+/* Event mode (from the agent's first get_event_fd on; no delay_us, no
+ * injected failure drawn): the post runs the transfer's first slice (at
+ * most FAKE_SLICE_BYTES, the bound of a poll) in the calling thread, as a
+ * poll does in poll mode: no wake-up of a worker, warm caches, and as many
+ * transfers move at once as threads post them. A transfer that ends within
+ * it is done when the post returns (KVP_SUCCESS), and the event descriptor
+ * is not signalled for it: the caller learns it from the status, and
+ * kvplugin.h signals only ends after the posting call returned. One that
+ * fails in it ends failed (signalled, post says KVP_IN_PROG), one whose
+ * notification waits in the peer's outbox is finished by the rx thread
+ * (signalled), and one with bytes left goes to a worker at once, which
+ * runs the rest and signals. x is X_RUNNING, run by this thread; iov
+ * (cross-process only) goes back to the agent. Returns the post's status. */
+static kvp_status post_here(agent *ag, xfer *x, iovbuf *iov, uint64_t t0) {
+  runner r = {ag, iov};
+  int done = 0;
+  kvp_error *e = xfer_step(&r, x, slice_bytes(), &done);
+  kvp_status st = KVP_IN_PROG;
+  pthread_mutex_lock(&ag->qlock);
+  iov_put_locked(ag, iov);
+  /* A cancellation during the slice waits for it under qlock (see
+   * xfer_cancel_locked): finish it here rather than queue it. */
+  if (!e && !done && canceled(x)) e = canceled_err();
+  if (done == 2) {
+    /* its notification waits in an outbox: the rx thread finishes it */
+  } else if (e) {
+    xfer_finish_locked(ag, x, e);
+  } else if (done) {
+    x->post_us = dur_us(now_ns() - t0); /* the whole post, copy included */
+    xfer_record_locked(ag, x, NULL);
+    st = KVP_SUCCESS;
+  } else {
+    queue_push_locked(ag, x, now_ns()); /* not pollable: a worker takes it now */
+  }
+  pthread_mutex_unlock(&ag->qlock);
+  return st;
+}
+
 static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   const char *fn = "post_xfer";
   kvp_error *e = KVP_CHECK_ARGS(a, KVP_POST_XFER_ARGS_STRUCT_SIZE);
@@ -3345,6 +3417,12 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
     goto out;
   }
   if ((e = xfer_prepare(ag, x))) goto out;
+  /* Event mode without delay_us: this call runs the first slice (see
+   * post_here); a cross-process one borrows iovec arrays for it. */
+  int ev = atomic_load_explicit(&ag->ev_fd, memory_order_relaxed) >= 0;
+  int here = ev && !ag->delay_us;
+  iovbuf *iov = NULL;
+  if (here && x->rt.kind == ROUTE_PVM && !(iov = iov_get(ag))) here = 0; /* a worker runs it */
   x->t0_ns = t0;
   x->start_us = start;
   x->polled = 0;
@@ -3355,6 +3433,7 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   if (x->peer && atomic_load(&x->peer->removed)) {
     /* remove_remote ran since xfer_prepare; it cancels under qlock, so
      * checking here closes the race. */
+    iov_put_locked(ag, iov);
     pthread_mutex_unlock(&ag->qlock);
     e = peer_removed(x->peer, fn);
     goto out;
@@ -3365,12 +3444,18 @@ static kvp_error *fake_post_xfer(kvp_post_xfer_args *a) {
   x->cur_pair = 0;
   x->cur_blk = x->cur_off = x->moved = 0;
   x->limit = x->fail ? x->total_bytes / 2 : x->total_bytes;
-  x->pollable = !ag->delay_us && atomic_load_explicit(&ag->ev_fd, memory_order_relaxed) < 0;
+  x->pollable = !ag->delay_us && !ev;
+  here = here && !x->fail; /* an injected failure runs on a worker */
   uint64_t now = now_ns();
   x->post_us = dur_us(now - t0);
-  queue_push_locked(ag, x, now);
+  if (here) {
+    atomic_store(&x->state, X_RUNNING);
+  } else {
+    iov_put_locked(ag, iov);
+    queue_push_locked(ag, x, now);
+  }
   pthread_mutex_unlock(&ag->qlock);
-  a->status = KVP_IN_PROG;
+  a->status = here ? post_here(ag, x, iov, t0) : KVP_IN_PROG;
 out:
   if (x) kvp_ht_put(g_xfers, a->xfer);
   agent_put(ag);
@@ -3460,7 +3545,11 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
   if (x) {
     if (x->polled++ > 0 && x->pollable && atomic_load_explicit(&x->state, memory_order_relaxed) == X_QUEUED)
       poll_drive(ag, x);
-    switch (atomic_load_explicit(&x->state, memory_order_acquire)) {
+    /* One load: the status, the telemetry and KVP_POLL_RELEASE all follow
+     * it, so a run that ends meanwhile (on a worker) cannot have a poll
+     * report IN_PROG and release the transfer. */
+    int st = atomic_load_explicit(&x->state, memory_order_acquire);
+    switch (st) {
       case X_IDLE:
         e = kvp_err(KVP_ERR_NOT_POSTED, "%s: transfer 0x%" PRIx64 " was never posted", fn, a->xfer);
         break;
@@ -3476,7 +3565,6 @@ static kvp_error *fake_poll_xfer(kvp_poll_xfer_args *a) {
         break;
     }
 #if KVP_FAKE_ABI_MINOR >= 1
-    int st = atomic_load_explicit(&x->state, memory_order_acquire);
     if (st == X_DONE && (flags & KVP_POLL_TELEMETRY) && (ag->caps & KVP_CAP_TELEMETRY) && x->done.valid) {
       /* Done: no run writes x->done any more (see fake_xfer_telemetry). */
       a->start_us = x->done.start_us;

@@ -1183,8 +1183,10 @@ static void test_abi11_submit_and_event_fd(void) {
   CHECK(!fd_readable(fa, 10));
   CHECK(!fd_readable(fb, 10));
 
-  /* submit, then wait on the descriptor alone (no poll), then one poll
-   * that finishes, releases and reports telemetry. */
+  /* In event mode a transfer within one slice is moved by submit itself:
+   * done when it returns (bytes landed before any poll), without a signal
+   * (kvplugin.h: the caller knows); then one poll finishes, releases and
+   * reports telemetry. The notification still wakes B. */
   for (int round = 0; round < 20; round++) {
     char msg[16];
     snprintf(msg, sizeof msg, "s%d", round);
@@ -1193,9 +1195,9 @@ static void test_abi11_submit_and_event_fd(void) {
     kvp_status st;
     fill(E.abuf, E.len, (uint32_t)round + 10);
     OK(submit(&pa, NULL, &x, &st));
-    CHECK(x != 0 && (st == KVP_IN_PROG || st == KVP_SUCCESS));
-    CHECK(fd_readable(fa, 10000));
-    CHECK(fd_drain(fa) >= 1);
+    CHECK(x != 0 && st == KVP_SUCCESS);
+    CHECK(memcmp(E.bbuf + 65536, E.abuf, 65536) == 0);
+    CHECK(!fd_readable(fa, 0));
     kvp_poll_xfer_args pl;
     OK(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl));
     CHECK(pl.status == KVP_SUCCESS && pl.released == 1 && pl.has_telemetry == 1);
@@ -1252,10 +1254,9 @@ static void test_abi11_submit_and_event_fd(void) {
 
   /* An ABI 1.0 caller: 1.0-sized poll args; the plugin neither reads
    * flags nor writes beyond status. */
-  fd_drain(fa); /* the batch transfer's signal */
-  OK(submit(NULL, &ba, &x, NULL));
-  CHECK(fd_readable(fa, 10000));
-  fd_drain(fa);
+  kvp_status st;
+  OK(submit(NULL, &ba, &x, &st));
+  CHECK(st == KVP_SUCCESS && !fd_readable(fa, 0));
   memset(&pl, 0, sizeof pl);
   pl.struct_size = KVP_POLL_XFER_ARGS_STRUCT_SIZE_1_0;
   pl.agent = E.a;
@@ -1298,7 +1299,9 @@ static void test_abi11_failure_and_caps_off(void) {
   OK(event_fd(E.a, &fa));
   kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
   uint64_t x;
-  OK(submit(&pa, NULL, &x, NULL));
+  kvp_status st;
+  OK(submit(&pa, NULL, &x, &st));
+  CHECK(st == KVP_IN_PROG); /* an injected failure runs on a worker, not in submit */
   CHECK(fd_readable(fa, 10000));
   kvp_poll_xfer_args pl;
   EXPECT(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl), KVP_ERR_BACKEND, "injected failure");
@@ -1364,9 +1367,11 @@ static void test_abi11_concurrent(void) {
   for (int i = 0; i < 200; i++) {
     kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
     uint64_t x;
-    if (!OK(submit(&pa, NULL, &x, NULL))) break;
+    kvp_status st;
+    if (!OK(submit(&pa, NULL, &x, &st))) break;
     for (;;) {
-      if (!CHECKV(fd_readable(fa, 10000))) break;
+      /* Done in submit: no signal to wait for (notifications may set it). */
+      if (st != KVP_SUCCESS && !CHECKV(fd_readable(fa, 10000))) break;
       fd_drain(fa); /* drain, then poll: no wakeup is lost */
       kvp_poll_xfer_args pl;
       if (!OK(poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl))) break;
@@ -1806,6 +1811,155 @@ static void *poll_until_done(void *arg) {
 /* Releasing or destroying during a long copy returns only after the worker
  * let go: the buffers are freed right after, and ASan would report a write
  * into freed memory. */
+/* Event mode (from get_event_fd on): a post or submit moves a transfer that
+ * fits in one slice in the calling thread, so it is done when the call
+ * returns, its bytes landed and its notification queued, and the
+ * descriptor is not signalled for it (kvplugin.h: only ends after the
+ * posting call returned must signal; the caller knows from the status).
+ * A larger one runs its first slice there and the rest on a worker,
+ * which signals; delay_us and drawn failures (abi11_failure_caps_off)
+ * stay on workers; drop_notif_rate still drops. Before get_event_fd a
+ * post moves nothing (poll mode). The slice layout is test_poll_slices'. */
+static void test_abi11_inline(void) {
+  pair_env E;
+  env_open(&E, 1 << 20, NULL, NULL);
+  uint8_t *orig = (uint8_t *)malloc(E.len), *want = (uint8_t *)malloc(E.len);
+  memcpy(orig, E.bbuf, E.len);
+  slices_expect(want, orig, E.abuf, E.len, SL_TOTAL);
+  int32_t idx[2];
+  uint64_t ldl, rdl;
+  kvp_status st;
+  uint64_t x = slices_xfer(&E, idx, &ldl, &rdl);
+  fake_test_tune(0, HOUR_NS); /* no worker takes it over while we look */
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG && memcmp(E.bbuf, orig, E.len) == 0);
+  OK(wait_xfer(E.a, x, NULL));
+  CHECK(memcmp(E.bbuf, want, E.len) == 0);
+  fake_test_tune(0, 0);
+  notes ns = {0};
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
+
+  int fa, fb;
+  OK(event_fd(E.a, &fa));
+  OK(event_fd(E.b, &fb));
+  for (int round = 0; round < 3; round++) {
+    memcpy(E.bbuf, orig, E.len);
+    OK(post(E.a, x, &st));
+    CHECK(st == KVP_SUCCESS && memcmp(E.bbuf, want, E.len) == 0);
+    CHECK(!fd_readable(fa, 0));
+    CHECK(fd_readable(fb, 10000)); /* the notification is B's event */
+    CHECK(fd_drain(fb) >= 1);
+    memset(&ns, 0, sizeof ns);
+    CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
+    OK(poll1(E.a, x, &st));
+    CHECK(st == KVP_SUCCESS);
+    kvp_xfer_telemetry_args t;
+    OK(telemetry(E.a, x, &t));
+    CHECK(t.total_bytes == SL_TOTAL && t.desc_count == 2 && t.start_us > 0 && t.xfer_us >= t.post_us);
+  }
+
+  /* More than one slice: the post runs the first, a worker the rest. */
+  fake_test_tune(SL, HOUR_NS);
+  memcpy(E.bbuf, orig, E.len);
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  for (int k = 0; k < 3; k++) CHECK(memcmp(E.bbuf + k * 40000, E.abuf + k * 32768, 30000) == 0);
+  CHECK(memcmp(E.bbuf + 3 * 40000, E.abuf + 3 * 32768, SL - 90000) == 0);
+  CHECK(fd_readable(fa, 10000)); /* no poll: the worker ends it */
+  CHECK(fd_drain(fa) >= 1);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_SUCCESS && memcmp(E.bbuf, want, E.len) == 0);
+  CHECK(fd_readable(fb, 10000));
+  fd_drain(fb);
+  memset(&ns, 0, sizeof ns);
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "sliced"));
+  fake_test_tune(0, 0);
+  OK(xfer_del(E.a, x));
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  CHECK(!fd_readable(fa, 0) && !fd_readable(fb, 0));
+  env_close(&E);
+  free(orig);
+  free(want);
+
+  /* delay_us: on a worker, after the delay, signalled. */
+  env_open(&E, 1 << 16, "delay_us", "2000");
+  OK(event_fd(E.a, &fa));
+  x = simple_write(&E, "late", 4096, &ldl, &rdl);
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_IN_PROG);
+  CHECK(fd_readable(fa, 10000));
+  fd_drain(fa);
+  OK(poll1(E.a, x, &st));
+  CHECK(st == KVP_SUCCESS && memcmp(E.bbuf, E.abuf, 4096) == 0);
+  memset(&ns, 0, sizeof ns);
+  CHECK(wait_notes(E.b, &ns, 1) && has_note(&ns, "A", "late"));
+  OK(xfer_del(E.a, x));
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+
+  /* drop_notif_rate=1: done in the post, notification dropped. */
+  env_open(&E, 1 << 16, "drop_notif_rate", "1");
+  OK(event_fd(E.a, &fa));
+  OK(event_fd(E.b, &fb));
+  x = simple_write(&E, "dropped", 4096, &ldl, &rdl);
+  OK(post(E.a, x, &st));
+  CHECK(st == KVP_SUCCESS && memcmp(E.bbuf, E.abuf, 4096) == 0);
+  CHECK(!fd_readable(fa, 0) && !fd_readable(fb, 20));
+  memset(&ns, 0, sizeof ns);
+  OK(get_notes(E.b, &ns, 4096, NULL));
+  CHECK(ns.n == 0);
+  OK(xfer_del(E.a, x));
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
+/* A poll with KVP_POLL_RELEASE racing the worker that ends the transfer:
+ * a poll that says IN_PROG never released it, and the poll that says done
+ * did. Polls back to back, as the host's Engine.Finish does, on transfers
+ * a worker runs (delay_us); the status and the release follow one read of
+ * the transfer's state. */
+static void test_abi11_poll_release_race(void) {
+  pair_env E;
+  env_open(&E, 1 << 16, "delay_us", "1");
+  int fa;
+  OK(event_fd(E.a, &fa));
+  uint64_t ldl, rdl;
+  kvp_xfer_desc l = XD(E.abuf, 4096, 0, 1), r = XD(E.bbuf, 4096, 0, 1);
+  r.dev_id = 5;
+  OK(dlist_new(E.a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(E.a, "B", KVP_MEM_VRAM, &r, 1, &rdl));
+  int32_t z = 0;
+  int bad = 0, lost = 0, ok = 0;
+  for (int i = 0; i < 3000 && !bad && !lost; i++) {
+    kvp_make_prepped_xfer_args pa = prepped_args(E.a, ldl, &z, rdl, &z, 1, NOTIF(NULL));
+    uint64_t x;
+    if (!OK(submit(&pa, NULL, &x, NULL))) break;
+    for (;;) {
+      kvp_poll_xfer_args pl;
+      kvp_error *e = poll_flags(E.a, x, KVP_POLL_RELEASE | KVP_POLL_TELEMETRY, &pl);
+      if (e) { /* released by an earlier poll that said IN_PROG */
+        lost++;
+        kvp_err_free(e);
+        break;
+      }
+      if (pl.status == KVP_IN_PROG) {
+        if (pl.released) bad++;
+        continue;
+      }
+      ok += pl.status == KVP_SUCCESS && pl.released == 1;
+      break;
+    }
+  }
+  CHECK(bad == 0 && lost == 0 && ok == 3000);
+  fd_drain(fa);
+  OK(dlist_del(E.a, ldl));
+  OK(dlist_del(E.a, rdl));
+  env_close(&E);
+}
+
 static void test_cancel_running(void) {
   for (int mode = 0; mode < 3; mode++) {
     pair_env E;
@@ -2093,9 +2247,15 @@ static void *conc_main(void *p) {
   return NULL;
 }
 
-static void test_concurrency(void) {
+/* event: A's descriptor is asked for first, so each post moves its bytes
+ * in its own thread (8 at once) rather than in polls. */
+static void concurrency(int event) {
   pair_env E;
   env_open(&E, 8 * CONC_SLICE, "workers", "2");
+  if (event) {
+    int fd;
+    OK(event_fd(E.a, &fd));
+  }
   kvp_xfer_desc l[8], r[8];
   for (int i = 0; i < 8; i++) {
     l[i] = XD(E.abuf + i * CONC_SLICE, CONC_SLICE, 0, 1);
@@ -2144,6 +2304,9 @@ static void test_concurrency(void) {
   CHECK(at_b == 8 * CONC_ROUNDS && at_a == 8 * CONC_ROUNDS);
   env_close(&E);
 }
+
+static void test_concurrency(void) { concurrency(0); }
+static void test_concurrency_event(void) { concurrency(1); }
 
 /* ------------------------------------------------------------------------ */
 /* Two processes                                                            */
@@ -2399,13 +2562,56 @@ static void test_two_processes(void) {
   }
   fake_test_tune(0, 0);
 
-  /* The child exits: transfers and notifications report the disconnect. */
+  /* Event mode: each post moves its transfer with process_vm_* in its own
+   * thread (4 at once, iovec arrays borrowed from the agent) and is done
+   * when it returns, without a signal. */
+  int efd;
+  OK(event_fd(ag, &efd));
+  for (int i = 0; i < 4; i++) {
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(xth[i], NULL);
+    CHECK(xc[i].bad == 0);
+  }
+  kvp_xfer_desc lb = XD(buf + (3u << 20), 8192, 0, 1), rb = {caddr + (1u << 20), 8192, 0, 1, 0};
+  uint64_t ldlb, rdlb;
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &lb, 1, &ldlb));
+  OK(dlist_new(ag, "child", KVP_MEM_DRAM, &rb, 1, &rdlb));
+  fill(buf + (3u << 20), 8192, 21);
+  OK(xfer_prepped(ag, KVP_OP_WRITE, ldlb, &z, 1, rdlb, &z, 1, NOTIF(NULL), &x));
+  kvp_status st;
+  OK(post(ag, x, &st));
+  CHECK(st == KVP_SUCCESS && !fd_readable(efd, 0));
+  memset(buf + (3u << 20), 0, 8192); /* READ it back: the bytes were there when post returned */
+  OK(xfer_del(ag, x));
+  OK(xfer_prepped(ag, KVP_OP_READ, ldlb, &z, 1, rdlb, &z, 1, NOTIF(NULL), &x));
+  OK(post(ag, x, &st));
+  CHECK(st == KVP_SUCCESS && !fd_readable(efd, 0));
+  uint8_t *pat = (uint8_t *)malloc(8192);
+  fill(pat, 8192, 21);
+  CHECK(memcmp(buf + (3u << 20), pat, 8192) == 0);
+  free(pat);
+  OK(xfer_del(ag, x));
+
+  /* The child exits: transfers and notifications report the disconnect;
+   * a transfer that fails in the post (event mode) ends failed, signalled,
+   * and the post says IN_PROG. */
   close(out);
   out = -1;
   int status = 0;
   waitpid(pid, &status, 0);
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   pid = 0;
+  OK(xfer_prepped(ag, KVP_OP_WRITE, ldlb, &z, 1, rdlb, &z, 1, NOTIF(NULL), &x));
+  fd_drain(efd);
+  OK(post(ag, x, &st));
+  CHECK(st == KVP_IN_PROG && fd_readable(efd, 10000));
+  EXPECT(poll1(ag, x, NULL), KVP_ERR_REMOTE_DISCONNECT, "is gone");
+  OK(xfer_del(ag, x));
+  OK(dlist_del(ag, ldlb));
+  OK(dlist_del(ag, rdlb));
   OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
   EXPECT(run_xfer(ag, x), KVP_ERR_REMOTE_DISCONNECT, "is gone");
   OK(xfer_del(ag, x));
@@ -3020,12 +3226,14 @@ int main(int argc, char **argv) {
   }
   const char *so = NULL, *so2 = NULL;
   int no_bench = 0;
+  const char *only = NULL; /* run just this test (name as printed) */
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--so") == 0 && i + 1 < argc) so = argv[++i];
     else if (strcmp(argv[i], "--so-abi2") == 0 && i + 1 < argc) so2 = argv[++i];
     else if (strcmp(argv[i], "--no-bench") == 0) no_bench = 1;
+    else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
     else {
-      fprintf(stderr, "usage: test_fake [--so LIB] [--so-abi2 LIB] [--no-bench] | --bench [MIN_RATIO]\n");
+      fprintf(stderr, "usage: test_fake [--so LIB] [--so-abi2 LIB] [--no-bench] [--only TEST] | --bench [MIN_RATIO]\n");
       return 2;
     }
   }
@@ -3047,6 +3255,7 @@ int main(int argc, char **argv) {
       {"reload_and_restart", test_reload_and_restart},
       {"parser_fuzz", test_parser_fuzz},
       {"concurrency", test_concurrency},
+      {"concurrency_event", test_concurrency_event},
       {"two_processes", test_two_processes},
       {"hostile_victim", test_hostile_victim},
       {"notif_sender", test_notif_sender},
@@ -3055,8 +3264,11 @@ int main(int argc, char **argv) {
       {"abi11_submit_event_fd", test_abi11_submit_and_event_fd},
       {"abi11_failure_caps_off", test_abi11_failure_and_caps_off},
       {"abi11_concurrent", test_abi11_concurrent},
+      {"abi11_inline", test_abi11_inline},
+      {"abi11_poll_release_race", test_abi11_poll_release_race},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+    if (only && strcmp(only, tests[i].name) != 0) continue;
     int before = failures;
     uint64_t t0 = now_ns();
     int fds0 = open_fds();
