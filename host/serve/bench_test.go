@@ -171,17 +171,12 @@ const (
 // and the median of the rounds' sidecar/in-process ratios (each round's
 // sidecar run over the in-process run just before it).
 //
-// The two paths do not read the same kind of memory: the in-process
-// worker's pools are anonymous private mappings (host/demo/kvpool) that
-// NoBytes leaves unwritten, so every prefill-side read faults in the
-// kernel's shared zero page and the copies read one cache-hot 4 KiB page;
-// the sidecar reads a shared-memory object (engmem over /dev/shm), whose
-// read faults allocate real pages, as an engine's written KV memory has.
-// That alone is the sidecar/in-process gap of about 0.8 at inflight=1
-// (Linux 6.18, 2 cores): with the worker's prefill pool written once
-// before the run, the in-process rate falls to the sidecar's (ratio 0.98
-// to 1.01 at inflight=1, 1.09 to 1.14 at inflight=8) and the sidecar's
-// own rate does not move.
+// Both paths read real pages: the worker's pools are populated when they
+// are mapped (host/demo/kvpool). Before they were, NoBytes left them
+// unwritten, every prefill-side read mapped the kernel's one shared zero
+// page, and the worker copied out of a cache-hot 4 KiB page while the
+// sidecar read the engine's shared memory: that alone was a ratio of
+// about 0.8 (1.06 median once both read real pages).
 //
 //	go test -run XXX -bench Throughput -benchtime 60x ./host/serve/
 func BenchmarkThroughput(b *testing.B) {
