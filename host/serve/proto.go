@@ -336,44 +336,7 @@ func encodeValue(e *msgpack.Encoder, v any) {
 			encodeValue(e, x[k])
 		}
 	case msgpack.Value:
-		encodeMsgpackValue(e, x)
-	default:
-		e.Nil()
-	}
-}
-
-// encodeMsgpackValue re-encodes a decoded value (echoing a map a client
-// sent, such as kv_transfer_params).
-func encodeMsgpackValue(e *msgpack.Encoder, v msgpack.Value) {
-	switch v.Kind {
-	case msgpack.Bool:
-		b, _ := v.Bool()
-		e.Bool(b)
-	case msgpack.Int:
-		n, _ := v.Int()
-		e.Int(n)
-	case msgpack.Uint:
-		n, _ := v.Uint()
-		e.Uint(n)
-	case msgpack.Float:
-		f, _ := v.Float()
-		e.Float(f)
-	case msgpack.Str:
-		s, _ := v.Str()
-		e.Str(s)
-	case msgpack.Bin:
-		e.Bin(v.Raw())
-	case msgpack.Array:
-		e.ArrayHeader(len(v.Items))
-		for _, it := range v.Items {
-			encodeMsgpackValue(e, it)
-		}
-	case msgpack.Map:
-		e.MapHeader(len(v.Pairs))
-		for _, p := range v.Pairs {
-			encodeMsgpackValue(e, p[0])
-			encodeMsgpackValue(e, p[1])
-		}
+		e.Value(x)
 	default:
 		e.Nil()
 	}

@@ -322,7 +322,7 @@ func vsSetParam(params msgpack.Value, key string, v any) msgpack.Value {
 		k, _ := p[0].Str()
 		e.Str(k)
 		if k != key {
-			encodeMsgpackValue(&e, p[1])
+			e.Value(p[1])
 			continue
 		}
 		encodeValue(&e, v)

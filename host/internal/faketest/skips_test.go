@@ -21,8 +21,8 @@ var skipAllowed = []struct{ path, phrase string }{
 	{"host/demo/pullworker/soak_test.go", "KVHOST_SOAK=1"},
 	{"host/demo/pushworker/e2e/e2e_test.go", "KVHOST_SOAK=1"},
 	{"host/plugin/", "race detector"}, // allocation counts and latencies
-	{"plugins/nixl/", ""}, // optional vendor plugin: runs where NIXL is installed
-	{"plugins/mori/", ""}, // optional vendor plugin: runs where MORI is installed
+	{"plugins/nixl/", ""},             // optional vendor plugin: runs where NIXL is installed
+	{"plugins/mori/", ""},             // optional vendor plugin: runs where MORI is installed
 	{"host/conformance/", "lack"},
 	{"host/conformance/", "does not support DRAM"},
 	{"host/conformance/", "cannot name remote regions"},

@@ -462,6 +462,49 @@ func (e *Encoder) Float(f float64) {
 	e.buf = binary.BigEndian.AppendUint64(append(e.buf, 0xcb), math.Float64bits(f))
 }
 
+// Value appends a decoded value as it is (re-encoding a tree a peer sent,
+// such as a map to echo). Every form is written in its smallest encoding,
+// so the bytes may be shorter than the input's; the values are the same.
+func (e *Encoder) Value(v Value) {
+	switch v.Kind {
+	case Bool:
+		b, _ := v.Bool()
+		e.Bool(b)
+	case Int:
+		i, _ := v.Int()
+		e.Int(i)
+	case Uint:
+		u, _ := v.Uint()
+		e.Uint(u)
+	case Float:
+		f, _ := v.Float()
+		e.Float(f)
+	case Str:
+		s, _ := v.Str()
+		e.Str(s)
+	case Bin:
+		b, _ := v.Bin()
+		e.Bin(b)
+	case Ext:
+		n := uint32(len(v.Raw()))
+		e.buf = append(e.buf, 0xc9, byte(n>>24), byte(n>>16), byte(n>>8), byte(n), byte(v.ExtType))
+		e.buf = append(e.buf, v.Raw()...)
+	case Array:
+		e.ArrayHeader(len(v.Items))
+		for _, x := range v.Items {
+			e.Value(x)
+		}
+	case Map:
+		e.MapHeader(len(v.Pairs))
+		for _, p := range v.Pairs {
+			e.Value(p[0])
+			e.Value(p[1])
+		}
+	default:
+		e.Nil()
+	}
+}
+
 // Str appends a string.
 func (e *Encoder) Str(s string) {
 	n := len(s)

@@ -390,7 +390,7 @@ func FuzzDecode(f *testing.F) {
 		// Re-encoding the tree and decoding it again gives the same
 		// values (the forms may shrink: the encoder picks the smallest).
 		var e Encoder
-		encode(&e, v)
+		e.Value(v)
 		w, err := Decode(e.Bytes())
 		if err != nil {
 			t.Fatalf("re-encoded %x: %v", e.Bytes(), err)
@@ -446,47 +446,6 @@ func dupKey(v Value, k string) bool {
 		}
 	}
 	return c > 1
-}
-
-// encode writes a decoded tree back with an Encoder.
-func encode(e *Encoder, v Value) {
-	switch v.Kind {
-	case Nil:
-		e.Nil()
-	case Bool:
-		b, _ := v.Bool()
-		e.Bool(b)
-	case Int:
-		i, _ := v.Int()
-		e.Int(i)
-	case Uint:
-		u, _ := v.Uint()
-		e.Uint(u)
-	case Float:
-		f, _ := v.Float()
-		e.Float(f)
-	case Str:
-		s, _ := v.Str()
-		e.Str(s)
-	case Bin:
-		b, _ := v.Bin()
-		e.Bin(b)
-	case Ext:
-		// The Encoder writes no ext values: write the smallest form by hand.
-		e.buf = append(e.buf, 0xc9, byte(v.Len()>>24), byte(v.Len()>>16), byte(v.Len()>>8), byte(v.Len()), byte(v.ExtType))
-		e.buf = append(e.buf, v.Raw()...)
-	case Array:
-		e.ArrayHeader(v.Len())
-		for _, x := range v.Items {
-			encode(e, x)
-		}
-	case Map:
-		e.MapHeader(v.Len())
-		for _, p := range v.Pairs {
-			encode(e, p[0])
-			encode(e, p[1])
-		}
-	}
 }
 
 // same compares two trees by value: an integer is the same whether it was

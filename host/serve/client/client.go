@@ -505,46 +505,11 @@ func encode(e *msgpack.Encoder, v any) error {
 			}
 		}
 	case msgpack.Value:
-		encodeValue(e, x)
+		e.Value(x)
 	default:
 		return fmt.Errorf("cannot encode %T", v)
 	}
 	return nil
-}
-
-func encodeValue(e *msgpack.Encoder, v msgpack.Value) {
-	switch v.Kind {
-	case msgpack.Bool:
-		b, _ := v.Bool()
-		e.Bool(b)
-	case msgpack.Int:
-		n, _ := v.Int()
-		e.Int(n)
-	case msgpack.Uint:
-		n, _ := v.Uint()
-		e.Uint(n)
-	case msgpack.Float:
-		f, _ := v.Float()
-		e.Float(f)
-	case msgpack.Str:
-		s, _ := v.Str()
-		e.Str(s)
-	case msgpack.Bin:
-		e.Bin(v.Raw())
-	case msgpack.Array:
-		e.ArrayHeader(len(v.Items))
-		for _, it := range v.Items {
-			encodeValue(e, it)
-		}
-	case msgpack.Map:
-		e.MapHeader(len(v.Pairs))
-		for _, p := range v.Pairs {
-			encodeValue(e, p[0])
-			encodeValue(e, p[1])
-		}
-	default:
-		e.Nil()
-	}
 }
 
 // eventQueue is an unbounded FIFO in front of a channel. While the
