@@ -2,9 +2,7 @@ package engmem
 
 import (
 	"bytes"
-	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -14,49 +12,19 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
-)
 
-var (
-	standinOnce sync.Once
-	standinDir  string
-	standinPath string
-	standinErr  error
+	"github.com/kvhost/kvhost/host/serve/engmem/cudarttest"
 )
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if standinDir != "" {
-		os.RemoveAll(standinDir)
-	}
+	cudarttest.Cleanup()
 	os.Exit(code)
 }
 
-// standin builds testdata/cudart_standin.c with gcc, once per test
-// process, and returns the library's path. No gcc fails the test: the
-// VRAM path would otherwise go untested.
-func standin(t testing.TB) string {
-	t.Helper()
-	standinOnce.Do(func() {
-		gcc, err := exec.LookPath("gcc")
-		if err != nil {
-			standinErr = fmt.Errorf("gcc is needed to build the stand-in libcudart: %v", err)
-			return
-		}
-		if standinDir, standinErr = os.MkdirTemp("", "kvhost-engmem-cudart-"); standinErr != nil {
-			return
-		}
-		standinPath = filepath.Join(standinDir, "libcudart_standin.so")
-		out, err := exec.Command(gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-pthread",
-			"-fvisibility=hidden", "-o", standinPath, "testdata/cudart_standin.c").CombinedOutput()
-		if err != nil {
-			standinErr = fmt.Errorf("building the stand-in libcudart: %v\n%s", err, out)
-		}
-	})
-	if standinErr != nil {
-		t.Fatal(standinErr)
-	}
-	return standinPath
-}
+// standin is the stand-in libcudart (testdata/cudart_standin.c), built
+// once per test process.
+func standin(t testing.TB) string { return cudarttest.Path(t) }
 
 // engine is the engine's side of the stand-in: allocations and handles,
 // as an engine gets them from CUDA.
