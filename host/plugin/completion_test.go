@@ -304,14 +304,25 @@ func TestEngineIdleCPU(t *testing.T) {
 			t.Fatal(ev.Err)
 		}
 		time.Sleep(50 * time.Millisecond)
-		got := idleCPU(t, d)
+		// The process's CPU also holds whatever else the machine makes
+		// it do (GC, other tests' leftovers under -count, a loaded
+		// scheduler): measure the subscriber's cost three times and keep
+		// the least. A real cost shows in every window; noise does not.
+		cost, got := 1.0, 0.0
+		for range 3 {
+			got = idleCPU(t, d)
+			cost = min(cost, got-base)
+			if cost <= 0.01 {
+				break
+			}
+		}
 		cancel()
 		time.Sleep(50 * time.Millisecond)
 		agents := idleCPU(t, d) // the same agents, nobody subscribed
 		t.Logf("%s (native events: %v): idle CPU %.3f%% of a core with a subscriber, %.3f%% without (process baseline without agents %.3f%%)",
 			c.name, a.a.Engine().Native(), 100*got, 100*agents, 100*base)
-		if got-agents > 0.01 {
-			t.Errorf("%s: an idle engine costs %.2f%% of a core, want at most 1%%", c.name, 100*(got-base))
+		if cost > 0.01 {
+			t.Errorf("%s: an idle engine costs %.2f%% of a core over the process's baseline, want at most 1%%", c.name, 100*cost)
 		}
 		a.a.Close()
 		b.a.Close()
