@@ -37,12 +37,32 @@ def test_demo_engine_every_byte(style):
     (s,) = json.loads(out.stdout)
     assert s["style"] == style and s["ok"] == 24 and s["failed"] == 0 and not s["failures"], s
     assert s["bytes_verified"] > 0 and s["gb_per_s"] > 0
+    # The transfer rate: the same bytes over the union of the intervals
+    # the pair's transfers were in flight, one interval per request, and
+    # the engines' time per phase.
+    assert s["bytes_verified"] == s["bytes_moved"], s
+    assert s["transfers_timed"] == 24 and 0 < s["transfer_seconds"] and s["transfer_gb_per_s"] > 0, s
+    assert abs(s["transfer_gb_per_s"] - s["bytes_moved"] / s["transfer_seconds"] / 1e9) < 1e-9, s
+    for role in ("prefill", "decode"):
+        p = s["phases"][role]
+        assert p["wall"] > 0 and p["control"] > 0 and abs(sum(v for k, v in p.items() if k != "wall") - p["wall"]) < 1e-6, p
+    assert s["phases"]["prefill"]["fill"] > 0 and s["phases"]["decode"]["verify"] > 0, s
     # Both pairs are prefill TP 2 -> decode TP 4 (issue 15); the sglang
     # pair's host-memory pools are registered as VRAM with the fake
     # plugin, since SGLang's NIXL connector pushes heterogeneous-TP MHA KV
     # only into GPU memory.
     assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
     assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+
+
+def test_union_seconds():
+    """The transfer rate's denominator: overlapping intervals count once,
+    gaps not at all."""
+    from kvhost import demo_engine as de
+
+    assert de.union_seconds([]) == 0.0
+    assert de.union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.75)]) == 3.0
+    assert de.union_seconds([(5.0, 6.0), (1.0, 2.0), (1.5, 1.75)]) == 2.0
 
 
 def test_demo_engine_sglang_options():
@@ -79,6 +99,7 @@ def test_demo_engine_fails_on_one_wrong_byte(style):
     assert "FAILED" in out.stdout
     assert "request req-1-0005: decode rank 0: page 0" in out.stdout and "byte 0: got" in out.stdout, out.stdout
     assert "23 ok, 1 failed" in out.stdout, out.stdout
+    assert "  transfer rate " in out.stdout and "over the" in out.stdout, out.stdout
     head = out.stdout.splitlines()[0]
     assert "prefill TP 2 -> decode TP 4" in head, head
     if style == "sglang":
