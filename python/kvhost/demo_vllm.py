@@ -132,10 +132,11 @@ def _workers(engine_id, kv_role, control, shape, tp_size, pools, extra=None):
     return workers
 
 
-def _step_workers(workers, meta, ph, forward=None):
+def _step_workers(workers, meta, forward=None, ph=None):
     """One step of every worker; returns (sending counts, recving counts,
     load-error blocks) of this step. The connector calls count as
-    "control" in ph, the forward pass as "fill"."""
+    "control" in ph (a Phases), the forward pass as "fill"."""
+    ph = ph or Phases()
     sending, recving, errors = {}, {}, set()
     for r, w in enumerate(workers):
         with ph.timed("control"):
@@ -203,7 +204,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 for req, ids, seed in new:
                     pat.fill(pools[rank][1], ids, seed, shape, h0, h1)
 
-            sending, _, _ = _step_workers(workers, meta, ph, forward)
+            sending, _, _ = _step_workers(workers, meta, forward, ph)
             for rid, k in sending.items():
                 ids, seen = held[rid]
                 seen += k
@@ -289,7 +290,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
             for ent in loading.values():
                 if ent[5] is None:
                     ent[5] = t_issue
-            _, recving, errors = _step_workers(workers, meta, ph)
+            _, recving, errors = _step_workers(workers, meta, ph=ph)
             t_step = time.monotonic()
             for rid, k in recving.items():
                 ent = loading[rid]
