@@ -146,3 +146,40 @@ def test_engine_terminated_leaves_no_shared_memory(tmpdir_short, style):
         assert left == [], "left in /dev/shm: %s" % left
     finally:
         side.stop()
+
+
+@pytest.mark.parametrize("layout,head_bytes", [("HND", 16), ("NHD", 16), ("HND", 6), ("NHD", 6)])
+def test_pattern_fill_check_every_byte(layout, head_bytes):
+    """demo_pattern's fill writes exactly expected() (the reference
+    formula) and check, compared 8 bytes at a time in the pool's own order
+    into reused buffers, still finds any one wrong byte and names it."""
+    import numpy as np
+
+    from kvhost import demo_pattern as pat
+
+    shape = pat.Shape(2, 4, head_bytes, 4)
+    h0, h1 = shape.heads_of(1, 2)
+    dims = (shape.layers, 2, 9, 2, shape.page_size, head_bytes)
+    if layout == "NHD":
+        dims = dims[:3] + (shape.page_size, 2, head_bytes)
+    pool = np.zeros(dims, dtype=np.uint8)
+    if layout == "NHD":  # SGLang's: K buffers then V buffers, a non-contiguous view
+        pool = np.zeros((2, shape.layers) + dims[2:], dtype=np.uint8).transpose(1, 0, 2, 3, 4, 5)
+    ids = [7, 2, 4]
+    pat.fill(pool, ids, 11, shape, h0, h1, layout=layout)
+    pat.fill(pool, [0, 1], 12, shape, h0, h1, layout=layout)  # reuses the buffers, other shape
+    got = pat._hnd(pool[:, :, ids], layout)
+    assert np.array_equal(got, pat.expected(11, shape, 3, h0, h1))
+    assert pat.check(pool, ids, 11, shape, h0, h1, layout=layout) is None
+    assert pat.check(pool, [0, 1], 12, shape, h0, h1, layout=layout) is None
+    assert "wrong bytes" in pat.check(pool, ids, 12, shape, h0, h1, layout=layout)
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        at = tuple(int(rng.integers(0, n)) for n in pool[:, :, ids].shape)
+        idx = at[:2] + (ids[at[2]],) + at[3:]
+        pool[idx] ^= 0x01
+        why = pat.check(pool, ids, 11, shape, h0, h1, layout=layout)
+        pool[idx] ^= 0x01
+        assert why is not None and "(1 wrong bytes)" in why and "block %d" % ids[at[2]] in why, (at, why)
+    with pytest.raises(IndexError):
+        pat.check(pool, [9], 11, shape, h0, h1, layout=layout)
