@@ -159,6 +159,22 @@ class Progress:
             sys.stderr.flush()
 
 
+def union_seconds(spans):
+    """Seconds covered by the union of [start, end) intervals: the time
+    transfers were in flight (kvhost's host/internal/span)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
 def _pct(xs, q):
     if not xs:
         return 0.0
@@ -212,6 +228,8 @@ def run_style(style, ns, workdir, reqs, progress):
                "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp,
                "register_as": "dram" if style == "vllm" else args["register_as"]}
     lat = []
+    spans = []
+    summary["phases"] = {}
     try:
         for s in sidecars:
             s.wait_ready()
@@ -251,10 +269,14 @@ def run_style(style, ns, workdir, reqs, progress):
                 summary["bytes_verified"] += body["verified"]
                 lat.append(body["latency"])
                 progress.add()
-            elif kind == "decode_done":
-                summary["seconds"] = body["seconds"]
-                finished.add(kind)
             else:
+                # Each engine's time per phase, and the intervals its
+                # transfers were in flight (time.monotonic is one clock
+                # for every process on the machine).
+                if kind == "decode_done":
+                    summary["seconds"] = body["seconds"]
+                summary["phases"][kind.split("_")[0]] = body.get("phases", {})
+                spans.extend(body.get("spans", ()))
                 finished.add(kind)
         for p in procs:
             p.join(30)
@@ -279,6 +301,10 @@ def run_style(style, ns, workdir, reqs, progress):
                 summary["failures"].append("kvhost serve (%s) log (%s):\n%s" % (s.name, s.log_path, t))
     if summary["seconds"] > 0:
         summary["gb_per_s"] = summary["bytes_moved"] / summary["seconds"] / 1e9
+    summary["transfers_timed"] = len(spans)
+    summary["transfer_seconds"] = union_seconds(spans)
+    summary["transfer_gb_per_s"] = (
+        summary["bytes_moved"] / summary["transfer_seconds"] / 1e9 if summary["transfer_seconds"] > 0 else 0.0)
     summary["latency_p50_ms"] = _pct(lat, 0.5) * 1e3
     summary["latency_p99_ms"] = _pct(lat, 0.99) * 1e3
     summary["processes"] = 2 + 2
@@ -286,7 +312,9 @@ def run_style(style, ns, workdir, reqs, progress):
 
 
 def baseline(ns, style, decode_tp):
-    """``kvhost demo --in-process`` on the same shape: its GB/s."""
+    """``kvhost demo --in-process`` on the same shape: its end-to-end GB/s
+    and its transfer rate (GB/s over the time its transfers were in
+    flight; 0 when it does not report one)."""
     cmd = [ns.kvhost, "--backend", ns.backend, "demo", "--in-process", "--json", "--style", style,
            "--requests", str(ns.requests), "--seed", str(ns.seed), "--layers", str(ns.layers),
            "--kv-heads", str(ns.kv_heads), "--head-dim", str(ns.head_dim), "--dtype-bytes", str(ns.dtype_bytes),
@@ -295,7 +323,8 @@ def baseline(ns, style, decode_tp):
     out = subprocess.run(cmd, capture_output=True, timeout=ns.timeout)
     if out.returncode != 0:
         raise RuntimeError("%s: exit %d: %s" % (" ".join(cmd), out.returncode, out.stderr.decode(errors="replace")[-2000:]))
-    return float(json.loads(out.stdout)["gb_per_s"])
+    got = json.loads(out.stdout)
+    return float(got["gb_per_s"]), float(got.get("transfer_gb_per_s", 0) or 0)
 
 
 def human(n):
@@ -321,6 +350,16 @@ def text(s, ns):
     if s.get("baseline_gb_per_s"):
         base = "   (kvhost demo --in-process, same shape: %.2f GB/s; ratio %.2f)" % (s["baseline_gb_per_s"], s["ratio"])
     lines.append("  throughput    %.2f GB/s over %.2f s%s" % (s["gb_per_s"], s["seconds"], base))
+    tbase = ""
+    if s.get("baseline_transfer_gb_per_s"):
+        tbase = "   (kvhost demo --in-process: %.2f GB/s)" % s["baseline_transfer_gb_per_s"]
+    lines.append("  transfer rate %.2f GB/s: %s over the %.2f s %d transfers were in flight (engine's view)%s" % (
+        s["transfer_gb_per_s"], human(s["bytes_moved"]), s["transfer_seconds"], s["transfers_timed"], tbase))
+    for role in ("prefill", "decode"):
+        p = s.get("phases", {}).get(role)
+        if p:
+            lines.append("  %-13s %.2f s wall: %s" % (role + " engine", p.get("wall", 0.0), ", ".join(
+                "%s %.2f s" % (k, p[k]) for k in ("control", "fill", "verify", "idle", "other") if k in p)))
     lines.append("  latency       request load p50 %.2f ms, p99 %.2f ms" % (s["latency_p50_ms"], s["latency_p99_ms"]))
     for f in s["failures"]:
         lines.append("  failure: " + f)
@@ -348,7 +387,7 @@ def main(argv=None):
                 prog.close()
             if ns.baseline:
                 try:
-                    s["baseline_gb_per_s"] = baseline(ns, style, s["decode_tp"])
+                    s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
                     s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
                 except Exception as e:
                     s["baseline_error"] = str(e)

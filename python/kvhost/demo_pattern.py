@@ -64,6 +64,35 @@ def expected(seed, shape, npages, h0, h1):
     )
 
 
+def _in_layout(seed, shape, npages, h0, h1, layout, out):
+    """expected() in the pool's own order (HND or NHD), written into out
+    (a reused buffer): each head row of the request is one row of the
+    table R[c] = (c + B) mod 256, picked by c = A + T, a gather of whole
+    rows instead of a broadcast add over every byte."""
+    a, t, b = _tables(seed, shape, npages)
+    c = a[:, :, None, h0:h1, None] + t.reshape(npages, shape.page_size)[None, None, :, None, :]
+    if layout == "NHD":
+        c = c.transpose(0, 1, 2, 4, 3)
+    elif layout != "HND":
+        raise ValueError("layout %r: want HND or NHD" % layout)
+    rows = np.arange(256, dtype=np.uint8)[:, None] + b[None, :]  # uint8: mod 256
+    # c < 256 = len(rows): "clip" never clips, and lets take write
+    # straight into out ("raise" buffers it).
+    return np.take(rows, c, axis=0, out=out, mode="clip")
+
+
+_BUFS = {}
+
+
+def _buf(name, shape):
+    """A reused buffer: a fresh multi-MiB array per request costs its page
+    faults every time, more than the work done in it."""
+    buf = _BUFS.get(name)
+    if buf is None or buf.shape != shape:
+        buf = _BUFS[name] = np.empty(shape, dtype=np.uint8)
+    return buf
+
+
 def _hnd(x, layout):
     """x (layers, 2, pages, ...) in HND order: a view."""
     if layout == "HND":
@@ -79,14 +108,32 @@ def fill(pool, block_ids, seed, shape, h0, h1, layout="HND"):
     (HND, vLLM's) or (layers, 2, num_blocks, page_size, heads, head_bytes)
     (NHD, SGLang's MHA pages)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    want = expected(seed, shape, len(ids), h0, h1)
-    pool[:, :, ids] = want if layout == "HND" else want.transpose(0, 1, 2, 4, 3, 5)
+    dims = pool.shape[:2] + (len(ids),) + pool.shape[3:]
+    pool[:, :, ids] = _in_layout(seed, shape, len(ids), h0, h1, layout, _buf("want", dims))
 
 
 def check(pool, block_ids, seed, shape, h0, h1, layout="HND"):
     """None when the request's pages hold exactly its KV for heads
     [h0, h1), else a sentence naming the first wrong byte."""
     ids = np.asarray(block_ids, dtype=np.int64)
+    # Every byte, compared in the pool's own order, 8 at a time when rows
+    # allow; the sentence below is built only when something is wrong.
+    dims = pool.shape[:2] + (len(ids),) + pool.shape[3:]
+    if len(ids) and (ids.min() < 0 or ids.max() >= pool.shape[2]):
+        raise IndexError("block ids out of range 0..%d" % (pool.shape[2] - 1))
+    if pool.flags.c_contiguous:
+        got = np.take(pool, ids, axis=2, out=_buf("got", dims), mode="clip")
+    else:
+        # take would first copy the whole pool contiguous (SGLang's pools
+        # are a (layers, 2, ...) view of K buffers then V buffers).
+        got = pool[:, :, ids]
+    want = _in_layout(seed, shape, len(ids), h0, h1, layout, _buf("want", dims))
+    if got.shape[-1] % 8 == 0:
+        same = np.array_equal(got.view(np.uint64), want.view(np.uint64))
+    else:
+        same = np.array_equal(got, want)
+    if same:
+        return None
     got = _hnd(pool[:, :, ids], layout)
     want = expected(seed, shape, len(ids), h0, h1)
     bad = got != want

@@ -32,7 +32,7 @@ import types
 import numpy as np
 
 from kvhost import demo_pattern as pat
-from kvhost.demo_vllm import BlockPool, exit_on_sigterm
+from kvhost.demo_vllm import BlockPool, Phases, exit_on_sigterm
 
 AUX_LEN = 64  # bytes per aux slot (SGLang's metadata buffers: output ids, logprobs...)
 
@@ -104,6 +104,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa, args.get("register_as"))
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
+        ph = Phases()
         todo = list(requests)
         live = {}  # room -> dict
         chunk = args["chunk_pages"]
@@ -119,13 +120,15 @@ def prefill_engine(args, control, requests, to_decode, results):
                     break
                 todo.pop(0)
                 room = int(rid.rsplit("-", 1)[1]) + 1
-                senders = [ksg.KVSender(mgr, boot.addr, room, None, 0) for mgr, _, _, _ in ranks]
+                with ph.timed("control"):
+                    senders = [ksg.KVSender(mgr, boot.addr, room, None, 0) for mgr, _, _, _ in ranks]
                 live[room] = {"rid": rid, "seed": seed, "ids": ids, "aux": aux_free.pop(), "senders": senders,
                               "sent": 0, "inited": False}
                 to_decode.put((rid, ntok, seed, boot.addr, room))
                 busy = True
             for room, st in list(live.items()):
-                polls = [s.poll() for s in st["senders"]]
+                with ph.timed("control"):
+                    polls = [s.poll() for s in st["senders"]]
                 if any(int(p) == int(ksg.KVPoll.Failed) for p in polls):
                     # SGLang's prefill: failure_exception() raises the
                     # reason (logged), the request is dropped; the decode
@@ -143,31 +146,40 @@ def prefill_engine(args, control, requests, to_decode, results):
                 if not st["inited"]:
                     if not _all(polls, ksg.KVPoll.WaitingForInput):
                         continue
-                    for s in st["senders"]:
-                        s.init(len(st["ids"]), st["aux"])
+                    with ph.timed("control"):
+                        for s in st["senders"]:
+                            s.init(len(st["ids"]), st["aux"])
                     # The forward pass: this request's KV and aux on every rank.
-                    for r, (_, _, kv, aux) in enumerate(ranks):
-                        h0, h1 = shape.heads_of(r, tp)
-                        pat.fill(kv, st["ids"], st["seed"], shape, h0, h1, layout="NHD")
-                        aux[st["aux"]] = pat.aux_bytes(st["seed"], AUX_LEN)
+                    with ph.timed("fill"):
+                        for r, (_, _, kv, aux) in enumerate(ranks):
+                            h0, h1 = shape.heads_of(r, tp)
+                            pat.fill(kv, st["ids"], st["seed"], shape, h0, h1, layout="NHD")
+                            aux[st["aux"]] = pat.aux_bytes(st["seed"], AUX_LEN)
                     st["inited"] = True
                     busy = True
                 if st["sent"] < len(st["ids"]):
                     part = st["ids"][st["sent"]:st["sent"] + chunk]
-                    for s in st["senders"]:
-                        s.send(np.asarray(part, dtype=np.int32))
+                    if "t_send" not in st:
+                        # In flight from the first chunk sent to Success.
+                        st["t_send"] = time.monotonic()
+                    with ph.timed("control"):
+                        for s in st["senders"]:
+                            s.send(np.asarray(part, dtype=np.int32))
                     st["sent"] += len(part)
                     busy = True
                 elif _all(polls, ksg.KVPoll.Success):
-                    for s in st["senders"]:
-                        s.clear()
+                    ph.spans.append((st["t_send"], time.monotonic()))
+                    with ph.timed("control"):
+                        for s in st["senders"]:
+                            s.clear()
                     pages.give(st["ids"])
                     aux_free.append(st["aux"])
                     del live[room]
                     busy = True
             if not busy:
-                time.sleep(0.001)
-        results.put(("prefill_done", {}))
+                with ph.timed("idle"):
+                    time.sleep(0.001)
+        results.put(("prefill_done", ph.report()))
         boot.close()
     except Exception as e:
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
@@ -191,6 +203,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         waiting, live = [], {}
+        ph = Phases()
         done = 0
         corrupt = args.get("corrupt")
         deadline = time.monotonic() + args["timeout"]
@@ -207,17 +220,19 @@ def decode_engine(args, control, nreq, from_prefill, results):
             while waiting and len(live) < args["concurrency"]:
                 rid, ntok, seed, addr, room = waiting.pop(0)
                 recvs = []
-                for mgr, _, _, _ in ranks:
-                    rv = ksg.KVReceiver(mgr, addr, room)
-                    rv.init(0)  # prefill DP rank 0: starts the bootstrap
-                    recvs.append(rv)
+                with ph.timed("control"):
+                    for mgr, _, _, _ in ranks:
+                        rv = ksg.KVReceiver(mgr, addr, room)
+                        rv.init(0)  # prefill DP rank 0: starts the bootstrap
+                        recvs.append(rv)
                 live[room] = {"rid": rid, "ntok": ntok, "seed": seed, "recvs": recvs, "ids": None, "aux": None,
                               "t0": time.monotonic()}
                 if t_first is None:
                     t_first = time.monotonic()
                 busy = True
             for room, st in list(live.items()):
-                polls = [rv.poll() for rv in st["recvs"]]
+                with ph.timed("control"):
+                    polls = [rv.poll() for rv in st["recvs"]]
                 failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
                 if st["ids"] is None and not failed:
                     if not _all(polls, ksg.KVPoll.WaitingForInput) or not aux_free:
@@ -226,8 +241,9 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     if ids is None:
                         continue
                     st["ids"], st["aux"] = ids, aux_free.pop()
-                    for rv in st["recvs"]:
-                        rv.send_metadata(np.asarray(ids, dtype=np.int32), st["aux"])
+                    with ph.timed("control"):
+                        for rv in st["recvs"]:
+                            rv.send_metadata(np.asarray(ids, dtype=np.int32), st["aux"])
                     busy = True
                     continue
                 if not failed and not _all(polls, ksg.KVPoll.Success):
@@ -247,15 +263,17 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         ranks[0][2][0, 0, ids[0], 0, 0, 0] ^= 0xFF  # the mutation check
                     for r, (_, _, kv, aux) in enumerate(ranks):
                         h0, h1 = shape.heads_of(r, tp)
-                        why = pat.check(kv, ids, st["seed"], shape, h0, h1, layout="NHD")
+                        with ph.timed("verify"):
+                            why = pat.check(kv, ids, st["seed"], shape, h0, h1, layout="NHD")
                         if why is None and not np.array_equal(aux[st["aux"]], pat.aux_bytes(st["seed"], AUX_LEN)):
                             bad = int(np.flatnonzero(aux[st["aux"]] != pat.aux_bytes(st["seed"], AUX_LEN))[0])
                             why = "aux slot %d byte %d wrong" % (st["aux"], bad)
                         if why:
                             err = "decode rank %d: %s" % (r, why)
                             break
-                    for rv in st["recvs"]:
-                        rv.clear()
+                    with ph.timed("control"):
+                        for rv in st["recvs"]:
+                            rv.clear()
                 n = len(st["ids"]) if st["ids"] else 0
                 nbytes = shape.layers * 2 * shape.kv_heads * n * shape.page_size * shape.head_bytes
                 results.put(("request", {
@@ -270,8 +288,11 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 done += 1
                 busy = True
             if not busy:
-                time.sleep(0.001)
-        results.put(("decode_done", {"seconds": time.monotonic() - (t_first or time.monotonic())}))
+                with ph.timed("idle"):
+                    time.sleep(0.001)
+        rep = ph.report()
+        rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
+        results.put(("decode_done", rep))
     except Exception as e:
         results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))
     finally:

@@ -45,6 +45,45 @@ def exit_on_sigterm():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
+class Phases:
+    """Where an engine's wall time goes: seconds per phase ("fill",
+    "verify", "control" (adapter calls: the control round trips to its
+    kvhost serve), "idle" (sleeping for lack of work), the rest "other"),
+    and the intervals its transfers were in flight, for the demo's
+    transfer rate (kvhost's host/internal/span, from the engine's view)."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.secs = {}
+        self.spans = []
+
+    def timed(self, name):
+        return _Timed(self, name)
+
+    def add(self, name, dt):
+        self.secs[name] = self.secs.get(name, 0.0) + dt
+
+    def report(self):
+        wall = time.monotonic() - self.t0
+        out = dict(self.secs)
+        out["other"] = max(0.0, wall - sum(self.secs.values()))
+        out["wall"] = wall
+        return {"phases": out, "spans": self.spans}
+
+
+class _Timed:
+    __slots__ = ("ph", "name", "t")
+
+    def __init__(self, ph, name):
+        self.ph, self.name = ph, name
+
+    def __enter__(self):
+        self.t = time.monotonic()
+
+    def __exit__(self, *_):
+        self.ph.add(self.name, time.monotonic() - self.t)
+
+
 class BlockPool:
     """vLLM's free block queue, reduced: ids out, ids back."""
 
@@ -93,19 +132,24 @@ def _workers(engine_id, kv_role, control, shape, tp_size, pools, extra=None):
     return workers
 
 
-def _step_workers(workers, meta, forward=None):
+def _step_workers(workers, meta, forward=None, ph=None):
     """One step of every worker; returns (sending counts, recving counts,
-    load-error blocks) of this step."""
+    load-error blocks) of this step. The connector calls count as
+    "control" in ph (a Phases), the forward pass as "fill"."""
+    ph = ph or Phases()
     sending, recving, errors = {}, {}, set()
     for r, w in enumerate(workers):
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        with ph.timed("control"):
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
         if forward is not None:
-            forward(r)
-        w.wait_for_save()
-        s, v = w.get_finished(set())
-        errors |= w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
+            with ph.timed("fill"):
+                forward(r)
+        with ph.timed("control"):
+            w.wait_for_save()
+            s, v = w.get_finished(set())
+            errors |= w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
         for x in s:
             sending[x] = sending.get(x, 0) + 1
         for x in v:
@@ -131,6 +175,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         )
         workers = _workers("prefill-engine", "kv_producer", control, shape, tp, pools)
         blocks = BlockPool(num_blocks)
+        ph = Phases()
         todo = list(requests)  # (request id, tokens, seed)
         held = {}  # request id -> (block ids, workers reported)
         deadline = time.monotonic() + args["timeout"]
@@ -141,22 +186,25 @@ def prefill_engine(args, control, requests, to_decode, results):
             while todo and len(held) + len(new) < args["prefill_inflight"]:
                 rid, ntok, seed = todo[0]
                 req = vs.Request(rid, list(range(ntok)), {"do_remote_decode": True})
-                n, is_async = sched.get_num_new_matched_tokens(req, 0)
+                with ph.timed("control"):
+                    n, is_async = sched.get_num_new_matched_tokens(req, 0)
                 assert (n, is_async) == (0, False)
                 ids = blocks.take(shape.pages(ntok))
                 if ids is None:
                     break
                 todo.pop(0)
-                sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), 0)
+                with ph.timed("control"):
+                    sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), 0)
                 new.append((req, ids, seed))
-            meta = sched.build_connector_meta(vs.SchedulerOutput())
+            with ph.timed("control"):
+                meta = sched.build_connector_meta(vs.SchedulerOutput())
 
             def forward(rank):
                 h0, h1 = shape.heads_of(rank, tp)
                 for req, ids, seed in new:
                     pat.fill(pools[rank][1], ids, seed, shape, h0, h1)
 
-            sending, _, _ = _step_workers(workers, meta, forward)
+            sending, _, _ = _step_workers(workers, meta, forward, ph)
             for rid, k in sending.items():
                 ids, seen = held[rid]
                 seen += k
@@ -167,13 +215,15 @@ def prefill_engine(args, control, requests, to_decode, results):
                     held[rid] = (ids, seen)
             for req, ids, seed in new:
                 req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
-                delay, params = sched.request_finished(req, ids)
+                with ph.timed("control"):
+                    delay, params = sched.request_finished(req, ids)
                 assert delay and params is not None, (delay, params)
                 held[req.request_id] = (ids, 0)
                 to_decode.put((req.request_id, len(req.prompt_token_ids), seed, params))
             if not new and not sending:
-                time.sleep(0.001)
-        results.put(("prefill_done", {}))
+                with ph.timed("idle"):
+                    time.sleep(0.001)
+        results.put(("prefill_done", ph.report()))
         for w in workers:
             w.shutdown()
         sched.shutdown()
@@ -198,6 +248,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         )
         workers = _workers("decode-engine", "kv_consumer", control, shape, tp, pools)
         blocks = BlockPool(num_blocks)
+        ph = Phases()
         waiting = []
         loading = {}  # decode request id -> [req, ids, seed, workers done, t0]
         done = 0
@@ -216,25 +267,38 @@ def decode_engine(args, control, nreq, from_prefill, results):
             while waiting and len(loading) < args["concurrency"]:
                 prid, ntok, seed, params = waiting[0]
                 req = vs.Request("d-" + prid, list(range(ntok)), dict(params))
-                n, is_async = sched.get_num_new_matched_tokens(req, 0)
+                with ph.timed("control"):
+                    n, is_async = sched.get_num_new_matched_tokens(req, 0)
                 assert is_async and n == ntok, (n, is_async)
                 ids = blocks.take(shape.pages(ntok))
                 if ids is None:
                     break
                 waiting.pop(0)
-                sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), n)
-                loading[req.request_id] = [req, ids, seed, 0, time.monotonic()]
+                with ph.timed("control"):
+                    sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), n)
+                # [req, ids, seed, workers done, t0, read issued]
+                loading[req.request_id] = [req, ids, seed, 0, time.monotonic(), None]
                 admitted += 1
                 if t_first is None:
                     t_first = time.monotonic()
-            meta = sched.build_connector_meta(vs.SchedulerOutput())
-            _, recving, errors = _step_workers(workers, meta)
+            with ph.timed("control"):
+                meta = sched.build_connector_meta(vs.SchedulerOutput())
+            # The reads of this step's new requests are issued by the
+            # workers' start_load_kv: their transfers are in flight from
+            # here until every worker reported them in finished_recving.
+            t_issue = time.monotonic()
+            for ent in loading.values():
+                if ent[5] is None:
+                    ent[5] = t_issue
+            _, recving, errors = _step_workers(workers, meta, ph=ph)
+            t_step = time.monotonic()
             for rid, k in recving.items():
                 ent = loading[rid]
                 ent[3] += k
                 if ent[3] < tp:
                     continue
-                req, ids, seed, _, t0 = loading.pop(rid)
+                req, ids, seed, _, t0, t_read = loading.pop(rid)
+                ph.spans.append((t_read, t_step))
                 lat = time.monotonic() - t0
                 err = None
                 bad = errors & set(ids)
@@ -254,7 +318,8 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         pools[0][1][0, 0, ids[0], 0, 0, 0] ^= 0xFF
                     for r in range(tp):
                         h0, h1 = shape.heads_of(r, tp)
-                        why = pat.check(pools[r][1], ids, seed, shape, h0, h1)
+                        with ph.timed("verify"):
+                            why = pat.check(pools[r][1], ids, seed, shape, h0, h1)
                         if why:
                             err = "decode rank %d: %s" % (r, why)
                             break
@@ -264,13 +329,17 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     "bytes": nbytes, "verified": verified, "latency": lat, "pages": len(ids),
                 }))
                 req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
-                delay, params = sched.request_finished(req, ids)
+                with ph.timed("control"):
+                    delay, params = sched.request_finished(req, ids)
                 assert not delay and params is None
                 blocks.give(ids)
                 done += 1
             if not admitted and not recving:
-                time.sleep(0.001)
-        results.put(("decode_done", {"seconds": time.monotonic() - (t_first or time.monotonic())}))
+                with ph.timed("idle"):
+                    time.sleep(0.001)
+        rep = ph.report()
+        rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
+        results.put(("decode_done", rep))
         for w in workers:
             w.shutdown()
         sched.shutdown()

@@ -37,12 +37,32 @@ def test_demo_engine_every_byte(style):
     (s,) = json.loads(out.stdout)
     assert s["style"] == style and s["ok"] == 24 and s["failed"] == 0 and not s["failures"], s
     assert s["bytes_verified"] > 0 and s["gb_per_s"] > 0
+    # The transfer rate: the same bytes over the union of the intervals
+    # the pair's transfers were in flight, one interval per request, and
+    # the engines' time per phase.
+    assert s["bytes_verified"] == s["bytes_moved"], s
+    assert s["transfers_timed"] == 24 and 0 < s["transfer_seconds"] and s["transfer_gb_per_s"] > 0, s
+    assert abs(s["transfer_gb_per_s"] - s["bytes_moved"] / s["transfer_seconds"] / 1e9) < 1e-9, s
+    for role in ("prefill", "decode"):
+        p = s["phases"][role]
+        assert p["wall"] > 0 and p["control"] > 0 and abs(sum(v for k, v in p.items() if k != "wall") - p["wall"]) < 1e-6, p
+    assert s["phases"]["prefill"]["fill"] > 0 and s["phases"]["decode"]["verify"] > 0, s
     # Both pairs are prefill TP 2 -> decode TP 4 (issue 15); the sglang
     # pair's host-memory pools are registered as VRAM with the fake
     # plugin, since SGLang's NIXL connector pushes heterogeneous-TP MHA KV
     # only into GPU memory.
     assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
     assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+
+
+def test_union_seconds():
+    """The transfer rate's denominator: overlapping intervals count once,
+    gaps not at all."""
+    from kvhost import demo_engine as de
+
+    assert de.union_seconds([]) == 0.0
+    assert de.union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.75)]) == 3.0
+    assert de.union_seconds([(5.0, 6.0), (1.0, 2.0), (1.5, 1.75)]) == 2.0
 
 
 def test_demo_engine_sglang_options():
@@ -79,6 +99,7 @@ def test_demo_engine_fails_on_one_wrong_byte(style):
     assert "FAILED" in out.stdout
     assert "request req-1-0005: decode rank 0: page 0" in out.stdout and "byte 0: got" in out.stdout, out.stdout
     assert "23 ok, 1 failed" in out.stdout, out.stdout
+    assert "  transfer rate " in out.stdout and "over the" in out.stdout, out.stdout
     head = out.stdout.splitlines()[0]
     assert "prefill TP 2 -> decode TP 4" in head, head
     if style == "sglang":
@@ -125,3 +146,40 @@ def test_engine_terminated_leaves_no_shared_memory(tmpdir_short, style):
         assert left == [], "left in /dev/shm: %s" % left
     finally:
         side.stop()
+
+
+@pytest.mark.parametrize("layout,head_bytes", [("HND", 16), ("NHD", 16), ("HND", 6), ("NHD", 6)])
+def test_pattern_fill_check_every_byte(layout, head_bytes):
+    """demo_pattern's fill writes exactly expected() (the reference
+    formula) and check, compared 8 bytes at a time in the pool's own order
+    into reused buffers, still finds any one wrong byte and names it."""
+    import numpy as np
+
+    from kvhost import demo_pattern as pat
+
+    shape = pat.Shape(2, 4, head_bytes, 4)
+    h0, h1 = shape.heads_of(1, 2)
+    dims = (shape.layers, 2, 9, 2, shape.page_size, head_bytes)
+    if layout == "NHD":
+        dims = dims[:3] + (shape.page_size, 2, head_bytes)
+    pool = np.zeros(dims, dtype=np.uint8)
+    if layout == "NHD":  # SGLang's: K buffers then V buffers, a non-contiguous view
+        pool = np.zeros((2, shape.layers) + dims[2:], dtype=np.uint8).transpose(1, 0, 2, 3, 4, 5)
+    ids = [7, 2, 4]
+    pat.fill(pool, ids, 11, shape, h0, h1, layout=layout)
+    pat.fill(pool, [0, 1], 12, shape, h0, h1, layout=layout)  # reuses the buffers, other shape
+    got = pat._hnd(pool[:, :, ids], layout)
+    assert np.array_equal(got, pat.expected(11, shape, 3, h0, h1))
+    assert pat.check(pool, ids, 11, shape, h0, h1, layout=layout) is None
+    assert pat.check(pool, [0, 1], 12, shape, h0, h1, layout=layout) is None
+    assert "wrong bytes" in pat.check(pool, ids, 12, shape, h0, h1, layout=layout)
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        at = tuple(int(rng.integers(0, n)) for n in pool[:, :, ids].shape)
+        idx = at[:2] + (ids[at[2]],) + at[3:]
+        pool[idx] ^= 0x01
+        why = pat.check(pool, ids, 11, shape, h0, h1, layout=layout)
+        pool[idx] ^= 0x01
+        assert why is not None and "(1 wrong bytes)" in why and "block %d" % ids[at[2]] in why, (at, why)
+    with pytest.raises(IndexError):
+        pat.check(pool, [9], 11, shape, h0, h1, layout=layout)
