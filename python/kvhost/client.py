@@ -10,7 +10,9 @@ pyzmq sockets are not thread-safe, so exactly one thread, the client's I/O
 thread, owns the DEALER socket (and its monitor socket). Callers, from any
 thread, hand requests to it through a lock-protected queue and wake it with
 one byte on a pipe; each request waits on its own :class:`threading.Event`
-for the reply the I/O thread routes to it by ``seq``. Events (messages the
+for the reply the I/O thread routes to it by ``seq`` (a request sent with
+:meth:`Client.call_nowait` has no waiter: an error reply fails its room in
+the state cache). Events (messages the
 sidecar sends unasked) are decoded on the I/O thread, which
 
 - updates the per-room state cache, so :meth:`Client.state` answers without
@@ -290,13 +292,16 @@ def _plain(v: Any) -> Any:
 
 
 class _Pending:
-    __slots__ = ("op", "done", "reply", "error")
+    __slots__ = ("op", "done", "reply", "error", "room")
 
-    def __init__(self, op: str):
+    def __init__(self, op: str, room: Optional[Tuple[int, int]] = None):
         self.op = op
         self.done = threading.Event()
         self.reply: Optional[dict] = None
         self.error: Optional[KVHostError] = None
+        # (rank, room) of a request nobody waits for (Client.call_nowait):
+        # its error reply fails that room in the state cache.
+        self.room = room
 
 
 class Hello:
@@ -563,6 +568,8 @@ class Client:
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
         p.done.set()
+        if p.error is not None and p.room is not None:
+            self._fail_room(p.room, "kvhost serve: %s" % p.error)
         if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
             # This connection said hello, so the sidecar answering no_hello
             # is another process that took over the endpoint before the
@@ -622,6 +629,17 @@ class Client:
                 return
         self._rooms[key] = (st, reason if st == FAILED else "")
 
+    def _fail_room(self, key: Tuple[int, int], reason: str) -> None:
+        """Fails a tracked room in the state cache (a refused request
+        nobody waited for) and reports it like a room event of the
+        sidecar's; a room already final, or forgotten, stays as it is."""
+        with self._lock:
+            old = self._rooms.get(key)
+            if old is None or old[0] in (FAILED, SUCCESS):
+                return
+            self._rooms[key] = (FAILED, reason)
+        self._emit({"event": "room", "rank": key[0], "room": key[1], "state": FAILED, "reason": reason})
+
     def _declare_lost(self, reason: str, emit: bool = True) -> None:
         with self._lock:
             first = self._lost is None
@@ -644,9 +662,10 @@ class Client:
 
     # -- requests ----------------------------------------------------------
 
-    def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
+    def _enqueue(self, msg: dict, p: _Pending) -> int:
+        """Numbers a request, queues it for the I/O thread and wakes it;
+        raises ConnectionLost or TooLarge (nothing queued) at once."""
         op = msg["op"]
-        p = _Pending(op)
         with self._lock:
             if self._lost is not None:
                 raise ConnectionLost("connection_lost", self._lost)
@@ -661,6 +680,12 @@ class Client:
                 self._oversize.append(seq)
             self._outbox.append(data)
         self._wake()
+        return seq
+
+    def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
+        op = msg["op"]
+        p = _Pending(op)
+        seq = self._enqueue(msg, p)
         t = self.timeout if timeout is None else timeout
         if not p.done.wait(t):
             with self._lock:
@@ -682,6 +707,24 @@ class Client:
         msg = {k: _plain(v) for k, v in fields.items() if v is not None}
         msg["op"] = op
         return self._request(msg, timeout=timeout)
+
+    def call_nowait(self, op: str, *, rank: int, room: int, **fields: Any) -> None:
+        """Sends one request about room ``(rank, room)`` without waiting for
+        its reply. Raises at once only what this side knows before sending
+        (ConnectionLost, TooLarge); an error reply of the sidecar fails the
+        room in the state cache with the reason ``"kvhost serve: <code>:
+        <message>"`` (:meth:`state` and :meth:`failure_reason` answer it;
+        listeners get a room event). The sidecar handles one connection's
+        requests in order (docs/engine-api.md, "Messages"), so any request
+        sent after this one sees its effect. The room must be tracked (made
+        by this client's ``sender_create`` / ``receiver_create``) for a
+        refusal to show; a reply after the connection is lost is moot (the
+        room is Failed by then)."""
+        msg = {k: _plain(v) for k, v in fields.items() if v is not None}
+        msg["op"] = op
+        msg["rank"] = int(rank)
+        msg["room"] = int(room)
+        self._enqueue(msg, _Pending(op, (int(rank), int(room))))
 
     # -- memory ------------------------------------------------------------
 
@@ -745,6 +788,15 @@ class Client:
     def sender_send(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
         self.call("sender_send", rank=rank, room=room, pages=pack_pages(pages),
                   state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"))
+
+    def sender_send_nowait(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
+        """:meth:`sender_send` without waiting for the reply
+        (:meth:`call_nowait`): a refusal fails the room in the state cache.
+        SGLang's connectors do the same: send queues the chunk to a
+        transfer thread and failures surface through poll() (SGLang's
+        python/sglang/srt/disaggregation/nixl/conn.py, NixlKVSender.send)."""
+        self.call_nowait("sender_send", rank=rank, room=room, pages=pack_pages(pages),
+                         state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"))
 
     def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
                         prefill_dp_rank: Optional[int] = None) -> None:

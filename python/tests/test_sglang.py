@@ -259,7 +259,47 @@ def test_refusals_fail_the_room_not_the_scheduler(sidecar_factory):
         s3 = ks.KVSender(prefill[0].mgr, addr, 63, [0], 0)
         s3.num_kv_indices = 1
         s3.send(np.array([0], dtype=np.int32))
-        assert s3.poll() == KVPoll.Failed
+        wait(lambda: s3.poll() == KVPoll.Failed)  # send does not wait for the refusal
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_refused_send_fails_the_room_through_poll(sidecar_factory):
+    """KVSender.send does not wait for the sidecar's reply (SGLang's
+    NixlKVSender.send queues the chunk to a transfer thread): a chunk the
+    sidecar refuses (pages out of range) fails the room in the client's
+    state cache with the sidecar's message, which poll() and
+    failure_exception() report."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        mgr = prefill[0].mgr
+        c = mgr.client
+        waited = []
+        real = c._request
+
+        def request(msg, timeout=None):  # every request a caller waits for
+            waited.append(msg["op"])
+            return real(msg, timeout)
+
+        c._request = request
+        events = []
+        c.add_listener(lambda ev: events.append(ev) if ev.get("event") == "room" else None)
+        s = ks.KVSender(mgr, addr, 71, [0], 0)
+        s.num_kv_indices = 2
+        s.send(np.array([1000], dtype=np.int32))  # the rank has 32 pages
+        assert "sender_send" not in waited, waited
+        want = "page 1000 at index 0 is outside the rank's 32 pages"
+        wait(lambda: c.state(mgr.rank, 71) == kc.FAILED)
+        assert want in (c.failure_reason(mgr.rank, 71) or "")
+        assert any(ev["room"] == 71 and ev["state"] == kc.FAILED and want in ev["reason"] for ev in events), events
+        assert s.poll() == KVPoll.Failed
+        s.send(np.array([0], dtype=np.int32))  # a Failed room sends nothing more
+        assert waited.count("sender_send") == 0
+        with pytest.raises(ks.KVTransferError) as e:
+            s.failure_exception()
+        assert want in str(e.value)
+        assert "bad_request" in str(e.value)
     finally:
         close_all(boot, prefill + decode)
 

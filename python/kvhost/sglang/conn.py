@@ -16,7 +16,10 @@ prefill (python/sglang/srt/disaggregation/prefill.py)
   arrived: a room event); ``init(num_kv_indices, aux_index)`` →
   ``sender_init``; ``send(kv_indices[, state_indices])`` per chunk →
   ``sender_send`` (the chunk that reaches ``num_kv_indices`` is the last;
-  the sidecar sends aux and state with it); ``poll()`` until Success or
+  the sidecar sends aux and state with it), sent without waiting for the
+  reply, as SGLang's connectors queue the chunk to a transfer thread: a
+  refusal fails the room, seen by the next ``poll()`` once the reply came
+  (the sidecar handles the rank's requests in order); ``poll()`` until Success or
   Failed; ``failure_exception()`` raises the reason; ``clear()`` forgets it.
 decode (python/sglang/srt/disaggregation/decode.py)
   ``KVReceiver(mgr, bootstrap_addr, room)``; ``init(prefill_dp_rank)`` →
@@ -565,7 +568,10 @@ class KVSender(_Room):
         except ValueError as e:
             self._fail_local(str(e))
             return
-        if self._call(self.kv_mgr.client.sender_send, self._rank, self.bootstrap_room, kv_indices,
+        # Not waited for (SGLang's NixlKVSender.send queues the chunk and
+        # reports failures through poll()): a refusal fails the room in the
+        # client's state cache, which poll() reads.
+        if self._call(self.kv_mgr.client.sender_send_nowait, self._rank, self.bootstrap_room, kv_indices,
                       state) and last:
             self.has_sent = True
 
