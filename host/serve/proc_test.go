@@ -84,6 +84,12 @@ func start(t *testing.T, name string, path string, args ...string) *proc {
 	t.Cleanup(func() {
 		p.cmd.Process.Kill()
 		<-p.done
+		// A test engine the test killed cannot unlink its pools
+		// (internal/testengine names them /kvte-PID-RANK).
+		names, _ := filepath.Glob(fmt.Sprintf("/dev/shm/kvte-%d-*", p.cmd.Process.Pid))
+		for _, n := range names {
+			os.Remove(n)
+		}
 		if t.Failed() {
 			p.mu.Lock()
 			t.Logf("%s output:\n%s", name, p.log.String())

@@ -86,6 +86,11 @@ func startEngine(t *testing.T, srv *serve.Server, cfg engineConfig) *engineProc 
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	// An engine the test kills (or that fails) cannot unlink its pools:
+	// remove what it left once it is gone (registered first, so it runs
+	// after e.stop).
+	pid := cmd.Process.Pid
+	t.Cleanup(func() { removeSHM(t, fmt.Sprintf("kvhost-vllme2e-%d-*", pid)) })
 	e := &engineProc{t: t, cmd: cmd, in: in, out: make(chan answer, 16)}
 	go func() {
 		defer close(e.out)
@@ -435,6 +440,20 @@ func TestVLLMSidecarHandshakeFromPython(t *testing.T) {
 		if got.Hash != strings.TrimSpace(string(want)) || md.EngineID != "P2" || md.NumBlocks != 24 || md.BlockSize != 4 ||
 			md.Layout != "HND" || len(md.BaseAddrs) != 6 || len(md.BlockLens) != 6 || md.BlockLens[0] != 4*2*16 {
 			t.Fatalf("rank %d: %s (want hash %s)", rank, out, want)
+		}
+	}
+}
+
+// removeSHM removes the shared-memory files under /dev/shm matching
+// pattern, which a killed engine process leaves behind.
+func removeSHM(t *testing.T, pattern string) {
+	names, err := filepath.Glob(filepath.Join("/dev/shm", pattern))
+	if err != nil {
+		t.Error(err)
+	}
+	for _, n := range names {
+		if err := os.Remove(n); err != nil && !os.IsNotExist(err) {
+			t.Error(err)
 		}
 	}
 }
