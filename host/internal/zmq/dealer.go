@@ -4,13 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
-	"net"
-	"sync"
-	"time"
-
-	"github.com/kvhost/kvhost/host/internal/backoff"
-	"github.com/kvhost/kvhost/host/internal/ratelog"
 )
 
 // ErrDisconnected is returned by Dealer.Recv, once per connection, when
@@ -48,22 +41,9 @@ var ErrDisconnected = errors.New("zmq: connection lost")
 // WithRecvQueue of them wait for Recv, within WithRecvBudget bytes, and
 // WithMaxMessageSize and WithMaxFrames apply to each.
 type Dealer struct {
-	endpoint string
-	addr     address
-	o        options
-	log      *slog.Logger    // rate-limited: the peer can trigger its lines
-	rlog     *ratelog.Logger // log's limiter, flushed by Close
-
-	life context.Context // cancelled by Close; interrupts Sends and Recvs
-	kill context.CancelFunc
-
+	dialer
 	budget *recvBudget
 	msgs   chan dealerItem
-
-	mu     sync.Mutex // serializes Send, reconnects and Close
-	c      *conn
-	closed bool
-	wg     sync.WaitGroup // connection readers
 }
 
 // dealerItem is a received message and the bytes of the receive budget
@@ -78,24 +58,13 @@ type dealerItem struct {
 // "ipc:///path/to/socket"). It does not connect yet: the first Send does,
 // so the peer need not be up.
 func DialDealer(endpoint string, opts ...Option) (*Dealer, error) {
-	addr, err := parseEndpoint(endpoint, false)
-	if err != nil {
+	d := &Dealer{}
+	if err := d.init(endpoint, typeDealer, opts, d.read); err != nil {
 		return nil, err
 	}
-	o := buildOptions(opts)
-	life, kill := context.WithCancel(context.Background())
-	rlog := ratelog.New(o.logger)
-	return &Dealer{
-		endpoint: endpoint,
-		addr:     addr,
-		o:        o,
-		log:      rlog.With("zmq_socket", typeDealer, "zmq_endpoint", endpoint),
-		rlog:     rlog,
-		life:     life,
-		kill:     kill,
-		budget:   newRecvBudget(o.recvBudget, o.contendedTimeout),
-		msgs:     make(chan dealerItem, o.recvQueue),
-	}, nil
+	d.budget = newRecvBudget(d.o.recvBudget, d.o.contendedTimeout)
+	d.msgs = make(chan dealerItem, d.o.recvQueue)
+	return d, nil
 }
 
 // Endpoint is the endpoint this socket talks to.
@@ -105,99 +74,13 @@ func (d *Dealer) Endpoint() string { return d.endpoint }
 // fine), connecting first if there is no live connection (see Dealer).
 // Frames are not retained after Send returns.
 func (d *Dealer) Send(ctx context.Context, frames ...[]byte) error {
-	if len(frames) == 0 {
-		return errors.New("zmq: a message needs at least one frame")
-	}
-	if _, ok := ctx.Deadline(); !ok && d.o.sendTimeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, d.o.sendTimeout)
-		defer cancel()
-	}
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	stop := context.AfterFunc(d.life, func() { cancel(ErrClosed) })
-	defer stop()
-
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	retry := backoff.New(d.o.reconnectMin, d.o.reconnectMax)
-	var lastErr error
-	for {
-		if d.closed {
-			return ErrClosed
-		}
-		if d.c != nil && (d.c.closed() || peerClosed(d.c.nc)) {
-			d.log.Debug("zmq peer went away; reconnecting")
-			d.c.close() // its reader reports the end
-			d.c = nil
-		}
-		if d.c == nil {
-			c, err := d.connect(ctx)
-			if err != nil {
-				if lastErr == nil || !cutShort(ctx) {
-					lastErr = err
-				}
-				select {
-				case <-time.After(retry.Next()):
-					continue
-				case <-ctx.Done():
-					return d.sendError(ctx, lastErr)
-				}
-			}
-			d.c = c
-		}
-		err := d.c.send(ctx, frames)
-		if err == nil {
-			return nil
-		}
-		// The connection is closed now and the partial message will not
-		// be delivered: send it again on a new connection.
-		lastErr = err
-		d.c = nil
-		if ctx.Err() != nil {
-			return d.sendError(ctx, lastErr)
-		}
-	}
-}
-
-func (d *Dealer) sendError(ctx context.Context, last error) error {
-	if errors.Is(context.Cause(ctx), ErrClosed) {
-		return ErrClosed
-	}
-	if last == nil {
-		return fmt.Errorf("zmq: send to %s: %w", d.endpoint, ctx.Err())
-	}
-	return fmt.Errorf("zmq: send to %s: %w (last error: %v)", d.endpoint, ctx.Err(), last)
-}
-
-// connect dials and handshakes (ctx bounds both) and starts the
-// connection's reader.
-func (d *Dealer) connect(ctx context.Context) (*conn, error) {
-	var nd net.Dialer
-	nc, err := nd.DialContext(ctx, d.addr.network, d.addr.addr)
-	if err != nil {
-		return nil, err
-	}
-	stop := context.AfterFunc(ctx, func() { nc.Close() })
-	c, err := handshake(nc, typeDealer, &d.o)
-	if !stop() {
-		if err == nil {
-			c.close()
-		}
-		return nil, fmt.Errorf("zmq: connect to %s: %w", d.endpoint, ctx.Err())
-	}
-	if err != nil {
-		return nil, err
-	}
-	c.useBudget(d.budget, d.life.Done())
-	d.wg.Add(1)
-	go d.read(c)
-	return c, nil
+	return d.send(ctx, frames)
 }
 
 // read queues c's messages for Recv, then the report of its end.
 func (d *Dealer) read(c *conn) {
 	defer d.wg.Done()
+	c.useBudget(d.budget, d.life.Done())
 	var err error
 	for {
 		frames, size, rerr := c.recv()
@@ -261,17 +144,6 @@ func (d *Dealer) take(it dealerItem) ([][]byte, error) {
 // returns ErrClosed, and so do later calls; messages not yet received
 // are dropped. Calling Close again returns nil.
 func (d *Dealer) Close() error {
-	d.kill()
-	d.mu.Lock()
-	if !d.closed {
-		d.closed = true
-		if d.c != nil {
-			d.c.close()
-			d.c = nil
-		}
-	}
-	d.mu.Unlock()
-	d.wg.Wait()
-	d.rlog.Close()
+	d.close()
 	return nil
 }
