@@ -423,3 +423,44 @@ def test_sidecar_restarted_serves_again(pair, sidecars, which):
     d.until(lambda: d.recving.get("d-n") == 2, "decode finished_recving")
     assert not d.errors, [w.connector_worker.read_results for w in d.workers]
     check_all(d, [4, 5], 9)
+
+
+def test_get_transfer_results_for_current_vllm(pair, monkeypatch):
+    """Current vLLM's model runner (kv_connector_model_runner_mixin.py @
+    00f4240e) asks get_transfer_results: vLLM's KVConnectorTransferResults
+    (a stand-in module here) with a failed read in finished_recving and in
+    failed_recving, a good one only in finished_recving."""
+    import sys
+    import types
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class KVConnectorTransferResults:
+        finished_sending: set = field(default_factory=set)
+        finished_recving: set = field(default_factory=set)
+        failed_recving: set = field(default_factory=set)
+        prefix_replay_checkpoints: dict = field(default_factory=dict)
+
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorTransferResults = KVConnectorTransferResults
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    p, d, _, _ = pair(prefill_tp=1, decode_tp=1)
+    good = prefill(p, "t1", 8, 4, [0, 1])
+    bad = dict(prefill(p, "t2", 8, 5, [2, 3]), remote_engine_id="no-such-engine")
+    load(d, "d-t1", 8, good, [4, 5])
+    load(d, "d-t2", 8, bad, [6, 7])
+    w = d.workers[0]
+    w.bind_connector_metadata(d.sched.build_connector_meta(vs.SchedulerOutput()))
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    got = KVConnectorTransferResults()
+    deadline = time.monotonic() + WAIT
+    while got.finished_recving != {"d-t1", "d-t2"}:
+        assert time.monotonic() < deadline, got
+        r = w.get_transfer_results(set())
+        assert isinstance(r, KVConnectorTransferResults)
+        got.finished_recving |= r.finished_recving
+        got.failed_recving |= r.failed_recving
+        time.sleep(0.005)
+    assert got.failed_recving == {"d-t2"}
+    check_all(d, [4, 5], 4)

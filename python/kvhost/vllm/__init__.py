@@ -188,6 +188,23 @@ class KvhostConnector(*connector_bases()):
         assert self.connector_worker is not None
         return self.connector_worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids):
+        """Current vLLM's model runner asks this instead of get_finished
+        (kv_connector_model_runner_mixin.py @ 00f4240e): vLLM's
+        KVConnectorTransferResults with the reads that failed also in
+        failed_recving (they are in finished_recving too)."""
+        from dataclasses import fields
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+            KVConnectorTransferResults,
+        )
+
+        assert self.connector_worker is not None
+        sending, recving, failed = self.connector_worker.get_finished_and_failed()
+        have = {f.name for f in fields(KVConnectorTransferResults)}
+        out = {"finished_sending": sending, "finished_recving": recving, "failed_recving": failed}
+        return KVConnectorTransferResults(**{k: v for k, v in out.items() if k in have})
+
     def get_block_ids_with_load_errors(self):
         assert self.connector_worker is not None
         return self.connector_worker.get_block_ids_with_load_errors()

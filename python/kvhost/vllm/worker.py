@@ -46,6 +46,8 @@ class KvhostConnectorWorker:
         # before the sidecar took them (reported as finished, as NIXL's
         # _failed_recv_reqs).
         self._done_recving: set[str] = set()
+        # Those of them that failed (vLLM's failed_recving).
+        self._failed_recving: set[str] = set()
         # The prefill requests this engine scheduled to send (vLLM's NIXL
         # _reqs_to_process), those of them held by the sidecar (request_
         # finished ran: NIXL's _reqs_to_send), and those released but not
@@ -234,6 +236,7 @@ class KvhostConnectorWorker:
     def _fail_recv(self, req_id, invalid, reason):
         meta = self._recving.get(req_id)
         if meta is not None and meta.awaiting_kvs:
+            self._failed_recving.add(req_id)
             if invalid:
                 self._invalid_block_ids.update(invalid)
             else:
@@ -297,12 +300,18 @@ class KvhostConnectorWorker:
 
     def get_finished(self):
         """(finished_sending, finished_recving) since the last call."""
+        return self.get_finished_and_failed()[:2]
+
+    def get_finished_and_failed(self):
+        """(finished_sending, finished_recving, the failed of those
+        recving) since the last call."""
         self._handle_events()
         done_sending, self._done_sending = self._done_sending, set()
         done_recving, self._done_recving = self._done_recving, set()
+        failed, self._failed_recving = self._failed_recving & done_recving, self._failed_recving - done_recving
         for req_id in done_recving:
             self._recving.pop(req_id, None)
-        return done_sending, done_recving
+        return done_sending, done_recving, failed
 
     def get_block_ids_with_load_errors(self):
         self._handle_events()
