@@ -13,9 +13,11 @@ Each step names the upstream file, function and commit it replays
   (schedule, update_from_output, finish_requests, _free_request,
   _free_blocks, _connector_finished, _update_waiting_for_remote_kv,
   _update_from_kv_xfer_finished, _handle_invalid_blocks). The 0.13 profile
-  differs only where 0.13 did: nothing in these paths the connector sees
-  (vLLM 0.13's scheduler already dispatched on SupportsHMA and asserted
-  finished_recving ids in self.requests).
+  replays the same paths: the connector-facing ones predate 0.13 (the
+  SupportsHMA dispatch in _connector_finished came with
+  vllm-project/vllm#25712, 2025-10; the finished_recving assert is older),
+  though vLLM 0.13's own scheduler.py was not at hand to compare line by
+  line (its NIXL connector, shared/reference, was).
 - executor: KVOutputAggregator (vllm/distributed/kv_transfer/kv_connector/utils.py):
   a request is finished_sending/finished_recving for the scheduler once
   every worker reported it.
