@@ -170,6 +170,18 @@ class KVConnectorOutput:
 
 
 @dataclass
+class KVConnectorTransferResults:
+    """vllm/distributed/kv_transfer/kv_connector/v1/base.py @
+    7ba3df63cbe2e3e7aca19074bed2958311f46400 (lines 87-96): what current
+    vLLM's model runner asks a worker connector for each step. A failed
+    load is in finished_recving and in failed_recving."""
+
+    finished_sending: set = field(default_factory=set)
+    finished_recving: set = field(default_factory=set)
+    failed_recving: set = field(default_factory=set)
+
+
+@dataclass
 class KVTransferConfig:
     """vllm/config/kv_transfer.py: the fields a connector reads."""
 

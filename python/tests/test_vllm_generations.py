@@ -267,3 +267,47 @@ def test_single_group():
     assert single_group([3], "x") == [3]
     with pytest.raises(ValueError, match="2 KV cache groups"):
         single_group(([1], [2]), "x")
+
+
+# ---- kv_transfer_params pass through unchanged, whatever their generation ----
+
+class _StubClient:
+    """Records what the worker asks the sidecar; answers nothing."""
+
+    lost = None
+    generation = 1
+
+    def __init__(self):
+        self.reads = []
+
+    def add_listener(self, fn):
+        pass
+
+    def read(self, rank, request_id, kv_transfer_params, block_ids):
+        self.reads.append((rank, request_id, kv_transfer_params, block_ids))
+
+
+@pytest.mark.parametrize("remote_block_ids", [[7, 8, 9], [[7, 8, 9]]], ids=["gen2-flat", "gen6-per-group"])
+def test_kv_transfer_params_reach_the_sidecar_unchanged(remote_block_ids):
+    """Generation 6 on, remote_block_ids is one list per KV cache group and
+    more keys come along (remote_num_tokens, pp_size, ...): the connector
+    passes the dict as the prefill made it, and only the local block ids
+    (one group, flat) are its own."""
+    from kvhost.vllm.scheduler import KvhostConnectorScheduler
+    from kvhost.vllm.worker import KvhostConnectorWorker
+
+    c = vs.make_config("d", "kv_consumer", "ipc:///x", tp_rank=0)
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": remote_block_ids,
+              "remote_engine_id": "p", "remote_request_id": "r", "remote_host": "10.0.0.1", "remote_port": 5600,
+              "tp_size": 1, "remote_num_tokens": 12, "pp_size": 1, "remote_blocks_expiry_time": None}
+    sent = json.loads(json.dumps(params))
+    sched = KvhostConnectorScheduler(c, "d", client=_StubClient())
+    req = vs.Request("d-r", list(range(12)), params)
+    assert sched.get_num_new_matched_tokens(req, 4) == (8, True)
+    sched.update_state_after_alloc(req, vs.kv_cache_blocks([3, 4, 5], hashed=1), 8)
+    meta = sched.build_connector_meta(vs.SchedulerOutput())
+    client = _StubClient()
+    w = KvhostConnectorWorker(c, "d", client=client)
+    w.rank = 9
+    w.start_load_kv(meta)
+    assert client.reads == [(9, "d-r", sent, [4, 5])]

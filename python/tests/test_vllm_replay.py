@@ -56,7 +56,17 @@ def _checker(e, loaded):
 
 
 @pytest.fixture
-def engines(sidecar_factory):
+def engines(sidecar_factory, monkeypatch):
+    import sys
+    import types
+
+    from kvhost import vllm_standins as vs
+
+    # Current vLLM's KVConnectorTransferResults, where KvhostConnector's
+    # get_transfer_results imports it from.
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorTransferResults = vs.KVConnectorTransferResults
+    monkeypatch.setitem(sys.modules, base.__name__, base)
     made = []
 
     def make(profile, prefill_tp=1, decode_tp=2, prefill_role="kv_producer", decode_role="kv_consumer",

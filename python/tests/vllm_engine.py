@@ -28,8 +28,9 @@ Each step names the upstream file, function and commit it replays
   get_finished(finished_req_ids), get_block_ids_with_load_errors,
   clear_connector_metadata. Profile "newest" (@ 00f4240ee6458263d76cf51ca7901ce1350bb4d1):
   start_load_kv after the forward when the step has no synchronous
-  loads, then the same; that commit asks get_transfer_results, which
-  KvhostConnector answers from get_finished.
+  loads, then the same but get_transfer_results(finished_req_ids) for
+  get_finished (vLLM's KVConnectorTransferResults: a stand-in
+  transcription, vllm_standins.py, in vLLM's module name).
 
 What is left out is what a P/D connector never sees: sampling (a token
 is an int; EOS ends a request FINISHED_STOPPED, max_tokens
@@ -44,7 +45,7 @@ WAITING_FOR_REMOTE_KVS.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvhost import demo_pattern as pat
 from kvhost import demo_vllm as dv
@@ -62,11 +63,13 @@ class Profile:
     start_load_after_forward: bool
     # What KVCacheBlocks update_state_after_alloc gets.
     blocks: str
+    # The model runner asks get_transfer_results (newest) or get_finished.
+    transfer_results: bool
 
 
 PROFILES = {
-    "0.13": Profile("0.13", "0.13.0", False, "0.13"),
-    "newest": Profile("newest", "0.21.0", True, "newest"),
+    "0.13": Profile("0.13", "0.13.0", False, "0.13", False),
+    "newest": Profile("newest", "0.21.0", True, "newest", True),
 }
 
 
@@ -356,7 +359,11 @@ class Executor:
         if self.profile.start_load_after_forward:
             w.start_load_kv(None)
         w.wait_for_save()
-        sending, recving = w.get_finished(out.finished_req_ids)
+        if self.profile.transfer_results:
+            results = w.get_transfer_results(out.finished_req_ids)
+            sending, recving = results.finished_sending, results.finished_recving
+        else:
+            sending, recving = w.get_finished(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         return sending or set(), recving or set(), invalid

@@ -7,7 +7,7 @@ and returning the kv_transfer_params the sidecar made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvhost.vllm import settings
 from kvhost.vllm.settings import logger
