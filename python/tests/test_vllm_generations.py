@@ -258,6 +258,17 @@ def test_hybrid_kv_cache_is_refused_with_how_to_run(role):
         kvllm.KvhostConnector(c, role, vs.kv_cache_config(64, 4, groups=2))
 
 
+def test_mamba_state_is_refused():
+    class MambaSpec:  # vllm/v1/kv_cache_interface.py's, by name
+        pass
+
+    kcc = vs.kv_cache_config(64, 4)
+    kcc.kv_cache_groups[0].kv_cache_spec = MambaSpec()
+    with pytest.raises(ValueError, match="Mamba"):
+        kvllm.KvhostConnector(vs.make_config("e", "kv_both", "ipc:///nonexistent", tp_rank=0),
+                              kvllm.KVConnectorRole.SCHEDULER, kcc)
+
+
 def test_connector_is_a_supports_hma():
     assert issubclass(kvllm.KvhostConnector, kvllm.SupportsHMA)
 

@@ -70,10 +70,10 @@ def engines(sidecar_factory, monkeypatch):
     made = []
 
     def make(profile, prefill_tp=1, decode_tp=2, prefill_role="kv_producer", decode_role="kv_consumer",
-             gen=2, loaded=None):
+             gen=2, loaded=None, extra=None):
         prof = PROFILES[profile]
         sp, sd = sidecar_factory("prefill"), sidecar_factory("decode")
-        extra = {"kvhost_nixl_connector_version": gen}
+        extra = dict(extra or {}, kvhost_nixl_connector_version=gen)
         p = Engine("engine-p", prefill_role, sp.endpoint, prefill_tp, SHAPE, NUM_BLOCKS, prof, extra)
         made.append(p)
         d = Engine("engine-d", decode_role, sd.endpoint, decode_tp, SHAPE, NUM_BLOCKS, prof, extra)
@@ -231,3 +231,23 @@ def test_replay_finished_stopped_is_handed_off_newest(engines):
     d.scheduler.add_request(ReplayRequest("d-s", 11, dict(params), 3, max_tokens=2))
     _drain(p, d)
     assert loaded == ["d-s"]
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_replay_failed_load_is_recomputed(engines, profile):
+    """A load that fails (kv_transfer_params naming an engine nobody
+    serves) is reported finished_recving with its blocks invalid in the
+    same step or before: vLLM's scheduler marks it failed, frees its
+    blocks and computes the prompt itself; nothing dies, nothing leaks.
+    The prefill, never notified, releases at its abort timeout."""
+    loaded = []
+    p, d = engines(profile, decode_tp=2, loaded=loaded, extra={"kvhost_abort_timeout": 1})
+    params = _prefill(p, d, "f", 10, 6)
+    d.scheduler.add_request(ReplayRequest("d-f", 10, dict(params, remote_engine_id="nobody"), 6, max_tokens=2))
+    d.run_until(lambda: "d-f" in d.scheduler.kv_transfer_params, "the decode to finish d-f", others=(p,))
+    assert loaded == []  # never promoted as loaded: recomputed
+    for w in d.workers:
+        res = w.connector_worker.read_results["d-f"]
+        assert not res["ok"] and res["reason"], res
+    _drain(p, d)
+    assert all(w.connector_worker.release_reasons["f"] == "timeout" for w in p.workers)

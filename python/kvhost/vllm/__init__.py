@@ -95,9 +95,21 @@ __all__ = [
 ]
 
 
-def _kv_cache_groups(kv_cache_config) -> int:
+def _check_kv_cache_config(kv_cache_config):
+    """kvhost moves one group of attention KV (per layer K and V, or MLA's
+    one latent); refuse what it cannot move before vLLM serves anything."""
     groups = settings.get(kv_cache_config, "kv_cache_groups")
-    return 1 if groups is None else len(groups)
+    if groups is None:
+        return
+    if len(groups) != 1:
+        raise ValueError(
+            f"KvhostConnector: this model's KV cache has {len(groups)} groups (hybrid attention: sliding-window or "
+            "Mamba layers beside full attention); kvhost moves one group. Run vLLM with "
+            "--disable-hybrid-kv-cache-manager on both the prefill and the decode engine"
+        )
+    spec = type(settings.get(groups[0], "kv_cache_spec")).__name__
+    if "Mamba" in spec:
+        raise ValueError(f"KvhostConnector: {spec}: kvhost moves attention KV, not Mamba state")
 
 
 class KvhostConnector(*connector_bases()):
@@ -108,13 +120,7 @@ class KvhostConnector(*connector_bases()):
         ktc = vllm_config.kv_transfer_config
         if ktc is None or ktc.engine_id is None:
             raise ValueError("KvhostConnector: kv_transfer_config.engine_id must be set")
-        n = _kv_cache_groups(kv_cache_config)
-        if n != 1:
-            raise ValueError(
-                f"KvhostConnector: this model's KV cache has {n} groups (hybrid attention: sliding-window or "
-                "Mamba layers beside full attention); kvhost moves one group. Run vLLM with "
-                "--disable-hybrid-kv-cache-manager on both the prefill and the decode engine"
-            )
+        _check_kv_cache_config(kv_cache_config)
         self.engine_id: str = ktc.engine_id
         self.connector_scheduler = None
         self.connector_worker = None
