@@ -869,11 +869,14 @@ class Client:
 
     # -- vLLM pull requests ------------------------------------------------
 
-    def hold(self, engine_id: str, request_id: str, block_ids: Any) -> dict:
+    def hold(self, engine_id: str, request_id: str, block_ids: Any, num_tokens: Optional[int] = None) -> dict:
         """Holds a finished prefill request's blocks; returns vLLM's
-        kv_transfer_params."""
-        return dict(self.call("hold", engine_id=engine_id, request_id=request_id,
-                              block_ids=pack_pages(block_ids, "block_ids"))["kv_transfer_params"])
+        kv_transfer_params. ``num_tokens`` (the request's computed tokens)
+        is what later NIXL generations send as ``remote_num_tokens``."""
+        fields = dict(engine_id=engine_id, request_id=request_id, block_ids=pack_pages(block_ids, "block_ids"))
+        if num_tokens is not None:
+            fields["num_tokens"] = int(num_tokens)
+        return dict(self.call("hold", **fields)["kv_transfer_params"])
 
     def release(self, engine_id: str, request_id: str) -> None:
         self.call("release", engine_id=engine_id, request_id=request_id)

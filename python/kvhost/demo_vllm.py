@@ -194,7 +194,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                     break
                 todo.pop(0)
                 with ph.timed("control"):
-                    sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), 0)
+                    sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids), 0)
                 new.append((req, ids, seed))
             with ph.timed("control"):
                 meta = sched.build_connector_meta(vs.SchedulerOutput())
@@ -275,7 +275,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     break
                 waiting.pop(0)
                 with ph.timed("control"):
-                    sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), n)
+                    sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids), n)
                 # [req, ids, seed, workers done, t0, read issued]
                 loading[req.request_id] = [req, ids, seed, 0, time.monotonic(), None]
                 admitted += 1

@@ -124,7 +124,7 @@ def prefill(engine, rid, ntok, seed, ids):
     """Prefill a request (max_tokens=1) and finish it: its kv_transfer_params."""
     req = vs.Request(rid, list(range(ntok)), {"do_remote_decode": True})
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    engine.sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids), 0)
+    engine.sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids), 0)
 
     def forward(rank):
         h0, h1 = SHAPE.heads_of(rank, engine.tp)
@@ -142,7 +142,7 @@ def load(engine, rid, ntok, params, ids, hashed=0):
     req = vs.Request(rid, list(range(ntok)), dict(params))
     n, is_async = engine.sched.get_num_new_matched_tokens(req, 0)
     assert (n, is_async) == (ntok, True)
-    engine.sched.update_state_after_alloc(req, vs.KVCacheBlocks(ids, hashed), n)
+    engine.sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids, hashed), n)
     return req
 
 
@@ -233,11 +233,16 @@ def test_full_prefix_hit_reads_nothing_and_frees_prefill(pair):
     req = vs.Request("d-h", list(range(8)), dict(params))
     # Every token already computed locally: nothing to load.
     assert d.sched.get_num_new_matched_tokens(req, 8) == (0, False)
-    d.sched.update_state_after_alloc(req, vs.KVCacheBlocks([4, 5], hashed=2), 0)
+    d.sched.update_state_after_alloc(req, vs.kv_cache_blocks([4, 5], hashed=2), 0)
     meta = d.step()
     assert meta.reqs_to_recv["d-h"].local_block_ids == []
-    d.until(lambda: d.recving.get("d-h") == 2, "decode finished_recving")
+    assert meta.reqs_to_recv["d-h"].awaiting_kvs is False
     p.until(lambda: p.sending.get("h") == 1, "prefill finished_sending")
+    d.step()
+    # vLLM keeps a full-hit request RUNNING: finished_recving must not name
+    # it (vLLM's scheduler asserts a reported request is finished or
+    # waiting for KV).
+    assert "d-h" not in d.recving
 
 
 def test_abort_before_scheduled_frees_prefill(pair):
@@ -247,15 +252,20 @@ def test_abort_before_scheduled_frees_prefill(pair):
     params = prefill(p, "a", 8, 4, [0, 1])
     req = vs.Request("d-a", list(range(8)), dict(params), status=vs.RequestStatus.FINISHED_ABORTED)
     assert d.sched.request_finished(req, []) == (False, None)
-    d.until(lambda: d.recving.get("d-a") == 1, "decode finished_recving")
+    meta = d.step()  # the notify-only read goes out
+    assert meta.reqs_to_recv["d-a"].awaiting_kvs is False
     p.until(lambda: p.sending.get("a") == 1, "prefill finished_sending")
     assert p.workers[0].connector_worker.release_reasons["a"] == "notified"
+    d.step()
+    # vLLM freed it at request_finished: reporting it would kill vLLM's
+    # engine core (test_vllm_replay.py replays that order).
+    assert "d-a" not in d.recving
 
 
 def test_prefill_aborted_request_is_not_held(pair):
     p, _, _, _ = pair(prefill_tp=1, decode_tp=1)
     req = vs.Request("s", list(range(8)), {"do_remote_decode": True})
-    p.sched.update_state_after_alloc(req, vs.KVCacheBlocks([0, 1]), 0)
+    p.sched.update_state_after_alloc(req, vs.kv_cache_blocks([0, 1]), 0)
     p.step()
     req.status = vs.RequestStatus.FINISHED_ABORTED
     assert p.sched.request_finished(req, [0, 1]) == (False, None)
@@ -307,7 +317,7 @@ def test_kv_transfer_params_missing_keys_load_nothing(pair):
     refused by the scheduler (a warning), no read is started."""
     _, d, _, _ = pair(prefill_tp=1, decode_tp=1)
     req = vs.Request("d-z", list(range(8)), {"do_remote_prefill": True, "remote_block_ids": [0, 1]})
-    d.sched.update_state_after_alloc(req, vs.KVCacheBlocks([0, 1]), 8)
+    d.sched.update_state_after_alloc(req, vs.kv_cache_blocks([0, 1]), 8)
     meta = d.step()
     assert meta.reqs_to_recv == {} and req.kv_transfer_params["do_remote_prefill"] is False
 
@@ -371,7 +381,7 @@ def test_prefill_sidecar_gone_frees_held_blocks(pair):
     sp.kill()
     p.until(lambda: p.sending.get("q1") == 2 and p.sending.get("q2") == 2, "held requests reported after the loss")
     req = vs.Request("q3", list(range(8)), {"do_remote_decode": True})
-    p.sched.update_state_after_alloc(req, vs.KVCacheBlocks([4, 5]), 0)
+    p.sched.update_state_after_alloc(req, vs.kv_cache_blocks([4, 5]), 0)
     p.step()
     req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
     assert p.sched.request_finished(req, [4, 5]) == (False, None)
@@ -402,7 +412,7 @@ def test_sidecar_restarted_serves_again(pair, sidecars, which):
         assert time.monotonic() < deadline, "hold never succeeded again"
         p.step()
         req = vs.Request("n%d" % int(time.monotonic() * 1000), list(range(8)), {"do_remote_decode": True})
-        p.sched.update_state_after_alloc(req, vs.KVCacheBlocks([0, 1]), 0)
+        p.sched.update_state_after_alloc(req, vs.kv_cache_blocks([0, 1]), 0)
         for r in range(p.tp):
             pat.fill(p.pools[r][1], [0, 1], 9, SHAPE, *SHAPE.heads_of(r, p.tp))
         p.step()
@@ -413,3 +423,44 @@ def test_sidecar_restarted_serves_again(pair, sidecars, which):
     d.until(lambda: d.recving.get("d-n") == 2, "decode finished_recving")
     assert not d.errors, [w.connector_worker.read_results for w in d.workers]
     check_all(d, [4, 5], 9)
+
+
+def test_get_transfer_results_for_current_vllm(pair, monkeypatch):
+    """Current vLLM's model runner (kv_connector_model_runner_mixin.py @
+    00f4240e) asks get_transfer_results: vLLM's KVConnectorTransferResults
+    (a stand-in module here) with a failed read in finished_recving and in
+    failed_recving, a good one only in finished_recving."""
+    import sys
+    import types
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class KVConnectorTransferResults:
+        finished_sending: set = field(default_factory=set)
+        finished_recving: set = field(default_factory=set)
+        failed_recving: set = field(default_factory=set)
+        prefix_replay_checkpoints: dict = field(default_factory=dict)
+
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorTransferResults = KVConnectorTransferResults
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    p, d, _, _ = pair(prefill_tp=1, decode_tp=1)
+    good = prefill(p, "t1", 8, 4, [0, 1])
+    bad = dict(prefill(p, "t2", 8, 5, [2, 3]), remote_engine_id="no-such-engine")
+    load(d, "d-t1", 8, good, [4, 5])
+    load(d, "d-t2", 8, bad, [6, 7])
+    w = d.workers[0]
+    w.bind_connector_metadata(d.sched.build_connector_meta(vs.SchedulerOutput()))
+    w.start_load_kv(None)
+    w.clear_connector_metadata()
+    got = KVConnectorTransferResults()
+    deadline = time.monotonic() + WAIT
+    while got.finished_recving != {"d-t1", "d-t2"}:
+        assert time.monotonic() < deadline, got
+        r = w.get_transfer_results(set())
+        assert isinstance(r, KVConnectorTransferResults)
+        got.finished_recving |= r.finished_recving
+        got.failed_recving |= r.failed_recving
+        time.sleep(0.005)
+    assert got.failed_recving == {"d-t2"}
+    check_all(d, [4, 5], 4)
