@@ -150,9 +150,11 @@ type Server struct {
 	wg       sync.WaitGroup // the receive loop and every session goroutine
 	ext      map[string]any // per-style server state (see Server.state)
 
+	// The bootstrap server of start_bootstrap (bootserver.go).
 	bootMu   sync.Mutex
 	boot     *bootstrap.Running
-	bootPort int
+	bootSrv  *bootstrap.Server
+	bootPort int // the port it serves
 
 	stop     context.CancelFunc
 	loopDone chan struct{}
