@@ -75,9 +75,10 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.Observer.Room(e)
 	f := Fields{{"rank", o.r.id}, {"room", e.Room}, {"state", int(e.To)}}
 	if e.To == sglang.KVPollFailed {
-		f = append(f, Field{"reason", e.Reason})
+		reason := clip(e.Reason, maxReason) // a peer may have sent it
+		f = append(f, Field{"reason", reason})
 		o.r.mu.Lock()
-		o.r.reasons[e.Room] = e.Reason
+		o.r.reasons[e.Room] = reason
 		o.r.mu.Unlock()
 	}
 	o.r.s.event("room", f)
@@ -598,7 +599,9 @@ func opPoll(s *session, r *request) (Fields, error) {
 	if err != nil {
 		return nil, err
 	}
-	rooms, err := r.rooms("rooms")
+	// No rank has more rooms than its connection may open: the reply
+	// stays as small as the connection's own rooms.
+	rooms, err := r.rooms("rooms", s.srv.cfg.Limits.Rooms)
 	if err != nil {
 		return nil, err
 	}
