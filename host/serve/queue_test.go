@@ -209,3 +209,23 @@ func TestBurstKeepsReader(t *testing.T) {
 		}
 	}
 }
+
+// TestEventQueueHoldsBursts: the reply and event queue's bounds hold the
+// largest burst the limits allow one connection (a failure per room, a
+// released per held request with ids of the longest, a read per read in
+// flight), by default and when the limits are raised.
+func TestEventQueueHoldsBursts(t *testing.T) {
+	for _, rooms := range []int{0, 1 << 20} {
+		c := Config{Limits: Limits{Rooms: rooms}}
+		c.defaults()
+		msgs := c.Limits.Rooms + vllmMaxHolds + vllmMaxReads
+		bytes := int64(c.Limits.Rooms)*int64(len(encodeEvent("room", Fields{{"rank", uint64(1 << 63)}, {"room", uint64(1 << 63)},
+			{"state", 0}, {"reason", strings.Repeat("x", maxReason)}}))) +
+			int64(vllmMaxHolds)*int64(len(encodeEvent("released", Fields{{"engine_id", strings.Repeat("e", vllmMaxID)},
+				{"request_id", strings.Repeat("r", vllmMaxID)}, {"reason", vllmReleasedNotified}})))
+		if c.EventQueue < msgs || c.EventQueueBytes < bytes {
+			t.Errorf("rooms %d: queue of %d messages, %d bytes; a burst is %d messages, %d bytes",
+				c.Limits.Rooms, c.EventQueue, c.EventQueueBytes, msgs, bytes)
+		}
+	}
+}
