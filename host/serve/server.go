@@ -419,7 +419,7 @@ func (s *Server) zmqOptions() []zmq.Option {
 func (s *Server) closeBootstrap() {
 	s.bootMu.Lock()
 	b := s.boot
-	s.boot = nil
+	s.boot, s.bootSrv = nil, nil
 	s.bootMu.Unlock()
 	if b != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
