@@ -86,6 +86,11 @@ type Server struct {
 	ranks     map[rankKey]RankInfo
 	roomDP    map[uint64]roomEntry
 	lastPurge time.Time
+	// complete is set once every rank of the layout registered, and
+	// stays set when ranks deregister (Deregister): the deployment was
+	// up, so decodes get its layout and a 404 for a rank that is gone
+	// (they fail that room at once) instead of a 503 they would retry.
+	complete bool
 }
 
 type roomEntry struct {
@@ -154,6 +159,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case "/health":
 		if r.Method != http.MethodGet && r.Method != http.MethodHead {
 			text(w, http.StatusMethodNotAllowed, "Method not allowed")
+			return
+		}
+		if msg := s.lost(); msg != "" {
+			text(w, http.StatusServiceUnavailable, msg)
 			return
 		}
 		text(w, http.StatusOK, "OK")
@@ -354,6 +363,11 @@ func (s *Server) handleRegister(w http.ResponseWriter, r *http.Request) {
 	key := rankKey{dp: dpGroup, cp: attnCPRank, tp: attnTPRank, pp: ppRank}
 
 	s.mu.Lock()
+	if s.layout != nil && len(s.ranks) == 0 && s.layout.conflict(&want) != nil {
+		// Every rank of the old deployment deregistered: this is
+		// another one starting, which may have another layout.
+		s.layout, s.complete = nil, false
+	}
 	if s.layout == nil {
 		s.layout = &want
 	} else if err := s.layout.conflict(&want); err != nil {
@@ -368,6 +382,9 @@ func (s *Server) handleRegister(w http.ResponseWriter, r *http.Request) {
 	prev, again := s.ranks[key]
 	s.ranks[key] = RankInfo{RankIP: *ip, RankPort: port}
 	registered, expected := len(s.ranks), s.layout.expected()
+	if registered >= expected {
+		s.complete = true
+	}
 	s.mu.Unlock()
 
 	if again && prev != s.ranks[key] {
@@ -409,11 +426,57 @@ func strOrNull(s *string) string {
 func (s *Server) Ready() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.readyLocked()
+	return s.layout != nil && len(s.ranks) >= s.layout.expected()
 }
 
+// readyLocked reports whether the server answers route queries: every
+// rank registered, now or before some deregistered (complete).
 func (s *Server) readyLocked() bool {
-	return s.layout != nil && len(s.ranks) >= s.layout.expected()
+	return s.layout != nil && (s.complete || len(s.ranks) >= s.layout.expected())
+}
+
+// Deregister removes a prefill rank that is gone (its engine exited or
+// closed it), if the server holds it at the address reg names: a rank
+// that registered again elsewhere since is kept. Decodes asking for it
+// then get 404 and fail that room at once, as SGLang's decode does on
+// any answer but 200 (CommonKVReceiver._get_bootstrap_info_from_server),
+// instead of sending to a socket nobody reads; and /health answers 503
+// until the deployment is whole again, so decodes that cached the rank's
+// address learn it from their heartbeat (SGLang's heartbeat counts any
+// answer but 200 as a failure, then fails the prefill's rooms and drops
+// what it cached). SGLang's own server has no such route: its ranks live
+// in the process that serves it and die with it. It reports whether the
+// rank was removed.
+func (s *Server) Deregister(reg Registration) bool {
+	dpGroup := reg.AttnDPRank
+	if reg.SystemDPSize != 1 {
+		dpGroup = reg.SystemDPRank
+	}
+	key := rankKey{dp: dpGroup, cp: reg.AttnCPRank, tp: reg.AttnTPRank, pp: reg.PPRank}
+	s.mu.Lock()
+	info, ok := s.ranks[key]
+	ok = ok && info == RankInfo{RankIP: reg.RankIP, RankPort: reg.RankPort}
+	if ok {
+		delete(s.ranks, key)
+	}
+	left := len(s.ranks)
+	s.mu.Unlock()
+	if ok {
+		s.log.Info("prefill rank deregistered", "dp", key.dp, "cp", key.cp, "tp", key.tp, "pp", key.pp,
+			"rank_ip", reg.RankIP, "rank_port", reg.RankPort, "registered", left)
+	}
+	return ok
+}
+
+// lost says why /health fails: ranks of a deployment that was whole
+// deregistered ("" while none is missing).
+func (s *Server) lost() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.complete || len(s.ranks) >= s.layout.expected() {
+		return ""
+	}
+	return fmt.Sprintf("Prefill ranks lost: %d of %d registered.", len(s.ranks), s.layout.expected())
 }
 
 func (s *Server) handleRoute(w http.ResponseWriter, r *http.Request) {

@@ -13,7 +13,8 @@
 //	                            503 until every rank registered; 404 unknown rank
 //	POST /register_dp_rank   {"bootstrap_room", "dp_rank"} -> 200 "OK"
 //	POST /query_dp_ranks     {"bootstrap_rooms": [...]} -> {"<room>": dp_rank, ...}
-//	GET  /health             -> 200 "OK"
+//	GET  /health             -> 200 "OK"; 503 while ranks of a deployment
+//	                            that was whole are deregistered (Server.Deregister)
 //
 // Rank mapping (which prefill ranks a decode rank talks to) is the
 // planner's job, not this package's.

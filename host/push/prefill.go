@@ -308,9 +308,12 @@ func resolveCompletion(v Variant, c Completion, caps abi.Caps) (Completion, erro
 	return c, nil
 }
 
-func (m *Prefill) registerBootstrap(ctx context.Context) error {
+// Registration is what this rank registers with its bootstrap server
+// (and what a server running in the same process may deregister when the
+// rank closes: bootstrap.Server.Deregister).
+func (m *Prefill) Registration() bootstrap.Registration {
 	p := m.cfg.Parallel
-	reg := bootstrap.Registration{
+	return bootstrap.Registration{
 		AttnTPSize: p.TPSize, AttnTPRank: p.TPRank,
 		AttnCPSize: p.CPSize, AttnCPRank: p.CPRank,
 		AttnDPSize: p.DPSize, AttnDPRank: p.DPRank,
@@ -320,6 +323,10 @@ func (m *Prefill) registerBootstrap(ctx context.Context) error {
 		PageSize: m.cfg.KV.PageSize, KVCacheDType: m.cfg.KVCacheDType,
 		LoadBalanceMethod: "follow_bootstrap_room",
 	}
+}
+
+func (m *Prefill) registerBootstrap(ctx context.Context) error {
+	reg := m.Registration()
 	start := m.clock.Now()
 	err := m.tr.Bootstrap(m.cfg.BootstrapAddr).Register(ctx, reg)
 	m.obs.Handshake(HandshakeEvent{Role: RolePrefill, Kind: HandshakeRegisterBootstrap, Peer: m.cfg.BootstrapAddr, Latency: m.clock.Since(start), Err: err})

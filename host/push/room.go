@@ -56,16 +56,19 @@ func (h *roomHandle) Failure() error {
 
 // recordFailure fails the room with reason (the first reason wins) and,
 // on the first failure through h, notes whether it came from the peer, in
-// the same step, so whoever sees Failed sees where it came from. It returns
-// the reason recorded, whether this was h's first failure, and false if
-// the room is gone.
+// the same step (under failMu, which Failure takes too), so whoever sees
+// Failed sees where it came from. It returns the reason recorded, whether
+// this was h's first failure, and false if the room is gone or has
+// succeeded (Success is final: there is no failure to report or send).
 func (h *roomHandle) recordFailure(reason string, remote bool) (recorded string, first, ok bool) {
 	h.failMu.Lock()
 	defer h.failMu.Unlock()
+	if recorded, ok = h.table.Fail(h.room, reason); !ok {
+		return "", false, false
+	}
 	first = !h.failNoted
 	if first {
 		h.failNoted, h.remote = true, remote
 	}
-	recorded, ok = h.table.Fail(h.room, reason)
-	return recorded, first, ok
+	return recorded, first, true
 }

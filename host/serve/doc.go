@@ -28,17 +28,21 @@
 // requests waiting for its session (Config.RequestQueue of them, and 2
 // MaxMessage bytes; 8 MaxMessage bytes over all connections), its ranks,
 // regions and rooms (Config.Limits), and the replies and events waiting
-// to be written to it (Config.EventQueue). Replies and events share that
-// one queue, so one connection's events are never reordered; an engine
-// that leaves the queue full, or does not take a message within the send
-// timeout, is dropped and its session torn down. A message over
-// MaxMessage is read and discarded (zmq.WithDiscardOversize) and answered
-// too_large. Other connections are not affected by any of this.
+// to be written to it (Config.EventQueue messages, EventQueueBytes
+// bytes). Replies and events share that one queue, so one connection's
+// events are never reordered; its bounds hold the largest burst of events
+// the limits allow (eventBurst), so only an engine that does not read
+// fills it: one past either bound, or that does not take a message within
+// the send timeout, is dropped and its session torn down. Replies do not
+// grow with requests: error messages and failure reasons are clipped
+// (errors.go). A message over MaxMessage is read and discarded
+// (zmq.WithDiscardOversize) and answered too_large. Other connections are
+// not affected by any of this.
 //
 // # Files
 //
 // The core (server.go, session.go, ops.go, proto.go, memory*.go) is style
-// free. A style adds its open_rank hook with registerStyle and its ops
+// free; bootserver.go is the bootstrap server of start_bootstrap. A style adds its open_rank hook with registerStyle and its ops
 // with registerOp from an init function in its own files: sglang.go for
 // SGLang's push rooms, vllm*.go for vLLM's pull requests.
 package serve

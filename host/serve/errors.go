@@ -3,6 +3,7 @@ package serve
 import (
 	"errors"
 	"fmt"
+	"unicode/utf8"
 )
 
 // Error codes of docs/engine-api.md ("Error codes").
@@ -47,4 +48,25 @@ func asError(err error, fallback string) *Error {
 		return e
 	}
 	return &Error{Code: fallback, Message: err.Error()}
+}
+
+// Bounds on what a reply or event quotes, so that none grows with the
+// request (or a peer's message) it answers.
+const (
+	maxQuote   = 64   // bytes of an engine's string quoted in a message (an op)
+	maxReason  = 512  // bytes of a room's failure reason (peers send some)
+	maxMessage = 1024 // bytes of an error reply's message
+)
+
+// clip returns s cut to at most n bytes (on a UTF-8 boundary), marked
+// with "..." when cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	cut := n - 3
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }

@@ -235,14 +235,18 @@ func (r *request) optPages(name string) ([]int32, error) {
 	return r.pages(name)
 }
 
-// rooms reads packed little-endian uint64 room ids.
-func (r *request) rooms(name string) ([]uint64, error) {
+// rooms reads packed little-endian uint64 room ids, at most max of them
+// (checked before anything is allocated).
+func (r *request) rooms(name string, max int) ([]uint64, error) {
 	b, err := r.bin(name)
 	if err != nil {
 		return nil, err
 	}
 	if len(b)%8 != 0 {
 		return nil, badValue(name, "%d bytes is not a whole number of uint64", len(b))
+	}
+	if len(b)/8 > max {
+		return nil, badValue(name, "%d rooms, at most %d", len(b)/8, max)
 	}
 	out := make([]uint64, len(b)/8)
 	for i := range out {
@@ -376,7 +380,7 @@ func encodeError(seq uint64, seqOK bool, err *Error) []byte {
 	e.Str("code")
 	e.Str(err.Code)
 	e.Str("message")
-	e.Str(err.Message)
+	e.Str(clip(err.Message, maxMessage)) // may quote what the engine sent
 	return e.Bytes()
 }
 

@@ -30,16 +30,28 @@ const (
 
 // Defaults of Config.
 const (
-	DefaultMaxMessage = 64 << 20
+	// DefaultMaxMessage bounds one request (and what the sidecar reads of
+	// a larger one: it is discarded, answered too_large). The largest an
+	// engine sends are page and block lists: sender_send and
+	// receiver_init's pages of a million-page request are 4 MiB, a read's
+	// block ids of a million blocks 4 MiB (and as much again as
+	// kv_transfer_params' list), register_memory of 4096 regions a few
+	// hundred KiB.
+	DefaultMaxMessage = 16 << 20
 	DefaultMaxRanks   = 64
 	DefaultMaxRegions = 4096
 	DefaultMaxRooms   = 1 << 16
-	// DefaultEventQueue bounds the replies and events waiting to be
-	// written to one connection. An engine that leaves this many unread
-	// (or does not take one within the send timeout) is dropped: its
-	// session is torn down as if it had disconnected; other connections
-	// are not affected.
-	DefaultEventQueue = 1 << 14
+	// DefaultEventQueue and DefaultEventQueueBytes bound the replies and
+	// events waiting to be written to one connection. An engine past
+	// either (or that does not take one message within the send timeout)
+	// is dropped as one that does not read: its session is torn down as
+	// if it had disconnected; other connections are not affected. They
+	// are floors: Config.defaults raises them to hold the largest burst
+	// of events the sidecar's own limits allow one connection to be sent
+	// at once (eventBurst), so an engine that reads is never dropped for
+	// a burst the sidecar made.
+	DefaultEventQueue      = 1 << 18
+	DefaultEventQueueBytes = 256 << 20
 	// DefaultRequestQueue bounds the requests of one connection waiting
 	// for its session; more are answered with `limit` at once, as are
 	// requests beyond 2 MaxMessage bytes waiting on one connection or 8
@@ -79,12 +91,13 @@ type Config struct {
 	// 127.0.0.1); a rank's own `host` field wins.
 	Host string
 
-	Limits       Limits
-	MaxMessage   int64
-	EventQueue   int
-	RequestQueue int
-	SendTimeout  time.Duration
-	OpenTimeout  time.Duration
+	Limits          Limits
+	MaxMessage      int64
+	EventQueue      int   // messages; 0: DefaultEventQueue or the burst bound
+	EventQueueBytes int64 // bytes; 0: DefaultEventQueueBytes or the burst bound
+	RequestQueue    int
+	SendTimeout     time.Duration
+	OpenTimeout     time.Duration
 	// Version is the sidecar's version string for hello.
 	Version string
 	Logger  *slog.Logger
@@ -106,11 +119,15 @@ func (c *Config) defaults() {
 	if c.MaxMessage <= 0 {
 		c.MaxMessage = DefaultMaxMessage
 	}
-	if c.EventQueue <= 0 {
-		c.EventQueue = DefaultEventQueue
-	}
 	if c.RequestQueue <= 0 {
 		c.RequestQueue = DefaultRequestQueue
+	}
+	msgs, bytes := eventBurst(c.Limits, c.RequestQueue, c.MaxMessage)
+	if c.EventQueue <= 0 {
+		c.EventQueue = max(DefaultEventQueue, msgs)
+	}
+	if c.EventQueueBytes <= 0 {
+		c.EventQueueBytes = max(DefaultEventQueueBytes, bytes)
 	}
 	if c.SendTimeout <= 0 {
 		c.SendTimeout = DefaultSendTimeout
@@ -132,6 +149,25 @@ func (c *Config) defaults() {
 	}
 }
 
+// Largest events, in bytes, for eventBurst: a room event (its reason
+// clipped to maxReason), a released event (two ids of at most vllmMaxID).
+const (
+	roomEventMax     = 64 + maxReason
+	releasedEventMax = 64 + 2*vllmMaxID
+)
+
+// eventBurst is the most one connection can be sent at once by the
+// sidecar's own doing, within its limits: a failure event for every room
+// (its prefill's sidecar died, its rank closed), a released event for
+// every request its engine holds (the scheduler's connection closed), a
+// read event for every read in flight on a rank, and the replies of its
+// queued requests, with one request queue of replies as slack.
+func eventBurst(l Limits, requests int, maxMessage int64) (msgs int, bytes int64) {
+	msgs = l.Rooms + vllmMaxHolds + vllmMaxReads + 2*requests
+	bytes = int64(l.Rooms)*roomEventMax + vllmMaxHolds*releasedEventMax + 4*maxMessage
+	return msgs, bytes
+}
+
 // Server is the control server of `kvhost serve`: one session per engine
 // connection on a ZeroMQ ROUTER socket. See the package doc.
 type Server struct {
@@ -150,9 +186,11 @@ type Server struct {
 	wg       sync.WaitGroup // the receive loop and every session goroutine
 	ext      map[string]any // per-style server state (see Server.state)
 
+	// The bootstrap server of start_bootstrap (bootserver.go).
 	bootMu   sync.Mutex
 	boot     *bootstrap.Running
-	bootPort int
+	bootSrv  *bootstrap.Server
+	bootPort int // the port it serves
 
 	stop     context.CancelFunc
 	loopDone chan struct{}
@@ -367,6 +405,7 @@ func (s *Server) zmqOptions() []zmq.Option {
 		zmq.WithMaxMessageSize(s.cfg.MaxMessage),
 		zmq.WithDiscardOversize(),
 		zmq.WithSendQueue(s.cfg.EventQueue),
+		zmq.WithSendQueueBytes(s.cfg.EventQueueBytes),
 		zmq.WithSendTimeout(s.cfg.SendTimeout),
 		// An engine may stay quiet for hours between requests; its
 		// connection is its session.
@@ -380,7 +419,7 @@ func (s *Server) zmqOptions() []zmq.Option {
 func (s *Server) closeBootstrap() {
 	s.bootMu.Lock()
 	b := s.boot
-	s.boot = nil
+	s.boot, s.bootSrv = nil, nil
 	s.bootMu.Unlock()
 	if b != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)

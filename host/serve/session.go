@@ -181,7 +181,7 @@ func (s *session) call(r *request) (f Fields, err error) {
 	fn, ok := ops[r.op]
 	switch {
 	case !ok:
-		return nil, errorf(CodeUnknownOp, "op %q is not one of protocol %d.%d's", r.op, ProtocolMajor, ProtocolMinor)
+		return nil, errorf(CodeUnknownOp, "op %q is not one of protocol %d.%d's", clip(r.op, maxQuote), ProtocolMajor, ProtocolMinor)
 	case s.srv.closing.Load():
 		return nil, errorf(CodeShuttingDown, "the sidecar is stopping")
 	case r.op != "hello" && !s.hello:
@@ -190,8 +190,8 @@ func (s *session) call(r *request) (f Fields, err error) {
 	return fn(s, r)
 }
 
-// send queues one message to the engine. An engine that leaves too many
-// unread is dropped (see DefaultEventQueue).
+// send queues one message to the engine. An engine that leaves too many,
+// or too many bytes, unread is dropped (see DefaultEventQueue).
 func (s *session) send(msg []byte) {
 	if s.dead.Load() {
 		return
@@ -200,7 +200,9 @@ func (s *session) send(msg []byte) {
 	switch {
 	case err == nil:
 	case errors.Is(err, zmq.ErrPeerBusy):
-		s.log.Warn("serve: dropping an engine that does not read its replies and events", "queued", s.srv.cfg.EventQueue)
+		n, b := s.srv.router.Queued(s.peer)
+		s.log.Warn("serve: dropping an engine that does not read its replies and events", "queued", n, "queued_bytes", b,
+			"limit", s.srv.cfg.EventQueue, "limit_bytes", s.srv.cfg.EventQueueBytes)
 		s.dead.Store(true)
 		s.srv.router.Disconnect(s.peer)
 		s.stop("engine stopped reading its events", false)

@@ -9,7 +9,6 @@ import (
 	"sync"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -30,7 +29,6 @@ func init() {
 	registerOp("abort", opAbort)
 	registerOp("close_room", opCloseRoom)
 	registerOp("poll", opPoll)
-	registerOp("start_bootstrap", opStartBootstrap)
 }
 
 // sglRank is one SGLang rank of a session.
@@ -77,9 +75,10 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.Observer.Room(e)
 	f := Fields{{"rank", o.r.id}, {"room", e.Room}, {"state", int(e.To)}}
 	if e.To == sglang.KVPollFailed {
-		f = append(f, Field{"reason", e.Reason})
+		reason := clip(e.Reason, maxReason) // a peer may have sent it
+		f = append(f, Field{"reason", reason})
 		o.r.mu.Lock()
-		o.r.reasons[e.Room] = e.Reason
+		o.r.reasons[e.Room] = reason
 		o.r.mu.Unlock()
 	}
 	o.r.s.event("room", f)
@@ -320,6 +319,8 @@ func (sr *sglRank) close(reason string) {
 	sr.cancel()
 	sr.wg.Wait()
 	if sr.prefill != nil {
+		// Decodes stop being sent to it first (see deregisterRank).
+		sr.s.srv.deregisterRank(sr.prefill.Registration())
 		sr.prefill.Close()
 	} else {
 		sr.decode.Close()
@@ -598,7 +599,9 @@ func opPoll(s *session, r *request) (Fields, error) {
 	if err != nil {
 		return nil, err
 	}
-	rooms, err := r.rooms("rooms")
+	// No rank has more rooms than its connection may open: the reply
+	// stays as small as the connection's own rooms.
+	rooms, err := r.rooms("rooms", s.srv.cfg.Limits.Rooms)
 	if err != nil {
 		return nil, err
 	}
@@ -619,36 +622,4 @@ func opPoll(s *session, r *request) (Fields, error) {
 		}
 	}
 	return Fields{{"states", states}, {"reasons", reasons}}, nil
-}
-
-// opStartBootstrap starts the sidecar's bootstrap server (SGLang's
-// KVBootstrapServer in python/sglang/srt/disaggregation/common/conn.py),
-// one per sidecar.
-func opStartBootstrap(s *session, r *request) (Fields, error) {
-	host, err := r.optStr("host", s.srv.cfg.Host)
-	if err != nil {
-		return nil, err
-	}
-	port, err := r.int("port")
-	if err != nil {
-		return nil, err
-	}
-	if port > 65535 {
-		return nil, badValue("port", "%d is out of range", port)
-	}
-	srv := s.srv
-	srv.bootMu.Lock()
-	defer srv.bootMu.Unlock()
-	if srv.boot != nil {
-		if port == srv.bootPort {
-			return Fields{{"addr", srv.boot.Addr()}}, nil
-		}
-		return nil, errorf(CodeExists, "the bootstrap server already serves %s (requested port %d)", srv.boot.Addr(), srv.bootPort)
-	}
-	run, berr := bootstrap.NewServer(bootstrap.WithLogger(srv.log)).Start(net.JoinHostPort(host, strconv.Itoa(port)))
-	if berr != nil {
-		return nil, errorf(CodeBackend, "bootstrap server: %v", berr)
-	}
-	srv.boot, srv.bootPort = run, port
-	return Fields{{"addr", run.Addr()}}, nil
 }

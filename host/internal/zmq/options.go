@@ -82,6 +82,7 @@ type options struct {
 	recvQueue        int
 	recvBudget       int64
 	sendQueue        int
+	sendQueueBytes   int64
 	maxConns         int
 	sendTimeout      time.Duration
 	reconnectMin     time.Duration
@@ -226,6 +227,19 @@ func WithSendQueue(n int) Option {
 	return func(o *options) {
 		if n > 0 {
 			o.sendQueue = n
+		}
+	}
+}
+
+// WithSendQueueBytes bounds the bytes of the messages Router.Enqueue
+// keeps waiting to be written to one peer; past it Enqueue fails with
+// ErrPeerBusy, as past WithSendQueue. A message is always taken into an
+// empty queue, so one larger than n still goes out. Default: no bound
+// but WithSendQueue's count.
+func WithSendQueueBytes(n int64) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.sendQueueBytes = n
 		}
 	}
 }

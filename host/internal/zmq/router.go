@@ -64,6 +64,7 @@ type routerPeer struct {
 
 	mu      sync.Mutex
 	queue   [][][]byte // messages waiting to be written, oldest first
+	bytes   int64      // the frames' bytes in queue
 	writing bool       // a goroutine is draining queue
 }
 
@@ -233,8 +234,10 @@ func (r *Router) Send(ctx context.Context, peer []byte, frames ...[]byte) error 
 // out of time closes the peer's connection and drops what is still queued
 // for it (logged at debug level). Enqueue fails with ErrUnknownPeer for a
 // peer that is not (or no longer) connected, with ErrPeerBusy when the
-// peer already has WithSendQueue messages waiting (it is not reading
-// them), and with ErrClosed after Close.
+// peer already has WithSendQueue messages waiting or the message would
+// take its queue past WithSendQueueBytes (it is not reading them; a
+// message is always taken into an empty queue, however large), and with
+// ErrClosed after Close.
 //
 // The frames are written after Enqueue returns: the caller must not
 // modify them afterwards. Messages of Send and Enqueue to one peer are
@@ -252,12 +255,17 @@ func (r *Router) Enqueue(peer []byte, frames ...[]byte) error {
 	if p == nil || p.c.closed() {
 		return fmt.Errorf("%w: %x", ErrUnknownPeer, peer)
 	}
+	size := int64(msgSize(frames))
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.queue) >= r.srv.o.sendQueue {
 		return fmt.Errorf("%w: %x has %d messages waiting", ErrPeerBusy, peer, len(p.queue))
 	}
+	if max := r.srv.o.sendQueueBytes; max > 0 && len(p.queue) > 0 && p.bytes+size > max {
+		return fmt.Errorf("%w: %x has %d bytes waiting", ErrPeerBusy, peer, p.bytes)
+	}
 	p.queue = append(p.queue, frames)
+	p.bytes += size
 	if !p.writing {
 		// Under r.mu's read lock with closing unset: Close's Wait comes
 		// after this Add.
@@ -294,6 +302,7 @@ func (r *Router) drain(p *routerPeer) {
 			p.queue[0] = nil
 			p.queue = p.queue[1:]
 		}
+		p.bytes -= int64(size)
 		p.mu.Unlock()
 
 		ctx, cancel := context.Background(), context.CancelFunc(func() {})
@@ -306,7 +315,7 @@ func (r *Router) drain(p *routerPeer) {
 		if err != nil {
 			p.mu.Lock()
 			dropped := len(p.queue)
-			p.queue = nil
+			p.queue, p.bytes = nil, 0
 			p.writing = false
 			p.mu.Unlock()
 			select {
@@ -317,6 +326,20 @@ func (r *Router) drain(p *routerPeer) {
 			return
 		}
 	}
+}
+
+// Queued returns the messages and bytes Enqueue holds for peer, waiting
+// to be written (zeros for a peer that is not connected).
+func (r *Router) Queued(peer []byte) (msgs int, bytes int64) {
+	r.mu.RLock()
+	p := r.peers[string(peer)]
+	r.mu.RUnlock()
+	if p == nil {
+		return 0, 0
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.queue), p.bytes
 }
 
 // msgSize is the bytes of a message's frames.

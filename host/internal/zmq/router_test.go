@@ -356,3 +356,49 @@ func TestRouterEnqueueErrors(t *testing.T) {
 		t.Fatalf("after Close: %v", err)
 	}
 }
+
+// A peer that does not read is refused (ErrPeerBusy) once the bytes
+// queued for it would pass WithSendQueueBytes, long before the count
+// bound; the queue never holds more than the bound; a message larger than
+// the bound still goes into an empty queue.
+func TestRouterEnqueueBytesBound(t *testing.T) {
+	const bound = 1 << 20
+	r := newRouter(t, WithSendQueue(1<<20), WithSendQueueBytes(bound))
+	ctx := testCtx(t, 20*time.Second)
+	stuck, _ := rawPeer(t, r.Addr().String(), typeDealer) // never reads
+	stuck.SetDeadline(time.Time{})
+	if _, err := stuck.Write(encodeMessage([][]byte{[]byte("hi")})); err != nil {
+		t.Fatal(err)
+	}
+	m, err := r.Recv(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, 4*bound)
+	if err := r.Enqueue(m.Peer, big); err != nil {
+		t.Fatalf("a message over the bound into an empty queue: %v", err)
+	}
+	msg := make([]byte, 64<<10)
+	sent := 0
+	for {
+		err := r.Enqueue(m.Peer, msg)
+		if errors.Is(err, ErrPeerBusy) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent++
+		if n, b := r.Queued(m.Peer); b > bound && n > 1 {
+			t.Fatalf("%d messages, %d bytes queued: over the bound of %d", n, b, bound)
+		}
+		if sent > 1<<16 {
+			t.Fatal("a peer that does not read was never refused")
+		}
+	}
+	n, b := r.Queued(m.Peer)
+	if b > bound || b+int64(len(msg)) <= bound {
+		t.Fatalf("refused with %d bytes (%d messages) queued; the bound is %d", b, n, bound)
+	}
+	t.Logf("refused after %d messages; %d bytes in %d messages queued", sent, b, n)
+}

@@ -1,8 +1,14 @@
 // Package rooms keeps the transfer state of every request ("room") of one
-// kvhost worker: its sglang.KVPoll status, with SGLang's disaggregation/{nixl,mori}/conn.py's update
-// rule: a room's status only moves up (the maximum of the old and the new
-// status), except Failed, which always wins and is terminal. A failure
+// kvhost worker: its sglang.KVPoll status. A room's status only moves up
+// (the maximum of the old and the new status), except Failed, which wins
+// over every unfinished status; Success and Failed are final. A failure
 // carries a reason, kept with the room until the room is removed.
+//
+// SGLang's update_status (disaggregation/common/conn.py) lets Failed
+// replace Success too; kvhost does not: a room whose KV arrived whole has
+// succeeded, and what happens to its rank afterwards (closing it, its
+// engine leaving) must not turn that into a failure the engine or its
+// peer acts on (docs/engine-api.md: "Failed and Success final").
 //
 // A Table is safe for concurrent use. Waiting for a status change blocks on
 // a channel (never a busy loop) and honours a context.
@@ -17,10 +23,13 @@ import (
 	"github.com/kvhost/kvhost/host/wire/sglang"
 )
 
-// Merge is SGLang's disaggregation/{nixl,mori}/conn.py's update rule: Failed always wins (and stays),
-// otherwise the status never moves down.
+// Merge is the update rule: Success and Failed are final, Failed wins
+// over every unfinished status, otherwise the status never moves down.
 func Merge(old, next sglang.KVPoll) sglang.KVPoll {
-	if old == sglang.KVPollFailed || next == sglang.KVPollFailed {
+	switch {
+	case old.Terminal():
+		return old
+	case next == sglang.KVPollFailed:
 		return sglang.KVPollFailed
 	}
 	return max(old, next)
@@ -103,12 +112,13 @@ func (t *Table) Update(room uint64, s sglang.KVPoll) (sglang.KVPoll, bool) {
 // it is the root cause, later ones are consequences. It returns the reason
 // recorded (read in the same step: once the room is Failed, whoever owns it
 // may remove it at any moment, and a later Reason would find nothing), and
-// false if the room does not exist.
+// false if the room does not exist or has succeeded (Success is final:
+// nothing failed, so nobody should be told of a failure).
 func (t *Table) Fail(room uint64, reason string) (recorded string, ok bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e, ok := t.rooms[room]
-	if !ok {
+	if !ok || e.status == sglang.KVPollSuccess {
 		return "", false
 	}
 	t.setLocked(room, e, sglang.KVPollFailed, reason)
@@ -118,10 +128,10 @@ func (t *Table) Fail(room uint64, reason string) (recorded string, ok bool) {
 // setLocked merges s (and, for Failed, reason) into e and reports the
 // change, if any.
 func (t *Table) setLocked(room uint64, e *entry, s sglang.KVPoll, reason string) {
-	if s == sglang.KVPollFailed && e.reason == "" {
+	next := Merge(e.status, s)
+	if next == sglang.KVPollFailed && e.reason == "" {
 		e.reason = reason
 	}
-	next := Merge(e.status, s)
 	if next == e.status {
 		return
 	}

@@ -15,9 +15,13 @@ func TestMergeRules(t *testing.T) {
 		for _, next := range all {
 			got := Merge(old, next)
 			switch {
-			case old == sglang.KVPollFailed || next == sglang.KVPollFailed:
+			case old.Terminal():
+				if got != old {
+					t.Errorf("Merge(%v, %v) = %v, want %v (Success and Failed are final)", old, next, got, old)
+				}
+			case next == sglang.KVPollFailed:
 				if got != sglang.KVPollFailed {
-					t.Errorf("Merge(%v, %v) = %v, want Failed (terminal, always wins)", old, next, got)
+					t.Errorf("Merge(%v, %v) = %v, want Failed (wins over every unfinished status)", old, next, got)
 				}
 			case next > old:
 				if got != next {
@@ -136,11 +140,14 @@ func TestConcurrentUpdates(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for r := uint64(0); r < 64; r++ {
+				// Rooms that fail never reach Success here: Success is
+				// final, so a failure racing it could lose.
 				for _, s := range []sglang.KVPoll{sglang.KVPollWaitingForInput, sglang.KVPollTransferring, sglang.KVPollSuccess} {
+					if r%7 == 0 && s == sglang.KVPollSuccess {
+						tb.Fail(r, "x")
+						continue
+					}
 					tb.Update(r, s)
-				}
-				if r%7 == 0 {
-					tb.Fail(r, "x")
 				}
 			}
 		}()
@@ -151,5 +158,23 @@ func TestConcurrentUpdates(t *testing.T) {
 		if (r%7 == 0) != (s == sglang.KVPollFailed) || (r%7 != 0 && s != sglang.KVPollSuccess) {
 			t.Fatalf("room %d: %v", r, s)
 		}
+	}
+}
+
+// TestSuccessFinal: a room that succeeded does not fail: Fail reports
+// nothing failed, no change is reported and no reason recorded.
+func TestSuccessFinal(t *testing.T) {
+	var changes []Change
+	tb := NewTable(func(c Change) { changes = append(changes, c) })
+	tb.Create(1, sglang.KVPollBootstrapping)
+	tb.Update(1, sglang.KVPollSuccess)
+	if got, ok := tb.Fail(1, "rank closed"); ok || got != "" {
+		t.Fatalf("Fail on a Success room = %q, %v, want nothing failed", got, ok)
+	}
+	if s, _ := tb.Get(1); s != sglang.KVPollSuccess || tb.Reason(1) != "" {
+		t.Fatalf("room after a late failure: %v %q, want Success", s, tb.Reason(1))
+	}
+	if n := len(changes); n != 2 || changes[1].To != sglang.KVPollSuccess {
+		t.Fatalf("changes %+v, want created then Success", changes)
 	}
 }
