@@ -24,6 +24,7 @@ func init() {
 	registerOp("sender_create", opSenderCreate)
 	registerOp("sender_init", opSenderInit)
 	registerOp("sender_send", opSenderSend)
+	registerOp("sender_prefix_len", opSenderPrefixLen)
 	registerOp("receiver_create", opReceiverCreate)
 	registerOp("receiver_init", opReceiverInit)
 	registerOp("abort", opAbort)
@@ -431,6 +432,25 @@ func opSenderSend(s *session, r *request) (Fields, error) {
 		return nil, pushError(perr)
 	}
 	return Fields{}, nil
+}
+
+// opSenderPrefixLen answers decode_prefix_len of a prefill room once
+// every decode rank's transfer info arrived (SGLang's
+// KVSender.pop_decode_prefix_len, which the prefill scheduler calls when
+// the room is WaitingForInput): the tokens decode already holds, which the
+// engine does not send.
+func opSenderPrefixLen(s *session, r *request) (Fields, error) {
+	_, room, rm, err := roomOf(s, r)
+	if err != nil {
+		return nil, err
+	}
+	if rm.sender == nil {
+		return nil, errorf(CodeBadRequest, "sender_prefix_len on a decode room")
+	}
+	if st := rm.sender.Poll(); st == sglang.KVPollBootstrapping {
+		return nil, errorf(CodeOutOfOrder, "room %d is %v: decode_prefix_len is known at WaitingForInput", room, st)
+	}
+	return Fields{{"prefix_len", rm.sender.DecodePrefixLen()}}, nil
 }
 
 func opReceiverCreate(s *session, r *request) (Fields, error) {

@@ -145,6 +145,10 @@ func TestStateIndicesChecked(t *testing.T) {
 	if err := c.SenderSend(ctx, rk.ID, 7, []int32{0, 1}, []int32{1}); !client.IsCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "one entry per component") {
 		t.Errorf("one packed list for two components: %v", err)
 	}
+	// decode_prefix_len is not known before decode's transfer info.
+	if _, err := c.SenderPrefixLen(ctx, rk.ID, 7); !client.IsCode(err, CodeOutOfOrder) {
+		t.Errorf("sender_prefix_len while Bootstrapping: %v", err)
+	}
 	st, _, err := c.Poll(ctx, rk.ID, []uint64{7})
 	if err != nil || st[0] != client.StateBootstrapping {
 		t.Fatalf("room after refused sends: %v %v", st, err)

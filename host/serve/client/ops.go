@@ -219,6 +219,16 @@ func (c *Client) StartSenderSend(ctx context.Context, rank, room uint64, pages [
 	return c.start(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
 }
 
+// SenderPrefixLen returns a WaitingForInput prefill room's
+// decode_prefix_len: the tokens its decode side already holds.
+func (c *Client) SenderPrefixLen(ctx context.Context, rank, room uint64) (int64, error) {
+	v, err := c.call(ctx, "sender_prefix_len", Fields{{"rank", rank}, {"room", room}})
+	if err != nil {
+		return 0, err
+	}
+	return i64(v, "prefix_len"), nil
+}
+
 // SenderSendStates is SenderSend for a rank with state components:
 // stateIndices has one entry per component (nil: none for it), or is nil.
 func (c *Client) SenderSendStates(ctx context.Context, rank, room uint64, pages []int32, stateIndices [][]int32) error {
