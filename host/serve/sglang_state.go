@@ -3,6 +3,7 @@ package serve
 import (
 	"fmt"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/internal/msgpack"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/planner"
@@ -160,6 +161,12 @@ func sglStateArgs(s *session, r *request, rk *rankEntry) ([]push.StateComponent,
 			local, reg, err := s.useRegion(rk, fmt.Sprintf("state component %d tensor %d", c, i), ptrs[c][i], lens[c][i])
 			if err != nil {
 				return nil, err
+			}
+			if kindOf(reg) != abi.VRAM {
+				// SGLang keeps state in GPU memory and the state planners
+				// (planner/state.go) move it as such: host memory here
+				// would fail every room's state transfer.
+				return nil, errorf(CodeBadRegion, "state component %d (%s) tensor %d: state is GPU memory (a vram region, or register_as vram)", c, t, i)
 			}
 			comps[c].Tensors = append(comps[c].Tensors, push.Buffer{Addr: uint64(local), Len: lens[c][i], ItemLen: items[c][i], Kind: kindOf(reg)})
 		}

@@ -39,6 +39,7 @@ func TestOpenRankStateComponents(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mem.Close()
+	mem.RegisterAs = "vram" // SGLang's state is GPU memory
 	if _, err := c.RegisterMemory(ctx, append(r.MemRegions(), mem.MemRegions()...)); err != nil {
 		t.Fatal(err)
 	}
@@ -54,6 +55,9 @@ func TestOpenRankStateComponents(t *testing.T) {
 		{"dims short", func(a *client.SGLangRank) { a.State[0].DimPerTensor = []uint64{4} }, CodeBadRequest, "dims"},
 		{"not whole items", func(a *client.SGLangRank) { a.State[1].DataLens[1] = 4000 }, CodeGeometry, "tensor 1"},
 		{"outside the regions", func(a *client.SGLangRank) { a.State[1].DataPtrs[0] += 1 << 40 }, CodeBadRegion, "state component 1 tensor 0"},
+		{"state in host memory", func(a *client.SGLangRank) {
+			a.State[0].DataPtrs = []uint64{r.Base(), r.Base() + 1024} // the KV pool: a dram region
+		}, CodeBadRegion, "GPU memory"},
 		{"both forms", func(a *client.SGLangRank) {
 			a.StateType = "swa" // sent only without State: add it by hand below
 		}, CodeBadRequest, "exclusive"},
@@ -112,6 +116,7 @@ func TestStateIndicesChecked(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mem.Close()
+	mem.RegisterAs = "vram" // SGLang's state is GPU memory
 	if _, err := c.RegisterMemory(ctx, append(r.MemRegions(), mem.MemRegions()...)); err != nil {
 		t.Fatal(err)
 	}
