@@ -163,3 +163,39 @@ func TestStateIndicesChecked(t *testing.T) {
 		t.Fatalf("valid state indices: %v", err)
 	}
 }
+
+// FuzzStateIndices: whatever an engine sends as state_indices, the answer
+// is an error or one index list per component of the rank (the older
+// single list only for at most one component), every index non-negative
+// and inside its component's slots.
+func FuzzStateIndices(f *testing.F) {
+	f.Add(req("op", "sender_send", "seq", 1, "state_indices", []any{[]byte{1, 0, 0, 0}, nil}), uint8(2))
+	f.Add(req("op", "sender_send", "seq", 1, "state_indices", []byte{5, 0, 0, 0, 9, 0, 0, 0}), uint8(1))
+	f.Add(req("op", "sender_send", "seq", 1, "state_indices", []any{}), uint8(3))
+	f.Add(req("op", "sender_send", "seq", 1, "state_indices", []any{[]byte{0xff, 0xff, 0xff, 0x7f}, []byte{1, 0, 0}}), uint8(2))
+	f.Add(req("op", "sender_send", "seq", 1, "state_indices", "x"), uint8(0))
+	f.Fuzz(func(t *testing.T, b []byte, n uint8) {
+		r, _, err := parseRequest(b)
+		if err != nil {
+			return
+		}
+		sr := &sglRank{slots: make([]uint64, n%4)}
+		for i := range sr.slots {
+			sr.slots[i] = uint64(3 * i) // component 0 has no tensors here: unchecked
+		}
+		out, err := sr.stateIndices(r, "state_indices")
+		if err != nil || out == nil {
+			return
+		}
+		if len(out) != len(sr.slots) && !(len(out) == 1 && len(sr.slots) <= 1) {
+			t.Fatalf("%d lists for %d components", len(out), len(sr.slots))
+		}
+		for c, idx := range out {
+			for _, x := range idx {
+				if x < 0 || (c < len(sr.slots) && sr.slots[c] > 0 && uint64(x) >= sr.slots[c]) {
+					t.Fatalf("component %d index %d accepted (slots %v)", c, x, sr.slots)
+				}
+			}
+		}
+	})
+}
