@@ -107,10 +107,10 @@ class RankMem:
     connectors move (MetadataBuffers.output_ids and bootstrap_room), and
     the state tensors of a hybrid model, all filled with random bytes."""
 
-    def __init__(self, model: Model, tp: int, pages: int, seed: int):
+    def __init__(self, model: Model, tp: int, pages: int, seed: int, register_as: Optional[str] = None):
         self.rng = np.random.default_rng(seed)
         self.kv = shm.KVPool(model.layers, pages, model.item_len(tp), aux_item_lens=[AUX_ITEM, AUX_ITEM],
-                             aux_slots=AUX_SLOTS)
+                             aux_slots=AUX_SLOTS, register_as=register_as)
         for b in self.kv.kv:
             b[:] = self.rng.integers(0, 256, b.shape, dtype=np.uint8)
         for b in self.kv.aux:
@@ -154,13 +154,13 @@ class RankMem:
         self.kv.close()
 
 
-def server_args(tp, bootstrap_port, endpoint, page_size):
+def server_args(tp, bootstrap_port, endpoint, page_size, variant="nixl"):
     """The ServerArgs fields the managers read, plus the launcher's
     kvhost_* settings (``--kvhost-control`` etc.)."""
     return SimpleNamespace(tp_size=tp, dp_size=1, enable_dp_attention=False, pp_size=1, page_size=page_size,
                            disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1", kv_cache_dtype="auto",
                            disaggregation_ib_device=None, kvhost_control=endpoint, kvhost_host="127.0.0.1",
-                           kvhost_variant="nixl")
+                           kvhost_variant=variant)
 
 
 def init_kv_manager(model: Model, mem: RankMem, tp: int, tp_rank: int, mode, args):

@@ -2,7 +2,7 @@
 live ``kvhost serve`` sidecars (fake plugin), for the SGLang of the
 reference connectors and for SGLang's newest main (tests/sglang_replay.py
 names every upstream function and commit), with a dense and a hybrid
-(Mamba + SWA state) model; every byte the decode engine holds afterwards
+(Mamba + SWA state) model, on SGLang's NIXL and MORI wires; every byte the decode engine holds afterwards
 is checked: what was sent equals the prefill's, everything else is what it
 was."""
 
@@ -18,17 +18,20 @@ from kvhost import sglang as ks
 from kvhost.sglang import KVPoll
 
 
-def engines(sidecar_factory, model, tp, profile, pages=160):
+def engines(sidecar_factory, model, tp, profile, pages=160, variant="nixl"):
     a = sidecar_factory("prefill")
     b = sidecar_factory("decode")
     # The prefill engine's bootstrap server (KVBootstrapServer from
     # get_kv_class), on a port the sidecar picks (no race with other tests).
     boot = rp.get_kv_class("kvhost", rp.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", 0, endpoint=a.endpoint)
     port = int(boot.addr.rsplit(":", 1)[1])
-    pm = [rp.RankMem(model, tp, pages, 100 + r) for r in range(tp)]
-    dm = [rp.RankMem(model, tp, pages, 200 + r) for r in range(tp)]
-    p = rp.Prefill(model, tp, pm, [rp.server_args(tp, port, a.endpoint, model.page_size)] * tp, port, profile)
-    d = rp.Decode(model, tp, dm, [rp.server_args(tp, port, b.endpoint, model.page_size)] * tp, profile)
+    # SGLang's MORI connector registers KV as GPU memory only: with the
+    # fake plugin, host memory registered as VRAM.
+    reg = "vram" if variant == "mori" else None
+    pm = [rp.RankMem(model, tp, pages, 100 + r, reg) for r in range(tp)]
+    dm = [rp.RankMem(model, tp, pages, 200 + r, reg) for r in range(tp)]
+    p = rp.Prefill(model, tp, pm, [rp.server_args(tp, port, a.endpoint, model.page_size, variant)] * tp, port, profile)
+    d = rp.Decode(model, tp, dm, [rp.server_args(tp, port, b.endpoint, model.page_size, variant)] * tp, profile)
     return boot, p, d, "127.0.0.1:%d" % port
 
 
@@ -96,11 +99,12 @@ def check_bytes(model, p: rp.Prefill, d: rp.Decode, reqs, before):
     return checked
 
 
+@pytest.mark.parametrize("variant", ["nixl", "mori"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "mamba+swa"])
 @pytest.mark.parametrize("profile", ["reference", "main"])
-def test_scheduler_replay(sidecar_factory, profile, hybrid):
+def test_scheduler_replay(sidecar_factory, profile, hybrid, variant):
     model = rp.Model(hybrid=hybrid)
-    boot, p, d, addr = engines(sidecar_factory, model, 2, rp.PROFILES[profile])
+    boot, p, d, addr = engines(sidecar_factory, model, 2, rp.PROFILES[profile], variant=variant)
     try:
         before = [m.snapshot() for m in d.mems]
         reqs = requests(model, 10, 7)
