@@ -199,3 +199,22 @@ def test_pack_state_shapes():
     assert u(kc.pack_state([7, 8])) == [7, 8]  # older SGLang: one flat list, one component
     with pytest.raises(ValueError):
         kc.pack_state([[1 << 40]])
+
+
+def test_classes_implement_sglang_bases():
+    """kvhost.sglang's classes are SGLang's base classes (its own when
+    SGLang is importable, the stand-ins otherwise) with nothing left
+    abstract, and keep the base defaults they do not override."""
+    from kvhost.sglang import base
+
+    for cls, parent in [(ks.KVManager, base.BaseKVManager), (ks.KVSender, base.BaseKVSender),
+                        (ks.KVReceiver, base.BaseKVReceiver), (ks.KVBootstrapServer, base.BaseKVBootstrapServer)]:
+        assert issubclass(cls, parent), cls
+        assert not getattr(cls, "__abstractmethods__", None), (cls, cls.__abstractmethods__)
+    # BaseKVSender's defaults, which kvhost's sender overrides: no prefix
+    # unless decode sent one, and a zero-page last chunk is still sent.
+    assert base.BaseKVSender.pop_decode_prefix_len(None) == 0
+    assert base.BaseKVSender.should_send_kv_chunk(None, 0, True) is False
+    assert ks.KVSender.should_send_kv_chunk(None, 0, True) is True
+    assert ks.KVSender.should_send_kv_chunk(None, 0, False) is False
+    assert {"mamba", "swa", "dsa", "minimax_index_k", "swa_ring", "c128_state"} <= {t.value for t in ks.StateType}

@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 
 # The upstream files the stand-ins follow (github.com/sgl-project/sglang).
 BASE_CONN = "python/sglang/srt/disaggregation/base/conn.py@0094505da74125a31ceb354f37ae7a1b6a97d3f5"
-COMMON_CONN = "python/sglang/srt/disaggregation/common/conn.py@59095991138-era (KVTransferError)"
+COMMON_CONN = "python/sglang/srt/disaggregation/common/conn.py@0094505da74125a31ceb354f37ae7a1b6a97d3f5"
 UTILS = "python/sglang/srt/disaggregation/utils.py@000eaffacf048e51b64d4d72985ef8f0b7054b39"
 
 
@@ -181,7 +181,7 @@ class _StandinBaseKVBootstrapServer(ABC):
 
 
 class _StandinKVTransferError(Exception):
-    """Stand-in for SGLang's KVTransferError (common/conn.py): the
+    """Stand-in for SGLang's KVTransferError (common/conn.py@0094505d): the
     exception failure_exception raises; the scheduler reads
     ``is_from_another_rank`` to mute propagated failures."""
 
@@ -196,7 +196,7 @@ class _StandinKVTransferError(Exception):
 
 
 class _StandinDisaggregationMode(enum.Enum):
-    """Stand-in for SGLang's DisaggregationMode (utils.py)."""
+    """Stand-in for SGLang's DisaggregationMode (utils.py@000eaffa)."""
 
     NULL = "null"
     PREFILL = "prefill"
