@@ -211,6 +211,8 @@ def pack_pages(pages: Any, field: str = "pages") -> bytes:
             raise ValueError("%s: %d bytes is not a whole number of int32" % (field, len(b)))
         return b
     np = _numpy()
+    if np is not None and type(pages).__module__.startswith("torch") and hasattr(pages, "numpy"):
+        pages = pages.detach().cpu().numpy()  # a torch tensor (SGLang's index lists may be)
     if np is not None and isinstance(pages, np.ndarray):
         if pages.dtype.kind not in "iu":
             raise TypeError("%s: want an integer array, got dtype %s" % (field, pages.dtype))

@@ -201,6 +201,33 @@ def test_pack_state_shapes():
         kc.pack_state([[1 << 40]])
 
 
+class _TorchLike:
+    """What pack_pages needs of a torch tensor (torch is not installed
+    here): SGLang's newer schedulers may pass page indices as tensors."""
+
+    __module__ = "torch"
+
+    def __init__(self, a):
+        self.a = a
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self.a
+
+    def __len__(self):
+        return len(self.a)
+
+
+def test_pack_pages_takes_tensors():
+    t = _TorchLike(np.array([[3, 4], [5, 6]], dtype=np.int64))
+    assert kc.unpack_pages(kc.pack_pages(t)) == [3, 4, 5, 6]
+
+
 def test_classes_implement_sglang_bases():
     """kvhost.sglang's classes are SGLang's base classes (its own when
     SGLang is importable, the stand-ins otherwise) with nothing left
