@@ -162,6 +162,40 @@ func TestStateIndicesChecked(t *testing.T) {
 	if err := c.SenderSendStates(ctx, rk.ID, 7, []int32{0, 1}, [][]int32{{15}, nil}); err != nil {
 		t.Fatalf("valid state indices: %v", err)
 	}
+	// The decode side's receiver_init is checked the same way, once its
+	// room is WaitingForInput (a decode rank of another connection).
+	dc := dial(t, s)
+	w := fakeengine.Watch(dc)
+	dr, err := fakeengine.NewRank(shmName(), "decode", smallShape, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dr.Close()
+	dmem, err := fakeengine.NewRank(shmName(), "decode", smallShape, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dmem.Close()
+	dmem.RegisterAs = "vram"
+	if _, err := dc.RegisterMemory(ctx, append(dr.MemRegions(), dmem.MemRegions()...)); err != nil {
+		t.Fatal(err)
+	}
+	drk, err := dc.OpenSGLang(ctx, stateArgs(dr, dmem, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := dc.ReceiverCreate(ctx, drk.ID, 7, boot, -1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Wait(ctx, drk.ID, 7, client.StateWaitingForInput); err != nil {
+		t.Fatal(err)
+	}
+	if err := dc.ReceiverInitStates(ctx, drk.ID, 7, []int32{0, 1}, 0, [][]int32{{1}, {3, 16}}, 0); !client.IsCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "component 1 index 16") {
+		t.Fatalf("receiver_init with an SWA page outside: %v", err)
+	}
+	if err := dc.ReceiverInitStates(ctx, drk.ID, 7, []int32{0, 1}, 0, [][]int32{{1}, nil}, 0); err != nil {
+		t.Fatalf("receiver_init with valid state indices: %v", err)
+	}
 }
 
 // FuzzStateIndices: whatever an engine sends as state_indices, the answer
