@@ -227,14 +227,6 @@ func asPages(name string, b []byte) ([]int32, error) {
 	return out, nil
 }
 
-// optPages is pages for an optional field: nil, nil when absent.
-func (r *request) optPages(name string) ([]int32, error) {
-	if !r.has(name) {
-		return nil, nil
-	}
-	return r.pages(name)
-}
-
 // rooms reads packed little-endian uint64 room ids, at most max of them
 // (checked before anything is allocated).
 func (r *request) rooms(name string, max int) ([]uint64, error) {

@@ -11,7 +11,6 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-	"github.com/kvhost/kvhost/planner"
 )
 
 // SGLang push rooms (docs/engine-api.md, "SGLang push rooms"): a rank is
@@ -24,6 +23,7 @@ func init() {
 	registerOp("sender_create", opSenderCreate)
 	registerOp("sender_init", opSenderInit)
 	registerOp("sender_send", opSenderSend)
+	registerOp("sender_prefix_len", opSenderPrefixLen)
 	registerOp("receiver_create", opReceiverCreate)
 	registerOp("receiver_init", opReceiverInit)
 	registerOp("abort", opAbort)
@@ -39,6 +39,7 @@ type sglRank struct {
 	decode  *push.Decode
 	pages   uint64   // pages of the rank's KV pool
 	aux     []uint64 // slots of each aux buffer
+	slots   []uint64 // slots of each state component (stateSlots)
 
 	// rooms is touched by the session's goroutine only.
 	rooms map[uint64]*sglRoom
@@ -161,39 +162,8 @@ func sglArgs(s *session, r *request, rk *rankEntry) (push.KVArgs, push.Parallel,
 		}
 		a.Aux = append(a.Aux, push.AuxBuffer{Mem: b, ItemLen: items[i]})
 	}
-	st, err := r.optStr("state_type", "none")
-	if err != nil {
+	if a.State, err = sglStateArgs(s, r, rk); err != nil {
 		return a, par, false, err
-	}
-	if st != "none" {
-		switch planner.StateType(st) {
-		case planner.StateMamba, planner.StateSWA, planner.StateDSA:
-		default:
-			return a, par, false, badValue("state_type", "%q is not none, mamba, swa or dsa", st)
-		}
-		ptrs, lens, items, err = r.lists3("state_data_ptrs", "state_data_lens", "state_item_lens", true)
-		if err != nil {
-			return a, par, false, err
-		}
-		dims, err := r.optU64s("state_dim_per_tensor")
-		if err != nil {
-			return a, par, false, err
-		}
-		c := push.StateComponent{Type: planner.StateType(st)}
-		for i := range ptrs {
-			if items[i] == 0 || lens[i]%items[i] != 0 {
-				return a, par, false, errorf(CodeGeometry, "state buffer %d: length %d is not a whole number of %d-byte items", i, lens[i], items[i])
-			}
-			local, reg, err := s.useRegion(rk, fmt.Sprintf("state buffer %d", i), ptrs[i], lens[i])
-			if err != nil {
-				return a, par, false, err
-			}
-			c.Tensors = append(c.Tensors, push.Buffer{Addr: uint64(local), Len: lens[i], ItemLen: items[i], Kind: kindOf(reg)})
-		}
-		for _, d := range dims {
-			c.DimPerTensor = append(c.DimPerTensor, int(min(d, 1<<31-1)))
-		}
-		a.State = []push.StateComponent{c}
 	}
 	ints := []struct {
 		name string
@@ -263,6 +233,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 	for _, b := range args.Aux {
 		sr.aux = append(sr.aux, uint64(len(b.Mem))/b.ItemLen)
 	}
+	sr.slots = stateSlots(args.State)
 	obs := sglObserver{Observer: s.srv.cfg.Observer, r: sr}
 	sr.ctx, sr.cancel = context.WithCancel(context.Background())
 	if rk.role == "prefill" {
@@ -439,13 +410,6 @@ func (sr *sglRank) checkAux(aux int64) error {
 	return nil
 }
 
-func stateArg(state []int32) [][]int32 {
-	if state == nil {
-		return nil
-	}
-	return [][]int32{state}
-}
-
 func opSenderSend(s *session, r *request) (Fields, error) {
 	sr, _, rm, err := roomOf(s, r)
 	if err != nil {
@@ -461,14 +425,33 @@ func opSenderSend(s *session, r *request) (Fields, error) {
 	if err := sr.checkPages("pages", pages); err != nil {
 		return nil, err
 	}
-	state, err := r.optPages("state_indices")
+	state, err := sr.stateIndices(r, "state_indices")
 	if err != nil {
 		return nil, err
 	}
-	if perr := rm.sender.Send(pages, stateArg(state)); perr != nil {
+	if perr := rm.sender.Send(pages, state); perr != nil {
 		return nil, pushError(perr)
 	}
 	return Fields{}, nil
+}
+
+// opSenderPrefixLen answers decode_prefix_len of a prefill room once
+// every decode rank's transfer info arrived (SGLang's
+// KVSender.pop_decode_prefix_len, which the prefill scheduler calls when
+// the room is WaitingForInput): the tokens decode already holds, which the
+// engine does not send.
+func opSenderPrefixLen(s *session, r *request) (Fields, error) {
+	_, room, rm, err := roomOf(s, r)
+	if err != nil {
+		return nil, err
+	}
+	if rm.sender == nil {
+		return nil, errorf(CodeBadRequest, "sender_prefix_len on a decode room")
+	}
+	if st := rm.sender.Poll(); st == sglang.KVPollBootstrapping {
+		return nil, errorf(CodeOutOfOrder, "room %d is %v: decode_prefix_len is known at WaitingForInput", room, st)
+	}
+	return Fields{{"prefix_len", rm.sender.DecodePrefixLen()}}, nil
 }
 
 func opReceiverCreate(s *session, r *request) (Fields, error) {
@@ -536,7 +519,7 @@ func opReceiverInit(s *session, r *request) (Fields, error) {
 	if err := sr.checkAux(aux); err != nil {
 		return nil, err
 	}
-	state, err := r.optPages("state_indices")
+	state, err := sr.stateIndices(r, "state_indices")
 	if err != nil {
 		return nil, err
 	}
@@ -558,7 +541,7 @@ func opReceiverInit(s *session, r *request) (Fields, error) {
 	sr.wg.Add(1)
 	go func() {
 		defer sr.wg.Done()
-		rcv.SendMetadata(sr.ctx, pages, aux, stateArg(state), prefix) // fails the room on error
+		rcv.SendMetadata(sr.ctx, pages, aux, state, prefix) // fails the room on error
 	}()
 	return Fields{}, nil
 }

@@ -211,6 +211,8 @@ def pack_pages(pages: Any, field: str = "pages") -> bytes:
             raise ValueError("%s: %d bytes is not a whole number of int32" % (field, len(b)))
         return b
     np = _numpy()
+    if np is not None and type(pages).__module__.startswith("torch") and hasattr(pages, "numpy"):
+        pages = pages.detach().cpu().numpy()  # a torch tensor (SGLang's index lists may be)
     if np is not None and isinstance(pages, np.ndarray):
         if pages.dtype.kind not in "iu":
             raise TypeError("%s: want an integer array, got dtype %s" % (field, pages.dtype))
@@ -228,6 +230,50 @@ def pack_pages(pages: Any, field: str = "pages") -> bytes:
     if sys.byteorder != "little":  # pragma: no cover
         a.byteswap()
     return a.tobytes()
+
+
+def _flat_ints(x: Any) -> List[int]:
+    """The integers of a nested index list (lists, tuples, numpy arrays of
+    any shape, numpy scalars), in order."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, (list, tuple)):
+        out: List[int] = []
+        for y in x:
+            out.extend(_flat_ints(y))
+        return out
+    return [int(x)]
+
+
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return False  # an already packed list
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return not isinstance(x, (list, tuple))
+
+
+def pack_state(state_indices: Any) -> Any:
+    """State indices as the API's ``state_indices``: SGLang passes one entry
+    per state type of ``kv_args.state_types`` (an index list or array, a
+    list holding one 0-d array for Mamba, or None), which becomes a list of
+    packed int32 bins (None stays None); a flat list of ints (older SGLang,
+    one state component) becomes one packed bin. None or an empty list:
+    None (no state). Already packed entries (bytes) are kept, so packing
+    twice changes nothing."""
+    if state_indices is None:
+        return None
+    if isinstance(state_indices, (bytes, bytearray, memoryview)):
+        return pack_pages(state_indices, "state_indices")
+    items = state_indices.tolist() if hasattr(state_indices, "tolist") else list(state_indices)
+    if not isinstance(items, list):  # a 0-d array: one index
+        items = [items]
+    if not items:
+        return None
+    if all(_is_scalar(x) for x in items):
+        return pack_pages(_flat_ints(items), "state_indices")
+    return [None if x is None else pack_pages(x if isinstance(x, (bytes, bytearray, memoryview)) else _flat_ints(x),
+                                              "state_indices[%d]" % i) for i, x in enumerate(items)]
 
 
 def pack_u64(values: Iterable[int]) -> bytes:
@@ -786,8 +832,14 @@ class Client:
         self.call("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
 
     def sender_send(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
-        self.call("sender_send", rank=rank, room=room, pages=pack_pages(pages),
-                  state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"))
+        """One chunk; ``state_indices`` (with the last chunk) as
+        :func:`pack_state` takes them."""
+        self.call("sender_send", rank=rank, room=room, pages=pack_pages(pages), state_indices=pack_state(state_indices))
+
+    def sender_prefix_len(self, rank: int, room: int) -> int:
+        """decode_prefix_len of a WaitingForInput prefill room: the tokens
+        the decode side already holds."""
+        return int(self.call("sender_prefix_len", rank=rank, room=room).get("prefix_len") or 0)
 
     def sender_send_nowait(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
         """:meth:`sender_send` without waiting for the reply
@@ -796,7 +848,7 @@ class Client:
         transfer thread and failures surface through poll() (SGLang's
         python/sglang/srt/disaggregation/nixl/conn.py, NixlKVSender.send)."""
         self.call_nowait("sender_send", rank=rank, room=room, pages=pack_pages(pages),
-                         state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"))
+                         state_indices=pack_state(state_indices))
 
     def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
                         prefill_dp_rank: Optional[int] = None) -> None:
@@ -812,8 +864,7 @@ class Client:
     def receiver_init(self, rank: int, room: int, pages: Any, aux_index: int,
                       state_indices: Any = None, prefix_len: int = 0) -> None:
         self.call("receiver_init", rank=rank, room=room, pages=pack_pages(pages), aux_index=aux_index,
-                  state_indices=None if state_indices is None else pack_pages(state_indices, "state_indices"),
-                  prefix_len=int(prefix_len or 0))
+                  state_indices=pack_state(state_indices), prefix_len=int(prefix_len or 0))
 
     def abort(self, rank: int, room: int) -> None:
         self.call("abort", rank=rank, room=room)

@@ -474,6 +474,13 @@ func encode(e *msgpack.Encoder, v any) error {
 		for _, s := range x {
 			e.Str(s)
 		}
+	case []any:
+		e.ArrayHeader(len(x))
+		for _, v := range x {
+			if err := encode(e, v); err != nil {
+				return err
+			}
+		}
 	case []map[string]any:
 		e.ArrayHeader(len(x))
 		for _, f := range x {

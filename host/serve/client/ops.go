@@ -70,9 +70,13 @@ func (c *Client) DeregisterMemory(ctx context.Context, ids []uint64) error {
 // SGLangRank is open_rank's SGLang fields (SGLang's KVArgs and server
 // args).
 type SGLangRank struct {
-	Role                                       string // prefill or decode
-	KVDataPtrs, KVDataLens, KVItemLens         []uint64
-	AuxDataPtrs, AuxDataLens, AuxItemLens      []uint64
+	Role                                  string // prefill or decode
+	KVDataPtrs, KVDataLens, KVItemLens    []uint64
+	AuxDataPtrs, AuxDataLens, AuxItemLens []uint64
+	// State is the hybrid-model state, one entry per SGLang state type
+	// (kv_args.state_types order). StateType and the flat State* lists
+	// are the older one-component form, used when State is nil.
+	State                                      []StateComponent
 	StateType                                  string
 	StateDataPtrs, StateDataLens               []uint64
 	StateItemLens, StateDimPerTensor           []uint64
@@ -82,6 +86,14 @@ type SGLangRank struct {
 	DPSize, DPRank                             int
 	IsMLA                                      bool
 	KVCacheDType, Variant, Host, BootstrapAddr string
+}
+
+// StateComponent is one SGLang state type of a rank and its tensors
+// (SGLang's kv_args.state_data_ptrs[i] ...); DimPerTensor may be nil.
+type StateComponent struct {
+	Type                         string
+	DataPtrs, DataLens, ItemLens []uint64
+	DimPerTensor                 []uint64
 }
 
 // Rank is open_rank's answer.
@@ -102,7 +114,17 @@ func (c *Client) OpenSGLang(ctx context.Context, r SGLangRank) (Rank, error) {
 		{"tp_size", r.TPSize}, {"tp_rank", r.TPRank}, {"pp_size", max(r.PPSize, 1)}, {"pp_rank", r.PPRank},
 		{"dp_size", max(r.DPSize, 1)}, {"dp_rank", r.DPRank}, {"is_mla", r.IsMLA},
 	}
-	if r.StateType != "" && r.StateType != "none" {
+	if r.State != nil {
+		types := make([]string, len(r.State))
+		var ptrs, lens, items, dims []any
+		for i, c := range r.State {
+			types[i] = c.Type
+			ptrs, lens, items = append(ptrs, c.DataPtrs), append(lens, c.DataLens), append(items, c.ItemLens)
+			dims = append(dims, c.DimPerTensor)
+		}
+		f = append(f, Field{"state_types", types}, Field{"state_data_ptrs", ptrs}, Field{"state_data_lens", lens},
+			Field{"state_item_lens", items}, Field{"state_dim_per_tensor", dims})
+	} else if r.StateType != "" && r.StateType != "none" {
 		f = append(f, Field{"state_type", r.StateType},
 			Field{"state_data_ptrs", r.StateDataPtrs}, Field{"state_data_lens", r.StateDataLens},
 			Field{"state_item_lens", r.StateItemLens})
@@ -195,6 +217,43 @@ func (c *Client) SenderSend(ctx context.Context, rank, room uint64, pages []int3
 // the chunks of a room started in order are sent in order.
 func (c *Client) StartSenderSend(ctx context.Context, rank, room uint64, pages []int32, stateIndices []int32) *Pending {
 	return c.start(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", pagesOrNil(stateIndices)}})
+}
+
+// SenderPrefixLen returns a WaitingForInput prefill room's
+// decode_prefix_len: the tokens its decode side already holds.
+func (c *Client) SenderPrefixLen(ctx context.Context, rank, room uint64) (int64, error) {
+	v, err := c.call(ctx, "sender_prefix_len", Fields{{"rank", rank}, {"room", room}})
+	if err != nil {
+		return 0, err
+	}
+	return i64(v, "prefix_len"), nil
+}
+
+// SenderSendStates is SenderSend for a rank with state components:
+// stateIndices has one entry per component (nil: none for it), or is nil.
+func (c *Client) SenderSendStates(ctx context.Context, rank, room uint64, pages []int32, stateIndices [][]int32) error {
+	_, err := c.call(ctx, "sender_send", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"state_indices", stateLists(stateIndices)}})
+	return err
+}
+
+// ReceiverInitStates is ReceiverInit with state indices per component.
+func (c *Client) ReceiverInitStates(ctx context.Context, rank, room uint64, pages []int32, auxIndex int64, stateIndices [][]int32, prefixLen int) error {
+	_, err := c.call(ctx, "receiver_init", Fields{{"rank", rank}, {"room", room}, {"pages", Pages(pages)}, {"aux_index", auxIndex},
+		{"state_indices", stateLists(stateIndices)}, {"prefix_len", prefixLen}})
+	return err
+}
+
+// stateLists is the API's per-component state indices: an array of
+// packed lists or nil, nil for nil.
+func stateLists(s [][]int32) any {
+	if s == nil {
+		return nil
+	}
+	out := make([]any, len(s))
+	for i, x := range s {
+		out[i] = pagesOrNil(x)
+	}
+	return out
 }
 
 // ReceiverCreate opens a decode room and starts its bootstrap.

@@ -13,7 +13,11 @@ from kvhost.sglang.conn import (  # noqa: F401
     KVReceiver,
     KVSender,
     KVTransferError,
+    KVTransferMetric,
+    PrefillServerInfo,
+    StateType,
     regions_for_pointers,
+    state_components,
 )
 
 # The names SGLang's other backends use (NixlKVManager, ...), for readers

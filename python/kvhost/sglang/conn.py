@@ -1,34 +1,51 @@
 """SGLang's KV connector classes, backed by ``kvhost serve``.
 
-KVManager, KVSender, KVReceiver and KVBootstrapServer have the constructor
-arguments and methods of SGLang's connectors (SGLang's
-python/sglang/srt/disaggregation/nixl/conn.py and mori/conn.py, on the base
-classes of python/sglang/srt/disaggregation/base/conn.py), so SGLang's
-scheduler drives them exactly as it drives NixlKVSender and friends; the
-transfer itself runs in the sidecar, which speaks SGLang's NIXL or MORI wire
-to the peers (``variant``).
+KVManager, KVSender, KVReceiver and KVBootstrapServer subclass SGLang's
+BaseKVManager, BaseKVSender, BaseKVReceiver and BaseKVBootstrapServer
+(python/sglang/srt/disaggregation/base/conn.py; :mod:`kvhost.sglang.base`
+has stand-ins when SGLang is not installed) and have every method and
+attribute SGLang's schedulers use on a connector, so SGLang drives them as
+it drives NixlKVSender and friends; the transfer itself runs in the
+sidecar, which speaks SGLang's NIXL or MORI wire to the peers
+(``variant``).
 
-What SGLang's scheduler does, and what each call becomes here:
+What SGLang's scheduler does, and what each call becomes here (the
+replay tests, python/tests/test_sglang_scheduler.py, follow the upstream
+functions step by step):
 
 prefill (python/sglang/srt/disaggregation/prefill.py)
-  ``KVSender(mgr, bootstrap_addr, room, dest_tp_ranks, pp_rank)`` →
-  ``sender_create``; ``poll()`` until WaitingForInput (the decode's metadata
-  arrived: a room event); ``init(num_kv_indices, aux_index)`` →
-  ``sender_init``; ``send(kv_indices[, state_indices])`` per chunk →
-  ``sender_send`` (the chunk that reaches ``num_kv_indices`` is the last;
-  the sidecar sends aux and state with it), sent without waiting for the
-  reply, as SGLang's connectors queue the chunk to a transfer thread: a
-  refusal fails the room, seen by the next ``poll()`` once the reply came
-  (the sidecar handles the rank's requests in order); ``poll()`` until Success or
-  Failed; ``failure_exception()`` raises the reason; ``clear()`` forgets it.
+  ``PrefillBootstrapQueue.add``: ``KVSender(mgr=, bootstrap_addr=,
+  bootstrap_room=, dest_tp_ranks=, pp_rank=)`` → ``sender_create``.
+  ``pop_bootstrapped`` / ``finalize_bootstrap``: ``poll()`` until
+  WaitingForInput (a room event, no round trip), then
+  ``pop_decode_prefix_len()`` → ``sender_prefix_len`` (the tokens decode
+  already holds) and ``init(num_pages, aux_index)`` → ``sender_init``.
+  ``send_kv_chunk``: ``should_send_kv_chunk(num_pages, last_chunk)`` (a
+  zero-page last chunk is sent: it carries aux and state), then
+  ``send(page_indices, state_indices[, num_kv_tokens])`` → ``sender_send``
+  without waiting for the reply (SGLang's connectors queue the chunk to a
+  transfer thread; a refusal fails the room, seen by the next ``poll()``).
+  ``process_disagg_prefill_inflight_queue``: ``poll()`` until Success or
+  Failed; ``clear()`` → ``close_room``; ``get_transfer_metric()``;
+  ``failure_exception()`` raises the reason.
 decode (python/sglang/srt/disaggregation/decode.py)
-  ``KVReceiver(mgr, bootstrap_addr, room)``; ``init(prefill_dp_rank)`` →
-  ``receiver_create`` (the sidecar bootstraps: fetches the prefill's rank
-  mapping); ``poll()`` until WaitingForInput; ``send_metadata(kv_indices,
-  aux_index, state_indices, decode_prefix_len)`` → ``receiver_init``;
-  ``poll()`` until Success. Older SGLang releases call ``init(kv_indices,
-  aux_index)`` instead of ``send_metadata`` (and pass the prefill DP rank to
-  the constructor): both forms are accepted.
+  ``DecodePreallocQueue.add``: ``KVReceiver(mgr=, bootstrap_addr=,
+  bootstrap_room=)``; ``kv_manager.prefill_info_table`` and
+  ``try_ensure_parallel_info(addr)`` (the prefill's parallel info, from
+  its bootstrap server) resolve the prefill DP rank; ``init(dp_rank)`` →
+  ``receiver_create`` (the sidecar bootstraps). ``pop_preallocated``:
+  ``poll()`` until WaitingForInput, then ``send_metadata(page_indices,
+  aux_index, state_indices, decode_prefix_len=)`` → ``receiver_init``.
+  ``DecodeTransferQueue.pop_transferred``: ``poll()`` until Success,
+  ``clear()``. Older SGLang releases call ``init(kv_indices, aux_index)``
+  instead of ``send_metadata`` (and pass the prefill DP rank to the
+  constructor): both forms are accepted.
+
+Hybrid models: ``kv_args.state_types`` lists the state components (mamba,
+swa, dsa, minimax_index_k, swa_ring, c128_state), ``state_data_ptrs[i]``
+... their tensors, and ``state_indices`` one entry per component; they go
+to the sidecar in that shape (older SGLang's single ``state_type`` with
+flat lists is one component).
 
 ``poll()`` never makes a round trip: the client's state cache, fed by the
 sidecar's room events, answers. A sidecar that goes away fails every room in
@@ -39,107 +56,36 @@ Memory: every pointer in KVArgs (kv, aux, state) must lie in memory the
 sidecar can map: host memory allocated with :mod:`kvhost.shm` (found by
 address), or CUDA memory (shared by CUDA IPC handle, taken through
 libcudart when torch and CUDA are present).
-
-SGLang is imported only if it is installed; without it the module uses
-stand-ins for SGLang's own KVPoll, KVArgs, DisaggregationMode and
-KVTransferError (tests and ``import kvhost.sglang`` without SGLang).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import threading
+import time
+import urllib.request
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvhost import client as _client
 from kvhost import shm as _shm
+from kvhost.sglang.base import (  # noqa: F401  (re-exported)
+    HAVE_SGLANG,
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    DisaggregationMode,
+    KVArgs,
+    KVPoll,
+    KVTransferError,
+    KVTransferMetric,
+    StateType,
+)
 
 logger = logging.getLogger("kvhost.sglang")
-
-# --------------------------------------------------------------------------
-# SGLang's own types, or stand-ins when SGLang is not installed.
-
-try:  # pragma: no cover: SGLang is not installed in CI
-    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # type: ignore
-
-    HAVE_SGLANG = True
-except Exception:  # ImportError, or an SGLang that fails to import without a GPU
-    HAVE_SGLANG = False
-
-    class KVPoll:  # type: ignore[no-redef]
-        """Stand-in for SGLang's KVPoll (base/conn.py)."""
-
-        Failed = 0
-        Bootstrapping = 1
-        WaitingForInput = 2
-        Transferring = 3
-        Success = 4
-
-    class KVArgs:  # type: ignore[no-redef]
-        """Stand-in for SGLang's KVArgs (base/conn.py): the fields the
-        connectors read, with SGLang's meaning."""
-
-        engine_rank: int = 0
-        kv_data_ptrs: List[int]
-        kv_data_lens: List[int]
-        kv_item_lens: List[int]
-        aux_data_ptrs: List[int]
-        aux_data_lens: List[int]
-        aux_item_lens: List[int]
-        state_data_ptrs: List[int]
-        state_data_lens: List[int]
-        state_item_lens: List[int]
-        state_type: str = "none"
-        state_dim_per_tensor: List[int]
-        ib_device: str = ""
-        ib_traffic_class: str = ""
-        gpu_id: int = 0
-        kv_head_num: int = 0
-        total_kv_head_num: int = 0
-        page_size: int = 1
-        pp_rank: int = 0
-        prefill_start_layer: int = 0
-        system_dp_rank: int = 0
-        decode_tp_size: int = 0
-        prefill_pp_size: int = 1
-
-        def __init__(self, **kw: Any):
-            for name in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens", "aux_data_ptrs", "aux_data_lens",
-                         "aux_item_lens", "state_data_ptrs", "state_data_lens", "state_item_lens",
-                         "state_dim_per_tensor"):
-                setattr(self, name, [])
-            for k, v in kw.items():
-                setattr(self, k, v)
-
-try:  # pragma: no cover
-    from sglang.srt.disaggregation.common.conn import KVTransferError  # type: ignore
-except Exception:
-
-    class KVTransferError(Exception):  # type: ignore[no-redef]
-        """Stand-in for SGLang's KVTransferError (common/conn.py)."""
-
-        def __init__(self, bootstrap_room: int, failure_reason: str, is_from_another_rank: bool = False):
-            super().__init__(failure_reason)
-            self.bootstrap_room = bootstrap_room
-            self.failure_reason = failure_reason
-            self.is_from_another_rank = is_from_another_rank
-
-        def __str__(self) -> str:
-            return "KVTransferError(bootstrap_room=%s): %s" % (self.bootstrap_room, self.failure_reason)
-
-try:  # pragma: no cover
-    from sglang.srt.disaggregation.utils import DisaggregationMode  # type: ignore
-except Exception:
-    import enum
-
-    class DisaggregationMode(enum.Enum):  # type: ignore[no-redef]
-        """Stand-in for SGLang's DisaggregationMode (disaggregation/utils.py)."""
-
-        NULL = "null"
-        PREFILL = "prefill"
-        DECODE = "decode"
 
 
 def _poll(state: int):
@@ -230,6 +176,65 @@ def _ints(xs: Any) -> List[int]:
     return [int(x) for x in (xs or [])]
 
 
+def _type_name(t: Any) -> str:
+    return str(getattr(t, "value", t)).lower()
+
+
+def state_components(a: Any) -> List[Tuple[str, List[int], List[int], List[int], List[int]]]:
+    """KVArgs' hybrid state as (type, ptrs, lens, item lens, dims) per
+    component: SGLang's ``state_types`` with one list per type in
+    ``state_data_ptrs`` etc., or older SGLang's single ``state_type`` with
+    flat lists (one component). ValueError names a field of the wrong
+    shape."""
+    types = list(getattr(a, "state_types", None) or [])
+    if types:
+        out = []
+        for i, t in enumerate(types):
+            comp = []
+            for field in ("state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor"):
+                lists = list(getattr(a, field, None) or [])
+                if i >= len(lists):
+                    if field == "state_dim_per_tensor":
+                        comp.append([])
+                        continue
+                    raise ValueError("kv_args.%s has %d entries for %d state types" % (field, len(lists), len(types)))
+                x = lists[i]
+                if x is not None and not isinstance(x, (list, tuple)) and not hasattr(x, "tolist"):
+                    raise ValueError("kv_args.%s[%d] is %r: SGLang gives one list per state type" % (field, i, x))
+                comp.append(_ints(x.tolist() if hasattr(x, "tolist") else x))
+            out.append((_type_name(t),) + tuple(comp))
+        return out
+    st = getattr(a, "state_type", None)
+    if st is None or _type_name(st) == "none" or not getattr(a, "state_data_ptrs", None):
+        return []
+    return [(_type_name(st), _ints(a.state_data_ptrs), _ints(a.state_data_lens), _ints(a.state_item_lens),
+             _ints(getattr(a, "state_dim_per_tensor", None)))]
+
+
+class PrefillServerInfo:
+    """A prefill server's parallel info as its bootstrap server answers
+    ``GET /route`` with every rank -1 (SGLang's PrefillServerInfo,
+    python/sglang/srt/disaggregation/common/conn.py): every field of the
+    answer as an attribute; the decode scheduler reads ``dp_size`` and
+    ``follow_bootstrap_room``."""
+
+    def __init__(self, fields: Dict[str, Any]):
+        self.follow_bootstrap_room = True
+        self.dp_size = 1
+        self.__dict__.update(fields)
+        self.dp_size = int(self.dp_size)
+        self.follow_bootstrap_room = bool(self.follow_bootstrap_room)
+
+    def __repr__(self) -> str:
+        return "PrefillServerInfo(%r)" % self.__dict__
+
+
+# A bootstrap server's parallel info is a few hundred bytes of JSON.
+_MAX_INFO_BYTES = 64 << 10
+# SGLang's own try_ensure_parallel_info waits 5 s for the answer.
+_INFO_TIMEOUT = 5.0
+
+
 def _mode(m: Any) -> str:
     v = getattr(m, "value", m)
     v = str(v).lower()
@@ -238,7 +243,7 @@ def _mode(m: Any) -> str:
     return v
 
 
-class KVManager:
+class KVManager(BaseKVManager):
     """One engine rank: SGLang's KVManager (BaseKVManager's constructor).
 
     Opens a connection to the sidecar (endpoint: ``server_args.kvhost_control``,
@@ -270,6 +275,13 @@ class KVManager:
         self.attn_cp_size = 1
         self.attn_cp_rank = 0
         self.enable_staging = False
+        # prefill.py process_disagg_prefill_inflight_queue skips metrics of
+        # a dummy CP rank; kvhost has no CP, so none is.
+        self.is_dummy_cp_rank = False
+        # decode.py DecodePreallocQueue: the prefill servers' parallel info
+        # by bootstrap address (try_ensure_parallel_info fills it).
+        self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
+        self.state_types = [c[0] for c in state_components(args)]
         self.local_ip = _setting(server_args, "kvhost_host", "KVHOST_HOST") or local_ip()
         self.variant = _setting(server_args, "kvhost_variant", "KVHOST_SGLANG_VARIANT", "nixl")
         endpoint = _setting(server_args, "kvhost_control", "KVHOST_CONTROL")
@@ -289,17 +301,51 @@ class KVManager:
         a = self.kv_args
         out = list(zip(_ints(a.kv_data_ptrs), _ints(a.kv_data_lens)))
         out += list(zip(_ints(getattr(a, "aux_data_ptrs", [])), _ints(getattr(a, "aux_data_lens", []))))
-        out += list(zip(_ints(getattr(a, "state_data_ptrs", [])), _ints(getattr(a, "state_data_lens", []))))
+        for _, ptrs, lens, _, _ in state_components(a):
+            out += list(zip(ptrs, lens))
         return out
+
+    def register_to_bootstrap(self) -> None:
+        """BaseKVManager's hook: the sidecar registers the prefill rank
+        with its bootstrap server when the rank opens (open_rank)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt to fetch and cache the prefill server's parallel
+        info from its bootstrap server (SGLang's
+        CommonKVManager.try_ensure_parallel_info): True when it is in
+        ``prefill_info_table``. Bounded: the answer's size and the wait
+        (5 s, as SGLang's)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        url = "http://%s/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1" % (
+            bootstrap_addr,)
+        try:
+            # No proxy: the bootstrap server is a peer on the cluster network.
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(url, timeout=_INFO_TIMEOUT) as resp:
+                body = resp.read(_MAX_INFO_BYTES + 1)
+            if len(body) > _MAX_INFO_BYTES:
+                raise ValueError("answer over %d bytes" % _MAX_INFO_BYTES)
+            fields = json.loads(body)
+            if not isinstance(fields, dict):
+                raise ValueError("answer is not a JSON object")
+            info = PrefillServerInfo(fields)
+        except Exception as e:  # not reachable yet, not all ranks registered (503), or nonsense
+            logger.warning("kvhost: prefill parallel info from %s: %s", bootstrap_addr, e)
+            return False
+        page_size = self.rank_fields()["page_size"]
+        dtype = str(getattr(self.server_args, "kv_cache_dtype", "auto") or "auto")
+        for name, mine in (("page_size", page_size), ("kv_cache_dtype", dtype)):
+            theirs = getattr(info, name, None)
+            if theirs is not None and str(theirs) != str(mine):
+                logger.error("kvhost: prefill %s has %s %s, this decode rank %s", bootstrap_addr, name, theirs, mine)
+                return False
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
 
     def rank_fields(self) -> Dict[str, Any]:
         """open_rank's SGLang fields (docs/engine-api.md, "Ranks")."""
         a = self.kv_args
-        state_type = getattr(a, "state_type", None)
-        if state_type is None:
-            types = getattr(a, "state_types", None) or []
-            state_type = types[0] if len(types) == 1 else ("none" if not types else ",".join(map(str, types)))
-        state_type = str(getattr(state_type, "value", state_type) or "none").lower()
         f: Dict[str, Any] = {
             "kv_data_ptrs": _ints(a.kv_data_ptrs),
             "kv_data_lens": _ints(a.kv_data_lens),
@@ -323,12 +369,13 @@ class KVManager:
             "variant": self.variant,
             "host": self.local_ip,
         }
-        if state_type != "none" and getattr(a, "state_data_ptrs", None):
-            f.update(state_type=state_type,
-                     state_data_ptrs=_ints(a.state_data_ptrs),
-                     state_data_lens=_ints(a.state_data_lens),
-                     state_item_lens=_ints(a.state_item_lens),
-                     state_dim_per_tensor=_ints(getattr(a, "state_dim_per_tensor", [])))
+        comps = state_components(a)
+        if comps:
+            f.update(state_types=[c[0] for c in comps],
+                     state_data_ptrs=[c[1] for c in comps],
+                     state_data_lens=[c[2] for c in comps],
+                     state_item_lens=[c[3] for c in comps],
+                     state_dim_per_tensor=[c[4] for c in comps])
         if self.role == "prefill":
             f["bootstrap_addr"] = "%s:%d" % (self.bootstrap_host, self.bootstrap_port)
         return f
@@ -530,7 +577,7 @@ class _Room:
             logger.debug("close_room %s: %s", self.bootstrap_room, e)
 
 
-class KVSender(_Room):
+class KVSender(_Room, BaseKVSender):
     """SGLang's KVSender (prefill side): ``KVSender(mgr, bootstrap_addr,
     bootstrap_room, dest_tp_ranks, pp_rank[, req_has_disagg_prefill_dp_rank])``."""
 
@@ -543,10 +590,27 @@ class KVSender(_Room):
         self.aux_index: Optional[int] = None
         self.curr_idx = 0
         self.has_sent = False
+        self._prefix_popped = False
+        self._transfer_start: Optional[float] = None
+        self._metric = KVTransferMetric()
         if self._stale():
             self._fail_local(_client.LOST_REASON)
         elif self._call(mgr.client.sender_create, self._rank, bootstrap_room):
             self._created = True
+
+    def pop_decode_prefix_len(self) -> int:
+        """The tokens the decode side already holds (its decode_prefix_len),
+        asked once the room is WaitingForInput; the scheduler sends only the
+        pages after them. Popped: a second call returns 0, as SGLang's
+        CommonKVSender does. A refusal fails the room (poll says so)."""
+        if self._prefix_popped or not self._created or self.conclude_state is not None or self._stale():
+            return 0
+        self._prefix_popped = True
+        try:
+            return self.kv_mgr.client.sender_prefix_len(self._rank, self.bootstrap_room)
+        except _client.KVHostError as e:
+            self._fail_local(e.message if e.code == "connection_lost" else "kvhost serve: %s" % e, e)
+            return 0
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.num_kv_indices = int(num_kv_indices)
@@ -555,19 +619,34 @@ class KVSender(_Room):
             self._call(self.kv_mgr.client.sender_init, self._rank, self.bootstrap_room,
                        self.num_kv_indices, -1 if aux_index is None else int(aux_index))
 
-    def send(self, kv_indices: Any, state_indices: Optional[Any] = None):
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A chunk with pages is sent; so is a last chunk without any (a
+        prompt whose pages went with earlier chunks, or a full decode prefix
+        hit): it carries aux and state and completes the room."""
+        return num_pages > 0 or bool(last_chunk)
+
+    def send(self, kv_indices: Any, state_indices: Optional[Any] = None, num_kv_tokens: Optional[int] = None,
+             **_: Any):
+        """One chunk of page indices; the chunk that reaches ``init``'s page
+        count is the last and carries the state indices (one entry per
+        state type of ``kv_args.state_types``). ``num_kv_tokens`` (newer
+        SGLang; decode context parallelism, which kvhost does not do) and
+        other keywords (``token_position_offset``, ``producer_event``) are
+        accepted and not needed."""
         if not self._created or self.conclude_state is not None:
             return
         n = len(kv_indices)
         last = self.num_kv_indices is not None and self.curr_idx + n >= self.num_kv_indices
-        if n == 0 and not last and state_indices is None:
+        if n == 0 and not last:
             return  # SGLang's _prepare_send_indices skips an empty middle chunk
         self.curr_idx += n
         try:
-            state = _flat_state(state_indices) if last else None
-        except ValueError as e:
-            self._fail_local(str(e))
+            state = _client.pack_state(state_indices) if last else None
+        except (TypeError, ValueError) as e:
+            self._fail_local("state_indices: %s" % e)
             return
+        if self._transfer_start is None:
+            self._transfer_start = time.perf_counter()
         # Not waited for (SGLang's NixlKVSender.send queues the chunk and
         # reports failures through poll()): a refusal fails the room in the
         # client's state cache, which poll() reads.
@@ -575,8 +654,20 @@ class KVSender(_Room):
                       state) and last:
             self.has_sent = True
 
+    def poll(self):
+        st = super().poll()
+        if st == KVPoll.Success and self._transfer_start is not None and self._metric.transfer_latency_s is None:
+            self._metric.transfer_latency_s = time.perf_counter() - self._transfer_start
+        return st
 
-class KVReceiver(_Room):
+    def get_transfer_metric(self):
+        """SGLang's KVTransferMetric: the time from the first chunk sent to
+        Success seen by poll (as NixlKVSender measures it); bytes are the
+        sidecar's to count (its metrics), so None here."""
+        return self._metric
+
+
+class KVReceiver(_Room, BaseKVReceiver):
     """SGLang's KVReceiver (decode side): ``KVReceiver(mgr, bootstrap_addr,
     bootstrap_room)``, then ``init(prefill_dp_rank)`` and
     ``send_metadata(...)``; older SGLang's ``KVReceiver(mgr, addr, room,
@@ -620,41 +711,21 @@ class KVReceiver(_Room):
                       decode_prefix_len: Optional[int] = None):
         if not self._created or self.conclude_state is not None:
             return
-        import time
-
         try:
-            state = _flat_state(state_indices)
-        except ValueError as e:
-            self._fail_local(str(e))
+            state = _client.pack_state(state_indices)
+        except (TypeError, ValueError) as e:
+            self._fail_local("state_indices: %s" % e)
             return
         self._call(self.kv_mgr.client.receiver_init, self._rank, self.bootstrap_room, kv_indices,
                    -1 if aux_index is None else int(aux_index), state, int(decode_prefix_len or 0))
         self.init_time = time.time()
 
 
-def _flat_state(state_indices: Any) -> Any:
-    """SGLang passes state indices as a list (one entry per state
-    component, each an int list or array, or None) or as one flat list;
-    protocol 1.0 carries one packed int32 list, so one component is sent
-    as it is and several are refused."""
-    if state_indices is None:
-        return None
-    items = list(state_indices)
-    if not items:
-        return None
-    if all(not hasattr(x, "__len__") for x in items):
-        return items
-    comps = [x for x in items if x is not None]
-    if len(comps) > 1:
-        raise ValueError("%d state components: protocol 1.0 carries one state index list" % len(comps))
-    return list(comps[0]) if comps else None
-
-
 # --------------------------------------------------------------------------
 # Bootstrap server
 
 
-class KVBootstrapServer:
+class KVBootstrapServer(BaseKVBootstrapServer):
     """SGLang's KVBootstrapServer(host, port): the sidecar hosts it
     (``start_bootstrap``); this object holds the connection that started it
     and answers where it is (``addr``)."""

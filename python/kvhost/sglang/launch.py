@@ -59,6 +59,22 @@ def _extend_enum(enum_cls, name: str, value: str):
     return member
 
 
+def kv_class(class_type):
+    """kvhost.sglang's class for one of SGLang's KVClassType members (or
+    their values: kvargs, manager, sender, receiver, bootstrap_server):
+    what get_kv_class answers for the kvhost backend once installed."""
+    from kvhost import sglang as ks
+
+    kind = getattr(class_type, "value", class_type)
+    return {
+        "kvargs": ks.KVArgs,
+        "manager": ks.KVManager,
+        "sender": ks.KVSender,
+        "receiver": ks.KVReceiver,
+        "bootstrap_server": ks.KVBootstrapServer,
+    }.get(kind)
+
+
 def install() -> bool:
     """Registers the kvhost backend with SGLang, if SGLang is importable.
     Idempotent. Returns True when SGLang was patched."""
@@ -73,16 +89,7 @@ def install() -> bool:
 
     def get_kv_class(transfer_backend, class_type):
         if transfer_backend is member or getattr(transfer_backend, "value", transfer_backend) == BACKEND:
-            from kvhost import sglang as ks
-
-            kind = getattr(class_type, "value", class_type)
-            return {
-                "kvargs": ks.KVArgs,
-                "manager": ks.KVManager,
-                "sender": ks.KVSender,
-                "receiver": ks.KVReceiver,
-                "bootstrap_server": ks.KVBootstrapServer,
-            }.get(kind)
+            return kv_class(class_type)
         return orig(transfer_backend, class_type)
 
     get_kv_class._kvhost = True  # type: ignore[attr-defined]
