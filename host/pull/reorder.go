@@ -2,6 +2,7 @@ package pull
 
 import (
 	"fmt"
+	"sync/atomic"
 
 	"github.com/kvhost/kvhost/host/internal/memfault"
 )
@@ -45,10 +46,17 @@ func (r *Receiver) parts() int {
 	return 1
 }
 
+// testHookBeforeReorder, when set by a test, runs before a READ's blocks
+// are reordered (an engine shrinks its memory there).
+var testHookBeforeReorder atomic.Pointer[func()]
+
 // reorder rearranges the given local blocks of every region in place.
 // The regions are the engine's memory, which it may shrink or unmap: a
 // fault fails this load with an error naming the region, not the process.
 func (r *Receiver) reorder(blocks []int32, bsr int) error {
+	if hook := testHookBeforeReorder.Load(); hook != nil {
+		(*hook)()
+	}
 	c := &r.cfg.Cache
 	r.reorderMu.Lock()
 	defer r.reorderMu.Unlock()
