@@ -77,6 +77,7 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.Observer.Room(e)
 	f := Fields{{"rank", o.r.id}, {"room", e.Room}, {"state", int(e.To)}}
 	if e.To == sglang.KVPollFailed {
+		e.Reason = o.r.s.mem.engineTerms(e.Reason)
 		f = append(f, Field{"reason", e.Reason})
 		o.r.mu.Lock()
 		o.r.reasons[e.Room] = e.Reason

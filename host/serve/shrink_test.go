@@ -24,7 +24,7 @@ import (
 // the test process: on code without the containment the test binary dies.
 
 // faultReason reports whether a failure reason says that registered
-// memory went away under the sidecar, naming the region.
+// memory went away under the sidecar.
 func faultReason(reason string) bool {
 	return strings.Contains(reason, "not mapped") || strings.Contains(reason, "no longer mapped")
 }
@@ -98,8 +98,11 @@ func TestSGLangEngineShrinksMemory(t *testing.T) {
 	if err == nil || !faultReason(err.Error()) {
 		t.Fatalf("the room of the prefill that shrank its memory: %v, want a failure naming the region", err)
 	}
-	if !strings.Contains(err.Error(), "registered region [0x") {
-		t.Fatalf("the failure does not name the region: %v", err)
+	// The plugin names the sidecar's mapping; the sidecar adds the
+	// engine's own address, region and shm.
+	if !strings.Contains(err.Error(), "registered region [0x") || !strings.Contains(err.Error(), "in this engine's terms") ||
+		!strings.Contains(err.Error(), fmt.Sprintf("shm %q", pr.SHM)) {
+		t.Fatalf("the failure does not name the region in the engine's terms: %v", err)
 	}
 	// The decode's room of that request cannot succeed: it fails (the
 	// prefill tells it), whatever the reason.
@@ -199,6 +202,9 @@ func TestVLLMEngineFlipsMemory(t *testing.T) {
 		}
 		if !faultReason(badRes.Reason) {
 			t.Fatalf("read %d of the flipping decode failed for another reason: %s", i, badRes.Reason)
+		}
+		if !strings.Contains(badRes.Reason, "in this engine's terms") || !strings.Contains(badRes.Reason, fmt.Sprintf("shm %q", badDec.shm)) {
+			t.Fatalf("read %d of the flipping decode: the reason does not name the region in the engine's terms: %s", i, badRes.Reason)
 		}
 		switch {
 		case strings.Contains(badRes.Reason, "reorder") && strings.Contains(badRes.Reason, "kv_caches_base_addr[0]"):
