@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/clock"
 )
 
 // stalledAgentMetadata rewrites a fake-plugin agent's metadata (layout in
@@ -145,4 +146,68 @@ func TestStalledHandshakeDelaysNobody(t *testing.T) {
 	if n := rx.agents.count(); n != 2 {
 		t.Fatalf("%d remote agents held, want the 2 honest ones", n)
 	}
+}
+
+// TestStalledHandshakeDelaysNoRelease (issue 25.6): while a peer's agent
+// metadata load stalls, releasing another peer (an idle one evicted) does
+// not hold up a third engine's handshake either. The release takes the
+// agent exclusively (release_dlist, remove_remote), which waited for the
+// stalled load, and every call on the agent queued behind it.
+func TestStalledHandshakeDelaysNoRelease(t *testing.T) {
+	const idle = 150 * time.Millisecond
+	fk := clock.NewFake(time.Time{})
+	first := newPrefillSide(t, smallGeom, "prefill-first", nil)
+	honest := newPrefillSide(t, smallGeom, "prefill", nil)
+	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) {
+		c.HandshakeTimeout = time.Hour
+		c.PeerIdleTimeout = idle
+		c.Clock = fk
+	})
+	rx, pool := ds.rx[0], ds.pools[0]
+	load := func(ps *prefillSide, id string, seed uint64) LoadResult {
+		params := ps.hold(t, id, seed, []int32{1, 2}, 8)
+		res := wait(t, rx.Load(LoadRequest{RequestID: id, LocalBlockIDs: []int32{4, 5}, Params: params}))
+		if res.Err == nil {
+			res.Err = pool.Verify(kvpool.Tokens{Request: seed, Pages: []int32{4, 5}, Count: 8})
+		}
+		return res
+	}
+	if res := load(first, "first", 11); res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	sp := newStalledPeer(t, honest, "stalled")
+	stalled := rx.Load(LoadRequest{RequestID: "stalled", LocalBlockIDs: []int32{6, 7}, Params: sp.params})
+	select {
+	case <-sp.challenged:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the stalled peer was never challenged")
+	}
+	// The first peer goes idle and is evicted (its release now runs).
+	waitArmed(t, fk, idle/4)
+	for range 5 {
+		fk.Advance(idle / 4)
+	}
+	eventually(t, "the idle peer's eviction", 10*time.Second, func() bool {
+		rx.mu.Lock()
+		defer rx.mu.Unlock()
+		return rx.peers["prefill-first"] == nil
+	})
+	start := time.Now() // latencies are on the fake clock
+	beside := load(honest, "honest", 12)
+	took := time.Since(start)
+	// The eviction's release waits for the stalled load, queued.
+	if !rx.agents.queued() {
+		t.Fatal("the evicted peer's release did not wait for the stalled load")
+	}
+	sp.refuse(t)
+	res := wait(t, stalled)
+	t.Logf("an honest first request beside a stalled handshake and a release: %v (wall clock); the stalled one: %v",
+		took, res.Err)
+	if beside.Err != nil {
+		t.Fatal(beside.Err)
+	}
+	if !errors.Is(res.Err, ErrHandshake) || !strings.Contains(res.Err.Error(), "does not vouch") {
+		t.Fatalf("the stalled load_remote was not waiting any more when the honest request completed: %v", res.Err)
+	}
+	eventually(t, "the evicted peer's agent to go", 10*time.Second, func() bool { return rx.agents.count() == 1 })
 }

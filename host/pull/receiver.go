@@ -603,7 +603,7 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	}
 	remoteDL, err := r.cfg.Agent.PrepRemote(name, r.cfg.Cache.Kind, xferDescs(&rl))
 	if err != nil {
-		r.agents.release(name)
+		r.agents.release(name, nil)
 		return fmt.Errorf("prepare the remote descriptor list: %w", err)
 	}
 	ll := reader.LocalList()
@@ -907,19 +907,12 @@ func (r *Receiver) evictIdle() {
 	}
 }
 
-// releasePeer releases a peer's remote list and remote agent. The local
-// list is shared and released by Close.
+// releasePeer releases a peer's remote list and remote agent (once no
+// load is in flight: see remoteAgents). The local list is shared and
+// released by Close.
 func (r *Receiver) releasePeer(pr *peer) {
-	if pr.remoteDL != nil {
-		if err := pr.remoteDL.Close(); err != nil {
-			r.log.Warn("releasing a remote descriptor list", "remote_engine_id", pr.engineID, "err", err)
-		}
-		pr.remoteDL = nil
-	}
-	if pr.name != "" {
-		r.agents.release(pr.name)
-		pr.name = ""
-	}
+	r.agents.release(pr.name, pr.remoteDL)
+	pr.remoteDL, pr.name = nil, ""
 }
 
 // Close fails loads still waiting or running (ErrClosed), then releases

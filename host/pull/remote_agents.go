@@ -1,120 +1,114 @@
 package pull
 
 import (
-	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
-// remoteAgents counts the peers using each loaded remote agent, by name.
-// Two engine ids may name the same agent (one of them lying): the agent is
-// removed only when the last peer using it lets go, so a refused or
-// released peer never takes another engine's agent with it.
+// remoteAgents counts the peers using each loaded remote agent, by name,
+// and releases what peers let go of. Two engine ids may name the same agent
+// (one of them lying): the agent is removed only when the last peer using
+// it lets go, so a refused or released peer never takes another engine's
+// agent with it.
 //
-// No lock is held across a plugin call: load_remote may wait seconds for a
-// peer (the fake plugin waits up to 5 s for a challenge's answer; a slow or
-// unreachable NIXL peer can too), and one engine's handshake must not hold
-// up another's. The name an agent gets is known only once load_remote
-// returns, so a load that ran while the same name was being removed may
-// have been undone by the removal: it loads again.
+// load_remote may wait seconds for a peer (the fake plugin waits up to 5 s
+// for the answer to its challenge; a slow or unreachable NIXL peer can
+// too), and one engine's handshake must not wait for another's. So no lock
+// is held across it; and the releases, which take the agent exclusively
+// (release_dlist, remove_remote: plugin.Agent waits for every call in
+// flight, and every new call queues behind it), never start while a load
+// is in flight: they wait, queued, until no load is, and run then (loads
+// arriving meanwhile wait for them, which takes no peer's time). A load
+// and a removal of the same agent therefore never overlap either, so a
+// count never stands for an agent the plugin removed. An attacker keeping
+// loads in flight back to back delays releases (the plugin holds released
+// lists and agents longer), never anyone's handshake.
 type remoteAgents struct {
 	agent *plugin.Agent
 	log   *slog.Logger
 
 	mu   sync.Mutex
+	cond *sync.Cond // releasing ended
 	refs map[string]int
-	// removing holds, by name, the removals under way; each channel closes
-	// when its remove_remote has returned.
-	removing map[string]chan struct{}
-	// loading holds the loads under way.
-	loading map[*agentLoad]struct{}
+	// loading counts the loads in flight; releasing is set while queued
+	// releases run (then loads wait).
+	loading   int
+	releasing bool
+	// Queued releases: lists to close, then agents to remove (names no
+	// peer counts any more; a name counted again leaves the queue).
+	lists  []*plugin.DList
+	doomed map[string]struct{}
 }
-
-// agentLoad is one load_remote under way.
-type agentLoad struct {
-	// raced lists the names whose removal was under way at some time while
-	// the load ran: the plugin may have removed what the load found.
-	raced []string
-}
-
-// maxAgentLoads bounds the loads of one acquire whose agent was removed
-// meanwhile (each such removal needs another peer to acquire and release
-// the same agent, so more than one is already unlikely).
-const maxAgentLoads = 8
 
 func newRemoteAgents(a *plugin.Agent, log *slog.Logger) *remoteAgents {
-	return &remoteAgents{agent: a, log: log, refs: map[string]int{},
-		removing: map[string]chan struct{}{}, loading: map[*agentLoad]struct{}{}}
+	m := &remoteAgents{agent: a, log: log, refs: map[string]int{}, doomed: map[string]struct{}{}}
+	m.cond = sync.NewCond(&m.mu)
+	return m
 }
 
 // acquire loads a peer's agent metadata and counts one more peer using the
 // agent it names.
 func (m *remoteAgents) acquire(md []byte) (string, error) {
-	for attempt := 1; ; attempt++ {
-		ld := &agentLoad{}
-		m.mu.Lock()
-		for name := range m.removing { // under way: it may follow this load
-			ld.raced = append(ld.raced, name)
-		}
-		m.loading[ld] = struct{}{}
-		m.mu.Unlock()
-		name, err := m.agent.LoadRemote(md)
-		m.mu.Lock()
-		delete(m.loading, ld)
-		if err != nil {
-			m.mu.Unlock()
-			return "", err
-		}
-		removal := m.removing[name]
-		if removal == nil && !slices.Contains(ld.raced, name) {
-			m.refs[name]++
-			m.mu.Unlock()
-			return name, nil
-		}
-		m.mu.Unlock()
-		if removal != nil {
-			<-removal // remove_remote returned: this load may be undone
-		}
-		if attempt == maxAgentLoads {
-			// The plugin may hold the agent from the last load: count it
-			// and let go, which removes it unless another peer took it.
-			m.mu.Lock()
-			m.refs[name]++
-			m.mu.Unlock()
-			m.release(name)
-			return "", fmt.Errorf("remote agent %s was removed while it loaded, %d times", name, attempt)
-		}
+	m.mu.Lock()
+	for m.releasing {
+		m.cond.Wait()
 	}
+	m.loading++
+	m.mu.Unlock()
+	name, err := m.agent.LoadRemote(md)
+	m.mu.Lock()
+	m.loading--
+	if err == nil {
+		m.refs[name]++
+		delete(m.doomed, name) // loaded still: keep it
+	}
+	m.runQueuedLocked()
+	m.mu.Unlock()
+	return name, err
 }
 
-// release counts one peer fewer using a remote agent and removes the agent
-// when none is left.
-func (m *remoteAgents) release(name string) {
+// release closes a peer's remote list (nil: none) and counts one peer fewer
+// using the remote agent name (empty: none), removing the agent when none
+// is left; both wait while a load is in flight.
+func (m *remoteAgents) release(name string, dl *plugin.DList) {
 	m.mu.Lock()
-	if m.refs[name]--; m.refs[name] > 0 {
+	defer m.mu.Unlock()
+	if dl != nil {
+		m.lists = append(m.lists, dl)
+	}
+	if name != "" {
+		if m.refs[name]--; m.refs[name] <= 0 {
+			delete(m.refs, name)
+			m.doomed[name] = struct{}{}
+		}
+	}
+	m.runQueuedLocked()
+}
+
+// runQueuedLocked runs the queued releases unless a load is in flight or
+// another caller runs them; m.mu is held, and released while the plugin is
+// called.
+func (m *remoteAgents) runQueuedLocked() {
+	for m.loading == 0 && !m.releasing && (len(m.lists) > 0 || len(m.doomed) > 0) {
+		m.releasing = true
+		lists, doomed := m.lists, m.doomed
+		m.lists, m.doomed = nil, map[string]struct{}{}
 		m.mu.Unlock()
-		return
-	}
-	delete(m.refs, name)
-	// An acquire of this name waits for the removal before it counts
-	// (none counted since refs reached 0), so removals of a name do not
-	// overlap.
-	done := make(chan struct{})
-	m.removing[name] = done
-	for ld := range m.loading {
-		ld.raced = append(ld.raced, name)
-	}
-	m.mu.Unlock()
-	err := m.agent.RemoveRemote(name)
-	m.mu.Lock()
-	delete(m.removing, name)
-	m.mu.Unlock()
-	close(done)
-	if err != nil {
-		m.log.Warn("removing a remote agent", "agent", name, "err", err)
+		for _, dl := range lists {
+			if err := dl.Close(); err != nil {
+				m.log.Warn("releasing a remote descriptor list", "err", err)
+			}
+		}
+		for name := range doomed {
+			if err := m.agent.RemoveRemote(name); err != nil {
+				m.log.Warn("removing a remote agent", "agent", name, "err", err)
+			}
+		}
+		m.mu.Lock()
+		m.releasing = false
+		m.cond.Broadcast()
 	}
 }
 
@@ -123,4 +117,11 @@ func (m *remoteAgents) count() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return len(m.refs)
+}
+
+// queued reports whether releases wait for loads in flight (for tests).
+func (m *remoteAgents) queued() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.lists) > 0 || len(m.doomed) > 0
 }

@@ -32,7 +32,7 @@ func TestRemoteAgentsAcquireReleaseRace(t *testing.T) {
 				if err == nil {
 					err = dl.Close()
 				}
-				rx.agents.release(name)
+				rx.agents.release(name, nil)
 				if err != nil {
 					errs <- err
 					return
