@@ -322,9 +322,7 @@ func TestHandshakeBoundedInTime(t *testing.T) {
 		defer rx.mu.Unlock()
 		return len(rx.peers) == 0 && rx.remoteDescs == 0
 	})
-	rx.agentMu.Lock()
-	refs := len(rx.agentRefs)
-	rx.agentMu.Unlock()
+	refs := rx.agents.count()
 	if refs != 0 {
 		t.Fatalf("the abandoned handshake left %d remote agents", refs)
 	}
@@ -355,9 +353,7 @@ func TestPeerEviction(t *testing.T) {
 	// No peer left, nor a remote agent (released just after the peer
 	// leaves the map).
 	peers := func() int {
-		rx.agentMu.Lock()
-		n := len(rx.agentRefs)
-		rx.agentMu.Unlock()
+		n := rx.agents.count()
 		rx.mu.Lock()
 		defer rx.mu.Unlock()
 		return n + len(rx.peers)

@@ -205,13 +205,8 @@ type Receiver struct {
 	listMu     sync.Mutex
 	localLists map[int]*plugin.DList // by block-size ratio
 
-	// agentMu serialises loading and removing remote agents; agentRefs
-	// counts the peers using each loaded remote agent, by name. Two engine
-	// ids may name the same agent (one of them lying): the agent is
-	// removed only when the last peer using it lets go, so a refused or
-	// released peer never takes another engine's agent with it.
-	agentMu   sync.Mutex
-	agentRefs map[string]int
+	// agents loads, counts and removes remote agents (never under mu).
+	agents *remoteAgents
 
 	scratchMu sync.Mutex
 	lids      []int32
@@ -351,13 +346,13 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		peers:      make(map[string]*peer),
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
-		agentRefs:  make(map[string]int),
 	}
 	if r.log == nil {
 		r.log = slog.Default()
 	}
 	r.rlog = ratelog.New(r.log)
 	r.log = r.rlog.With("component", "pull_receiver", "engine_id", cfg.EngineID, "tp_rank", cfg.TPRank)
+	r.agents = newRemoteAgents(cfg.Agent, r.log)
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
@@ -473,8 +468,8 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	r.mu.Lock()
 	waiting := pr.waiting
 	pr.waiting = nil
+	built := err == nil // what connect built is released below, outside mu
 	if err == nil && (r.closed || pr.abandoned) {
-		r.releasePeer(pr)
 		err = ErrClosed
 		if pr.abandoned {
 			err = fmt.Errorf("took %v, past the %v handshake timeout", d, r.cfg.HandshakeTimeout)
@@ -487,6 +482,11 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 		r.remoteDescs -= pr.descs
 		pr.descs = 0
 		r.mu.Unlock()
+		if built {
+			// The peer is in no map: nothing else reaches it. Its release
+			// calls the plugin, which may block: never under mu.
+			r.releasePeer(pr)
+		}
 		if !errors.Is(err, ErrClosed) {
 			err = fmt.Errorf("%w: engine %s at %s: %w", ErrHandshake, pr.engineID, pr.endpoint, err)
 			r.log.Error("handshake failed; failing the requests that waited for it", "remote_engine_id", pr.engineID,
@@ -597,13 +597,13 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	if err != nil {
 		return err
 	}
-	name, err := r.acquireAgent(md.AgentMetadata)
+	name, err := r.agents.acquire(md.AgentMetadata)
 	if err != nil {
 		return fmt.Errorf("load remote agent metadata: %w", err)
 	}
 	remoteDL, err := r.cfg.Agent.PrepRemote(name, r.cfg.Cache.Kind, xferDescs(&rl))
 	if err != nil {
-		r.releaseAgent(name)
+		r.agents.release(name, nil)
 		return fmt.Errorf("prepare the remote descriptor list: %w", err)
 	}
 	ll := reader.LocalList()
@@ -907,46 +907,12 @@ func (r *Receiver) evictIdle() {
 	}
 }
 
-// releasePeer releases a peer's remote list and remote agent. The local
-// list is shared and released by Close.
+// releasePeer releases a peer's remote list and remote agent (once no
+// load is in flight: see remoteAgents). The local list is shared and
+// released by Close.
 func (r *Receiver) releasePeer(pr *peer) {
-	if pr.remoteDL != nil {
-		if err := pr.remoteDL.Close(); err != nil {
-			r.log.Warn("releasing a remote descriptor list", "remote_engine_id", pr.engineID, "err", err)
-		}
-		pr.remoteDL = nil
-	}
-	if pr.name != "" {
-		r.releaseAgent(pr.name)
-		pr.name = ""
-	}
-}
-
-// acquireAgent loads a peer's agent metadata and counts one more peer
-// using the agent it names.
-func (r *Receiver) acquireAgent(md []byte) (string, error) {
-	r.agentMu.Lock()
-	defer r.agentMu.Unlock()
-	name, err := r.cfg.Agent.LoadRemote(md)
-	if err != nil {
-		return "", err
-	}
-	r.agentRefs[name]++
-	return name, nil
-}
-
-// releaseAgent counts one peer fewer using a remote agent and removes the
-// agent when none is left.
-func (r *Receiver) releaseAgent(name string) {
-	r.agentMu.Lock()
-	defer r.agentMu.Unlock()
-	if r.agentRefs[name]--; r.agentRefs[name] > 0 {
-		return
-	}
-	delete(r.agentRefs, name)
-	if err := r.cfg.Agent.RemoveRemote(name); err != nil {
-		r.log.Warn("removing a remote agent", "agent", name, "err", err)
-	}
+	r.agents.release(pr.name, pr.remoteDL)
+	pr.remoteDL, pr.name = nil, ""
 }
 
 // Close fails loads still waiting or running (ErrClosed), then releases

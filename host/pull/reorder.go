@@ -1,6 +1,11 @@
 package pull
 
-import "fmt"
+import (
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvhost/kvhost/host/internal/memfault"
+)
 
 // Reordering received blocks (vLLM's kv_connector/v1/nixl_connector.py's blocksize_post_process).
 //
@@ -41,8 +46,17 @@ func (r *Receiver) parts() int {
 	return 1
 }
 
+// testHookBeforeReorder, when set by a test, runs before a READ's blocks
+// are reordered (an engine shrinks its memory there).
+var testHookBeforeReorder atomic.Pointer[func()]
+
 // reorder rearranges the given local blocks of every region in place.
+// The regions are the engine's memory, which it may shrink or unmap: a
+// fault fails this load with an error naming the region, not the process.
 func (r *Receiver) reorder(blocks []int32, bsr int) error {
+	if hook := testHookBeforeReorder.Load(); hook != nil {
+		(*hook)()
+	}
 	c := &r.cfg.Cache
 	r.reorderMu.Lock()
 	defer r.reorderMu.Unlock()
@@ -54,11 +68,21 @@ func (r *Receiver) reorder(blocks []int32, bsr int) error {
 		scratch := r.reorderBuf[:l]
 		host := c.Host[i]
 		for _, b := range blocks {
-			off := uint64(b) * l
-			if b < 0 || off+l > uint64(len(host)) {
+			if b < 0 || uint64(b)*l+l > uint64(len(host)) {
 				return fmt.Errorf("pull: reorder: block %d outside region %d", b, i)
 			}
-			reorderBlock(host[off:off+l], scratch, r.parts(), r.headsLocal, c.BlockSize, bsr, hnd)
+		}
+		var at int32 // the block being reordered, for the error
+		err := memfault.Do("", func() {
+			for _, b := range blocks {
+				at = b
+				off := uint64(b) * l
+				reorderBlock(host[off:off+l], scratch, r.parts(), r.headsLocal, c.BlockSize, bsr, hnd)
+			}
+		})
+		if fe, ok := err.(*memfault.Error); ok {
+			fe.What = fmt.Sprintf("pull: reorder of block %d in KV region %d (kv_caches_base_addr[%d])", at, i, i)
+			return fe
 		}
 	}
 	return nil

@@ -16,6 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/internal/backoff"
 	"github.com/kvhost/kvhost/host/internal/clock"
+	"github.com/kvhost/kvhost/host/internal/memfault"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -583,7 +584,11 @@ func (d *Decode) handleAux(a *sglang.AuxData, from net.Addr) {
 		d.drops.drop("AUX_DATA", fmt.Errorf("room %d: %d bytes at slot %d of aux buffer %d (item len %d)", a.Room, len(a.Data), a.AuxIndex, a.BufferIndex, buf.ItemLen))
 		return
 	}
-	copy(buf.Mem[off:], a.Data)
+	// The engine may have shrunk its aux memory: a fault fails this room,
+	// not the process.
+	if _, err := memfault.Copy(fmt.Sprintf("aux buffer %d", a.BufferIndex), buf.Mem[off:], a.Data); err != nil {
+		r.failAbort(err.Error())
+	}
 }
 
 // senderSlot returns which of a room's prefill ranks (an index into ts,

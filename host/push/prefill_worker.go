@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/internal/memfault"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/wire/sglang"
 	"github.com/kvhost/kvhost/planner"
@@ -772,7 +773,14 @@ func (w *worker) finishByStatus(c *chunk, infos []*xferInfo, peers []*peer) erro
 				if c.auxIndex < 0 || off+buf.ItemLen > uint64(len(buf.Mem)) {
 					return fmt.Errorf("aux index %d outside aux buffer %d", c.auxIndex, b)
 				}
-				msg := sglang.AuxData{Room: c.room, BufferIndex: b, AuxIndex: in.dstAux, Data: buf.Mem[off : off+buf.ItemLen]}
+				// A copy: the frames outlive this call (the socket's writer
+				// reads them), and the engine may shrink its aux memory,
+				// which faults here, for this room only.
+				data := make([]byte, buf.ItemLen)
+				if _, err := memfault.Copy(fmt.Sprintf("aux buffer %d", b), data, buf.Mem[off:off+buf.ItemLen]); err != nil {
+					return err
+				}
+				msg := sglang.AuxData{Room: c.room, BufferIndex: b, AuxIndex: in.dstAux, Data: data}
 				frames, err := msg.Frames()
 				if err == nil {
 					err = m.sendFrames(ctx, in.endpoint, frames)

@@ -99,6 +99,8 @@ type rigOpts struct {
 	mem          *memtransport.Network // both ranks' transport (nil: ZMQ)
 	// boot replaces the bootstrap client of the in-memory transport.
 	boot func(addr string) push.BootstrapClient
+	// sides, if set, changes what the ranks register before they open.
+	sides func(p, d *side)
 }
 
 // seams returns the Transport and Clock the options ask for (nil
@@ -146,6 +148,9 @@ func newRig(t testing.TB, o rigOpts) *rig {
 	}
 	r.p = newSide(t, pages, o.state)
 	r.d = newSide(t, rigPages, o.state)
+	if o.sides != nil {
+		o.sides(r.p, r.d)
+	}
 	ctx := context.Background()
 	tr, clk := o.seams()
 	r.pf, err = push.NewPrefill(ctx, push.PrefillConfig{Plugin: r.pl, AgentParams: o.pparams, Variant: o.variant, Completion: o.completion,

@@ -76,7 +76,9 @@ func (o sglObserver) Room(e push.RoomEvent) {
 	o.Observer.Room(e)
 	f := Fields{{"rank", o.r.id}, {"room", e.Room}, {"state", int(e.To)}}
 	if e.To == sglang.KVPollFailed {
-		reason := clip(e.Reason, maxReason) // a peer may have sent it
+		// A peer may have sent the reason: clip it, then say which of this
+		// engine's regions a memory fault hit.
+		reason := o.r.s.mem.engineTerms(clip(e.Reason, maxReason))
 		f = append(f, Field{"reason", reason})
 		o.r.mu.Lock()
 		o.r.reasons[e.Room] = reason

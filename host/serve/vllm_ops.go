@@ -42,7 +42,7 @@ func (s *session) vllmEmit(ev vllmEvent) {
 		s.event("engine_ready", Fields{{"engine_id", ev.EngineID}, {"endpoint", ev.Endpoint}})
 	case "read":
 		s.event("read", Fields{{"rank", ev.Rank}, {"request_id", ev.RequestID}, {"ok", ev.OK},
-			{"invalid_blocks", vllmPackBlocks(ev.InvalidBlocks)}, {"reason", ev.Reason},
+			{"invalid_blocks", vllmPackBlocks(ev.InvalidBlocks)}, {"reason", s.mem.engineTerms(ev.Reason)},
 			{"bytes", ev.Bytes}, {"seconds", ev.Seconds}})
 	}
 }

@@ -61,6 +61,7 @@ type vsRank struct {
 	c    *client.Client
 	pool *kvpool.Pool
 	rank client.Rank
+	shm  string // the path of the pool's shared-memory object
 }
 
 // vsOpen connects a worker of a vLLM engine to srv, shares its KV cache
@@ -90,7 +91,7 @@ func vsOpenAs(t *testing.T, srv *Server, registerAs, role, engine string, tp, ra
 		mod(&r)
 	}
 	rk, err := c.OpenVLLM(ctx, r)
-	return &vsRank{c: c, pool: pool, rank: rk}, err
+	return &vsRank{c: c, pool: pool, rank: rk, shm: shm}, err
 }
 
 func vsMust(t *testing.T, r *vsRank, err error) *vsRank {

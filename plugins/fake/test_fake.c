@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -3199,6 +3200,97 @@ static int open_fds(void) {
   return n;
 }
 
+/* Memory an owner shrinks under the agents (issue 25.3): B's buffer is a
+ * shared file mapping (memfd, as an engine's POSIX shm), truncated to 0
+ * between transfers. A same-process copy into or out of it fails, naming
+ * B's registered region, where memcpy took SIGBUS and killed the process;
+ * A's own transfers between its malloc'd memory and a healthy shared
+ * buffer still move every byte, and B's do again once it regrows. Also
+ * overlapping copies (a loopback peer) in checked memory keep memmove
+ * semantics. */
+static void test_shrunk_memory(void) {
+  const size_t len = 1 << 20;
+  int fd = memfd_create("kvt-shrink", MFD_CLOEXEC);
+  CHECK(fd >= 0 && ftruncate(fd, (off_t)len) == 0);
+  uint8_t *bbuf = (uint8_t *)mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  CHECK(bbuf != MAP_FAILED);
+  uint8_t *abuf = (uint8_t *)malloc(len);
+  fill(abuf, len, 1);
+  fill(bbuf, len, 2);
+  uint64_t a = agent_ok("A"), b = agent_ok("B");
+  uint64_t ar = reg1(a, abuf, len, KVP_MEM_DRAM, 0), br = reg1(b, bbuf, len, KVP_MEM_DRAM, 0);
+  (void)ar;
+  (void)br;
+  load_peer(a, b);
+  load_peer(a, a);
+  kvp_xfer_desc l = XD(abuf, len, 0, 1), r = XD(bbuf, len, 0, 1);
+  uint64_t ldl, rdl, x;
+  OK(dlist_new(a, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+  OK(dlist_new(a, "B", KVP_MEM_DRAM, &r, 1, &rdl));
+  int32_t z = 0;
+  OK(xfer_prepped(a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+  OK(run_xfer(a, x));
+  CHECK(memcmp(abuf, bbuf, len) == 0);
+  OK(xfer_del(a, x));
+
+  CHECK(ftruncate(fd, 0) == 0); /* B's owner shrinks it */
+  char want[128];
+  snprintf(want, sizeof want, "agent \"B\"'s registered region [0x%" PRIx64 ", +%zu)", (uint64_t)(uintptr_t)bbuf, len);
+  for (int op = 0; op < 2; op++) {
+    OK(xfer_prepped(a, op ? KVP_OP_READ : KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+    EXPECT(run_xfer(a, x), KVP_ERR_BACKEND, want);
+    OK(xfer_del(a, x));
+  }
+  /* A loopback copy within A's malloc'd memory is untouched. */
+  kvp_xfer_desc la = XD(abuf, 4096, 0, 1), ra = XD(abuf + 8192, 4096, 0, 1);
+  uint64_t ladl, radl;
+  OK(dlist_new(a, NULL, KVP_MEM_DRAM, &la, 1, &ladl));
+  OK(dlist_new(a, "A", KVP_MEM_DRAM, &ra, 1, &radl));
+  OK(xfer_prepped(a, KVP_OP_WRITE, ladl, &z, 1, radl, &z, 1, NOTIF(NULL), &x));
+  OK(run_xfer(a, x));
+  CHECK(memcmp(abuf, abuf + 8192, 4096) == 0);
+  OK(xfer_del(a, x));
+
+  CHECK(ftruncate(fd, (off_t)len) == 0); /* regrown: zeros */
+  fill(abuf, len, 3);
+  OK(xfer_prepped(a, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+  OK(run_xfer(a, x));
+  CHECK(memcmp(abuf, bbuf, len) == 0);
+  OK(xfer_del(a, x));
+
+  /* Overlapping copies in checked memory (B loopback), both directions,
+   * larger than the bounce buffer: memmove's result. */
+  load_peer(b, b);
+  uint8_t *want_buf = (uint8_t *)malloc(len);
+  for (int dir = 0; dir < 2; dir++) {
+    size_t n = len - 4096, off = 1000;
+    uint8_t *src = dir ? bbuf + off : bbuf, *dst = dir ? bbuf : bbuf + off;
+    fill(bbuf, len, (uint8_t)(7 + dir));
+    memcpy(want_buf, bbuf, len);
+    memmove(want_buf + (dst - bbuf), want_buf + (src - bbuf), n);
+    kvp_xfer_desc lo = XD(src, n, 0, 1), ro = XD(dst, n, 0, 1);
+    uint64_t lodl, rodl;
+    OK(dlist_new(b, NULL, KVP_MEM_DRAM, &lo, 1, &lodl));
+    OK(dlist_new(b, "B", KVP_MEM_DRAM, &ro, 1, &rodl));
+    OK(xfer_prepped(b, KVP_OP_WRITE, lodl, &z, 1, rodl, &z, 1, NOTIF(NULL), &x));
+    OK(run_xfer(b, x));
+    CHECK(memcmp(want_buf, bbuf, len) == 0);
+    OK(xfer_del(b, x));
+    OK(dlist_del(b, lodl));
+    OK(dlist_del(b, rodl));
+  }
+  free(want_buf);
+  OK(dlist_del(a, ladl));
+  OK(dlist_del(a, radl));
+  OK(dlist_del(a, ldl));
+  OK(dlist_del(a, rdl));
+  OK(agent_del(a));
+  OK(agent_del(b));
+  munmap(bbuf, len);
+  close(fd);
+  free(abuf);
+}
+
 int main(int argc, char **argv) {
   kvp_get_api_args g;
   memset(&g, 0, sizeof g);
@@ -3261,6 +3353,7 @@ int main(int argc, char **argv) {
       {"notif_sender", test_notif_sender},
       {"forged_reload", test_forged_reload},
       {"stalled_peer", test_stalled_peer},
+      {"shrunk_memory", test_shrunk_memory},
       {"abi11_submit_event_fd", test_abi11_submit_and_event_fd},
       {"abi11_failure_caps_off", test_abi11_failure_and_caps_off},
       {"abi11_concurrent", test_abi11_concurrent},

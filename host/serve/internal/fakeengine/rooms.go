@@ -14,8 +14,12 @@ type Request struct {
 	Tokens int
 	// Chunk is the pages per sender_send (0: all at once).
 	Chunk int
-	// NoBytes skips filling and verifying the KV (benchmarks).
+	// NoBytes skips filling and verifying the KV (benchmarks, and engines
+	// that shrink their memory under the sidecar).
 	NoBytes bool
+	// AfterChunk, when set, runs on the prefill after it started sending
+	// chunk i (0, 1, ...): a test does what an engine might between chunks.
+	AfterChunk func(i int)
 }
 
 // pagesFor is the page count of n tokens.
@@ -113,6 +117,9 @@ func Prefill(ctx context.Context, c *client.Client, w *Rooms, r *Rank, q Request
 	for sent := 0; sent < len(pages); sent += chunk {
 		n := min(chunk, len(pages)-sent)
 		sends = append(sends, c.StartSenderSend(ctx, r.ID, q.Room, pages[sent:sent+n], nil))
+		if q.AfterChunk != nil {
+			q.AfterChunk(len(sends) - 1)
+		}
 	}
 	for _, p := range sends {
 		if _, err := p.Wait(ctx); err != nil {
