@@ -89,9 +89,18 @@ type ReceiverConfig struct {
 	ZMQ []ZMQOption
 	// Transport runs the handshake exchange; nil means ZMQ{Options: ZMQ}.
 	Transport Transport
-	// Clock times handshakes, READs and idle peers; nil means the wall
-	// clock.
+	// Clock times handshakes, READs, idle peers and heartbeats; nil means
+	// the wall clock.
 	Clock clock.Clock
+	// Gen is this engine's connector generation (nil: version 2): the
+	// handshake it sends, the metadata it requires, the count its READ
+	// notifications carry and whether it renews the prefill's leases.
+	Gen *vllm.Generation
+	// Lease is the prefill's lease (kv_lease_duration; 0 means
+	// vllm.DefaultLease) in a generation with leases: while a load is in
+	// flight, every Lease//6 its remote request id is sent in a heartbeat
+	// to the peer's agent.
+	Lease time.Duration
 }
 
 // LoadRequest is one request's pull (vLLM's kv_connector/v1/nixl_connector.py's ReqMeta to receive).
@@ -169,12 +178,17 @@ type PeerInfo struct {
 	LocalDescs, RemoteDescs int
 	// Reorder: received blocks are reordered into the local layout.
 	Reorder bool
+	// ClockOffset is the prefill's clock minus ours in seconds, from the
+	// handshake (version 6; 0 before).
+	ClockOffset float64
 }
 
 // Receiver is one decode TP rank of the pull model. It is safe for
 // concurrent use.
 type Receiver struct {
 	cfg      ReceiverConfig
+	gen      *vllm.Generation
+	start    time.Time // the origin of this side's clock in handshakes
 	clock    clock.Clock
 	tr       Transport
 	log      *slog.Logger    // rate-limited: peers can trigger its lines
@@ -221,6 +235,7 @@ type Receiver struct {
 	reorderBuf []byte
 
 	pendingLoads atomic.Int64 // loads not finished yet
+	hbSent       atomic.Int64 // heartbeat rounds run
 }
 
 // peer is one remote engine as this rank sees it. Fields other than
@@ -240,6 +255,9 @@ type peer struct {
 	inflight  int
 	idleSince time.Time
 	descs     int
+	// loads are the loads using the ready peer (inflight of them), whose
+	// remote request ids the heartbeats name.
+	loads map[*Load]struct{}
 
 	info     PeerInfo
 	reader   *planner.VLLMReader
@@ -340,8 +358,15 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if cfg.MaxTotalDescriptors == 0 {
 		cfg.MaxTotalDescriptors = DefaultTotalPeers * cfg.MaxDescriptors
 	}
+	if cfg.Lease < 0 {
+		return nil, errors.New("pull: negative lease")
+	}
+	if cfg.Lease == 0 {
+		cfg.Lease = vllm.DefaultLease
+	}
 	r := &Receiver{
 		cfg:        cfg,
+		gen:        vllm.Or(cfg.Gen),
 		clock:      clock.Or(cfg.Clock),
 		tr:         transportOr(cfg.Transport, cfg.ZMQ),
 		log:        cfg.Logger,
@@ -385,8 +410,13 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	}
 	r.regions = regs
 	r.ctx, r.cancel = context.WithCancel(context.Background())
+	r.start = r.clock.Now()
 	r.wg.Add(1)
 	go r.evictIdle()
+	if r.gen.Lease {
+		r.wg.Add(1)
+		go r.heartbeat()
+	}
 	return r, nil
 }
 
@@ -439,6 +469,7 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	}
 	pr.inflight++
 	l.peer = pr
+	pr.loads[l] = struct{}{}
 	r.ops.Add(1)
 	r.mu.Unlock()
 	defer r.ops.Done()
@@ -500,8 +531,10 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	pr.ready = true
 	pr.inflight += len(waiting)
 	pr.idleSince = r.clock.Now()
+	pr.loads = make(map[*Load]struct{}, len(waiting))
 	for _, l := range waiting {
 		l.peer = pr
+		pr.loads[l] = struct{}{}
 	}
 	r.ops.Add(1)
 	r.mu.Unlock()
@@ -540,11 +573,13 @@ var testHookAfterFetch atomic.Pointer[func()]
 func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	ctx, cancel := r.clock.WithDeadline(r.ctx, deadline)
 	defer cancel()
-	md, err := FetchHandshake(ctx, pr.endpoint, remoteRank, FetchOptions{
-		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
-		Timeout: r.cfg.HandshakeTimeout,
-		Request: r.tr.Request,
-		Clock:   r.clock,
+	md, offset, err := FetchHandshakeClock(ctx, pr.endpoint, remoteRank, FetchOptions{
+		Expect: vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID,
+			Gen: r.gen},
+		Timeout:    r.cfg.HandshakeTimeout,
+		Request:    r.tr.Request,
+		Clock:      r.clock,
+		LocalClock: func(t time.Time) float64 { return t.Sub(r.start).Seconds() },
 	})
 	if err != nil {
 		if r.ctx.Err() != nil {
@@ -554,6 +589,16 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	}
 	if hook := testHookAfterFetch.Load(); hook != nil {
 		(*hook)()
+	}
+	// What version 6's metadata adds, kvhost does not transfer: Mamba
+	// state, and kernel blocks smaller than the logical ones.
+	if r.gen.Version >= 6 {
+		if md.SSMSizes != [2]int{} {
+			return fmt.Errorf("the prefill has Mamba state (ssm_sizes %v): kvhost transfers attention KV only", md.SSMSizes)
+		}
+		if md.PhysicalBlocksPerLogical != 1 {
+			return fmt.Errorf("physical_blocks_per_logical_kv_block is %d: kvhost reads logical blocks only (1)", md.PhysicalBlocksPerLogical)
+		}
 	}
 	remote, err := remoteAgent(md, r.cfg.Cache.Kind)
 	if err != nil {
@@ -615,7 +660,7 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	pr.info = PeerInfo{
 		EngineID: pr.engineID, AgentName: name, RemoteTPRank: remoteRank, RemoteTPSize: pr.tpSize,
 		TPRatio: reader.TPRatio(), BlockSizeRatio: reader.BlockSizeRatio(), Replicated: reader.Replicated(),
-		LocalDescs: localDL.Len(), RemoteDescs: remoteDL.Len(), Reorder: reorder,
+		LocalDescs: localDL.Len(), RemoteDescs: remoteDL.Len(), Reorder: reorder, ClockOffset: offset,
 	}
 	return nil
 }
@@ -679,7 +724,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	// planner.VLLMAlignRemote: where kvhost differs from vLLM (a partial
 	// prefix hit with larger decode blocks); `kvhost plan` does the same.
 	remote := pr.reader.AlignRemote(len(l.req.LocalBlockIDs), p.RemoteBlockIDs)
-	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, pr.reader.TPRatio()))
+	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, r.gen.NotifNumber(pr.reader.TPRatio(), r.cfg.TPSize)))
 
 	r.scratchMu.Lock()
 	t0 := time.Now()
@@ -803,6 +848,7 @@ func (r *Receiver) fail(l *Load, err error, transfer bool) {
 func (r *Receiver) finish(l *Load, res LoadResult) {
 	if pr := l.peer; pr != nil {
 		r.mu.Lock()
+		delete(pr.loads, l)
 		if pr.inflight--; pr.inflight == 0 {
 			pr.idleSince = r.clock.Now()
 		}
@@ -906,6 +952,62 @@ func (r *Receiver) evictIdle() {
 		}
 	}
 }
+
+// maxHeartbeatBytes bounds one heartbeat notification; more ids go in
+// more heartbeats.
+const maxHeartbeatBytes = 16 << 10
+
+// heartbeat renews, every Lease//6 on the clock, the prefill's leases of
+// the loads in flight (vLLM's _send_heartbeats): each ready peer's agent
+// gets "HB:" and the remote request ids of the loads using it. A load
+// waiting for its handshake has no agent to send to yet; the prefill
+// extends only requests it holds.
+func (r *Receiver) heartbeat() {
+	defer r.wg.Done()
+	interval, _ := vllm.LeaseTimes(r.cfg.Lease)
+	t := r.clock.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.ctx.Done():
+			return
+		case <-t.C():
+		}
+		type beat struct {
+			name string
+			ids  []string
+		}
+		var beats []beat
+		r.mu.Lock()
+		for _, pr := range r.peers {
+			if !pr.ready || len(pr.loads) == 0 {
+				continue
+			}
+			seen := make(map[string]bool, len(pr.loads))
+			var ids []string
+			for l := range pr.loads {
+				if id := l.req.Params.RemoteRequestID; !seen[id] {
+					seen[id] = true
+					ids = append(ids, id)
+				}
+			}
+			slices.Sort(ids)
+			beats = append(beats, beat{pr.name, ids})
+		}
+		r.mu.Unlock()
+		for _, b := range beats {
+			for _, msg := range vllm.EncodeHeartbeats(b.ids, maxHeartbeatBytes) {
+				if err := r.cfg.Agent.SendNotif(b.name, msg); err != nil {
+					r.log.Debug("heartbeat not sent", "agent", b.name, "err", err)
+				}
+			}
+		}
+		r.hbSent.Add(1)
+	}
+}
+
+// Heartbeats returns how many heartbeat rounds ran (tests wait on it).
+func (r *Receiver) Heartbeats() int64 { return r.hbSent.Load() }
 
 // releasePeer releases a peer's remote list and remote agent. The local
 // list is shared and released by Close.
