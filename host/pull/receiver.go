@@ -414,8 +414,11 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	r.wg.Add(1)
 	go r.evictIdle()
 	if r.gen.Lease {
+		// Armed here, so a test on a fake clock finds it armed.
+		interval, _ := vllm.LeaseTimes(cfg.Lease)
+		t := r.clock.NewTicker(interval)
 		r.wg.Add(1)
-		go r.heartbeat()
+		go r.heartbeat(t)
 	}
 	return r, nil
 }
@@ -962,10 +965,8 @@ const maxHeartbeatBytes = 16 << 10
 // gets "HB:" and the remote request ids of the loads using it. A load
 // waiting for its handshake has no agent to send to yet; the prefill
 // extends only requests it holds.
-func (r *Receiver) heartbeat() {
+func (r *Receiver) heartbeat(t clock.Ticker) {
 	defer r.wg.Done()
-	interval, _ := vllm.LeaseTimes(r.cfg.Lease)
-	t := r.clock.NewTicker(interval)
 	defer t.Stop()
 	for {
 		select {
