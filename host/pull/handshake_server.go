@@ -40,12 +40,12 @@ const maxRequestMessage = 4 << 10
 // Replies never block the server: a client that does not read them only
 // loses its own (and its connection after replyTimeout).
 type HandshakeServer struct {
-	router   *zmq.Router
-	svc      HandshakeService
-	log      *slog.Logger    // rate-limited: a client can trigger its lines
-	rlog     *ratelog.Logger // log's limiter, flushed by Close
-	done     chan struct{}
-	wg       sync.WaitGroup
+	router *zmq.Router
+	svc    HandshakeService
+	log    *slog.Logger    // rate-limited: a client can trigger its lines
+	rlog   *ratelog.Logger // log's limiter, flushed by Close
+	done   chan struct{}
+	wg     sync.WaitGroup
 }
 
 // HandshakeService is what a side channel serves: the encoded
@@ -109,11 +109,11 @@ func ListenHandshake(endpoint string, svc HandshakeService, log *slog.Logger, op
 	}
 	rlog := ratelog.New(log)
 	s := &HandshakeServer{
-		router:   r,
-		svc:      HandshakeService{Gen: svc.Gen, Payloads: maps.Clone(svc.Payloads), Clock: svc.Clock},
-		log:      rlog.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
-		rlog:     rlog,
-		done:     make(chan struct{}),
+		router: r,
+		svc:    HandshakeService{Gen: svc.Gen, Payloads: maps.Clone(svc.Payloads), Clock: svc.Clock},
+		log:    rlog.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
+		rlog:   rlog,
+		done:   make(chan struct{}),
 	}
 	s.wg.Add(1)
 	go s.serve()

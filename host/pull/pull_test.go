@@ -74,7 +74,9 @@ func TestPullInProcessGenerations(t *testing.T) {
 	}
 }
 
-func runPull(t *testing.T, c pullCase, requests, maxTokens int) { runPullGen(t, c, requests, maxTokens, nil) }
+func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
+	runPullGen(t, c, requests, maxTokens, nil)
+}
 
 func runPullGen(t *testing.T, c pullCase, requests, maxTokens int, gen *vllm.Generation) {
 	rng := rand.New(rand.NewPCG(uint64(len(c.name)), 1))

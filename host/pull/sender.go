@@ -168,8 +168,8 @@ type Sender struct {
 	held     map[string]*heldReq
 	expiries expiryHeap // one entry per held request, by deadline; stale entries skipped
 	seq      uint64
-	counts SenderCounts
-	closed bool
+	counts   SenderCounts
+	closed   bool
 
 	stop    chan struct{}
 	done    chan struct{}
@@ -187,7 +187,7 @@ type heldReq struct {
 	seq       uint64
 	blocks    []int32
 	since     time.Time
-	deadline  time.Time // heartbeats move it later
+	deadline  time.Time     // heartbeats move it later
 	perRank   []rankReaders // by hosted rank (index into Sender.ranks)
 	ranksDone int
 	notified  int
