@@ -71,6 +71,11 @@ func FetchHandshakeClock(ctx context.Context, endpoint string, remoteTPRank int,
 	if err != nil {
 		return nil, 0, fmt.Errorf("vllm: handshake with %s: %w", endpoint, err)
 	}
+	if len(reply) == 1 && len(reply[0]) == 0 {
+		// A kvhost side channel's refusal (vLLM has no error reply).
+		return nil, 0, fmt.Errorf("vllm: handshake with %s (TP rank %d): %w: it speaks another NIXL connector version than "+
+			"this engine's %s, or does not serve that rank (its log says which)", endpoint, remoteTPRank, vllm.ErrRefused, g)
+	}
 	md, err := vllm.DecodeHandshake(payload, o.Expect)
 	if err != nil {
 		return nil, 0, fmt.Errorf("vllm: handshake with %s (TP rank %d): %w", endpoint, remoteTPRank, err)

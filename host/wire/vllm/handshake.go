@@ -90,6 +90,12 @@ const maxMetaRequest = 64
 // connector than this engine (the error names both when it can tell).
 var ErrGeneration = errors.New("vllm: the peer speaks another NIXL connector version")
 
+// ErrRefused marks an empty handshake reply: a kvhost side channel's
+// refusal (vLLM has no error reply) of a request it cannot answer, of
+// another generation's shape or for a rank it does not serve. It is
+// malformed for a vLLM decoder too.
+var ErrRefused = fmt.Errorf("%w: the prefill refused the request with an empty reply", ErrMalformed)
+
 // DecodeMetaRequest decodes a generation-2 request and returns the TP
 // rank it asks for.
 func DecodeMetaRequest(b []byte) (int, error) {
