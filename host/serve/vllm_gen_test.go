@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/internal/msgpack"
@@ -150,4 +151,26 @@ func TestServeVLLMGenerationRefusals(t *testing.T) {
 func isCode(err error, code string) bool {
 	var e *client.Error
 	return errors.As(err, &e) && e.Code == code
+}
+
+// TestServeVLLMLeaseLapses: a version-6 hold nobody reads is released
+// "timeout" once its kv_lease_duration passes (vLLM's lease, not the
+// abort timeout); until then it is held.
+func TestServeVLLMLeaseLapses(t *testing.T) {
+	ctx := testCtx(t)
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PL", 1, 0, 64, 4, func(r *client.VLLMRank) {
+		vsGen6(r)
+		r.KVLeaseDuration = 300 * time.Millisecond
+	}))
+	vsEvent(t, w.c)
+	sched := dial(t, ps)
+	start := time.Now()
+	if _, err := sched.Hold(ctx, "PL", "unread", []int32{1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	vsReleased(t, sched, "PL", "unread", "timeout")
+	if el := time.Since(start); el < 300*time.Millisecond {
+		t.Fatalf("released after %v, before its lease", el)
+	}
 }
