@@ -1,7 +1,11 @@
 package serve
 
 import (
+	"encoding/json"
 	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -172,5 +176,58 @@ func TestServeVLLMLeaseLapses(t *testing.T) {
 	vsReleased(t, sched, "PL", "unread", "timeout")
 	if el := time.Since(start); el < 300*time.Millisecond {
 		t.Fatalf("released after %v, before its lease", el)
+	}
+}
+
+// TestServeVLLMGeneration6PythonPeer: a vLLM version-6 decode rank
+// (host/pull's Python peer) fetches a version-6 sidecar prefill's
+// handshake: the bytes are msgspec's, and the compatibility hash the
+// sidecar computed from the engine's compat map is the one vLLM's
+// hash_factors computes from the same factors (json.dumps, sorted keys,
+// True/False/None, a nested speculative_config).
+func TestServeVLLMGeneration6PythonPeer(t *testing.T) {
+	const python = "/usr/bin/python3"
+	if out, err := exec.Command(python, "-c", "import zmq, msgpack").CombinedOutput(); err != nil {
+		t.Fatalf("%s with python3-zmq and python3-msgpack is needed: %v\n%s", python, err, out)
+	}
+	compat := vsModel6()
+	compat.Extra = client.Fields{{K: "cross_layers_blocks", V: true}, {K: "is_hma_enabled", V: false},
+		{K: "speculative_config", V: client.Fields{{K: "method", V: "eagle3"}, {K: "model", V: "draft"}, {K: "revision", V: nil},
+			{K: "parallel_drafting", V: false}, {K: "auxiliary_layer_ids", V: []int{2, 16}}}}}
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PY6", 1, 0, 16, 4, func(r *client.VLLMRank) { r.Compat = compat }))
+	_, ep, _ := vsEvent(t, w.c).AsEngineReady()
+	factors := map[string]any{"vllm_version": compat.VLLMVersion, "nixl_connector_version": 6, "model": compat.Model,
+		"dtype": compat.DType, "num_kv_heads": compat.NumKVHeads, "head_size": compat.HeadSize,
+		"num_hidden_layers": compat.NumHiddenLayers, "attn_backend_name": compat.AttnBackendName, "cache_dtype": compat.CacheDType,
+		"cross_layers_blocks": true, "is_hma_enabled": false, "speculative_config": map[string]any{"method": "eagle3", "model": "draft",
+			"revision": nil, "parallel_drafting": false, "auxiliary_layer_ids": []int{2, 16}}}
+	path := filepath.Join(t.TempDir(), "factors.json")
+	b, _ := json.Marshal(factors)
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	want, err := exec.Command(python, "-c", `import hashlib, json, sys
+print(hashlib.sha256(json.dumps(json.load(open(sys.argv[1])), sort_keys=True).encode()).hexdigest())`, path).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(python, "../pull/testdata/vllm_nixl_peer.py", "req", ep, "0", "6").Output()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	var got struct {
+		Hash      string `json:"compatibility_hash"`
+		ByteExact bool   `json:"byte_exact"`
+		Metadata  struct {
+			Backend string `json:"attn_backend_name"`
+			Engine  string `json:"engine_id"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if got.Hash != strings.TrimSpace(string(want)) || !got.ByteExact || got.Metadata.Backend != compat.AttnBackendName || got.Metadata.Engine != "PY6" {
+		t.Fatalf("python peer: %+v, want hash %s", got, want)
 	}
 }
