@@ -236,6 +236,9 @@ type Receiver struct {
 
 	pendingLoads atomic.Int64 // loads not finished yet
 	hbSent       atomic.Int64 // heartbeat rounds run
+	// watched are the requests whose leases are renewed before their
+	// load (Watch), by local request id; guarded by mu.
+	watched map[string]watchedReq
 }
 
 // peer is one remote engine as this rank sees it. Fields other than
@@ -377,6 +380,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
 		agentRefs:  make(map[string]int),
+		watched:    make(map[string]watchedReq),
 	}
 	if r.log == nil {
 		r.log = slog.Default()
@@ -857,6 +861,7 @@ func (r *Receiver) finish(l *Load, res LoadResult) {
 		}
 		r.mu.Unlock()
 	}
+	r.Unwatch(l.req.RequestID) // vLLM stops at finished_recving
 	res.RequestID = l.req.RequestID
 	res.Latency = r.clock.Since(l.start)
 	l.res = res
@@ -955,60 +960,6 @@ func (r *Receiver) evictIdle() {
 		}
 	}
 }
-
-// maxHeartbeatBytes bounds one heartbeat notification; more ids go in
-// more heartbeats.
-const maxHeartbeatBytes = 16 << 10
-
-// heartbeat renews, every Lease//6 on the clock, the prefill's leases of
-// the loads in flight (vLLM's _send_heartbeats): each ready peer's agent
-// gets "HB:" and the remote request ids of the loads using it. A load
-// waiting for its handshake has no agent to send to yet; the prefill
-// extends only requests it holds.
-func (r *Receiver) heartbeat(t clock.Ticker) {
-	defer r.wg.Done()
-	defer t.Stop()
-	for {
-		select {
-		case <-r.ctx.Done():
-			return
-		case <-t.C():
-		}
-		type beat struct {
-			name string
-			ids  []string
-		}
-		var beats []beat
-		r.mu.Lock()
-		for _, pr := range r.peers {
-			if !pr.ready || len(pr.loads) == 0 {
-				continue
-			}
-			seen := make(map[string]bool, len(pr.loads))
-			var ids []string
-			for l := range pr.loads {
-				if id := l.req.Params.RemoteRequestID; !seen[id] {
-					seen[id] = true
-					ids = append(ids, id)
-				}
-			}
-			slices.Sort(ids)
-			beats = append(beats, beat{pr.name, ids})
-		}
-		r.mu.Unlock()
-		for _, b := range beats {
-			for _, msg := range vllm.EncodeHeartbeats(b.ids, maxHeartbeatBytes) {
-				if err := r.cfg.Agent.SendNotif(b.name, msg); err != nil {
-					r.log.Debug("heartbeat not sent", "agent", b.name, "err", err)
-				}
-			}
-		}
-		r.hbSent.Add(1)
-	}
-}
-
-// Heartbeats returns how many heartbeat rounds ran (tests wait on it).
-func (r *Receiver) Heartbeats() int64 { return r.hbSent.Load() }
 
 // releasePeer releases a peer's remote list and remote agent. The local
 // list is shared and released by Close.

@@ -231,3 +231,32 @@ print(hashlib.sha256(json.dumps(json.load(open(sys.argv[1])), sort_keys=True).en
 		t.Fatalf("python peer: %+v, want hash %s", got, want)
 	}
 }
+
+// TestServeVLLMWatch: watch and unwatch on a version-6 decode rank are
+// accepted (the lease renewal itself is host/pull's
+// TestLeaseWatchedBeforeLoad); on a version-2 rank watch is unsupported,
+// params without the remote ids are bad_request.
+func TestServeVLLMWatch(t *testing.T) {
+	ctx := testCtx(t)
+	ps, ds := newTestServer(t), newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PW", 1, 0, 16, 4, vsGen6))
+	vsEvent(t, w.c)
+	params, err := dial(t, ps).Hold(ctx, "PW", "q", []int32{1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d6 := vsMust(vsOpenT(t, ds, "decode", "DW6", 1, 0, 16, 4, vsGen6))
+	if err := d6.c.Watch(ctx, d6.rank.ID, "dq", params); err != nil {
+		t.Fatal(err)
+	}
+	if err := d6.c.Unwatch(ctx, d6.rank.ID, "dq"); err != nil {
+		t.Fatal(err)
+	}
+	if err := d6.c.Watch(ctx, d6.rank.ID, "dq", vsSetParam(params, "remote_request_id", nil)); !isCode(err, CodeBadRequest) {
+		t.Fatalf("no remote_request_id: %v", err)
+	}
+	d2 := vsMust(vsOpenT(t, ds, "decode", "DW2", 1, 0, 16, 4, nil))
+	if err := d2.c.Watch(ctx, d2.rank.ID, "dq", vsSetParam(params, "remote_block_ids", []int{1})); !isCode(err, CodeUnsupported) {
+		t.Fatalf("version 2: %v", err)
+	}
+}

@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -20,6 +21,8 @@ func init() {
 	registerOp("hold", opVLLMHold)
 	registerOp("release", opVLLMRelease)
 	registerOp("read", opVLLMRead)
+	registerOp("watch", opVLLMWatch)
+	registerOp("unwatch", opVLLMUnwatch)
 }
 
 // vllmHubOf returns the server's vLLM engine groups.
@@ -384,5 +387,51 @@ func opVLLMRead(s *session, r *request) (Fields, error) {
 	if rerr := d.d.read(requestID, params, perr, blocks); rerr != nil {
 		return nil, vllmAPIError(rerr)
 	}
+	return Fields{}, nil
+}
+
+// opVLLMWatch is vLLM's on_new_request on a decode (versions with
+// leases): renew the prefill's lease of a request queued for a later
+// read (pull.Receiver.Watch).
+func opVLLMWatch(s *session, r *request) (Fields, error) {
+	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
+	if rerr != nil {
+		return nil, rerr
+	}
+	requestID, err := vllmID(r, "request_id")
+	if err != nil {
+		return nil, err
+	}
+	pv, ok := r.get("kv_transfer_params")
+	if !ok {
+		return nil, missing("kv_transfer_params")
+	}
+	params, perr := vllmParamsOf(pv, d.d.gen)
+	if perr != nil {
+		return nil, errorf(CodeBadRequest, "%v", perr)
+	}
+	switch err := d.d.rcv.Watch(requestID, params); {
+	case errors.Is(err, pull.ErrNoLease):
+		return nil, errorf(CodeUnsupported, "%v", err)
+	case errors.Is(err, pull.ErrInvalidParams):
+		return nil, errorf(CodeBadRequest, "%v", err)
+	case err != nil:
+		return nil, errorf(CodeLimit, "%v", err)
+	}
+	return Fields{}, nil
+}
+
+// opVLLMUnwatch is vLLM's _stop_heartbeat: the request finished or was
+// aborted before its read.
+func opVLLMUnwatch(s *session, r *request) (Fields, error) {
+	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
+	if rerr != nil {
+		return nil, rerr
+	}
+	requestID, err := vllmID(r, "request_id")
+	if err != nil {
+		return nil, err
+	}
+	d.d.rcv.Unwatch(requestID)
 	return Fields{}, nil
 }

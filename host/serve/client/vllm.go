@@ -256,3 +256,16 @@ func (c *Client) vllmLost() {
 		c.events.push(Event{Name: "read", Rank: r.rank, Reason: ReasonConnectionLost, Raw: raw, Local: true})
 	}
 }
+
+// Watch asks a decode rank to renew the prefill's lease of a request
+// queued for a later Read (versions with leases; vLLM's on_new_request).
+func (c *Client) Watch(ctx context.Context, rank uint64, requestID string, params msgpack.Value) error {
+	_, err := c.call(ctx, "watch", Fields{{"rank", rank}, {"request_id", requestID}, {"kv_transfer_params", params}})
+	return err
+}
+
+// Unwatch stops renewing it (the request finished or was aborted).
+func (c *Client) Unwatch(ctx context.Context, rank uint64, requestID string) error {
+	_, err := c.call(ctx, "unwatch", Fields{{"rank", rank}, {"request_id", requestID}})
+	return err
+}
