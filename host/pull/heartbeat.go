@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/wire/vllm"
+	"github.com/kvhost/kvhost/planner"
 )
 
 // Lease renewal, the decode side (generations with leases, version 6):
@@ -27,6 +28,7 @@ const MaxWatched = 1 << 16
 // watchedReq is a request whose lease is renewed before its load.
 type watchedReq struct {
 	engineID, remoteID string
+	params             KVTransferParams // to handshake with its engine
 }
 
 // ErrNoLease: Watch on a Receiver whose generation has no leases.
@@ -35,22 +37,27 @@ var ErrNoLease = errors.New("pull: this generation has no leases to renew")
 // Watch renews the prefill's lease of a request this rank will load
 // (vLLM's on_new_request on a decode: the request waits in the engine's
 // queue before its load) until its Load finishes or Unwatch. Heartbeats
-// go to the prefill engine once this rank has a handshake with it (an
-// earlier or concurrent load made one); before, nothing is sent. id is
-// the decode's request id, the one its Load will have.
+// go to the prefill engine once this rank has a handshake with it; the
+// next heartbeat round starts one when there is none, as vLLM's
+// _send_heartbeats does. id is the decode's request id, the one its Load
+// will have. p must be params a Load could pull with.
 func (r *Receiver) Watch(id string, p KVTransferParams) error {
 	if !r.gen.Lease {
 		return fmt.Errorf("%w (%s)", ErrNoLease, r.gen)
 	}
-	if p.RemoteEngineID == "" || p.RemoteRequestID == "" {
-		return fmt.Errorf("%w: remote_engine_id and remote_request_id are needed", ErrInvalidParams)
+	if err := p.checkPull(); err != nil {
+		return err
+	}
+	if _, err := planner.VLLMTargetRemoteRank(r.cfg.TPRank, r.cfg.TPSize, p.RemoteTPSize()); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidParams, err)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.watched[id]; !ok && len(r.watched) >= MaxWatched {
 		return fmt.Errorf("pull: %d requests watched already", len(r.watched))
 	}
-	r.watched[id] = watchedReq{engineID: p.RemoteEngineID, remoteID: p.RemoteRequestID}
+	p.RemoteBlockIDs = nil // not needed to renew
+	r.watched[id] = watchedReq{engineID: p.RemoteEngineID, remoteID: p.RemoteRequestID, params: p}
 	return nil
 }
 
@@ -108,7 +115,12 @@ func (r *Receiver) heartbeatIDs() map[string][]string {
 		}
 	}
 	for _, w := range r.watched {
-		if pr := r.peers[w.engineID]; pr != nil && pr.ready {
+		switch pr := r.peers[w.engineID]; {
+		case pr == nil && !r.closed:
+			// Checked by Watch.
+			rank, _ := planner.VLLMTargetRemoteRank(r.cfg.TPRank, r.cfg.TPSize, w.params.RemoteTPSize())
+			r.startHandshakeLocked(&w.params, rank, nil)
+		case pr != nil && pr.ready:
 			add(pr, w.remoteID)
 		}
 	}

@@ -152,25 +152,26 @@ func TestLeaseLapses(t *testing.T) {
 
 // TestLeaseWatchedBeforeLoad: a version-6 decode renews the lease of a
 // request it was told it will load (Watch; vLLM's on_new_request) while
-// the request waits for its load, once it met the prefill engine; Unwatch
-// (or the load finishing) stops it and the lease lapses. Version 2 has no
-// leases to renew.
+// the request waits for its load: the first heartbeat round finds no
+// handshake with the prefill engine and starts one, the next ones renew.
+// The load finishing, or Unwatch, stops it, and an unwatched lease lapses.
+// Version 2 has no leases to renew.
 func TestLeaseWatchedBeforeLoad(t *testing.T) {
 	g := gen6(t)
 	fk := clock.NewFake(time.Time{})
 	tr := memTransport{memtransport.New(fk)}
 	ps := newPrefillSide(t, smallGeom, "prefill", func(c *SenderConfig) { c.Gen, c.Transport, c.Clock = g, tr, fk })
 	ds := newDecodeSide(t, smallGeom, func(c *ReceiverConfig) { c.Gen, c.Transport, c.Clock = g, tr, fk })
-	// A first request makes the handshake.
-	first := ps.hold(t, "first", 1, []int32{2}, 4)
-	if res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d1", LocalBlockIDs: []int32{0}, Params: first})); res.Err != nil {
-		t.Fatal(res.Err)
-	}
 	queued := ps.hold(t, "queued", 2, []int32{3, 4}, 8)
 	if err := ds.rx[0].Watch("d2", queued); err != nil {
 		t.Fatal(err)
 	}
-	for i := 1; i <= 8; i++ { // to 40 s, past the first lease
+	fk.Advance(5 * time.Second)
+	eventually(t, "the handshake the heartbeat started", 10*time.Second, func() bool { return len(ds.rx[0].Peers()) == 1 })
+	if c := ps.sender.Counts(); c.Heartbeats != 0 {
+		t.Fatalf("a heartbeat before the handshake: %+v", c)
+	}
+	for i := 1; i <= 7; i++ { // to 40 s, past the first lease
 		fk.Advance(5 * time.Second)
 		eventually(t, "a heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats >= i })
 		if c := expireNow(ps, fk); c.Held != 1 {
@@ -181,15 +182,13 @@ func TestLeaseWatchedBeforeLoad(t *testing.T) {
 	if res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d2", LocalBlockIDs: []int32{5, 6}, Params: queued})); res.Err != nil {
 		t.Fatal(res.Err)
 	}
-	for range 2 {
-		select {
-		case rel := <-ps.releases:
-			if rel.Reason != ReleaseNotified {
-				t.Fatalf("%+v", rel)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("not released")
+	select {
+	case rel := <-ps.releases:
+		if rel.Reason != ReleaseNotified || rel.RequestID != "queued" || rel.Held != 40*time.Second {
+			t.Fatalf("%+v", rel)
 		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("not released")
 	}
 	if err := ds.pools[0].Verify(kvpool.Tokens{Request: 2, Pages: []int32{5, 6}, Count: 8}); err != nil {
 		t.Fatal(err)
@@ -200,12 +199,12 @@ func TestLeaseWatchedBeforeLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	fk.Advance(5 * time.Second)
-	eventually(t, "a heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats >= 9 })
+	eventually(t, "a heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats >= 8 })
 	ds.rx[0].Unwatch("d3")
 	hb := ds.rx[0].Heartbeats()
 	fk.Advance(25 * time.Second)
 	eventually(t, "a heartbeat round", 10*time.Second, func() bool { return ds.rx[0].Heartbeats() > hb })
-	if c := expireNow(ps, fk); c.Held != 0 || c.ReleasedExpired != 1 || c.Heartbeats != 9 {
+	if c := expireNow(ps, fk); c.Held != 0 || c.ReleasedExpired != 1 || c.Heartbeats != 8 {
 		t.Fatalf("%+v", c)
 	}
 	if err := newDecodeSide(t, smallGeom, nil).rx[0].Watch("x", queued); !errors.Is(err, ErrNoLease) {

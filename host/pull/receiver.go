@@ -454,11 +454,8 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	pr := r.peers[p.RemoteEngineID]
 	switch {
 	case pr == nil:
-		pr = &peer{engineID: p.RemoteEngineID, endpoint: p.Endpoint(), tpSize: p.RemoteTPSize(), waiting: []*Load{l}}
-		r.peers[pr.engineID] = pr
-		r.wg.Add(1)
+		r.startHandshakeLocked(p, remoteRank, l)
 		r.mu.Unlock()
-		go r.handshake(pr, remoteRank)
 		return l
 	case pr.tpSize != p.RemoteTPSize():
 		r.mu.Unlock()
@@ -482,6 +479,19 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	defer r.ops.Done()
 	r.issue(l, pr)
 	return l
+}
+
+// startHandshakeLocked starts the background handshake with the engine p
+// names (remote TP rank remoteRank), its first waiting load l (nil for
+// none). Callers hold r.mu and checked that the engine has no peer.
+func (r *Receiver) startHandshakeLocked(p *KVTransferParams, remoteRank int, l *Load) {
+	pr := &peer{engineID: p.RemoteEngineID, endpoint: p.Endpoint(), tpSize: p.RemoteTPSize()}
+	if l != nil {
+		pr.waiting = []*Load{l}
+	}
+	r.peers[pr.engineID] = pr
+	r.wg.Add(1)
+	go r.handshake(pr, remoteRank)
 }
 
 // handshake runs one engine's handshake, then starts or fails the requests
