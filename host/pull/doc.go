@@ -3,6 +3,17 @@
 // registered memory and then tells the prefill it may free them
 // (vLLM 0.13's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py).
 //
+// Both sides speak the wire generation of their engine
+// (vllm.Generation, NIXL_CONNECTOR_VERSION 2 or 6; SenderConfig.Gen and
+// ReceiverConfig.Gen). What follows describes version 2; version 6
+// handshakes with (get_meta_msg, pp_rank, tp_rank) and a reply carrying
+// the prefill's clock, advertises version 6's metadata, counts
+// notifications "{request_id}:{decode TP size}" (decode_tp / prefill_tp
+// of them per prefill rank) and holds for a lease (30 s) that the decode
+// renews while a load is in flight with "HB:id,..." every lease // 6 (the
+// prefill extends a held request to now + lease*2//3), instead of the abort
+// timeout. A peer of another generation is refused naming both versions.
+//
 // Two types do the work, one per side:
 //
 //   - Sender (prefill). It registers each TP rank's KV cache on that rank's

@@ -17,13 +17,17 @@ import (
 // notification counted exactly once, a release only for a held request.
 func FuzzSenderNotification(f *testing.F) {
 	for _, s := range []string{"a:2", "a:1", "b:c:1", "b:c:2", "zzz:3", ":1", "a:", "a:0", "a:-1", "a:99999999999",
-		"\xff:1", "", "a:2:2", "a:02"} {
-		f.Add(uint8(0), []byte(s))
-		f.Add(uint8(1), []byte(s))
+		"\xff:1", "", "a:2:2", "a:02", "HB:a,b:c", "HB:", "HB:\xff", "a:4"} {
+		f.Add(uint8(0), []byte(s), false)
+		f.Add(uint8(1), []byte(s), true)
 	}
-	f.Fuzz(func(t *testing.T, rank uint8, msg []byte) {
+	f.Fuzz(func(t *testing.T, rank uint8, msg []byte, v6 bool) {
+		gen := vllm.G2
+		if v6 {
+			gen, _ = vllm.Lookup(6)
+		}
 		s := &Sender{log: slog.New(slog.NewTextHandler(discard{}, nil)), obs: NopObserver{}, held: map[string]*heldReq{},
-			ranks: []senderRank{{tpRank: 0}, {tpRank: 1}}}
+			ranks: []senderRank{{tpRank: 0}, {tpRank: 1}}, gen: gen, cfg: SenderConfig{TPSize: 2}, extend: time.Second}
 		hold := func(id string) {
 			s.seq++
 			s.held[id] = newHeldReq(s.seq, []int32{1}, time.Now(), 2)
@@ -49,6 +53,9 @@ func FuzzSenderNotification(f *testing.F) {
 			}
 			if c.Held != len(s.held) {
 				t.Fatalf("held count %d, map %d", c.Held, len(s.held))
+			}
+			if c.Heartbeats != before.Heartbeats && (!v6 || ok || bad != 0) {
+				t.Fatalf("a heartbeat in version %d: counts %+v -> %+v", gen.Version, before, c)
 			}
 		}
 	})

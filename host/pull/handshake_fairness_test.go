@@ -23,7 +23,7 @@ import (
 func TestHandshakeStuckClientsDelayNobody(t *testing.T) {
 	md := sampleMetadata()
 	md.AgentMetadata = make([]byte, 1<<20)
-	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload("H", md).Encode()}, quietLog)
+	s, err := ListenHandshake("tcp://127.0.0.1:0", HandshakeService{Payloads: map[int][]byte{0: vllm.NewHandshakePayload("H", md).Encode()}}, quietLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +118,7 @@ func TestHandshakeRefusesWrongFrameCounts(t *testing.T) {
 func TestBadRequestFloodIsRateLimited(t *testing.T) {
 	const requests, maxLines = 20000, 200
 	var out ratelogtest.LineCounter
-	s, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload("H", sampleMetadata()).Encode()},
+	s, err := ListenHandshake("tcp://127.0.0.1:0", HandshakeService{Payloads: map[int][]byte{0: vllm.NewHandshakePayload("H", sampleMetadata()).Encode()}},
 		slog.New(slog.NewTextHandler(&out, nil)))
 	if err != nil {
 		t.Fatal(err)

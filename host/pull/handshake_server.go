@@ -40,21 +40,64 @@ const maxRequestMessage = 4 << 10
 // Replies never block the server: a client that does not read them only
 // loses its own (and its connection after replyTimeout).
 type HandshakeServer struct {
-	router   *zmq.Router
-	payloads map[int][]byte
-	log      *slog.Logger    // rate-limited: a client can trigger its lines
-	rlog     *ratelog.Logger // log's limiter, flushed by Close
-	done     chan struct{}
-	wg       sync.WaitGroup
+	router *zmq.Router
+	svc    HandshakeService
+	log    *slog.Logger    // rate-limited: a client can trigger its lines
+	rlog   *ratelog.Logger // log's limiter, flushed by Close
+	done   chan struct{}
+	wg     sync.WaitGroup
+}
+
+// HandshakeService is what a side channel serves: the encoded
+// NixlHandshakePayload per TP rank, in the shape of the engine's
+// generation, and the clock a version-6 reply carries.
+type HandshakeService struct {
+	// Gen is the engine's generation (nil: version 2): the request shape
+	// it answers and the reply frames it sends.
+	Gen *vllm.Generation
+	// Payloads are the encoded payloads by TP rank (of PP rank 0, the
+	// only one kvhost serves). Never modified once served.
+	Payloads map[int][]byte
+	// Clock returns the prefill's perf_counter() for a version-6 reply:
+	// seconds from any fixed origin (the decode keeps only an offset).
+	// nil: 0.
+	Clock func() float64
+}
+
+// Reply answers req, a handshake request's frames after the REQ
+// delimiter: the reply frames of the TP rank it asks for, or one empty
+// frame with refusal (the log line) and why (its detail) set. A REQ client
+// waits for a reply whatever it sent: the empty one makes it fail at once,
+// not at its timeout.
+func (h *HandshakeService) Reply(req [][]byte) (reply [][]byte, rank int, refusal string, why slog.Attr) {
+	refuse := [][]byte{{}}
+	if len(req) != 1 {
+		return refuse, 0, "refusing handshake request: want one frame after the delimiter", slog.Int("frames", len(req))
+	}
+	g := vllm.Or(h.Gen)
+	pp, rank, err := g.DecodeMetaRequest(req[0])
+	if err != nil {
+		return refuse, 0, "refusing handshake request", slog.Any("err", err)
+	}
+	if pp != 0 {
+		return refuse, 0, "refusing handshake request for a pipeline-parallel rank other than 0 (kvhost serves PP rank 0 only)", slog.Int("pp_rank", pp)
+	}
+	if h.Payloads[rank] == nil {
+		return refuse, 0, "refusing handshake request for an unknown TP rank", slog.Int("tp_rank", rank)
+	}
+	clock := 0.0
+	if h.Clock != nil {
+		clock = h.Clock()
+	}
+	return g.ReplyFrames(h.Payloads[rank], clock), rank, "", slog.Attr{}
 }
 
 // ListenHandshake binds a ROUTER socket on endpoint (vLLM binds
-// tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:side_channel_port) and serves
-// payloads, the encoded NixlHandshakePayload per TP rank
-// (vllm.HandshakePayload.Encode), until Close. payloads is copied. A peer whose
-// request is larger than a handshake request can be (4 KiB) is
-// disconnected; opts may raise that limit (zmq.WithMaxMessageSize).
-func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger, opts ...zmq.Option) (*HandshakeServer, error) {
+// tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:side_channel_port) and serves svc
+// until Close. svc.Payloads is copied. A peer whose request is larger than
+// a handshake request can be (4 KiB) is disconnected; opts may raise that
+// limit (zmq.WithMaxMessageSize).
+func ListenHandshake(endpoint string, svc HandshakeService, log *slog.Logger, opts ...zmq.Option) (*HandshakeServer, error) {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -66,11 +109,11 @@ func ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger,
 	}
 	rlog := ratelog.New(log)
 	s := &HandshakeServer{
-		router:   r,
-		payloads: maps.Clone(payloads),
-		log:      rlog.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
-		rlog:     rlog,
-		done:     make(chan struct{}),
+		router: r,
+		svc:    HandshakeService{Gen: svc.Gen, Payloads: maps.Clone(svc.Payloads), Clock: svc.Clock},
+		log:    rlog.With("component", "vllm_handshake_server", "endpoint", r.Endpoint()),
+		rlog:   rlog,
+		done:   make(chan struct{}),
 	}
 	s.wg.Add(1)
 	go s.serve()
@@ -102,37 +145,18 @@ func (s *HandshakeServer) handle(m zmq.RouterMsg) {
 		s.log.Warn("refusing handshake request: not a REQ message (no empty delimiter)", "peer", m.Peer, "frames", len(m.Frames))
 		return // not a REQ peer: there is no reply shape it expects
 	}
-	reply, rank, refusal, why := handshakeReply(s.payloads, m.Frames[1:])
+	reply, rank, refusal, why := s.svc.Reply(m.Frames[1:])
 	if refusal != "" {
 		s.log.Warn(refusal, "peer", m.Peer, why)
 	} else {
 		s.log.Debug("serving handshake", "peer", m.Peer, "tp_rank", rank)
 	}
-	switch err := s.router.Enqueue(m.Peer, nil, reply); {
+	switch err := s.router.Enqueue(m.Peer, append([][]byte{nil}, reply...)...); {
 	case errors.Is(err, zmq.ErrPeerBusy):
 		s.log.Warn("dropping handshake request: the client is not reading its replies", "peer", m.Peer)
 	case err != nil:
 		s.log.Debug("handshake reply not delivered", "peer", m.Peer, "err", err)
 	}
-}
-
-// handshakeReply answers req, a handshake request's frames after the REQ
-// delimiter: the payload of the TP rank it asks for, or an empty reply
-// with refusal (the log line) and why (its detail) set. A REQ client waits
-// for a reply whatever it sent: the empty one makes it fail at once, not
-// at its timeout.
-func handshakeReply(payloads map[int][]byte, req [][]byte) (reply []byte, rank int, refusal string, why slog.Attr) {
-	if len(req) != 1 {
-		return []byte{}, 0, "refusing handshake request: want one frame after the delimiter", slog.Int("frames", len(req))
-	}
-	rank, err := vllm.DecodeMetaRequest(req[0])
-	if err != nil {
-		return []byte{}, 0, "refusing handshake request", slog.Any("err", err)
-	}
-	if payloads[rank] == nil {
-		return []byte{}, 0, "refusing handshake request for an unknown TP rank", slog.Int("tp_rank", rank)
-	}
-	return payloads[rank], rank, "", slog.Attr{} // never modified: safe to queue without a copy
 }
 
 // Endpoint is where clients connect.

@@ -55,7 +55,7 @@ func startServer(t *testing.T, hash string) (*HandshakeServer, map[int]*vllm.Age
 		mds[rank] = md
 		payloads[rank] = vllm.NewHandshakePayload(hash, md).Encode()
 	}
-	s, err := ListenHandshake("tcp://127.0.0.1:0", payloads, quietLog)
+	s, err := ListenHandshake("tcp://127.0.0.1:0", HandshakeService{Payloads: payloads}, quietLog)
 	if err != nil {
 		t.Fatal(err)
 	}

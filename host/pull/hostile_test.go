@@ -22,7 +22,7 @@ import (
 // hostile prefill would, and returns its endpoint's port.
 func serveHandshake(t *testing.T, md *vllm.AgentMetadata) int {
 	t.Helper()
-	srv, err := ListenHandshake("tcp://127.0.0.1:0", map[int][]byte{0: vllm.NewHandshakePayload(testHash, md).Encode()}, testLogger(t))
+	srv, err := ListenHandshake("tcp://127.0.0.1:0", HandshakeService{Payloads: map[int][]byte{0: vllm.NewHandshakePayload(testHash, md).Encode()}}, testLogger(t))
 	if err != nil {
 		t.Fatal(err)
 	}

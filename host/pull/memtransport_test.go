@@ -13,13 +13,13 @@ import (
 )
 
 // memTransport adapts an in-memory network to Transport: the handshake
-// server answers with HandshakeServer's handshakeReply.
+// server answers with HandshakeService.Reply.
 type memTransport struct{ n *memtransport.Network }
 
-func (m memTransport) ListenHandshake(endpoint string, payloads map[int][]byte, _ *slog.Logger) (HandshakeListener, error) {
+func (m memTransport) ListenHandshake(endpoint string, svc HandshakeService, _ *slog.Logger) (HandshakeListener, error) {
 	s, err := m.n.Serve(endpoint, func(_ net.Addr, req [][]byte) ([][]byte, bool) {
-		reply, _, _, _ := handshakeReply(payloads, req)
-		return [][]byte{reply}, true
+		reply, _, _, _ := svc.Reply(req)
+		return reply, true
 	})
 	if err != nil {
 		return nil, err

@@ -29,6 +29,16 @@ type KVTransferParams struct {
 	// TPSize is the prefill engine's TP size; absent (0) means 1, as in the
 	// reference (kv_transfer_params.get("tp_size", 1)).
 	TPSize int `json:"tp_size,omitempty"`
+
+	// Since version 6 (vllm.Generation.ParamsFields).
+	//
+	// RemoteNumTokens is the prefill's request.num_computed_tokens.
+	RemoteNumTokens int `json:"remote_num_tokens,omitempty"`
+	// RemoteBlockSize is the prefill's block size when the proxy says it
+	// (0: unsaid; the handshake tells it).
+	RemoteBlockSize int `json:"remote_block_size,omitempty"`
+	// PPSize is the prefill's pipeline-parallel size (0: unsaid, 1).
+	PPSize int `json:"pp_size,omitempty"`
 }
 
 // ErrInvalidParams marks kv_transfer_params a decode cannot pull with.
@@ -70,6 +80,10 @@ func (p *KVTransferParams) checkPull() error {
 		return bad("remote_port %d is not a TCP port", p.RemotePort)
 	case p.TPSize < 0:
 		return bad("tp_size %d is negative", p.TPSize)
+	case p.PPSize < 0 || p.PPSize > 1:
+		return bad("pp_size %d: kvhost reads from pipeline-parallel size 1 prefills only", p.PPSize)
+	case p.RemoteBlockSize < 0:
+		return bad("remote_block_size %d is negative", p.RemoteBlockSize)
 	}
 	for i, id := range p.RemoteBlockIDs {
 		if id < 0 {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // pullCase is one geometry pairing, run in this process (both agents of
@@ -55,10 +56,32 @@ func TestPullInProcess(t *testing.T) {
 	}
 }
 
+// TestPullInProcessGenerations: the same pairings in every other wire
+// generation: each side speaks it (handshake, metadata, notification
+// count), every byte checked, every request released on notification.
+func TestPullInProcessGenerations(t *testing.T) {
+	for _, v := range vllm.Versions() {
+		if v == vllm.DefaultVersion {
+			continue // TestPullInProcess
+		}
+		g, _ := vllm.Lookup(v)
+		for _, c := range pullCases() {
+			t.Run(fmt.Sprintf("v%d/%s", v, c.name), func(t *testing.T) {
+				t.Parallel()
+				runPullGen(t, c, 8, 90, g)
+			})
+		}
+	}
+}
+
 func runPull(t *testing.T, c pullCase, requests, maxTokens int) {
+	runPullGen(t, c, requests, maxTokens, nil)
+}
+
+func runPullGen(t *testing.T, c pullCase, requests, maxTokens int, gen *vllm.Generation) {
 	rng := rand.New(rand.NewPCG(uint64(len(c.name)), 1))
-	ps := newPrefillSide(t, c.prefill, "prefill", nil)
-	ds := newDecodeSide(t, c.decode, nil, c.params...)
+	ps := newPrefillSide(t, c.prefill, "prefill", func(cfg *SenderConfig) { cfg.Gen = gen })
+	ds := newDecodeSide(t, c.decode, func(cfg *ReceiverConfig) { cfg.Gen = gen }, c.params...)
 
 	type req struct {
 		id          string

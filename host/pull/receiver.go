@@ -89,9 +89,18 @@ type ReceiverConfig struct {
 	ZMQ []ZMQOption
 	// Transport runs the handshake exchange; nil means ZMQ{Options: ZMQ}.
 	Transport Transport
-	// Clock times handshakes, READs and idle peers; nil means the wall
-	// clock.
+	// Clock times handshakes, READs, idle peers and heartbeats; nil means
+	// the wall clock.
 	Clock clock.Clock
+	// Gen is this engine's connector generation (nil: version 2): the
+	// handshake it sends, the metadata it requires, the count its READ
+	// notifications carry and whether it renews the prefill's leases.
+	Gen *vllm.Generation
+	// Lease is the prefill's lease (kv_lease_duration; 0 means
+	// vllm.DefaultLease) in a generation with leases: while a load is in
+	// flight, every Lease//6 its remote request id is sent in a heartbeat
+	// to the peer's agent.
+	Lease time.Duration
 }
 
 // LoadRequest is one request's pull (vLLM's kv_connector/v1/nixl_connector.py's ReqMeta to receive).
@@ -169,12 +178,17 @@ type PeerInfo struct {
 	LocalDescs, RemoteDescs int
 	// Reorder: received blocks are reordered into the local layout.
 	Reorder bool
+	// ClockOffset is the prefill's clock minus ours in seconds, from the
+	// handshake (version 6; 0 before).
+	ClockOffset float64
 }
 
 // Receiver is one decode TP rank of the pull model. It is safe for
 // concurrent use.
 type Receiver struct {
 	cfg      ReceiverConfig
+	gen      *vllm.Generation
+	start    time.Time // the origin of this side's clock in handshakes
 	clock    clock.Clock
 	tr       Transport
 	log      *slog.Logger    // rate-limited: peers can trigger its lines
@@ -216,6 +230,10 @@ type Receiver struct {
 	reorderBuf []byte
 
 	pendingLoads atomic.Int64 // loads not finished yet
+	hbSent       atomic.Int64 // heartbeat rounds run
+	// watched are the requests whose leases are renewed before their
+	// load (Watch), by local request id; guarded by mu.
+	watched map[string]watchedReq
 }
 
 // peer is one remote engine as this rank sees it. Fields other than
@@ -235,6 +253,9 @@ type peer struct {
 	inflight  int
 	idleSince time.Time
 	descs     int
+	// loads are the loads using the ready peer (inflight of them), whose
+	// remote request ids the heartbeats name.
+	loads map[*Load]struct{}
 
 	info     PeerInfo
 	reader   *planner.VLLMReader
@@ -335,8 +356,15 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if cfg.MaxTotalDescriptors == 0 {
 		cfg.MaxTotalDescriptors = DefaultTotalPeers * cfg.MaxDescriptors
 	}
+	if cfg.Lease < 0 {
+		return nil, errors.New("pull: negative lease")
+	}
+	if cfg.Lease == 0 {
+		cfg.Lease = vllm.DefaultLease
+	}
 	r := &Receiver{
 		cfg:        cfg,
+		gen:        vllm.Or(cfg.Gen),
 		clock:      clock.Or(cfg.Clock),
 		tr:         transportOr(cfg.Transport, cfg.ZMQ),
 		log:        cfg.Logger,
@@ -346,6 +374,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		peers:      make(map[string]*peer),
 		invalid:    make(map[int32]struct{}),
 		localLists: make(map[int]*plugin.DList),
+		watched:    make(map[string]watchedReq),
 	}
 	if r.log == nil {
 		r.log = slog.Default()
@@ -380,8 +409,16 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	}
 	r.regions = regs
 	r.ctx, r.cancel = context.WithCancel(context.Background())
+	r.start = r.clock.Now()
 	r.wg.Add(1)
 	go r.evictIdle()
+	if r.gen.Lease {
+		// Armed here, so a test on a fake clock finds it armed.
+		interval, _ := vllm.LeaseTimes(cfg.Lease)
+		t := r.clock.NewTicker(interval)
+		r.wg.Add(1)
+		go r.heartbeat(t)
+	}
 	return r, nil
 }
 
@@ -412,11 +449,8 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	pr := r.peers[p.RemoteEngineID]
 	switch {
 	case pr == nil:
-		pr = &peer{engineID: p.RemoteEngineID, endpoint: p.Endpoint(), tpSize: p.RemoteTPSize(), waiting: []*Load{l}}
-		r.peers[pr.engineID] = pr
-		r.wg.Add(1)
+		r.startHandshakeLocked(p, remoteRank, l)
 		r.mu.Unlock()
-		go r.handshake(pr, remoteRank)
 		return l
 	case pr.tpSize != p.RemoteTPSize():
 		r.mu.Unlock()
@@ -434,11 +468,25 @@ func (r *Receiver) Load(req LoadRequest) *Load {
 	}
 	pr.inflight++
 	l.peer = pr
+	pr.loads[l] = struct{}{}
 	r.ops.Add(1)
 	r.mu.Unlock()
 	defer r.ops.Done()
 	r.issue(l, pr)
 	return l
+}
+
+// startHandshakeLocked starts the background handshake with the engine p
+// names (remote TP rank remoteRank), its first waiting load l (nil for
+// none). Callers hold r.mu and checked that the engine has no peer.
+func (r *Receiver) startHandshakeLocked(p *KVTransferParams, remoteRank int, l *Load) {
+	pr := &peer{engineID: p.RemoteEngineID, endpoint: p.Endpoint(), tpSize: p.RemoteTPSize()}
+	if l != nil {
+		pr.waiting = []*Load{l}
+	}
+	r.peers[pr.engineID] = pr
+	r.wg.Add(1)
+	go r.handshake(pr, remoteRank)
 }
 
 // handshake runs one engine's handshake, then starts or fails the requests
@@ -500,8 +548,10 @@ func (r *Receiver) handshake(pr *peer, remoteRank int) {
 	pr.ready = true
 	pr.inflight += len(waiting)
 	pr.idleSince = r.clock.Now()
+	pr.loads = make(map[*Load]struct{}, len(waiting))
 	for _, l := range waiting {
 		l.peer = pr
+		pr.loads[l] = struct{}{}
 	}
 	r.ops.Add(1)
 	r.mu.Unlock()
@@ -540,11 +590,13 @@ var testHookAfterFetch atomic.Pointer[func()]
 func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	ctx, cancel := r.clock.WithDeadline(r.ctx, deadline)
 	defer cancel()
-	md, err := FetchHandshake(ctx, pr.endpoint, remoteRank, FetchOptions{
-		Expect:  vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID},
-		Timeout: r.cfg.HandshakeTimeout,
-		Request: r.tr.Request,
-		Clock:   r.clock,
+	md, offset, err := FetchHandshakeClock(ctx, pr.endpoint, remoteRank, FetchOptions{
+		Expect: vllm.Expect{LocalHash: r.cfg.CompatHash, EnforceHash: !r.cfg.SkipCompatCheck, EngineID: pr.engineID,
+			Gen: r.gen},
+		Timeout:    r.cfg.HandshakeTimeout,
+		Request:    r.tr.Request,
+		Clock:      r.clock,
+		LocalClock: func(t time.Time) float64 { return t.Sub(r.start).Seconds() },
 	})
 	if err != nil {
 		if r.ctx.Err() != nil {
@@ -554,6 +606,16 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	}
 	if hook := testHookAfterFetch.Load(); hook != nil {
 		(*hook)()
+	}
+	// What version 6's metadata adds, kvhost does not transfer: Mamba
+	// state, and kernel blocks smaller than the logical ones.
+	if r.gen.Version >= 6 {
+		if md.SSMSizes != [2]int{} {
+			return fmt.Errorf("the prefill has Mamba state (ssm_sizes %v): kvhost transfers attention KV only", md.SSMSizes)
+		}
+		if md.PhysicalBlocksPerLogical != 1 {
+			return fmt.Errorf("physical_blocks_per_logical_kv_block is %d: kvhost reads logical blocks only (1)", md.PhysicalBlocksPerLogical)
+		}
 	}
 	remote, err := remoteAgent(md, r.cfg.Cache.Kind)
 	if err != nil {
@@ -615,7 +677,7 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	pr.info = PeerInfo{
 		EngineID: pr.engineID, AgentName: name, RemoteTPRank: remoteRank, RemoteTPSize: pr.tpSize,
 		TPRatio: reader.TPRatio(), BlockSizeRatio: reader.BlockSizeRatio(), Replicated: reader.Replicated(),
-		LocalDescs: localDL.Len(), RemoteDescs: remoteDL.Len(), Reorder: reorder,
+		LocalDescs: localDL.Len(), RemoteDescs: remoteDL.Len(), Reorder: reorder, ClockOffset: offset,
 	}
 	return nil
 }
@@ -679,7 +741,7 @@ func (r *Receiver) issue(l *Load, pr *peer) {
 	// planner.VLLMAlignRemote: where kvhost differs from vLLM (a partial
 	// prefix hit with larger decode blocks); `kvhost plan` does the same.
 	remote := pr.reader.AlignRemote(len(l.req.LocalBlockIDs), p.RemoteBlockIDs)
-	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, pr.reader.TPRatio()))
+	notif := []byte(vllm.ReadNotif(p.RemoteRequestID, r.gen.NotifNumber(pr.reader.TPRatio(), r.cfg.TPSize)))
 
 	r.scratchMu.Lock()
 	t0 := time.Now()
@@ -803,11 +865,13 @@ func (r *Receiver) fail(l *Load, err error, transfer bool) {
 func (r *Receiver) finish(l *Load, res LoadResult) {
 	if pr := l.peer; pr != nil {
 		r.mu.Lock()
+		delete(pr.loads, l)
 		if pr.inflight--; pr.inflight == 0 {
 			pr.idleSince = r.clock.Now()
 		}
 		r.mu.Unlock()
 	}
+	r.Unwatch(l.req.RequestID) // vLLM stops at finished_recving
 	res.RequestID = l.req.RequestID
 	res.Latency = r.clock.Since(l.start)
 	l.res = res

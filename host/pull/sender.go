@@ -1,6 +1,7 @@
 package pull
 
 import (
+	"container/heap"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -72,10 +73,22 @@ type SenderConfig struct {
 	// AdvertiseHost is the remote_host decodes connect to; empty means the
 	// host of Listen, which must then be a concrete address.
 	AdvertiseHost string
-	// AbortTimeout is how long blocks stay held without every notification;
-	// 0 means DefaultAbortTimeout. The Sender reads no environment: pass
-	// AbortTimeoutFromEnv() to honour VLLM_NIXL_ABORT_REQUEST_TIMEOUT.
+	// AbortTimeout is how long blocks stay held without every notification
+	// in a generation without leases; 0 means DefaultAbortTimeout. The
+	// Sender reads no environment: pass AbortTimeoutFromEnv() to honour
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT.
 	AbortTimeout time.Duration
+	// Gen is the engine's connector generation (nil: version 2): the
+	// handshake and metadata it serves, the notifications it counts, and
+	// whether holds are leases.
+	Gen *vllm.Generation
+	// Lease is a hold's initial lease in a generation with leases
+	// (kv_lease_duration; 0 means vllm.DefaultLease). A decode's heartbeat
+	// naming a held request extends it to at least now + Lease*2//3.
+	Lease time.Duration
+	// AttnBackendName is the attention backend the metadata advertises
+	// (version 6: attn_backend_name; the compat factor of the same name).
+	AttnBackendName string
 	// OnRelease is called exactly once per held request when the Sender
 	// stops holding it (from the Sender's goroutine; do not block in it).
 	OnRelease func(Release)
@@ -96,7 +109,7 @@ type ReleaseReason string
 const (
 	// ReleaseNotified: every decode rank reading the request notified.
 	ReleaseNotified ReleaseReason = "notified"
-	// ReleaseExpired: the abort timeout passed first.
+	// ReleaseExpired: the abort timeout or the lease passed first.
 	ReleaseExpired ReleaseReason = "expired"
 	// ReleaseAborted: the caller aborted the request (Abort).
 	ReleaseAborted ReleaseReason = "aborted"
@@ -124,8 +137,13 @@ type SenderCounts struct {
 	Notifications int `json:"notifications"`
 	// UnknownNotifications named no held request (or were surplus).
 	UnknownNotifications int `json:"unknown_notifications"`
-	// MalformedNotifications were not "{request_id}:{count}".
+	// MalformedNotifications were not "{request_id}:{count}" (nor a
+	// heartbeat, in a generation with leases).
 	MalformedNotifications int `json:"malformed_notifications"`
+	// Heartbeats counts the heartbeats received; Renewed the held
+	// requests whose lease one of them extended.
+	Heartbeats int `json:"heartbeats"`
+	Renewed    int `json:"renewed"`
 }
 
 // Sender is the prefill side of the pull model. It is safe for concurrent
@@ -141,12 +159,17 @@ type Sender struct {
 	host   string
 	port   int
 
-	mu     sync.Mutex
-	held   map[string]*heldReq
-	fifo   []expiry // in expiry order (one timeout for all); stale entries skipped
-	seq    uint64
-	counts SenderCounts
-	closed bool
+	gen    *vllm.Generation
+	start  time.Time // the origin of the clock a version-6 reply carries
+	hold   time.Duration
+	extend time.Duration // a heartbeat's extension (leases)
+
+	mu       sync.Mutex
+	held     map[string]*heldReq
+	expiries expiryHeap // one entry per held request, by deadline; stale entries skipped
+	seq      uint64
+	counts   SenderCounts
+	closed   bool
 
 	stop    chan struct{}
 	done    chan struct{}
@@ -164,6 +187,7 @@ type heldReq struct {
 	seq       uint64
 	blocks    []int32
 	since     time.Time
+	deadline  time.Time     // heartbeats move it later
 	perRank   []rankReaders // by hosted rank (index into Sender.ranks)
 	ranksDone int
 	notified  int
@@ -195,6 +219,22 @@ type expiry struct {
 	at  time.Time
 }
 
+// expiryHeap is a min-heap of expiries by time. A heartbeat does not
+// push: the entry popped at the old deadline is pushed again at the new
+// one, so the heap holds one entry per held request whatever peers send.
+type expiryHeap []expiry
+
+func (h expiryHeap) Len() int           { return len(h) }
+func (h expiryHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
+func (h expiryHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *expiryHeap) Push(x any)        { *h = append(*h, x.(expiry)) }
+func (h *expiryHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
 // senderExpiryPeriod is how often (wall clock) the Sender's goroutine
 // looks for expired requests while it holds any; holding none it sleeps.
 const senderExpiryPeriod = 2 * time.Millisecond
@@ -208,6 +248,7 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 	}
 	s := &Sender{
 		cfg:     cfg,
+		gen:     vllm.Or(cfg.Gen),
 		clock:   cfg.Clock,
 		log:     cfg.Logger,
 		obs:     cfg.Observer,
@@ -223,6 +264,12 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 	s.log = s.rlog.With("component", "pull_sender", "engine_id", cfg.EngineID)
 	if s.obs == nil {
 		s.obs = NopObserver{}
+	}
+	s.start = s.now()
+	s.hold = cfg.AbortTimeout
+	if s.gen.Lease {
+		s.hold = cfg.Lease
+		_, s.extend = vllm.LeaseTimes(cfg.Lease)
 	}
 	defer func() {
 		if err != nil {
@@ -241,9 +288,11 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 			return nil, fmt.Errorf("pull: agent metadata of TP rank %d: %w", r.TPRank, err)
 		}
 		md := metadataOf(cfg.EngineID, blob, &r.Cache)
-		payloads[r.TPRank] = vllm.NewHandshakePayload(cfg.CompatHash, md).Encode()
+		md.AttnBackendName = cfg.AttnBackendName
+		payloads[r.TPRank] = s.gen.NewHandshakePayload(cfg.CompatHash, md).Encode()
 	}
-	s.server, err = transportOr(cfg.Transport, cfg.ZMQ).ListenHandshake(cfg.Listen, payloads, s.log)
+	svc := HandshakeService{Gen: s.gen, Payloads: payloads, Clock: func() float64 { return s.now().Sub(s.start).Seconds() }}
+	s.server, err = transportOr(cfg.Transport, cfg.ZMQ).ListenHandshake(cfg.Listen, svc, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("pull: side channel: %w", err)
 	}
@@ -253,7 +302,7 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		s.host = endpointHost(s.server.Endpoint())
 	}
 	s.log.Info("serving vLLM handshakes", "endpoint", s.server.Endpoint(), "advertise", net.JoinHostPort(s.host, strconv.Itoa(s.port)),
-		"tp_ranks", len(s.ranks), "abort_timeout", cfg.AbortTimeout)
+		"tp_ranks", len(s.ranks), "nixl_connector_version", s.gen.Version, "hold", s.hold, "lease", s.gen.Lease)
 	// Every rank's notifications come from its agent's completion engine.
 	for i := range s.ranks {
 		unsub, err := s.ranks[i].agent.Engine().Subscribe(func(ns []plugin.Notif) { s.applyNotifs(i, ns) })
@@ -320,6 +369,12 @@ func checkSenderConfig(c *SenderConfig) error {
 	if c.AbortTimeout == 0 {
 		c.AbortTimeout = DefaultAbortTimeout
 	}
+	if c.Lease < 0 {
+		return fmt.Errorf("pull: lease %v is negative", c.Lease)
+	}
+	if c.Lease == 0 {
+		c.Lease = vllm.DefaultLease
+	}
 	return nil
 }
 
@@ -332,15 +387,17 @@ func endpointHost(ep string) string {
 	return host
 }
 
-// metadataOf builds vLLM's NixlAgentMetadata of one rank.
+// metadataOf builds vLLM's NixlAgentMetadata of one rank (no Mamba
+// state, logical blocks the kernel's).
 func metadataOf(engineID string, blob []byte, c *Cache) *vllm.AgentMetadata {
 	md := &vllm.AgentMetadata{
-		EngineID:      engineID,
-		AgentMetadata: blob,
-		DeviceID:      int(c.DeviceID),
-		NumBlocks:     c.NumBlocks,
-		KVCacheLayout: c.Layout,
-		BlockSize:     c.BlockSize,
+		EngineID:                 engineID,
+		AgentMetadata:            blob,
+		DeviceID:                 int(c.DeviceID),
+		NumBlocks:                c.NumBlocks,
+		KVCacheLayout:            c.Layout,
+		BlockSize:                c.BlockSize,
+		PhysicalBlocksPerLogical: 1,
 	}
 	for i, l := range c.blockLens() {
 		md.KVCachesBaseAddr = append(md.KVCachesBaseAddr, c.Regions[i].Addr)
@@ -390,8 +447,10 @@ func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, err
 		return KVTransferParams{}, fmt.Errorf("pull: hold %s: request already held", requestID)
 	}
 	s.seq++
-	s.held[requestID] = newHeldReq(s.seq, p.RemoteBlockIDs, now, len(s.ranks))
-	s.fifo = append(s.fifo, expiry{id: requestID, seq: s.seq, at: now.Add(s.cfg.AbortTimeout)})
+	h := newHeldReq(s.seq, p.RemoteBlockIDs, now, len(s.ranks))
+	h.deadline = now.Add(s.hold)
+	s.held[requestID] = h
+	heap.Push(&s.expiries, expiry{id: requestID, seq: s.seq, at: h.deadline})
 	s.counts.Held++
 	select {
 	case s.runWake <- struct{}{}:
@@ -519,9 +578,16 @@ func (s *Sender) applyNotifs(i int, notifs []plugin.Notif) {
 // package doc for what a peer can still do).
 func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, bool) {
 	s.counts.Notifications++
-	id, consumers, err := vllm.ParseReadNotif(n.Msg)
+	if s.gen.Lease {
+		if ids, ok, err := vllm.ParseHeartbeat(n.Msg); ok {
+			s.heartbeatLocked(i, n, ids, err, now)
+			return Release{}, false
+		}
+	}
+	id, count, err := vllm.ParseReadNotif(n.Msg)
+	consumers := s.gen.Consumers(count, s.cfg.TPSize)
 	if err == nil && consumers > MaxNotifiers {
-		err = fmt.Errorf("tp_ratio %d is more than the %d readers a rank counts", consumers, MaxNotifiers)
+		err = fmt.Errorf("the count %d asks for %d readers, more than the %d a rank counts", count, consumers, MaxNotifiers)
 	}
 	if err != nil {
 		s.counts.MalformedNotifications++
@@ -578,19 +644,42 @@ func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, boo
 	return s.releaseLocked(id, h, ReleaseNotified, now), true
 }
 
-// expire releases every request whose abort timeout passed.
+// heartbeatLocked applies a heartbeat hosted rank i received (vLLM's
+// _handle_heartbeat): every held request it names has its deadline moved
+// to at least now + the extension. Unknown ids are ignored, as vLLM does
+// (a decode keeps heartbeating requests the prefill released).
+func (s *Sender) heartbeatLocked(i int, n plugin.Notif, ids []string, err error, now time.Time) {
+	if err != nil {
+		s.counts.MalformedNotifications++
+		s.log.Warn("ignoring a malformed heartbeat", "tp_rank", s.ranks[i].tpRank, "from", n.From, "err", err)
+		s.obs.BadNotification(NotifMalformed)
+		return
+	}
+	s.counts.Heartbeats++
+	at := now.Add(s.extend)
+	for _, id := range ids {
+		if h, ok := s.held[id]; ok && at.After(h.deadline) {
+			h.deadline = at
+			s.counts.Renewed++
+		}
+	}
+}
+
+// expire releases every request whose deadline (abort timeout or lease)
+// passed. An entry whose request's deadline moved is pushed again at it.
 func (s *Sender) expire(now time.Time) {
 	var rels []Release
 	s.mu.Lock()
-	n := 0
-	for ; n < len(s.fifo) && !now.Before(s.fifo[n].at); n++ {
-		e := s.fifo[n]
-		if h, ok := s.held[e.id]; ok && h.seq == e.seq {
+	for len(s.expiries) > 0 && !now.Before(s.expiries[0].at) {
+		e := heap.Pop(&s.expiries).(expiry)
+		h, ok := s.held[e.id]
+		switch {
+		case !ok || h.seq != e.seq:
+		case now.Before(h.deadline):
+			heap.Push(&s.expiries, expiry{id: e.id, seq: e.seq, at: h.deadline})
+		default:
 			rels = append(rels, s.releaseLocked(e.id, h, ReleaseExpired, now))
 		}
-	}
-	if n > 0 {
-		s.fifo = append(s.fifo[:0], s.fifo[n:]...)
 	}
 	s.mu.Unlock()
 	s.deliver(rels)
@@ -616,8 +705,8 @@ func (s *Sender) deliver(rels []Release) {
 	for _, r := range rels {
 		switch r.Reason {
 		case ReleaseExpired:
-			s.log.Warn("releasing expired KV blocks: not every decode reader notified within the abort timeout",
-				"request_id", r.RequestID, "notifications", r.Notified, "abort_timeout", s.cfg.AbortTimeout)
+			s.log.Warn("releasing expired KV blocks: not every decode reader notified before the hold expired",
+				"request_id", r.RequestID, "notifications", r.Notified, "held", r.Held, "lease", s.gen.Lease)
 		default:
 			s.log.Debug("releasing KV blocks", "request_id", r.RequestID, "reason", r.Reason,
 				"notifications", r.Notified, "held", r.Held)

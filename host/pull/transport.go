@@ -13,10 +13,10 @@ import (
 // is the one vLLM peers speak, and tests use an in-memory one.
 // Notifications go through the plugin, not the Transport.
 type Transport interface {
-	// ListenHandshake binds endpoint and serves payloads, the encoded
-	// handshake payload per TP rank, until the listener is closed (see
-	// ListenHandshake).
-	ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger) (HandshakeListener, error)
+	// ListenHandshake binds endpoint and serves svc (the encoded
+	// handshake payload per TP rank, in its generation's shape) until the
+	// listener is closed (see ListenHandshake).
+	ListenHandshake(endpoint string, svc HandshakeService, log *slog.Logger) (HandshakeListener, error)
 	// Request sends one request to endpoint and returns its reply (a REQ
 	// exchange), failing when ctx ends first.
 	Request(ctx context.Context, endpoint string, request [][]byte) ([][]byte, error)
@@ -40,8 +40,8 @@ type ZMQ struct {
 }
 
 // ListenHandshake binds a ROUTER socket (ListenHandshake).
-func (t ZMQ) ListenHandshake(endpoint string, payloads map[int][]byte, log *slog.Logger) (HandshakeListener, error) {
-	return ListenHandshake(endpoint, payloads, log, t.Options...)
+func (t ZMQ) ListenHandshake(endpoint string, svc HandshakeService, log *slog.Logger) (HandshakeListener, error) {
+	return ListenHandshake(endpoint, svc, log, t.Options...)
 }
 
 // Request runs one REQ exchange (zmq.Request).

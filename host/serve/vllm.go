@@ -36,6 +36,7 @@ import (
 	"github.com/kvhost/kvhost/host/internal/clock"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // Release reasons of the released event.
@@ -159,9 +160,12 @@ type vllmEngine struct {
 	// fixed by the first rank; later ranks must agree
 	tpSize     int
 	compatHash string
+	wire       *vllm.Generation // the connector generation it speaks
+	attn       string
 	sideHost   string
 	sidePort   int
 	abort      time.Duration
+	lease      time.Duration
 
 	ranks    map[int]*vllmPrefillRank
 	sender   *pull.Sender
@@ -186,6 +190,9 @@ type vllmPrefillSpec struct {
 	TPSize       int
 	TPRank       int
 	CompatHash   string
+	Gen          *vllm.Generation // the engine's connector generation (nil: 2)
+	AttnBackend  string           // attn_backend_name, advertised from version 6
+	Lease        time.Duration    // kv_lease_duration (0: vllm.DefaultLease), with leases
 	SideHost     string
 	SidePort     int
 	AbortTimeout time.Duration // 0: the sidecar's
@@ -236,9 +243,12 @@ func (h *vllmHub) joinPrefill(c vllmConn, spec vllmPrefillSpec, agent *plugin.Ag
 			id:         spec.EngineID,
 			tpSize:     spec.TPSize,
 			compatHash: spec.CompatHash,
+			wire:       vllm.Or(spec.Gen),
+			attn:       spec.AttnBackend,
 			sideHost:   spec.SideHost,
 			sidePort:   spec.SidePort,
 			abort:      spec.AbortTimeout,
+			lease:      spec.Lease,
 			ranks:      make(map[int]*vllmPrefillRank),
 			holds:      make(map[string]*vllmHold),
 		}
@@ -253,6 +263,8 @@ func (h *vllmHub) joinPrefill(c vllmConn, spec vllmPrefillSpec, agent *plugin.Ag
 				net.JoinHostPort(spec.SideHost, strconv.Itoa(spec.SidePort)), e.id, net.JoinHostPort(e.sideHost, strconv.Itoa(e.sidePort)))
 		case e.abort != spec.AbortTimeout:
 			return nil, "", vllmErrf("bad_request", "abort_timeout: %v, but engine %q's open ranks say %v", spec.AbortTimeout, e.id, e.abort)
+		case e.lease != spec.Lease:
+			return nil, "", vllmErrf("bad_request", "kv_lease_duration: %v, but engine %q's open ranks say %v", spec.Lease, e.id, e.lease)
 		}
 		if _, ok := e.ranks[spec.TPRank]; ok {
 			return nil, "", vllmErrf("exists", "engine %q: TP rank %d is already open", e.id, spec.TPRank)
@@ -285,25 +297,29 @@ func (h *vllmHub) startSenderLocked(e *vllmEngine) error {
 	e.gen++
 	gen := e.gen
 	s, err := pull.NewSender(pull.SenderConfig{
-		EngineID:      e.id,
-		TPSize:        e.tpSize,
-		Ranks:         ranks,
-		CompatHash:    e.compatHash,
-		Listen:        "tcp://" + net.JoinHostPort(e.sideHost, strconv.Itoa(e.sidePort)),
-		AdvertiseHost: e.sideHost,
-		AbortTimeout:  e.abort,
-		OnRelease:     func(rel pull.Release) { h.onRelease(e, gen, rel) },
-		Logger:        h.cfg.Logger,
-		Observer:      h.cfg.Observer,
-		Transport:     h.cfg.Transport,
-		Clock:         h.cfg.Clock,
+		EngineID:        e.id,
+		TPSize:          e.tpSize,
+		Ranks:           ranks,
+		CompatHash:      e.compatHash,
+		Listen:          "tcp://" + net.JoinHostPort(e.sideHost, strconv.Itoa(e.sidePort)),
+		AdvertiseHost:   e.sideHost,
+		AbortTimeout:    e.abort,
+		Gen:             e.wire,
+		Lease:           e.lease,
+		AttnBackendName: e.attn,
+		OnRelease:       func(rel pull.Release) { h.onRelease(e, gen, rel) },
+		Logger:          h.cfg.Logger,
+		Observer:        h.cfg.Observer,
+		Transport:       h.cfg.Transport,
+		Clock:           h.cfg.Clock,
 	})
 	if err != nil {
 		return vllmErrf("backend", "engine %q: side channel: %v", e.id, err)
 	}
 	e.sender = s
 	e.endpoint = "tcp://" + net.JoinHostPort(s.Host(), strconv.Itoa(s.Port()))
-	h.log.Info("vLLM prefill engine ready", "engine_id", e.id, "tp_size", e.tpSize, "side_channel", e.endpoint)
+	h.log.Info("vLLM prefill engine ready", "engine_id", e.id, "tp_size", e.tpSize, "side_channel", e.endpoint,
+		"nixl_connector_version", e.wire.Version)
 	for _, c := range e.connsLocked(nil) {
 		c.vllmEmit(vllmEvent{Kind: "engine_ready", EngineID: e.id, Endpoint: e.endpoint})
 	}
@@ -382,38 +398,39 @@ func (r *vllmPrefillRank) leave() error {
 }
 
 // hold is the scheduler's request_finished: hold blockIDs of requestID
-// for decode readers and return vLLM's kv_transfer_params.
-func (h *vllmHub) hold(c vllmConn, engineID, requestID string, blockIDs []int32) (pull.KVTransferParams, error) {
+// for decode readers and return vLLM's kv_transfer_params and the
+// generation the engine speaks (their shape).
+func (h *vllmHub) hold(c vllmConn, engineID, requestID string, blockIDs []int32) (pull.KVTransferParams, *vllm.Generation, error) {
 	if requestID == "" {
-		return pull.KVTransferParams{}, vllmErrf("bad_request", "request_id: empty")
+		return pull.KVTransferParams{}, nil, vllmErrf("bad_request", "request_id: empty")
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if err := h.checkBindLocked(c, engineID); err != nil {
-		return pull.KVTransferParams{}, err
+		return pull.KVTransferParams{}, nil, err
 	}
 	e := h.engines[engineID]
 	switch {
 	case e == nil:
-		return pull.KVTransferParams{}, vllmErrf("unknown", "engine %q has no prefill rank on this sidecar", engineID)
+		return pull.KVTransferParams{}, nil, vllmErrf("unknown", "engine %q has no prefill rank on this sidecar", engineID)
 	case e.sender == nil:
-		return pull.KVTransferParams{}, vllmErrf("out_of_order", "engine %q: %d of its %d TP ranks are open; hold after engine_ready", engineID, len(e.ranks), e.tpSize)
+		return pull.KVTransferParams{}, nil, vllmErrf("out_of_order", "engine %q: %d of its %d TP ranks are open; hold after engine_ready", engineID, len(e.ranks), e.tpSize)
 	case e.holds[requestID] != nil:
-		return pull.KVTransferParams{}, vllmErrf("exists", "engine %q already holds request %q", engineID, requestID)
+		return pull.KVTransferParams{}, nil, vllmErrf("exists", "engine %q already holds request %q", engineID, requestID)
 	case len(e.holds) >= vllmMaxHolds:
-		return pull.KVTransferParams{}, vllmErrf("limit", "engine %q holds %d requests already", engineID, len(e.holds))
+		return pull.KVTransferParams{}, nil, vllmErrf("limit", "engine %q holds %d requests already", engineID, len(e.holds))
 	}
 	// Sender.Hold takes only the Sender's lock, which is never held while
 	// its OnRelease waits for h.mu.
 	p, err := e.sender.Hold(requestID, blockIDs)
 	if err != nil {
-		return pull.KVTransferParams{}, vllmErrf("bad_request", "block_ids: %v", err)
+		return pull.KVTransferParams{}, nil, vllmErrf("bad_request", "block_ids: %v", err)
 	}
 	if len(blockIDs) > 0 {
 		e.holds[requestID] = &vllmHold{holder: c, sender: e.sender, gen: e.gen}
 	}
 	h.bindLocked(c, engineID)
-	return p, nil
+	return p, e.wire, nil
 }
 
 // release is the scheduler's abort of a held request (vLLM's
@@ -537,6 +554,8 @@ type vllmDecodeSpec struct {
 	TPSize       int
 	TPRank       int
 	CompatHash   string
+	Gen          *vllm.Generation // nil: version 2
+	Lease        time.Duration    // the prefill's lease, for heartbeats (0: vllm.DefaultLease)
 	MLA          bool
 	BlocksFirst  bool
 	TotalKVHeads int
@@ -549,6 +568,7 @@ type vllmDecodeRank struct {
 	conn vllmConn
 	id   uint64 // the rank id events carry
 	rcv  *pull.Receiver
+	gen  *vllm.Generation
 
 	mu     sync.Mutex
 	reads  map[string]struct{}
@@ -585,6 +605,8 @@ func (h *vllmHub) openDecode(c vllmConn, rankID uint64, spec vllmDecodeSpec, age
 		TotalKVHeads:     spec.TotalKVHeads,
 		BlockWindows:     spec.BlockWindows,
 		CompatHash:       spec.CompatHash,
+		Gen:              spec.Gen,
+		Lease:            spec.Lease,
 		HandshakeTimeout: h.cfg.HandshakeTimeout,
 		ReadTimeout:      h.cfg.ReadTimeout,
 		Logger:           h.cfg.Logger,
@@ -600,7 +622,7 @@ func (h *vllmHub) openDecode(c vllmConn, rankID uint64, spec vllmDecodeSpec, age
 	h.mu.Lock()
 	h.bindLocked(c, spec.EngineID)
 	h.mu.Unlock()
-	return &vllmDecodeRank{hub: h, conn: c, id: rankID, rcv: rcv, reads: make(map[string]struct{})}, nil
+	return &vllmDecodeRank{hub: h, conn: c, id: rankID, rcv: rcv, gen: vllm.Or(spec.Gen), reads: make(map[string]struct{})}, nil
 }
 
 // read is the worker's start_load_kv for one request: it starts the pull

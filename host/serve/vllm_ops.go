@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/serve/engmem"
+	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
 // The vLLM ops of docs/engine-api.md on the session dispatcher: open_rank
@@ -19,6 +21,8 @@ func init() {
 	registerOp("hold", opVLLMHold)
 	registerOp("release", opVLLMRelease)
 	registerOp("read", opVLLMRead)
+	registerOp("watch", opVLLMWatch)
+	registerOp("unwatch", opVLLMUnwatch)
 }
 
 // vllmHubOf returns the server's vLLM engine groups.
@@ -103,9 +107,13 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if !ok {
 		return nil, nil, missing("compat")
 	}
-	hash, herr := vllmCompatOf(cv)
+	compat, herr := vllmCompatOf(cv)
 	if herr != nil {
-		return nil, nil, errorf(CodeBadRequest, "%v", herr)
+		return nil, nil, herr
+	}
+	lease, lerr := vllmSeconds(r, "kv_lease_duration")
+	if lerr != nil {
+		return nil, nil, lerr
 	}
 	vllmWatch(s, hub)
 	agent, aerr := s.srv.cfg.Plugin.NewAgent(fmt.Sprintf("kvhost-serve-%s-vllm-%s-%d-%d", s.srv.session, rk.role, tpRank, rk.id), s.srv.cfg.AgentParams...)
@@ -128,7 +136,8 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 			agent.Close()
 			return nil, nil, err
 		}
-		pr, ep, jerr := hub.joinPrefill(s, vllmPrefillSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: hash,
+		pr, ep, jerr := hub.joinPrefill(s, vllmPrefillSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: compat.Hash,
+			Gen: compat.Gen, AttnBackend: compat.AttnBackend, Lease: lease,
 			SideHost: host, SidePort: port, AbortTimeout: abort}, agent, cache)
 		if jerr != nil {
 			agent.Close()
@@ -136,7 +145,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 		}
 		return &vllmPrefillImpl{r: pr, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ep}}, nil
 	}
-	spec := vllmDecodeSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: hash}
+	spec := vllmDecodeSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: compat.Hash, Gen: compat.Gen, Lease: lease}
 	var perr error
 	if spec.MLA, perr = r.bool("is_mla", false); perr != nil {
 		agent.Close()
@@ -299,19 +308,30 @@ func opVLLMHold(s *session, r *request) (Fields, error) {
 	if len(blocks) > vllmMaxBlockIDs {
 		return nil, badValue("block_ids", "%d ids, at most %d", len(blocks), vllmMaxBlockIDs)
 	}
+	// request.num_computed_tokens, which version 6's params carry.
+	numTokens, err := r.optInt("num_tokens", 0)
+	if err != nil {
+		return nil, err
+	}
+	if numTokens < 0 || numTokens > math.MaxInt32 {
+		return nil, badValue("num_tokens", "%d is not a token count", numTokens)
+	}
 	vllmWatch(s, hub)
-	p, herr := hub.hold(s, engineID, requestID, blocks)
+	p, gen, herr := hub.hold(s, engineID, requestID, blocks)
 	if herr != nil {
 		return nil, vllmAPIError(herr)
 	}
-	return Fields{{"kv_transfer_params", vllmParamsMsg(p)}}, nil
+	if len(blocks) > 0 {
+		p.RemoteNumTokens = numTokens
+	}
+	return Fields{{"kv_transfer_params", vllmParamsMsg(p, gen)}}, nil
 }
 
-// vllmParamsMsg is p as vLLM's request_finished dict (encodeVLLMParams),
-// as a value the reply encoder writes.
-func vllmParamsMsg(p pull.KVTransferParams) msgpack.Value {
+// vllmParamsMsg is p as vLLM's request_finished dict of generation gen
+// (encodeVLLMParams), as a value the reply encoder writes.
+func vllmParamsMsg(p pull.KVTransferParams, gen *vllm.Generation) msgpack.Value {
 	var e msgpack.Encoder
-	encodeVLLMParams(&e, p)
+	encodeVLLMParams(&e, p, gen)
 	v, err := msgpack.Decode(e.Bytes())
 	if err != nil {
 		panic("serve: kv_transfer_params do not decode: " + err.Error())
@@ -363,9 +383,55 @@ func opVLLMRead(s *session, r *request) (Fields, error) {
 	// What is inside is vLLM's, passed through by the proxy: a read whose
 	// params cannot drive a pull fails (read event, every block invalid),
 	// as vLLM's connector refuses to pull with them.
-	params, perr := vllmParamsOf(pv)
+	params, perr := vllmParamsOf(pv, d.d.gen)
 	if rerr := d.d.read(requestID, params, perr, blocks); rerr != nil {
 		return nil, vllmAPIError(rerr)
 	}
+	return Fields{}, nil
+}
+
+// opVLLMWatch is vLLM's on_new_request on a decode (versions with
+// leases): renew the prefill's lease of a request queued for a later
+// read (pull.Receiver.Watch).
+func opVLLMWatch(s *session, r *request) (Fields, error) {
+	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
+	if rerr != nil {
+		return nil, rerr
+	}
+	requestID, err := vllmID(r, "request_id")
+	if err != nil {
+		return nil, err
+	}
+	pv, ok := r.get("kv_transfer_params")
+	if !ok {
+		return nil, missing("kv_transfer_params")
+	}
+	params, perr := vllmParamsOf(pv, d.d.gen)
+	if perr != nil {
+		return nil, errorf(CodeBadRequest, "%v", perr)
+	}
+	switch err := d.d.rcv.Watch(requestID, params); {
+	case errors.Is(err, pull.ErrNoLease):
+		return nil, errorf(CodeUnsupported, "%v", err)
+	case errors.Is(err, pull.ErrInvalidParams):
+		return nil, errorf(CodeBadRequest, "%v", err)
+	case err != nil:
+		return nil, errorf(CodeLimit, "%v", err)
+	}
+	return Fields{}, nil
+}
+
+// opVLLMUnwatch is vLLM's _stop_heartbeat: the request finished or was
+// aborted before its read.
+func opVLLMUnwatch(s *session, r *request) (Fields, error) {
+	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
+	if rerr != nil {
+		return nil, rerr
+	}
+	requestID, err := vllmID(r, "request_id")
+	if err != nil {
+		return nil, err
+	}
+	d.d.rcv.Unwatch(requestID)
 	return Fields{}, nil
 }

@@ -20,7 +20,12 @@ const vllmMaxBlockIDs = 1 << 20
 // ints (what the dict holds) or, as a convenience, bin of little-endian
 // int32. nil values are missing fields. A field of the wrong type is an
 // error naming it; missing fields are left zero for pull's own check.
-func vllmParamsOf(v msgpack.Value) (pull.KVTransferParams, error) {
+//
+// gen decides remote_block_ids' shape: one list (version 2) or one list
+// per KV cache group (GroupedBlockIDs), of which kvhost reads exactly one
+// (a hybrid model's further groups are refused). The fields later
+// generations add are read by their names when present.
+func vllmParamsOf(v msgpack.Value, gen *vllm.Generation) (pull.KVTransferParams, error) {
 	var p pull.KVTransferParams
 	if v.Kind != msgpack.Map {
 		return p, fmt.Errorf("kv_transfer_params: %s, want a map", v.Kind)
@@ -64,11 +69,39 @@ func vllmParamsOf(v msgpack.Value) (pull.KVTransferParams, error) {
 	strField("remote_host", &p.RemoteHost)
 	intField("remote_port", &p.RemotePort)
 	intField("tp_size", &p.TPSize)
+	intField("remote_num_tokens", &p.RemoteNumTokens)
+	intField("remote_block_size", &p.RemoteBlockSize)
+	intField("pp_size", &p.PPSize)
+	if f, ok := field("remote_blocks_expiry_time"); ok && err == nil {
+		// The decode's own blocks' deadline (bidirectional transfers);
+		// a prefill's is None. Checked, not used.
+		if _, isFloat := f.Float(); !isFloat {
+			if _, isInt := f.Int(); !isInt {
+				err = fmt.Errorf("kv_transfer_params.remote_blocks_expiry_time: %s, want a float or nil", f.Kind)
+			}
+		}
+	}
 	if err != nil {
 		return pull.KVTransferParams{}, err
 	}
 	if f, ok := field("remote_block_ids"); ok {
-		p.RemoteBlockIDs, err = vllmBlockList("kv_transfer_params.remote_block_ids", f)
+		const name = "kv_transfer_params.remote_block_ids"
+		if vllm.Or(gen).GroupedBlockIDs {
+			if f.Kind != msgpack.Array {
+				return pull.KVTransferParams{}, fmt.Errorf("%s: %s, want one list per KV cache group ([[...]], %s)", name, f.Kind, vllm.Or(gen))
+			}
+			if f.Len() != 1 {
+				return pull.KVTransferParams{}, fmt.Errorf("%s: %d KV cache groups; kvhost transfers models with one", name, f.Len())
+			}
+			f, _ = f.Index(0)
+			if f.Kind == msgpack.Array || f.Kind == msgpack.Bin {
+				p.RemoteBlockIDs, err = vllmBlockList(name+"[0]", f)
+			} else {
+				err = fmt.Errorf("%s[0]: %s, want a list of ints (%s groups remote_block_ids)", name, f.Kind, vllm.Or(gen))
+			}
+		} else {
+			p.RemoteBlockIDs, err = vllmBlockList(name, f)
+		}
 		if err != nil {
 			return pull.KVTransferParams{}, err
 		}
@@ -131,80 +164,109 @@ func vllmPackBlocks(ids []int32) []byte {
 }
 
 // encodeVLLMParams writes p as the dict vLLM's
-// NixlConnectorScheduler.request_finished returns, key for key in its
-// order: do_remote_prefill, do_remote_decode, remote_block_ids (a list of
-// ints), remote_engine_id, remote_request_id, remote_host, remote_port,
-// tp_size.
-func encodeVLLMParams(e *msgpack.Encoder, p pull.KVTransferParams) {
-	e.MapHeader(8)
-	e.Str("do_remote_prefill")
-	e.Bool(p.DoRemotePrefill)
-	e.Str("do_remote_decode")
-	e.Bool(p.DoRemoteDecode)
-	e.Str("remote_block_ids")
-	e.ArrayHeader(len(p.RemoteBlockIDs))
-	for _, b := range p.RemoteBlockIDs {
-		e.Int(int64(b))
+// NixlConnectorScheduler.request_finished of generation gen returns, key
+// for key in its order (vllm.Generation.ParamsFields): version 2
+// do_remote_prefill, do_remote_decode, remote_block_ids (a list of ints),
+// remote_engine_id, remote_request_id, remote_host, remote_port, tp_size;
+// version 6 has remote_block_ids one list per KV cache group ([[...]]) and
+// adds remote_num_tokens and remote_blocks_expiry_time (None: a prefill's
+// blocks have no deadline the decode needs).
+func encodeVLLMParams(e *msgpack.Encoder, p pull.KVTransferParams, gen *vllm.Generation) {
+	gen = vllm.Or(gen)
+	e.MapHeader(len(gen.ParamsFields))
+	for _, f := range gen.ParamsFields {
+		e.Str(f)
+		switch f {
+		case "do_remote_prefill":
+			e.Bool(p.DoRemotePrefill)
+		case "do_remote_decode":
+			e.Bool(p.DoRemoteDecode)
+		case "remote_block_ids":
+			if gen.GroupedBlockIDs {
+				e.ArrayHeader(1)
+			}
+			e.ArrayHeader(len(p.RemoteBlockIDs))
+			for _, b := range p.RemoteBlockIDs {
+				e.Int(int64(b))
+			}
+		case "remote_engine_id":
+			e.Str(p.RemoteEngineID)
+		case "remote_request_id":
+			e.Str(p.RemoteRequestID)
+		case "remote_host":
+			e.Str(p.RemoteHost)
+		case "remote_port":
+			e.Int(int64(p.RemotePort))
+		case "tp_size":
+			e.Int(int64(p.RemoteTPSize()))
+		case "remote_num_tokens":
+			e.Int(int64(p.RemoteNumTokens))
+		case "remote_blocks_expiry_time":
+			e.Nil()
+		default:
+			panic("serve: no encoder for kv_transfer_params field " + f) // a table entry without code
+		}
 	}
-	e.Str("remote_engine_id")
-	e.Str(p.RemoteEngineID)
-	e.Str("remote_request_id")
-	e.Str(p.RemoteRequestID)
-	e.Str("remote_host")
-	e.Str(p.RemoteHost)
-	e.Str("remote_port")
-	e.Int(int64(p.RemotePort))
-	e.Str("tp_size")
-	e.Int(int64(p.RemoteTPSize()))
 }
 
-// vllmCompatOf computes vLLM's compatibility hash from open_rank's compat
-// map (vLLM's compute_nixl_compatibility_hash factors, by their names).
-// Every factor is required: a hash from guessed factors would only fail
-// later, at every handshake.
-func vllmCompatOf(v msgpack.Value) (string, error) {
+// vllmCompat is what open_rank's compat map says.
+type vllmCompat struct {
+	Gen  *vllm.Generation
+	Hash string
+	// AttnBackend is the attn_backend_name factor, which version-6
+	// metadata advertises.
+	AttnBackend string
+}
+
+// vllmMaxCompatFactors bounds the factors of a compat map.
+const vllmMaxCompatFactors = 64
+
+// vllmCompatOf reads open_rank's compat map: nixl_connector_version
+// selects the generation (absent: 2, which is then hashed as a factor);
+// the factors, by vLLM's names and with the types vLLM hashes them as, give
+// vLLM's compatibility hash. A version kvhost does not speak is
+// `unsupported`, naming it and the supported ones; anything else wrong is
+// `bad_request`.
+func vllmCompatOf(v msgpack.Value) (vllmCompat, error) {
+	var c vllmCompat
 	if v.Kind != msgpack.Map {
-		return "", fmt.Errorf("compat: %s, want a map", v.Kind)
+		return c, errorf(CodeBadRequest, "compat: %s, want a map", v.Kind)
 	}
-	var f vllm.CompatFactors
-	str := func(name string, dst *string) error {
-		x, ok := v.Get(name)
+	if len(v.Pairs) > vllmMaxCompatFactors {
+		return c, errorf(CodeBadRequest, "compat: %d factors, at most %d", len(v.Pairs), vllmMaxCompatFactors)
+	}
+	factors := make(map[string]msgpack.Value, len(v.Pairs))
+	for _, p := range v.Pairs {
+		k, ok := p[0].Str()
 		if !ok {
-			return fmt.Errorf("compat.%s: missing", name)
+			return c, errorf(CodeBadRequest, "compat: a key is a msgpack %s, want a str", p[0].Kind)
 		}
-		s, ok := x.Str()
-		if !ok {
-			return fmt.Errorf("compat.%s: %s, want a str", name, x.Kind)
-		}
-		*dst = s
-		return nil
+		factors[k] = p[1]
 	}
-	num := func(name string, dst *int) error {
-		x, ok := v.Get(name)
-		if !ok {
-			return fmt.Errorf("compat.%s: missing", name)
+	version := int64(vllm.DefaultVersion)
+	if x, ok := factors["nixl_connector_version"]; ok {
+		n, isInt := x.Int()
+		if !isInt {
+			return c, errorf(CodeBadRequest, "compat.nixl_connector_version: %s, want an int", x.Kind)
 		}
-		n, ok := x.Int()
-		if !ok || n < math.MinInt32 || n > math.MaxInt32 {
-			return fmt.Errorf("compat.%s: %s, want an int", name, x.Kind)
-		}
-		*dst = int(n)
-		return nil
+		version = n
+	} else {
+		var e msgpack.Encoder
+		e.Int(version)
+		factors["nixl_connector_version"], _ = msgpack.Decode(e.Bytes())
 	}
-	for _, err := range []error{
-		str("vllm_version", &f.VLLMVersion),
-		num("nixl_connector_version", &f.ConnectorVersion),
-		str("model", &f.Model),
-		str("dtype", &f.DType),
-		num("num_kv_heads", &f.NumKVHeads),
-		num("head_size", &f.HeadSize),
-		num("num_hidden_layers", &f.NumHiddenLayers),
-		str("attn_backend_name", &f.AttnBackendName),
-		str("cache_dtype", &f.CacheDType),
-	} {
-		if err != nil {
-			return "", err
-		}
+	if version < 0 || version > math.MaxInt32 {
+		return c, errorf(CodeUnsupported, "compat.nixl_connector_version: %d; kvhost speaks versions %s", version, vllm.VersionList())
 	}
-	return vllm.CompatibilityHash(f), nil
+	g, err := vllm.Lookup(int(version))
+	if err != nil {
+		return c, errorf(CodeUnsupported, "compat.nixl_connector_version: %v", err)
+	}
+	hash, err := g.CompatHash(factors)
+	if err != nil {
+		return c, errorf(CodeBadRequest, "%v", err)
+	}
+	c.Gen, c.Hash = g, hash
+	c.AttnBackend, _ = factors["attn_backend_name"].Str()
+	return c, nil
 }

@@ -129,7 +129,7 @@ func TestVLLMHubPull(t *testing.T) {
 	if err != nil || ep != "" {
 		t.Fatalf("join rank 0: %q %v", ep, err)
 	}
-	if _, err := hub.hold(sched, "P", "req-early", []int32{1}); err == nil {
+	if _, _, err := hub.hold(sched, "P", "req-early", []int32{1}); err == nil {
 		t.Fatal("hold before the group is complete succeeded")
 	} else {
 		wantCode(t, err, "out_of_order")
@@ -164,7 +164,7 @@ func TestVLLMHubPull(t *testing.T) {
 			t.Fatal(i, err)
 		}
 	}
-	params, err := hub.hold(sched, "P", "req-1", blocks)
+	params, _, err := hub.hold(sched, "P", "req-1", blocks)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,12 +172,12 @@ func TestVLLMHubPull(t *testing.T) {
 		fmt.Sprint(params.RemoteBlockIDs) != fmt.Sprint(blocks) || params.RemotePort == 0 || params.RemoteHost != "127.0.0.1" {
 		t.Fatalf("params %+v", params)
 	}
-	if _, err := hub.hold(sched, "P", "req-1", blocks); err == nil {
+	if _, _, err := hub.hold(sched, "P", "req-1", blocks); err == nil {
 		t.Fatal("second hold of a held request")
 	} else {
 		wantCode(t, err, "exists")
 	}
-	if _, err := hub.hold(sched, "P", "req-x", []int32{32}); err == nil {
+	if _, _, err := hub.hold(sched, "P", "req-x", []int32{32}); err == nil {
 		t.Fatal("hold of a block out of range")
 	} else {
 		wantCode(t, err, "bad_request")
@@ -229,7 +229,7 @@ func TestVLLMHubReleaseAndScope(t *testing.T) {
 		t.Fatal(err)
 	}
 	other.next(t)
-	if _, err := hub.hold(sched, "P", "a", []int32{1, 2}); err != nil {
+	if _, _, err := hub.hold(sched, "P", "a", []int32{1, 2}); err != nil {
 		t.Fatal(err)
 	}
 	if err := hub.release(other, "P", "a"); err == nil {
@@ -237,17 +237,17 @@ func TestVLLMHubReleaseAndScope(t *testing.T) {
 	} else {
 		wantCode(t, err, "unknown")
 	}
-	if _, err := hub.hold(other, "P", "b", []int32{1}); err == nil {
+	if _, _, err := hub.hold(other, "P", "b", []int32{1}); err == nil {
 		t.Fatal("engine Q's connection held for engine P")
 	} else {
 		wantCode(t, err, "unknown")
 	}
-	if _, err := hub.hold(sched, "Q", "b", []int32{1}); err == nil {
+	if _, _, err := hub.hold(sched, "Q", "b", []int32{1}); err == nil {
 		t.Fatal("engine P's scheduler held for engine Q")
 	} else {
 		wantCode(t, err, "unknown")
 	}
-	if _, err := hub.hold(sched, "nope", "b", []int32{1}); err == nil {
+	if _, _, err := hub.hold(sched, "nope", "b", []int32{1}); err == nil {
 		t.Fatal("hold for a connection's other engine")
 	}
 	if err := hub.release(w, "P", "a"); err != nil { // a rank connection of P may release
@@ -265,7 +265,7 @@ func TestVLLMHubReleaseAndScope(t *testing.T) {
 	}
 	// Empty blocks: params without a hold (vLLM's request_finished with
 	// no blocks does not delay the free).
-	p, err := hub.hold(sched, "P", "empty", nil)
+	p, _, err := hub.hold(sched, "P", "empty", nil)
 	if err != nil || len(p.RemoteBlockIDs) != 0 || !p.DoRemotePrefill {
 		t.Fatalf("empty hold: %+v %v", p, err)
 	}
@@ -286,7 +286,7 @@ func TestVLLMHubTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.next(t)
-	if _, err := hub.hold(sched, "P", "t", []int32{3}); err != nil {
+	if _, _, err := hub.hold(sched, "P", "t", []int32{3}); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []*vtConn{w, sched} {
@@ -316,7 +316,7 @@ func TestVLLMHubLeaveAndClose(t *testing.T) {
 	}
 	w0.next(t)
 	w1.next(t)
-	if _, err := hub.hold(sched, "P", "x", []int32{1}); err != nil {
+	if _, _, err := hub.hold(sched, "P", "x", []int32{1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r1.leave(); err != nil {
@@ -327,7 +327,7 @@ func TestVLLMHubLeaveAndClose(t *testing.T) {
 			t.Fatalf("%s: %+v", c.name, ev)
 		}
 	}
-	if _, err := hub.hold(sched, "P", "y", []int32{1}); err == nil {
+	if _, _, err := hub.hold(sched, "P", "y", []int32{1}); err == nil {
 		t.Fatal("hold on an incomplete group")
 	} else {
 		wantCode(t, err, "out_of_order")
@@ -341,7 +341,7 @@ func TestVLLMHubLeaveAndClose(t *testing.T) {
 	}
 	w0.next(t)
 	w1.next(t)
-	if _, err := hub.hold(sched, "P", "z", []int32{1}); err != nil {
+	if _, _, err := hub.hold(sched, "P", "z", []int32{1}); err != nil {
 		t.Fatal(err)
 	}
 	hub.connClosed(sched)
@@ -376,7 +376,7 @@ func TestVLLMHubReadFailures(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.next(t)
-	params, err := hub.hold(sched, "P", "r", []int32{1, 2})
+	params, _, err := hub.hold(sched, "P", "r", []int32{1, 2})
 	if err != nil {
 		t.Fatal(err)
 	}

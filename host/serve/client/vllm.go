@@ -22,6 +22,10 @@ type VLLMCompat struct {
 	NumHiddenLayers      int
 	AttnBackendName      string
 	CacheDType           string
+	// Extra are the factors later generations hash, by vLLM's names
+	// (version 6: cross_layers_blocks bool, is_hma_enabled bool,
+	// speculative_config map or nil).
+	Extra Fields
 }
 
 // VLLMRank is open_rank's vLLM fields (NixlConnectorWorker's
@@ -46,6 +50,9 @@ type VLLMRank struct {
 	SideChannelHost string
 	SideChannelPort int
 	AbortTimeout    time.Duration
+	// KVLeaseDuration is the prefill's lease in generations with leases
+	// (vLLM's kv_lease_duration; 0: 30 s).
+	KVLeaseDuration time.Duration
 }
 
 // OpenVLLM opens a vLLM rank. A prefill rank's Endpoint is the engine's
@@ -58,12 +65,15 @@ func (c *Client) OpenVLLM(ctx context.Context, r VLLMRank) (Rank, error) {
 		{"kv_caches_base_addr", r.KVCachesBaseAddr}, {"region_len", r.RegionLen},
 		{"num_blocks", r.NumBlocks}, {"block_size", r.BlockSize},
 		{"blocks_first", r.BlocksFirst}, {"is_mla", r.IsMLA}, {"total_kv_heads", r.TotalKVHeads},
-		{"compat", Fields{
+		{"compat", append(Fields{
 			{"vllm_version", r.Compat.VLLMVersion}, {"nixl_connector_version", r.Compat.NixlConnectorVersion},
 			{"model", r.Compat.Model}, {"dtype", r.Compat.DType}, {"num_kv_heads", r.Compat.NumKVHeads},
 			{"head_size", r.Compat.HeadSize}, {"num_hidden_layers", r.Compat.NumHiddenLayers},
 			{"attn_backend_name", r.Compat.AttnBackendName}, {"cache_dtype", r.Compat.CacheDType},
-		}},
+		}, r.Compat.Extra...)},
+	}
+	if r.KVLeaseDuration > 0 {
+		f = append(f, Field{"kv_lease_duration", r.KVLeaseDuration.Seconds()})
 	}
 	if r.KVCacheLayout != "" {
 		f = append(f, Field{"kv_cache_layout", r.KVCacheLayout})
@@ -87,7 +97,17 @@ func (c *Client) OpenVLLM(ctx context.Context, r VLLMRank) (Rank, error) {
 // request_finished) and returns the kv_transfer_params map vLLM puts in
 // the response; pass it to the decode's Read as it is.
 func (c *Client) Hold(ctx context.Context, engineID, requestID string, blockIDs []int32) (msgpack.Value, error) {
-	v, err := c.call(ctx, "hold", Fields{{"engine_id", engineID}, {"request_id", requestID}, {"block_ids", Pages(blockIDs)}})
+	return c.HoldTokens(ctx, engineID, requestID, blockIDs, -1)
+}
+
+// HoldTokens is Hold that also says the request's num_computed_tokens
+// (version 6's remote_num_tokens); numTokens < 0 says nothing.
+func (c *Client) HoldTokens(ctx context.Context, engineID, requestID string, blockIDs []int32, numTokens int) (msgpack.Value, error) {
+	f := Fields{{"engine_id", engineID}, {"request_id", requestID}, {"block_ids", Pages(blockIDs)}}
+	if numTokens >= 0 {
+		f = append(f, Field{"num_tokens", numTokens})
+	}
+	v, err := c.call(ctx, "hold", f)
 	if err != nil {
 		return msgpack.Value{}, err
 	}
@@ -235,4 +255,17 @@ func (c *Client) vllmLost() {
 		raw, _ := msgpack.Decode(e.Bytes())
 		c.events.push(Event{Name: "read", Rank: r.rank, Reason: ReasonConnectionLost, Raw: raw, Local: true})
 	}
+}
+
+// Watch asks a decode rank to renew the prefill's lease of a request
+// queued for a later Read (versions with leases; vLLM's on_new_request).
+func (c *Client) Watch(ctx context.Context, rank uint64, requestID string, params msgpack.Value) error {
+	_, err := c.call(ctx, "watch", Fields{{"rank", rank}, {"request_id", requestID}, {"kv_transfer_params", params}})
+	return err
+}
+
+// Unwatch stops renewing it (the request finished or was aborted).
+func (c *Client) Unwatch(ctx context.Context, rank uint64, requestID string) error {
+	_, err := c.call(ctx, "unwatch", Fields{{"rank", rank}, {"request_id", requestID}})
+	return err
 }

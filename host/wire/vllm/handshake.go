@@ -1,20 +1,26 @@
-// Package vllm encodes and decodes vLLM's NIXL connector side channel (see
-// vLLM 0.13's vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py):
-// the msgpack messages of the ZeroMQ ROUTER/REQ handshake in which a decode
-// worker fetches a prefill worker's NIXL agent metadata, the compatibility
-// hash both sides compare, and the READ completion notification. It is a
-// codec only: the handshake server and client that carry these messages
-// over ZeroMQ are host/pull's HandshakeServer and FetchHandshake.
+// Package vllm encodes and decodes vLLM's NIXL connector side channel:
+// the msgpack messages of the ZeroMQ ROUTER/REQ handshake in which a
+// decode worker fetches a prefill worker's NIXL agent metadata, the
+// compatibility hash both sides compare, the READ completion notification
+// and the lease heartbeat. Every generation of the connector kvhost speaks
+// (NIXL_CONNECTOR_VERSION; Generation, generation.go) is one table entry
+// the codecs read. It is a codec only: the handshake server and client
+// that carry these messages over ZeroMQ are host/pull's HandshakeServer and
+// FetchHandshake.
 //
 // Wire shapes, as msgspec produces them (NixlAgentMetadata and
 // NixlHandshakePayload are dataclasses, which msgspec encodes as msgpack
 // maps keyed by field name, in declaration order):
 //
-//	request:  [bin "get_meta_msg", int target_tp_rank]        (a msgpack array: a Python tuple)
+//	request:  [bin "get_meta_msg", int tp_rank]                  (version 2: a Python tuple)
+//	          [bin "get_meta_msg", int pp_rank, int tp_rank]     (version 6)
 //	reply:    {"compatibility_hash": str, "agent_metadata_bytes": bin}
+//	          then, version 6, a second frame: float perf_counter()
 //	metadata: {"engine_id": str, "agent_metadata": bin, "kv_caches_base_addr": [int],
 //	           "device_id": int, "num_blocks": int, "block_lens": [int],
 //	           "kv_cache_layout": str, "block_size": int}
+//	          version 6 adds "ssm_sizes": [int, int], "attn_backend_name": str,
+//	          "physical_blocks_per_logical_kv_block": int
 //
 // Decoding follows msgspec's rules for these types: a map is required,
 // unknown keys are ignored, a missing field, a value of the wrong type or a
@@ -24,6 +30,9 @@ package vllm
 import (
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/host/internal/msgpack"
@@ -32,10 +41,10 @@ import (
 // GetMetaMsg is the request tag of the handshake.
 const GetMetaMsg = "get_meta_msg"
 
-// ConnectorVersion is vLLM's kv_connector/v1/nixl_connector.py's NIXL_CONNECTOR_VERSION (2 adds
-// remote_request_id to kv_transfer_params). It is one of the
-// compatibility hash factors.
-const ConnectorVersion = 2
+// ConnectorVersion is vLLM 0.13's NIXL_CONNECTOR_VERSION (2 adds
+// remote_request_id to kv_transfer_params), the default generation. It is
+// one of the compatibility hash factors.
+const ConnectorVersion = DefaultVersion
 
 // ErrMalformed marks handshake bytes that do not have vLLM's shape.
 var ErrMalformed = errors.New("vllm: malformed handshake message")
@@ -52,47 +61,168 @@ func malformed(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
 }
 
-// EncodeMetaRequest encodes msgspec.msgpack.encode((GET_META_MSG, tpRank)).
-func EncodeMetaRequest(tpRank int) []byte {
+// EncodeMetaRequest encodes generation 2's request,
+// msgspec.msgpack.encode((GET_META_MSG, tpRank)).
+func EncodeMetaRequest(tpRank int) []byte { return G2.EncodeMetaRequest(0, tpRank) }
+
+// EncodeMetaRequest encodes the generation's handshake request:
+// (GET_META_MSG, pp_rank, tp_rank), or (GET_META_MSG, tp_rank) without
+// RequestPPRank.
+func (g *Generation) EncodeMetaRequest(ppRank, tpRank int) []byte {
 	var e msgpack.Encoder
-	e.ArrayHeader(2)
-	e.Bin([]byte(GetMetaMsg))
+	if g.RequestPPRank {
+		e.ArrayHeader(3)
+		e.Bin([]byte(GetMetaMsg))
+		e.Int(int64(ppRank))
+	} else {
+		e.ArrayHeader(2)
+		e.Bin([]byte(GetMetaMsg))
+	}
 	e.Int(int64(tpRank))
 	return e.Bytes()
 }
 
 // maxMetaRequest bounds an encoded handshake request: fixarray, bin8
-// "get_meta_msg" and an int of at most 9 bytes take 24 bytes.
+// "get_meta_msg" and two ints of at most 9 bytes take 33 bytes.
 const maxMetaRequest = 64
 
-// DecodeMetaRequest decodes a handshake request and returns the TP rank it
-// asks for. It insists on the exact shape; vLLM's kv_connector/v1/nixl_connector.py only logs an
-// unexpected tag, kvhost refuses it. Bytes longer than any request are
-// refused before they are decoded.
+// ErrGeneration marks a peer that speaks another generation of the
+// connector than this engine (the error names both when it can tell).
+var ErrGeneration = errors.New("vllm: the peer speaks another NIXL connector version")
+
+// ErrRefused marks an empty handshake reply: a kvhost side channel's
+// refusal (vLLM has no error reply) of a request it cannot answer, of
+// another generation's shape or for a rank it does not serve. It is
+// malformed for a vLLM decoder too.
+var ErrRefused = fmt.Errorf("%w: the prefill refused the request with an empty reply", ErrMalformed)
+
+// DecodeMetaRequest decodes a generation-2 request and returns the TP
+// rank it asks for.
 func DecodeMetaRequest(b []byte) (int, error) {
+	_, rank, err := G2.DecodeMetaRequest(b)
+	return rank, err
+}
+
+// DecodeMetaRequest decodes a handshake request of the generation and
+// returns the PP rank (0 when the generation has none) and TP rank it asks
+// for. It insists on the exact shape; vLLM only logs an unexpected tag,
+// kvhost refuses it. A request of another generation's shape is refused
+// with ErrGeneration naming both (vLLM's listener would fail to unpack
+// it). Bytes longer than any request are refused before they are decoded.
+func (g *Generation) DecodeMetaRequest(b []byte) (ppRank, tpRank int, err error) {
 	if len(b) > maxMetaRequest {
-		return 0, malformed("request of %d bytes; a [get_meta_msg, rank] request has at most %d", len(b), maxMetaRequest)
+		return 0, 0, malformed("request of %d bytes; a handshake request has at most %d", len(b), maxMetaRequest)
 	}
 	v, err := msgpack.Decode(b)
 	if err != nil {
-		return 0, malformed("request: %v", err)
+		return 0, 0, malformed("request: %v", err)
 	}
-	if v.Kind != msgpack.Array || len(v.Items) != 2 {
-		return 0, malformed("request is a msgpack %s of %d items, want [get_meta_msg, rank]", v.Kind, len(v.Items))
+	want := 2
+	if g.RequestPPRank {
+		want = 3
+	}
+	if v.Kind != msgpack.Array || (len(v.Items) != 2 && len(v.Items) != 3) {
+		return 0, 0, malformed("request is a msgpack %s of %d items, want [get_meta_msg, rank] or [get_meta_msg, pp_rank, rank]", v.Kind, len(v.Items))
 	}
 	tag := v.Items[0]
 	if (tag.Kind != msgpack.Bin && tag.Kind != msgpack.Str) || string(tag.Raw()) != GetMetaMsg {
-		return 0, malformed("request tag is %s %q, want %q", tag.Kind, truncate(tag.Raw()), GetMetaMsg)
+		return 0, 0, malformed("request tag is %s %q, want %q", tag.Kind, truncate(tag.Raw()), GetMetaMsg)
 	}
-	rank, ok := v.Items[1].Int()
-	if !ok || rank < 0 || rank > 1<<31-1 {
-		return 0, malformed("request TP rank is a msgpack %s, want a non-negative int", v.Items[1].Kind)
+	if len(v.Items) != want {
+		return 0, 0, fmt.Errorf("%w: a request of %d items, as %s sends; this engine speaks %s", ErrGeneration,
+			len(v.Items), versionsWhere(func(o *Generation) bool { return o.RequestPPRank == (len(v.Items) == 3) }), g)
 	}
-	return int(rank), nil
+	ranks := make([]int, 0, 2)
+	for _, it := range v.Items[1:] {
+		r, ok := it.Int()
+		if !ok || r < 0 || r > 1<<31-1 {
+			return 0, 0, malformed("request rank is a msgpack %s, want a non-negative int", it.Kind)
+		}
+		ranks = append(ranks, int(r))
+	}
+	if g.RequestPPRank {
+		return ranks[0], ranks[1], nil
+	}
+	return 0, ranks[0], nil
+}
+
+// versionsWhere names the supported generations that match: "version 2"
+// or "versions 2, 6"; "an unknown version" when none does.
+func versionsWhere(match func(*Generation) bool) string {
+	var vs []string
+	for _, v := range Versions() {
+		if match(generations[v]) {
+			vs = append(vs, strconv.Itoa(v))
+		}
+	}
+	switch len(vs) {
+	case 0:
+		return "an unknown version"
+	case 1:
+		return "version " + vs[0]
+	}
+	return "versions " + strings.Join(vs, ", ")
+}
+
+// ReplyFrames are the frames of a handshake reply after the REQ
+// delimiter: the payload, then, with ReplyClock, the prefill's clock
+// (msgspec.msgpack.encode(time.perf_counter()), seconds).
+func (g *Generation) ReplyFrames(payload []byte, clock float64) [][]byte {
+	if !g.ReplyClock {
+		return [][]byte{payload}
+	}
+	var e msgpack.Encoder
+	e.Float(clock)
+	return [][]byte{payload, e.Bytes()}
+}
+
+// SplitReply takes a handshake reply's frames apart: the payload and the
+// prefill's clock (0 without ReplyClock). A reply with the frames of
+// another generation is refused with ErrGeneration naming both.
+func (g *Generation) SplitReply(frames [][]byte) (payload []byte, clock float64, err error) {
+	want := 1
+	if g.ReplyClock {
+		want = 2
+	}
+	if len(frames) != want {
+		if len(frames) == 1 || len(frames) == 2 {
+			return nil, 0, fmt.Errorf("%w: a reply of %d frames, as %s sends; this engine speaks %s", ErrGeneration,
+				len(frames), versionsWhere(func(o *Generation) bool { return o.ReplyClock == (len(frames) == 2) }), g)
+		}
+		return nil, 0, malformed("reply has %d frames, want %d", len(frames), want)
+	}
+	if !g.ReplyClock {
+		return frames[0], 0, nil
+	}
+	if len(frames[1]) > 16 {
+		return nil, 0, malformed("reply clock frame of %d bytes", len(frames[1]))
+	}
+	v, err := msgpack.Decode(frames[1])
+	if err != nil {
+		return nil, 0, malformed("reply clock: %v", err)
+	}
+	switch v.Kind {
+	case msgpack.Float:
+		clock, _ = v.Float()
+	case msgpack.Int, msgpack.Uint:
+		n, ok := v.Int()
+		if !ok {
+			return nil, 0, malformed("reply clock out of range")
+		}
+		clock = float64(n)
+	default:
+		return nil, 0, malformed("reply clock is a msgpack %s, want a float", v.Kind)
+	}
+	if math.IsNaN(clock) || math.IsInf(clock, 0) {
+		return nil, 0, malformed("reply clock %v is not a time", clock)
+	}
+	return frames[0], clock, nil
 }
 
 // AgentMetadata is vLLM's NixlAgentMetadata: what a prefill worker
-// publishes about its KV cache and NIXL agent.
+// publishes about its KV cache and NIXL agent. A generation encodes and
+// requires its own fields (Generation.MetadataFields); the others are
+// ignored.
 type AgentMetadata struct {
 	EngineID         string
 	AgentMetadata    []byte   // NIXL agent metadata blob (get_agent_metadata())
@@ -102,52 +232,106 @@ type AgentMetadata struct {
 	BlockLens        []int // bytes per block, per region
 	KVCacheLayout    string
 	BlockSize        int // tokens per block
+
+	// Since version 6.
+	SSMSizes                 [2]int // Mamba (conv, ssm) state sizes; (0, 0) without Mamba
+	AttnBackendName          string // the prefill's attention backend
+	PhysicalBlocksPerLogical int    // kernel blocks per logical block; 1 when they are the same
 }
 
-// Encode is msgspec.msgpack.encode(NixlAgentMetadata(...)).
-func (m *AgentMetadata) Encode() []byte {
+// Encode is msgspec.msgpack.encode(NixlAgentMetadata(...)) of generation 2.
+func (m *AgentMetadata) Encode() []byte { return m.EncodeFor(G2) }
+
+// EncodeFor is msgspec.msgpack.encode(NixlAgentMetadata(...)) of
+// generation g: its fields, in declaration order.
+func (m *AgentMetadata) EncodeFor(g *Generation) []byte {
 	var e msgpack.Encoder
-	e.MapHeader(8)
-	e.Str("engine_id")
-	e.Str(m.EngineID)
-	e.Str("agent_metadata")
-	e.Bin(m.AgentMetadata)
-	e.Str("kv_caches_base_addr")
-	e.ArrayHeader(len(m.KVCachesBaseAddr))
-	for _, a := range m.KVCachesBaseAddr {
-		e.Uint(a)
+	e.MapHeader(len(g.MetadataFields))
+	for _, f := range g.MetadataFields {
+		e.Str(f)
+		switch f {
+		case "engine_id":
+			e.Str(m.EngineID)
+		case "agent_metadata":
+			e.Bin(m.AgentMetadata)
+		case "kv_caches_base_addr":
+			e.ArrayHeader(len(m.KVCachesBaseAddr))
+			for _, a := range m.KVCachesBaseAddr {
+				e.Uint(a)
+			}
+		case "device_id":
+			e.Int(int64(m.DeviceID))
+		case "num_blocks":
+			e.Int(int64(m.NumBlocks))
+		case "block_lens":
+			e.ArrayHeader(len(m.BlockLens))
+			for _, l := range m.BlockLens {
+				e.Int(int64(l))
+			}
+		case "kv_cache_layout":
+			e.Str(m.KVCacheLayout)
+		case "block_size":
+			e.Int(int64(m.BlockSize))
+		case "ssm_sizes":
+			e.ArrayHeader(2)
+			e.Int(int64(m.SSMSizes[0]))
+			e.Int(int64(m.SSMSizes[1]))
+		case "attn_backend_name":
+			e.Str(m.AttnBackendName)
+		case "physical_blocks_per_logical_kv_block":
+			e.Int(int64(m.PhysicalBlocksPerLogical))
+		default:
+			panic("vllm: no encoder for NixlAgentMetadata field " + f) // a table entry without code
+		}
 	}
-	e.Str("device_id")
-	e.Int(int64(m.DeviceID))
-	e.Str("num_blocks")
-	e.Int(int64(m.NumBlocks))
-	e.Str("block_lens")
-	e.ArrayHeader(len(m.BlockLens))
-	for _, l := range m.BlockLens {
-		e.Int(int64(l))
-	}
-	e.Str("kv_cache_layout")
-	e.Str(m.KVCacheLayout)
-	e.Str("block_size")
-	e.Int(int64(m.BlockSize))
 	return e.Bytes()
 }
 
-// DecodeAgentMetadata decodes agent_metadata_bytes.
-func DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
+// DecodeAgentMetadata decodes generation 2's agent_metadata_bytes.
+func DecodeAgentMetadata(b []byte) (*AgentMetadata, error) { return G2.DecodeAgentMetadata(b) }
+
+// DecodeAgentMetadata decodes agent_metadata_bytes of the generation:
+// every field of MetadataFields is required, others are ignored.
+func (g *Generation) DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 	s, err := decodeStruct(b, "NixlAgentMetadata")
 	if err != nil {
 		return nil, err
 	}
-	m := &AgentMetadata{
-		EngineID:         s.str("engine_id"),
-		AgentMetadata:    s.bin("agent_metadata"),
-		KVCachesBaseAddr: s.uints("kv_caches_base_addr"),
-		DeviceID:         s.int("device_id"),
-		NumBlocks:        s.int("num_blocks"),
-		BlockLens:        s.ints("block_lens"),
-		KVCacheLayout:    s.str("kv_cache_layout"),
-		BlockSize:        s.int("block_size"),
+	m := &AgentMetadata{}
+	for _, f := range g.MetadataFields {
+		switch f {
+		case "engine_id":
+			m.EngineID = s.str(f)
+		case "agent_metadata":
+			m.AgentMetadata = s.bin(f)
+		case "kv_caches_base_addr":
+			m.KVCachesBaseAddr = s.uints(f)
+		case "device_id":
+			m.DeviceID = s.int(f)
+		case "num_blocks":
+			m.NumBlocks = s.int(f)
+		case "block_lens":
+			m.BlockLens = s.ints(f)
+		case "kv_cache_layout":
+			m.KVCacheLayout = s.str(f)
+		case "block_size":
+			m.BlockSize = s.int(f)
+		case "ssm_sizes":
+			// tuple[int, int]: msgspec wants an array of exactly two ints.
+			if v := s.ints(f); s.err == nil {
+				if len(v) != 2 {
+					s.err = malformed("NixlAgentMetadata field %q has %d items, want 2", f, len(v))
+				} else {
+					m.SSMSizes = [2]int{v[0], v[1]}
+				}
+			}
+		case "attn_backend_name":
+			m.AttnBackendName = s.str(f)
+		case "physical_blocks_per_logical_kv_block":
+			m.PhysicalBlocksPerLogical = s.int(f)
+		default:
+			panic("vllm: no decoder for NixlAgentMetadata field " + f)
+		}
 	}
 	if s.err != nil {
 		return nil, s.err
@@ -173,10 +357,16 @@ func (p *HandshakePayload) Encode() []byte {
 	return e.Bytes()
 }
 
-// NewHandshakePayload wraps encoded agent metadata with the local hash, as
-// a prefill worker publishes it.
+// NewHandshakePayload wraps generation 2's encoded agent metadata with the
+// local hash, as a prefill worker publishes it.
 func NewHandshakePayload(hash string, md *AgentMetadata) *HandshakePayload {
-	return &HandshakePayload{CompatibilityHash: hash, AgentMetadataBytes: md.Encode()}
+	return G2.NewHandshakePayload(hash, md)
+}
+
+// NewHandshakePayload wraps the generation's encoded agent metadata with
+// the local hash.
+func (g *Generation) NewHandshakePayload(hash string, md *AgentMetadata) *HandshakePayload {
+	return &HandshakePayload{CompatibilityHash: hash, AgentMetadataBytes: md.EncodeFor(g)}
 }
 
 // DecodeHandshakePayload decodes the first phase: the payload wrapper.
@@ -200,6 +390,8 @@ type Expect struct {
 	LocalHash   string // our compatibility hash
 	EnforceHash bool   // vLLM's enforce_handshake_compat (default true)
 	EngineID    string // the remote_engine_id the request named
+	// Gen is this engine's generation; nil means version 2.
+	Gen *Generation
 }
 
 // DecodeHandshake decodes a reply in vLLM's two phases: the wrapper and
@@ -217,7 +409,7 @@ func DecodeHandshake(reply []byte, want Expect) (*AgentMetadata, error) {
 			"Turn the check off only if you know better (vLLM: kv_connector_extra_config enforce_handshake_compat=false)",
 			ErrHashMismatch, want.LocalHash, p.CompatibilityHash)
 	}
-	md, err := DecodeAgentMetadata(p.AgentMetadataBytes)
+	md, err := Or(want.Gen).DecodeAgentMetadata(p.AgentMetadataBytes)
 	if err != nil {
 		return nil, fmt.Errorf("failed to decode NixlAgentMetadata: %w", err)
 	}

@@ -175,10 +175,11 @@ func TestDecodeRejects(t *testing.T) {
 			e.Int(-1)
 			return e.Bytes()
 		}(),
-		"three items": func() []byte {
+		"four items": func() []byte {
 			var e msgpack.Encoder
-			e.ArrayHeader(3)
+			e.ArrayHeader(4)
 			e.Bin([]byte(GetMetaMsg))
+			e.Int(0)
 			e.Int(0)
 			e.Int(0)
 			return e.Bytes()

@@ -150,3 +150,57 @@ func decimalValue(r rune) (int, bool) {
 	}
 	return int(r-lo) % 10, true
 }
+
+// MaxHeartbeatIDs bounds the request ids one heartbeat may name; a
+// heartbeat naming more is refused whole (a decode splits its ids over
+// several, EncodeHeartbeats).
+const MaxHeartbeatIDs = 1 << 14
+
+// EncodeHeartbeats formats the heartbeats that renew the leases of ids:
+// "HB:" + ",".join(ids), as vLLM's _send_heartbeats does, split into
+// several messages where one would pass maxBytes or MaxHeartbeatIDs ids
+// (each is a heartbeat of its own to the prefill). An id longer than
+// maxBytes gets a message of its own.
+func EncodeHeartbeats(ids []string, maxBytes int) [][]byte {
+	var out [][]byte
+	var cur []byte
+	n := 0
+	for _, id := range ids {
+		if cur != nil && (len(cur)+1+len(id) > maxBytes || n == MaxHeartbeatIDs) {
+			out = append(out, cur)
+			cur, n = nil, 0
+		}
+		if cur == nil {
+			cur = append([]byte(HeartbeatPrefix), id...)
+		} else {
+			cur = append(append(cur, ','), id...)
+		}
+		n++
+	}
+	if cur != nil {
+		out = append(out, cur)
+	}
+	return out
+}
+
+// ParseHeartbeat recognises a heartbeat as vLLM's _get_new_notifs does
+// (a UTF-8 notification starting "HB:") and returns the request ids it
+// names (payload.split(",")). isHeartbeat is false for anything else;
+// err (wrapping ErrMalformed) is set for a heartbeat that is not UTF-8 or
+// names more than MaxHeartbeatIDs ids.
+func ParseHeartbeat(b []byte) (ids []string, isHeartbeat bool, err error) {
+	if !bytes.HasPrefix(b, []byte(HeartbeatPrefix)) {
+		return nil, false, nil
+	}
+	if !utf8.Valid(b) {
+		return nil, true, fmt.Errorf("%w: heartbeat %q is not UTF-8", ErrMalformed, truncate(b))
+	}
+	payload := b[len(HeartbeatPrefix):]
+	if n := bytes.Count(payload, []byte{','}) + 1; n > MaxHeartbeatIDs {
+		return nil, true, fmt.Errorf("%w: heartbeat names %d requests, at most %d", ErrMalformed, n, MaxHeartbeatIDs)
+	}
+	for _, id := range bytes.Split(payload, []byte{','}) {
+		ids = append(ids, string(id))
+	}
+	return ids, true, nil
+}

@@ -14,6 +14,11 @@ what this peer uses (Debian has python3-msgpack, not msgspec).
   badreq ENDPOINT         send malformed requests; each must get a reply
                           (empty) within 2 s; print "OK"
   hash SPEC               print the compatibility hash of each factor set
+  encode6 SPEC            print, as hex, msgpack.packb (msgspec's bytes) of
+                          SPEC's version-6 handshake request
+                          (GET_META_MSG, pp_rank, tp_rank), its
+                          NixlAgentMetadata (version 6 fields in
+                          declaration order) and its clock (a float)
   notif SPEC              parse each notification of SPEC (hex strings) as
                           _get_new_notifs does; print [[id, tp_ratio] or
                           null, ...] (tp_ratio as a decimal string)
@@ -136,6 +141,19 @@ def main():
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         print(json.dumps([hash_factors(items) for items in spec]), flush=True)
+    elif mode == "encode6":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        md = dict(spec["metadata"])
+        md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
+        md["ssm_sizes"] = tuple(md["ssm_sizes"])
+        order = [n for n, _ in METADATA_FIELDS] + ["ssm_sizes", "attn_backend_name",
+                                                    "physical_blocks_per_logical_kv_block"]
+        print(json.dumps({
+            "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
+            "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
+            "clock": msgpack.packb(float(spec["clock"]), use_bin_type=True).hex(),
+        }), flush=True)
     elif mode == "notif":
         with open(sys.argv[2]) as f:
             spec = json.load(f)

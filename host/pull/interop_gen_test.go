@@ -1,0 +1,307 @@
+package pull
+
+import (
+	"bufio"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/wire/vllm"
+)
+
+// peerMetadata6 is what the Python peer decodes of a version-6
+// NixlAgentMetadata.
+type peerMetadata6 struct {
+	peerMetadata
+	SSMSizes                 []int  `json:"ssm_sizes"`
+	AttnBackendName          string `json:"attn_backend_name"`
+	PhysicalBlocksPerLogical int    `json:"physical_blocks_per_logical_kv_block"`
+}
+
+type peerPayload6 struct {
+	CompatibilityHash string        `json:"compatibility_hash"`
+	Metadata          peerMetadata6 `json:"metadata"`
+	ByteExact         bool          `json:"byte_exact"`
+	ClockOffset       *float64      `json:"clock_offset"`
+	Notif             string        `json:"notif"`
+	Heartbeat         string        `json:"heartbeat"`
+}
+
+// TestInteropV6PythonDecodePeer: vLLM version-6 decode ranks (Python,
+// written from base_worker.py's _nixl_handshake and pull_worker.py) fetch
+// a kvhost version-6 prefill's metadata, byte for byte as msgspec encodes
+// it, then send what such a rank sends: its heartbeat and its READ
+// notification "{id}:{decode TP}". The prefill extends the lease and
+// releases each request once every decode rank reading each of its ranks
+// notified (decode TP / prefill TP of them), for MHA and MLA and TP 1→1,
+// 2→2 and 2→4.
+func TestInteropV6PythonDecodePeer(t *testing.T) {
+	needPython(t)
+	for _, c := range []struct {
+		name     string
+		mla      bool
+		ptp, dtp int
+	}{{"mha-1-1", false, 1, 1}, {"mha-2-2", false, 2, 2}, {"mha-2-4", false, 2, 4}, {"mla-2-4", true, 2, 4}} {
+		t.Run(c.name, func(t *testing.T) {
+			g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 24}
+			ps := newPrefillSide(t, g, "prefill-py", func(cfg *SenderConfig) { cfg.Gen, cfg.AttnBackendName = gen6(t), "FLASH_ATTN" })
+			ps.hold(t, "req-6", 3, []int32{5, 1, 9}, 20)
+			var peers []peerPayload6
+			for drank := range c.dtp {
+				prank := drank * c.ptp / c.dtp
+				ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+				out, err := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "req", ps.sender.Endpoint(),
+					strconv.Itoa(prank), "6", strconv.Itoa(c.dtp), "req-6").Output()
+				cancel()
+				if err != nil {
+					t.Fatalf("decode rank %d: %v\n%s", drank, err, stderrOf(err))
+				}
+				var got peerPayload6
+				if err := json.Unmarshal(out, &got); err != nil {
+					t.Fatalf("%v: %s", err, out)
+				}
+				blob, _ := ps.agents[prank].LocalMetadata()
+				want := peerMetadata{EngineID: "prefill-py", AgentMetadata: hex.EncodeToString(blob), NumBlocks: g.blocks,
+					KVCacheLayout: "HND", BlockSize: g.blockSize}
+				for _, r := range ps.pools[prank].Regions() {
+					want.KVCachesBaseAddr = append(want.KVCachesBaseAddr, r.Addr)
+					want.BlockLens = append(want.BlockLens, int(r.Len)/g.blocks)
+				}
+				if !got.ByteExact || got.CompatibilityHash != testHash || !reflect.DeepEqual(got.Metadata.peerMetadata, want) ||
+					!reflect.DeepEqual(got.Metadata.SSMSizes, []int{0, 0}) || got.Metadata.AttnBackendName != "FLASH_ATTN" ||
+					got.Metadata.PhysicalBlocksPerLogical != 1 || got.ClockOffset == nil {
+					t.Fatalf("decode rank %d got %+v", drank, got)
+				}
+				peers = append(peers, got)
+			}
+			// Each decode rank is an agent that loaded the metadata Python
+			// decoded and sends Python's messages.
+			per := max(c.dtp/c.ptp, 1)
+			for drank, p := range peers {
+				a := newAgent(t, fmt.Sprintf("vllm-d%d", drank))
+				blob, _ := hex.DecodeString(p.Metadata.AgentMetadata)
+				name, err := a.LoadRemote(blob)
+				if err != nil {
+					t.Fatal(err)
+				}
+				hb := ps.sender.Counts().Heartbeats
+				if err := a.SendNotif(name, []byte(p.Heartbeat)); err != nil {
+					t.Fatal(err)
+				}
+				eventually(t, "the heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats == hb+1 })
+				if err := a.SendNotif(name, []byte(p.Notif)); err != nil {
+					t.Fatal(err)
+				}
+				if drank == c.dtp-1 {
+					break
+				}
+				// Not released before every reader of every prefill rank notified.
+				eventually(t, "the notification", 10*time.Second, func() bool { return ps.sender.Counts().Notifications == 2*(drank+1) })
+				if len(ps.releases) != 0 {
+					t.Fatalf("released after %d of %d notifications (%d per prefill rank)", drank+1, c.dtp, per)
+				}
+			}
+			select {
+			case rel := <-ps.releases:
+				if rel.Reason != ReleaseNotified || rel.Notified != c.dtp {
+					t.Fatalf("%+v", rel)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("not released: %+v", ps.sender.Counts())
+			}
+			if c := ps.sender.Counts(); c.UnknownNotifications+c.MalformedNotifications != 0 {
+				t.Fatalf("%+v", c)
+			}
+		})
+	}
+}
+
+// pythonRouter starts the Python vLLM prefill side channel of a version
+// serving spec for n requests and returns its port and a wait for "OK n".
+func pythonRouter(t *testing.T, spec map[string]peerPayload, n, version int) (int, func()) {
+	specPath := filepath.Join(t.TempDir(), "spec.json")
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(specPath, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	cmd := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "router", specPath, strconv.Itoa(n), strconv.Itoa(version))
+	cmd.Stderr = os.Stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); cmd.Wait() })
+	lines := bufio.NewScanner(stdout)
+	if !lines.Scan() || !strings.HasPrefix(lines.Text(), "PORT ") {
+		t.Fatalf("python router did not start: %q", lines.Text())
+	}
+	port, _ := strconv.Atoi(strings.TrimPrefix(lines.Text(), "PORT "))
+	return port, func() {
+		if !lines.Scan() || lines.Text() != fmt.Sprintf("OK %d", n) {
+			t.Fatalf("python router: %q", lines.Text())
+		}
+	}
+}
+
+// pyPrefill is a prefill whose agents and pools live in this process and
+// whose side channel is the Python peer.
+type pyPrefill struct {
+	spec   map[string]peerPayload
+	notifs []func() []string
+}
+
+func newPyPrefill(t *testing.T, g geom, engineID string, blocks []int32, seed uint64, tokens int) *pyPrefill {
+	pp := &pyPrefill{spec: map[string]peerPayload{}}
+	for rank := range g.tp {
+		p := g.pool(t, rank)
+		if err := p.Fill(kvpool.Tokens{Request: seed, Pages: blocks, Count: tokens}); err != nil {
+			t.Fatal(err)
+		}
+		a := newAgent(t, "pyprefill")
+		c := cacheOf(p, g.layout())
+		regs, err := register(a, &c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.Deregister(regs...) })
+		blob, err := a.LocalMetadata()
+		if err != nil {
+			t.Fatal(err)
+		}
+		md := metadataOf(engineID, blob, &c)
+		pp.spec[strconv.Itoa(rank)] = peerPayload{CompatibilityHash: testHash, Metadata: peerMetadata{
+			EngineID: md.EngineID, AgentMetadata: hex.EncodeToString(md.AgentMetadata), KVCachesBaseAddr: md.KVCachesBaseAddr,
+			DeviceID: md.DeviceID, NumBlocks: md.NumBlocks, BlockLens: md.BlockLens, KVCacheLayout: md.KVCacheLayout, BlockSize: md.BlockSize}}
+		pp.notifs = append(pp.notifs, func() []string {
+			ns, err := a.Notifs()
+			if err != nil {
+				t.Error(err)
+			}
+			var out []string
+			for _, n := range ns {
+				out = append(out, string(n.Msg))
+			}
+			return out
+		})
+	}
+	return pp
+}
+
+// TestInteropV6GoDecodeFromPythonPrefill: kvhost version-6 decode ranks
+// handshake with a Python version-6 vLLM prefill side channel (3-tuple
+// request, reply with the clock frame, version-6 metadata), read every
+// block, partial and full prefix hits, MHA and MLA, TP 1→1, 2→2 and 2→4,
+// and notify each prefill rank with "{id}:{decode TP}" (pull_worker.py).
+func TestInteropV6GoDecodeFromPythonPrefill(t *testing.T) {
+	needPython(t)
+	for _, c := range []struct {
+		name     string
+		mla      bool
+		ptp, dtp int
+		hit      int
+	}{
+		{"mha-1-1", false, 1, 1, 0}, {"mha-2-2-partial", false, 2, 2, 1}, {"mha-2-4", false, 2, 4, 0},
+		{"mha-2-4-full-hit", false, 2, 4, 3}, {"mla-2-4-partial", true, 2, 4, 2},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 32}
+			blocks := []int32{9, 4, 17}
+			pp := newPyPrefill(t, g, "py-engine", blocks, 77, 20)
+			dg := g
+			dg.tp = c.dtp
+			ds := newDecodeSide(t, dg, func(cfg *ReceiverConfig) { cfg.Gen = gen6(t) })
+			port, done := pythonRouter(t, pp.spec, c.dtp, 6)
+			params := KVTransferParams{DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine",
+				RemoteRequestID: "py-req", RemoteHost: "127.0.0.1", RemotePort: port, TPSize: c.ptp}
+			local := []int32{30, 1, 12}
+			for rank, rx := range ds.rx {
+				// The decode's own prefix cache holds the first hit blocks.
+				if err := ds.pools[rank].Fill(kvpool.Tokens{Request: 77, Pages: local, Count: min(c.hit*g.blockSize, 20)}); err != nil {
+					t.Fatal(err)
+				}
+				res := wait(t, rx.Load(LoadRequest{RequestID: "d", LocalBlockIDs: local[c.hit:], Params: params}))
+				if res.Err != nil || res.NotifyOnly != (c.hit == len(local)) {
+					t.Fatalf("rank %d: %+v", rank, res)
+				}
+				if err := ds.pools[rank].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err != nil {
+					t.Fatalf("rank %d: %v", rank, err)
+				}
+			}
+			done()
+			// MLA with a larger decode reads one prefill rank per decode
+			// rank, as MHA does here: each prefill rank hears from
+			// decode TP / prefill TP readers.
+			want := make([]string, c.dtp/c.ptp)
+			for i := range want {
+				want[i] = fmt.Sprintf("py-req:%d", c.dtp)
+			}
+			for rank := range c.ptp {
+				var got []string
+				eventually(t, "notifications", 5*time.Second, func() bool {
+					got = append(got, pp.notifs[rank]()...)
+					return len(got) >= len(want)
+				})
+				if !reflect.DeepEqual(got, want) {
+					t.Fatalf("prefill rank %d notified %q, want %q", rank, got, want)
+				}
+			}
+		})
+	}
+}
+
+// TestInteropCrossGeneration: a peer of another generation is refused
+// with both versions named, never misread. A kvhost decode of one
+// generation against a Python prefill of the other fails its handshake
+// (reply frames); a Python decode of the other generation gets kvhost
+// prefill's empty refusal, and the side channel goes on serving its own.
+func TestInteropCrossGeneration(t *testing.T) {
+	needPython(t)
+	g := geom{hnd: true, layers: 2, heads: 4, headBytes: 16, tp: 1, blockSize: 8, blocks: 32}
+	blocks := []int32{3}
+	for _, c := range []struct{ decode, prefill int }{{6, 2}, {2, 6}} {
+		pp := newPyPrefill(t, g, "py-engine", blocks, 1, 8)
+		dgen, _ := vllm.Lookup(c.decode)
+		ds := newDecodeSide(t, g, func(cfg *ReceiverConfig) { cfg.Gen = dgen })
+		port, done := pythonRouter(t, pp.spec, 1, c.prefill)
+		res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d", LocalBlockIDs: []int32{0}, Params: KVTransferParams{
+			DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine", RemoteRequestID: "r",
+			RemoteHost: "127.0.0.1", RemotePort: port, TPSize: 1}}))
+		done()
+		msg := fmt.Sprint(res.Err)
+		if !errors.Is(res.Err, ErrHandshake) || !errors.Is(res.Err, vllm.ErrGeneration) ||
+			!strings.Contains(msg, fmt.Sprintf("as version %d sends", c.prefill)) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
+			t.Fatalf("decode v%d, prefill v%d: %v", c.decode, c.prefill, res.Err)
+		}
+	}
+	for _, c := range []struct{ prefill, decode int }{{6, 2}, {2, 6}} {
+		pgen, _ := vllm.Lookup(c.prefill)
+		ps := newPrefillSide(t, g, "prefill-py", func(cfg *SenderConfig) { cfg.Gen = pgen })
+		ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+		out, err := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "req", ps.sender.Endpoint(), "0", strconv.Itoa(c.decode)).CombinedOutput()
+		cancel()
+		if err == nil {
+			t.Fatalf("a version-%d decode read a version-%d prefill: %s", c.decode, c.prefill, out)
+		}
+		ctx, cancel = context.WithTimeout(t.Context(), 20*time.Second)
+		out, err = exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "req", ps.sender.Endpoint(), "0", strconv.Itoa(c.prefill)).Output()
+		cancel()
+		if err != nil || !strings.Contains(string(out), `"byte_exact": true`) {
+			t.Fatalf("version %d after the refusal: %v %s", c.prefill, err, out)
+		}
+	}
+}

@@ -1,0 +1,262 @@
+package serve
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/host/demo/kvpool"
+	"github.com/kvhost/kvhost/host/internal/msgpack"
+	"github.com/kvhost/kvhost/host/serve/client"
+)
+
+// vsModel6 is vsModel in version 6: its version and extra factors by
+// vLLM's names.
+func vsModel6() client.VLLMCompat {
+	c := vsModel
+	c.NixlConnectorVersion = 6
+	c.Extra = client.Fields{{K: "cross_layers_blocks", V: false}, {K: "is_hma_enabled", V: true}, {K: "speculative_config", V: nil}}
+	return c
+}
+
+func vsGen6(r *client.VLLMRank) { r.Compat = vsModel6() }
+
+// TestServeVLLMGeneration6: engines whose compat says
+// nixl_connector_version 6 speak version 6 through the sidecars: hold
+// returns version 6's kv_transfer_params (remote_block_ids one list per
+// KV cache group, remote_num_tokens, remote_blocks_expiry_time), the
+// decode reads them back, every byte arrives (TP 1 → 2, a partial prefix
+// hit on one rank and a full one on the other) and the prefill releases
+// the request once both decode ranks notified "{id}:2".
+func TestServeVLLMGeneration6(t *testing.T) {
+	ctx := testCtx(t)
+	ps, ds := newTestServer(t), newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P6", 1, 0, 64, 4, vsGen6))
+	if id, _, ok := vsEvent(t, w.c).AsEngineReady(); !ok || id != "P6" {
+		t.Fatal("no engine_ready")
+	}
+	sched := dial(t, ps)
+	blocks := []int32{17, 3, 40, 8, 22}
+	const tokens = 18
+	if err := w.pool.Fill(kvpool.Tokens{Request: 11, Pages: blocks, Count: tokens}); err != nil {
+		t.Fatal(err)
+	}
+	params, err := sched.HoldTokens(ctx, "P6", "req-6", blocks, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, p := range params.Pairs {
+		k, _ := p[0].Str()
+		keys = append(keys, k)
+	}
+	if want := []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+		"remote_host", "remote_port", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time"}; !slices.Equal(keys, want) {
+		t.Fatalf("kv_transfer_params keys %v, want %v", keys, want)
+	}
+	rb, _ := params.Get("remote_block_ids")
+	if g0, _ := rb.Index(0); rb.Kind != msgpack.Array || rb.Len() != 1 || g0.Kind != msgpack.Array || g0.Len() != len(blocks) {
+		t.Fatalf("remote_block_ids is not [[...]] of %d: %v", len(blocks), rb.Kind)
+	}
+	if n, _ := params.Get("remote_num_tokens"); func() bool { x, _ := n.Int(); return x != tokens }() {
+		t.Fatal("remote_num_tokens")
+	}
+	if e, _ := params.Get("remote_blocks_expiry_time"); e.Kind != msgpack.Nil {
+		t.Fatal("a prefill's remote_blocks_expiry_time is None")
+	}
+	local := []int32{30, 0, 9, 14, 2}
+	hits := []int{2, len(local)}
+	var dec []*vsRank
+	for rank := 0; rank < 2; rank++ {
+		d := vsMust(vsOpenT(t, ds, "decode", "D6", 2, rank, 32, 4, vsGen6))
+		if err := d.pool.Fill(kvpool.Tokens{Request: 11, Pages: local, Count: min(hits[rank]*4, tokens)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.c.Read(ctx, d.rank.ID, "dreq-6", params, local[hits[rank]:]); err != nil {
+			t.Fatal(err)
+		}
+		dec = append(dec, d)
+	}
+	for i, d := range dec {
+		e := vsEvent(t, d.c)
+		if r, ok := e.AsRead(); !ok || !r.OK || len(r.InvalidBlocks) != 0 {
+			t.Fatalf("rank %d: %s %+v", i, e.Name, r)
+		}
+		if err := d.pool.Verify(kvpool.Tokens{Request: 11, Pages: local, Count: tokens}); err != nil {
+			t.Fatalf("decode rank %d: %v", i, err)
+		}
+	}
+	vsReleased(t, w.c, "P6", "req-6", "notified")
+	vsReleased(t, sched, "P6", "req-6", "notified")
+}
+
+// TestServeVLLMGenerationRefusals: a version kvhost does not speak is
+// unsupported, naming it and the supported ones; version 6 without its
+// factors, or with a factor of the wrong type, is bad_request; a version-6
+// decode fails a read of version-2 params (a flat remote_block_ids) and of
+// several KV cache groups; a version-2 decode of a version-6 prefill fails
+// the handshake naming both versions.
+func TestServeVLLMGenerationRefusals(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 5 })
+	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6") {
+		t.Fatalf("version 5: %v", err)
+	}
+	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 6 })
+	if !isCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "cross_layers_blocks") {
+		t.Fatalf("version 6 without its factors: %v", err)
+	}
+	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) {
+		r.Compat = vsModel6()
+		r.Compat.Extra[0] = client.Field{K: "cross_layers_blocks", V: 1}
+	})
+	if !isCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "want a bool") {
+		t.Fatalf("a factor of the wrong type: %v", err)
+	}
+
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P6", 1, 0, 64, 4, vsGen6))
+	vsEvent(t, w.c)
+	sched := dial(t, ps)
+	params, err := sched.Hold(ctx, "P6", "r", []int32{1, 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d6 := vsMust(vsOpenT(t, srv, "decode", "D6", 1, 0, 32, 4, vsGen6))
+	for name, v := range map[string]any{"flat": []int{1, 2}, "two groups": [][]int{{1}, {2}}} {
+		bad := vsSetParam(params, "remote_block_ids", v)
+		if err := d6.c.Read(ctx, d6.rank.ID, "x-"+name, bad, []int32{3, 4}); err != nil {
+			t.Fatal(err)
+		}
+		r, _ := vsEvent(t, d6.c).AsRead()
+		if r.OK || !strings.Contains(r.Reason, "remote_block_ids") || len(r.InvalidBlocks) != 2 {
+			t.Fatalf("%s: %+v", name, r)
+		}
+	}
+	d2 := vsMust(vsOpenT(t, srv, "decode", "D2", 1, 0, 32, 4, nil))
+	v2params := vsSetParam(params, "remote_block_ids", []int{1, 2})
+	if err := d2.c.Read(ctx, d2.rank.ID, "x", v2params, []int32{3, 4}); err != nil {
+		t.Fatal(err)
+	}
+	r, _ := vsEvent(t, d2.c).AsRead()
+	if r.OK || !strings.Contains(r.Reason, "refused") || !strings.Contains(r.Reason, "version 2") {
+		t.Fatalf("version-2 decode of a version-6 prefill: %+v", r)
+	}
+}
+
+// isCode reports whether err is the sidecar's refusal with code.
+func isCode(err error, code string) bool {
+	var e *client.Error
+	return errors.As(err, &e) && e.Code == code
+}
+
+// TestServeVLLMLeaseLapses: a version-6 hold nobody reads is released
+// "timeout" once its kv_lease_duration passes (vLLM's lease, not the
+// abort timeout); until then it is held.
+func TestServeVLLMLeaseLapses(t *testing.T) {
+	ctx := testCtx(t)
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PL", 1, 0, 64, 4, func(r *client.VLLMRank) {
+		vsGen6(r)
+		r.KVLeaseDuration = 300 * time.Millisecond
+	}))
+	vsEvent(t, w.c)
+	sched := dial(t, ps)
+	start := time.Now()
+	if _, err := sched.Hold(ctx, "PL", "unread", []int32{1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	vsReleased(t, sched, "PL", "unread", "timeout")
+	if el := time.Since(start); el < 300*time.Millisecond {
+		t.Fatalf("released after %v, before its lease", el)
+	}
+}
+
+// TestServeVLLMGeneration6PythonPeer: a vLLM version-6 decode rank
+// (host/pull's Python peer) fetches a version-6 sidecar prefill's
+// handshake: the bytes are msgspec's, and the compatibility hash the
+// sidecar computed from the engine's compat map is the one vLLM's
+// hash_factors computes from the same factors (json.dumps, sorted keys,
+// True/False/None, a nested speculative_config).
+func TestServeVLLMGeneration6PythonPeer(t *testing.T) {
+	const python = "/usr/bin/python3"
+	if out, err := exec.Command(python, "-c", "import zmq, msgpack").CombinedOutput(); err != nil {
+		t.Fatalf("%s with python3-zmq and python3-msgpack is needed: %v\n%s", python, err, out)
+	}
+	compat := vsModel6()
+	compat.Extra = client.Fields{{K: "cross_layers_blocks", V: true}, {K: "is_hma_enabled", V: false},
+		{K: "speculative_config", V: client.Fields{{K: "method", V: "eagle3"}, {K: "model", V: "draft"}, {K: "revision", V: nil},
+			{K: "parallel_drafting", V: false}, {K: "auxiliary_layer_ids", V: []int{2, 16}}}}}
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PY6", 1, 0, 16, 4, func(r *client.VLLMRank) { r.Compat = compat }))
+	_, ep, _ := vsEvent(t, w.c).AsEngineReady()
+	factors := map[string]any{"vllm_version": compat.VLLMVersion, "nixl_connector_version": 6, "model": compat.Model,
+		"dtype": compat.DType, "num_kv_heads": compat.NumKVHeads, "head_size": compat.HeadSize,
+		"num_hidden_layers": compat.NumHiddenLayers, "attn_backend_name": compat.AttnBackendName, "cache_dtype": compat.CacheDType,
+		"cross_layers_blocks": true, "is_hma_enabled": false, "speculative_config": map[string]any{"method": "eagle3", "model": "draft",
+			"revision": nil, "parallel_drafting": false, "auxiliary_layer_ids": []int{2, 16}}}
+	path := filepath.Join(t.TempDir(), "factors.json")
+	b, _ := json.Marshal(factors)
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	want, err := exec.Command(python, "-c", `import hashlib, json, sys
+print(hashlib.sha256(json.dumps(json.load(open(sys.argv[1])), sort_keys=True).encode()).hexdigest())`, path).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(python, "../pull/testdata/vllm_nixl_peer.py", "req", ep, "0", "6").Output()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	var got struct {
+		Hash      string `json:"compatibility_hash"`
+		ByteExact bool   `json:"byte_exact"`
+		Metadata  struct {
+			Backend string `json:"attn_backend_name"`
+			Engine  string `json:"engine_id"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if got.Hash != strings.TrimSpace(string(want)) || !got.ByteExact || got.Metadata.Backend != compat.AttnBackendName || got.Metadata.Engine != "PY6" {
+		t.Fatalf("python peer: %+v, want hash %s", got, want)
+	}
+}
+
+// TestServeVLLMWatch: watch and unwatch on a version-6 decode rank are
+// accepted (the lease renewal itself is host/pull's
+// TestLeaseWatchedBeforeLoad); on a version-2 rank watch is unsupported,
+// params without the remote ids are bad_request.
+func TestServeVLLMWatch(t *testing.T) {
+	ctx := testCtx(t)
+	ps, ds := newTestServer(t), newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PW", 1, 0, 16, 4, vsGen6))
+	vsEvent(t, w.c)
+	params, err := dial(t, ps).Hold(ctx, "PW", "q", []int32{1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d6 := vsMust(vsOpenT(t, ds, "decode", "DW6", 1, 0, 16, 4, vsGen6))
+	if err := d6.c.Watch(ctx, d6.rank.ID, "dq", params); err != nil {
+		t.Fatal(err)
+	}
+	if err := d6.c.Unwatch(ctx, d6.rank.ID, "dq"); err != nil {
+		t.Fatal(err)
+	}
+	if err := d6.c.Watch(ctx, d6.rank.ID, "dq", vsSetParam(params, "remote_request_id", nil)); !isCode(err, CodeBadRequest) {
+		t.Fatalf("no remote_request_id: %v", err)
+	}
+	d2 := vsMust(vsOpenT(t, ds, "decode", "DW2", 1, 0, 16, 4, nil))
+	if err := d2.c.Watch(ctx, d2.rank.ID, "dq", vsSetParam(params, "remote_block_ids", []int{1})); !isCode(err, CodeUnsupported) {
+		t.Fatalf("version 2: %v", err)
+	}
+}
