@@ -8,13 +8,18 @@ WAITING_FOR_REMOTE_KVS; the replayed scheduler keeps vLLM's asserts, so a
 connector that reports a request vLLM already freed fails the test as it
 would kill vLLM's engine core.
 
-Wire generations: the sidecar speaks NIXL connector generation 2 (vLLM
-0.13) today; the generation-6 and -12 runs are strict xfails that fail
-(XPASS) once the sidecar's later codecs (worktree wt-vgo) merge, telling
-whoever merges to drop the marker.
+Wire generations: the sidecar speaks NIXL connector generations 2 (vLLM
+0.13) and 6 (host/wire/vllm/generation.go); both replay end to end. A
+later one kvhost's table knows (12) is refused by the sidecar when the
+worker opens its rank, at start-up, with a message naming the version and
+the versions it speaks. Generation 6 has leases: the decode renews the
+prefill's lease from the request's arrival (``watch``), so a request
+waiting in the decode's queue longer than the lease is still read.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -25,8 +30,10 @@ from vllm_engine import PROFILES, EngineCoreDied, Engine, ReplayRequest
 SHAPE = pat.Shape(layers=2, kv_heads=4, head_bytes=32, page_size=4)
 NUM_BLOCKS = 32
 
-# What the sidecar speaks now. Later generations: see the module doc.
-SIDECAR_GENERATIONS = (2,)
+# What the sidecar speaks (host/wire/vllm/generation.go).
+SIDECAR_GENERATIONS = (2, 6)
+# Known to kvhost's table, not to the sidecar: refused at start-up.
+REFUSED_GENERATIONS = tuple(g for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS)
 
 
 class WrongGeneration(AssertionError):
@@ -117,10 +124,7 @@ def _drain(p, d):
     assert len(p.scheduler.pool.free) == NUM_BLOCKS and len(d.scheduler.pool.free) == NUM_BLOCKS
 
 
-@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS + tuple(
-    pytest.param(g, marks=pytest.mark.xfail(strict=True, raises=WrongGeneration,
-                                            reason="the sidecar speaks generation 2 until wt-vgo merges"))
-    for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS))
+@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS)
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_replay_every_byte(engines, profile, gen):
     """Prefill TP 1 -> decode TP 2: three requests, one a partial local
@@ -138,6 +142,107 @@ def test_replay_every_byte(engines, profile, gen):
     assert sorted(loaded) == ["d-a", "d-b", "d-c"]
     for w in p.workers:
         assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
+
+
+@pytest.mark.parametrize("gen", REFUSED_GENERATIONS)
+def test_replay_refused_generation_at_startup(engines, gen):
+    """A generation the sidecar does not speak fails the engine's start
+    (the worker's register_kv_caches), naming the version and the ones the
+    sidecar speaks; no request ever runs."""
+    assert REFUSED_GENERATIONS, "kvhost's table knows no generation the sidecar refuses: drop this test"
+    with pytest.raises(RuntimeError) as ei:
+        engines("newest", gen=gen)
+    msg = str(ei.value)
+    assert "NIXL connector version %d" % gen in msg, msg
+    assert "unsupported" in msg and "kvhost speaks versions 2, 6" in msg, msg
+
+
+def test_gen6_factors_are_what_the_sidecar_requires(engines):
+    """open_rank at generation 6 against a live sidecar succeeds (the
+    sidecar refuses a factor set missing one it requires), and the set
+    sent is exactly generation 6's: vLLM's nine base factors plus
+    cross_layers_blocks, is_hma_enabled and speculative_config."""
+    p, d = engines("newest", gen=6)
+    want = sorted(generations.BASE_FACTORS + ("cross_layers_blocks", "is_hma_enabled", "speculative_config"))
+    for w in p.workers + d.workers:
+        cw = w.connector_worker
+        assert cw.rank is not None or cw.prefill_rank is not None
+        assert sorted(cw.compat) == want
+        assert cw.compat["nixl_connector_version"] == 6 and cw.leases
+
+
+LEASE = 1.0  # seconds: kv_connector_extra_config.kv_lease_duration
+
+
+def _hog(d):
+    """Every free block of the decode taken, so a request waits in its
+    queue (vLLM's scheduler skips it until blocks free up)."""
+    return d.scheduler.pool.take(len(d.scheduler.pool.free))
+
+
+def _wait_queued(p, d, rid, seconds):
+    """Steps both engines for at least ``seconds`` while ``rid`` waits in
+    the decode's queue (a lower bound only: a slow machine waits longer)."""
+    t0 = time.monotonic()
+    p.run_until(lambda: time.monotonic() - t0 >= seconds, "the lease to pass", others=(d,),
+                timeout=seconds + 60)
+    assert d.scheduler.requests[rid].status.name == "WAITING", d.scheduler.requests[rid].status
+
+
+def test_replay_lease_renewed_while_queued(engines):
+    """Generation 6, lease 1 s: a decode request waits in the decode's
+    queue for 4 leases (no free blocks) before it is scheduled; the
+    decode renews the prefill's lease from its arrival (watch), so its
+    read still gets every byte and the prefill releases it as read."""
+    loaded = []
+    p, d = engines("newest", gen=6, loaded=loaded, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "q", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-q", 12, dict(params), 8, max_tokens=2))
+    _wait_queued(p, d, "d-q", 4 * LEASE)
+    assert "q" not in p.workers[0].connector_worker.release_reasons  # still held
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+    assert loaded == ["d-q"]
+    assert p.workers[0].connector_worker.release_reasons["q"] == "notified"
+
+
+def test_replay_lease_lapses_without_watch(engines, monkeypatch):
+    """The mutation check of the test above: a decode that does not renew
+    a queued request's lease (no watch) lets it lapse on the prefill
+    (released ``timeout``): its blocks are free for the prefill's next
+    request to overwrite before the late read (which, as NIXL's, is not
+    refused: the prefill's memory is still registered)."""
+    from kvhost.vllm import scheduler as ksched
+
+    monkeypatch.setattr(ksched.KvhostConnectorScheduler, "on_new_request", lambda self, request: None)
+    loaded = []
+    p, d = engines("newest", gen=6, loaded=loaded, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "n", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-n", 12, dict(params), 8, max_tokens=2))
+    p.run_until(lambda: "n" in p.workers[0].connector_worker.release_reasons, "the lease to lapse", others=(d,))
+    assert p.workers[0].connector_worker.release_reasons["n"] == "timeout"
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed", others=(d,))
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+
+
+def test_replay_lease_lapses_when_heartbeats_stop(engines):
+    """Generation 6: a queued decode request is renewed until its decode
+    stops heartbeating (its engine goes away without a word: the workers'
+    ranks close); then the prefill's lease lapses, released ``timeout``."""
+    p, d = engines("newest", gen=6, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "h", 12, 8, gen=6)
+    _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-h", 12, dict(params), 8, max_tokens=2))
+    _wait_queued(p, d, "d-h", 3 * LEASE)
+    assert "h" not in p.workers[0].connector_worker.release_reasons  # renewed so far
+    for w in d.workers:
+        w.shutdown()
+    p.run_until(lambda: "h" in p.workers[0].connector_worker.release_reasons, "the lease to lapse")
+    assert p.workers[0].connector_worker.release_reasons["h"] == "timeout"
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed")
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))

@@ -65,11 +65,14 @@ class Profile:
     blocks: str
     # The model runner asks get_transfer_results (newest) or get_finished.
     transfer_results: bool
+    # Scheduler.add_request calls connector.on_new_request (newest: where
+    # vLLM's NIXL scheduler starts heartbeating a decode request).
+    on_new_request: bool
 
 
 PROFILES = {
-    "0.13": Profile("0.13", "0.13.0", False, "0.13", False),
-    "newest": Profile("newest", "0.21.0", True, "newest", True),
+    "0.13": Profile("0.13", "0.13.0", False, "0.13", False, False),
+    "newest": Profile("newest", "0.21.0", True, "newest", True, True),
 }
 
 
@@ -154,8 +157,11 @@ class Scheduler:
     # -- requests in and out --
 
     def add_request(self, req):
+        """add_request: queued, then (newest) connector.on_new_request."""
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        if self.profile.on_new_request:
+            self.connector.on_new_request(req)
 
     def finish_requests(self, request_ids, finished_status):
         """finish_requests: a request waiting for remote KV keeps its blocks
