@@ -25,9 +25,12 @@ import pytest
 
 from kvhost import demo_pattern as pat
 from kvhost.vllm import generations
+from conftest import BACKEND
 from vllm_engine import PROFILES, EngineCoreDied, Engine, ReplayRequest
 
 SHAPE = pat.Shape(layers=2, kv_heads=4, head_bytes=32, page_size=4)
+# An MLA model's latent: one head, replicated on every TP rank.
+MLA_SHAPE = pat.Shape(layers=2, kv_heads=1, head_bytes=64, page_size=4)
 NUM_BLOCKS = 32
 
 # What the sidecar speaks (host/wire/vllm/generation.go).
@@ -53,8 +56,7 @@ def _checker(e, loaded):
 
     def check(request, block_ids):
         for r in range(e.tp):
-            h0, h1 = SHAPE.heads_of(r, e.tp)
-            why = pat.check(e.pools[r][1], block_ids, request.seed, SHAPE, h0, h1)
+            why = e.check_bytes(r, block_ids, request.seed)
             assert why is None, "rank %d, request %s: %s" % (r, request.request_id, why)
         if loaded is not None:
             loaded.append(request.request_id)
@@ -77,15 +79,18 @@ def engines(sidecar_factory, monkeypatch):
     made = []
 
     def make(profile, prefill_tp=1, decode_tp=2, prefill_role="kv_producer", decode_role="kv_consumer",
-             gen=2, loaded=None, extra=None):
+             gen=2, loaded=None, extra=None, mla=False):
         prof = PROFILES[profile]
+        shape = MLA_SHAPE if mla else SHAPE
         sp, sd = sidecar_factory("prefill"), sidecar_factory("decode")
         extra = dict(extra or {}, kvhost_nixl_connector_version=gen)
-        p = Engine("engine-p", prefill_role, sp.endpoint, prefill_tp, SHAPE, NUM_BLOCKS, prof, extra)
+        p = Engine("engine-p", prefill_role, sp.endpoint, prefill_tp, shape, NUM_BLOCKS, prof, extra, mla=mla)
         made.append(p)
-        d = Engine("engine-d", decode_role, sd.endpoint, decode_tp, SHAPE, NUM_BLOCKS, prof, extra)
+        d = Engine("engine-d", decode_role, sd.endpoint, decode_tp, shape, NUM_BLOCKS, prof, extra, mla=mla)
         for e in (p, d):
             e.scheduler.on_loaded = _checker(e, loaded)
+            # The plugin moving the bytes is the one asked for (conftest).
+            assert e.workers[0].connector_worker._client.hello.backend == BACKEND
         made.append(d)
         return p, d
 
@@ -243,6 +248,27 @@ def test_replay_lease_lapses_when_heartbeats_stop(engines):
     p.run_until(lambda: "h" in p.workers[0].connector_worker.release_reasons, "the lease to lapse")
     assert p.workers[0].connector_worker.release_reasons["h"] == "timeout"
     p.run_until(lambda: p.idle(), "the prefill's blocks freed")
+
+
+@pytest.mark.parametrize("tps", [(1, 1), (2, 2), (2, 4)], ids=lambda t: "tp%d-%d" % t)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS)
+def test_replay_tp_pairs(engines, gen, mla, tps):
+    """Each generation, MHA and MLA, prefill TP -> decode TP 1->1, 2->2
+    and 2->4 (a decode rank reads part of a prefill rank's heads; MLA's
+    latent is whole on every rank): every byte on every decode rank, each
+    hold released as read. The profile is the vLLM of the generation."""
+    loaded = []
+    profile = "0.13" if gen == 2 else "newest"
+    p, d = engines(profile, prefill_tp=tps[0], decode_tp=tps[1], gen=gen, loaded=loaded, mla=mla)
+    reqs = [("a", 9, 41), ("b", 16, 42), ("c", 21, 43)]
+    for rid, ntok, seed in reqs:
+        params = _prefill(p, d, rid, ntok, seed, gen)
+        d.scheduler.add_request(ReplayRequest("d-" + rid, ntok, dict(params), seed, max_tokens=2))
+    _drain(p, d)
+    assert sorted(loaded) == ["d-a", "d-b", "d-c"]
+    for w in p.workers:
+        assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
