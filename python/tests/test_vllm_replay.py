@@ -269,6 +269,19 @@ def test_replay_tp_pairs(engines, gen, mla, tps):
     assert sorted(loaded) == ["d-a", "d-b", "d-c"]
     for w in p.workers:
         assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
+    # What each decode rank read: its heads (MLA: the latent) of every page.
+    shape = d.shape
+    planes, heads = (1, 1) if mla else (2, shape.kv_heads // tps[1])
+    total = seconds = 0
+    for rid, ntok, _ in reqs:
+        want = shape.layers * planes * shape.pages(ntok) * heads * shape.page_size * shape.head_bytes
+        for w in d.workers:
+            res = w.connector_worker.read_results["d-" + rid]
+            assert res["ok"] and res["bytes"] == want, (rid, res, want)
+            total += res["bytes"]
+            seconds += res["seconds"]
+    print("\n%s gen %d %s TP %d->%d: %d bytes read in %.6f s of reads" % (
+        BACKEND, gen, "MLA" if mla else "MHA", tps[0], tps[1], total, seconds))
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
