@@ -19,6 +19,8 @@ waiting in the decode's queue longer than the lease is still read.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import pytest
@@ -176,6 +178,16 @@ def test_gen6_factors_are_what_the_sidecar_requires(engines):
         assert cw.compat["nixl_connector_version"] == 6 and cw.leases
 
 
+def test_gen6_factor_missing_is_refused_at_startup(engines, monkeypatch):
+    """The check above can fail: a generation-6 table entry without one of
+    the factors the sidecar requires is refused when the rank opens."""
+    g = generations.GENERATIONS[6]
+    monkeypatch.setitem(generations.GENERATIONS, 6, dataclasses.replace(
+        g, extra_factors=tuple(f for f in g.extra_factors if f != "speculative_config")))
+    with pytest.raises(RuntimeError, match="compat.speculative_config: missing"):
+        engines("newest", gen=6)
+
+
 LEASE = 1.0  # seconds: kv_connector_extra_config.kv_lease_duration
 
 
@@ -282,6 +294,55 @@ def test_replay_tp_pairs(engines, gen, mla, tps):
             seconds += res["seconds"]
     print("\n%s gen %d %s TP %d->%d: %d bytes read in %.6f s of reads" % (
         BACKEND, gen, "MLA" if mla else "MHA", tps[0], tps[1], total, seconds))
+
+
+def test_replay_abort_while_queued_unwatches(engines, monkeypatch):
+    """Generation 6: a watched decode request aborted in the queue is
+    unwatched on every decode rank (vLLM's request_finished stops its
+    heartbeats) and its prefill notified, so it frees its blocks as
+    read, not at the lease's end."""
+    from kvhost import client as kc
+
+    sent = []
+    real = kc.Client.unwatch_nowait
+
+    def recording(self, rank, request_id):
+        sent.append(request_id)
+        return real(self, rank, request_id)
+
+    monkeypatch.setattr(kc.Client, "unwatch_nowait", recording)
+    p, d = engines("newest", gen=6, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "u", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-u", 12, dict(params), 8, max_tokens=2))
+    for _ in range(3):
+        d.step()  # the watch goes out with the step's metadata
+    d.abort(["d-u"])
+    d.step()
+    assert sent == ["d-u"] * d.tp
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed", others=(d,))
+    assert p.workers[0].connector_worker.release_reasons["u"] == "notified"
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+
+
+def test_watch_refusal_is_logged(engines, caplog):
+    """A pipelined watch the sidecar refuses (here: on a generation-2
+    rank, which has no leases; the worker never sends one there) is
+    logged, not lost."""
+    from kvhost import client as kc
+
+    p, d = engines("newest", gen=2)
+    cw = d.workers[0].connector_worker
+    assert not cw.leases
+    params = _prefill(p, d, "g", 8, 3)
+    with caplog.at_level(logging.WARNING, logger="kvhost.client"):
+        cw._client.watch_nowait(cw.rank, "d-g", dict(params))
+        with pytest.raises(kc.KVHostError):  # replies come in order: the refusal is in by its end
+            cw._client.release("engine-d", "nobody")
+    assert any("watch refused: unsupported" in r.getMessage() for r in caplog.records), caplog.text
+    d.scheduler.add_request(ReplayRequest("d-g", 8, dict(params), 3, max_tokens=2))  # still served
+    _drain(p, d)
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
