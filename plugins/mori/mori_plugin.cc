@@ -368,7 +368,10 @@ struct Agent {
   bool probe = true;               // probe_registration
   bool xgmi_only = false;          // MORI fell back to XGMI only and intra_node_only allowed it
   EnginePtr engine;
-  // Guarded by engine_mu (exclusive): register_mem is its only user.
+  // The registration probe's NICs, guarded by probe_mu (taken alone: a
+  // probe pins memory and may take long, so it holds no lock that posts
+  // or polls need).
+  std::mutex probe_mu;
   bool probe_open = false;
   std::vector<ProbeNic> probe_nics;
 
@@ -981,7 +984,7 @@ void CloseProbe(Agent &a) {
 }
 
 // Opens a protection domain on each NIC MORI may use. Caller holds
-// engine_mu exclusive.
+// probe_mu.
 kvp_error *OpenProbe(Agent &a) {
   if (a.probe_open) return nullptr;
   int n = 0;
@@ -1072,7 +1075,7 @@ std::string ProbeOne(const ProbeNic &nic, uint64_t addr, uint64_t len, bool gpu)
 }
 
 // Empty when every NIC MORI may use can register the region. Caller holds
-// engine_mu exclusive.
+// probe_mu.
 std::string ProbeRegion(Agent &a, uint64_t addr, uint64_t len, bool gpu) {
   for (const ProbeNic &nic : a.probe_nics) {
     std::string why = ProbeOne(nic, addr, len, gpu);
@@ -1336,6 +1339,24 @@ kvp_error *RegisterMem(kvp_register_mem_args *args) {
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("register_mem", args->agent);
+    // Check that MORI will be able to register each region with its NICs
+    // (see "Registration probe"), before MORI sees any of them.
+    if (a->probe && !a->xgmi_only) {
+      std::lock_guard<std::mutex> pg(a->probe_mu);
+      if (kvp_error *e = OpenProbe(*a)) return e;
+      for (size_t i = 0; i < args->num_descs; i++) {
+        const kvp_mem_desc &d = args->descs[i];
+        std::string why = ProbeRegion(*a, d.addr, d.len, d.mem_kind == KVP_MEM_VRAM);
+        if (!why.empty())
+          return kvp_err(KVP_ERR_BACKEND,
+                         "register_mem: desc %zu (%s addr=0x%llx len=%llu): %s; nothing was "
+                         "registered",
+                         i, d.mem_kind == KVP_MEM_VRAM ? "VRAM" : "DRAM",
+                         static_cast<unsigned long long>(d.addr),
+                         static_cast<unsigned long long>(d.len), why.c_str());
+      }
+    }
+
     std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
     std::lock_guard<std::mutex> g(a->mu);
 
@@ -1352,23 +1373,6 @@ kvp_error *RegisterMem(kvp_register_mem_args *args) {
                      "register_mem: desc %llu overlaps memory already registered on this agent "
                      "or another desc of this call",
                      static_cast<unsigned long long>(id & ~kNewRangeBit));
-    }
-
-    // Check that MORI will be able to register each region with its NICs
-    // (see "Registration probe"), before MORI sees any of them.
-    if (a->probe && !a->xgmi_only) {
-      if (kvp_error *e = OpenProbe(*a)) return e;
-      for (size_t i = 0; i < args->num_descs; i++) {
-        const kvp_mem_desc &d = args->descs[i];
-        std::string why = ProbeRegion(*a, d.addr, d.len, d.mem_kind == KVP_MEM_VRAM);
-        if (!why.empty())
-          return kvp_err(KVP_ERR_BACKEND,
-                         "register_mem: desc %zu (%s addr=0x%llx len=%llu): %s; nothing was "
-                         "registered",
-                         i, d.mem_kind == KVP_MEM_VRAM ? "VRAM" : "DRAM",
-                         static_cast<unsigned long long>(d.addr),
-                         static_cast<unsigned long long>(d.len), why.c_str());
-      }
     }
 
     // Register, undoing everything on the first failure (all or nothing).
