@@ -81,6 +81,7 @@
 #include <errno.h>
 #include <link.h>
 #include <netinet/in.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -162,7 +163,9 @@ std::string LayoutFacts() {
 }
 
 constexpr const char *kPluginName = "mori";
-constexpr const char *kPluginVersion = "0.2.0";
+// kvhost plugins shows it: the MORI build the shim belongs to.
+constexpr const char *kPluginVersion =
+    "0.2.0 (MORI " KVHOST_MORI_COMMIT ", libmori_io.so " KVHOST_MORI_LIB_ID ")";
 
 constexpr uint64_t kCaps = KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY |
                            KVP_CAP_REMOTE_BLOB | KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD;
@@ -1025,6 +1028,15 @@ kvp_error *OpenProbe(Agent &a) {
   return nullptr;
 }
 
+// As MORI's env::IsEnvVarEnabled: set, not empty, and not a false boolean.
+bool MoriEnvEnabled(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) return false;
+  for (const char *f : {"0", "false", "no", "off"})
+    if (strcasecmp(v, f) == 0) return false;
+  return true;
+}
+
 // hsa_amd_portable_export_dmabuf from the HSA runtime MORI loaded.
 using ExportDmabufFn = int (*)(const void *ptr, size_t size, int *fd, uint64_t *offset);
 
@@ -1038,8 +1050,23 @@ std::string ProbeOne(const ProbeNic &nic, uint64_t addr, uint64_t len, bool gpu)
   if (mr) ibv_dereg_mr(mr);
   const char *reg = kMoriReg;
   bool offset0 = strcmp(reg, "auto-offset0") == 0;
-  bool dmabuf_first = getenv("MORI_ENABLE_DMABUF_REG") != nullptr;
+  bool dmabuf_first = MoriEnvEnabled("MORI_ENABLE_DMABUF_REG");
   if (mr && !(gpu && offset0 && dmabuf_first)) return "";
+  auto exp = reinterpret_cast<ExportDmabufFn>(dlsym(RTLD_DEFAULT, "hsa_amd_portable_export_dmabuf"));
+  std::string offset0_bug = " bytes into its GPU allocation, and MORI " + std::string(kMoriCommit) +
+                            " registers it through dmabuf at offset 0 (wrong address or LOC_PROT "
+                            "errors; fixed in MORI 0d05a4d2): use MORI >= 0d05a4d2";
+  if (mr) {
+    // MORI_ENABLE_DMABUF_REG on an offset-0 build: dmabuf goes first, and
+    // is wrong exactly when the buffer does not start its allocation.
+    int fd = -1;
+    uint64_t off = 0;
+    if (!exp || exp(p, len, &fd, &off) != 0 || fd < 0) return "";  // MORI falls back to ibv_reg_mr
+    close(fd);
+    if (off == 0) return "";
+    return "with MORI_ENABLE_DMABUF_REG set, the buffer starts " +
+           std::to_string(static_cast<unsigned long long>(off)) + offset0_bug;
+  }
   std::string plain = "ibv_reg_mr failed (" + std::string(strerror(plain_err)) + ")";
   if (!gpu || strcmp(reg, "ibv") == 0)
     return plain + "; MORI " + kMoriCommit + " registers " + (gpu ? "GPU" : "host") +
@@ -1049,7 +1076,6 @@ std::string ProbeOne(const ProbeNic &nic, uint64_t addr, uint64_t len, bool gpu)
     return plain + "; whether MORI " + kMoriCommit +
            " then tries dmabuf is unknown (build with MORI_SRC set to its git checkout, or "
            "MORI_REG=auto for MORI >= 0d05a4d2)";
-  auto exp = reinterpret_cast<ExportDmabufFn>(dlsym(RTLD_DEFAULT, "hsa_amd_portable_export_dmabuf"));
   if (!exp) return plain + "; dmabuf: hsa_amd_portable_export_dmabuf is not loaded";
   int fd = -1;
   uint64_t off = 0;
@@ -1057,10 +1083,8 @@ std::string ProbeOne(const ProbeNic &nic, uint64_t addr, uint64_t len, bool gpu)
     return plain + "; dmabuf: hsa_amd_portable_export_dmabuf failed";
   if (offset0 && off != 0) {
     close(fd);
-    return "the buffer starts " + std::to_string(static_cast<unsigned long long>(off)) +
-           " bytes into its GPU allocation, and MORI " + kMoriCommit +
-           " registers it through dmabuf at offset 0 (wrong address or LOC_PROT errors; fixed "
-           "in MORI 0d05a4d2): use MORI >= 0d05a4d2";
+    return plain + "; the buffer starts " + std::to_string(static_cast<unsigned long long>(off)) +
+           offset0_bug;
   }
   errno = 0;
   ibv_mr *dm = ibv_reg_dmabuf_mr(nic.pd, off, len, addr, fd, kMrAccess);

@@ -380,6 +380,8 @@ int main(int argc, char **argv) {
   kvp_plugin_info_args info = {KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE};
   CHECK(take(api->plugin_info(&info), NULL, 0) == 0, "plugin_info");
   CHECK(strcmp(info.name, "mori") == 0, "name %s", info.name);
+  CHECK(strstr(info.version, "MORI stand-in") && strstr(info.version, "libmori_io.so build-id:"),
+        "version names the MORI build: %s", info.version);
   CHECK(info.caps == (KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY | KVP_CAP_REMOTE_BLOB |
                       KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD),
         "caps 0x%llx", (unsigned long long)info.caps);
