@@ -92,10 +92,16 @@ compile_one() {
   fi
   local facts=(-DKVHOST_MORI_COMMIT="\"$label\"" -DKVHOST_MORI_LIB_ID='"none"'
                -DKVHOST_MORI_REG='"unknown"')
+  # Each step checks its status: set -e does not apply inside a function
+  # called as an if condition (the --mori-git loop).
   echo "== $label: object compile"
-  run "$CXX" "${flags[@]}" "${facts[@]}" -c "$here/mori_plugin.cc" -o "$tmp/mori_plugin.o"
+  rm -f "$tmp/mori_plugin.o"
+  run "$CXX" "${flags[@]}" "${facts[@]}" -c "$here/mori_plugin.cc" -o "$tmp/mori_plugin.o" || {
+    echo "compile check $label: FAILED" >&2; return 1; }
   echo "== $label: MORI symbols the object needs from libmori_io.so"
-  nm -uC "$tmp/mori_plugin.o" | grep 'mori::' | sed 's/(.*//' | sort -u
+  local syms
+  syms=$(nm -uC "$tmp/mori_plugin.o" | grep 'mori::' | sed 's/(.*//' | sort -u) || return 1
+  printf '%s\n' "$syms"
   echo "compile check $label: OK ($("$CXX" --version | head -1))"
 }
 
@@ -110,7 +116,8 @@ if [[ -n "$mori_git" ]]; then
     name="$(git -C "$mori_git" describe --tags --always --abbrev=10 "$commit")"
     mkdir -p "$tmp/$commit"
     git -C "$mori_git" archive "$commit" include | tar -x -C "$tmp/$commit"
-    if compile_one "$ref=$name" "$tmp/$commit/include" "$@"; then
+    echo "== $ref is $commit ($name)"
+    if compile_one "$name" "$tmp/$commit/include" "$@"; then
       results+=("OK     $ref = $commit ($name)")
     else
       results+=("FAILED $ref = $commit ($name)")
