@@ -21,9 +21,10 @@ deps=$(printf '#include <mori/io/io.hpp>\n' | "$@" -M -MG -x c++ - 2>/dev/null) 
 missing=$(printf '%s\n' "$deps" | tr ' \\' '\n\n' | grep -v -e '^$' -e ':$' -e '^/' | sort -u || true)
 [[ -z "$missing" ]] && exit 0
 
-rocm="ROCM_PATH=${ROCM_PATH:-unset}"
-if [[ -z "${ROCM_PATH:-}" && ! -d /opt/rocm ]]; then
-  rocm="ROCM_PATH is unset and there is no /opt/rocm (ROCm 7.14 and later install elsewhere: set ROCM_PATH)"
+rocm_dir="${ROCM_PATH:-/opt/rocm}"
+rocm="ROCM_PATH=$rocm_dir"
+if [[ ! -d "$rocm_dir" ]]; then
+  rocm="there is no $rocm_dir; ROCm 7.14 and later have no /opt/rocm: set ROCM_PATH to where ROCm is"
 fi
 declare -A seen=()
 while read -r h; do
