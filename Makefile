@@ -198,13 +198,14 @@ $(PLUGIN_DIR)/libkvhost_mori.so: plugins/mori/mori_plugin.cc build/mori/kvp_util
 # libibverbs.so.1 and runs its stand-in test, under AddressSanitizer+UBSan
 # and under ThreadSanitizer: every ABI entry, the bytes moved, and the
 # refusals (another libmori_io.so, a grown IOEngine, the XGMI-only
-# fallback, memory a NIC cannot register). It needs Debian's
+# fallback, memory a NIC cannot register, also as built for MORI before
+# 09ad89c4 and up to 0d05a4d2). It needs Debian's
 # libmsgpack-cxx-dev and libibverbs-dev (headers only), which
 # plugins/mori/stubtest/install-deps.sh installs when missing.
 .PHONY: mori-stub-test
 mori-stub-test:
 	@plugins/mori/stubtest/install-deps.sh
-	SAN="$(SAN_ASAN)" plugins/mori/stubtest/run.sh build/mori-stub/asan plugins/mori/stubtest/include
+	SAN="$(SAN_ASAN)" REG_MODES="ibv auto-offset0" plugins/mori/stubtest/run.sh build/mori-stub/asan plugins/mori/stubtest/include
 	SAN="$(SAN_TSAN)" plugins/mori/stubtest/run.sh build/mori-stub/tsan plugins/mori/stubtest/include
 
 build/mori/kvp_util.o: $(COMMON_SRC) $(COMMON_HDR)

@@ -13,7 +13,9 @@
 #             with the stand-in libmori_io.so and libibverbs.so.1 beside it
 #
 # Environment: CXX, CC, SAN (extra compile and link flags, e.g.
-# "-fsanitize=thread"), CXXSTD (default c++20).
+# "-fsanitize=thread"), CXXSTD (default c++20), REG_MODES (more
+# KVHOST_MORI_REG modes to build the shim for and test with --reg-mode,
+# e.g. "ibv auto-offset0"; the main build is "auto").
 #
 # Builds:
 #   ibv/libibverbs.so.1   stubtest/ibverbs_stub.c
@@ -103,3 +105,13 @@ run env LD_LIBRARY_PATH="$out/mori1:$out/ibv" "$out/shim_test"
 echo "== stand-in test against another libmori_io.so ($id2): loading must be refused"
 run env LD_LIBRARY_PATH="$out/mori2:$out/ibv" SHIM_TEST_BUILT_ID="$id1" \
   SHIM_TEST_LOADED_ID="$id2" "$out/shim_test" --expect-mismatch
+
+for mode in ${REG_MODES:-}; do
+  echo "== the shim as built for a MORI whose registration mode is $mode"
+  run "$CXX" "${cxxflags[@]}" -fvisibility=hidden -DKVHOST_MORI_COMMIT='"stand-in"' \
+    -DKVHOST_MORI_LIB_ID="\"$id1\"" -DKVHOST_MORI_REG="\"$mode\"" \
+    -c "$here/../mori_plugin.cc" -o "$out/mori_plugin_$mode.o"
+  run "$CXX" "${san[@]}" -pthread -o "$out/shim_test_$mode" "$out/shim_test.o" \
+    "$out/mori_plugin_$mode.o" "$out/kvp_util.o" -L"$out/mori1" -lmori_io -L"$out/ibv" -libverbs
+  run env LD_LIBRARY_PATH="$out/mori1:$out/ibv" "$out/shim_test_$mode" --reg-mode "$mode"
+done

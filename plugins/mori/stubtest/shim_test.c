@@ -233,6 +233,54 @@ static int expect_mismatch(void) {
   return failures ? 1 : 0;
 }
 
+/* --reg-mode MODE: the shim built with KVHOST_MORI_REG=MODE refuses what
+ * that MORI build could not register (stubtest/run.sh builds it). */
+static int check_reg_mode(const char *mode) {
+  static uint8_t buf[1 << 14];
+  char msg[1024];
+  kvp_agent x = 0;
+  kvp_region r = 0;
+  CHECK(create_agent("regmode", NULL, 0, &x, NULL) == 0 && x, "create");
+  if (strcmp(mode, "ibv") == 0) {
+    /* Before 09ad89c4 MORI has no dmabuf fallback. */
+    setenv("FAKE_IBV_REG_FAIL", "*", 1);
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == KVP_ERR_BACKEND &&
+              strstr(msg, "ibv_reg_mr only") && strstr(msg, "peer-memory"),
+          "VRAM refused although dmabuf would work: %s", msg);
+    unsetenv("FAKE_IBV_REG_FAIL");
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == 0, "VRAM ok: %s", msg);
+  } else if (strcmp(mode, "auto-offset0") == 0) {
+    /* 09ad89c4 up to 0d05a4d2: dmabuf at offset 0. */
+    setenv("FAKE_IBV_REG_FAIL", "*", 1);
+    setenv("MORI_STUB_DMABUF_OFFSET", "4096", 1);
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == KVP_ERR_BACKEND &&
+              strstr(msg, "4096 bytes into its GPU allocation") && strstr(msg, "0d05a4d2"),
+          "a view inside its allocation is refused: %s", msg);
+    setenv("MORI_STUB_DMABUF_OFFSET", "0", 1);
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == 0 && r,
+          "a whole allocation through dmabuf is fine: %s", msg);
+    CHECK(dereg(x, r) == 0, "dereg");
+    unsetenv("FAKE_IBV_REG_FAIL");
+    /* ibv_reg_mr works, but MORI_ENABLE_DMABUF_REG puts dmabuf first. */
+    setenv("MORI_STUB_DMABUF_OFFSET", "4096", 1);
+    setenv("MORI_ENABLE_DMABUF_REG", "1", 1);
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == KVP_ERR_BACKEND &&
+              strstr(msg, "MORI_ENABLE_DMABUF_REG"),
+          "dmabuf first on a view is refused: %s", msg);
+    setenv("MORI_ENABLE_DMABUF_REG", "off", 1);
+    CHECK(reg_msg(x, buf, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == 0,
+          "MORI_ENABLE_DMABUF_REG=off: ibv_reg_mr goes first: %s", msg);
+    unsetenv("MORI_ENABLE_DMABUF_REG");
+    unsetenv("MORI_STUB_DMABUF_OFFSET");
+  } else {
+    CHECK(0, "unknown mode %s", mode);
+  }
+  CHECK(x && destroy_agent(x) == 0, "destroy");
+  CHECK(fake_ibv_live() == 0, "%d NIC objects left open", fake_ibv_live());
+  printf("shim_test --reg-mode %s: %d checks, %d failed\n", mode, checks, failures);
+  return failures ? 1 : 0;
+}
+
 /* The refusals that stand in for MORI failing silently or fatally: a
  * library whose IOEngine is larger than the headers', MORI's XGMI-only
  * fallback, and memory MORI could not register with a NIC. Also that the
@@ -305,6 +353,11 @@ static void check_refusals(void) {
   CHECK(reg_msg(x, vram, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == 0 && r,
         "VRAM that registers through dmabuf is accepted: %s", msg);
   CHECK(dereg(x, r) == 0, "dereg vram");
+  setenv("MORI_STUB_DMABUF_OFFSET", "8192", 1); /* a view inside its allocation */
+  CHECK(reg_msg(x, vram, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == 0 && r,
+        "from 0d05a4d2 MORI registers a view at its offset: %s", msg);
+  CHECK(dereg(x, r) == 0, "dereg view");
+  unsetenv("MORI_STUB_DMABUF_OFFSET");
   setenv("FAKE_IBV_DMABUF_FAIL", "*", 1);
   CHECK(reg_msg(x, vram, 4096, KVP_MEM_VRAM, 0, &r, msg, sizeof msg) == KVP_ERR_BACKEND &&
             strstr(msg, "ibv_reg_dmabuf_mr"),
@@ -376,6 +429,7 @@ int main(int argc, char **argv) {
   api = g.api;
   CHECK(api->struct_size == KVP_API_STRUCT_SIZE, "api size");
   if (argc > 1 && strcmp(argv[1], "--expect-mismatch") == 0) return expect_mismatch();
+  if (argc > 2 && strcmp(argv[1], "--reg-mode") == 0) return check_reg_mode(argv[2]);
 
   kvp_plugin_info_args info = {KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE};
   CHECK(take(api->plugin_info(&info), NULL, 0) == 0, "plugin_info");
