@@ -30,7 +30,14 @@ type sglSetup struct {
 
 func newSGL(t *testing.T, extra ...string) *sglSetup {
 	t.Helper()
-	x := &sglSetup{side: startSidecar(t, extra...)}
+	return newSGLOn(t, startSidecar(t, extra...), true)
+}
+
+// newSGLOn sets up on side; without prefill, P has no rank (another
+// process will register the prefill rank with the bootstrap server).
+func newSGLOn(t *testing.T, side *sidecar, prefill bool) *sglSetup {
+	t.Helper()
+	x := &sglSetup{side: side}
 	x.P = x.side.engine(t, "prefill")
 	x.D = x.side.engine(t, "decode")
 	x.boot = strOf(x.P.ok("start_bootstrap", m("host", "127.0.0.1", "port", 0)), "addr")
@@ -41,10 +48,13 @@ func newSGL(t *testing.T, extra ...string) *sglSetup {
 	x.dec = newSGLPool(t, 2, 16, 4, 2, 8)
 	x.P.register(x.pre.region())
 	x.D.register(x.dec.region())
-	pv := x.P.ok("open_rank", x.pre.fields("prefill").with("bootstrap_addr", x.boot))
-	x.pRank = must(t, pv, "rank")
 	dv := x.D.ok("open_rank", x.dec.fields("decode"))
 	x.dRank = must(t, dv, "rank")
+	if !prefill {
+		return x
+	}
+	pv := x.P.ok("open_rank", x.pre.fields("prefill").with("bootstrap_addr", x.boot))
+	x.pRank = must(t, pv, "rank")
 	for _, v := range []msgpack.Value{pv, dv} {
 		if strOf(v, "agent") == "" || !strings.HasPrefix(strOf(v, "endpoint"), "tcp://") {
 			t.Fatalf("open_rank reply without agent or tcp endpoint: %s", show(v))
