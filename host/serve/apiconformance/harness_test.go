@@ -314,10 +314,11 @@ type conn struct {
 }
 
 // dial connects a DEALER to the sidecar, without hello.
-func (s *sidecar) dial(t testing.TB, name string) *conn {
+func (s *sidecar) dial(t testing.TB, name string, opts ...zmq.Option) *conn {
 	t.Helper()
-	d, err := zmq.DialDealer(s.endpoint, zmq.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))),
-		zmq.WithMaxMessageSize(1<<30), zmq.WithRecvBudget(1<<30))
+	opts = append([]zmq.Option{zmq.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))),
+		zmq.WithMaxMessageSize(1 << 30), zmq.WithRecvBudget(1 << 30)}, opts...)
+	d, err := zmq.DialDealer(s.endpoint, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

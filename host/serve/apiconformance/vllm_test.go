@@ -1,6 +1,7 @@
 package apiconformance
 
 import (
+	"net"
 	"strings"
 	"testing"
 
@@ -241,4 +242,37 @@ func TestVLLMEngineReadyGoesToRanks(t *testing.T) {
 	if show(must2(t, pp, "tp_size")) != "2" {
 		t.Fatalf("kv_transfer_params of a TP-2 engine: %s", show(pp))
 	}
+}
+
+// TestSlowHandshakeStallsNobody: on one decode rank, a read whose prefill side channel
+// never answers its handshake does not hold up a read from another
+// prefill engine.
+func TestSlowHandshakeStallsNobody(t *testing.T) {
+	x := newVLLM(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	params := m("do_remote_prefill", true, "do_remote_decode", false, "remote_block_ids", []int{1},
+		"remote_engine_id", "S", "remote_request_id", "s", "remote_host", "127.0.0.1", "remote_port", ln.Addr().(*net.TCPAddr).Port, "tp_size", 1)
+	x.D.ok("read", m("rank", x.dRank, "request_id", "s", "kv_transfer_params", params, "block_ids", i32s(4)))
+	p := x.hold(x.P, "r", 1)
+	x.D.ok("read", m("rank", x.dRank, "request_id", "r", "kv_transfer_params", p, "block_ids", i32s(2)))
+	ev := x.D.event("read", readOf(x.dRank, "r"))
+	if !mustBool(ev, "ok") {
+		t.Fatalf("read: %s", show(ev))
+	}
+	// The stalled read must still be in flight: had the good read waited
+	// for the stalled handshake to time out, its event would be here.
+	x.D.noEvent("read", readOf(x.dRank, "s"))
 }
