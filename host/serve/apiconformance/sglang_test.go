@@ -4,6 +4,7 @@ import (
 	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
@@ -243,4 +244,45 @@ func TestStartBootstrap(t *testing.T) {
 	b.fail("start_bootstrap", m("host", "127.0.0.1", "port", other), "exists")
 	b.fail("start_bootstrap", m("host", "127.0.0.1", "port", 70000), "bad_request", "port")
 	b.fail("start_bootstrap", m("host", "127.0.0.1"), "bad_request", "port")
+}
+
+// closedPort is a local TCP port nothing listens on.
+func closedPort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// TestUnreachableBootstrap: a decode room whose bootstrap server cannot
+// be reached fails (event with the reason) within --bootstrap-timeout;
+// a prefill rank that cannot register with its bootstrap server is
+// answered backend.
+func TestUnreachableBootstrap(t *testing.T) {
+	x := newSGL(t, "--bootstrap-timeout", "2")
+	addr := closedPort(t)
+	x.D.ok("receiver_create", m("rank", x.dRank, "room", uint64(1), "bootstrap_addr", addr))
+	r := x.D.failedWith(x.dRank, 1, "")
+	t.Logf("decode room: %q", r)
+	q := newSGLPool(t, 1, 4, 2, 1, 8)
+	c := x.side.engine(t, "p2")
+	c.register(q.region())
+	start := time.Now()
+	v := c.fail("open_rank", q.fields("prefill").with("bootstrap_addr", addr), "backend")
+	t.Logf("prefill open_rank after %v: %s", time.Since(start), show(v))
+}
+
+// TestSendBeforeWaiting: a chunk sent before the prefill's room is
+// WaitingForInput (the decode's metadata has not arrived) is accepted
+// and fails the room, as SGLang's connector does.
+func TestSendBeforeWaiting(t *testing.T) {
+	x := newSGL(t)
+	x.P.ok("sender_create", m("rank", x.pRank, "room", uint64(3)))
+	x.P.ok("sender_init", m("rank", x.pRank, "room", uint64(3), "num_pages", 1, "aux_index", 0))
+	x.P.ok("sender_send", m("rank", x.pRank, "room", uint64(3), "pages", i32s(1)))
+	x.P.failedWith(x.pRank, 3, "No transfer info found for bootstrap_room=3")
 }

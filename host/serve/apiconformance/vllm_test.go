@@ -276,3 +276,30 @@ func TestSlowHandshakeStallsNobody(t *testing.T) {
 	// for the stalled handshake to time out, its event would be here.
 	x.D.noEvent("read", readOf(x.dRank, "s"))
 }
+
+// TestVLLMDecodeTPSmallerRefused: a decode with a smaller TP than its
+// prefill cannot pull (vLLM refuses it): the read fails, every block
+// invalid, and says why.
+func TestVLLMDecodeTPSmallerRefused(t *testing.T) {
+	side := startSidecar(t)
+	a := side.engine(t, "prefill rank 0")
+	b := side.engine(t, "prefill rank 1")
+	pa := newVLLMPool(t, 2, 8, 4, 1, 8)
+	pb := newVLLMPool(t, 2, 8, 4, 1, 8)
+	a.register(pa.region())
+	b.register(pb.region())
+	a.ok("open_rank", pa.fields("prefill", "P", 2, 0))
+	b.ok("open_rank", pb.fields("prefill", "P", 2, 1))
+	a.event("engine_ready", nil)
+	p := a.ok("hold", m("engine_id", "P", "request_id", "r", "block_ids", i32s(1)))
+	params, _ := p.Get("kv_transfer_params")
+	d := side.engine(t, "decode")
+	dp := newVLLMPool(t, 2, 8, 4, 2, 8)
+	d.register(dp.region())
+	rank := must(t, d.ok("open_rank", dp.fields("decode", "D", 1, 0)), "rank")
+	d.ok("read", m("rank", rank, "request_id", "r", "kv_transfer_params", params, "block_ids", i32s(3)))
+	ev := d.event("read", readOf(rank, "r"))
+	if mustBool(ev, "ok") || !strings.Contains(strOf(ev, "reason"), "smaller than prefill TP") || string(binOf(ev, "invalid_blocks")) != string(i32s(3)) {
+		t.Fatalf("read of a TP-2 prefill by a TP-1 decode: %s", show(ev))
+	}
+}
