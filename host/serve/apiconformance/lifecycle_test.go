@@ -289,3 +289,30 @@ func TestVLLMLifecycle(t *testing.T) {
 		t.Fatalf("read in flight on a closed rank: %s, want failed, \"rank closed\", blocks 4, 5 invalid", show(ev))
 	}
 }
+
+// TestDecodeGoneTellsPrefill: the decode's side closing (close_rank, or
+// its connection) fails the prefill's room of the same request, "Aborted
+// by decode HOST:PORT" as SGLang's connectors say it.
+func TestDecodeGoneTellsPrefill(t *testing.T) {
+	x := newSGL(t)
+	x.inFlight(1)
+	x.D.ok("close_rank", m("rank", x.dRank))
+	x.P.failedWith(x.pRank, 1, "Aborted by decode 127.0.0.1:")
+	x.dRank = must(t, x.D.ok("open_rank", x.dec.fields("decode")), "rank")
+	x.inFlight(3)
+	x.D.close()
+	x.P.failedWith(x.pRank, 3, "Aborted by decode 127.0.0.1:")
+}
+
+// TestAbortTellsPeer: an abort fails the peer's room too: the decode's
+// abort reaches the prefill as "Aborted by decode HOST:PORT", the
+// prefill's reaches the decode with its own reason.
+func TestAbortTellsPeer(t *testing.T) {
+	x := newSGL(t)
+	x.inFlight(1)
+	x.D.ok("abort", m("rank", x.dRank, "room", uint64(1)))
+	x.P.failedWith(x.pRank, 1, "Aborted by decode 127.0.0.1:")
+	x.inFlight(2)
+	x.P.ok("abort", m("rank", x.pRank, "room", uint64(2)))
+	x.D.failedWith(x.dRank, 2, "Aborted by AbortReq.")
+}
