@@ -303,3 +303,18 @@ func TestVLLMDecodeTPSmallerRefused(t *testing.T) {
 		t.Fatalf("read of a TP-2 prefill by a TP-1 decode: %s", show(ev))
 	}
 }
+
+// TestVLLMPartialPrefix: a read naming fewer blocks than the prefill
+// held (a partial prefix hit on the decode) fills them from the last
+// held blocks, as vLLM reads remote_block_ids[-n:].
+func TestVLLMPartialPrefix(t *testing.T) {
+	x := newVLLM(t)
+	x.pre.fill(9, []int{1, 2, 6})
+	p := x.hold(x.P, "r", 1, 2, 6)
+	x.D.ok("read", m("rank", x.dRank, "request_id", "r", "kv_transfer_params", p, "block_ids", i32s(4)))
+	if ev := x.D.event("read", readOf(x.dRank, "r")); !mustBool(ev, "ok") {
+		t.Fatalf("read: %s", show(ev))
+	}
+	sameBlocks(t, x.pre, []int{6}, x.dec, []int{4})
+	x.P.event("released", released("P", "r", "notified"))
+}
