@@ -2,6 +2,7 @@ package apiconformance
 
 import (
 	"fmt"
+	"net"
 	"testing"
 	"time"
 )
@@ -68,4 +69,54 @@ func TestConnectionCap(t *testing.T) {
 	for _, c := range []*conn{conns[1], conns[cap-1], late} {
 		c.fail("frobnicate", m(), "unknown_op")
 	}
+}
+
+// TestReadLimit: one decode rank has at most 16384 reads in flight.
+func TestReadLimit(t *testing.T) {
+	side := startSidecar(t)
+	d := side.engine(t, "decode")
+	p := newVLLMPool(t, 2, 8, 4, 2, 8)
+	d.register(p.region())
+	rank := must(t, d.ok("open_rank", p.fields("decode", "D", 1, 0)), "rank")
+	params := m("do_remote_prefill", true, "do_remote_decode", false, "remote_block_ids", []int{1},
+		"remote_engine_id", "S", "remote_request_id", "s", "remote_host", "127.0.0.1", "remote_port", stalledPort(t), "tp_size", 1)
+	const limit = 1 << 14
+	for done := 0; done < limit; done += 1000 {
+		var seqs []uint64
+		for i := done; i < min(done+1000, limit); i++ {
+			seqs = append(seqs, d.send("read", m("rank", rank, "request_id", fmt.Sprint("r", i), "kv_transfer_params", params, "block_ids", i32s(1))))
+		}
+		for _, s := range seqs {
+			d.wantOK("read", d.reply(s))
+		}
+		d.inbox = d.inbox[:0]
+	}
+	d.fail("read", m("rank", rank, "request_id", "one-more", "kv_transfer_params", params, "block_ids", i32s(1)), "limit")
+}
+
+// stalledPort is a local TCP port that accepts connections and never
+// says anything: a side channel or bootstrap server that hangs.
+func stalledPort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).Port
 }
