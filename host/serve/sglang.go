@@ -114,11 +114,26 @@ func (r *request) lists3(p, l, i string, required bool) (ptrs, lens, items []uin
 
 // sglArgs builds the rank's KVArgs over the session's regions.
 func sglArgs(s *session, r *request, rk *rankEntry) (push.KVArgs, push.Parallel, bool, error) {
+	role := rk.role
 	var a push.KVArgs
 	var par push.Parallel
 	mla, err := r.bool("is_mla", false)
 	if err != nil {
 		return a, par, false, err
+	}
+	// A decode rank's TP position and head count decide which heads every
+	// prefill rank writes into its pages: defaults would be accepted here
+	// and fail (or land wrong heads) at the first transfer, so they are
+	// required (docs/engine-api.md, "Required fields and defaults").
+	if role == "decode" {
+		for _, name := range []string{"tp_size", "tp_rank", "kv_head_num"} {
+			if !r.has(name) {
+				return a, par, false, missing(name)
+			}
+		}
+		if n, _ := r.optInt("kv_head_num", 0); !mla && n == 0 {
+			return a, par, false, badValue("kv_head_num", "0: an MHA decode rank holds at least one KV head")
+		}
 	}
 	ptrs, lens, items, err := r.lists3("kv_data_ptrs", "kv_data_lens", "kv_item_lens", true)
 	if err != nil {
