@@ -22,6 +22,7 @@
 // the binary, or $KVHOST_PLUGIN_PATH). A missing binary fails the tests:
 // it is never a skip.
 //
-// Checks of promises that main does not keep yet are in pending_test.go,
-// built only with -tags pending, and are enabled when their fixes merge.
+// hardening_test.go holds the checks of what the third hardening round
+// fixed (Success final, the served bootstrap port, shrunk memory, bounded
+// replies, bursts, dead prefills deregistered).
 package apiconformance

@@ -79,9 +79,12 @@ func TestOpenRankVLLM(t *testing.T) {
 	for _, f := range []string{"engine_id", "tp_size", "tp_rank", "kv_caches_base_addr", "region_len", "num_blocks", "block_size", "compat", "total_kv_heads"} {
 		c.fail("open_rank", d.without(f), "bad_request", f)
 	}
-	for _, f := range []string{"vllm_version", "nixl_connector_version", "model", "dtype", "num_kv_heads", "head_size", "num_hidden_layers", "attn_backend_name", "cache_dtype"} {
+	for _, f := range []string{"vllm_version", "model", "dtype", "num_kv_heads", "head_size", "num_hidden_layers", "attn_backend_name", "cache_dtype"} {
 		c.fail("open_rank", d.with("compat", compat().without(f)), "bad_request", "compat."+f)
 	}
+	// nixl_connector_version selects the wire generation (absent: 2); one
+	// kvhost does not speak is unsupported, naming it and those it speaks.
+	c.fail("open_rank", d.with("compat", compat().with("nixl_connector_version", 7)), "unsupported", "7", "2, 6")
 	c.fail("open_rank", d.with("compat", compat().with("num_kv_heads", "2")), "bad_request", "compat.num_kv_heads")
 	c.fail("open_rank", d.with("compat", compat().with("model", 3)), "bad_request", "compat.model")
 	c.fail("open_rank", d.with("engine_id", ""), "bad_request", "engine_id")
