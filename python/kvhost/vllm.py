@@ -30,7 +30,10 @@ and ``kvhost_side_channel_port`` (else vLLM's
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT`` plus the DP rank, as the NIXL
 connector does), ``kvhost_abort_timeout`` (seconds; else vLLM's
 ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` when vLLM is present, else the
-sidecar's default).
+sidecar's default). ``num_threads``, vLLM's own NIXL knob (UCX worker
+threads), is passed to the rank's agent (``open_rank``'s
+``agent_params``); unset, the sidecar's default applies: 4 on the decode
+rank, which reads, none on the prefill (vLLM's connector gives both 4).
 
 The prefill engine's abort timeout is kept by the sidecar: it releases
 held blocks that no decode read in time and reports them like a read's
@@ -645,6 +648,7 @@ class KvhostConnectorWorker:
         self._events = collections.deque()
         self._client.add_listener(self._on_event)
         self.rank = None  # the sidecar's rank id once register_kv_caches ran
+        self.agent_params = {}  # the agent's parameters as the sidecar reports them
         self._rank_open = False
         self._next_reconnect = 0.0
         self.region_ids: list = []
@@ -728,6 +732,9 @@ class KvhostConnectorWorker:
             total_kv_heads=int(mc.get_total_num_kv_heads()),
             compat=_compat_factors(self.vllm_config, _attn_backend_name(self.vllm_config)),
         )
+        threads = _extra(self.vllm_config, "num_threads")
+        if threads is not None:
+            fields["agent_params"] = {"num_threads": str(int(threads))}
         if self.role == "prefill":
             host, port = _side_channel(self.vllm_config)
             fields.update(side_channel_host=host, side_channel_port=port)
@@ -747,6 +754,9 @@ class KvhostConnectorWorker:
         reply = self._client.open_rank(style="vllm", role=self.role, **self._fields)
         self.rank = reply["rank"]
         self.endpoint = reply.get("endpoint", "")
+        # What the sidecar created the rank's agent with (its defaults
+        # included), for logs and tests.
+        self.agent_params = dict(reply.get("agent_params") or {})
         self._rank_open = True
 
     def _connected(self):
