@@ -222,6 +222,10 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 	if err != nil {
 		return nil, nil, err
 	}
+	params, err := rankAgentParams(s, r)
+	if err != nil {
+		return nil, nil, err
+	}
 	variant, err := r.optStr("variant", "nixl")
 	if err != nil {
 		return nil, nil, err
@@ -261,7 +265,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		// Registering with the bootstrap server waits on it: the rank is
 		// finished on a goroutine and answered then.
 		cfg := push.PrefillConfig{
-			Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
+			Plugin: s.srv.cfg.Plugin, AgentParams: params,
 			Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
 			Host: host, BootstrapAddr: boot, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
 		}
@@ -272,14 +276,14 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 				return nil, nil, errorf(CodeBackend, "open prefill rank: %v", err)
 			}
 			sr.prefill = m
-			return sr, Fields{{"agent", m.Agent().Name()}, {"endpoint", m.Endpoint()}}, nil
+			return sr, Fields{{"agent", m.Agent().Name()}, {"endpoint", m.Endpoint()}, agentParamsField(m.Agent())}, nil
 		}}
 	}
 	ctx, cancel := context.WithTimeout(s.life, s.srv.cfg.OpenTimeout)
 	defer cancel()
 	var err2 error
 	sr.decode, err2 = push.NewDecode(ctx, push.DecodeConfig{
-		Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
+		Plugin: s.srv.cfg.Plugin, AgentParams: params,
 		Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
 		Host: host, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
 	})
@@ -287,7 +291,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		sr.cancel()
 		return nil, nil, errorf(CodeBackend, "open decode rank: %v", err2)
 	}
-	return sr, Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}}, nil
+	return sr, Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}, agentParamsField(sr.decode.Agent())}, nil
 }
 
 // close fails every unfinished room with reason (peers told), forgets

@@ -34,6 +34,10 @@ class KvhostConnectorWorker:
         self.rank = None
         self.prefill_rank = None
         self.endpoint = ""
+        # What the sidecar created the rank's agent with, its defaults
+        # included (the decode rank's of a kv_both worker), for logs and
+        # tests.
+        self.agent_params: dict = {}
         self._rank_open = False
         self._next_reconnect = 0.0
         self.region_ids: list = []
@@ -120,6 +124,12 @@ class KvhostConnectorWorker:
             total_kv_heads=int(mc.get_total_num_kv_heads()),
             compat=settings.compat_factors(self.vllm_config, settings.attn_backend_name(self.vllm_config)),
         )
+        # vLLM's own NIXL knob (UCX worker threads) goes to the ranks'
+        # agents; unset, the sidecar's default applies: worker threads on
+        # the decode rank, which reads, none on the prefill.
+        threads = settings.extra(self.vllm_config, "num_threads")
+        if threads is not None:
+            self._fields["agent_params"] = {"num_threads": str(int(threads))}
         self._prefill_fields = {}
         if "prefill" in self.roles:
             host, port = settings.side_channel(self.vllm_config)
@@ -146,8 +156,11 @@ class KvhostConnectorWorker:
             reply = self._client.open_rank(style="vllm", role="prefill", **self._fields, **self._prefill_fields)
             self.prefill_rank = reply["rank"]
             self.endpoint = reply.get("endpoint", "")
+            self.agent_params = dict(reply.get("agent_params") or {})
         if "decode" in self.roles:
-            self.rank = self._client.open_rank(style="vllm", role="decode", **self._fields)["rank"]
+            reply = self._client.open_rank(style="vllm", role="decode", **self._fields)
+            self.rank = reply["rank"]
+            self.agent_params = dict(reply.get("agent_params") or {})
         self._rank_open = True
 
     def _connected(self):
