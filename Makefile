@@ -147,7 +147,12 @@ bin/nixl-bench-direct: plugins/nixl/bench_direct.cc abi/kvplugin.h build/nixl/co
 # _jit-sources/3rdparty). MORI's public IO headers also include msgpack-c,
 # spdlog, HIP and libibverbs headers: MORI_DEP_INCLUDES lists the folders
 # that hold them (default: the wheel's or MORI_SRC's 3rdparty copies and
-# $(ROCM_PATH)/include; libibverbs-dev is expected in /usr/include).
+# $(ROCM_PATH)/include; libibverbs-dev is expected in /usr/include);
+# plugins/mori/missing_headers.sh names each family that is missing.
+# plugins/mori/build_facts.sh finds the MORI commit (MORI_COMMIT, or
+# MORI_SRC's git, or the wheel's version), how it registers memory
+# (MORI_REG) and the build ID of libmori_io.so: the shim records them and
+# refuses to run with another libmori_io.so.
 # -std=c++20: MORI's rdma.hpp needs it under g++ (constexpr std::equal).
 ROCM_PATH ?= /opt/rocm
 MORI_INCDIR ?= $(firstword $(foreach d,$(MORI_PREFIX)/include $(MORI_PREFIX)/_jit-sources/include,$(if $(wildcard $(d)/mori/io/io.hpp),$(d))))
@@ -157,9 +162,7 @@ MORI_DEP_INCLUDES ?= $(wildcard $(MORI_3RDPARTY)/msgpack-c/include $(MORI_3RDPAR
 MORI_CXXFLAGS = $(subst -std=c++17,-std=c++20,$(CXXFLAGS_PLUGIN)) -DMSGPACK_NO_BOOST -D__HIP_PLATFORM_AMD__ \
   -Iabi -Iplugins/common -isystem $(MORI_INCDIR) $(foreach d,$(MORI_DEP_INCLUDES),-isystem $(d))
 MORI_LDFLAGS = -L$(MORI_LIBDIR) -Wl,-rpath,$(MORI_LIBDIR) -Wl,-rpath-link,$(ROCM_PATH)/lib \
-  -Wl,-z,defs -lmori_io -pthread
-MORI_HEADER_TEST = for h in msgpack.hpp spdlog/spdlog.h hip/hip_runtime_api.h infiniband/verbs.h; do \
-  printf '\#include <%s>\n' $$h | $(CXX) $(MORI_CXXFLAGS) -E -x c++ - >/dev/null 2>&1 || printf '%s ' $$h; done
+  -Wl,-z,defs -lmori_io -libverbs -pthread
 
 plugin-mori:
 	@if [ -z "$(MORI_PREFIX)" ]; then \
@@ -172,23 +175,38 @@ plugin-mori:
 	@if [ -z "$(MORI_LIBDIR)" ]; then \
 	  echo "plugin-mori: libmori_io.so not found in $(MORI_PREFIX)/lib, lib64 or $(MORI_PREFIX) (set MORI_LIBDIR)" >&2; exit 2; \
 	fi
-	@missing=$$($(MORI_HEADER_TEST)); if [ -n "$$missing" ]; then \
-	  echo "plugin-mori: headers that MORI's IO headers include were not found: $$missing" >&2; \
-	  echo "  msgpack.hpp, spdlog/: MORI's 3rdparty copies (set MORI_SRC to a MORI source tree, or MORI_DEP_INCLUDES)" >&2; \
-	  echo "  hip/hip_runtime_api.h: ROCm (set ROCM_PATH, now $(ROCM_PATH)); infiniband/verbs.h: libibverbs-dev" >&2; \
-	  exit 2; \
-	fi
-	@mkdir -p build/mori
-	@echo "$(MORI_INCDIR) $(MORI_LIBDIR) $(MORI_DEP_INCLUDES)" > build/mori/config.new; \
-	  cmp -s build/mori/config.new build/mori/config || mv build/mori/config.new build/mori/config
-	@$(MAKE) --no-print-directory $(PLUGIN_DIR)/libkvhost_mori.so MORI_INCDIR=$(MORI_INCDIR) \
-	  MORI_LIBDIR=$(MORI_LIBDIR) MORI_DEP_INCLUDES="$(MORI_DEP_INCLUDES)"
+	@ROCM_PATH="$(ROCM_PATH)" plugins/mori/missing_headers.sh $(CXX) $(MORI_CXXFLAGS) || { \
+	  echo "plugin-mori: set MORI_SRC (MORI's source tree), ROCM_PATH (now $(ROCM_PATH)) or MORI_DEP_INCLUDES" >&2; exit 2; }
+	@facts=$$(MORI_SRC="$(MORI_SRC)" MORI_PREFIX="$(MORI_PREFIX)" MORI_COMMIT="$(MORI_COMMIT)" \
+	  MORI_REG="$(MORI_REG)" plugins/mori/build_facts.sh $(MORI_LIBDIR)) || exit 2; \
+	  mkdir -p build/mori && \
+	  echo "$(MORI_INCDIR) $(MORI_LIBDIR) $(MORI_DEP_INCLUDES) $$facts" > build/mori/config.new && \
+	  { cmp -s build/mori/config.new build/mori/config || mv build/mori/config.new build/mori/config; } && \
+	  set -- $$facts && \
+	  $(MAKE) --no-print-directory $(PLUGIN_DIR)/libkvhost_mori.so MORI_INCDIR=$(MORI_INCDIR) \
+	    MORI_LIBDIR=$(MORI_LIBDIR) MORI_DEP_INCLUDES="$(MORI_DEP_INCLUDES)" \
+	    MORI_FACTS="-DKVHOST_MORI_COMMIT='\"$$1\"' -DKVHOST_MORI_REG='\"$$2\"' -DKVHOST_MORI_LIB_ID='\"$$3\"'"
 
 # Rebuilt when the MORI found (build/mori/config) or the sources change.
 $(PLUGIN_DIR)/libkvhost_mori.so: plugins/mori/mori_plugin.cc build/mori/kvp_util.o build/mori/config $(COMMON_HDR)
 	@mkdir -p $(PLUGIN_DIR)
 	@echo "plugin-mori: MORI headers $(MORI_INCDIR), libmori_io.so in $(MORI_LIBDIR)"
-	$(CXX) $(MORI_CXXFLAGS) -shared -o $@ plugins/mori/mori_plugin.cc build/mori/kvp_util.o $(MORI_LDFLAGS)
+	$(CXX) $(MORI_CXXFLAGS) $(MORI_FACTS) -shared -o $@ plugins/mori/mori_plugin.cc build/mori/kvp_util.o $(MORI_LDFLAGS)
+
+# mori-stub-test builds the mori shim against the stand-in headers
+# (plugins/mori/stubtest/include) with the stand-in libmori_io.so and
+# libibverbs.so.1 and runs its stand-in test, under AddressSanitizer+UBSan
+# and under ThreadSanitizer: every ABI entry, the bytes moved, and the
+# refusals (another libmori_io.so, a grown IOEngine, the XGMI-only
+# fallback, memory a NIC cannot register, also as built for MORI before
+# 09ad89c4 and up to 0d05a4d2). It needs Debian's
+# libmsgpack-cxx-dev and libibverbs-dev (headers only), which
+# plugins/mori/stubtest/install-deps.sh installs when missing.
+.PHONY: mori-stub-test
+mori-stub-test:
+	@plugins/mori/stubtest/install-deps.sh
+	SAN="$(SAN_ASAN)" REG_MODES="ibv auto-offset0" plugins/mori/stubtest/run.sh build/mori-stub/asan plugins/mori/stubtest/include
+	SAN="$(SAN_TSAN)" plugins/mori/stubtest/run.sh build/mori-stub/tsan plugins/mori/stubtest/include
 
 build/mori/kvp_util.o: $(COMMON_SRC) $(COMMON_HDR)
 	@mkdir -p build/mori
@@ -226,11 +244,11 @@ demo-engine: all
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.demo_engine --kvhost $(BIN) $(DEMO_ENGINE_ARGS)
 
 # test runs everything CI runs: vet, staticcheck and go mod tidy -diff
-# (lint), the plugins' C tests under sanitizers,
+# (lint), the plugins' C tests under sanitizers (the mori shim's stand-in test among them),
 # every Go test under the race detector, an install from a temporary prefix,
 # and the end-to-end demo at CI scale in both styles (separate processes,
 # every byte verified).
-test: all vet lint plugin-fake-abi2 plugin-test python-test
+test: all vet lint plugin-fake-abi2 plugin-test mori-stub-test python-test
 	$(GO) test -race -count=1 ./...
 	$(GO) test -count=1 ./...
 	$(MAKE) --no-print-directory install-check

@@ -16,6 +16,8 @@ done
 # python3-venv: the Python package's install check (pip install ./python in
 # a fresh virtual environment).
 /usr/bin/python3 -c "import ensurepip" >/dev/null 2>&1 || need+=(python3-venv)
+# The mori stand-in test's headers (make mori-stub-test): its own script.
+"$(dirname "$0")/../plugins/mori/stubtest/install-deps.sh"
 [ ${#need[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -24,7 +24,8 @@ func benchCommand() *cli.Command {
 		Name:  "bench",
 		Usage: "sweep a transfer plugin over block sizes, batches, READ/WRITE, paths and threads, beside this machine's raw copy rate",
 		UsageText: "kvhost [--backend NAME] bench [--procs 1,2] [--ops WRITE,READ] [--paths prepped,batch]\n" +
-			"    [--blocks 4K..64M] [--batches 1,16] [--threads 1,2] [--json | --csv] [--plot FILE.png]",
+			"    [--blocks 4K..64M] [--batches 1,16] [--threads 1,2] [--sweep num_threads=0,2,4,8]\n" +
+			"    [--json | --csv] [--plot FILE.png]",
 		Description: "A nixlbench-style sweep of the plugin chosen with --backend. Every combination of the\n" +
 			"lists given is a row; one iteration submits a transfer of BATCH descriptors of BLOCK bytes\n" +
 			"(contiguous; made and posted in one plugin call) and polls it to completion with the poll\n" +
@@ -43,6 +44,10 @@ func benchCommand() *cli.Command {
 			"a shared machine does not move, so it need not equal B/W over Base. After a row the destination is\n" +
 			"cleared, moved once more and checked byte for byte (Verified; in the target process for\n" +
 			"--procs 2). Any failed transfer or check fails the run (exit status 1).\n\n" +
+			"--sweep runs every row once per combination of the swept initiator agent parameters, each\n" +
+			"with an initiator agent of its own, and the table and plot show each combination apart: pick\n" +
+			"NIXL's UCX worker threads (num_threads) for this machine with it. NIXL's UCX backend splits\n" +
+			"only transfers of at least 1024 descriptors over its threads (e.g. --blocks 32K --batches 4096).\n\n" +
 			"Sizes take K, M, G suffixes (binary); LO..HI is every power of two times LO up to HI.\n" +
 			"The progress bar (stderr) shows only on a terminal and never with --json or --csv.",
 		Flags: []cli.Flag{
@@ -57,7 +62,8 @@ func benchCommand() *cli.Command {
 			&cli.DurationFlag{Name: "time", EnvVars: env("BENCH_TIME"), Value: bench.Defaults().Time, Usage: "duration per row, at least, transfers and baseline copies together (split over the rounds)"},
 			&cli.IntFlag{Name: "rounds", EnvVars: env("BENCH_ROUNDS"), Value: 5, Usage: "rounds per row; rates are medians over rounds"},
 			&cli.StringFlag{Name: "max-buffer", EnvVars: env("BENCH_MAX_BUFFER"), Value: "256M", Usage: "skip rows needing more than this per side (block x batch x threads)"},
-			&cli.StringSliceFlag{Name: "param", EnvVars: env("BENCH_PARAMS"), Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2"},
+			&cli.StringSliceFlag{Name: "param", EnvVars: env("BENCH_PARAMS"), Usage: "agent parameter `key=value` for both agents (repeatable), e.g. caps_off=prepped, workers=2; the host adds its per-side defaults (nixl: num_threads=4 on the initiator) for keys not given"},
+			&cli.StringSliceFlag{Name: "sweep", EnvVars: env("BENCH_SWEEP"), Usage: "sweep an initiator agent parameter over `key=v1,v2,...` (repeatable: every combination), a fresh initiator agent per combination, e.g. num_threads=0,2,4,8 or num_workers=1,2 (nixl's UCX worker threads and workers)"},
 			&cli.BoolFlag{Name: "telemetry", EnvVars: env("BENCH_TELEMETRY"), Usage: "report the plugin's own post and transfer time from its telemetry, which the releasing poll returns (JSON, CSV)"},
 			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers through the completion engine (as the workers do) instead of polling back to back (as nixlbench does)"},
 			&cli.BoolFlag{Name: "json", EnvVars: env("BENCH_JSON"), Usage: "print the result as JSON (no table, no progress bar)"},
@@ -186,6 +192,9 @@ func benchConfig(c *cli.Context) (bench.Config, error) {
 	}
 	if cfg.Params, err = plugin.ParseParams(c.StringSlice("param")); err != nil {
 		return cfg, fmt.Errorf("--param: %w", err)
+	}
+	if cfg.Sweep, err = bench.ParseSweep(c.StringSlice("sweep")); err != nil {
+		return cfg, fmt.Errorf("--sweep: %w", err)
 	}
 	cfg.Warmup, cfg.Iters, cfg.Rounds = c.Int("warmup"), c.Int("iters"), c.Int("rounds")
 	cfg.Time = c.Duration("time")

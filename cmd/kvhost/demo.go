@@ -64,7 +64,7 @@ func demoCommand() *cli.Command {
 			&cli.IntFlag{Name: "concurrency", Value: d.Concurrency, EnvVars: env("CONCURRENCY"), Usage: "requests in flight per worker rank"},
 			&cli.StringFlag{Name: "mem-kinds", EnvVars: env("DEMO_MEM_KINDS"), Usage: "register the KV pools as vram, dram or (sglang) mixed: K vram, V dram on decode " +
 				"(default: vram when the plugin accepts host memory as VRAM, as the fake does; dram otherwise, e.g. NIXL over UCX)"},
-			&cli.StringSliceFlag{Name: "agent-param", EnvVars: env("AGENT_PARAMS"), Usage: "plugin agent parameter `key=value` for every worker (repeatable), e.g. caps_off=notif"},
+			&cli.StringSliceFlag{Name: "agent-param", EnvVars: env("AGENT_PARAMS"), Usage: "plugin agent parameter `key=value` for every worker (repeatable), e.g. caps_off=notif; the workers that post the transfers get num_threads=4 where the plugin takes it (nixl) unless given"},
 			&cli.BoolFlag{Name: "in-process", EnvVars: env("DEMO_IN_PROCESS"), Usage: "run every worker in this process instead of separate processes"},
 			&cli.StringFlag{Name: "metrics-addr", EnvVars: env("METRICS_ADDR"), Usage: "with --in-process: serve the workers' Prometheus /metrics and /health on `HOST:PORT` " +
 				"(separate workers: run kvhost prefill/decode --metrics-addr yourself)"},

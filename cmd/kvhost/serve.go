@@ -43,7 +43,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "control", Value: serve.DefaultControl(), EnvVars: env("CONTROL"),
 				Usage: "control `ENDPOINT` engines connect to (ipc://PATH)"},
 			&cli.StringSliceFlag{Name: "agent-param", EnvVars: env("AGENT_PARAMS"),
-				Usage: "plugin agent parameter `key=value` for every rank's agent (repeatable; env: comma-separated)"},
+				Usage: "plugin agent parameter `key=value` for every rank's agent (repeatable; env: comma-separated); open_rank's agent_params override it per rank, and ranks that post the transfers (sglang prefill, vllm decode) get num_threads=4 where the plugin takes it (nixl) unless given"},
 			&cli.StringFlag{Name: "metrics-addr", EnvVars: env("METRICS_ADDR"),
 				Usage: "serve Prometheus /metrics and /health on `HOST:PORT`"},
 			&cli.StringFlag{Name: "host", Value: "127.0.0.1", EnvVars: env("HOST"),

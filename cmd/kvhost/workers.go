@@ -122,7 +122,7 @@ func workerFlags(role string) []cli.Flag {
 		&cli.StringFlag{Category: catNetwork, Name: "host", Value: "127.0.0.1", EnvVars: env("HOST"),
 			Usage: "IP address this worker's sockets and servers bind to and advertise"},
 		&cli.StringSliceFlag{Category: catNetwork, Name: "agent-param", EnvVars: roleEnv(role, "AGENT_PARAMS"),
-			Usage: "plugin agent parameter `key=value` (repeatable; env: comma-separated), e.g. caps_off=notif or fail_rate=0.05 for the fake plugin (see kvhost plugins)"},
+			Usage: "plugin agent parameter `key=value` (repeatable; env: comma-separated), e.g. caps_off=notif or fail_rate=0.05 for the fake plugin (see kvhost plugins); the agents that post the transfers (sglang prefill, vllm decode) get num_threads=4 where the plugin takes it (nixl) unless given"},
 
 		&cli.Uint64Flag{Category: catWorkload, Name: "seed", Value: 1, EnvVars: env("SEED"), Usage: "workload seed: request ids, lengths, prefix hits"},
 		&cli.IntFlag{Category: catWorkload, Name: "requests", Value: 64, EnvVars: env("REQUESTS"),

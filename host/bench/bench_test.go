@@ -325,7 +325,7 @@ func TestTargetProcessFailures(t *testing.T) {
 // and so is a span beyond its buffer.
 func TestProcTargetVerifies(t *testing.T) {
 	c := quick(t)
-	tg, err := startProcTarget(&c, 4096)
+	tg, err := startProcTarget(&c, c.Params, 4096)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -60,6 +60,16 @@ type Config struct {
 	// runtimes do) instead of polling back to back (as nixlbench does).
 	Wait bool
 
+	// Sweep varies the initiator agent's parameters: every combination of
+	// the values of its keys is a variant, and every row runs once per
+	// variant, with an initiator agent of its own created with Params, the
+	// variant's values over them, and the host's initiator defaults for
+	// keys neither sets (plugin.ForSide). The target agent gets Params and
+	// the host's target defaults, the same in every variant. E.g.
+	// num_threads=0,2,4,8 (NIXL's UCX worker threads) picks the count for
+	// this machine.
+	Sweep []ParamSweep
+
 	// TargetCommand makes the command of the target process for Procs 2
 	// (not started; stdin, stdout and stderr are set by the bench). The
 	// process must call ServeTargetStdio. Required when Procs has 2.
@@ -145,10 +155,76 @@ func (c *Config) Validate() error {
 			return errors.New("bench: block size must be at least 1 byte")
 		}
 	}
+	if err := checkSweep(c.Sweep); err != nil {
+		return err
+	}
 	if c.bufferSize() == 0 {
 		return fmt.Errorf("bench: every row needs more than --max-buffer (%s) per side", FormatSize(c.MaxBuffer))
 	}
 	return nil
+}
+
+// ParamSweep is one swept agent parameter: its key and the values tried.
+type ParamSweep struct {
+	Key    string
+	Values []string
+}
+
+// maxVariants bounds the combinations of a sweep: each is a whole sweep of
+// the other lists.
+const maxVariants = 64
+
+func checkSweep(sw []ParamSweep) error {
+	n := 1
+	seen := map[string]bool{}
+	for _, s := range sw {
+		if s.Key == "" || len(s.Values) == 0 {
+			return fmt.Errorf("bench: swept parameter %q needs a key and at least one value", s.Key)
+		}
+		if seen[s.Key] {
+			return fmt.Errorf("bench: parameter %q swept twice", s.Key)
+		}
+		seen[s.Key] = true
+		if n *= len(s.Values); n > maxVariants {
+			return fmt.Errorf("bench: the sweep has more than %d combinations", maxVariants)
+		}
+	}
+	return nil
+}
+
+// variants returns every combination of the sweep's values, the first key
+// varying slowest; one empty variant without a sweep.
+func variants(sw []ParamSweep) [][]plugin.Param {
+	out := [][]plugin.Param{nil}
+	for _, s := range sw {
+		var next [][]plugin.Param
+		for _, v := range out {
+			for _, val := range s.Values {
+				next = append(next, append(append([]plugin.Param(nil), v...), plugin.Param{Key: s.Key, Value: val}))
+			}
+		}
+		out = next
+	}
+	return out
+}
+
+// ParseSweep parses "key=v1,v2,..." strings (as given to --sweep; a string
+// without "=" continues the previous list, as the CLI splits flags on
+// commas) into swept parameters.
+func ParseSweep(kvs []string) ([]ParamSweep, error) {
+	params, err := plugin.ParseParams(kvs)
+	if err != nil {
+		return nil, err
+	}
+	var out []ParamSweep
+	for _, p := range params {
+		vals := splitList(p.Value)
+		if len(vals) == 0 {
+			return nil, fmt.Errorf("swept parameter %q has no value", p.Key)
+		}
+		out = append(out, ParamSweep{Key: p.Key, Values: vals})
+	}
+	return out, nil
 }
 
 // rowBytes is what a row needs on each side, or 0 on overflow.

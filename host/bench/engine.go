@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"golang.org/x/sys/unix"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,6 +25,11 @@ type Row struct {
 	Threads int    `json:"threads"`
 	Block   uint64 `json:"block_size"`
 	Batch   int    `json:"batch_size"`
+	// Sweep names the variant of Config.Sweep the row ran with, e.g.
+	// "num_threads=4" (empty without a sweep); InitiatorParams are all the
+	// initiator agent's parameters, the host's defaults included.
+	Sweep           string   `json:"sweep,omitempty"`
+	InitiatorParams []string `json:"initiator_params,omitempty"`
 
 	GBps      float64 `json:"gb_per_s"`
 	AvgLatUs  float64 `json:"avg_lat_us"`
@@ -71,32 +77,42 @@ type Round struct {
 }
 
 // Label names the row's configuration (without the block size), e.g.
-// "1p WRITE prepped x1 t1".
+// "1p WRITE prepped x1 t1", followed by its sweep variant if any.
 func (r *Row) Label() string {
-	return fmt.Sprintf("%dp %s %s x%d t%d", r.Procs, r.Op, r.Path, r.Batch, r.Threads)
+	return withSweep(fmt.Sprintf("%dp %s %s x%d t%d", r.Procs, r.Op, r.Path, r.Batch, r.Threads), r.Sweep)
 }
 
 // Group names the row's table section: its configuration without the block
-// and batch sizes, e.g. "1p WRITE prepped t1".
+// and batch sizes, e.g. "1p WRITE prepped t1", and its sweep variant.
 func (r *Row) Group() string {
-	return fmt.Sprintf("%dp %s %s t%d", r.Procs, r.Op, r.Path, r.Threads)
+	return withSweep(fmt.Sprintf("%dp %s %s t%d", r.Procs, r.Op, r.Path, r.Threads), r.Sweep)
+}
+
+func withSweep(label, sweep string) string {
+	if sweep == "" {
+		return label
+	}
+	return label + " " + sweep
 }
 
 // Result is a whole sweep.
 type Result struct {
-	Plugin        string    `json:"plugin"`
-	PluginVersion string    `json:"plugin_version"`
-	PluginPath    string    `json:"plugin_path"`
-	Caps          []string  `json:"caps"`     // native on the initiator agent
-	Emulated      []string  `json:"emulated"` // provided by the host
-	Params        []string  `json:"params,omitempty"`
-	GOMAXPROCS    int       `json:"gomaxprocs"`
-	CPUs          int       `json:"cpus"`
-	Rounds        int       `json:"rounds"`
-	Started       time.Time `json:"started"`
-	Rows          []Row     `json:"rows"`
-	Skipped       []string  `json:"skipped,omitempty"`
-	Err           string    `json:"error,omitempty"`
+	Plugin        string   `json:"plugin"`
+	PluginVersion string   `json:"plugin_version"`
+	PluginPath    string   `json:"plugin_path"`
+	Caps          []string `json:"caps"`     // native on the initiator agent
+	Emulated      []string `json:"emulated"` // provided by the host
+	Params        []string `json:"params,omitempty"`
+	// TargetParams are the target agent's parameters, the host's
+	// defaults included (each row has the initiator's).
+	TargetParams []string  `json:"target_params,omitempty"`
+	GOMAXPROCS   int       `json:"gomaxprocs"`
+	CPUs         int       `json:"cpus"`
+	Rounds       int       `json:"rounds"`
+	Started      time.Time `json:"started"`
+	Rows         []Row     `json:"rows"`
+	Skipped      []string  `json:"skipped,omitempty"`
+	Err          string    `json:"error,omitempty"`
 }
 
 // OnRow, when set on the Runner, sees each row as soon as it is measured.
@@ -133,20 +149,47 @@ func (r *Runner) Run(ctx context.Context) (*Result, error) {
 		res.Params = append(res.Params, kv.Key+"="+kv.Value)
 	}
 	e.res = res
-	if err := e.openInitiator(size); err != nil {
-		return res, err
-	}
-	defer e.closeInitiator()
-	res.Caps = e.ag.Caps().Names()
-	res.Emulated = e.ag.Emulated().Names()
-	e.total = e.countRows() * cfg.Rounds
-	for _, procs := range cfg.Procs {
-		if err := e.runProcs(ctx, procs, size); err != nil {
+	e.targetParams = p.ForSide(plugin.Target, cfg.Params)
+	res.TargetParams = paramStrings(e.targetParams)
+	vars := variants(cfg.Sweep)
+	e.total = e.countRows() * cfg.Rounds * len(vars)
+	for _, v := range vars {
+		if err := e.runVariant(ctx, v, size); err != nil {
 			res.Err = err.Error()
 			return res, err
 		}
 	}
 	return res, nil
+}
+
+// runVariant runs every row with an initiator agent of its own, made with
+// the variant's parameters over Config.Params.
+func (e *engine) runVariant(ctx context.Context, variant []plugin.Param, size uint64) error {
+	params := e.p.ForSide(plugin.Initiator, plugin.MergeParams(e.cfg.Params, variant))
+	e.sweep, e.initParams = strings.Join(paramStrings(variant), " "), paramStrings(params)
+	err := e.openInitiator(size, params)
+	defer e.closeInitiator()
+	if err != nil {
+		return err
+	}
+	if e.res.Caps == nil {
+		e.res.Caps = e.ag.Caps().Names()
+		e.res.Emulated = e.ag.Emulated().Names()
+	}
+	for _, procs := range e.cfg.Procs {
+		if err := e.runProcs(ctx, procs, size); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func paramStrings(params []plugin.Param) []string {
+	var out []string
+	for _, kv := range params {
+		out = append(out, kv.Key+"="+kv.Value)
+	}
+	return out
 }
 
 // engine is the state of one Run.
@@ -157,17 +200,22 @@ type engine struct {
 	onRow  func(Row)
 	res    *Result
 
-	ag   *plugin.Agent // initiator
-	buf  buffer
-	reg  *plugin.Region
-	seed uint64
+	ag *plugin.Agent // initiator
+	// The running variant (runVariant) and the target's parameters.
+	sweep        string
+	initParams   []string
+	targetParams []plugin.Param
+	buf          buffer
+	reg          *plugin.Region
+	seed         uint64
 
 	done, total int
 }
 
-func (e *engine) openInitiator(size uint64) error {
+func (e *engine) openInitiator(size uint64, params []plugin.Param) error {
 	var err error
-	if e.ag, err = e.p.NewAgent(initiatorAgentName, e.cfg.Params...); err != nil {
+	e.buf, e.reg = nil, nil
+	if e.ag, err = e.p.NewAgent(initiatorAgentName, params...); err != nil {
 		return fmt.Errorf("bench: initiator agent: %w", err)
 	}
 	if e.buf, err = mapBuffer(size); err != nil {
@@ -181,11 +229,16 @@ func (e *engine) openInitiator(size uint64) error {
 	return nil
 }
 
+// closeInitiator closes what openInitiator opened, also after it failed
+// half way, so the next variant starts afresh.
 func (e *engine) closeInitiator() {
 	if e.ag != nil {
 		e.ag.Close()
 	}
-	e.buf.free()
+	if e.buf != nil {
+		e.buf.free()
+	}
+	e.ag, e.buf, e.reg = nil, nil, nil
 }
 
 func (e *engine) fits(block uint64, batch, threads int) bool {
@@ -227,9 +280,9 @@ type peerSide struct {
 func (e *engine) runProcs(ctx context.Context, procs int, size uint64) (err error) {
 	var t *target
 	if procs == 1 {
-		t, err = newLocalTarget(e.p, e.cfg.Params, size)
+		t, err = newLocalTarget(e.p, e.targetParams, size)
 	} else {
-		t, err = startProcTarget(e.cfg, size)
+		t, err = startProcTarget(e.cfg, e.targetParams, size)
 	}
 	if err != nil {
 		return err
@@ -254,7 +307,8 @@ func (e *engine) runProcs(ctx context.Context, procs int, size uint64) (err erro
 			for _, threads := range c.Threads {
 				for _, block := range c.Blocks {
 					for _, batch := range c.Batches {
-						spec := Row{Procs: procs, Op: op.String(), Path: path, Threads: threads, Block: block, Batch: batch}
+						spec := Row{Procs: procs, Op: op.String(), Path: path, Threads: threads, Block: block, Batch: batch,
+							Sweep: e.sweep, InitiatorParams: e.initParams}
 						if !e.fits(block, batch, threads) {
 							e.res.Skipped = append(e.res.Skipped, fmt.Sprintf("%s %s: %d threads x %d x %s is over --max-buffer %s",
 								spec.Label(), FormatSize(block), threads, batch, FormatSize(block), FormatSize(c.MaxBuffer)))

@@ -58,7 +58,11 @@ func Plot(res *Result, file string) error {
 		l := r.Label()
 		s := byConfig[l]
 		if s == nil {
-			s = &series{label: fmt.Sprintf("%s %s %s, batch %d, %s", where(r.Procs), r.Op, r.Path, r.Batch, threads(r.Threads)), color: len(configs)}
+			label := fmt.Sprintf("%s %s %s, batch %d, %s", where(r.Procs), r.Op, r.Path, r.Batch, threads(r.Threads))
+			if r.Sweep != "" {
+				label += ", " + r.Sweep
+			}
+			s = &series{label: label, color: len(configs)}
 			byConfig[l] = s
 			configs = append(configs, s)
 		}

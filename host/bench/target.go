@@ -61,7 +61,7 @@ func newLocalTarget(p *plugin.Plugin, params []plugin.Param, size uint64) (*targ
 
 // startProcTarget starts the target process (cfg.TargetCommand), which
 // loads the plugin itself and makes the target agent.
-func startProcTarget(cfg *Config, size uint64) (*target, error) {
+func startProcTarget(cfg *Config, params []plugin.Param, size uint64) (*target, error) {
 	cmd, err := cfg.TargetCommand()
 	if err != nil {
 		return nil, fmt.Errorf("bench: target command: %w", err)
@@ -70,7 +70,7 @@ func startProcTarget(cfg *Config, size uint64) (*target, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)
 	}
-	a, err := proc.NewAgent(targetAgentName, cfg.Params, []uint64{size})
+	a, err := proc.NewAgent(targetAgentName, params, []uint64{size})
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("bench: target agent: %w", err), proc.Close())
 	}

@@ -50,6 +50,8 @@ type Agent struct {
 	name string
 	h    abi.Agent
 	caps abi.Caps // what the plugin offers natively on this agent
+	// params are the parameters the agent was created with (a copy).
+	params []Param
 
 	// mu makes handle release exclusive: every call that uses the agent or
 	// one of its handles holds it shared, every release (agent_destroy,
@@ -113,7 +115,8 @@ func (p *Plugin) NewAgent(name string, params ...Param) (*Agent, error) {
 	if err := p.check("agent_create", callC(p.api.AgentCreate, unsafe.Pointer(args))); err != nil {
 		return nil, err
 	}
-	a := &Agent{p: p, name: name, h: args.Agent, caps: args.Caps, peers: map[string]*peer{}, loaded: map[string]struct{}{}}
+	a := &Agent{p: p, name: name, h: args.Agent, caps: args.Caps, params: slices.Clone(params),
+		peers: map[string]*peer{}, loaded: map[string]struct{}{}}
 	a.evFD.Store(-1)
 	a.scratch.New = func() any { return new(scratch) }
 	bad := ""
@@ -135,6 +138,10 @@ func (p *Plugin) NewAgent(name string, params ...Param) (*Agent, error) {
 
 // Name returns the agent's name.
 func (a *Agent) Name() string { return a.name }
+
+// Params returns the parameters the agent was created with, defaults the
+// host added (Plugin.ForSide) included. The caller must not modify them.
+func (a *Agent) Params() []Param { return a.params }
 
 // Plugin returns the plugin the agent belongs to.
 func (a *Agent) Plugin() *Plugin { return a.p }

@@ -24,6 +24,9 @@ import (
 
 // DecodeConfig configures one decode rank.
 type DecodeConfig struct {
+	// Plugin, AgentName and AgentParams as in PrefillConfig; the agent
+	// gets the host's defaults for a target (plugin.ForSide: it is
+	// written to).
 	Plugin      *plugin.Plugin
 	AgentName   string
 	AgentParams []plugin.Param

@@ -22,6 +22,15 @@ func (r Role) String() string {
 	return "prefill"
 }
 
+// Side is the role's side of the KV transfers: the prefill writes (it
+// initiates), the decode is written to.
+func (r Role) Side() plugin.Side {
+	if r == RoleDecode {
+		return plugin.Target
+	}
+	return plugin.Initiator
+}
+
 // TransferKind says what a transfer carried.
 type TransferKind uint8
 

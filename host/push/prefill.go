@@ -21,8 +21,9 @@ import (
 // PrefillConfig configures one prefill rank.
 type PrefillConfig struct {
 	// Plugin moves the bytes; the manager creates its own agent on it
-	// (named AgentName, or a unique generated name) with AgentParams, and
-	// destroys it on Close.
+	// (named AgentName, or a unique generated name) with AgentParams and
+	// the host's defaults for an initiator (plugin.ForSide: it writes),
+	// and destroys it on Close.
 	Plugin      *plugin.Plugin
 	AgentName   string
 	AgentParams []plugin.Param

@@ -101,7 +101,7 @@ func (r *rank) open(s rankSetup) error {
 		name = uniqueName(s.role.String(), s.parallel)
 	}
 	var err error
-	if r.agent, err = s.plugin.NewAgent(name, s.agentParams...); err != nil {
+	if r.agent, err = s.plugin.NewAgent(name, s.plugin.ForSide(s.role.Side(), s.agentParams)...); err != nil {
 		return fmt.Errorf("push: create agent: %w", err)
 	}
 	return nil

@@ -76,7 +76,7 @@ func TestStuckEngineDropped(t *testing.T) {
 	v := stuck.call(req("op", "open_rank", "seq", 3, "style", "sglang", "role", "decode",
 		"kv_data_ptrs", a.KVDataPtrs, "kv_data_lens", a.KVDataLens, "kv_item_lens", a.KVItemLens,
 		"aux_data_ptrs", a.AuxDataPtrs, "aux_data_lens", a.AuxDataLens, "aux_item_lens", a.AuxItemLens,
-		"page_size", a.PageSize, "kv_head_num", a.KVHeadNum, "total_kv_head_num", a.TotalKVHeadNum))
+		"page_size", a.PageSize, "kv_head_num", a.KVHeadNum, "total_kv_head_num", a.TotalKVHeadNum, "tp_size", 1, "tp_rank", 0))
 	wantOK(t, v)
 	rv, _ := v.Get("rank")
 	rank, _ := rv.Uint()

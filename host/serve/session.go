@@ -180,12 +180,14 @@ func (s *session) call(r *request) (f Fields, err error) {
 	}()
 	fn, ok := ops[r.op]
 	switch {
+	case r.op != "hello" && !s.hello:
+		// Before hello a connection learns nothing but that it must say
+		// hello: not even which ops exist.
+		return nil, errorf(CodeNoHello, "op %q before hello", clip(r.op, maxQuote))
 	case !ok:
 		return nil, errorf(CodeUnknownOp, "op %q is not one of protocol %d.%d's", clip(r.op, maxQuote), ProtocolMajor, ProtocolMinor)
 	case s.srv.closing.Load():
 		return nil, errorf(CodeShuttingDown, "the sidecar is stopping")
-	case r.op != "hello" && !s.hello:
-		return nil, errorf(CodeNoHello, "op %q before hello", r.op)
 	}
 	return fn(s, r)
 }

@@ -114,11 +114,26 @@ func (r *request) lists3(p, l, i string, required bool) (ptrs, lens, items []uin
 
 // sglArgs builds the rank's KVArgs over the session's regions.
 func sglArgs(s *session, r *request, rk *rankEntry) (push.KVArgs, push.Parallel, bool, error) {
+	role := rk.role
 	var a push.KVArgs
 	var par push.Parallel
 	mla, err := r.bool("is_mla", false)
 	if err != nil {
 		return a, par, false, err
+	}
+	// A decode rank's TP position and head count decide which heads every
+	// prefill rank writes into its pages: defaults would be accepted here
+	// and fail (or land wrong heads) at the first transfer, so they are
+	// required (docs/engine-api.md, "Required fields and defaults").
+	if role == "decode" {
+		for _, name := range []string{"tp_size", "tp_rank", "kv_head_num"} {
+			if !r.has(name) {
+				return a, par, false, missing(name)
+			}
+		}
+		if n, _ := r.optInt("kv_head_num", 0); !mla && n == 0 {
+			return a, par, false, badValue("kv_head_num", "0: an MHA decode rank holds at least one KV head")
+		}
 	}
 	ptrs, lens, items, err := r.lists3("kv_data_ptrs", "kv_data_lens", "kv_item_lens", true)
 	if err != nil {
@@ -207,6 +222,10 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 	if err != nil {
 		return nil, nil, err
 	}
+	params, err := rankAgentParams(s, r)
+	if err != nil {
+		return nil, nil, err
+	}
 	variant, err := r.optStr("variant", "nixl")
 	if err != nil {
 		return nil, nil, err
@@ -246,7 +265,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		// Registering with the bootstrap server waits on it: the rank is
 		// finished on a goroutine and answered then.
 		cfg := push.PrefillConfig{
-			Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
+			Plugin: s.srv.cfg.Plugin, AgentParams: params,
 			Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
 			Host: host, BootstrapAddr: boot, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
 		}
@@ -257,14 +276,14 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 				return nil, nil, errorf(CodeBackend, "open prefill rank: %v", err)
 			}
 			sr.prefill = m
-			return sr, Fields{{"agent", m.Agent().Name()}, {"endpoint", m.Endpoint()}}, nil
+			return sr, Fields{{"agent", m.Agent().Name()}, {"endpoint", m.Endpoint()}, agentParamsField(m.Agent())}, nil
 		}}
 	}
 	ctx, cancel := context.WithTimeout(s.life, s.srv.cfg.OpenTimeout)
 	defer cancel()
 	var err2 error
 	sr.decode, err2 = push.NewDecode(ctx, push.DecodeConfig{
-		Plugin: s.srv.cfg.Plugin, AgentParams: s.srv.cfg.AgentParams,
+		Plugin: s.srv.cfg.Plugin, AgentParams: params,
 		Variant: v, KV: args, Parallel: par, MLA: mla, KVCacheDType: dtype,
 		Host: host, Settings: s.srv.cfg.Settings, Observer: obs, Logger: s.log,
 	})
@@ -272,7 +291,7 @@ func openSGLang(s *session, r *request, rk *rankEntry) (rankImpl, Fields, error)
 		sr.cancel()
 		return nil, nil, errorf(CodeBackend, "open decode rank: %v", err2)
 	}
-	return sr, Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}}, nil
+	return sr, Fields{{"agent", sr.decode.Agent().Name()}, {"endpoint", sr.decode.Endpoint()}, agentParamsField(sr.decode.Agent())}, nil
 }
 
 // close fails every unfinished room with reason (peers told), forgets

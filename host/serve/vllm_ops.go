@@ -115,8 +115,17 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 	if lerr != nil {
 		return nil, nil, lerr
 	}
+	params, aperr := rankAgentParams(s, r)
+	if aperr != nil {
+		return nil, nil, aperr
+	}
+	side := pull.SenderSide
+	if rk.role == "decode" {
+		side = pull.ReceiverSide
+	}
 	vllmWatch(s, hub)
-	agent, aerr := s.srv.cfg.Plugin.NewAgent(fmt.Sprintf("kvhost-serve-%s-vllm-%s-%d-%d", s.srv.session, rk.role, tpRank, rk.id), s.srv.cfg.AgentParams...)
+	agent, aerr := s.srv.cfg.Plugin.NewAgent(fmt.Sprintf("kvhost-serve-%s-vllm-%s-%d-%d", s.srv.session, rk.role, tpRank, rk.id),
+		s.srv.cfg.Plugin.ForSide(side, params)...)
 	if aerr != nil {
 		return nil, nil, errorf(CodeBackend, "agent: %v", aerr)
 	}
@@ -143,7 +152,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 			agent.Close()
 			return nil, nil, vllmAPIError(jerr)
 		}
-		return &vllmPrefillImpl{r: pr, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ep}}, nil
+		return &vllmPrefillImpl{r: pr, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ep}, agentParamsField(agent)}, nil
 	}
 	spec := vllmDecodeSpec{EngineID: engineID, TPSize: tpSize, TPRank: tpRank, CompatHash: compat.Hash, Gen: compat.Gen, Lease: lease}
 	var perr error
@@ -180,7 +189,7 @@ func openVLLMRank(s *session, r *request, rk *rankEntry) (rankImpl, Fields, erro
 		agent.Close()
 		return nil, nil, vllmAPIError(derr)
 	}
-	return &vllmDecodeImpl{d: d, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ""}}, nil
+	return &vllmDecodeImpl{d: d, agent: agent}, Fields{{"agent", agent.Name()}, {"endpoint", ""}, agentParamsField(agent)}, nil
 }
 
 // vllmMaxID bounds engine and request ids (vLLM's are uuids with a

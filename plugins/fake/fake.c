@@ -199,10 +199,14 @@ static const char PARAMS_DOC[] =
     "workers=1\tworker threads per agent (1..64); they take over transfers nobody polls, and "
     "run every transfer with delay_us or a drawn fail_rate failure and, once the event "
     "descriptor was asked for (get_event_fd), the rest of a transfer larger than the 16 MiB "
-    "slice its post moves: raise it to run that many at once\n";
+    "slice its post moves: raise it to run that many at once\n"
+    "num_threads=0\tbackend worker threads (0..64), the nixl plugin's parameter that the host "
+    "sets per side (plugin.ForSide); the fake checks the value and otherwise ignores it, so "
+    "tests can see the host's defaults reach a plugin\n";
 
 static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
-                                         "delay_us", "drop_notif_rate", "workers"};
+                                         "delay_us", "drop_notif_rate", "workers",
+                                         "num_threads"};
 #define NUM_PARAM_KEYS (sizeof PARAM_KEYS / sizeof PARAM_KEYS[0])
 
 /* Names of the KVP_CAP_* bits, bit i = names[i]. */
@@ -2146,7 +2150,7 @@ static void agent_free(agent *ag);
 
 static kvp_error *agent_parse_params(agent *ag, const kvp_agent_create_args *a) {
   kvp_error *e = kvp_params_check(a->params, a->num_params, PARAM_KEYS, NUM_PARAM_KEYS, 0);
-  uint64_t off = 0, workers = 1;
+  uint64_t off = 0, workers = 1, threads = 0;
   if (!e) e = kvp_param_name_mask(a->params, a->num_params, "caps_off", CAP_NAMES, NUM_CAPS, &off);
   if (!e) e = kvp_param_double(a->params, a->num_params, "fail_rate", 0, 0, 1, &ag->fail_rate);
   if (!e) e = kvp_param_u64(a->params, a->num_params, "fail_seed", 1, 0, UINT64_MAX, &ag->rng);
@@ -2154,6 +2158,7 @@ static kvp_error *agent_parse_params(agent *ag, const kvp_agent_create_args *a) 
   if (!e)
     e = kvp_param_double(a->params, a->num_params, "drop_notif_rate", 0, 0, 1, &ag->drop_notif_rate);
   if (!e) e = kvp_param_u64(a->params, a->num_params, "workers", 1, 1, 64, &workers);
+  if (!e) e = kvp_param_u64(a->params, a->num_params, "num_threads", 0, 0, 64, &threads);
   if (e) return kvp_err_wrap(e, "agent_create");
   ag->caps = FAKE_CAPS & ~off;
   if (!(ag->caps & (KVP_CAP_PREPPED | KVP_CAP_BATCH)))

@@ -531,11 +531,11 @@ static void test_negotiation(void) {
   CHECK(pi.mem_kinds == (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM)));
   /* params_doc: one "key=default<TAB>description" line per parameter. */
   const char *keys[] = {"caps_off=", "fail_rate=0\t", "fail_seed=1\t", "delay_us=0\t",
-                        "drop_notif_rate=0\t", "workers=1\t"};
+                        "drop_notif_rate=0\t", "workers=1\t", "num_threads=0\t"};
   int lines = 0;
   for (const char *p = pi.params_doc; *p; p++) lines += *p == '\n';
-  CHECK(lines == 6);
-  for (int i = 0; i < 6; i++) {
+  CHECK(lines == 7);
+  for (int i = 0; i < 7; i++) {
     const char *at = strstr(pi.params_doc, keys[i]);
     CHECK(at && (at == pi.params_doc || at[-1] == '\n'));
   }
@@ -594,6 +594,9 @@ static void test_agents_and_params(void) {
   EXPECT(agent_new("a", &ag, NULL, "wokers", "2", NULL), KVP_ERR_INVALID_PARAM,
          "unknown param \"wokers\"");
   EXPECT(agent_new("a", &ag, NULL, "workers", "0", NULL), KVP_ERR_INVALID_PARAM, "workers=\"0\"");
+  EXPECT(agent_new("a", &ag, NULL, "num_threads", "65", NULL), KVP_ERR_INVALID_PARAM, "num_threads=\"65\"");
+  OK(agent_new("a", &ag, NULL, "num_threads", "64", NULL));
+  OK(agent_del(ag));
   EXPECT(agent_new("a", &ag, NULL, "fail_rate", "1.5", NULL), KVP_ERR_INVALID_PARAM, "fail_rate=\"1.5\"");
   EXPECT(agent_new("a", &ag, NULL, "drop_notif_rate", "x", NULL), KVP_ERR_INVALID_PARAM, "drop_notif_rate");
   EXPECT(agent_new("a", &ag, NULL, "delay_us", "-1", NULL), KVP_ERR_INVALID_PARAM, "delay_us");

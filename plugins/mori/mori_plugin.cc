@@ -62,14 +62,29 @@
  *
  * Every C++ exception is caught at the ABI boundary (Guard) and becomes an
  * error object. Beware what cannot be caught: MORI calls exit(-1) when a
- * socket call fails (SYSCALL_RETURN_ZERO) and assert()s on some internal
- * states; agent_create therefore test-binds host:port before MORI does.
+ * socket call fails (SYSCALL_RETURN_ZERO), abort()s when it cannot register
+ * memory with a NIC (lazily, at the first transfer of a region), and
+ * assert()s on some internal states. So the shim finds out first where it
+ * can: agent_create test-binds host:port before MORI does, and register_mem
+ * registers each region with the NICs MORI may use and deregisters it again
+ * (see "Registration probe"), refusing the region with the reason instead of
+ * letting MORI abort the process mid-transfer.
+ *
+ * MORI's C++ classes change size without changing any symbol (a member
+ * added to IOEngine links fine and corrupts memory), so the build records
+ * which libmori_io.so the shim was compiled against and the shim refuses any
+ * other one (see "Build facts").
  */
 #include <arpa/inet.h>
+#include <dlfcn.h>
+#include <elf.h>
 #include <errno.h>
+#include <link.h>
 #include <netinet/in.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -93,6 +108,7 @@
 #include <utility>
 #include <vector>
 
+#include <infiniband/verbs.h>
 #include <msgpack.hpp>
 
 #include "mori/io/io.hpp"
@@ -104,8 +120,52 @@ namespace {
 
 namespace mio = mori::io;
 
+/* ------------------------------------------------------------------------ */
+/* Build facts                                                              */
+/* ------------------------------------------------------------------------ */
+
+// What the build (make plugin-mori, check_compile.sh) recorded about the
+// MORI it compiled against:
+//   KVHOST_MORI_COMMIT  the MORI commit or tag (the wheel's version string
+//                       when that is all there is)
+//   KVHOST_MORI_LIB_ID  the libmori_io.so linked: "build-id:HEX" (its ELF
+//                       build ID), "size:BYTES" for a library without one,
+//                       or "none" for a compile-only check
+//   KVHOST_MORI_REG     how that MORI registers memory with a NIC: "ibv"
+//                       (ibv_reg_mr only: before 09ad89c4), "auto-offset0"
+//                       (ibv_reg_mr, then dmabuf at offset 0: 09ad89c4 up to
+//                       0d05a4d2), "auto" (ibv_reg_mr, then dmabuf at the
+//                       buffer's offset: 0d05a4d2 on), "unknown"
+#ifndef KVHOST_MORI_COMMIT
+#error "KVHOST_MORI_COMMIT is not defined: build with make plugin-mori or check_compile.sh"
+#endif
+#ifndef KVHOST_MORI_LIB_ID
+#error "KVHOST_MORI_LIB_ID is not defined: build with make plugin-mori or check_compile.sh"
+#endif
+#ifndef KVHOST_MORI_REG
+#error "KVHOST_MORI_REG is not defined: build with make plugin-mori or check_compile.sh"
+#endif
+
+constexpr const char *kMoriCommit = KVHOST_MORI_COMMIT;
+constexpr const char *kMoriLibId = KVHOST_MORI_LIB_ID;
+constexpr const char *kMoriReg = KVHOST_MORI_REG;
+
+// The layout facts of the headers compiled against, named in refusals.
+std::string LayoutFacts() {
+  char b[256];
+  snprintf(b, sizeof b,
+           "sizeof IOEngine %zu, MemoryDesc %zu, EngineDesc %zu, RdmaBackendConfig %zu, "
+           "TransferStatus %zu",
+           sizeof(mori::io::IOEngine), sizeof(mori::io::MemoryDesc),
+           sizeof(mori::io::EngineDesc), sizeof(mori::io::RdmaBackendConfig),
+           sizeof(mori::io::TransferStatus));
+  return b;
+}
+
 constexpr const char *kPluginName = "mori";
-constexpr const char *kPluginVersion = "0.1.0";
+// kvhost plugins shows it: the MORI build the shim belongs to.
+constexpr const char *kPluginVersion =
+    "0.2.0 (MORI " KVHOST_MORI_COMMIT ", libmori_io.so " KVHOST_MORI_LIB_ID ")";
 
 constexpr uint64_t kCaps = KVP_CAP_BATCH | KVP_CAP_STRIDED | KVP_CAP_TELEMETRY |
                            KVP_CAP_REMOTE_BLOB | KVP_CAP_SUBMIT | KVP_CAP_EVENT_FD;
@@ -139,16 +199,38 @@ const char kParamsDoc[] =
     "qp_per_transfer=4\tRDMA queue pairs per (local, remote) memory pair "
     "(RdmaBackendConfig.qpPerTransfer; env MORI_IO_QP_PER_TRANSFER wins)\n"
     "post_batch_size=-1\twork requests per post; -1 lets MORI choose "
-    "(env MORI_IO_POST_BATCH_SIZE wins)\n"
-    "num_worker_threads=4\tMORI posting threads (env MORI_IO_NUM_WORKER_THREADS wins)\n"
+    "(postBatchSize; env MORI_IO_POST_BATCH_SIZE wins)\n"
+    "num_worker_threads=4\tMORI posting threads "
+    "(numWorkerThreads; env MORI_IO_NUM_WORKER_THREADS wins)\n"
     "poll_cq_mode=polling\tcompletion queue mode, polling or event "
-    "(env MORI_IO_POLL_CQ_MODE wins)\n"
+    "(pollCqMode; env MORI_IO_POLL_CQ_MODE wins)\n"
+    "num_nics_per_transfer=1\tNICs one transfer is striped over "
+    "(numNicsPerTransfer; env MORI_IO_NUM_NICS_PER_TRANSFER wins)\n"
+    "transfer_chunking=0\tsplit large blocks into chunks (enableTransferChunking; "
+    "env MORI_IO_ENABLE_CHUNKING wins)\n"
+    "chunk_bytes=65536\tchunk size with transfer_chunking, at least 4096 "
+    "(chunkBytes; env MORI_IO_CHUNK_BYTES wins)\n"
+    "max_chunks_per_transfer=64\tchunks per transfer with transfer_chunking "
+    "(maxChunksPerTransfer; env MORI_IO_MAX_CHUNKS wins)\n"
+    "max_send_wr=0\tsend queue depth per QP; 0 lets MORI choose (8192) "
+    "(maxSendWr; env MORI_IO_QP_MAX_SEND_WR wins)\n"
+    "max_cqe=0\tcompletion queue entries; 0 lets MORI choose (16384) "
+    "(maxCqeNum; env MORI_IO_QP_MAX_CQE wins)\n"
+    "max_msg_sge=0\tscatter-gather entries per work request; 0 lets MORI choose "
+    "(maxMsgSge; env MORI_IO_QP_MAX_MSG_SGE wins)\n"
+    "intra_node_only=0\t1 accepts MORI's XGMI-only fallback (no usable RDMA NIC and "
+    "MORI_DISABLE_AUTO_XGMI=0): peers on other nodes cannot reach the agent\n"
+    "probe_registration=1\tregister_mem registers each region with every NIC MORI may use "
+    "and refuses what fails (MORI registers lazily and aborts the process when it cannot); "
+    "0 skips the probe\n"
     "release_timeout_ms=30000\thow long release_xfer waits for the posted work of a transfer "
     "to finish (MORI-IO cannot cancel it) before it refuses; -1 waits without limit\n";
 
-const char *const kParamNames[] = {"host",         "port",          "qp_per_transfer",
-                                   "post_batch_size", "num_worker_threads", "poll_cq_mode",
-                                   "release_timeout_ms"};
+const char *const kParamNames[] = {
+    "host",          "port",          "qp_per_transfer",       "post_batch_size",
+    "num_worker_threads", "poll_cq_mode", "num_nics_per_transfer", "transfer_chunking",
+    "chunk_bytes",   "max_chunks_per_transfer", "max_send_wr", "max_cqe",
+    "max_msg_sge",   "intra_node_only", "probe_registration",  "release_timeout_ms"};
 
 /* ------------------------------------------------------------------------ */
 /* Time                                                                     */
@@ -268,11 +350,33 @@ struct Xfer {
   }
 };
 
+// The NICs register_mem probes (see "Registration probe"); opened at the
+// first register_mem of an agent, closed with it.
+struct ProbeNic {
+  std::string name;
+  ibv_context *ctx = nullptr;
+  ibv_pd *pd = nullptr;
+};
+
+// An IOEngine in storage with a watched tail (see NewEngine).
+struct EngineDeleter {
+  void operator()(mio::IOEngine *e) const;
+};
+using EnginePtr = std::unique_ptr<mio::IOEngine, EngineDeleter>;
+
 struct Agent {
   kvp_agent handle = 0;
   std::string name;
   int release_timeout_ms = 30000;  // -1: no limit
-  std::unique_ptr<mio::IOEngine> engine;
+  bool probe = true;               // probe_registration
+  bool xgmi_only = false;          // MORI fell back to XGMI only and intra_node_only allowed it
+  EnginePtr engine;
+  // The registration probe's NICs, guarded by probe_mu (taken alone: a
+  // probe pins memory and may take long, so it holds no lock that posts
+  // or polls need).
+  std::mutex probe_mu;
+  bool probe_open = false;
+  std::vector<ProbeNic> probe_nics;
 
   // Exclusive for IOEngine Register*/Deregister*; shared for Batch*. Taken
   // before mu when both are needed.
@@ -690,6 +794,323 @@ void EvStop(Agent &a) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* The libmori_io.so loaded                                                 */
+/* ------------------------------------------------------------------------ */
+
+// The libmori_io.so of this process and what identifies it.
+struct LoadedMori {
+  bool found = false;
+  std::string path;
+  std::string build_id;  // hex; empty when the library has none
+};
+
+int FindMori(struct dl_phdr_info *info, size_t, void *data) {
+  auto *out = static_cast<LoadedMori *>(data);
+  const char *name = info->dlpi_name;
+  if (!name || !*name) return 0;
+  const char *base = strrchr(name, '/');
+  base = base ? base + 1 : name;
+  if (strncmp(base, "libmori_io.so", 13) != 0) return 0;
+  out->found = true;
+  out->path = name;
+  // The build ID is an ELF note in a PT_NOTE segment, mapped with the library.
+  for (int i = 0; i < info->dlpi_phnum && out->build_id.empty(); i++) {
+    const ElfW(Phdr) &ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_NOTE) continue;
+    const char *p = reinterpret_cast<const char *>(info->dlpi_addr + ph.p_vaddr);
+    const char *end = p + ph.p_memsz;
+    while (p + sizeof(ElfW(Nhdr)) <= end) {
+      ElfW(Nhdr) n;
+      memcpy(&n, p, sizeof n);
+      const char *nm = p + sizeof n;
+      const char *desc = nm + ((n.n_namesz + 3u) & ~3u);
+      const char *next = desc + ((n.n_descsz + 3u) & ~3u);
+      if (next > end) break;
+      if (n.n_type == NT_GNU_BUILD_ID && n.n_namesz == 4 && memcmp(nm, "GNU", 4) == 0) {
+        static const char hex[] = "0123456789abcdef";
+        for (uint32_t k = 0; k < n.n_descsz; k++) {
+          unsigned char c = static_cast<unsigned char>(desc[k]);
+          out->build_id += hex[c >> 4];
+          out->build_id += hex[c & 15];
+        }
+        break;
+      }
+      p = next;
+    }
+  }
+  return 1;
+}
+
+// The identity of the loaded library in the form the build recorded.
+std::string LoadedId(const LoadedMori &m) {
+  if (strncmp(kMoriLibId, "size:", 5) == 0) {
+    struct stat st;
+    if (stat(m.path.c_str(), &st) != 0) return "size:unknown (" + std::string(strerror(errno)) + ")";
+    return "size:" + std::to_string(static_cast<unsigned long long>(st.st_size));
+  }
+  return m.build_id.empty() ? std::string("no build-id") : "build-id:" + m.build_id;
+}
+
+// Empty when the libmori_io.so in this process is the one the shim was
+// built against, else why not. Computed once: the library cannot change.
+const std::string &MoriMismatch() {
+  static const std::string why = []() -> std::string {
+    if (strcmp(kMoriLibId, "none") == 0)
+      return "this libkvhost_mori.so was built for a compile check only (no libmori_io.so "
+             "recorded); build it with make plugin-mori";
+    LoadedMori m;
+    dl_iterate_phdr(FindMori, &m);
+    std::string built = std::string("built against MORI ") + kMoriCommit + " (libmori_io.so " +
+                        kMoriLibId + "; " + LayoutFacts() + ")";
+    if (!m.found) return built + ", but no libmori_io.so is loaded in this process";
+    std::string id = LoadedId(m);
+    if (id == kMoriLibId) return "";
+    return built + ", but the libmori_io.so loaded is " + m.path + " (" + id +
+           "): MORI's C++ classes change size and layout without changing any symbol, so "
+           "using another build would corrupt memory; rebuild the plugin against this MORI "
+           "(make plugin-mori MORI_PREFIX=...)";
+  }();
+  return why;
+}
+
+kvp_error *CheckMori(const char *fn) {
+  const std::string &why = MoriMismatch();
+  if (why.empty()) return nullptr;
+  return kvp_err(KVP_ERR_MISMATCH, "%s: libkvhost_mori.so %s", fn, why.c_str());
+}
+
+/* ------------------------------------------------------------------------ */
+/* Engine storage                                                           */
+/* ------------------------------------------------------------------------ */
+
+// The shim allocates the IOEngine (sizeof from the headers) and libmori_io
+// constructs it. A library whose IOEngine has grown (a member added, as
+// MORI PR #515 does) writes past the end of that storage. So the storage
+// has kEngineTail more bytes, filled with kTailByte, and agent_create
+// refuses an engine whose construction changed any of them: the library's
+// IOEngine is larger than the headers said. The tail keeps the overrun
+// inside memory the shim owns, so the refusal is clean.
+constexpr size_t kEngineTail = 4096;
+constexpr unsigned char kTailByte = 0xA5;
+static_assert(alignof(mio::IOEngine) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__,
+              "IOEngine needs over-aligned storage");
+
+void EngineDeleter::operator()(mio::IOEngine *e) const {
+  e->~IOEngine();
+  ::operator delete(static_cast<void *>(e));
+}
+
+EnginePtr NewEngine(const std::string &key, const mio::IOEngineConfig &cfg) {
+  void *p = ::operator new(sizeof(mio::IOEngine) + kEngineTail);
+  memset(static_cast<char *>(p) + sizeof(mio::IOEngine), kTailByte, kEngineTail);
+  try {
+    return EnginePtr(new (p) mio::IOEngine(key, cfg));
+  } catch (...) {
+    ::operator delete(p);
+    throw;
+  }
+}
+
+// How many bytes past sizeof(IOEngine) the library wrote (0: none).
+size_t EngineOverrun(const mio::IOEngine *e) {
+  const unsigned char *tail = reinterpret_cast<const unsigned char *>(e) + sizeof(mio::IOEngine);
+  for (size_t i = kEngineTail; i > 0; i--)
+    if (tail[i - 1] != kTailByte) return i;
+  return 0;
+}
+
+kvp_error *CheckEngineSize(const mio::IOEngine *e) {
+  size_t over = EngineOverrun(e);
+  if (over == 0) return nullptr;
+  LoadedMori m;
+  dl_iterate_phdr(FindMori, &m);
+  return kvp_err(KVP_ERR_MISMATCH,
+                 "agent_create: libmori_io.so %s (%s) constructed an IOEngine of at least %zu "
+                 "bytes, but this libkvhost_mori.so was built against MORI %s with "
+                 "sizeof(IOEngine) %zu (%s): the headers and the library differ; rebuild the "
+                 "plugin against the MORI installed (make plugin-mori MORI_PREFIX=...)",
+                 m.found ? m.path.c_str() : "?", m.found ? LoadedId(m).c_str() : "?",
+                 sizeof(mio::IOEngine) + over, kMoriCommit, sizeof(mio::IOEngine),
+                 LayoutFacts().c_str());
+}
+
+/* ------------------------------------------------------------------------ */
+/* Registration probe                                                       */
+/* ------------------------------------------------------------------------ */
+
+// MORI registers a region with a NIC lazily: at the first transfer of a
+// (local, remote) region pair, or when a peer asks for the region's key.
+// When that registration fails MORI calls abort() (RdmaDeviceContext::
+// RegisterRdmaMemoryRegion*, src/application/transport/rdma/rdma.cpp), so
+// IOEngine::RegisterMemory can never report a region it cannot use and the
+// process dies later, mid-transfer. register_mem therefore does the same
+// registration up front with each NIC MORI may pick (MORI_RDMA_DEVICES as
+// MORI reads it, ports ACTIVE, as RdmaContext::Initialize and
+// GetActiveDevicePortList select them), the way the recorded MORI build
+// would (KVHOST_MORI_REG), and deregisters it again at once.
+
+#ifdef MR_DEFAULT_ACCESS_FLAG
+constexpr int kMrAccess = MR_DEFAULT_ACCESS_FLAG;
+#else
+constexpr int kMrAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                          IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+#endif
+
+// MORI_RDMA_DEVICES: "a,b" uses those, "^a,b" all but those.
+bool MoriMayUse(const char *dev) {
+  const char *env = getenv("MORI_RDMA_DEVICES");
+  if (!env || !*env) return true;
+  bool exclude = env[0] == '^';
+  std::string list(env + (exclude ? 1 : 0));
+  bool listed = false;
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    size_t comma = list.find(',', pos);
+    if (comma == std::string::npos) comma = list.size();
+    std::string item = list.substr(pos, comma - pos);
+    size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a != std::string::npos && item.substr(a, b - a + 1) == dev) listed = true;
+    pos = comma + 1;
+  }
+  bool any = list.find_first_not_of(", \t") != std::string::npos;
+  if (!any) return true;
+  return exclude ? !listed : listed;
+}
+
+void CloseProbe(Agent &a) {
+  for (ProbeNic &n : a.probe_nics) {
+    if (n.pd) ibv_dealloc_pd(n.pd);
+    if (n.ctx) ibv_close_device(n.ctx);
+  }
+  a.probe_nics.clear();
+  a.probe_open = false;
+}
+
+// Opens a protection domain on each NIC MORI may use. Caller holds
+// probe_mu.
+kvp_error *OpenProbe(Agent &a) {
+  if (a.probe_open) return nullptr;
+  int n = 0;
+  ibv_device **list = ibv_get_device_list(&n);
+  if (!list)
+    return kvp_err(KVP_ERR_BACKEND, "register_mem: ibv_get_device_list: %s", strerror(errno));
+  for (int i = 0; i < n; i++) {
+    const char *name = ibv_get_device_name(list[i]);
+    if (!name || !MoriMayUse(name)) continue;
+    ProbeNic nic;
+    nic.name = name;
+    nic.ctx = ibv_open_device(list[i]);
+    if (!nic.ctx) continue;  // MORI cannot open it either
+    ibv_device_attr da;
+    bool active = false;
+    if (ibv_query_device(nic.ctx, &da) == 0) {
+      for (int port = 1; port <= da.phys_port_cnt && !active; port++) {
+        ibv_port_attr pa;
+        active = ibv_query_port(nic.ctx, static_cast<uint8_t>(port), &pa) == 0 &&
+                 pa.state == IBV_PORT_ACTIVE;
+      }
+    }
+    if (active) nic.pd = ibv_alloc_pd(nic.ctx);
+    if (!nic.pd) {
+      ibv_close_device(nic.ctx);
+      continue;
+    }
+    a.probe_nics.push_back(nic);
+  }
+  ibv_free_device_list(list);
+  if (a.probe_nics.empty())
+    return kvp_err(KVP_ERR_BACKEND,
+                   "register_mem: no active RDMA NIC%s to check the registration on, though "
+                   "MORI-IO created its RDMA backend; set probe_registration=0 to register "
+                   "unchecked (MORI aborts the process if it cannot register later)",
+                   getenv("MORI_RDMA_DEVICES") ? " within MORI_RDMA_DEVICES" : "");
+  a.probe_open = true;
+  return nullptr;
+}
+
+// As MORI's env::IsEnvVarEnabled: set, not empty, and not a false boolean.
+bool MoriEnvEnabled(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) return false;
+  for (const char *f : {"0", "false", "no", "off"})
+    if (strcasecmp(v, f) == 0) return false;
+  return true;
+}
+
+// hsa_amd_portable_export_dmabuf from the HSA runtime MORI loaded.
+using ExportDmabufFn = int (*)(const void *ptr, size_t size, int *fd, uint64_t *offset);
+
+// Registers [addr, addr+len) with nic as the recorded MORI would and
+// deregisters it; empty when that works, else why not.
+std::string ProbeOne(const ProbeNic &nic, uint64_t addr, uint64_t len, bool gpu) {
+  void *p = reinterpret_cast<void *>(addr);
+  errno = 0;
+  ibv_mr *mr = ibv_reg_mr(nic.pd, p, len, kMrAccess);
+  int plain_err = errno;
+  if (mr) ibv_dereg_mr(mr);
+  const char *reg = kMoriReg;
+  bool offset0 = strcmp(reg, "auto-offset0") == 0;
+  bool dmabuf_first = MoriEnvEnabled("MORI_ENABLE_DMABUF_REG");
+  if (mr && !(gpu && offset0 && dmabuf_first)) return "";
+  auto exp = reinterpret_cast<ExportDmabufFn>(dlsym(RTLD_DEFAULT, "hsa_amd_portable_export_dmabuf"));
+  std::string offset0_bug = " bytes into its GPU allocation, and MORI " + std::string(kMoriCommit) +
+                            " registers it through dmabuf at offset 0 (wrong address or LOC_PROT "
+                            "errors; fixed in MORI 0d05a4d2): use MORI >= 0d05a4d2";
+  if (mr) {
+    // MORI_ENABLE_DMABUF_REG on an offset-0 build: dmabuf goes first, and
+    // is wrong exactly when the buffer does not start its allocation.
+    int fd = -1;
+    uint64_t off = 0;
+    if (!exp || exp(p, len, &fd, &off) != 0 || fd < 0) return "";  // MORI falls back to ibv_reg_mr
+    close(fd);
+    if (off == 0) return "";
+    return "with MORI_ENABLE_DMABUF_REG set, the buffer starts " +
+           std::to_string(static_cast<unsigned long long>(off)) + offset0_bug;
+  }
+  std::string plain = "ibv_reg_mr failed (" + std::string(strerror(plain_err)) + ")";
+  if (!gpu || strcmp(reg, "ibv") == 0)
+    return plain + "; MORI " + kMoriCommit + " registers " + (gpu ? "GPU" : "host") +
+           " memory with ibv_reg_mr only and aborts when it fails" +
+           (gpu ? " (GPU memory needs the peer-memory kernel module)" : "");
+  if (strcmp(reg, "unknown") == 0)
+    return plain + "; whether MORI " + kMoriCommit +
+           " then tries dmabuf is unknown (build with MORI_SRC set to its git checkout, or "
+           "MORI_REG=auto for MORI >= 0d05a4d2)";
+  if (!exp) return plain + "; dmabuf: hsa_amd_portable_export_dmabuf is not loaded";
+  int fd = -1;
+  uint64_t off = 0;
+  if (exp(p, len, &fd, &off) != 0 || fd < 0)
+    return plain + "; dmabuf: hsa_amd_portable_export_dmabuf failed";
+  if (offset0 && off != 0) {
+    close(fd);
+    return plain + "; the buffer starts " + std::to_string(static_cast<unsigned long long>(off)) +
+           offset0_bug;
+  }
+  errno = 0;
+  ibv_mr *dm = ibv_reg_dmabuf_mr(nic.pd, off, len, addr, fd, kMrAccess);
+  int dm_err = errno;
+  close(fd);
+  if (dm) {
+    ibv_dereg_mr(dm);
+    return "";
+  }
+  return plain + "; ibv_reg_dmabuf_mr failed (" + std::string(strerror(dm_err)) +
+         "); MORI aborts when both fail";
+}
+
+// Empty when every NIC MORI may use can register the region. Caller holds
+// probe_mu.
+std::string ProbeRegion(Agent &a, uint64_t addr, uint64_t len, bool gpu) {
+  for (const ProbeNic &nic : a.probe_nics) {
+    std::string why = ProbeOne(nic, addr, len, gpu);
+    if (!why.empty())
+      return "NIC " + nic.name + " cannot register it: " + why +
+             " (MORI_RDMA_DEVICES chooses the NICs MORI uses)";
+  }
+  return "";
+}
+
+/* ------------------------------------------------------------------------ */
 /* Agent creation helpers                                                   */
 /* ------------------------------------------------------------------------ */
 
@@ -700,6 +1121,8 @@ struct AgentConfig {
                               /*numWorkerThreads=*/4, mio::PollCqMode::POLLING,
                               /*enableNotification=*/false};
   int release_timeout_ms = 30000;
+  bool intra_node_only = false;
+  bool probe = true;
 };
 
 kvp_error *ParseConfig(const kvp_param *params, size_t n, AgentConfig *cfg) {
@@ -744,6 +1167,29 @@ kvp_error *ParseConfig(const kvp_param *params, size_t n, AgentConfig *cfg) {
                      static_cast<int>(std::min<size_t>(p->value_len, 64)),
                      p->value ? p->value : "");
   }
+  // MORI's RdmaBackendConfig settings; MORI applies its MORI_IO_*
+  // environment variables on top of them (RdmaBackend's constructor and
+  // its queue pair setup), so the environment wins, as in MORI itself.
+  if ((e = kvp_param_i64(params, n, "num_nics_per_transfer", 1, 1, 64, &v))) return e;
+  cfg->rdma.numNicsPerTransfer = static_cast<int>(v);
+  int b;
+  if ((e = kvp_param_bool(params, n, "transfer_chunking", 0, &b))) return e;
+  cfg->rdma.enableTransferChunking = b != 0;
+  // MORI refuses chunks under 4096 bytes when chunking is on.
+  if ((e = kvp_param_i64(params, n, "chunk_bytes", 65536, 4096, int64_t{1} << 30, &v))) return e;
+  cfg->rdma.chunkBytes = static_cast<size_t>(v);
+  if ((e = kvp_param_i64(params, n, "max_chunks_per_transfer", 64, 1, 1 << 20, &v))) return e;
+  cfg->rdma.maxChunksPerTransfer = static_cast<int>(v);
+  if ((e = kvp_param_i64(params, n, "max_send_wr", 0, 0, 1 << 20, &v))) return e;
+  cfg->rdma.maxSendWr = static_cast<int>(v);
+  if ((e = kvp_param_i64(params, n, "max_cqe", 0, 0, 1 << 24, &v))) return e;
+  cfg->rdma.maxCqeNum = static_cast<int>(v);
+  if ((e = kvp_param_i64(params, n, "max_msg_sge", 0, 0, 1024, &v))) return e;
+  cfg->rdma.maxMsgSge = static_cast<int>(v);
+  if ((e = kvp_param_bool(params, n, "intra_node_only", 0, &b))) return e;
+  cfg->intra_node_only = b != 0;
+  if ((e = kvp_param_bool(params, n, "probe_registration", 1, &b))) return e;
+  cfg->probe = b != 0;
   if ((e = kvp_param_i64(params, n, "release_timeout_ms", 30000, -1, INT_MAX, &v))) return e;
   cfg->release_timeout_ms = static_cast<int>(v);
   return nullptr;
@@ -779,6 +1225,8 @@ kvp_error *PluginInfo(kvp_plugin_info_args *args) {
   return Guard("plugin_info", [&]() -> kvp_error * {
     const char *fn = "plugin_info";
     if (kvp_error *e = kvp_check_args(args, KVP_PLUGIN_INFO_ARGS_STRUCT_SIZE, fn)) return e;
+    // Refused here so that loading the plugin fails, naming both builds.
+    if (kvp_error *e = CheckMori(fn)) return e;
     args->name = kPluginName;
     args->version = kPluginVersion;
     args->params_doc = kParamsDoc;
@@ -797,6 +1245,7 @@ kvp_error *AgentCreate(kvp_agent_create_args *args) {
     if (!args->name || args->name_len == 0 || args->name_len > KVP_MAX_NAME_LEN)
       return kvp_err(KVP_ERR_INVALID_PARAM, "agent_create: name must be 1..%d bytes, got %zu",
                      KVP_MAX_NAME_LEN, args->name ? args->name_len : 0);
+    if (kvp_error *e = CheckMori(fn)) return e;
     AgentConfig cfg;
     if (kvp_error *e = ParseConfig(args->params, args->num_params, &cfg))
       return kvp_err_wrap(e, "agent_create");
@@ -805,15 +1254,31 @@ kvp_error *AgentCreate(kvp_agent_create_args *args) {
     auto agent = std::make_unique<Agent>();
     agent->name.assign(args->name, args->name_len);
     agent->release_timeout_ms = cfg.release_timeout_ms;
+    agent->probe = cfg.probe;
     // The engine key is the agent name: peers see it as our peer name and
     // SGLang sends it as TransferInfo.engine_key.
-    agent->engine = std::make_unique<mio::IOEngine>(agent->name,
-                                                    mio::IOEngineConfig{cfg.host, cfg.port});
+    agent->engine = NewEngine(agent->name, mio::IOEngineConfig{cfg.host, cfg.port});
+    if (kvp_error *e = CheckEngineSize(agent->engine.get())) return e;
     // MORI applies its MORI_IO_* environment overrides on top of cfg.rdma
     // inside RdmaBackend's constructor, so they keep working unchanged.
     agent->engine->CreateBackend(mio::BackendType::RDMA, cfg.rdma);
-    if (agent->engine->GetEngineDesc().port <= 0)
+    if (kvp_error *e = CheckEngineSize(agent->engine.get())) return e;
+    int port = agent->engine->GetEngineDesc().port;
+    if (port == static_cast<int>(kMoriReservedPort)) {
+      // No active RDMA device, and MORI_DISABLE_AUTO_XGMI=0 let MORI fall
+      // back to XGMI only: the engine advertises port 1, which nobody can
+      // reach over RDMA.
+      if (!cfg.intra_node_only)
+        return kvp_err(KVP_ERR_BACKEND,
+                       "agent_create: MORI-IO found no active RDMA NIC and, because "
+                       "MORI_DISABLE_AUTO_XGMI=0 is set, fell back to XGMI only (port 1): peers "
+                       "on other nodes could not reach this agent; fix the NIC (or "
+                       "MORI_RDMA_DEVICES), unset MORI_DISABLE_AUTO_XGMI, or pass "
+                       "intra_node_only=1 if only GPUs of this node are peers");
+      agent->xgmi_only = true;
+    } else if (port <= 0) {
       return kvp_err(KVP_ERR_BACKEND, "agent_create: MORI-IO did not bind a control-plane port");
+    }
 
     kvp_agent h = 0;
     if (kvp_error *e = kvp_ht_insert(GetTables().agents, agent.get(), &h)) return e;
@@ -856,6 +1321,7 @@ kvp_error *AgentDestroy(kvp_agent_destroy_args *args) {
       failure = e.what();
     }
     a->engine.reset();
+    CloseProbe(*a);
     // Now the statuses (in xfers, the pool and quarantine) can go.
     xfers.clear();
     a->status_pool.clear();
@@ -897,6 +1363,24 @@ kvp_error *RegisterMem(kvp_register_mem_args *args) {
     const Tables &t = GetTables();
     Ref<Agent> a(t.agents, args->agent);
     if (!a) return BadAgent("register_mem", args->agent);
+    // Check that MORI will be able to register each region with its NICs
+    // (see "Registration probe"), before MORI sees any of them.
+    if (a->probe && !a->xgmi_only) {
+      std::lock_guard<std::mutex> pg(a->probe_mu);
+      if (kvp_error *e = OpenProbe(*a)) return e;
+      for (size_t i = 0; i < args->num_descs; i++) {
+        const kvp_mem_desc &d = args->descs[i];
+        std::string why = ProbeRegion(*a, d.addr, d.len, d.mem_kind == KVP_MEM_VRAM);
+        if (!why.empty())
+          return kvp_err(KVP_ERR_BACKEND,
+                         "register_mem: desc %zu (%s addr=0x%llx len=%llu): %s; nothing was "
+                         "registered",
+                         i, d.mem_kind == KVP_MEM_VRAM ? "VRAM" : "DRAM",
+                         static_cast<unsigned long long>(d.addr),
+                         static_cast<unsigned long long>(d.len), why.c_str());
+      }
+    }
+
     std::unique_lock<std::shared_mutex> engine_lock(a->engine_mu);
     std::lock_guard<std::mutex> g(a->mu);
 

@@ -314,6 +314,7 @@ def test_manager_refused_closes_its_connection(sidecar):
     try:
         args = ks.KVArgs()
         args.engine_rank = 0
+        args.kv_head_num = 1  # a decode rank must say (docs/engine-api.md)
         args.kv_data_ptrs = p.kv_data_ptrs
         args.kv_data_lens = [x + 64 for x in p.kv_data_lens]  # past the pool
         args.kv_item_lens = p.kv_item_lens

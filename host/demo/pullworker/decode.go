@@ -23,7 +23,9 @@ import (
 // decode engine. Several processes may serve one engine (disjoint Ranks,
 // same EngineID and workload); each allocates its own blocks.
 type DecodeConfig struct {
-	Plugin      *plugin.Plugin
+	Plugin *plugin.Plugin
+	// AgentParams are every rank's agent parameters; the host's defaults
+	// for the side that reads (pull.ReceiverSide) complete them.
 	AgentParams []plugin.Param
 	Model       Model
 	Engine      Engine
@@ -273,7 +275,7 @@ func (d *decodeRun) setup() error {
 		if err != nil {
 			return fmt.Errorf("decode: TP rank %d pool: %w", rank, err)
 		}
-		a, err := c.Plugin.NewAgent(agentName(c.EngineID, rank), c.AgentParams...)
+		a, err := c.Plugin.NewAgent(agentName(c.EngineID, rank), c.Plugin.ForSide(pull.ReceiverSide, c.AgentParams)...)
 		if err != nil {
 			pool.Close()
 			return fmt.Errorf("decode: TP rank %d agent: %w", rank, err)

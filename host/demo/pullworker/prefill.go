@@ -26,7 +26,9 @@ import (
 // ranks in this process (a vLLM engine allocates the same blocks on every
 // rank and serves all ranks' handshakes from one side channel).
 type PrefillConfig struct {
-	Plugin      *plugin.Plugin
+	Plugin *plugin.Plugin
+	// AgentParams are every rank's agent parameters; the host's defaults
+	// for the side that is read from (pull.SenderSide) complete them.
 	AgentParams []plugin.Param
 	Model       Model
 	Engine      Engine
@@ -233,7 +235,7 @@ func (p *Prefill) setupRanks() ([]pull.SenderRank, error) {
 		}
 		p.pools = append(p.pools, pool)
 		p.tokenBytes += uint64(g.NumRegions()) * g.ItemLen() / uint64(g.PageSize)
-		a, err := p.cfg.Plugin.NewAgent(agentName(p.cfg.EngineID, rank), p.cfg.AgentParams...)
+		a, err := p.cfg.Plugin.NewAgent(agentName(p.cfg.EngineID, rank), p.cfg.Plugin.ForSide(pull.SenderSide, p.cfg.AgentParams)...)
 		if err != nil {
 			return nil, fmt.Errorf("prefill: TP rank %d agent: %w", rank, err)
 		}

@@ -3,6 +3,9 @@ package client
 import (
 	"context"
 	"encoding/binary"
+	"strings"
+
+	"github.com/kvhost/kvhost/host/internal/msgpack"
 )
 
 // Room states (SGLang's KVPoll).
@@ -86,6 +89,9 @@ type SGLangRank struct {
 	DPSize, DPRank                             int
 	IsMLA                                      bool
 	KVCacheDType, Variant, Host, BootstrapAddr string
+	// AgentParams override the sidecar's --agent-param for this rank's
+	// agent (e.g. num_threads).
+	AgentParams map[string]string
 }
 
 // StateComponent is one SGLang state type of a rank and its tensors
@@ -101,6 +107,9 @@ type Rank struct {
 	ID       uint64
 	Agent    string
 	Endpoint string
+	// AgentParams are the parameters the rank's agent was created with,
+	// the host's defaults included.
+	AgentParams map[string]string
 }
 
 // OpenSGLang opens an SGLang rank.
@@ -137,7 +146,7 @@ func (c *Client) OpenSGLang(ctx context.Context, r SGLangRank) (Rank, error) {
 			f = append(f, Field{s.k, s.v})
 		}
 	}
-	return c.openRank(ctx, f)
+	return c.openRank(ctx, withAgentParams(f, r.AgentParams))
 }
 
 // OpenRank opens a rank with raw fields (style, role and the style's).
@@ -155,7 +164,27 @@ func (c *Client) openRank(ctx context.Context, f Fields) (Rank, error) {
 		return Rank{}, err
 	}
 	id, _ := u64(v, "rank")
-	return Rank{ID: id, Agent: str(v, "agent"), Endpoint: str(v, "endpoint")}, nil
+	rk := Rank{ID: id, Agent: str(v, "agent"), Endpoint: str(v, "endpoint")}
+	if ap, ok := v.Get("agent_params"); ok {
+		rk.AgentParams = map[string]string{}
+		ap.Each(func(k string, x msgpack.Value) bool {
+			rk.AgentParams[strings.Clone(k)], _ = x.Str()
+			return true
+		})
+	}
+	return rk, nil
+}
+
+// withAgentParams adds open_rank's agent_params field when params is set.
+func withAgentParams(f Fields, params map[string]string) Fields {
+	if len(params) == 0 {
+		return f
+	}
+	m := make(map[string]any, len(params))
+	for k, v := range params {
+		m[k] = v
+	}
+	return append(f, Field{"agent_params", m})
 }
 
 // CloseRank closes a rank (its rooms fail with "rank closed").

@@ -53,6 +53,9 @@ type VLLMRank struct {
 	// KVLeaseDuration is the prefill's lease in generations with leases
 	// (vLLM's kv_lease_duration; 0: 30 s).
 	KVLeaseDuration time.Duration
+	// AgentParams override the sidecar's --agent-param for this rank's
+	// agent (e.g. num_threads).
+	AgentParams map[string]string
 }
 
 // OpenVLLM opens a vLLM rank. A prefill rank's Endpoint is the engine's
@@ -90,7 +93,7 @@ func (c *Client) OpenVLLM(ctx context.Context, r VLLMRank) (Rank, error) {
 	if r.AbortTimeout > 0 {
 		f = append(f, Field{"abort_timeout", r.AbortTimeout.Seconds()})
 	}
-	return c.openRank(ctx, f)
+	return c.openRank(ctx, withAgentParams(f, r.AgentParams))
 }
 
 // Hold holds a finished request's blocks on the prefill engine (vLLM's

@@ -5,8 +5,11 @@
  * without ROCm, an AMD GPU or an RDMA NIC. It is NOT MORI and proves nothing
  * about MORI itself: it copies with memcpy between engines of one process.
  *
- * Built only by check_compile.sh --stub-test, against MORI's real headers
- * (so TransferStatus, MemoryDesc and the class layout are MORI's own).
+ * Built as a shared library named libmori_io.so (as the shim finds and
+ * checks the library it was built against by that name), by `make
+ * mori-stub-test` against the stand-in headers in stubtest/include and by
+ * check_compile.sh --stub-test against MORI's real headers (then
+ * TransferStatus, MemoryDesc and the class layout are MORI's own).
  *
  * Behaviour, modelled on MORI v1.2.2 src/io/engine.cpp and rdma/backend_impl:
  *   - CreateBackend(RDMA) binds nothing; port 0 becomes a fake port.
@@ -27,7 +30,20 @@
  *     memory of both engines and aborts the process if one is outside: the
  *     shim must never hand MORI an out-of-range block.
  *   - ~IOEngine waits for the engine's queued copies (MORI joins its threads).
+ *   - MORI_STUB_XGMI_ONLY=1: CreateBackend does what MORI does with no
+ *     active RDMA device and MORI_DISABLE_AUTO_XGMI=0: port 1, no control
+ *     plane (src/io/engine.cpp, IOEngine::CreateBackend).
+ *   - MORI_STUB_GROW=N: the constructor also writes N bytes past
+ *     sizeof(IOEngine), as a libmori_io.so whose IOEngine gained members
+ *     (MORI PR #515) does in storage sized by older headers.
+ *   - hsa_amd_portable_export_dmabuf stands in for the HSA runtime's: it
+ *     hands out a descriptor of /dev/null and MORI_STUB_DMABUF_OFFSET
+ *     (default 0) as the buffer's offset in its allocation, or fails with
+ *     MORI_STUB_DMABUF_FAIL=1.
+ *   - stubtest/run.sh links it twice, the second time with one more
+ *     constant, so the test has a second libmori_io.so with another build ID.
  */
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -214,7 +230,33 @@ void Batch(IOEngine *self, const MemDescVec &local, const BatchSizeVec &loff,
 
 }  // namespace
 
+// The HSA runtime's dmabuf export (hsa_ext_amd.h): 0 is HSA_STATUS_SUCCESS.
+extern "C" __attribute__((visibility("default"))) int hsa_amd_portable_export_dmabuf(
+    const void *ptr, size_t size, int *fd, uint64_t *offset) {
+  (void)ptr;
+  (void)size;
+  if (EnvInt("MORI_STUB_DMABUF_FAIL", 0)) return 1;
+  *fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  *offset = static_cast<uint64_t>(EnvInt("MORI_STUB_DMABUF_OFFSET", 0));
+  return *fd < 0 ? 1 : 0;
+}
+
+// The RdmaBackendConfig of the last CreateBackend(RDMA), so the test can see
+// which settings reached MORI: qpPerTransfer, postBatchSize,
+// numWorkerThreads, pollCqMode, enableNotification, numNicsPerTransfer,
+// enableTransferChunking, chunkBytes, maxChunksPerTransfer, maxSendWr,
+// maxCqeNum, maxMsgSge.
+static std::mutex g_cfg_mu;
+static long g_last_cfg[12];
+
+extern "C" __attribute__((visibility("default"))) void mori_stub_last_rdma_config(long out[12]) {
+  std::lock_guard<std::mutex> g(g_cfg_mu);
+  memcpy(out, g_last_cfg, sizeof g_last_cfg);
+}
+
 IOEngine::IOEngine(EngineKey key, IOEngineConfig cfg) : config(cfg) {
+  if (int grow = EnvInt("MORI_STUB_GROW", 0))
+    memset(reinterpret_cast<char *>(this) + sizeof(IOEngine), 0x5A, static_cast<size_t>(grow));
   desc.key = key;
   desc.nodeId = "stub-node";
   desc.hostname = "stub-host";
@@ -238,6 +280,21 @@ void IOEngine::CreateBackend(BackendType type, const BackendConfig &cfg) {
   if (type != BackendType::RDMA || cfg.Type() != BackendType::RDMA)
     throw std::runtime_error("stub: only the RDMA backend");
   if (EnvInt("MORI_STUB_CREATE_FAIL", 0)) throw std::runtime_error("stub: no active RDMA device");
+  {
+    const auto &r = static_cast<const RdmaBackendConfig &>(cfg);
+    std::lock_guard<std::mutex> g(g_cfg_mu);
+    long v[12] = {r.qpPerTransfer,      r.postBatchSize,
+                  r.numWorkerThreads,   static_cast<long>(r.pollCqMode),
+                  r.enableNotification, r.numNicsPerTransfer,
+                  r.enableTransferChunking, static_cast<long>(r.chunkBytes),
+                  r.maxChunksPerTransfer, r.maxSendWr,
+                  r.maxCqeNum,          r.maxMsgSge};
+    memcpy(g_last_cfg, v, sizeof v);
+  }
+  if (EnvInt("MORI_STUB_XGMI_ONLY", 0)) {
+    desc.port = config.port = 1;
+    return;
+  }
   std::lock_guard<std::mutex> g(g_mu);
   if (desc.port == 0) desc.port = config.port = static_cast<uint16_t>(g_next_port++);
   g_by_addr[Addr(desc.host, desc.port)] = g_engines.at(this);

@@ -40,6 +40,10 @@ connector does), ``kvhost_abort_timeout`` (seconds; else vLLM's
 ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` when vLLM is present, else the
 sidecar's default), ``kv_lease_duration`` (vLLM's own key: seconds of the
 prefill's lease at generations with leases, 6 on; else 30).
+``num_threads``, vLLM's own NIXL knob (UCX worker threads), is passed to
+the ranks' agents (``open_rank``'s ``agent_params``); unset, the
+sidecar's default applies: worker threads on the decode rank, which
+reads, none on the prefill.
 
 kvhost moves one KV cache group: a hybrid model (sliding-window or Mamba
 layers beside full attention) is refused at start with a message; run

@@ -34,6 +34,10 @@ class KvhostConnectorWorker:
         self.rank = None
         self.prefill_rank = None
         self.endpoint = ""
+        # What the sidecar created the rank's agent with, its defaults
+        # included (the decode rank's of a kv_both worker), for logs and
+        # tests.
+        self.agent_params: dict = {}
         self._rank_open = False
         self._next_reconnect = 0.0
         # The generation has leases (register_kv_caches learns it): the
@@ -129,6 +133,12 @@ class KvhostConnectorWorker:
         lease = settings.kv_lease_duration(self.vllm_config)
         if self.leases and lease is not None:
             self._fields["kv_lease_duration"] = lease
+        # vLLM's own NIXL knob (UCX worker threads) goes to the ranks'
+        # agents; unset, the sidecar's default applies: worker threads on
+        # the decode rank, which reads, none on the prefill.
+        threads = settings.extra(self.vllm_config, "num_threads")
+        if threads is not None:
+            self._fields["agent_params"] = {"num_threads": str(int(threads))}
         self._prefill_fields = {}
         if "prefill" in self.roles:
             host, port = settings.side_channel(self.vllm_config)
@@ -164,8 +174,11 @@ class KvhostConnectorWorker:
             reply = self._client.open_rank(style="vllm", role="prefill", **self._fields, **self._prefill_fields)
             self.prefill_rank = reply["rank"]
             self.endpoint = reply.get("endpoint", "")
+            self.agent_params = dict(reply.get("agent_params") or {})
         if "decode" in self.roles:
-            self.rank = self._client.open_rank(style="vllm", role="decode", **self._fields)["rank"]
+            reply = self._client.open_rank(style="vllm", role="decode", **self._fields)
+            self.rank = reply["rank"]
+            self.agent_params = dict(reply.get("agent_params") or {})
         self._rank_open = True
 
     def _connected(self):
