@@ -188,7 +188,7 @@ def test_gen6_factor_missing_is_refused_at_startup(engines, monkeypatch):
         engines("newest", gen=6)
 
 
-LEASE = 1.0  # seconds: kv_connector_extra_config.kv_lease_duration
+LEASE = 2.0  # seconds: kv_connector_extra_config.kv_lease_duration (short; 2 s leaves a loaded machine room for the first handshake)
 
 
 def _hog(d):
@@ -207,7 +207,7 @@ def _wait_queued(p, d, rid, seconds):
 
 
 def test_replay_lease_renewed_while_queued(engines):
-    """Generation 6, lease 1 s: a decode request waits in the decode's
+    """Generation 6, lease LEASE s: a decode request waits in the decode's
     queue for 4 leases (no free blocks) before it is scheduled; the
     decode renews the prefill's lease from its arrival (watch), so its
     read still gets every byte and the prefill releases it as read."""
