@@ -338,9 +338,9 @@ def _plain(v: Any) -> Any:
 
 
 class _Pending:
-    __slots__ = ("op", "done", "reply", "error", "room")
+    __slots__ = ("op", "done", "reply", "error", "room", "nowait")
 
-    def __init__(self, op: str, room: Optional[Tuple[int, int]] = None):
+    def __init__(self, op: str, room: Optional[Tuple[int, int]] = None, nowait: bool = False):
         self.op = op
         self.done = threading.Event()
         self.reply: Optional[dict] = None
@@ -348,6 +348,8 @@ class _Pending:
         # (rank, room) of a request nobody waits for (Client.call_nowait):
         # its error reply fails that room in the state cache.
         self.room = room
+        # Nobody waits for it: an error reply with no room to fail is logged.
+        self.nowait = nowait
 
 
 class Hello:
@@ -616,6 +618,8 @@ class Client:
         p.done.set()
         if p.error is not None and p.room is not None:
             self._fail_room(p.room, "kvhost serve: %s" % p.error)
+        elif p.error is not None and p.nowait:
+            _log().warning("kvhost client: %s refused: %s", p.op, p.error)
         if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
             # This connection said hello, so the sidecar answering no_hello
             # is another process that took over the endpoint before the
@@ -754,7 +758,7 @@ class Client:
         msg["op"] = op
         return self._request(msg, timeout=timeout)
 
-    def call_nowait(self, op: str, *, rank: int, room: int, **fields: Any) -> None:
+    def call_nowait(self, op: str, *, rank: int, room: Optional[int] = None, **fields: Any) -> None:
         """Sends one request about room ``(rank, room)`` without waiting for
         its reply. Raises at once only what this side knows before sending
         (ConnectionLost, TooLarge); an error reply of the sidecar fails the
@@ -765,12 +769,17 @@ class Client:
         sent after this one sees its effect. The room must be tracked (made
         by this client's ``sender_create`` / ``receiver_create``) for a
         refusal to show; a reply after the connection is lost is moot (the
-        room is Failed by then)."""
+        room is Failed by then). Without ``room`` (a request about a rank,
+        as vLLM's ``watch``) an error reply is logged: nothing else depends
+        on it."""
         msg = {k: _plain(v) for k, v in fields.items() if v is not None}
         msg["op"] = op
         msg["rank"] = int(rank)
-        msg["room"] = int(room)
-        self._enqueue(msg, _Pending(op, (int(rank), int(room))))
+        key = None
+        if room is not None:
+            msg["room"] = int(room)
+            key = (int(rank), int(room))
+        self._enqueue(msg, _Pending(op, key, nowait=True))
 
     # -- memory ------------------------------------------------------------
 
@@ -936,6 +945,17 @@ class Client:
         """Starts reading a request's blocks; a ``read`` event reports it."""
         self.call("read", rank=rank, request_id=request_id, kv_transfer_params=kv_transfer_params,
                   block_ids=pack_pages(block_ids, "block_ids"))
+
+    def watch_nowait(self, rank: int, request_id: str, kv_transfer_params: dict) -> None:
+        """Renew the prefill's lease of a request waiting in the decode's
+        queue until its ``read`` ends (generations with leases); pipelined
+        (:meth:`call_nowait`): a refusal is logged."""
+        self.call_nowait("watch", rank=rank, request_id=request_id, kv_transfer_params=kv_transfer_params)
+
+    def unwatch_nowait(self, rank: int, request_id: str) -> None:
+        """Stop renewing it (the request ended before its read);
+        pipelined, as :meth:`watch_nowait`."""
+        self.call_nowait("unwatch", rank=rank, request_id=request_id)
 
     # -- events ------------------------------------------------------------
 

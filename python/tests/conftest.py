@@ -1,6 +1,11 @@
 """Fixtures: live ``kvhost serve`` sidecars (bin/kvhost of this checkout,
 fake plugin) and the paths of the repository.
 
+``KVHOST_TEST_BACKEND`` (default ``fake``; CI keeps it) runs the sidecars
+on another plugin: ``nixl`` (lib/kvhost/libkvhost_nixl.so from ``make
+plugin-nixl``, NIXL's environment set) moves the same bytes over a real
+NIXL agent pair (UCX on loopback).
+
 A missing bin/kvhost is a failure, not a skip: build it with ``make all``.
 """
 
@@ -21,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYROOT = os.path.dirname(HERE)
 REPO = os.path.dirname(PYROOT)
 KVHOST = os.environ.get("KVHOST_BIN") or os.path.join(REPO, "bin", "kvhost")
+BACKEND = os.environ.get("KVHOST_TEST_BACKEND") or "fake"
 
 if PYROOT not in sys.path:
     sys.path.insert(0, PYROOT)
@@ -41,7 +47,7 @@ def free_port() -> int:
 
 
 class Sidecar:
-    """One ``kvhost serve --backend fake`` process on an ipc:// socket in a
+    """One ``kvhost serve --backend $KVHOST_TEST_BACKEND`` (fake) process on an ipc:// socket in a
     temporary folder; its stderr goes to a log file shown on failure."""
 
     def __init__(self, tmpdir: str, name: str = "sidecar", extra: Optional[List[str]] = None):
@@ -55,7 +61,7 @@ class Sidecar:
         self.starts = 0
 
     def start(self, wait: float = 30.0) -> "Sidecar":
-        args = [kvhost_bin(), "--backend", "fake", "serve", "--control", self.endpoint] + self.extra
+        args = [kvhost_bin(), "--backend", BACKEND, "serve", "--control", self.endpoint] + self.extra
         self._log = open(self.log_path, "ab")
         env = dict(os.environ)
         env.pop("KVHOST_CONTROL", None)

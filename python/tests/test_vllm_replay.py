@@ -8,25 +8,37 @@ WAITING_FOR_REMOTE_KVS; the replayed scheduler keeps vLLM's asserts, so a
 connector that reports a request vLLM already freed fails the test as it
 would kill vLLM's engine core.
 
-Wire generations: the sidecar speaks NIXL connector generation 2 (vLLM
-0.13) today; the generation-6 and -12 runs are strict xfails that fail
-(XPASS) once the sidecar's later codecs (worktree wt-vgo) merge, telling
-whoever merges to drop the marker.
+Wire generations: the sidecar speaks NIXL connector generations 2 (vLLM
+0.13) and 6 (host/wire/vllm/generation.go); both replay end to end. A
+later one kvhost's table knows (12) is refused by the sidecar when the
+worker opens its rank, at start-up, with a message naming the version and
+the versions it speaks. Generation 6 has leases: the decode renews the
+prefill's lease from the request's arrival (``watch``), so a request
+waiting in the decode's queue longer than the lease is still read.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
+import time
 
 import pytest
 
 from kvhost import demo_pattern as pat
 from kvhost.vllm import generations
+from conftest import BACKEND
 from vllm_engine import PROFILES, EngineCoreDied, Engine, ReplayRequest
 
 SHAPE = pat.Shape(layers=2, kv_heads=4, head_bytes=32, page_size=4)
+# An MLA model's latent: one head, replicated on every TP rank.
+MLA_SHAPE = pat.Shape(layers=2, kv_heads=1, head_bytes=64, page_size=4)
 NUM_BLOCKS = 32
 
-# What the sidecar speaks now. Later generations: see the module doc.
-SIDECAR_GENERATIONS = (2,)
+# What the sidecar speaks (host/wire/vllm/generation.go).
+SIDECAR_GENERATIONS = (2, 6)
+# Known to kvhost's table, not to the sidecar: refused at start-up.
+REFUSED_GENERATIONS = tuple(g for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS)
 
 
 class WrongGeneration(AssertionError):
@@ -46,8 +58,7 @@ def _checker(e, loaded):
 
     def check(request, block_ids):
         for r in range(e.tp):
-            h0, h1 = SHAPE.heads_of(r, e.tp)
-            why = pat.check(e.pools[r][1], block_ids, request.seed, SHAPE, h0, h1)
+            why = e.check_bytes(r, block_ids, request.seed)
             assert why is None, "rank %d, request %s: %s" % (r, request.request_id, why)
         if loaded is not None:
             loaded.append(request.request_id)
@@ -70,15 +81,18 @@ def engines(sidecar_factory, monkeypatch):
     made = []
 
     def make(profile, prefill_tp=1, decode_tp=2, prefill_role="kv_producer", decode_role="kv_consumer",
-             gen=2, loaded=None, extra=None):
+             gen=2, loaded=None, extra=None, mla=False):
         prof = PROFILES[profile]
+        shape = MLA_SHAPE if mla else SHAPE
         sp, sd = sidecar_factory("prefill"), sidecar_factory("decode")
         extra = dict(extra or {}, kvhost_nixl_connector_version=gen)
-        p = Engine("engine-p", prefill_role, sp.endpoint, prefill_tp, SHAPE, NUM_BLOCKS, prof, extra)
+        p = Engine("engine-p", prefill_role, sp.endpoint, prefill_tp, shape, NUM_BLOCKS, prof, extra, mla=mla)
         made.append(p)
-        d = Engine("engine-d", decode_role, sd.endpoint, decode_tp, SHAPE, NUM_BLOCKS, prof, extra)
+        d = Engine("engine-d", decode_role, sd.endpoint, decode_tp, shape, NUM_BLOCKS, prof, extra, mla=mla)
         for e in (p, d):
             e.scheduler.on_loaded = _checker(e, loaded)
+            # The plugin moving the bytes is the one asked for (conftest).
+            assert e.workers[0].connector_worker._client.hello.backend == BACKEND
         made.append(d)
         return p, d
 
@@ -117,10 +131,7 @@ def _drain(p, d):
     assert len(p.scheduler.pool.free) == NUM_BLOCKS and len(d.scheduler.pool.free) == NUM_BLOCKS
 
 
-@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS + tuple(
-    pytest.param(g, marks=pytest.mark.xfail(strict=True, raises=WrongGeneration,
-                                            reason="the sidecar speaks generation 2 until wt-vgo merges"))
-    for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS))
+@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS)
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_replay_every_byte(engines, profile, gen):
     """Prefill TP 1 -> decode TP 2: three requests, one a partial local
@@ -138,6 +149,200 @@ def test_replay_every_byte(engines, profile, gen):
     assert sorted(loaded) == ["d-a", "d-b", "d-c"]
     for w in p.workers:
         assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
+
+
+@pytest.mark.parametrize("gen", REFUSED_GENERATIONS)
+def test_replay_refused_generation_at_startup(engines, gen):
+    """A generation the sidecar does not speak fails the engine's start
+    (the worker's register_kv_caches), naming the version and the ones the
+    sidecar speaks; no request ever runs."""
+    assert REFUSED_GENERATIONS, "kvhost's table knows no generation the sidecar refuses: drop this test"
+    with pytest.raises(RuntimeError) as ei:
+        engines("newest", gen=gen)
+    msg = str(ei.value)
+    assert "NIXL connector version %d" % gen in msg, msg
+    assert "unsupported" in msg and "kvhost speaks versions 2, 6" in msg, msg
+
+
+def test_gen6_factors_are_what_the_sidecar_requires(engines):
+    """open_rank at generation 6 against a live sidecar succeeds (the
+    sidecar refuses a factor set missing one it requires), and the set
+    sent is exactly generation 6's: vLLM's nine base factors plus
+    cross_layers_blocks, is_hma_enabled and speculative_config."""
+    p, d = engines("newest", gen=6)
+    want = sorted(generations.BASE_FACTORS + ("cross_layers_blocks", "is_hma_enabled", "speculative_config"))
+    for w in p.workers + d.workers:
+        cw = w.connector_worker
+        assert cw.rank is not None or cw.prefill_rank is not None
+        assert sorted(cw.compat) == want
+        assert cw.compat["nixl_connector_version"] == 6 and cw.leases
+
+
+def test_gen6_factor_missing_is_refused_at_startup(engines, monkeypatch):
+    """The check above can fail: a generation-6 table entry without one of
+    the factors the sidecar requires is refused when the rank opens."""
+    g = generations.GENERATIONS[6]
+    monkeypatch.setitem(generations.GENERATIONS, 6, dataclasses.replace(
+        g, extra_factors=tuple(f for f in g.extra_factors if f != "speculative_config")))
+    with pytest.raises(RuntimeError, match="compat.speculative_config: missing"):
+        engines("newest", gen=6)
+
+
+LEASE = 2.0  # seconds: kv_connector_extra_config.kv_lease_duration (short; 2 s leaves a loaded machine room for the first handshake)
+
+
+def _hog(d):
+    """Every free block of the decode taken, so a request waits in its
+    queue (vLLM's scheduler skips it until blocks free up)."""
+    return d.scheduler.pool.take(len(d.scheduler.pool.free))
+
+
+def _wait_queued(p, d, rid, seconds):
+    """Steps both engines for at least ``seconds`` while ``rid`` waits in
+    the decode's queue (a lower bound only: a slow machine waits longer)."""
+    t0 = time.monotonic()
+    p.run_until(lambda: time.monotonic() - t0 >= seconds, "the lease to pass", others=(d,),
+                timeout=seconds + 60)
+    assert d.scheduler.requests[rid].status.name == "WAITING", d.scheduler.requests[rid].status
+
+
+def test_replay_lease_renewed_while_queued(engines):
+    """Generation 6, lease LEASE s: a decode request waits in the decode's
+    queue for 4 leases (no free blocks) before it is scheduled; the
+    decode renews the prefill's lease from its arrival (watch), so its
+    read still gets every byte and the prefill releases it as read."""
+    loaded = []
+    p, d = engines("newest", gen=6, loaded=loaded, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "q", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-q", 12, dict(params), 8, max_tokens=2))
+    _wait_queued(p, d, "d-q", 4 * LEASE)
+    assert "q" not in p.workers[0].connector_worker.release_reasons  # still held
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+    assert loaded == ["d-q"]
+    assert p.workers[0].connector_worker.release_reasons["q"] == "notified"
+
+
+def test_replay_lease_lapses_without_watch(engines, monkeypatch):
+    """The mutation check of the test above: a decode that does not renew
+    a queued request's lease (no watch) lets it lapse on the prefill
+    (released ``timeout``): its blocks are free for the prefill's next
+    request to overwrite before the late read (which, as NIXL's, is not
+    refused: the prefill's memory is still registered)."""
+    from kvhost.vllm import scheduler as ksched
+
+    monkeypatch.setattr(ksched.KvhostConnectorScheduler, "on_new_request", lambda self, request: None)
+    loaded = []
+    p, d = engines("newest", gen=6, loaded=loaded, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "n", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-n", 12, dict(params), 8, max_tokens=2))
+    p.run_until(lambda: "n" in p.workers[0].connector_worker.release_reasons, "the lease to lapse", others=(d,))
+    assert p.workers[0].connector_worker.release_reasons["n"] == "timeout"
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed", others=(d,))
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+
+
+def test_replay_lease_lapses_when_heartbeats_stop(engines):
+    """Generation 6: a queued decode request is renewed until its decode
+    stops heartbeating (its engine goes away without a word: the workers'
+    ranks close); then the prefill's lease lapses, released ``timeout``."""
+    p, d = engines("newest", gen=6, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "h", 12, 8, gen=6)
+    _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-h", 12, dict(params), 8, max_tokens=2))
+    _wait_queued(p, d, "d-h", 3 * LEASE)
+    assert "h" not in p.workers[0].connector_worker.release_reasons  # renewed so far
+    for w in d.workers:
+        w.shutdown()
+    p.run_until(lambda: "h" in p.workers[0].connector_worker.release_reasons, "the lease to lapse")
+    assert p.workers[0].connector_worker.release_reasons["h"] == "timeout"
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed")
+
+
+@pytest.mark.parametrize("tps", [(1, 1), (2, 2), (2, 4)], ids=lambda t: "tp%d-%d" % t)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("gen", SIDECAR_GENERATIONS)
+def test_replay_tp_pairs(engines, gen, mla, tps):
+    """Each generation, MHA and MLA, prefill TP -> decode TP 1->1, 2->2
+    and 2->4 (a decode rank reads part of a prefill rank's heads; MLA's
+    latent is whole on every rank): every byte on every decode rank, each
+    hold released as read. The profile is the vLLM of the generation."""
+    loaded = []
+    profile = "0.13" if gen == 2 else "newest"
+    p, d = engines(profile, prefill_tp=tps[0], decode_tp=tps[1], gen=gen, loaded=loaded, mla=mla)
+    reqs = [("a", 9, 41), ("b", 16, 42), ("c", 21, 43)]
+    for rid, ntok, seed in reqs:
+        params = _prefill(p, d, rid, ntok, seed, gen)
+        d.scheduler.add_request(ReplayRequest("d-" + rid, ntok, dict(params), seed, max_tokens=2))
+    _drain(p, d)
+    assert sorted(loaded) == ["d-a", "d-b", "d-c"]
+    for w in p.workers:
+        assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
+    # What each decode rank read: its heads (MLA: the latent) of every page.
+    shape = d.shape
+    planes, heads = (1, 1) if mla else (2, shape.kv_heads // tps[1])
+    total = seconds = 0
+    for rid, ntok, _ in reqs:
+        want = shape.layers * planes * shape.pages(ntok) * heads * shape.page_size * shape.head_bytes
+        for w in d.workers:
+            res = w.connector_worker.read_results["d-" + rid]
+            assert res["ok"] and res["bytes"] == want, (rid, res, want)
+            total += res["bytes"]
+            seconds += res["seconds"]
+    print("\n%s gen %d %s TP %d->%d: %d bytes read in %.6f s of reads" % (
+        BACKEND, gen, "MLA" if mla else "MHA", tps[0], tps[1], total, seconds))
+
+
+def test_replay_abort_while_queued_unwatches(engines, monkeypatch):
+    """Generation 6: a watched decode request aborted in the queue is
+    unwatched on every decode rank (vLLM's request_finished stops its
+    heartbeats) and its prefill notified, so it frees its blocks as
+    read, not at the lease's end."""
+    from kvhost import client as kc
+
+    sent = []
+    real = kc.Client.unwatch_nowait
+
+    def recording(self, rank, request_id):
+        sent.append(request_id)
+        return real(self, rank, request_id)
+
+    monkeypatch.setattr(kc.Client, "unwatch_nowait", recording)
+    p, d = engines("newest", gen=6, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "u", 12, 8, gen=6)
+    hog = _hog(d)
+    d.scheduler.add_request(ReplayRequest("d-u", 12, dict(params), 8, max_tokens=2))
+    for _ in range(3):
+        d.step()  # the watch goes out with the step's metadata
+    d.abort(["d-u"])
+    d.step()
+    assert sent == ["d-u"] * d.tp
+    p.run_until(lambda: p.idle(), "the prefill's blocks freed", others=(d,))
+    assert p.workers[0].connector_worker.release_reasons["u"] == "notified"
+    d.scheduler.pool.give(hog)
+    _drain(p, d)
+
+
+def test_watch_refusal_is_logged(engines, caplog):
+    """A pipelined watch the sidecar refuses (here: on a generation-2
+    rank, which has no leases; the worker never sends one there) is
+    logged, not lost."""
+    from kvhost import client as kc
+
+    p, d = engines("newest", gen=2)
+    cw = d.workers[0].connector_worker
+    assert not cw.leases
+    params = _prefill(p, d, "g", 8, 3)
+    with caplog.at_level(logging.WARNING, logger="kvhost.client"):
+        cw._client.watch_nowait(cw.rank, "d-g", dict(params))
+        with pytest.raises(kc.KVHostError):  # replies come in order: the refusal is in by its end
+            cw._client.release("engine-d", "nobody")
+    assert any("watch refused: unsupported" in r.getMessage() for r in caplog.records), caplog.text
+    d.scheduler.add_request(ReplayRequest("d-g", 8, dict(params), 3, max_tokens=2))  # still served
+    _drain(p, d)
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))

@@ -65,11 +65,14 @@ class Profile:
     blocks: str
     # The model runner asks get_transfer_results (newest) or get_finished.
     transfer_results: bool
+    # Scheduler.add_request calls connector.on_new_request (newest: where
+    # vLLM's NIXL scheduler starts heartbeating a decode request).
+    on_new_request: bool
 
 
 PROFILES = {
-    "0.13": Profile("0.13", "0.13.0", False, "0.13", False),
-    "newest": Profile("newest", "0.21.0", True, "newest", True),
+    "0.13": Profile("0.13", "0.13.0", False, "0.13", False, False),
+    "newest": Profile("newest", "0.21.0", True, "newest", True, True),
 }
 
 
@@ -154,8 +157,11 @@ class Scheduler:
     # -- requests in and out --
 
     def add_request(self, req):
+        """add_request: queued, then (newest) connector.on_new_request."""
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        if self.profile.on_new_request:
+            self.connector.on_new_request(req)
 
     def finish_requests(self, request_ids, finished_status):
         """finish_requests: a request waiting for remote KV keeps its blocks
@@ -388,17 +394,33 @@ class Executor:
 
 class Engine:
     """One vLLM engine beside its sidecar: scheduler connector, TP workers
-    with shared-memory KV pools in vLLM's HND layout."""
+    with shared-memory KV pools in vLLM's HND layout.
 
-    def __init__(self, engine_id, kv_role, control, tp, shape, num_blocks, profile, extra=None, check=None):
-        self.shape, self.tp, self.profile = shape, tp, profile
+    ``mla``: an MLA model (vLLM's use_mla): one latent "head"
+    (shape.kv_heads must be 1), the same on every TP rank, one tensor
+    (num_blocks, ...) per layer rather than K and V. Its pools keep the
+    pattern's (layers, 2, ...) order and register plane 0 of each layer,
+    so only plane 0 (the latent) is moved and checked."""
+
+    def __init__(self, engine_id, kv_role, control, tp, shape, num_blocks, profile, extra=None, check=None,
+                 mla=False):
+        self.shape, self.tp, self.profile, self.mla = shape, tp, profile, mla
         ex = dict(extra or {})
-        self.pools = dv._pools(shape, tp, num_blocks)
+        if mla:
+            assert shape.kv_heads == 1, "an MLA latent is one head"
+            self.pools = []
+            for _ in range(tp):
+                sp, arr, _caches = dv._pools(shape, 1, num_blocks)[0]
+                self.pools.append((sp, arr, {"model.layers.%d.self_attn" % i: arr[i, 0] for i in range(shape.layers)}))
+        else:
+            self.pools = dv._pools(shape, tp, num_blocks)
 
         def cfg(rank=None):
-            return vs.make_config(engine_id, kv_role, control, tp_size=tp, tp_rank=rank, layers=shape.layers,
-                                  kv_heads=shape.kv_heads, head_size=shape.head_bytes // 2,
-                                  block_size=shape.page_size, extra=ex, vllm_version=profile.vllm_version)
+            c = vs.make_config(engine_id, kv_role, control, tp_size=tp, tp_rank=rank, layers=shape.layers,
+                               kv_heads=shape.kv_heads, head_size=shape.head_bytes // 2,
+                               block_size=shape.page_size, extra=ex, vllm_version=profile.vllm_version)
+            c.model_config.use_mla = mla
+            return c
 
         kcc = vs.kv_cache_config(num_blocks, shape.layers)
         # KVConnectorFactory.create_connector(config, role, kv_cache_config)
@@ -412,9 +434,26 @@ class Engine:
         self.scheduler = Scheduler(self.connector, num_blocks, shape.page_size, profile, on_loaded=check)
         self.executor = Executor(self.workers, self.pools, profile)
 
+    def heads_of(self, rank):
+        """The global heads [h0, h1) rank holds (MLA: the latent, on all)."""
+        return (0, 1) if self.mla else self.shape.heads_of(rank, self.tp)
+
+    def check_bytes(self, rank, block_ids, seed):
+        """None when rank's blocks hold exactly the request's KV (MLA: its
+        latent, plane 0), else a sentence naming what differs."""
+        h0, h1 = self.heads_of(rank)
+        if not self.mla:
+            return pat.check(self.pools[rank][1], block_ids, seed, self.shape, h0, h1)
+        got = self.pools[rank][1][:, 0][:, list(block_ids)]
+        want = pat.expected(seed, self.shape, len(block_ids), h0, h1)[:, 0]
+        if got.shape == want.shape and (got == want).all():
+            return None
+        bad = [tuple(int(i) for i in ix) for ix in zip(*(got != want).nonzero())][:1] if got.shape == want.shape else []
+        return "MLA latent differs (layer, page, head, token, byte) %s, shapes %s/%s" % (bad, got.shape, want.shape)
+
     def _forward(self, out):
         def run(rank):
-            h0, h1 = self.shape.heads_of(rank, self.tp)
+            h0, h1 = self.heads_of(rank)
             for req_id, n in out.num_scheduled_tokens.items():
                 req = self.scheduler.requests[req_id]
                 if req.num_computed_tokens == n and n == req.num_tokens:  # a whole prefill this step

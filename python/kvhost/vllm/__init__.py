@@ -38,10 +38,12 @@ vLLM cannot be asked), ``kvhost_blocks_first`` (FlashInfer-style caches,
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT`` plus the DP index, as the NIXL
 connector does), ``kvhost_abort_timeout`` (seconds; else vLLM's
 ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` when vLLM is present, else the
-sidecar's default). ``num_threads``, vLLM's own NIXL knob (UCX worker
-threads), is passed to the ranks' agents (``open_rank``'s
-``agent_params``); unset, the sidecar's default applies: worker threads on
-the decode rank, which reads, none on the prefill.
+sidecar's default), ``kv_lease_duration`` (vLLM's own key: seconds of the
+prefill's lease at generations with leases, 6 on; else 30).
+``num_threads``, vLLM's own NIXL knob (UCX worker threads), is passed to
+the ranks' agents (``open_rank``'s ``agent_params``); unset, the
+sidecar's default applies: worker threads on the decode rank, which
+reads, none on the prefill.
 
 kvhost moves one KV cache group: a hybrid model (sliding-window or Mamba
 layers beside full attention) is refused at start with a message; run
@@ -50,7 +52,11 @@ such a model with ``--disable-hybrid-kv-cache-manager`` on both engines.
 The prefill engine's abort timeout is kept by the sidecar: it releases
 held blocks that no decode read in time and reports them like a read's
 release, so the workers' ``get_finished`` returns them as
-``finished_sending`` either way.
+``finished_sending`` either way. From generation 6 it holds for a lease
+the decode renews: the sidecar heartbeats reads in flight, and a decode
+request waiting in the engine's queue is renewed from its arrival as
+vLLM's NIXL scheduler does (on_new_request; the workers send ``watch``
+with the step's metadata, ``unwatch`` when it ends before its read).
 
 vLLM itself is imported lazily: when it is absent (tests, the engine
 demo) stand-ins take the place of vLLM's base classes (kvhost.vllm.base).
@@ -146,6 +152,16 @@ class KvhostConnector(*connector_bases()):
         return "HND"
 
     # ---- scheduler side --------------------------------------------------
+
+    def on_new_request(self, request):
+        """Current vLLM's Scheduler.add_request calls this as a request
+        arrives: a decode request's lease is renewed from here."""
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output):
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         assert self.connector_scheduler is not None

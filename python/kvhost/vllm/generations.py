@@ -66,6 +66,10 @@ class Generation:
     extra_factors: tuple
     block_ids_per_group: bool
     source: str
+    # The prefill holds for a lease the decode renews by heartbeats, from
+    # the request's arrival (the scheduler's on_new_request): the adapter
+    # sends ``watch`` / ``unwatch`` and kv_lease_duration.
+    leases: bool = False
 
     @property
     def factors(self) -> tuple:
@@ -83,11 +87,13 @@ GENERATIONS = {
             6, ("cross_layers_blocks", "is_hma_enabled", "speculative_config"), True,
             "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py at "
             "NIXL_CONNECTOR_VERSION = 6 (vllm-project/vllm#49230, 2026-07-20)",
+            leases=True,
         ),
         Generation(
             12, ("is_hma_enabled", "speculative_config", "transfer_mode"), True,
             "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py "
             "@ 02cfb534df5674737558730b10f23d1b7aef9b7c",
+            leases=True,
         ),
     )
 }

@@ -62,6 +62,13 @@ class KvhostConnectorMetadata(_metadata_base()):
         self.reqs_to_send: dict[str, float] = {}
         self.reqs_in_batch: set[str] = set()
         self.reqs_not_processed: set[str] = set()
+        # Leases (generations 6 on): decode requests that arrived, whose
+        # prefill lease the decode ranks renew until their read ends
+        # (``watch``), and those that ended before it (``unwatch``). The
+        # scheduler opens no rank, so its workers send them, as vLLM's
+        # scheduler hands NIXL's workers heartbeat_by_engine.
+        self.reqs_to_watch: dict[str, dict] = {}
+        self.reqs_to_unwatch: set[str] = set()
 
 
 def _status_name(status) -> str:
@@ -96,11 +103,47 @@ class KvhostConnectorScheduler:
         self._reqs_need_send: dict[str, float] = {}
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
+        # Decode requests heartbeated from their arrival (vLLM's
+        # _heartbeat_req_engine, nixl/base_scheduler.py @ 0050936b), and
+        # those to tell the workers of at the next step.
+        self._watched: set[str] = set()
+        self._reqs_to_watch: dict[str, dict] = {}
+        self._reqs_to_unwatch: set[str] = set()
 
     def shutdown(self):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    def on_new_request(self, request):
+        """Current vLLM's scheduler calls this as a request arrives
+        (Scheduler.add_request); vLLM's NIXL scheduler starts heartbeating
+        a decode request here (on_new_request, nixl/base_scheduler.py @
+        0050936b), so its prefill's lease outlives the wait in this
+        engine's queue. The workers send ``watch`` (the worker ignores it
+        on a generation without leases)."""
+        params = request.kv_transfer_params
+        if params is None or not params.get("do_remote_prefill"):
+            return
+        if any(params.get(k) is None for k in REMOTE_KEYS + ("tp_size",)):
+            return  # as vLLM: only requests naming their prefill in full
+        self._watched.add(request.request_id)
+        self._reqs_to_watch[request.request_id] = dict(params)
+
+    def update_connector_output(self, connector_output):
+        """The loads that ended: the sidecar stopped watching them with
+        their reads (vLLM's update_connector_output stops the heartbeats)."""
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._watched.discard(req_id)
+
+    def _stop_watch(self, req_id):
+        """vLLM's _stop_heartbeat, from request_finished: a request that
+        ends before its read is not renewed any more."""
+        if req_id not in self._watched:
+            return
+        self._watched.discard(req_id)
+        if self._reqs_to_watch.pop(req_id, None) is None:
+            self._reqs_to_unwatch.add(req_id)  # the workers watch it already
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         params = request.kv_transfer_params
@@ -155,6 +198,10 @@ class KvhostConnectorScheduler:
         meta.reqs_to_send = self._reqs_need_send
         meta.reqs_in_batch = self._reqs_in_batch
         meta.reqs_not_processed = self._reqs_not_processed
+        meta.reqs_to_watch = self._reqs_to_watch
+        meta.reqs_to_unwatch = self._reqs_to_unwatch
+        self._reqs_to_watch = {}
+        self._reqs_to_unwatch = set()
         self._reqs_need_recv = {}
         self._reqs_need_send = {}
         self._reqs_in_batch = set()
@@ -165,6 +212,7 @@ class KvhostConnectorScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        self._stop_watch(request.request_id)
         if params.get("do_remote_prefill"):
             # Finished (aborted) before it was scheduled: read nothing but
             # notify the prefill so its blocks are freed now, not at the

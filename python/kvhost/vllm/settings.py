@@ -120,6 +120,16 @@ def abort_timeout(vllm_config):
         return None
 
 
+
+def kv_lease_duration(vllm_config):
+    """Seconds of a prefill's lease on held blocks, which the decode's
+    heartbeats renew (generations with leases: 6 on), as vLLM's NIXL
+    connector reads it: kv_connector_extra_config.kv_lease_duration
+    (nixl/base_scheduler.py). None: the sidecar's default (vLLM's, 30 s).
+    Both engines of a pair must agree, as NIXL's must."""
+    t = extra(vllm_config, "kv_lease_duration")
+    return None if t is None else float(t)
+
 # kv_role -> the sidecar ranks a worker opens. kv_both (what most of
 # vLLM's NIXL examples use) is both: each request's kv_transfer_params say
 # whether it is sent (do_remote_decode) or loaded (do_remote_prefill), as

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import time
 
-from kvhost.vllm import memory, settings
+from kvhost.vllm import generations, memory, settings
 from kvhost.vllm.settings import logger
 
 
@@ -40,6 +40,9 @@ class KvhostConnectorWorker:
         self.agent_params: dict = {}
         self._rank_open = False
         self._next_reconnect = 0.0
+        # The generation has leases (register_kv_caches learns it): the
+        # decode rank is told of queued requests (watch / unwatch).
+        self.leases = False
         self.region_ids: list = []
         self.kv_caches = None
         self.num_blocks = 0
@@ -124,6 +127,12 @@ class KvhostConnectorWorker:
             total_kv_heads=int(mc.get_total_num_kv_heads()),
             compat=settings.compat_factors(self.vllm_config, settings.attn_backend_name(self.vllm_config)),
         )
+        gen = generations.GENERATIONS.get(int(self._fields["compat"].get("nixl_connector_version", 0)))
+        # An unknown generation has the sidecar refuse open_rank below.
+        self.leases = gen is not None and gen.leases
+        lease = settings.kv_lease_duration(self.vllm_config)
+        if self.leases and lease is not None:
+            self._fields["kv_lease_duration"] = lease
         # vLLM's own NIXL knob (UCX worker threads) goes to the ranks'
         # agents; unset, the sidecar's default applies: worker threads on
         # the decode rank, which reads, none on the prefill.
@@ -137,7 +146,16 @@ class KvhostConnectorWorker:
             abort = settings.abort_timeout(self.vllm_config)
             if abort is not None:
                 self._prefill_fields["abort_timeout"] = abort
-        self._open()
+        try:
+            self._open()
+        except settings.client_error_types() as e:
+            # At start-up, where it is clear: a generation the sidecar does
+            # not speak (its message names it and the versions it speaks),
+            # a geometry it refuses. vLLM fails to start, as it should.
+            raise RuntimeError(
+                f"KvhostConnector: the sidecar refused this engine's rank (NIXL connector version "
+                f"{self._fields['compat'].get('nixl_connector_version')}): {e}"
+            ) from e
         self.kv_caches = kv_caches
         self.num_blocks = num_blocks
 
@@ -195,6 +213,7 @@ class KvhostConnectorWorker:
         errors = settings.client_error_types()
         if self.kv_caches is not None:
             self._connected()  # reads fail at once while it is gone
+        self._send_watches(metadata, errors)
         for req_id, meta in metadata.reqs_to_recv.items():
             self._recving[req_id] = meta
             try:
@@ -220,6 +239,23 @@ class KvhostConnectorWorker:
                 self._reqs_to_send.add(req_id)
         if self._client.lost is not None:
             self._release_all_held()
+
+    def _send_watches(self, metadata, errors):
+        """The scheduler's lease renewals (on_new_request) and their ends
+        (request_finished before a read), pipelined so the step does not
+        wait on them; a refusal is only logged (the read goes on, and
+        fails if the lease lapsed). A request read in this same step
+        needs no watch: its read heartbeats it."""
+        if not self.leases or self.rank is None or self._client.lost is not None:
+            return
+        try:
+            for req_id in getattr(metadata, "reqs_to_unwatch", ()):
+                self._client.unwatch_nowait(self.rank, req_id)
+            for req_id, params in getattr(metadata, "reqs_to_watch", {}).items():
+                if req_id not in metadata.reqs_to_recv:
+                    self._client.watch_nowait(self.rank, req_id, params)
+        except errors as e:
+            logger.warning("kvhost: watch: %s", e)
 
     def _release_all_held(self):
         """The sidecar is gone, and with it every hold: nothing will read
