@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/metrics"
 	"github.com/kvhost/kvhost/host/plugin"
+	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/serve"
 )
@@ -59,6 +60,8 @@ func serveCommand() *cli.Command {
 				push.DefaultBootstrapTimeout, push.EnvBootstrapTimeout[:]...),
 			secondsFlag("", "waiting-timeout", "SGLang decode: fail a room whose transfer did not complete this long after its metadata went out",
 				push.DefaultWaitingTimeout, push.EnvWaitingTimeout[:]...),
+			&cli.DurationFlag{Name: "handshake-timeout", Value: pull.DefaultHandshakeTimeout, EnvVars: env("HANDSHAKE_TIMEOUT"),
+				Usage: "vLLM decode: fail the reads waiting on a prefill's side channel that has not completed the handshake in this long"},
 			secondsFlag("", "heartbeat-interval", "SGLang decode: check each prefill bootstrap server's /health this often",
 				push.DefaultHeartbeatInterval, push.EnvHeartbeatInterval[:]...),
 		},
@@ -92,9 +95,9 @@ func runServe(c *cli.Context) error {
 			HeartbeatInterval: secondsValue(c, "heartbeat-interval"),
 		},
 		Observer: m.PushObserver(), PullObserver: m.PullObserver(), Host: c.String("host"), CUDALibrary: c.String("cudart"),
-		MaxMessage: c.Int64("max-message"),
-		Limits:     serve.Limits{Ranks: c.Int("max-ranks"), Regions: c.Int("max-regions"), Rooms: c.Int("max-rooms")},
-		Version:    serveVersion(), Logger: slog.Default(),
+		MaxMessage: c.Int64("max-message"), HandshakeTimeout: c.Duration("handshake-timeout"),
+		Limits:  serve.Limits{Ranks: c.Int("max-ranks"), Regions: c.Int("max-regions"), Rooms: c.Int("max-rooms")},
+		Version: serveVersion(), Logger: slog.Default(),
 	})
 	if err != nil {
 		return err

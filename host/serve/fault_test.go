@@ -111,7 +111,7 @@ func TestMalformed(t *testing.T) {
 		{"seq wrong type", [][]byte{req("op", "hello", "seq", "x")}, CodeBadRequest, `"seq"`, nil},
 		{"no op", [][]byte{req("seq", 1)}, CodeBadRequest, `"op"`, 1},
 		{"before hello", [][]byte{req("op", "register_memory", "seq", 2)}, CodeNoHello, "before hello", 2},
-		{"unknown op", [][]byte{req("op", "fly", "seq", 3)}, CodeUnknownOp, `"fly"`, 3},
+		{"unknown op before hello", [][]byte{req("op", "fly", "seq", 3)}, CodeNoHello, `"fly"`, 3},
 		{"two frames", [][]byte{{}, hello}, CodeBadRequest, "2 frames", nil},
 		{"oversized", [][]byte{bytes.Repeat([]byte{0x90}, 8192)}, CodeTooLarge, "max_message", nil},
 		{"bad version", [][]byte{req("op", "hello", "seq", 4, "version", []int{2, 0})}, CodeVersion, "2.0", 4},

@@ -46,7 +46,7 @@ func TestRepliesDoNotGrow(t *testing.T) {
 		req  []byte
 		code string
 	}{
-		{"unknown op before hello", req("op", huge, "seq", 0), CodeUnknownOp},
+		{"unknown op before hello", req("op", huge, "seq", 0), CodeNoHello},
 		{"hello", req("op", "hello", "seq", 1, "version", []int{1, 0}), ""},
 		{"unknown op", req("op", huge, "seq", 2), CodeUnknownOp},
 		{"a value quoted", req("op", "open_rank", "seq", 3, "style", huge, "role", "decode"), CodeUnsupported},

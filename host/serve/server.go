@@ -87,6 +87,9 @@ type Config struct {
 	Observer push.Observer
 	// PullObserver, if set, sees every pull runtime event of vLLM ranks.
 	PullObserver pull.Observer
+	// HandshakeTimeout bounds a vLLM decode rank's handshake with a
+	// prefill's side channel (0: pull.DefaultHandshakeTimeout).
+	HandshakeTimeout time.Duration
 	// Host is the default IP ranks bind to and advertise (default
 	// 127.0.0.1); a rank's own `host` field wins.
 	Host string

@@ -69,7 +69,7 @@ func TestOpenRankStateComponents(t *testing.T) {
 			var err error
 			if a.StateType != "" {
 				f := map[string]any{"style": "sglang", "role": "decode", "kv_data_ptrs": a.KVDataPtrs, "kv_data_lens": a.KVDataLens,
-					"kv_item_lens": a.KVItemLens, "page_size": a.PageSize, "kv_head_num": a.KVHeadNum, "tp_size": 1,
+					"kv_item_lens": a.KVItemLens, "page_size": a.PageSize, "kv_head_num": a.KVHeadNum, "tp_size": 1, "tp_rank": 0,
 					"state_type": "swa", "state_types": []string{"swa"}}
 				_, err = c.OpenRank(ctx, f)
 			} else {

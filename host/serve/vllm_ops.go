@@ -33,7 +33,8 @@ func vllmHubOf(s *session) *vllmHub {
 			s.srv.log.Warn("serve: ignoring "+pull.EnvAbortTimeout, "err", err, "abort_timeout", pull.DefaultAbortTimeout)
 			abort = pull.DefaultAbortTimeout
 		}
-		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort, Observer: s.srv.cfg.PullObserver})
+		return newVLLMHub(vllmConfig{Logger: s.srv.log, AbortTimeout: abort, Observer: s.srv.cfg.PullObserver,
+			HandshakeTimeout: s.srv.cfg.HandshakeTimeout})
 	}).(*vllmHub)
 }
 

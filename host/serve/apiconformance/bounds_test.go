@@ -73,7 +73,9 @@ func TestConnectionCap(t *testing.T) {
 
 // TestReadLimit: one decode rank has at most 16384 reads in flight.
 func TestReadLimit(t *testing.T) {
-	side := startSidecar(t)
+	// The reads wait on a side channel that never answers: they must stay
+	// in flight however long sending 16384 of them takes here.
+	side := startSidecar(t, "--handshake-timeout", "10m")
 	d := side.engine(t, "decode")
 	p := newVLLMPool(t, 2, 8, 4, 2, 8)
 	d.register(p.region())
