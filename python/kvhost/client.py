@@ -6,14 +6,32 @@ ranks, rooms, held requests) lives as long as the connection.
 
 Threading design
 ----------------
-pyzmq sockets are not thread-safe, so exactly one thread, the client's I/O
-thread, owns the DEALER socket (and its monitor socket). Callers, from any
-thread, hand requests to it through a lock-protected queue and wake it with
-one byte on a pipe; each request waits on its own :class:`threading.Event`
-for the reply the I/O thread routes to it by ``seq`` (a request sent with
-:meth:`Client.call_nowait` has no waiter: an error reply fails its room in
-the state cache). Events (messages the
-sidecar sends unasked) are decoded on the I/O thread, which
+pyzmq sockets are not thread-safe, so every use of the DEALER socket
+(send, recv, reading its options) happens under one lock, ``_sock_lock``,
+whichever thread holds it. A caller sends its request itself, on its own
+thread (no hand-off: the send is a few microseconds of the caller's time,
+not a wake-up of another thread); only when the socket cannot take the
+message at once (its high-water mark) does the request wait in an outbox
+that the I/O thread flushes, and every later request queues behind it so
+one thread's requests keep their order. The client's I/O thread owns the
+monitor socket and does all receiving: it sleeps in ``poll`` on the
+DEALER's file descriptor (``ZMQ_FD``), the monitor socket and a wake-up
+pipe, never on the DEALER itself, so it holds no lock while it waits.
+``ZMQ_FD`` is edge-triggered: any operation on the socket (a caller's
+send included) may consume the edge that announced a reply, so after each
+send the caller reads ``ZMQ_EVENTS`` and, when a message is waiting, wakes
+the I/O thread through the pipe; the I/O thread itself receives until
+the socket says there is nothing more, then reads ``ZMQ_EVENTS`` again
+before it sleeps. Replies and events are decoded and dispatched without
+the socket lock, so a listener may send (lock order: ``_sock_lock``
+before ``_lock``, never the other way).
+
+A request waits on its own :class:`threading.Event` for the reply the I/O
+thread routes to it by ``seq`` (a request sent with
+:meth:`Client.call_nowait` or :meth:`Client.send_nowait` has no waiter:
+an error reply fails its room in the state cache, or calls its
+``on_error``). Events (messages the sidecar sends unasked) are decoded on
+the I/O thread, which
 
 - updates the per-room state cache, so :meth:`Client.state` answers without
   a round trip (KVPoll values; monotonic, Failed and Success final, Failed
@@ -299,6 +317,13 @@ def _log():
     return logging.getLogger("kvhost.client")
 
 
+def _log_refusal(op: str) -> Callable[[Exception], None]:
+    def log(e: Exception) -> None:
+        _log().debug("kvhost client: %s refused: %s", op, e)
+
+    return log
+
+
 def _numpy():
     try:
         import numpy
@@ -338,16 +363,53 @@ def _plain(v: Any) -> Any:
 
 
 class _Pending:
-    __slots__ = ("op", "done", "reply", "error", "room")
+    __slots__ = ("op", "done", "reply", "error", "room", "on_error", "on_reply")
 
-    def __init__(self, op: str, room: Optional[Tuple[int, int]] = None):
+    def __init__(self, op: str, room: Optional[Tuple[int, int, int]] = None,
+                 on_error: Optional[Callable[["KVHostError"], None]] = None,
+                 on_reply: Optional[Callable[[dict], None]] = None):
         self.op = op
         self.done = threading.Event()
         self.reply: Optional[dict] = None
         self.error: Optional[KVHostError] = None
-        # (rank, room) of a request nobody waits for (Client.call_nowait):
-        # its error reply fails that room in the state cache.
+        # (rank, room, token) of a request nobody waits for
+        # (Client.call_nowait): its error reply fails that room in the
+        # state cache, if the room is still the one tracked when it was
+        # sent (token: a room id closed and made again is another room).
         self.room = room
+        # Called on the I/O thread with the error of a request nobody
+        # waits for (Client.send_nowait), or with its reply.
+        self.on_error = on_error
+        self.on_reply = on_reply
+
+
+class PrefixLen:
+    """The pending answer of :meth:`Client.sender_prefix_len_async`."""
+
+    def __init__(self):
+        self._ev = threading.Event()
+        self._value = 0
+        self._error: Optional[KVHostError] = None
+
+    def _done(self, reply: dict) -> None:
+        self._value = int(reply.get("prefix_len") or 0)
+        self._ev.set()
+
+    def _fail(self, e: KVHostError) -> None:
+        self._error = e
+        self._ev.set()
+
+    def done(self) -> bool:
+        return self._ev.is_set()
+
+    def result(self, timeout: float) -> int:
+        """The prefix length; raises the refusal, or ConnectionLost when no
+        answer comes in ``timeout`` seconds (the connection is gone)."""
+        if not self._ev.wait(timeout):
+            raise ConnectionLost("connection_lost", "%s: no reply to sender_prefix_len" % LOST_REASON)
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Hello:
@@ -404,6 +466,13 @@ class Client:
         self._announced_max = 1 << 62
         self._outbox: collections.deque = collections.deque()
         self._rooms: Dict[Tuple[int, int], Tuple[int, str]] = {}
+        # Which incarnation of a room id is tracked (see _Pending.room).
+        self._room_tokens: Dict[Tuple[int, int], int] = {}
+        self._tokens = itertools.count(1)
+        # Guards every use of the DEALER socket (see "Threading design");
+        # taken before _lock, never after.
+        self._sock_lock = threading.Lock()
+        self._sock: Optional[zmq.Socket] = None
         self._listeners: List[Callable[[dict], None]] = []
         self._queue_events = queue_events
         self._events: collections.deque = collections.deque()
@@ -433,15 +502,16 @@ class Client:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        with self._lock:
+        with self._sock_lock, self._lock:
             self._lost = None
             self._outbox.clear()
             self._oversize.clear()
             self._announced_max = 1 << 62
-        self._sock, self._mon = sock, mon
+            self._sock, self._mon = sock, mon
         self._stop = False
         self._thread = threading.Thread(
-            target=self._io_loop, args=(sock, mon, self._wake_r), name="kvhost-client-io", daemon=True)
+            target=self._io_loop, args=(sock, mon, self._wake_r, sock.getsockopt(zmq.FD)),
+            name="kvhost-client-io", daemon=True)
         self._thread.start()
         try:
             reply = self._request(
@@ -482,6 +552,7 @@ class Client:
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
             self._rooms.clear()
+            self._room_tokens.clear()
         saved = self.connect_timeout
         if connect_timeout is not None:
             self.connect_timeout = float(connect_timeout)
@@ -537,14 +608,21 @@ class Client:
 
     # -- the I/O thread ----------------------------------------------------
 
-    def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int) -> None:
+    # Messages the I/O thread receives under one hold of the socket lock
+    # before it dispatches them (and lets callers send again).
+    _RECV_BATCH = 64
+
+    def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int, sock_fd: int) -> None:
+        # The DEALER is polled by its file descriptor only (see "Threading
+        # design"): zmq_poll on the socket itself would use it unlocked.
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(sock_fd, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
+        wait_ms = 100
         try:
             while not self._stop:
-                for ready, _ in poller.poll(100):
+                for ready, _ in poller.poll(wait_ms):
                     if ready == wake_r:
                         try:
                             while os.read(wake_r, 4096):
@@ -560,29 +638,48 @@ class Client:
                             if ev["event"] == zmq.EVENT_DISCONNECTED:
                                 self._declare_lost(LOST_REASON + ": the sidecar closed the connection")
                                 return
-                    elif ready is sock:
-                        while True:
+                # Whatever woke us (or a timeout): receive what is there and
+                # flush the outbox, all under the socket lock, then dispatch
+                # without it. More than a batch waiting: go round at once.
+                wait_ms = 100
+                while not self._stop and self._lost is None:
+                    got: List[List[bytes]] = []
+                    with self._sock_lock:
+                        while len(got) < self._RECV_BATCH:
                             try:
-                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                                got.append(sock.recv_multipart(zmq.NOBLOCK))
                             except zmq.Again:
                                 break
-                            self._dispatch(frames)
+                        with self._lock:
+                            out = list(self._outbox)
+                            self._outbox.clear()
+                        for i, data in enumerate(out):
+                            try:
+                                sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+                            except zmq.Again:  # still at the high-water mark: keep the rest in order
+                                with self._lock:
+                                    self._outbox.extendleft(reversed(out[i:]))
+                                wait_ms = 1
+                                break
+                        more = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                    for frames in got:
+                        self._dispatch(frames)
+                    if not more:
+                        break
                 if self._lost is not None:
                     return
-                with self._lock:
-                    out = list(self._outbox)
-                    self._outbox.clear()
-                for data in out:
-                    sock.send(data, copy=len(data) < 65536)
         except zmq.ZMQError as e:
             self._declare_lost("%s: %s" % (LOST_REASON, e))
         finally:
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            mon.close(0)
-            sock.close(0)
+            with self._sock_lock:
+                if self._sock is sock:
+                    self._sock = None
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(0)
+                sock.close(0)
 
     def _dispatch(self, frames: List[bytes]) -> None:
         # One frame per message (docs/engine-api.md, "Transport"); a ROUTER
@@ -616,6 +713,12 @@ class Client:
         p.done.set()
         if p.error is not None and p.room is not None:
             self._fail_room(p.room, "kvhost serve: %s" % p.error)
+        cb = p.on_error if p.error is not None else p.on_reply
+        if cb is not None:
+            try:
+                cb(p.error if p.error is not None else p.reply)
+            except Exception:  # an adapter's bug must not kill the I/O thread
+                _log().exception("kvhost client: callback of %s failed", p.op)
         if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
             # This connection said hello, so the sidecar answering no_hello
             # is another process that took over the endpoint before the
@@ -675,13 +778,15 @@ class Client:
                 return
         self._rooms[key] = (st, reason if st == FAILED else "")
 
-    def _fail_room(self, key: Tuple[int, int], reason: str) -> None:
+    def _fail_room(self, room: Tuple[int, int, int], reason: str) -> None:
         """Fails a tracked room in the state cache (a refused request
         nobody waited for) and reports it like a room event of the
-        sidecar's; a room already final, or forgotten, stays as it is."""
+        sidecar's; a room already final, forgotten, or made again since
+        the request was sent (another token) stays as it is."""
+        key = (room[0], room[1])
         with self._lock:
             old = self._rooms.get(key)
-            if old is None or old[0] in (FAILED, SUCCESS):
+            if old is None or old[0] in (FAILED, SUCCESS) or self._room_tokens.get(key, 0) != room[2]:
                 return
             self._rooms[key] = (FAILED, reason)
         self._emit({"event": "room", "rank": key[0], "room": key[1], "state": FAILED, "reason": reason})
@@ -701,6 +806,11 @@ class Client:
         for p in pending:
             p.error = ConnectionLost("connection_lost", reason)
             p.done.set()
+            if p.on_error is not None:
+                try:
+                    p.on_error(p.error)
+                except Exception:
+                    _log().exception("kvhost client: callback of %s failed", p.op)
         if emit and first:
             for rank, room in failed:
                 self._emit({"event": "room", "rank": rank, "room": room, "state": FAILED, "reason": LOST_REASON})
@@ -709,23 +819,53 @@ class Client:
     # -- requests ----------------------------------------------------------
 
     def _enqueue(self, msg: dict, p: _Pending) -> int:
-        """Numbers a request, queues it for the I/O thread and wakes it;
-        raises ConnectionLost or TooLarge (nothing queued) at once."""
+        """Numbers a request and sends it on the caller's thread (see
+        "Threading design"); raises ConnectionLost or TooLarge (nothing
+        sent) at once."""
         op = msg["op"]
-        with self._lock:
-            if self._lost is not None:
-                raise ConnectionLost("connection_lost", self._lost)
-            seq = next(self._seq)
-            msg["seq"] = seq
-            data = msgpack.packb(msg, use_bin_type=True)
-            if self.hello is not None and len(data) > self.hello.max_message:
-                raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
-                    op, len(data), self.hello.max_message))
-            self._pending[seq] = p
-            if len(data) > self._announced_max:
-                self._oversize.append(seq)
-            self._outbox.append(data)
-        self._wake()
+        wake = False
+        with self._sock_lock:
+            with self._lock:
+                if self._lost is not None:
+                    raise ConnectionLost("connection_lost", self._lost)
+                if p.room is not None:
+                    key = (p.room[0], p.room[1])
+                    p.room = (key[0], key[1], self._room_tokens.get(key, 0))
+                seq = next(self._seq)
+                msg["seq"] = seq
+                data = msgpack.packb(msg, use_bin_type=True)
+                if self.hello is not None and len(data) > self.hello.max_message:
+                    raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
+                        op, len(data), self.hello.max_message))
+                self._pending[seq] = p
+                if len(data) > self._announced_max:
+                    self._oversize.append(seq)
+                queued = bool(self._outbox)
+                if queued:
+                    self._outbox.append(data)
+            sock = self._sock
+            if not queued and sock is not None:
+                try:
+                    sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+                except zmq.Again:  # at the high-water mark: the I/O thread sends it when it can
+                    with self._lock:
+                        self._outbox.append(data)
+                    wake = True
+                except zmq.ZMQError:
+                    # The socket is closing (the I/O thread is ending): the
+                    # request fails with the connection, as any in flight.
+                    wake = True
+                else:
+                    # ZMQ_FD is edge-triggered and this send may have taken
+                    # the edge of a message that arrived meanwhile.
+                    try:
+                        wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                    except zmq.ZMQError:
+                        wake = True
+            else:
+                wake = True
+        if wake:
+            self._wake()
         return seq
 
     def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
@@ -770,7 +910,23 @@ class Client:
         msg["op"] = op
         msg["rank"] = int(rank)
         msg["room"] = int(room)
-        self._enqueue(msg, _Pending(op, (int(rank), int(room))))
+        self._enqueue(msg, _Pending(op, (int(rank), int(room), 0)))
+
+    def send_nowait(self, op: str, *, on_error: Optional[Callable[[KVHostError], None]] = None,
+                    on_reply: Optional[Callable[[dict], None]] = None, **fields: Any) -> None:
+        """Sends one request without waiting for its reply (as
+        :meth:`call_nowait`, for requests that are not about a room):
+        ``on_error(error)`` or ``on_reply(reply)`` is called on the I/O
+        thread when the answer comes (it must be quick and must not wait
+        on this client); with neither, a refusal is only logged at debug
+        level. A request in flight when the connection is lost gets
+        ``on_error(ConnectionLost)`` (before the ``connection_lost``
+        event)."""
+        msg = {k: _plain(v) for k, v in fields.items() if v is not None}
+        msg["op"] = op
+        if on_error is None and on_reply is None:
+            on_error = _log_refusal(op)
+        self._enqueue(msg, _Pending(op, on_error=on_error, on_reply=on_reply))
 
     # -- memory ------------------------------------------------------------
 
@@ -817,6 +973,7 @@ class Client:
             if key in self._rooms:
                 return False
             self._rooms[key] = (st, "")
+            self._room_tokens[key] = next(self._tokens)
             return True
 
     def sender_create(self, rank: int, room: int) -> None:
@@ -830,6 +987,66 @@ class Client:
 
     def sender_init(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
         self.call("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
+
+    # The pipelined forms of the room requests (the SGLang adapter's): each
+    # returns once the request is sent, and a refusal fails the room in the
+    # state cache with the reason "kvhost serve: <code>: <message>"
+    # (call_nowait), which state() / failure_reason() and the adapter's
+    # poll() report. SGLang's own connectors do the same: KVSender.__init__,
+    # init, send and KVReceiver.init / send_metadata queue work to
+    # background threads and report failures through poll()
+    # (python/sglang/srt/disaggregation/nixl/conn.py). The sidecar handles
+    # one connection's requests in order, so nothing needs a reply before
+    # the next request.
+
+    def sender_create_nowait(self, rank: int, room: int) -> None:
+        """:meth:`sender_create` without waiting. A room id this client
+        tracks already raises :class:`Exists` at once (the sidecar would
+        refuse it, and its refusal must not fail the room that has the id)."""
+        self._create_nowait("sender_create", rank, room)
+
+    def receiver_create_nowait(self, rank: int, room: int, bootstrap_addr: str,
+                               prefill_dp_rank: Optional[int] = None) -> None:
+        """:meth:`receiver_create` without waiting (as
+        :meth:`sender_create_nowait`)."""
+        self._create_nowait("receiver_create", rank, room, bootstrap_addr=bootstrap_addr,
+                            prefill_dp_rank=prefill_dp_rank)
+
+    def _create_nowait(self, op: str, rank: int, room: int, **fields: Any) -> None:
+        if not self._track(rank, room, BOOTSTRAPPING):
+            raise Exists("exists", "room %d is in use on rank %d (this client made it)" % (int(room), int(rank)))
+        try:
+            self.call_nowait(op, rank=rank, room=room, **fields)
+        except KVHostError:
+            self._forget(rank, room)
+            raise
+
+    def sender_init_nowait(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
+        self.call_nowait("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
+
+    def receiver_init_nowait(self, rank: int, room: int, pages: Any, aux_index: int,
+                             state_indices: Any = None, prefix_len: int = 0) -> None:
+        self.call_nowait("receiver_init", rank=rank, room=room, pages=pack_pages(pages), aux_index=aux_index,
+                         state_indices=pack_state(state_indices), prefix_len=int(prefix_len or 0))
+
+    def abort_nowait(self, rank: int, room: int) -> None:
+        self.call_nowait("abort", rank=rank, room=room)
+
+    def close_room_nowait(self, rank: int, room: int) -> None:
+        """Forgets a room (state cache at once, sidecar in order). Its
+        refusal fails nothing: the id may be made again before the answer
+        comes, and that room is another one."""
+        try:
+            self.send_nowait("close_room", rank=rank, room=room)
+        finally:
+            self._forget(rank, room)
+
+    def sender_prefix_len_async(self, rank: int, room: int) -> "PrefixLen":
+        """Asks :meth:`sender_prefix_len` without waiting: the answer is
+        ``.result()`` of the returned object (a refusal raises there)."""
+        f = PrefixLen()
+        self.send_nowait("sender_prefix_len", rank=rank, room=room, on_error=f._fail, on_reply=f._done)
+        return f
 
     def sender_send(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
         """One chunk; ``state_indices`` (with the last chunk) as
@@ -879,6 +1096,7 @@ class Client:
     def _forget(self, rank: int, room: int) -> None:
         with self._lock:
             self._rooms.pop((int(rank), int(room)), None)
+            self._room_tokens.pop((int(rank), int(room)), None)
 
     def poll(self, rank: int, rooms: Sequence[int]) -> List[Optional[int]]:
         """Batched poll: the KVPoll state of each room (None for a room the
