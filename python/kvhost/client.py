@@ -1155,6 +1155,14 @@ class Client:
         self.call("read", rank=rank, request_id=request_id, kv_transfer_params=kv_transfer_params,
                   block_ids=pack_pages(block_ids, "block_ids"))
 
+    def read_nowait(self, rank: int, request_id: str, kv_transfer_params: dict, block_ids: Any,
+                    on_error: Callable[[KVHostError], None]) -> None:
+        """:meth:`read` without waiting for the reply (:meth:`send_nowait`):
+        a refusal calls ``on_error(error)`` on the I/O thread; the ``read``
+        event reports an accepted read as before."""
+        self.send_nowait("read", on_error=on_error, rank=rank, request_id=request_id,
+                         kv_transfer_params=kv_transfer_params, block_ids=pack_pages(block_ids, "block_ids"))
+
     # -- events ------------------------------------------------------------
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
