@@ -18,11 +18,22 @@ monitor socket and does all receiving: it sleeps in ``poll`` on the
 DEALER's file descriptor (``ZMQ_FD``), the monitor socket and a wake-up
 pipe, never on the DEALER itself, so it holds no lock while it waits.
 ``ZMQ_FD`` is edge-triggered: any operation on the socket (a caller's
-send included) may consume the edge that announced a reply, so after each
-send the caller reads ``ZMQ_EVENTS`` and, when a message is waiting, wakes
-the I/O thread through the pipe; the I/O thread itself receives until
-the socket says there is nothing more, then reads ``ZMQ_EVENTS`` again
-before it sleeps. Replies and events are decoded and dispatched without
+send included: libzmq's send processes the socket's pending commands
+about once a millisecond) may consume the edge that announced a message.
+The I/O thread receives until the socket says there is nothing more and
+reads ``ZMQ_EVENTS`` again before it sleeps. A caller that will wait for
+its reply reads ``ZMQ_EVENTS`` after its send and, when a message is
+waiting, wakes the I/O thread through the pipe. A pipelined send
+(:meth:`Client.call_nowait` and friends) does not: reading
+``ZMQ_EVENTS`` is a system call in libzmq, several times the send's own
+cost, and these sends are what an engine's scheduler makes per request.
+Instead, while any request is in flight the I/O thread sleeps at most
+``_BUSY_POLL_MS`` (1 ms), so a taken edge delays a message by at most
+that; when nothing is in flight it sleeps up to 100 ms, and marks itself
+idle first (``_io_idle``, then it looks at the in-flight requests), and
+the first pipelined send that finds it idle wakes it through the pipe
+(a sender registers its request before it reads the mark, so one of the
+two sees the other). Replies and events are decoded and dispatched without
 the socket lock, so a listener may send (lock order: ``_sock_lock``
 before ``_lock``, never the other way).
 
@@ -229,6 +240,8 @@ def pack_pages(pages: Any, field: str = "pages") -> bytes:
             raise ValueError("%s: %d bytes is not a whole number of int32" % (field, len(b)))
         return b
     np = _numpy()
+    if np is not None and type(pages) is np.ndarray and pages.dtype == _I32:
+        return pages.tobytes()  # the common case (SGLang's page indices): nothing to check or convert
     if np is not None and type(pages).__module__.startswith("torch") and hasattr(pages, "numpy"):
         pages = pages.detach().cpu().numpy()  # a torch tensor (SGLang's index lists may be)
     if np is not None and isinstance(pages, np.ndarray):
@@ -325,11 +338,15 @@ def _log_refusal(op: str) -> Callable[[Exception], None]:
 
 
 def _numpy():
-    try:
-        import numpy
-    except ImportError:  # numpy is optional
-        return None
-    return numpy
+    return _np
+
+
+try:
+    import numpy as _np
+except ImportError:  # numpy is optional
+    _np = None
+# Little-endian int32: packed pages' format.
+_I32 = _np.dtype("<i4") if _np is not None else None
 
 
 def _plain(v: Any) -> Any:
@@ -367,9 +384,11 @@ class _Pending:
 
     def __init__(self, op: str, room: Optional[Tuple[int, int, int]] = None,
                  on_error: Optional[Callable[["KVHostError"], None]] = None,
-                 on_reply: Optional[Callable[[dict], None]] = None):
+                 on_reply: Optional[Callable[[dict], None]] = None, waited: bool = False):
         self.op = op
-        self.done = threading.Event()
+        # Only a request somebody waits for has an Event (making one costs
+        # more than the rest of a pipelined request's bookkeeping).
+        self.done: Optional[threading.Event] = threading.Event() if waited else None
         self.reply: Optional[dict] = None
         self.error: Optional[KVHostError] = None
         # (rank, room, token) of a request nobody waits for
@@ -473,6 +492,10 @@ class Client:
         # taken before _lock, never after.
         self._sock_lock = threading.Lock()
         self._sock: Optional[zmq.Socket] = None
+        # True while the I/O thread sleeps its long poll (nothing in
+        # flight): the first pipelined send wakes it (see "Threading
+        # design").
+        self._io_idle = False
         self._listeners: List[Callable[[dict], None]] = []
         self._queue_events = queue_events
         self._events: collections.deque = collections.deque()
@@ -611,6 +634,10 @@ class Client:
     # Messages the I/O thread receives under one hold of the socket lock
     # before it dispatches them (and lets callers send again).
     _RECV_BATCH = 64
+    # The I/O thread's poll timeout while requests are in flight: the
+    # longest a reply or event waits when a pipelined send took the edge
+    # of ZMQ_FD (see "Threading design").
+    _BUSY_POLL_MS = 1
 
     def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int, sock_fd: int) -> None:
         # The DEALER is polled by its file descriptor only (see "Threading
@@ -622,6 +649,13 @@ class Client:
         wait_ms = 100
         try:
             while not self._stop:
+                if wait_ms == 100:
+                    # See "Threading design": set before looking at
+                    # _pending, read by senders after they added to it.
+                    self._io_idle = True
+                    if self._pending:
+                        self._io_idle = False
+                        wait_ms = self._BUSY_POLL_MS
                 for ready, _ in poller.poll(wait_ms):
                     if ready == wake_r:
                         try:
@@ -710,7 +744,8 @@ class Client:
             p.reply = msg
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
-        p.done.set()
+        if p.done is not None:
+            p.done.set()
         if p.error is not None and p.room is not None:
             self._fail_room(p.room, "kvhost serve: %s" % p.error)
         cb = p.on_error if p.error is not None else p.on_reply
@@ -805,7 +840,8 @@ class Client:
                     failed.append(key)
         for p in pending:
             p.error = ConnectionLost("connection_lost", reason)
-            p.done.set()
+            if p.done is not None:
+                p.done.set()
             if p.on_error is not None:
                 try:
                     p.on_error(p.error)
@@ -857,10 +893,15 @@ class Client:
                     wake = True
                 else:
                     # ZMQ_FD is edge-triggered and this send may have taken
-                    # the edge of a message that arrived meanwhile.
-                    try:
-                        wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-                    except zmq.ZMQError:
+                    # the edge of a message that arrived meanwhile (see
+                    # "Threading design" for when that is checked).
+                    if p.done is not None:
+                        try:
+                            wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                        except zmq.ZMQError:
+                            wake = True
+                    elif self._io_idle:
+                        self._io_idle = False
                         wake = True
             else:
                 wake = True
@@ -870,7 +911,7 @@ class Client:
 
     def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
         op = msg["op"]
-        p = _Pending(op)
+        p = _Pending(op, waited=True)
         seq = self._enqueue(msg, p)
         t = self.timeout if timeout is None else timeout
         if not p.done.wait(t):
@@ -1016,21 +1057,32 @@ class Client:
         if not self._track(rank, room, BOOTSTRAPPING):
             raise Exists("exists", "room %d is in use on rank %d (this client made it)" % (int(room), int(rank)))
         try:
-            self.call_nowait(op, rank=rank, room=room, **fields)
+            self.call_nowait(op, rank=rank, room=room, **fields) if fields else self._room_nowait(
+                {"op": op, "rank": int(rank), "room": int(room)})
         except KVHostError:
             self._forget(rank, room)
             raise
 
+    def _room_nowait(self, msg: dict) -> None:
+        """call_nowait for a message of plain values built by the caller
+        (the per-request room requests: no conversion pass)."""
+        self._enqueue(msg, _Pending(msg["op"], (msg["rank"], msg["room"], 0)))
+
     def sender_init_nowait(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
-        self.call_nowait("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
+        self._room_nowait({"op": "sender_init", "rank": int(rank), "room": int(room), "num_pages": int(num_pages),
+                           "aux_index": int(aux_index)})
 
     def receiver_init_nowait(self, rank: int, room: int, pages: Any, aux_index: int,
                              state_indices: Any = None, prefix_len: int = 0) -> None:
-        self.call_nowait("receiver_init", rank=rank, room=room, pages=pack_pages(pages), aux_index=aux_index,
-                         state_indices=pack_state(state_indices), prefix_len=int(prefix_len or 0))
+        msg = {"op": "receiver_init", "rank": int(rank), "room": int(room), "pages": pack_pages(pages),
+               "aux_index": int(aux_index), "prefix_len": int(prefix_len or 0)}
+        state = pack_state(state_indices)
+        if state is not None:
+            msg["state_indices"] = state
+        self._room_nowait(msg)
 
     def abort_nowait(self, rank: int, room: int) -> None:
-        self.call_nowait("abort", rank=rank, room=room)
+        self._room_nowait({"op": "abort", "rank": int(rank), "room": int(room)})
 
     def close_room_nowait(self, rank: int, room: int) -> None:
         """Forgets a room (state cache at once, sidecar in order). Its
@@ -1064,8 +1116,11 @@ class Client:
         SGLang's connectors do the same: send queues the chunk to a
         transfer thread and failures surface through poll() (SGLang's
         python/sglang/srt/disaggregation/nixl/conn.py, NixlKVSender.send)."""
-        self.call_nowait("sender_send", rank=rank, room=room, pages=pack_pages(pages),
-                         state_indices=pack_state(state_indices))
+        msg = {"op": "sender_send", "rank": int(rank), "room": int(room), "pages": pack_pages(pages)}
+        state = pack_state(state_indices)
+        if state is not None:
+            msg["state_indices"] = state
+        self._room_nowait(msg)
 
     def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
                         prefill_dp_rank: Optional[int] = None) -> None:
