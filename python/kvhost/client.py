@@ -80,6 +80,7 @@ import array
 import collections
 import itertools
 import os
+import select
 import sys
 import threading
 import time
@@ -496,6 +497,11 @@ class Client:
         # flight): the first pipelined send wakes it (see "Threading
         # design").
         self._io_idle = False
+        # One receiver at a time: the I/O thread, or a caller waiting for
+        # its reply (_await). Taken before _sock_lock.
+        self._recv_lock = threading.Lock()
+        self._caller_receiving = False
+        self._rpoll = None
         self._listeners: List[Callable[[dict], None]] = []
         self._queue_events = queue_events
         self._events: collections.deque = collections.deque()
@@ -531,6 +537,9 @@ class Client:
             self._oversize.clear()
             self._announced_max = 1 << 62
             self._sock, self._mon = sock, mon
+        rpoll = select.poll()
+        rpoll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._rpoll = rpoll
         self._stop = False
         self._thread = threading.Thread(
             target=self._io_loop, args=(sock, mon, self._wake_r, sock.getsockopt(zmq.FD)),
@@ -642,10 +651,15 @@ class Client:
     def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int, sock_fd: int) -> None:
         # The DEALER is polled by its file descriptor only (see "Threading
         # design"): zmq_poll on the socket itself would use it unlocked.
-        poller = zmq.Poller()
-        poller.register(sock_fd, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
-        poller.register(wake_r, zmq.POLLIN)
+        # While a caller receives (_caller_receiving) the I/O thread leaves
+        # the DEALER to it and waits on the monitor and the pipe only.
+        full = zmq.Poller()
+        full.register(sock_fd, zmq.POLLIN)
+        full.register(mon, zmq.POLLIN)
+        full.register(wake_r, zmq.POLLIN)
+        reduced = zmq.Poller()
+        reduced.register(mon, zmq.POLLIN)
+        reduced.register(wake_r, zmq.POLLIN)
         wait_ms = 100
         try:
             while not self._stop:
@@ -656,6 +670,13 @@ class Client:
                     if self._pending:
                         self._io_idle = False
                         wait_ms = self._BUSY_POLL_MS
+                poller = full
+                if self._caller_receiving:
+                    # Back on the DEALER within a millisecond of the caller
+                    # leaving it (it does not wake this thread: that would
+                    # cost the next request a GIL hand-off). Messages that
+                    # come meanwhile keep ZMQ_FD readable until read.
+                    poller, wait_ms = reduced, min(wait_ms, self._BUSY_POLL_MS)
                 for ready, _ in poller.poll(wait_ms):
                     if ready == wake_r:
                         try:
@@ -672,34 +693,17 @@ class Client:
                             if ev["event"] == zmq.EVENT_DISCONNECTED:
                                 self._declare_lost(LOST_REASON + ": the sidecar closed the connection")
                                 return
-                # Whatever woke us (or a timeout): receive what is there and
-                # flush the outbox, all under the socket lock, then dispatch
-                # without it. More than a batch waiting: go round at once.
+                # Whatever woke us (or a timeout): receive what is there
+                # (unless a caller is receiving) and flush the outbox.
                 wait_ms = 100
-                while not self._stop and self._lost is None:
-                    got: List[List[bytes]] = []
-                    with self._sock_lock:
-                        while len(got) < self._RECV_BATCH:
-                            try:
-                                got.append(sock.recv_multipart(zmq.NOBLOCK))
-                            except zmq.Again:
-                                break
-                        with self._lock:
-                            out = list(self._outbox)
-                            self._outbox.clear()
-                        for i, data in enumerate(out):
-                            try:
-                                sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
-                            except zmq.Again:  # still at the high-water mark: keep the rest in order
-                                with self._lock:
-                                    self._outbox.extendleft(reversed(out[i:]))
-                                wait_ms = 1
-                                break
-                        more = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-                    for frames in got:
-                        self._dispatch(frames)
-                    if not more:
-                        break
+                if self._recv_lock.acquire(blocking=False):
+                    try:
+                        while not self._stop and self._lost is None and self._drain_once(sock):
+                            pass
+                    finally:
+                        self._recv_lock.release()
+                if self._flush_outbox(sock):
+                    wait_ms = 1
                 if self._lost is not None:
                     return
         except zmq.ZMQError as e:
@@ -714,6 +718,84 @@ class Client:
                     pass
                 mon.close(0)
                 sock.close(0)
+
+    def _drain_once(self, sock: zmq.Socket) -> bool:
+        """Receives up to a batch under the socket lock, then dispatches it
+        without the lock; True when more is waiting. The caller holds
+        _recv_lock (one receiver at a time keeps messages in order)."""
+        got: List[List[bytes]] = []
+        with self._sock_lock:
+            if self._sock is not sock:
+                return False  # closed under us: the connection is being torn down
+            while len(got) < self._RECV_BATCH:
+                try:
+                    got.append(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            # Reading ZMQ_EVENTS re-arms the edge of ZMQ_FD for the next
+            # message, and says whether one is waiting already.
+            more = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        for frames in got:
+            self._dispatch(frames)
+        return more
+
+    def _flush_outbox(self, sock: zmq.Socket) -> bool:
+        """Sends what waits in the outbox; True when the socket is still at
+        its high-water mark (the rest waits, in order)."""
+        if not self._outbox:
+            return False
+        with self._sock_lock:
+            if self._sock is not sock:
+                return False
+            with self._lock:
+                out = list(self._outbox)
+                self._outbox.clear()
+            for i, data in enumerate(out):
+                try:
+                    sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+                except zmq.Again:
+                    with self._lock:
+                        self._outbox.extendleft(reversed(out[i:]))
+                    return True
+        return False
+
+    def _await(self, p: "_Pending", deadline: float) -> None:
+        """Waits for ``p``'s reply until ``deadline``, receiving for
+        everyone meanwhile when no other thread is (see "Threading
+        design"): the reply is read on this thread, with no hand-off from
+        the I/O thread."""
+        while not p.done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._lost is not None:
+                return
+            if not self._recv_lock.acquire(blocking=False):
+                # The I/O thread (or another caller) is receiving: it
+                # dispatches this reply if it is there; else take over.
+                p.done.wait(min(left, 0.001))
+                continue
+            try:
+                self._caller_receiving = True
+                sock, rpoll = self._sock, self._rpoll
+                if sock is None or rpoll is None:
+                    p.done.wait(min(left, 0.01))
+                    continue
+                # Whether a message is waiting is known after a drain; at
+                # first ZMQ_EVENTS says (a send may have taken the edge of
+                # ZMQ_FD for a message already there).
+                with self._sock_lock:
+                    ready = self._sock is sock and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                while not p.done.is_set() and self._lost is None:
+                    if not ready:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        # Short slices: the monitor (a lost sidecar) is the
+                        # I/O thread's, which sets p.done then.
+                        rpoll.poll(min(left, 0.1) * 1000)
+                    ready = self._drain_once(sock)
+            finally:
+                self._caller_receiving = False
+                self._recv_lock.release()
 
     def _dispatch(self, frames: List[bytes]) -> None:
         # One frame per message (docs/engine-api.md, "Transport"); a ROUTER
@@ -895,12 +977,7 @@ class Client:
                     # ZMQ_FD is edge-triggered and this send may have taken
                     # the edge of a message that arrived meanwhile (see
                     # "Threading design" for when that is checked).
-                    if p.done is not None:
-                        try:
-                            wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-                        except zmq.ZMQError:
-                            wake = True
-                    elif self._io_idle:
+                    if self._io_idle and p.done is None:
                         self._io_idle = False
                         wake = True
             else:
@@ -914,7 +991,8 @@ class Client:
         p = _Pending(op, waited=True)
         seq = self._enqueue(msg, p)
         t = self.timeout if timeout is None else timeout
-        if not p.done.wait(t):
+        self._await(p, time.monotonic() + t)
+        if not p.done.is_set():
             with self._lock:
                 self._pending.pop(seq, None)
             self._declare_lost("%s: no reply to %s within %.1f s" % (LOST_REASON, op, t))
