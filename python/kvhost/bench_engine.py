@@ -206,7 +206,7 @@ def bench_sglang(prefill_ep, decode_ep, ns):
     pages_per_req = ns.pages
     batch = 16
     num_pages = batch * pages_per_req * 2 + 8
-    port = ds._free_port()
+    port = ns.bootstrap_port  # one bootstrap server per sidecar: every round uses the first's port
     boot = ksg.KVBootstrapServer("127.0.0.1", port, endpoint=prefill_ep)
     pranks = ds._ranks(shape, 1, num_pages, batch, ksg.DisaggregationMode.PREFILL,
                        ds._server_args(prefill_ep, 1, port, shape.page_size))
@@ -431,6 +431,9 @@ def main(argv=None):
     from kvhost.demo_engine import Sidecar
 
     ns = _parse(sys.argv[1:] if argv is None else argv)
+    from kvhost.demo_sglang import _free_port
+
+    ns.bootstrap_port = _free_port()
     only = set(ns.only.split(","))
     workdir = tempfile.mkdtemp(prefix="kvhost-bench-engine-")
     sidecars = [Sidecar(os.path.abspath(ns.kvhost), workdir, name, "fake", []) for name in ("prefill", "decode")]
