@@ -38,7 +38,8 @@ microsecond no batch is scheduled (issue 24). This benchmark measures:
 
 Goals (issue 24): at most 50 µs per request per rank on SGLang's paths, 20
 µs per request on vLLM's scheduler. The numbers depend on the machine and
-its load: it prints them and says which goal each meets; it is not a test.
+its load: it prints them and says which goal each meets; it is not a test
+(it fails only when a run fails).
 
     python3 -m kvhost.bench_engine [--kvhost bin/kvhost] [--requests 200] [--rounds 5]
 """
@@ -445,7 +446,6 @@ def main(argv=None):
         if "rtt" in only:
             cl, raw = round_trips(pe, ns.rtt, ns.rounds)
             verdict = "meets" if cl <= 1.3 * raw else "MISSES"
-            ok = ok and cl <= 1.3 * raw
             print("client round trip   p50 %6.1f µs   raw pyzmq %6.1f µs   ratio %.2f (%s the 1.3 goal)" % (
                 cl * 1e6, raw * 1e6, cl / raw, verdict), flush=True)
         rows = {}
@@ -467,7 +467,6 @@ def main(argv=None):
             if path not in med:
                 continue
             total = med[path]
-            ok = ok and total <= goal
             print("  sglang %-26s %6.1f   enqueue %5.1f   raw zmq %5.1f   (goal %.0f: %s)" % (
                 path, total, med.get(path + " enqueue", 0), med.get(path + " raw zmq", 0), goal,
                 "meets" if total <= goal else "MISSES"))
@@ -475,8 +474,6 @@ def main(argv=None):
                            ("vllm decode worker", None)):
             if path not in med:
                 continue
-            if goal:
-                ok = ok and med[path] <= goal
             print("  %-26s %6.1f   enqueue %5.1f   raw zmq %5.1f%s" % (
                 path, med[path], med.get(path + " enqueue", 0), med.get(path + " raw zmq", 0),
                 "   (goal %.0f: %s)" % (goal, "meets" if med[path] <= goal else "MISSES") if goal else ""))
