@@ -103,6 +103,10 @@ _UNKNOWN_ROOM = 255
 
 LOST_REASON = "sidecar connection lost"
 
+# pyzmq's constants are IntEnum members, whose operators cost more than
+# the socket calls they are passed to on the request path.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
 DEFAULT_TIMEOUT = float(os.environ.get("KVHOST_CONTROL_TIMEOUT", "30"))
 """Seconds a request waits for its reply before the sidecar is declared gone."""
 
@@ -677,8 +681,18 @@ class Client:
                     # cost the next request a GIL hand-off). Messages that
                     # come meanwhile keep ZMQ_FD readable until read.
                     poller, wait_ms = reduced, min(wait_ms, self._BUSY_POLL_MS)
-                for ready, _ in poller.poll(wait_ms):
-                    if ready == wake_r:
+                got = poller.poll(wait_ms)
+                # Receive when the DEALER's FD says so, or after a busy
+                # poll timed out (a pipelined send may have taken the FD's
+                # edge); not after the short wait of the reduced poller,
+                # which only brings this thread back to the DEALER (a
+                # waiting caller would find the receiving role taken).
+                drain = not got if poller is full else False
+                for ready, _ in got:
+                    if ready == sock_fd:
+                        drain = True
+                    elif ready == wake_r:
+                        drain = True  # woken by a sender: look at the DEALER too
                         try:
                             while os.read(wake_r, 4096):
                                 pass
@@ -696,7 +710,7 @@ class Client:
                 # Whatever woke us (or a timeout): receive what is there
                 # (unless a caller is receiving) and flush the outbox.
                 wait_ms = 100
-                if self._recv_lock.acquire(blocking=False):
+                if drain and self._recv_lock.acquire(blocking=False):
                     try:
                         while not self._stop and self._lost is None and self._drain_once(sock):
                             pass
@@ -729,12 +743,12 @@ class Client:
                 return False  # closed under us: the connection is being torn down
             while len(got) < self._RECV_BATCH:
                 try:
-                    got.append(sock.recv_multipart(zmq.NOBLOCK))
+                    got.append(sock.recv_multipart(_NOBLOCK))
                 except zmq.Again:
                     break
             # Reading ZMQ_EVENTS re-arms the edge of ZMQ_FD for the next
             # message, and says whether one is waiting already.
-            more = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            more = bool(sock.getsockopt(_EVENTS) & _POLLIN)
         for frames in got:
             self._dispatch(frames)
         return more
@@ -752,7 +766,7 @@ class Client:
                 self._outbox.clear()
             for i, data in enumerate(out):
                 try:
-                    sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+                    sock.send(data, _NOBLOCK, copy=len(data) < 65536)
                 except zmq.Again:
                     with self._lock:
                         self._outbox.extendleft(reversed(out[i:]))
@@ -783,7 +797,7 @@ class Client:
                 # first ZMQ_EVENTS says (a send may have taken the edge of
                 # ZMQ_FD for a message already there).
                 with self._sock_lock:
-                    ready = self._sock is sock and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                    ready = self._sock is sock and bool(sock.getsockopt(_EVENTS) & _POLLIN)
                 while not p.done.is_set() and self._lost is None:
                     if not ready:
                         left = deadline - time.monotonic()
@@ -964,7 +978,7 @@ class Client:
             sock = self._sock
             if not queued and sock is not None:
                 try:
-                    sock.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
+                    sock.send(data, _NOBLOCK, copy=len(data) < 65536)
                 except zmq.Again:  # at the high-water mark: the I/O thread sends it when it can
                     with self._lock:
                         self._outbox.append(data)
