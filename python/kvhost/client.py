@@ -14,16 +14,16 @@ not a wake-up of another thread); only when the socket cannot take the
 message at once (its high-water mark) does the request wait in an outbox
 that the I/O thread flushes, and every later request queues behind it so
 one thread's requests keep their order. The client's I/O thread owns the
-monitor socket and does all receiving: it sleeps in ``poll`` on the
-DEALER's file descriptor (``ZMQ_FD``), the monitor socket and a wake-up
-pipe, never on the DEALER itself, so it holds no lock while it waits.
+monitor socket and receives (unless a waiting caller does, below): it
+sleeps in ``poll`` on the DEALER's file descriptor (``ZMQ_FD``), the
+monitor socket and a wake-up pipe, never on the DEALER itself, so it holds
+no lock while it waits.
 ``ZMQ_FD`` is edge-triggered: any operation on the socket (a caller's
 send included: libzmq's send processes the socket's pending commands
 about once a millisecond) may consume the edge that announced a message.
-The I/O thread receives until the socket says there is nothing more and
-reads ``ZMQ_EVENTS`` again before it sleeps. A caller that will wait for
-its reply reads ``ZMQ_EVENTS`` after its send and, when a message is
-waiting, wakes the I/O thread through the pipe. A pipelined send
+Whoever receives does so until the socket says there is nothing more and
+reads ``ZMQ_EVENTS`` again before it sleeps; a caller about to wait for
+its reply reads ``ZMQ_EVENTS`` before it sleeps on ``ZMQ_FD``. A pipelined send
 (:meth:`Client.call_nowait` and friends) does not: reading
 ``ZMQ_EVENTS`` is a system call in libzmq, several times the send's own
 cost, and these sends are what an engine's scheduler makes per request.
@@ -37,18 +37,26 @@ two sees the other). Replies and events are decoded and dispatched without
 the socket lock, so a listener may send (lock order: ``_sock_lock``
 before ``_lock``, never the other way).
 
-A request waits on its own :class:`threading.Event` for the reply the I/O
-thread routes to it by ``seq`` (a request sent with
+One thread at a time receives (``_recv_lock``, which keeps messages in
+order): a caller waiting for its reply takes that role when it is free,
+polls the DEALER's file descriptor itself and reads its reply on its own
+thread, dispatching whatever else comes meanwhile, so a round trip has no
+hand-off between threads (the I/O thread leaves the DEALER to it and
+looks at it again within ``_BUSY_POLL_MS`` of it leaving). A caller that
+finds another receiving waits on its own :class:`threading.Event` for the
+reply routed to it by ``seq`` (a request sent with
 :meth:`Client.call_nowait` or :meth:`Client.send_nowait` has no waiter:
 an error reply fails its room in the state cache, or calls its
-``on_error``). Events (messages the sidecar sends unasked) are decoded on
-the I/O thread, which
+``on_error``). Events (messages the sidecar sends unasked) are decoded by
+the thread that received them, which
 
 - updates the per-room state cache, so :meth:`Client.state` answers without
   a round trip (KVPoll values; monotonic, Failed and Success final, Failed
   always wins: SGLang's rule);
-- calls the listeners added with :meth:`Client.add_listener` (on the I/O
-  thread: they must be quick and must not call the client back and wait);
+- calls the listeners added with :meth:`Client.add_listener` (on the
+  thread that received the event: the I/O thread, or a caller waiting for
+  its own reply; they must be quick and must not call the client back and
+  wait, but may send without waiting);
 - appends the event to a bounded queue read with :meth:`Client.next_event`
   and :meth:`Client.drain_events` (when ``queue_events`` is true; on overflow
   the oldest event is dropped and ``events_dropped`` counts it; the state
