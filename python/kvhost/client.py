@@ -713,6 +713,15 @@ class Client:
                             except zmq.Again:
                                 break
                             if ev["event"] == zmq.EVENT_DISCONNECTED:
+                                # What the sidecar sent before it closed
+                                # (a stopping sidecar's room events and
+                                # reasons) comes first.
+                                if self._recv_lock.acquire(timeout=1.0):
+                                    try:
+                                        while self._lost is None and self._drain_once(sock):
+                                            pass
+                                    finally:
+                                        self._recv_lock.release()
                                 self._declare_lost(LOST_REASON + ": the sidecar closed the connection")
                                 return
                 # Whatever woke us (or a timeout): receive what is there
