@@ -76,6 +76,9 @@ def _parse(argv):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--baseline", action="store_true",
                    help="also run `kvhost demo --in-process` on the same shape and print the ratio")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per style, each followed by its baseline (alternated, so a loaded machine's drift "
+                        "hits both); the ratios' medians are printed")
     p.add_argument("--corrupt", metavar="REQUEST",
                    help="mutation check: flip one byte of REQUEST's KV in decode memory after its transfer (the run must fail)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
@@ -393,6 +396,48 @@ def text(s, ns):
     return "\n".join(lines)
 
 
+def run_with_baseline(style, ns, workdir, reqs):
+    """One run of the pair, then (--baseline) ``kvhost demo --in-process``
+    on the same shape, and the ratios."""
+    prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
+    try:
+        s = run_style(style, ns, workdir, reqs, prog)
+    finally:
+        prog.close()
+    if ns.baseline:
+        try:
+            s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
+            s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
+            s["transfer_ratio"] = (s["transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
+                                   if s["baseline_transfer_gb_per_s"] else 0.0)
+            s["engine_work_excluded_ratio"] = (s["engine_work_excluded_gb_per_s"] / s["baseline_gb_per_s"]
+                                               if s["baseline_gb_per_s"] else 0.0)
+        except Exception as e:
+            s["baseline_error"] = str(e)
+    return s
+
+
+def _median(xs):
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def medians(style, runs):
+    """The line --repeat adds: the ratios' and the adapter costs' medians
+    over the alternated runs."""
+    def cost(role):
+        return _median([r.get("control_us_per_request", {}).get(role, {}).get("per_rank", 0.0) for r in runs])
+
+    return ("%s: median of %d alternated runs: ratio to --in-process %.2f end to end, %.2f transfer rate, "
+            "%.2f without fill/verify; adapter calls per request per rank: prefill %.0f µs, decode %.0f µs" % (
+                style, len(runs), _median([r.get("ratio", 0.0) for r in runs]),
+                _median([r.get("transfer_ratio", 0.0) for r in runs]),
+                _median([r.get("engine_work_excluded_ratio", 0.0) for r in runs]), cost("prefill"), cost("decode")))
+
+
 def main(argv=None):
     ns = _parse(sys.argv[1:] if argv is None else argv)
     styles = [x for x in ns.styles.split(",") if x]
@@ -407,24 +452,15 @@ def main(argv=None):
     ok = False
     try:
         for style in styles:
-            prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
-            try:
-                s = run_style(style, ns, workdir, reqs, prog)
-            finally:
-                prog.close()
-            if ns.baseline:
-                try:
-                    s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
-                    s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
-                    s["transfer_ratio"] = (s["transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
-                                           if s["baseline_transfer_gb_per_s"] else 0.0)
-                    s["engine_work_excluded_ratio"] = (s["engine_work_excluded_gb_per_s"] / s["baseline_gb_per_s"]
-                                                       if s["baseline_gb_per_s"] else 0.0)
-                except Exception as e:
-                    s["baseline_error"] = str(e)
-            summaries.append(s)
-            if not ns.json:
-                print(text(s, ns), flush=True)
+            runs = []
+            for _ in range(max(1, ns.repeat)):
+                s = run_with_baseline(style, ns, workdir, reqs)
+                runs.append(s)
+                summaries.append(s)
+                if not ns.json:
+                    print(text(s, ns), flush=True)
+            if len(runs) > 1 and ns.baseline and not ns.json:
+                print(medians(style, runs), flush=True)
         ok = all(s["ok"] == s["requests"] and not s["failed"] and not s["failures"] for s in summaries)
     finally:
         if not ns.work_dir:
