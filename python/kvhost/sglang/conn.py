@@ -101,13 +101,23 @@ from kvhost.sglang.base import (  # noqa: F401  (re-exported)
 logger = logging.getLogger("kvhost.sglang")
 
 
-def _poll(state: int):
-    """A state as the KVPoll SGLang compares with (an IntEnum member in
-    SGLang, plain ints in the stand-in)."""
+def _poll_member(state: int):
     try:
         return KVPoll(state)  # type: ignore[call-arg]
     except TypeError:
         return state
+
+
+# poll() runs for every request on every scheduler step: its states are
+# looked up, not converted.
+_POLL_STATES = {st: _poll_member(st) for st in range(5)}
+
+
+def _poll(state: int):
+    """A state as the KVPoll SGLang compares with (an IntEnum member in
+    SGLang, plain ints in the stand-in)."""
+    v = _POLL_STATES.get(state)
+    return _poll_member(state) if v is None else v
 
 
 # --------------------------------------------------------------------------
