@@ -43,8 +43,8 @@ polls the DEALER's file descriptor itself and reads its reply on its own
 thread, dispatching whatever else comes meanwhile, so a round trip has no
 hand-off between threads (the I/O thread leaves the DEALER to it and
 looks at it again within ``_BUSY_POLL_MS`` of it leaving). A caller that
-finds another receiving waits on its own :class:`threading.Event` for the
-reply routed to it by ``seq`` (a request sent with
+finds another receiving waits on its own flag (``_Done``, an Event on a
+bare lock) for the reply routed to it by ``seq`` (a request sent with
 :meth:`Client.call_nowait` or :meth:`Client.send_nowait` has no waiter:
 an error reply fails its room in the state cache, or calls its
 ``on_error``). Events (messages the sidecar sends unasked) are decoded by
@@ -392,6 +392,37 @@ def _plain(v: Any) -> Any:
 # The client
 
 
+class _Done:
+    """threading.Event's is_set / set / wait for one waiter and one
+    setter, on a bare lock (an Event is a Condition and two locks: making
+    and setting one costs more than the rest of a request's bookkeeping)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # released already (two setters raced)
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=max(0.0, timeout)):
+            self._lock.release()
+        return self._set
+
+
 class _Pending:
     __slots__ = ("op", "done", "reply", "error", "room", "on_error", "on_reply")
 
@@ -401,7 +432,7 @@ class _Pending:
         self.op = op
         # Only a request somebody waits for has an Event (making one costs
         # more than the rest of a pipelined request's bookkeeping).
-        self.done: Optional[threading.Event] = threading.Event() if waited else None
+        self.done: Optional[_Done] = _Done() if waited else None
         self.reply: Optional[dict] = None
         self.error: Optional[KVHostError] = None
         # (rank, room, token) of a request nobody waits for
@@ -750,11 +781,15 @@ class Client:
                 mon.close(0)
                 sock.close(0)
 
-    def _drain_once(self, sock: zmq.Socket) -> bool:
+    def _drain_once(self, sock: zmq.Socket, few: bool = False) -> bool:
         """Receives up to a batch under the socket lock, then dispatches it
         without the lock; True when more is waiting. The caller holds
-        _recv_lock (one receiver at a time keeps messages in order)."""
+        _recv_lock (one receiver at a time keeps messages in order).
+        ``few``: a waiting caller, which expects its reply and little else,
+        asks ZMQ_EVENTS after each message instead of reading until the
+        socket refuses (a refusal is an exception, dearer than the ask)."""
         got: List[List[bytes]] = []
+        more = None
         with self._sock_lock:
             if self._sock is not sock:
                 return False  # closed under us: the connection is being torn down
@@ -763,9 +798,13 @@ class Client:
                     got.append(sock.recv_multipart(_NOBLOCK))
                 except zmq.Again:
                     break
-            # Reading ZMQ_EVENTS re-arms the edge of ZMQ_FD for the next
-            # message, and says whether one is waiting already.
-            more = bool(sock.getsockopt(_EVENTS) & _POLLIN)
+                if few and not sock.getsockopt(_EVENTS) & _POLLIN:
+                    more = False
+                    break
+            if more is None:
+                # Reading ZMQ_EVENTS re-arms the edge of ZMQ_FD for the
+                # next message, and says whether one is waiting already.
+                more = bool(sock.getsockopt(_EVENTS) & _POLLIN)
         for frames in got:
             self._dispatch(frames)
         return more
@@ -823,7 +862,7 @@ class Client:
                         # Short slices: the monitor (a lost sidecar) is the
                         # I/O thread's, which sets p.done then.
                         rpoll.poll(min(left, 0.1) * 1000)
-                    ready = self._drain_once(sock)
+                    ready = self._drain_once(sock, few=True)
             finally:
                 self._caller_receiving = False
                 self._recv_lock.release()
