@@ -13,7 +13,7 @@ CXXFLAGS_PLUGIN ?= -std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror -pthread -fvisi
 COMMON_SRC := plugins/common/kvp_util.c
 COMMON_HDR := plugins/common/kvp_util.h abi/kvplugin.h
 
-.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo demo-engine bench install dist clean
+.PHONY: all kvhost plugins plugin-fake plugin-nixl plugin-mori test vet lint demo demo-engine bench bench-engine install dist clean
 
 all: kvhost plugin-fake
 
@@ -242,6 +242,17 @@ DEMO_ENGINE_ARGS ?=
 
 demo-engine: all
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.demo_engine --kvhost $(BIN) $(DEMO_ENGINE_ARGS)
+
+# bench-engine measures what the adapters cost the engines' scheduler
+# threads per request (SGLang prefill/decode, vLLM scheduler/worker) beside
+# same-run baselines, and the client's round trip beside raw pyzmq's
+# (python/kvhost/bench_engine.py). A benchmark, not a test: it prints the
+# numbers and which goals of issue 24 they meet, e.g.
+# make bench-engine BENCH_ENGINE_ARGS="--rounds 5 --detail".
+BENCH_ENGINE_ARGS ?=
+
+bench-engine: all
+	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.bench_engine --kvhost $(BIN) $(BENCH_ENGINE_ARGS)
 
 # test runs everything CI runs: vet, staticcheck and go mod tidy -diff
 # (lint), the plugins' C tests under sanitizers (the mori shim's stand-in test among them),

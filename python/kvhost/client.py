@@ -6,20 +6,57 @@ ranks, rooms, held requests) lives as long as the connection.
 
 Threading design
 ----------------
-pyzmq sockets are not thread-safe, so exactly one thread, the client's I/O
-thread, owns the DEALER socket (and its monitor socket). Callers, from any
-thread, hand requests to it through a lock-protected queue and wake it with
-one byte on a pipe; each request waits on its own :class:`threading.Event`
-for the reply the I/O thread routes to it by ``seq`` (a request sent with
-:meth:`Client.call_nowait` has no waiter: an error reply fails its room in
-the state cache). Events (messages the
-sidecar sends unasked) are decoded on the I/O thread, which
+pyzmq sockets are not thread-safe, so every use of the DEALER socket
+(send, recv, reading its options) happens under one lock, ``_sock_lock``,
+whichever thread holds it. A caller sends its request itself, on its own
+thread (no hand-off: the send is a few microseconds of the caller's time,
+not a wake-up of another thread); only when the socket cannot take the
+message at once (its high-water mark) does the request wait in an outbox
+that the I/O thread flushes, and every later request queues behind it so
+one thread's requests keep their order. The client's I/O thread owns the
+monitor socket and receives (unless a waiting caller does, below): it
+sleeps in ``poll`` on the DEALER's file descriptor (``ZMQ_FD``), the
+monitor socket and a wake-up pipe, never on the DEALER itself, so it holds
+no lock while it waits.
+``ZMQ_FD`` is edge-triggered: any operation on the socket (a caller's
+send included: libzmq's send processes the socket's pending commands
+about once a millisecond) may consume the edge that announced a message.
+Whoever receives does so until the socket says there is nothing more and
+reads ``ZMQ_EVENTS`` again before it sleeps; a caller about to wait for
+its reply reads ``ZMQ_EVENTS`` before it sleeps on ``ZMQ_FD``. A pipelined send
+(:meth:`Client.call_nowait` and friends) does not: reading
+``ZMQ_EVENTS`` is a system call in libzmq, several times the send's own
+cost, and these sends are what an engine's scheduler makes per request.
+Instead, while any request is in flight the I/O thread sleeps at most
+``_BUSY_POLL_MS`` (1 ms), so a taken edge delays a message by at most
+that; when nothing is in flight it sleeps up to 100 ms, and marks itself
+idle first (``_io_idle``, then it looks at the in-flight requests), and
+the first pipelined send that finds it idle wakes it through the pipe
+(a sender registers its request before it reads the mark, so one of the
+two sees the other). Replies and events are decoded and dispatched without
+the socket lock, so a listener may send (lock order: ``_sock_lock``
+before ``_lock``, never the other way).
+
+One thread at a time receives (``_recv_lock``, which keeps messages in
+order): a caller waiting for its reply takes that role when it is free,
+polls the DEALER's file descriptor itself and reads its reply on its own
+thread, dispatching whatever else comes meanwhile, so a round trip has no
+hand-off between threads (the I/O thread leaves the DEALER to it and
+looks at it again within ``_BUSY_POLL_MS`` of it leaving). A caller that
+finds another receiving waits on its own flag (``_Done``, an Event on a
+bare lock) for the reply routed to it by ``seq`` (a request sent with
+:meth:`Client.call_nowait` or :meth:`Client.send_nowait` has no waiter:
+an error reply fails its room in the state cache, or calls its
+``on_error``). Events (messages the sidecar sends unasked) are decoded by
+the thread that received them, which
 
 - updates the per-room state cache, so :meth:`Client.state` answers without
   a round trip (KVPoll values; monotonic, Failed and Success final, Failed
   always wins: SGLang's rule);
-- calls the listeners added with :meth:`Client.add_listener` (on the I/O
-  thread: they must be quick and must not call the client back and wait);
+- calls the listeners added with :meth:`Client.add_listener` (on the
+  thread that received the event: the I/O thread, or a caller waiting for
+  its own reply; they must be quick and must not call the client back and
+  wait, but may send without waiting);
 - appends the event to a bounded queue read with :meth:`Client.next_event`
   and :meth:`Client.drain_events` (when ``queue_events`` is true; on overflow
   the oldest event is dropped and ``events_dropped`` counts it; the state
@@ -51,6 +88,7 @@ import array
 import collections
 import itertools
 import os
+import select
 import sys
 import threading
 import time
@@ -72,6 +110,10 @@ SUCCESS = 4
 _UNKNOWN_ROOM = 255
 
 LOST_REASON = "sidecar connection lost"
+
+# pyzmq's constants are IntEnum members, whose operators cost more than
+# the socket calls they are passed to on the request path.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 DEFAULT_TIMEOUT = float(os.environ.get("KVHOST_CONTROL_TIMEOUT", "30"))
 """Seconds a request waits for its reply before the sidecar is declared gone."""
@@ -211,6 +253,8 @@ def pack_pages(pages: Any, field: str = "pages") -> bytes:
             raise ValueError("%s: %d bytes is not a whole number of int32" % (field, len(b)))
         return b
     np = _numpy()
+    if np is not None and type(pages) is np.ndarray and pages.dtype == _I32:
+        return pages.tobytes()  # the common case (SGLang's page indices): nothing to check or convert
     if np is not None and type(pages).__module__.startswith("torch") and hasattr(pages, "numpy"):
         pages = pages.detach().cpu().numpy()  # a torch tensor (SGLang's index lists may be)
     if np is not None and isinstance(pages, np.ndarray):
@@ -299,12 +343,32 @@ def _log():
     return logging.getLogger("kvhost.client")
 
 
+def _log_refusal(op: str) -> Callable[[Exception], None]:
+    def log(e: Exception) -> None:
+        _log().debug("kvhost client: %s refused: %s", op, e)
+
+    return log
+
+
+def _warn_refusal(op: str) -> Callable[[Exception], None]:
+    """on_error for a pipelined request whose refusal an operator should
+    see (the adapter's behaviour depends on it being accepted)."""
+    def log(e: Exception) -> None:
+        _log().warning("kvhost client: %s refused: %s", op, e)
+
+    return log
+
+
 def _numpy():
-    try:
-        import numpy
-    except ImportError:  # numpy is optional
-        return None
-    return numpy
+    return _np
+
+
+try:
+    import numpy as _np
+except ImportError:  # numpy is optional
+    _np = None
+# Little-endian int32: packed pages' format.
+_I32 = _np.dtype("<i4") if _np is not None else None
 
 
 def _plain(v: Any) -> Any:
@@ -337,19 +401,87 @@ def _plain(v: Any) -> Any:
 # The client
 
 
-class _Pending:
-    __slots__ = ("op", "done", "reply", "error", "room", "nowait")
+class _Done:
+    """threading.Event's is_set / set / wait for one waiter and one
+    setter, on a bare lock (an Event is a Condition and two locks: making
+    and setting one costs more than the rest of a request's bookkeeping)."""
 
-    def __init__(self, op: str, room: Optional[Tuple[int, int]] = None, nowait: bool = False):
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # released already (two setters raced)
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=max(0.0, timeout)):
+            self._lock.release()
+        return self._set
+
+
+class _Pending:
+    __slots__ = ("op", "done", "reply", "error", "room", "on_error", "on_reply")
+
+    def __init__(self, op: str, room: Optional[Tuple[int, int, int]] = None,
+                 on_error: Optional[Callable[["KVHostError"], None]] = None,
+                 on_reply: Optional[Callable[[dict], None]] = None, waited: bool = False):
         self.op = op
-        self.done = threading.Event()
+        # Only a request somebody waits for has an Event (making one costs
+        # more than the rest of a pipelined request's bookkeeping).
+        self.done: Optional[_Done] = _Done() if waited else None
         self.reply: Optional[dict] = None
         self.error: Optional[KVHostError] = None
-        # (rank, room) of a request nobody waits for (Client.call_nowait):
-        # its error reply fails that room in the state cache.
+        # (rank, room, token) of a request nobody waits for
+        # (Client.call_nowait): its error reply fails that room in the
+        # state cache, if the room is still the one tracked when it was
+        # sent (token: a room id closed and made again is another room).
         self.room = room
-        # Nobody waits for it: an error reply with no room to fail is logged.
-        self.nowait = nowait
+        # Called on the I/O thread with the error of a request nobody
+        # waits for (Client.send_nowait), or with its reply.
+        self.on_error = on_error
+        self.on_reply = on_reply
+
+
+class PrefixLen:
+    """The pending answer of :meth:`Client.sender_prefix_len_async`."""
+
+    def __init__(self):
+        self._ev = threading.Event()
+        self._value = 0
+        self._error: Optional[KVHostError] = None
+
+    def _done(self, reply: dict) -> None:
+        self._value = int(reply.get("prefix_len") or 0)
+        self._ev.set()
+
+    def _fail(self, e: KVHostError) -> None:
+        self._error = e
+        self._ev.set()
+
+    def done(self) -> bool:
+        return self._ev.is_set()
+
+    def result(self, timeout: float) -> int:
+        """The prefix length; raises the refusal, or ConnectionLost when no
+        answer comes in ``timeout`` seconds (the connection is gone)."""
+        if not self._ev.wait(timeout):
+            raise ConnectionLost("connection_lost", "%s: no reply to sender_prefix_len" % LOST_REASON)
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Hello:
@@ -406,6 +538,22 @@ class Client:
         self._announced_max = 1 << 62
         self._outbox: collections.deque = collections.deque()
         self._rooms: Dict[Tuple[int, int], Tuple[int, str]] = {}
+        # Which incarnation of a room id is tracked (see _Pending.room).
+        self._room_tokens: Dict[Tuple[int, int], int] = {}
+        self._tokens = itertools.count(1)
+        # Guards every use of the DEALER socket (see "Threading design");
+        # taken before _lock, never after.
+        self._sock_lock = threading.Lock()
+        self._sock: Optional[zmq.Socket] = None
+        # True while the I/O thread sleeps its long poll (nothing in
+        # flight): the first pipelined send wakes it (see "Threading
+        # design").
+        self._io_idle = False
+        # One receiver at a time: the I/O thread, or a caller waiting for
+        # its reply (_await). Taken before _sock_lock.
+        self._recv_lock = threading.Lock()
+        self._caller_receiving = False
+        self._rpoll = None
         self._listeners: List[Callable[[dict], None]] = []
         self._queue_events = queue_events
         self._events: collections.deque = collections.deque()
@@ -435,15 +583,19 @@ class Client:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        with self._lock:
+        with self._sock_lock, self._lock:
             self._lost = None
             self._outbox.clear()
             self._oversize.clear()
             self._announced_max = 1 << 62
-        self._sock, self._mon = sock, mon
+            self._sock, self._mon = sock, mon
+        rpoll = select.poll()
+        rpoll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._rpoll = rpoll
         self._stop = False
         self._thread = threading.Thread(
-            target=self._io_loop, args=(sock, mon, self._wake_r), name="kvhost-client-io", daemon=True)
+            target=self._io_loop, args=(sock, mon, self._wake_r, sock.getsockopt(zmq.FD)),
+            name="kvhost-client-io", daemon=True)
         self._thread.start()
         try:
             reply = self._request(
@@ -484,6 +636,7 @@ class Client:
         self._shutdown_io(LOST_REASON + ": reconnecting")
         with self._lock:
             self._rooms.clear()
+            self._room_tokens.clear()
         saved = self.connect_timeout
         if connect_timeout is not None:
             self.connect_timeout = float(connect_timeout)
@@ -539,15 +692,55 @@ class Client:
 
     # -- the I/O thread ----------------------------------------------------
 
-    def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int) -> None:
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
-        poller.register(wake_r, zmq.POLLIN)
+    # Messages the I/O thread receives under one hold of the socket lock
+    # before it dispatches them (and lets callers send again).
+    _RECV_BATCH = 64
+    # The I/O thread's poll timeout while requests are in flight: the
+    # longest a reply or event waits when a pipelined send took the edge
+    # of ZMQ_FD (see "Threading design").
+    _BUSY_POLL_MS = 1
+
+    def _io_loop(self, sock: zmq.Socket, mon: zmq.Socket, wake_r: int, sock_fd: int) -> None:
+        # The DEALER is polled by its file descriptor only (see "Threading
+        # design"): zmq_poll on the socket itself would use it unlocked.
+        # While a caller receives (_caller_receiving) the I/O thread leaves
+        # the DEALER to it and waits on the monitor and the pipe only.
+        full = zmq.Poller()
+        full.register(sock_fd, zmq.POLLIN)
+        full.register(mon, zmq.POLLIN)
+        full.register(wake_r, zmq.POLLIN)
+        reduced = zmq.Poller()
+        reduced.register(mon, zmq.POLLIN)
+        reduced.register(wake_r, zmq.POLLIN)
+        wait_ms = 100
         try:
             while not self._stop:
-                for ready, _ in poller.poll(100):
-                    if ready == wake_r:
+                if wait_ms == 100:
+                    # See "Threading design": set before looking at
+                    # _pending, read by senders after they added to it.
+                    self._io_idle = True
+                    if self._pending:
+                        self._io_idle = False
+                        wait_ms = self._BUSY_POLL_MS
+                poller = full
+                if self._caller_receiving:
+                    # Back on the DEALER within a millisecond of the caller
+                    # leaving it (it does not wake this thread: that would
+                    # cost the next request a GIL hand-off). Messages that
+                    # come meanwhile keep ZMQ_FD readable until read.
+                    poller, wait_ms = reduced, min(wait_ms, self._BUSY_POLL_MS)
+                got = poller.poll(wait_ms)
+                # Receive when the DEALER's FD says so, or after a busy
+                # poll timed out (a pipelined send may have taken the FD's
+                # edge); not after the short wait of the reduced poller,
+                # which only brings this thread back to the DEALER (a
+                # waiting caller would find the receiving role taken).
+                drain = not got if poller is full else False
+                for ready, _ in got:
+                    if ready == sock_fd:
+                        drain = True
+                    elif ready == wake_r:
+                        drain = True  # woken by a sender: look at the DEALER too
                         try:
                             while os.read(wake_r, 4096):
                                 pass
@@ -560,31 +753,128 @@ class Client:
                             except zmq.Again:
                                 break
                             if ev["event"] == zmq.EVENT_DISCONNECTED:
+                                # What the sidecar sent before it closed
+                                # (a stopping sidecar's room events and
+                                # reasons) comes first.
+                                if self._recv_lock.acquire(timeout=1.0):
+                                    try:
+                                        while self._lost is None and self._drain_once(sock):
+                                            pass
+                                    finally:
+                                        self._recv_lock.release()
                                 self._declare_lost(LOST_REASON + ": the sidecar closed the connection")
                                 return
-                    elif ready is sock:
-                        while True:
-                            try:
-                                frames = sock.recv_multipart(zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
-                            self._dispatch(frames)
+                # Whatever woke us (or a timeout): receive what is there
+                # (unless a caller is receiving) and flush the outbox.
+                wait_ms = 100
+                if drain and self._recv_lock.acquire(blocking=False):
+                    try:
+                        while not self._stop and self._lost is None and self._drain_once(sock):
+                            pass
+                    finally:
+                        self._recv_lock.release()
+                if self._flush_outbox(sock):
+                    wait_ms = 1
                 if self._lost is not None:
                     return
-                with self._lock:
-                    out = list(self._outbox)
-                    self._outbox.clear()
-                for data in out:
-                    sock.send(data, copy=len(data) < 65536)
         except zmq.ZMQError as e:
             self._declare_lost("%s: %s" % (LOST_REASON, e))
         finally:
+            with self._sock_lock:
+                if self._sock is sock:
+                    self._sock = None
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(0)
+                sock.close(0)
+
+    def _drain_once(self, sock: zmq.Socket, few: bool = False) -> bool:
+        """Receives up to a batch under the socket lock, then dispatches it
+        without the lock; True when more is waiting. The caller holds
+        _recv_lock (one receiver at a time keeps messages in order).
+        ``few``: a waiting caller, which expects its reply and little else,
+        asks ZMQ_EVENTS after each message instead of reading until the
+        socket refuses (a refusal is an exception, dearer than the ask)."""
+        got: List[List[bytes]] = []
+        more = None
+        with self._sock_lock:
+            if self._sock is not sock:
+                return False  # closed under us: the connection is being torn down
+            while len(got) < self._RECV_BATCH:
+                try:
+                    got.append(sock.recv_multipart(_NOBLOCK))
+                except zmq.Again:
+                    break
+                if few and not sock.getsockopt(_EVENTS) & _POLLIN:
+                    more = False
+                    break
+            if more is None:
+                # Reading ZMQ_EVENTS re-arms the edge of ZMQ_FD for the
+                # next message, and says whether one is waiting already.
+                more = bool(sock.getsockopt(_EVENTS) & _POLLIN)
+        for frames in got:
+            self._dispatch(frames)
+        return more
+
+    def _flush_outbox(self, sock: zmq.Socket) -> bool:
+        """Sends what waits in the outbox; True when the socket is still at
+        its high-water mark (the rest waits, in order)."""
+        if not self._outbox:
+            return False
+        with self._sock_lock:
+            if self._sock is not sock:
+                return False
+            with self._lock:
+                out = list(self._outbox)
+                self._outbox.clear()
+            for i, data in enumerate(out):
+                try:
+                    sock.send(data, _NOBLOCK, copy=len(data) < 65536)
+                except zmq.Again:
+                    with self._lock:
+                        self._outbox.extendleft(reversed(out[i:]))
+                    return True
+        return False
+
+    def _await(self, p: "_Pending", deadline: float) -> None:
+        """Waits for ``p``'s reply until ``deadline``, receiving for
+        everyone meanwhile when no other thread is (see "Threading
+        design"): the reply is read on this thread, with no hand-off from
+        the I/O thread."""
+        while not p.done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._lost is not None:
+                return
+            if not self._recv_lock.acquire(blocking=False):
+                # The I/O thread (or another caller) is receiving: it
+                # dispatches this reply if it is there; else take over.
+                p.done.wait(min(left, 0.001))
+                continue
             try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            mon.close(0)
-            sock.close(0)
+                self._caller_receiving = True
+                sock, rpoll = self._sock, self._rpoll
+                if sock is None or rpoll is None:
+                    p.done.wait(min(left, 0.01))
+                    continue
+                # Whether a message is waiting is known after a drain; at
+                # first ZMQ_EVENTS says (a send may have taken the edge of
+                # ZMQ_FD for a message already there).
+                with self._sock_lock:
+                    ready = self._sock is sock and bool(sock.getsockopt(_EVENTS) & _POLLIN)
+                while not p.done.is_set() and self._lost is None:
+                    if not ready:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        # Short slices: the monitor (a lost sidecar) is the
+                        # I/O thread's, which sets p.done then.
+                        rpoll.poll(min(left, 0.1) * 1000)
+                    ready = self._drain_once(sock, few=True)
+            finally:
+                self._caller_receiving = False
+                self._recv_lock.release()
 
     def _dispatch(self, frames: List[bytes]) -> None:
         # One frame per message (docs/engine-api.md, "Transport"); a ROUTER
@@ -615,11 +905,16 @@ class Client:
             p.reply = msg
         else:
             p.error = error_for(str(msg.get("code", "internal")), str(msg.get("message", "")))
-        p.done.set()
+        if p.done is not None:
+            p.done.set()
         if p.error is not None and p.room is not None:
             self._fail_room(p.room, "kvhost serve: %s" % p.error)
-        elif p.error is not None and p.nowait:
-            _log().warning("kvhost client: %s refused: %s", p.op, p.error)
+        cb = p.on_error if p.error is not None else p.on_reply
+        if cb is not None:
+            try:
+                cb(p.error if p.error is not None else p.reply)
+            except Exception:  # an adapter's bug must not kill the I/O thread
+                _log().exception("kvhost client: callback of %s failed", p.op)
         if p.error is not None and p.error.code == "no_hello" and p.op != "hello":
             # This connection said hello, so the sidecar answering no_hello
             # is another process that took over the endpoint before the
@@ -679,13 +974,15 @@ class Client:
                 return
         self._rooms[key] = (st, reason if st == FAILED else "")
 
-    def _fail_room(self, key: Tuple[int, int], reason: str) -> None:
+    def _fail_room(self, room: Tuple[int, int, int], reason: str) -> None:
         """Fails a tracked room in the state cache (a refused request
         nobody waited for) and reports it like a room event of the
-        sidecar's; a room already final, or forgotten, stays as it is."""
+        sidecar's; a room already final, forgotten, or made again since
+        the request was sent (another token) stays as it is."""
+        key = (room[0], room[1])
         with self._lock:
             old = self._rooms.get(key)
-            if old is None or old[0] in (FAILED, SUCCESS):
+            if old is None or old[0] in (FAILED, SUCCESS) or self._room_tokens.get(key, 0) != room[2]:
                 return
             self._rooms[key] = (FAILED, reason)
         self._emit({"event": "room", "rank": key[0], "room": key[1], "state": FAILED, "reason": reason})
@@ -704,7 +1001,13 @@ class Client:
                     failed.append(key)
         for p in pending:
             p.error = ConnectionLost("connection_lost", reason)
-            p.done.set()
+            if p.done is not None:
+                p.done.set()
+            if p.on_error is not None:
+                try:
+                    p.on_error(p.error)
+                except Exception:
+                    _log().exception("kvhost client: callback of %s failed", p.op)
         if emit and first:
             for rank, room in failed:
                 self._emit({"event": "room", "rank": rank, "room": room, "state": FAILED, "reason": LOST_REASON})
@@ -713,31 +1016,62 @@ class Client:
     # -- requests ----------------------------------------------------------
 
     def _enqueue(self, msg: dict, p: _Pending) -> int:
-        """Numbers a request, queues it for the I/O thread and wakes it;
-        raises ConnectionLost or TooLarge (nothing queued) at once."""
+        """Numbers a request and sends it on the caller's thread (see
+        "Threading design"); raises ConnectionLost or TooLarge (nothing
+        sent) at once."""
         op = msg["op"]
-        with self._lock:
-            if self._lost is not None:
-                raise ConnectionLost("connection_lost", self._lost)
-            seq = next(self._seq)
-            msg["seq"] = seq
-            data = msgpack.packb(msg, use_bin_type=True)
-            if self.hello is not None and len(data) > self.hello.max_message:
-                raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
-                    op, len(data), self.hello.max_message))
-            self._pending[seq] = p
-            if len(data) > self._announced_max:
-                self._oversize.append(seq)
-            self._outbox.append(data)
-        self._wake()
+        wake = False
+        with self._sock_lock:
+            with self._lock:
+                if self._lost is not None:
+                    raise ConnectionLost("connection_lost", self._lost)
+                if p.room is not None:
+                    key = (p.room[0], p.room[1])
+                    p.room = (key[0], key[1], self._room_tokens.get(key, 0))
+                seq = next(self._seq)
+                msg["seq"] = seq
+                data = msgpack.packb(msg, use_bin_type=True)
+                if self.hello is not None and len(data) > self.hello.max_message:
+                    raise TooLarge("too_large", "%s is %d bytes, the sidecar's max_message is %d" % (
+                        op, len(data), self.hello.max_message))
+                self._pending[seq] = p
+                if len(data) > self._announced_max:
+                    self._oversize.append(seq)
+                queued = bool(self._outbox)
+                if queued:
+                    self._outbox.append(data)
+            sock = self._sock
+            if not queued and sock is not None:
+                try:
+                    sock.send(data, _NOBLOCK, copy=len(data) < 65536)
+                except zmq.Again:  # at the high-water mark: the I/O thread sends it when it can
+                    with self._lock:
+                        self._outbox.append(data)
+                    wake = True
+                except zmq.ZMQError:
+                    # The socket is closing (the I/O thread is ending): the
+                    # request fails with the connection, as any in flight.
+                    wake = True
+                else:
+                    # ZMQ_FD is edge-triggered and this send may have taken
+                    # the edge of a message that arrived meanwhile (see
+                    # "Threading design" for when that is checked).
+                    if self._io_idle and p.done is None:
+                        self._io_idle = False
+                        wake = True
+            else:
+                wake = True
+        if wake:
+            self._wake()
         return seq
 
     def _request(self, msg: dict, timeout: Optional[float] = None) -> dict:
         op = msg["op"]
-        p = _Pending(op)
+        p = _Pending(op, waited=True)
         seq = self._enqueue(msg, p)
         t = self.timeout if timeout is None else timeout
-        if not p.done.wait(t):
+        self._await(p, time.monotonic() + t)
+        if not p.done.is_set():
             with self._lock:
                 self._pending.pop(seq, None)
             self._declare_lost("%s: no reply to %s within %.1f s" % (LOST_REASON, op, t))
@@ -758,7 +1092,7 @@ class Client:
         msg["op"] = op
         return self._request(msg, timeout=timeout)
 
-    def call_nowait(self, op: str, *, rank: int, room: Optional[int] = None, **fields: Any) -> None:
+    def call_nowait(self, op: str, *, rank: int, room: int, **fields: Any) -> None:
         """Sends one request about room ``(rank, room)`` without waiting for
         its reply. Raises at once only what this side knows before sending
         (ConnectionLost, TooLarge); an error reply of the sidecar fails the
@@ -769,17 +1103,29 @@ class Client:
         sent after this one sees its effect. The room must be tracked (made
         by this client's ``sender_create`` / ``receiver_create``) for a
         refusal to show; a reply after the connection is lost is moot (the
-        room is Failed by then). Without ``room`` (a request about a rank,
-        as vLLM's ``watch``) an error reply is logged: nothing else depends
-        on it."""
+        room is Failed by then). A request about no room (vLLM's ``watch``)
+        goes with :meth:`send_nowait`."""
         msg = {k: _plain(v) for k, v in fields.items() if v is not None}
         msg["op"] = op
         msg["rank"] = int(rank)
-        key = None
-        if room is not None:
-            msg["room"] = int(room)
-            key = (int(rank), int(room))
-        self._enqueue(msg, _Pending(op, key, nowait=True))
+        msg["room"] = int(room)
+        self._enqueue(msg, _Pending(op, (int(rank), int(room), 0)))
+
+    def send_nowait(self, op: str, *, on_error: Optional[Callable[[KVHostError], None]] = None,
+                    on_reply: Optional[Callable[[dict], None]] = None, **fields: Any) -> None:
+        """Sends one request without waiting for its reply (as
+        :meth:`call_nowait`, for requests that are not about a room):
+        ``on_error(error)`` or ``on_reply(reply)`` is called on the I/O
+        thread when the answer comes (it must be quick and must not wait
+        on this client); with neither, a refusal is only logged at debug
+        level. A request in flight when the connection is lost gets
+        ``on_error(ConnectionLost)`` (before the ``connection_lost``
+        event)."""
+        msg = {k: _plain(v) for k, v in fields.items() if v is not None}
+        msg["op"] = op
+        if on_error is None and on_reply is None:
+            on_error = _log_refusal(op)
+        self._enqueue(msg, _Pending(op, on_error=on_error, on_reply=on_reply))
 
     # -- memory ------------------------------------------------------------
 
@@ -826,6 +1172,7 @@ class Client:
             if key in self._rooms:
                 return False
             self._rooms[key] = (st, "")
+            self._room_tokens[key] = next(self._tokens)
             return True
 
     def sender_create(self, rank: int, room: int) -> None:
@@ -839,6 +1186,77 @@ class Client:
 
     def sender_init(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
         self.call("sender_init", rank=rank, room=room, num_pages=num_pages, aux_index=aux_index)
+
+    # The pipelined forms of the room requests (the SGLang adapter's): each
+    # returns once the request is sent, and a refusal fails the room in the
+    # state cache with the reason "kvhost serve: <code>: <message>"
+    # (call_nowait), which state() / failure_reason() and the adapter's
+    # poll() report. SGLang's own connectors do the same: KVSender.__init__,
+    # init, send and KVReceiver.init / send_metadata queue work to
+    # background threads and report failures through poll()
+    # (python/sglang/srt/disaggregation/nixl/conn.py). The sidecar handles
+    # one connection's requests in order, so nothing needs a reply before
+    # the next request.
+
+    def sender_create_nowait(self, rank: int, room: int) -> None:
+        """:meth:`sender_create` without waiting. A room id this client
+        tracks already raises :class:`Exists` at once (the sidecar would
+        refuse it, and its refusal must not fail the room that has the id)."""
+        self._create_nowait("sender_create", rank, room)
+
+    def receiver_create_nowait(self, rank: int, room: int, bootstrap_addr: str,
+                               prefill_dp_rank: Optional[int] = None) -> None:
+        """:meth:`receiver_create` without waiting (as
+        :meth:`sender_create_nowait`)."""
+        self._create_nowait("receiver_create", rank, room, bootstrap_addr=bootstrap_addr,
+                            prefill_dp_rank=prefill_dp_rank)
+
+    def _create_nowait(self, op: str, rank: int, room: int, **fields: Any) -> None:
+        if not self._track(rank, room, BOOTSTRAPPING):
+            raise Exists("exists", "room %d is in use on rank %d (this client made it)" % (int(room), int(rank)))
+        try:
+            self.call_nowait(op, rank=rank, room=room, **fields) if fields else self._room_nowait(
+                {"op": op, "rank": int(rank), "room": int(room)})
+        except KVHostError:
+            self._forget(rank, room)
+            raise
+
+    def _room_nowait(self, msg: dict) -> None:
+        """call_nowait for a message of plain values built by the caller
+        (the per-request room requests: no conversion pass)."""
+        self._enqueue(msg, _Pending(msg["op"], (msg["rank"], msg["room"], 0)))
+
+    def sender_init_nowait(self, rank: int, room: int, num_pages: int, aux_index: int) -> None:
+        self._room_nowait({"op": "sender_init", "rank": int(rank), "room": int(room), "num_pages": int(num_pages),
+                           "aux_index": int(aux_index)})
+
+    def receiver_init_nowait(self, rank: int, room: int, pages: Any, aux_index: int,
+                             state_indices: Any = None, prefix_len: int = 0) -> None:
+        msg = {"op": "receiver_init", "rank": int(rank), "room": int(room), "pages": pack_pages(pages),
+               "aux_index": int(aux_index), "prefix_len": int(prefix_len or 0)}
+        state = pack_state(state_indices)
+        if state is not None:
+            msg["state_indices"] = state
+        self._room_nowait(msg)
+
+    def abort_nowait(self, rank: int, room: int) -> None:
+        self._room_nowait({"op": "abort", "rank": int(rank), "room": int(room)})
+
+    def close_room_nowait(self, rank: int, room: int) -> None:
+        """Forgets a room (state cache at once, sidecar in order). Its
+        refusal fails nothing: the id may be made again before the answer
+        comes, and that room is another one."""
+        try:
+            self.send_nowait("close_room", rank=rank, room=room)
+        finally:
+            self._forget(rank, room)
+
+    def sender_prefix_len_async(self, rank: int, room: int) -> "PrefixLen":
+        """Asks :meth:`sender_prefix_len` without waiting: the answer is
+        ``.result()`` of the returned object (a refusal raises there)."""
+        f = PrefixLen()
+        self.send_nowait("sender_prefix_len", rank=rank, room=room, on_error=f._fail, on_reply=f._done)
+        return f
 
     def sender_send(self, rank: int, room: int, pages: Any, state_indices: Any = None) -> None:
         """One chunk; ``state_indices`` (with the last chunk) as
@@ -856,8 +1274,11 @@ class Client:
         SGLang's connectors do the same: send queues the chunk to a
         transfer thread and failures surface through poll() (SGLang's
         python/sglang/srt/disaggregation/nixl/conn.py, NixlKVSender.send)."""
-        self.call_nowait("sender_send", rank=rank, room=room, pages=pack_pages(pages),
-                         state_indices=pack_state(state_indices))
+        msg = {"op": "sender_send", "rank": int(rank), "room": int(room), "pages": pack_pages(pages)}
+        state = pack_state(state_indices)
+        if state is not None:
+            msg["state_indices"] = state
+        self._room_nowait(msg)
 
     def receiver_create(self, rank: int, room: int, bootstrap_addr: str,
                         prefill_dp_rank: Optional[int] = None) -> None:
@@ -888,6 +1309,7 @@ class Client:
     def _forget(self, rank: int, room: int) -> None:
         with self._lock:
             self._rooms.pop((int(rank), int(room)), None)
+            self._room_tokens.pop((int(rank), int(room)), None)
 
     def poll(self, rank: int, rooms: Sequence[int]) -> List[Optional[int]]:
         """Batched poll: the KVPoll state of each room (None for a room the
@@ -911,9 +1333,10 @@ class Client:
 
     def state(self, rank: int, room: int) -> Optional[int]:
         """The room's KVPoll state as the events said, without a round trip;
-        None for a room this client has not seen."""
-        with self._lock:
-            v = self._rooms.get((int(rank), int(room)))
+        None for a room this client has not seen. (No lock: a dict read
+        is atomic in CPython and the entry is replaced, never mutated;
+        adapters call this for every request on every scheduler step.)"""
+        v = self._rooms.get((int(rank), int(room)))
         return None if v is None else v[0]
 
     def failure_reason(self, rank: int, room: int) -> Optional[str]:
@@ -949,13 +1372,22 @@ class Client:
     def watch_nowait(self, rank: int, request_id: str, kv_transfer_params: dict) -> None:
         """Renew the prefill's lease of a request waiting in the decode's
         queue until its ``read`` ends (generations with leases); pipelined
-        (:meth:`call_nowait`): a refusal is logged."""
-        self.call_nowait("watch", rank=rank, request_id=request_id, kv_transfer_params=kv_transfer_params)
+        (:meth:`send_nowait`): a refusal is logged as a warning."""
+        self.send_nowait("watch", on_error=_warn_refusal("watch"), rank=rank, request_id=request_id,
+                         kv_transfer_params=kv_transfer_params)
 
     def unwatch_nowait(self, rank: int, request_id: str) -> None:
         """Stop renewing it (the request ended before its read);
         pipelined, as :meth:`watch_nowait`."""
-        self.call_nowait("unwatch", rank=rank, request_id=request_id)
+        self.send_nowait("unwatch", on_error=_warn_refusal("unwatch"), rank=rank, request_id=request_id)
+
+    def read_nowait(self, rank: int, request_id: str, kv_transfer_params: dict, block_ids: Any,
+                    on_error: Callable[[KVHostError], None]) -> None:
+        """:meth:`read` without waiting for the reply (:meth:`send_nowait`):
+        a refusal calls ``on_error(error)`` on the I/O thread; the ``read``
+        event reports an accepted read as before."""
+        self.send_nowait("read", on_error=on_error, rank=rank, request_id=request_id,
+                         kv_transfer_params=kv_transfer_params, block_ids=pack_pages(block_ids, "block_ids"))
 
     # -- events ------------------------------------------------------------
 

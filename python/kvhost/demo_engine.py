@@ -76,6 +76,9 @@ def _parse(argv):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--baseline", action="store_true",
                    help="also run `kvhost demo --in-process` on the same shape and print the ratio")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per style, each followed by its baseline (alternated, so a loaded machine's drift "
+                        "hits both); the ratios' medians are printed")
     p.add_argument("--corrupt", metavar="REQUEST",
                    help="mutation check: flip one byte of REQUEST's KV in decode memory after its transfer (the run must fail)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
@@ -305,6 +308,23 @@ def run_style(style, ns, workdir, reqs, progress):
     summary["transfer_seconds"] = union_seconds(spans)
     summary["transfer_gb_per_s"] = (
         summary["bytes_moved"] / summary["transfer_seconds"] / 1e9 if summary["transfer_seconds"] > 0 else 0.0)
+    # The engines' time in adapter calls (their scheduler threads'
+    # "control" phase), per request and per rank (issue 24's budget).
+    ranks = {"prefill": ns.prefill_tp, "decode": decode_tp}
+    summary["control_us_per_request"] = {}
+    for role, ph in summary["phases"].items():
+        if "control" in ph and summary["requests"]:
+            per_req = ph["control"] / summary["requests"] * 1e6
+            summary["control_us_per_request"][role] = {"engine": per_req, "per_rank": per_req / ranks[role]}
+    # The pair's rate with the engines' own work (the prefill's fill, the
+    # decode's verify: numpy in these Python engines) taken out of each
+    # engine's wall time: what kvhost and the adapters leave to the slower
+    # engine.
+    busy = [ph.get("wall", 0.0) - ph.get("fill", 0.0) - ph.get("verify", 0.0) for ph in summary["phases"].values()]
+    summary["engine_work_excluded_seconds"] = max(busy) if busy else 0.0
+    summary["engine_work_excluded_gb_per_s"] = (
+        summary["bytes_moved"] / summary["engine_work_excluded_seconds"] / 1e9
+        if summary["engine_work_excluded_seconds"] > 0 else 0.0)
     summary["latency_p50_ms"] = _pct(lat, 0.5) * 1e3
     summary["latency_p99_ms"] = _pct(lat, 0.99) * 1e3
     summary["processes"] = 2 + 2
@@ -352,18 +372,70 @@ def text(s, ns):
     lines.append("  throughput    %.2f GB/s over %.2f s%s" % (s["gb_per_s"], s["seconds"], base))
     tbase = ""
     if s.get("baseline_transfer_gb_per_s"):
-        tbase = "   (kvhost demo --in-process: %.2f GB/s)" % s["baseline_transfer_gb_per_s"]
+        tbase = "   (kvhost demo --in-process: %.2f GB/s; ratio %.2f)" % (
+            s["baseline_transfer_gb_per_s"], s.get("transfer_ratio", 0.0))
     lines.append("  transfer rate %.2f GB/s: %s over the %.2f s %d transfers were in flight (engine's view)%s" % (
         s["transfer_gb_per_s"], human(s["bytes_moved"]), s["transfer_seconds"], s["transfers_timed"], tbase))
     for role in ("prefill", "decode"):
         p = s.get("phases", {}).get(role)
         if p:
-            lines.append("  %-13s %.2f s wall: %s" % (role + " engine", p.get("wall", 0.0), ", ".join(
-                "%s %.2f s" % (k, p[k]) for k in ("control", "fill", "verify", "idle", "other") if k in p)))
+            cost = s.get("control_us_per_request", {}).get(role)
+            lines.append("  %-13s %.2f s wall: %s%s" % (role + " engine", p.get("wall", 0.0), ", ".join(
+                "%s %.2f s" % (k, p[k]) for k in ("control", "fill", "verify", "idle", "other") if k in p),
+                "; adapter calls %.0f µs per request (%.0f per rank)" % (cost["engine"], cost["per_rank"])
+                if cost else ""))
+    if s.get("engine_work_excluded_seconds"):
+        ebase = ""
+        if s.get("baseline_gb_per_s"):
+            ebase = "   (ratio to --in-process end to end: %.2f)" % s["engine_work_excluded_ratio"]
+        lines.append("  without fill/verify %.2f GB/s: the slower engine's wall less its own fill or verify, %.2f s%s" % (
+            s["engine_work_excluded_gb_per_s"], s["engine_work_excluded_seconds"], ebase))
     lines.append("  latency       request load p50 %.2f ms, p99 %.2f ms" % (s["latency_p50_ms"], s["latency_p99_ms"]))
     for f in s["failures"]:
         lines.append("  failure: " + f)
     return "\n".join(lines)
+
+
+def run_with_baseline(style, ns, workdir, reqs):
+    """One run of the pair, then (--baseline) ``kvhost demo --in-process``
+    on the same shape, and the ratios."""
+    prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
+    try:
+        s = run_style(style, ns, workdir, reqs, prog)
+    finally:
+        prog.close()
+    if ns.baseline:
+        try:
+            s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
+            s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
+            s["transfer_ratio"] = (s["transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
+                                   if s["baseline_transfer_gb_per_s"] else 0.0)
+            s["engine_work_excluded_ratio"] = (s["engine_work_excluded_gb_per_s"] / s["baseline_gb_per_s"]
+                                               if s["baseline_gb_per_s"] else 0.0)
+        except Exception as e:
+            s["baseline_error"] = str(e)
+    return s
+
+
+def _median(xs):
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def medians(style, runs):
+    """The line --repeat adds: the ratios' and the adapter costs' medians
+    over the alternated runs."""
+    def cost(role):
+        return _median([r.get("control_us_per_request", {}).get(role, {}).get("per_rank", 0.0) for r in runs])
+
+    return ("%s: median of %d alternated runs: ratio to --in-process %.2f end to end, %.2f transfer rate, "
+            "%.2f without fill/verify; adapter calls per request per rank: prefill %.0f µs, decode %.0f µs" % (
+                style, len(runs), _median([r.get("ratio", 0.0) for r in runs]),
+                _median([r.get("transfer_ratio", 0.0) for r in runs]),
+                _median([r.get("engine_work_excluded_ratio", 0.0) for r in runs]), cost("prefill"), cost("decode")))
 
 
 def main(argv=None):
@@ -380,20 +452,15 @@ def main(argv=None):
     ok = False
     try:
         for style in styles:
-            prog = Progress(len(reqs), "demo-engine " + style, not ns.json)
-            try:
-                s = run_style(style, ns, workdir, reqs, prog)
-            finally:
-                prog.close()
-            if ns.baseline:
-                try:
-                    s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
-                    s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
-                except Exception as e:
-                    s["baseline_error"] = str(e)
-            summaries.append(s)
-            if not ns.json:
-                print(text(s, ns), flush=True)
+            runs = []
+            for _ in range(max(1, ns.repeat)):
+                s = run_with_baseline(style, ns, workdir, reqs)
+                runs.append(s)
+                summaries.append(s)
+                if not ns.json:
+                    print(text(s, ns), flush=True)
+            if len(runs) > 1 and ns.baseline and not ns.json:
+                print(medians(style, runs), flush=True)
         ok = all(s["ok"] == s["requests"] and not s["failed"] and not s["failures"] for s in summaries)
     finally:
         if not ns.work_dir:

@@ -518,3 +518,64 @@ def test_no_hello_after_hello_means_restarted(tmpdir_short):
         stop.set()
         t.join(10)
         router.close(0)
+
+
+def test_waiting_and_pipelined_callers_share_the_socket(sidecar, pool):
+    """Threads waiting for replies (which receive for everyone while they
+    wait) and threads sending without waiting share one client: every
+    reply reaches its caller, every refusal fails its own room with the
+    sidecar's reason, and every room's events arrive in the sidecar's
+    order (one receiver at a time)."""
+    with open_client(sidecar) as c:
+        c.register_memory(pool.regions())
+        rank = c.open_rank("sglang", "prefill", **prefill_fields(c, pool))["rank"]
+        seen = {}
+        mu = threading.Lock()
+
+        def on_event(ev):
+            if ev.get("event") == "room":
+                with mu:
+                    seen.setdefault(ev["room"], []).append(ev["state"])
+
+        c.add_listener(on_event)
+        errors = []
+
+        def waiting(base):
+            try:
+                for i in range(30):
+                    room = base * 1000 + i
+                    c.sender_create(rank, room)
+                    assert c.poll(rank, [room]) == [kc.BOOTSTRAPPING]
+                    c.close_room(rank, room)
+            except Exception as e:  # pragma: no cover: reported below
+                errors.append(e)
+
+        def pipelined(base):
+            try:
+                rooms = [base * 1000 + i for i in range(30)]
+                for room in rooms:
+                    c.sender_create_nowait(rank, room)
+                    c.sender_init_nowait(rank, room, 1, 1 << 20)  # aux out of range: refused
+                deadline = time.monotonic() + 30
+                for room in rooms:
+                    while c.state(rank, room) != kc.FAILED:
+                        assert time.monotonic() < deadline, (room, c.state(rank, room))
+                        time.sleep(0.001)
+                    reason = c.failure_reason(rank, room)
+                    assert reason.startswith("kvhost serve: bad_request: ") and "aux" in reason, reason
+                    c.close_room_nowait(rank, room)
+            except Exception as e:  # pragma: no cover: reported below
+                errors.append(e)
+
+        ts = [threading.Thread(target=waiting, args=(k,)) for k in (1, 2, 3)]
+        ts += [threading.Thread(target=pipelined, args=(k,)) for k in (4, 5, 6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not errors, errors
+        c.call("deregister_memory", regions=[])  # every earlier reply and event is in
+        for room, states in seen.items():
+            assert states[0] == kc.BOOTSTRAPPING, (room, states)
+            if room >= 4000:
+                assert states[-1] == kc.FAILED, (room, states)

@@ -243,7 +243,7 @@ def test_refusals_fail_the_room_not_the_scheduler(sidecar_factory):
         rc.init(0)
         wait(lambda: rc.poll() == KVPoll.WaitingForInput)
         rc.send_metadata(decode[0].alloc(1), 0, [[1], [2]])  # two state components
-        assert rc.poll() == KVPoll.Failed
+        wait(lambda: rc.poll() == KVPoll.Failed)  # send_metadata does not wait for the refusal
         with pytest.raises(ks.KVTransferError) as e:
             rc.failure_exception()
         assert "state" in str(e.value)
@@ -352,5 +352,139 @@ def test_success_before_the_sidecar_died_stays_success(sidecar_factory):
         # The scheduler polls only now: both rooms concluded before the loss.
         assert rc.poll() == KVPoll.Success
         assert s.poll() == KVPoll.Success
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def _waits(*clients):
+    """Records the ops of every request a caller waits for on ``clients``."""
+    waited = []
+    for c in clients:
+        real = c._request
+
+        def request(msg, timeout=None, real=real):
+            waited.append(msg["op"])
+            return real(msg, timeout)
+
+        c._request = request
+    return waited
+
+
+def _failed_with(room, text):
+    wait(lambda: room.poll() == KVPoll.Failed)
+    with pytest.raises(ks.KVTransferError) as e:
+        room.failure_exception()
+    assert text in str(e.value), str(e.value)
+
+
+def test_scheduler_calls_never_wait(sidecar_factory):
+    """Every call SGLang's schedulers make on a room returns without
+    waiting for the sidecar (issue 24): the room requests are pipelined,
+    and decode_prefix_len is asked by the client's I/O thread as soon as
+    the room is WaitingForInput, so pop_decode_prefix_len finds it here."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=64)
+    try:
+        waited = _waits(prefill[0].mgr.client, decode[0].mgr.client)
+        reqs = [se.Request(room=300 + i, tokens=9, chunk_pages=1) for i in range(4)]
+        se.run(geo, prefill, decode, reqs, addr)
+        for r in reqs:
+            assert r.prefill_result == KVPoll.Success and r.decode_result == KVPoll.Success, r.failure
+            assert se.verify(geo, prefill, decode, r) > 0
+        mgr = prefill[0].mgr
+        s = ks.KVSender(mgr, addr, 310, [0], 0)
+        rc = ks.KVReceiver(decode[0].mgr, addr, 310)
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(1), 0)
+        wait(lambda: s.poll() == KVPoll.WaitingForInput)
+        wait(lambda: 310 in mgr._prefix_asked and mgr._prefix_asked[310].done())
+        assert s.pop_decode_prefix_len() == 0
+        assert s.pop_decode_prefix_len() == 0  # popped
+        s.abort()
+        rc.abort()
+        s.clear()
+        rc.clear()
+        assert waited == [], waited
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_each_pipelined_room_op_refused_fails_its_room(sidecar_factory):
+    """A refusal of any pipelined room request fails exactly that room
+    with the sidecar's code and message (poll() then failure_exception());
+    other rooms go on."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        pm, dm = prefill[0].mgr, decode[0].mgr
+        bystander_s = ks.KVSender(pm, addr, 400, [0], 0)
+        bystander_r = ks.KVReceiver(dm, addr, 400)
+        bystander_r.init(0)
+        # sender_create on a decode rank: bad_request.
+        s = ks.KVSender(dm, addr, 401, [0], 0)
+        _failed_with(s, "kvhost serve: bad_request")
+        # receiver_create on a prefill rank: bad_request.
+        rc = ks.KVReceiver(pm, addr, 402)
+        rc.init(0)
+        _failed_with(rc, "kvhost serve: bad_request")
+        # sender_init with an aux slot outside the rank's aux buffers.
+        s = ks.KVSender(pm, addr, 403, [0], 0)
+        r3 = ks.KVReceiver(dm, addr, 403)
+        r3.init(0)
+        wait(lambda: r3.poll() == KVPoll.WaitingForInput)
+        r3.send_metadata(decode[0].alloc(1), 0)
+        wait(lambda: s.poll() == KVPoll.WaitingForInput)
+        s.init(1, 1 << 20)
+        _failed_with(s, "kvhost serve: bad_request")
+        r3.abort()
+        r3.clear()
+        # sender_prefix_len before WaitingForInput (no receiver): out_of_order.
+        s = ks.KVSender(pm, addr, 404, [0], 0)
+        assert s.pop_decode_prefix_len() == 0
+        _failed_with(s, "kvhost serve: out_of_order")
+        # receiver_init with an aux slot outside the rank's aux buffers.
+        s5 = ks.KVSender(pm, addr, 405, [0], 0)
+        rc = ks.KVReceiver(dm, addr, 405)
+        rc.init(0)
+        wait(lambda: rc.poll() == KVPoll.WaitingForInput)
+        rc.send_metadata(decode[0].alloc(1), 1 << 20)
+        _failed_with(rc, "kvhost serve: bad_request")
+        s5.abort()
+        s5.clear()
+        # The bystander room was untouched by all of it, and still moves KV.
+        assert bystander_r.poll() == KVPoll.WaitingForInput
+        src, dst = prefill[0].alloc(1), decode[0].alloc(1)
+        bystander_r.send_metadata(dst, 0)
+        wait(lambda: bystander_s.poll() == KVPoll.WaitingForInput)
+        bystander_s.init(1, 0)
+        bystander_s.send(src)
+        wait(lambda: bystander_s.poll() == KVPoll.Success and bystander_r.poll() == KVPoll.Success)
+    finally:
+        close_all(boot, prefill + decode)
+
+
+def test_close_room_refusal_fails_no_later_room(sidecar_factory):
+    """close_room is pipelined and forgets the room at once; its refusal
+    (here: the room was never made, its create was refused) must not fail
+    a room made with the same id right after, nor may the old room's
+    late refusals (the client tracks each incarnation of an id)."""
+    geo = se.Geometry(layers=1, heads=4)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, 1, 1, pages=32)
+    try:
+        c, rank = decode[0].mgr.client, decode[0].mgr.rank
+        c.sender_create_nowait(rank, 500)  # refused: a decode rank
+        c.sender_init_nowait(rank, 500, 1, 0)  # refused too, answered later
+        c.close_room_nowait(rank, 500)  # refused: unknown
+        s = ks.KVSender(prefill[0].mgr, addr, 500, [0], 0)
+        c.receiver_create_nowait(rank, 500, addr, 0)
+        wait(lambda: c.state(rank, 500) == kc.WAITING_FOR_INPUT)
+        c.call("poll", rank=rank, rooms=kc.pack_u64([500]))  # every earlier reply is in
+        assert c.state(rank, 500) == kc.WAITING_FOR_INPUT, c.failure_reason(rank, 500)
+        with pytest.raises(kc.Exists):
+            c.receiver_create_nowait(rank, 500, addr, 0)  # tracked: refused here, room untouched
+        assert c.state(rank, 500) == kc.WAITING_FOR_INPUT
+        s.abort()
+        s.clear()
     finally:
         close_all(boot, prefill + decode)

@@ -483,3 +483,43 @@ def test_agent_params(sidecars):
     finally:
         for e in engines:
             e.close()
+
+
+def test_refused_read_fails_the_load_without_waiting(pair):
+    """start_load_kv does not wait for the sidecar (issue 24: vLLM calls it
+    in the forward pass): a read the sidecar refuses (a local block id
+    outside the decode rank's blocks) comes back on the I/O thread and is
+    reported like a read that failed, its blocks invalid, with the
+    sidecar's reason; the other request of the step loads."""
+    p, d, _, _ = pair(prefill_tp=1, decode_tp=1)
+    waited = []
+    for w in d.workers:
+        c = w.connector_worker._client
+        real = c._request
+
+        def request(msg, timeout=None, real=real):
+            waited.append(msg["op"])
+            return real(msg, timeout)
+
+        c._request = request
+    good = prefill(p, "ok", 8, 4, [0, 1])
+    load(d, "d-ok", 8, good, [4, 5])
+    # kv_transfer_params that are not a map: the sidecar refuses the read
+    # (bad_request); vLLM's scheduler would not pass such params, but a
+    # refusal of any kind takes this path.
+    build = d.sched.build_connector_meta
+
+    def with_bad_read(out):
+        meta = build(out)
+        meta.reqs_to_recv["d-bad"] = kvllm.ReqMeta(local_block_ids=[6, 7], kv_transfer_params=["not", "a", "map"])
+        d.sched.build_connector_meta = build
+        return meta
+
+    d.sched.build_connector_meta = with_bad_read
+    _expect_failed_load(d, "d-bad", [6, 7])
+    res = d.workers[0].connector_worker.read_results["d-bad"]
+    assert "read refused" in res["reason"] and "bad_request" in res["reason"], res
+    d.until(lambda: d.recving.get("d-ok") == d.tp, "the good request loaded")
+    assert d.workers[0].connector_worker.read_results["d-ok"]["ok"]
+    check_all(d, [4, 5], 4)
+    assert "read" not in waited, waited

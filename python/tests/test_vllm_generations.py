@@ -297,6 +297,9 @@ class _StubClient:
     def read(self, rank, request_id, kv_transfer_params, block_ids):
         self.reads.append((rank, request_id, kv_transfer_params, block_ids))
 
+    def read_nowait(self, rank, request_id, kv_transfer_params, block_ids, on_error):
+        self.read(rank, request_id, kv_transfer_params, block_ids)
+
 
 @pytest.mark.parametrize("remote_block_ids", [[7, 8, 9], [[7, 8, 9]]], ids=["gen2-flat", "gen6-per-group"])
 def test_kv_transfer_params_reach_the_sidecar_unchanged(remote_block_ids):

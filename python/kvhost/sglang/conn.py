@@ -41,6 +41,19 @@ decode (python/sglang/srt/disaggregation/decode.py)
   instead of ``send_metadata`` (and pass the prefill DP rank to the
   constructor): both forms are accepted.
 
+Nothing here waits for the sidecar on the scheduler's thread: every room
+request (``sender_create``, ``sender_init``, ``sender_send``,
+``receiver_create``, ``receiver_init``, ``abort``, ``close_room``) is
+sent with the client's pipelined forms (``*_nowait``) and returns at once,
+as SGLang's NIXL and MORI connectors only enqueue work for background
+threads; the sidecar handles one connection's requests in order, so none
+needs an answer before the next, and a refusal fails the room in the
+client's state cache with the sidecar's code and message, which the next
+``poll()`` and ``failure_exception()`` report. ``sender_prefix_len``
+needs its answer: the client's I/O thread asks it the moment the room's
+WaitingForInput event arrives (before the scheduler can see that state),
+so ``pop_decode_prefix_len`` finds it answered.
+
 Hybrid models: ``kv_args.state_types`` lists the state components (mamba,
 swa, dsa, minimax_index_k, swa_ring, c128_state), ``state_data_ptrs[i]``
 ... their tensors, and ``state_indices`` one entry per component; they go
@@ -88,13 +101,23 @@ from kvhost.sglang.base import (  # noqa: F401  (re-exported)
 logger = logging.getLogger("kvhost.sglang")
 
 
-def _poll(state: int):
-    """A state as the KVPoll SGLang compares with (an IntEnum member in
-    SGLang, plain ints in the stand-in)."""
+def _poll_member(state: int):
     try:
         return KVPoll(state)  # type: ignore[call-arg]
     except TypeError:
         return state
+
+
+# poll() runs for every request on every scheduler step: its states are
+# looked up, not converted.
+_POLL_STATES = {st: _poll_member(st) for st in range(5)}
+
+
+def _poll(state: int):
+    """A state as the KVPoll SGLang compares with (an IntEnum member in
+    SGLang, plain ints in the stand-in)."""
+    v = _POLL_STATES.get(state)
+    return _poll_member(state) if v is None else v
 
 
 # --------------------------------------------------------------------------
@@ -296,6 +319,52 @@ class KVManager(BaseKVManager):
             self.client.close()  # the sidecar releases what was registered
             raise
         self._reconnector = _Reconnector(self.client, self._reopen, self.reconnect_interval, "rank")
+        # decode_prefix_len asked ahead (see _on_room_event): rooms whose
+        # sender wants it, and the answers under way, by room.
+        self._prefix_lock = threading.Lock()
+        self._prefix_wanted: Dict[int, int] = {}
+        self._prefix_asked: Dict[int, Any] = {}
+        if self.role == "prefill":
+            self.client.add_listener(self._on_room_event)
+
+    def _on_room_event(self, ev: dict) -> None:
+        """On the client's I/O thread: a prefill room that reached
+        WaitingForInput gets its ``sender_prefix_len`` asked at once, so
+        the answer is here when the scheduler pops it (SGLang's
+        pop_bootstrapped calls pop_decode_prefix_len right after the poll
+        that saw WaitingForInput; a round trip there would hold the
+        scheduler)."""
+        if ev.get("event") != "room" or ev.get("state") != KVPoll.WaitingForInput:
+            return
+        room = ev.get("room")
+        with self._prefix_lock:
+            rank = self._prefix_wanted.pop(room, None)
+            if rank is None or rank != ev.get("rank"):
+                return
+            try:
+                self._prefix_asked[room] = self.client.sender_prefix_len_async(rank, room)
+            except _client.KVHostError:
+                pass  # lost or closing: pop_decode_prefix_len asks (and fails) itself
+
+    def _want_prefix_len(self, rank: int, room: int) -> None:
+        if self.role == "prefill":
+            with self._prefix_lock:
+                self._prefix_wanted[room] = rank
+
+    def _prefix_len(self, rank: int, room: int) -> int:
+        """decode_prefix_len of the room: the answer asked ahead, else a
+        round trip. Raises the sidecar's refusal."""
+        with self._prefix_lock:
+            self._prefix_wanted.pop(room, None)
+            f = self._prefix_asked.pop(room, None)
+        if f is None:
+            return self.client.sender_prefix_len(rank, room)
+        return f.result(self.client.timeout)
+
+    def _drop_prefix(self, room: int) -> None:
+        with self._prefix_lock:
+            self._prefix_wanted.pop(room, None)
+            self._prefix_asked.pop(room, None)
 
     def _ranges(self) -> List[Tuple[int, int]]:
         a = self.kv_args
@@ -515,7 +584,11 @@ class _Room:
 
     def _call(self, fn, *args, **kw) -> bool:
         """Runs a room request; a refusal fails the room (SGLang's senders
-        record the error and report Failed on the next poll)."""
+        record the error and report Failed on the next poll). The room
+        requests are the client's pipelined forms (``*_nowait``): this
+        raises only what the client knows before sending (connection
+        lost, too large, a room id in use); the sidecar's refusal fails
+        the room in the client's state cache, which poll() reads."""
         try:
             fn(*args, **kw)
             return True
@@ -560,7 +633,7 @@ class _Room:
     def abort(self):
         """Fails the room and tells the peers (SGLang's AbortReq)."""
         if self._created and self.conclude_state is None and not self._stale():
-            self._call(self.kv_mgr.client.abort, self._rank, self.bootstrap_room)
+            self._call(self.kv_mgr.client.abort_nowait, self._rank, self.bootstrap_room)
         self._fail_local("Aborted by AbortReq.")
 
     def clear(self) -> None:
@@ -569,10 +642,11 @@ class _Room:
             return
         self._created = False
         mgr = self.kv_mgr
+        mgr._drop_prefix(self.bootstrap_room)
         if self._stale():
             return
         try:
-            mgr.client.close_room(self._rank, self.bootstrap_room)
+            mgr.client.close_room_nowait(self._rank, self.bootstrap_room)
         except _client.KVHostError as e:
             logger.debug("close_room %s: %s", self.bootstrap_room, e)
 
@@ -595,8 +669,12 @@ class KVSender(_Room, BaseKVSender):
         self._metric = KVTransferMetric()
         if self._stale():
             self._fail_local(_client.LOST_REASON)
-        elif self._call(mgr.client.sender_create, self._rank, bootstrap_room):
-            self._created = True
+        else:
+            mgr._want_prefix_len(self._rank, bootstrap_room)  # before the request: its event may come first
+            if self._call(mgr.client.sender_create_nowait, self._rank, bootstrap_room):
+                self._created = True
+            else:
+                mgr._drop_prefix(bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         """The tokens the decode side already holds (its decode_prefix_len),
@@ -607,7 +685,7 @@ class KVSender(_Room, BaseKVSender):
             return 0
         self._prefix_popped = True
         try:
-            return self.kv_mgr.client.sender_prefix_len(self._rank, self.bootstrap_room)
+            return self.kv_mgr._prefix_len(self._rank, self.bootstrap_room)
         except _client.KVHostError as e:
             self._fail_local(e.message if e.code == "connection_lost" else "kvhost serve: %s" % e, e)
             return 0
@@ -616,7 +694,7 @@ class KVSender(_Room, BaseKVSender):
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
         if self._created and self.conclude_state is None:
-            self._call(self.kv_mgr.client.sender_init, self._rank, self.bootstrap_room,
+            self._call(self.kv_mgr.client.sender_init_nowait, self._rank, self.bootstrap_room,
                        self.num_kv_indices, -1 if aux_index is None else int(aux_index))
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -693,7 +771,7 @@ class KVReceiver(_Room, BaseKVReceiver):
         mgr = self.kv_mgr
         if self._stale():
             self._fail_local(_client.LOST_REASON)
-        elif self._call(mgr.client.receiver_create, self._rank, self.bootstrap_room, self.bootstrap_addr,
+        elif self._call(mgr.client.receiver_create_nowait, self._rank, self.bootstrap_room, self.bootstrap_addr,
                       None if prefill_dp_rank is None else int(prefill_dp_rank)):
             self._created = True
 
@@ -716,7 +794,7 @@ class KVReceiver(_Room, BaseKVReceiver):
         except (TypeError, ValueError) as e:
             self._fail_local("state_indices: %s" % e)
             return
-        self._call(self.kv_mgr.client.receiver_init, self._rank, self.bootstrap_room, kv_indices,
+        self._call(self.kv_mgr.client.receiver_init_nowait, self._rank, self.bootstrap_room, kv_indices,
                    -1 if aux_index is None else int(aux_index), state, int(decode_prefix_len or 0))
         self.init_time = time.time()
 

@@ -3,6 +3,20 @@
 NixlPullConnectorScheduler in v1/nixl/pull_scheduler.py @ 0050936b),
 with request_finished asking the sidecar to hold the blocks (``hold``)
 and returning the kv_transfer_params the sidecar made.
+
+``hold`` stays a round trip on vLLM's scheduler thread (issue 24 asked):
+the params could be made here (they are the engine's side channel, id
+and TP size, learnt from an earlier reply, plus the request's blocks and
+id), but the reply is what proves the sidecar holds the request before
+the params leave the engine. A decode that reads and notifies before the
+sidecar processed a pipelined hold finds the request unknown (the
+sidecar logs "unrecognized request") and the hold then waits for a
+notification that already came, until ``abort_timeout``: measured in
+``kvhost.bench_engine``, where the decode reads at once. vLLM's NIXL
+worker avoids this by knowing the request from the step it was scheduled
+in (reqs_in_batch) and counting early notifications; the sidecar would
+need the same (remember notifications of requests it does not hold yet)
+before holds can be pipelined.
 """
 
 from __future__ import annotations

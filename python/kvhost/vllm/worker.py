@@ -219,7 +219,11 @@ class KvhostConnectorWorker:
             try:
                 if self.rank is None:
                     raise _NotDecode(f"request {req_id}: this worker has no decode rank (kv_role kv_producer)")
-                self._client.read(self.rank, req_id, meta.kv_transfer_params, list(meta.local_block_ids))
+                # Not waited for (vLLM calls start_load_kv in the forward
+                # pass; NIXL's worker only starts the handshake or transfer
+                # there): a refusal comes back as a failed read.
+                self._client.read_nowait(self.rank, req_id, meta.kv_transfer_params, list(meta.local_block_ids),
+                                         self._on_read_refused(self._client, req_id))
             except (errors + (_NotDecode,)) as e:
                 # Refused before any byte moved (bad kv_transfer_params, an
                 # unknown engine): the blocks hold nothing valid, as after
@@ -291,6 +295,20 @@ class KvhostConnectorWorker:
             else:
                 self._invalid_block_ids.update(meta.local_block_ids)
         self._finish_recv(req_id, {"ok": False, "reason": reason})
+
+    def _on_read_refused(self, client, req_id):
+        rank = self.rank
+
+        def refused(e):
+            logger.error("kvhost: read of request %s refused: %s", req_id, e)
+            # On the client's I/O thread: queued like the read event the
+            # sidecar sends for a read that failed after it started.
+            self._events.append((client.generation, {
+                "event": "read", "rank": rank, "request_id": req_id, "ok": False,
+                "invalid_blocks": b"", "reason": "read refused: %s" % e,
+            }))
+
+        return refused
 
     def _listener(self, client):
         def on_event(ev):
