@@ -94,10 +94,6 @@ type Prefill struct {
 	closedRooms recentRooms
 	srcLists    map[string]*plugin.DList // prepped source lists shared by peers
 
-	// notifyCtx bounds failure notifications; Close cancels it after
-	// closeGrace so a dead decode endpoint cannot hold Close for long.
-	notifyCtx    context.Context
-	notifyCancel context.CancelFunc
 }
 
 // roomInfos is what the decode ranks of one room sent (transfer_infos).
@@ -216,8 +212,8 @@ func (r *recentRooms) expire(cutoff time.Time) {
 	}
 }
 
-// closeGrace is how long Close lets failure notifications in flight try to
-// reach decode.
+// closeGrace is how long a closing rank lets the messages it still owes
+// its peers (failure notifications, ABORTs) try to leave.
 const closeGrace = time.Second
 
 // maxPendingRooms bounds rooms whose transfer info (or ABORT) arrived but
@@ -273,7 +269,6 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	m.srcKV = cfg.KV.kvSide(cfg.Parallel)
 	m.srcAux = cfg.KV.auxBuffers()
 	m.srcState, m.stateTypes = cfg.KV.stateBuffers()
-	m.notifyCtx, m.notifyCancel = context.WithCancel(context.Background())
 	for i := 0; i < m.set.QueueSize; i++ {
 		sh := newShard()
 		m.shards = append(m.shards, sh)
@@ -391,9 +386,6 @@ func (m *Prefill) Close() error {
 	for _, s := range open {
 		s.fail("prefill rank closed", false) // decode hears it too
 	}
-	grace := m.clock.AfterFunc(closeGrace, m.notifyCancel)
-	defer grace.Stop()
-	defer m.notifyCancel()
 	return m.shutdown()
 }
 
@@ -695,7 +687,7 @@ func (m *Prefill) sendFailure(room uint64, reason string, eps []string) {
 		// Not m.ctx: a failure found while closing must still reach decode
 		// (sendStatus bounds each send, Close gives it closeGrace).
 		for _, ep := range eps {
-			if err := m.sendStatus(m.notifyCtx, ep, room, sglang.KVPollFailed, reason); err != nil {
+			if err := m.sendStatus(m.farewell, ep, room, sglang.KVPollFailed, reason); err != nil {
 				m.log.Debug("could not send failure status", "room", room, "decode", ep, "err", err)
 			}
 		}

@@ -39,8 +39,14 @@ type rank struct {
 
 	ctx    context.Context // ends when the rank closes
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	closed atomic.Bool
+	// farewell ends closeGrace after the rank starts closing: messages a
+	// closing rank still owes its peers (a failed room's ABORT) use it,
+	// so they are not cut off by ctx before they leave, nor hold Close
+	// up for long on a peer that is gone.
+	farewell       context.Context
+	farewellCancel context.CancelFunc
+	wg             sync.WaitGroup
+	closed         atomic.Bool
 }
 
 // rankSetup is what rank.open needs from a PrefillConfig or DecodeConfig.
@@ -120,6 +126,7 @@ func (r *rank) listen(kv *KVArgs, host string, port int, sendTimeout time.Durati
 	}
 	r.push = r.tr.Outbox(r.log, sendTimeout)
 	r.ctx, r.cancel = context.WithCancel(context.Background())
+	r.farewell, r.farewellCancel = context.WithCancel(context.Background())
 	return nil
 }
 
@@ -186,6 +193,11 @@ func sweepPeriod(timeout time.Duration) time.Duration {
 // agent (releasing every plugin handle); the role fails its open rooms
 // first. It also undoes a partial open or listen.
 func (r *rank) shutdown() error {
+	if r.farewellCancel != nil {
+		grace := r.clock.AfterFunc(closeGrace, r.farewellCancel)
+		defer grace.Stop()
+		defer r.farewellCancel()
+	}
 	if r.cancel != nil {
 		r.cancel()
 	}

@@ -275,7 +275,9 @@ func (r *Receiver) failWith(reason string, remote, abort bool) {
 		go func() {
 			defer d.wg.Done()
 			for _, t := range ts {
-				ctx, cancel := d.clock.WithTimeout(d.ctx, 5*time.Second)
+				// Not d.ctx: a room failed because its rank is closing
+				// still tells its prefill ranks before the sockets close.
+				ctx, cancel := d.clock.WithTimeout(d.farewell, 5*time.Second)
 				if err := d.push.Send(ctx, t.endpoint, slices.Clone(frames)...); err != nil {
 					d.log.Debug("could not send ABORT", "room", r.room, "prefill", t.endpoint, "err", err)
 				}
