@@ -1,10 +1,12 @@
 package apiconformance
 
 import (
+	"context"
 	"fmt"
-	"net"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/host/internal/zmq"
 )
 
 // TestRoomLimit: rooms per connection (--max-rooms) count the rooms of
@@ -73,15 +75,16 @@ func TestConnectionCap(t *testing.T) {
 
 // TestReadLimit: one decode rank has at most 16384 reads in flight.
 func TestReadLimit(t *testing.T) {
-	// The reads wait on a side channel that never answers: they must stay
-	// in flight however long sending 16384 of them takes here.
+	// The reads wait on a side channel that takes the handshake request
+	// and never answers: they must stay in flight however long sending
+	// 16384 of them takes here.
 	side := startSidecar(t, "--handshake-timeout", "10m")
 	d := side.engine(t, "decode")
 	p := newVLLMPool(t, 2, 8, 4, 2, 8)
 	d.register(p.region())
 	rank := must(t, d.ok("open_rank", p.fields("decode", "D", 1, 0)), "rank")
 	params := m("do_remote_prefill", true, "do_remote_decode", false, "remote_block_ids", []int{1},
-		"remote_engine_id", "S", "remote_request_id", "s", "remote_host", "127.0.0.1", "remote_port", stalledPort(t), "tp_size", 1)
+		"remote_engine_id", "S", "remote_request_id", "s", "remote_host", "127.0.0.1", "remote_port", silentSideChannel(t), "tp_size", 1)
 	const limit = 1 << 14
 	for done := 0; done < limit; done += 1000 {
 		var seqs []uint64
@@ -96,29 +99,22 @@ func TestReadLimit(t *testing.T) {
 	d.fail("read", m("rank", rank, "request_id", "one-more", "kv_transfer_params", params, "block_ids", i32s(1)), "limit")
 }
 
-// stalledPort is a local TCP port that accepts connections and never
-// says anything: a side channel or bootstrap server that hangs.
-func stalledPort(t *testing.T) int {
+// silentSideChannel is a local ZeroMQ ROUTER that completes the ZMTP
+// handshake (so no greeting timeout ends the wait) and never answers a
+// request: a vLLM side channel whose handshake hangs.
+func silentSideChannel(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	r, err := zmq.ListenRouter("tcp://127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
+	t.Cleanup(func() { r.Close() })
 	go func() {
-		var held []net.Conn
-		defer func() {
-			for _, c := range held {
-				c.Close()
-			}
-		}()
 		for {
-			c, err := ln.Accept()
-			if err != nil {
+			if _, err := r.Recv(context.Background()); err != nil {
 				return
 			}
-			held = append(held, c)
 		}
 	}()
-	return ln.Addr().(*net.TCPAddr).Port
+	return r.Port()
 }
