@@ -41,11 +41,16 @@ import (
 //     which change no field), base_scheduler.py at the same commit (the
 //     handshake of version 6, unchanged; transfer_mode, dcp_size and
 //     pp_size in kv_transfer_params) and pull_worker.py at the same commit
-//     (the READ notification "{remote_request_id}:{expected_consumers}",
-//     the decode ranks reading that prefill rank, as in version 2). The
-//     order of kv_transfer_params is pull_scheduler.py's request_finished
-//     @ 0050936b22adda2ef0197fa3bb2551fe6c5437dc (the file is not stored
-//     at 0316d25).
+//     (_read_blocks' READ notification
+//     "{remote_request_id}:{expected_consumers}", the decode ranks reading
+//     that prefill rank, as in version 2; _get_new_notifs, which waits for
+//     that many and extends leases on "HB:" notifications). The order of
+//     kv_transfer_params is pull_scheduler.py's request_finished @
+//     0050936b22adda2ef0197fa3bb2551fe6c5437dc and the heartbeat
+//     base_worker.py's _send_heartbeats @
+//     00bd51312724dc9984e7eaa16fa741863db25c97 (neither file is stored at
+//     0316d25). base_worker.py there reads block_strides as the byte
+//     stride from one block to the next (cache.stride(0)).
 type Generation struct {
 	// Version is NIXL_CONNECTOR_VERSION, also the nixl_connector_version
 	// hash factor.

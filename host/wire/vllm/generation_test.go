@@ -343,9 +343,10 @@ func TestCompatHashRefusals(t *testing.T) {
 func FuzzDecodeMetaRequestGenerations(f *testing.F) {
 	f.Add(G2.EncodeMetaRequest(0, 3))
 	f.Add(g6.EncodeMetaRequest(1, 2))
+	f.Add(g10.EncodeMetaRequest(0, 7))
 	f.Add([]byte{0x93, 0xa0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		for _, g := range []*Generation{G2, g6} {
+		for _, g := range []*Generation{G2, g6, g10} {
 			pp, tp, err := g.DecodeMetaRequest(b)
 			if err != nil {
 				continue
@@ -368,7 +369,7 @@ func FuzzSplitReply(f *testing.F) {
 		if two {
 			frames = append(frames, clock)
 		}
-		for _, g := range []*Generation{G2, g6} {
+		for _, g := range []*Generation{G2, g6, g10} {
 			p, c, err := g.SplitReply(frames)
 			if err == nil && (string(p) != string(payload) || c != c) {
 				t.Fatalf("%s: %q %v", g, p, c)
