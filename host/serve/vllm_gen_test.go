@@ -167,6 +167,21 @@ func TestServeVLLMGeneration10Refusals(t *testing.T) {
 			t.Fatalf("%s %v: %+v", c.key, c.v, r)
 		}
 	}
+	// Versions 6 and 10 share the handshake's shape: the compatibility
+	// hash (nixl_connector_version is a factor) refuses the other.
+	ps6 := newTestServer(t)
+	w6 := vsMust(vsOpenT(t, ps6, "prefill", "P6", 1, 0, 64, 4, vsGen6))
+	vsEvent(t, w6.c)
+	params6, err := dial(t, ps6).Hold(ctx, "P6", "r6", []int32{1, 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.c.Read(ctx, d.rank.ID, "x-v6", params6, []int32{3, 4}); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := vsEvent(t, d.c).AsRead(); r.OK || !strings.Contains(r.Reason, "hash") || len(r.InvalidBlocks) != 2 {
+		t.Fatalf("a version-10 decode of a version-6 prefill: %+v", r)
+	}
 }
 
 // TestServeVLLMGenerationRefusals: a version kvhost does not speak is
