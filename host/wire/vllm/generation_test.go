@@ -153,12 +153,14 @@ func TestConsumers(t *testing.T) {
 	}{
 		{G2, 2, 2, 2}, {G2, 1, 4, 1}, {G2, 0, 1, 0},
 		{g6, 4, 2, 2}, {g6, 2, 2, 1}, {g6, 1, 4, 1}, {g6, 8, 1, 8}, {g6, 0, 1, 0},
+		// Version 10 counts readers again (pull_worker.py's expected_consumers).
+		{g10, 4, 2, 4}, {g10, 2, 2, 2}, {g10, 1, 4, 1}, {g10, 0, 1, 0},
 	} {
 		if got := c.g.Consumers(c.n, c.prefill); got != c.wt {
 			t.Errorf("%s: %d notified by decode, prefill TP %d: %d, want %d", c.g, c.n, c.prefill, got, c.wt)
 		}
 	}
-	if G2.NotifNumber(2, 4) != 2 || g6.NotifNumber(2, 4) != 4 {
+	if G2.NotifNumber(2, 4) != 2 || g6.NotifNumber(2, 4) != 4 || g10.NotifNumber(2, 4) != 2 {
 		t.Fatal("NotifNumber")
 	}
 	iv, ext := LeaseTimes(30 * time.Second)
