@@ -20,13 +20,19 @@ import (
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
-// peerMetadata6 is what the Python peer decodes of a version-6
-// NixlAgentMetadata.
+// peerMetadata6 is what the Python peer decodes of a version-6 or -10
+// NixlAgentMetadata, and what its side channel serves (the version-10
+// fields, when unset, as kvhost sends them: strides the block lengths,
+// context parallel sizes 1).
 type peerMetadata6 struct {
 	peerMetadata
 	SSMSizes                 []int  `json:"ssm_sizes"`
 	AttnBackendName          string `json:"attn_backend_name"`
 	PhysicalBlocksPerLogical int    `json:"physical_blocks_per_logical_kv_block"`
+	// Version 10.
+	BlockStrides []int `json:"block_strides,omitempty"`
+	DCPSize      int   `json:"dcp_size,omitempty"`
+	PCPSize      int   `json:"pcp_size,omitempty"`
 }
 
 type peerPayload6 struct {
@@ -38,98 +44,115 @@ type peerPayload6 struct {
 	Heartbeat         string        `json:"heartbeat"`
 }
 
-// TestInteropV6PythonDecodePeer: vLLM version-6 decode ranks (Python,
-// written from base_worker.py's _nixl_handshake and pull_worker.py) fetch
-// a kvhost version-6 prefill's metadata, byte for byte as msgspec encodes
-// it, then send what such a rank sends: its heartbeat and its READ
-// notification "{id}:{decode TP}". The prefill extends the lease and
+// TestInteropPythonDecodePeerV6V10: vLLM version-6 and version-10 decode
+// ranks (Python, written from base_worker.py's _nixl_handshake and
+// pull_worker.py) fetch a kvhost prefill's metadata of their version, byte
+// for byte as msgspec encodes it, then send what such a rank sends: its
+// heartbeat and its READ notification, "{id}:{decode TP}" (6) or
+// "{id}:{readers of the rank}" (10). The prefill extends the lease and
 // releases each request once every decode rank reading each of its ranks
 // notified (decode TP / prefill TP of them), for MHA and MLA and TP 1→1,
 // 2→2 and 2→4.
-func TestInteropV6PythonDecodePeer(t *testing.T) {
+func TestInteropPythonDecodePeerV6V10(t *testing.T) {
 	needPython(t)
 	for _, c := range []struct {
 		name     string
 		mla      bool
 		ptp, dtp int
 	}{{"mha-1-1", false, 1, 1}, {"mha-2-2", false, 2, 2}, {"mha-2-4", false, 2, 4}, {"mla-2-4", true, 2, 4}} {
-		t.Run(c.name, func(t *testing.T) {
-			g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 24}
-			ps := newPrefillSide(t, g, "prefill-py", func(cfg *SenderConfig) { cfg.Gen, cfg.AttnBackendName = gen6(t), "FLASH_ATTN" })
-			ps.hold(t, "req-6", 3, []int32{5, 1, 9}, 20)
-			var peers []peerPayload6
-			for drank := range c.dtp {
-				prank := drank * c.ptp / c.dtp
-				ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
-				out, err := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "req", ps.sender.Endpoint(),
-					strconv.Itoa(prank), "6", strconv.Itoa(c.dtp), "req-6").Output()
-				cancel()
-				if err != nil {
-					t.Fatalf("decode rank %d: %v\n%s", drank, err, stderrOf(err))
-				}
-				var got peerPayload6
-				if err := json.Unmarshal(out, &got); err != nil {
-					t.Fatalf("%v: %s", err, out)
-				}
-				blob, _ := ps.agents[prank].LocalMetadata()
-				want := peerMetadata{EngineID: "prefill-py", AgentMetadata: hex.EncodeToString(blob), NumBlocks: g.blocks,
-					KVCacheLayout: "HND", BlockSize: g.blockSize}
-				for _, r := range ps.pools[prank].Regions() {
-					want.KVCachesBaseAddr = append(want.KVCachesBaseAddr, r.Addr)
-					want.BlockLens = append(want.BlockLens, int(r.Len)/g.blocks)
-				}
-				if !got.ByteExact || got.CompatibilityHash != testHash || !reflect.DeepEqual(got.Metadata.peerMetadata, want) ||
-					!reflect.DeepEqual(got.Metadata.SSMSizes, []int{0, 0}) || got.Metadata.AttnBackendName != "FLASH_ATTN" ||
-					got.Metadata.PhysicalBlocksPerLogical != 1 || got.ClockOffset == nil {
-					t.Fatalf("decode rank %d got %+v", drank, got)
-				}
-				peers = append(peers, got)
-			}
-			// Each decode rank is an agent that loaded the metadata Python
-			// decoded and sends Python's messages.
-			per := max(c.dtp/c.ptp, 1)
-			for drank, p := range peers {
-				a := newAgent(t, fmt.Sprintf("vllm-d%d", drank))
-				blob, _ := hex.DecodeString(p.Metadata.AgentMetadata)
-				name, err := a.LoadRemote(blob)
+		for _, version := range []int{6, 10} {
+			t.Run(fmt.Sprintf("v%d/%s", version, c.name), func(t *testing.T) {
+				gen, err := vllm.Lookup(version)
 				if err != nil {
 					t.Fatal(err)
 				}
-				hb := ps.sender.Counts().Heartbeats
-				if err := a.SendNotif(name, []byte(p.Heartbeat)); err != nil {
-					t.Fatal(err)
+				g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 24}
+				ps := newPrefillSide(t, g, "prefill-py", func(cfg *SenderConfig) { cfg.Gen, cfg.AttnBackendName = gen, "FLASH_ATTN" })
+				ps.hold(t, "req-6", 3, []int32{5, 1, 9}, 20)
+				var peers []peerPayload6
+				for drank := range c.dtp {
+					prank := drank * c.ptp / c.dtp
+					ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+					out, err := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "req", ps.sender.Endpoint(),
+						strconv.Itoa(prank), strconv.Itoa(version), strconv.Itoa(c.dtp), "req-6", strconv.Itoa(c.ptp)).Output()
+					cancel()
+					if err != nil {
+						t.Fatalf("decode rank %d: %v\n%s", drank, err, stderrOf(err))
+					}
+					var got peerPayload6
+					if err := json.Unmarshal(out, &got); err != nil {
+						t.Fatalf("%v: %s", err, out)
+					}
+					blob, _ := ps.agents[prank].LocalMetadata()
+					want := peerMetadata{EngineID: "prefill-py", AgentMetadata: hex.EncodeToString(blob), NumBlocks: g.blocks,
+						KVCacheLayout: "HND", BlockSize: g.blockSize}
+					for _, r := range ps.pools[prank].Regions() {
+						want.KVCachesBaseAddr = append(want.KVCachesBaseAddr, r.Addr)
+						want.BlockLens = append(want.BlockLens, int(r.Len)/g.blocks)
+					}
+					if !got.ByteExact || got.CompatibilityHash != testHash || !reflect.DeepEqual(got.Metadata.peerMetadata, want) ||
+						!reflect.DeepEqual(got.Metadata.SSMSizes, []int{0, 0}) || got.Metadata.AttnBackendName != "FLASH_ATTN" ||
+						got.Metadata.PhysicalBlocksPerLogical != 1 || got.ClockOffset == nil {
+						t.Fatalf("decode rank %d got %+v", drank, got)
+					}
+					v10 := peerMetadata6{BlockStrides: got.Metadata.BlockLens, DCPSize: 1, PCPSize: 1}
+					if version < 10 {
+						v10 = peerMetadata6{}
+					}
+					if !reflect.DeepEqual(got.Metadata.BlockStrides, v10.BlockStrides) || got.Metadata.DCPSize != v10.DCPSize || got.Metadata.PCPSize != v10.PCPSize {
+						t.Fatalf("decode rank %d: version %d fields %+v", drank, version, got.Metadata)
+					}
+					if wantNotif := map[int]string{6: fmt.Sprintf("req-6:%d", c.dtp), 10: fmt.Sprintf("req-6:%d", c.dtp/c.ptp)}[version]; got.Notif != wantNotif {
+						t.Fatalf("decode rank %d: notification %q, want %q", drank, got.Notif, wantNotif)
+					}
+					peers = append(peers, got)
 				}
-				eventually(t, "the heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats == hb+1 })
-				if err := a.SendNotif(name, []byte(p.Notif)); err != nil {
-					t.Fatal(err)
+				// Each decode rank is an agent that loaded the metadata Python
+				// decoded and sends Python's messages.
+				per := max(c.dtp/c.ptp, 1)
+				for drank, p := range peers {
+					a := newAgent(t, fmt.Sprintf("vllm-d%d", drank))
+					blob, _ := hex.DecodeString(p.Metadata.AgentMetadata)
+					name, err := a.LoadRemote(blob)
+					if err != nil {
+						t.Fatal(err)
+					}
+					hb := ps.sender.Counts().Heartbeats
+					if err := a.SendNotif(name, []byte(p.Heartbeat)); err != nil {
+						t.Fatal(err)
+					}
+					eventually(t, "the heartbeat", 10*time.Second, func() bool { return ps.sender.Counts().Heartbeats == hb+1 })
+					if err := a.SendNotif(name, []byte(p.Notif)); err != nil {
+						t.Fatal(err)
+					}
+					if drank == c.dtp-1 {
+						break
+					}
+					// Not released before every reader of every prefill rank notified.
+					eventually(t, "the notification", 10*time.Second, func() bool { return ps.sender.Counts().Notifications == 2*(drank+1) })
+					if len(ps.releases) != 0 {
+						t.Fatalf("released after %d of %d notifications (%d per prefill rank)", drank+1, c.dtp, per)
+					}
 				}
-				if drank == c.dtp-1 {
-					break
+				select {
+				case rel := <-ps.releases:
+					if rel.Reason != ReleaseNotified || rel.Notified != c.dtp {
+						t.Fatalf("%+v", rel)
+					}
+				case <-time.After(10 * time.Second):
+					t.Fatalf("not released: %+v", ps.sender.Counts())
 				}
-				// Not released before every reader of every prefill rank notified.
-				eventually(t, "the notification", 10*time.Second, func() bool { return ps.sender.Counts().Notifications == 2*(drank+1) })
-				if len(ps.releases) != 0 {
-					t.Fatalf("released after %d of %d notifications (%d per prefill rank)", drank+1, c.dtp, per)
+				if c := ps.sender.Counts(); c.UnknownNotifications+c.MalformedNotifications != 0 {
+					t.Fatalf("%+v", c)
 				}
-			}
-			select {
-			case rel := <-ps.releases:
-				if rel.Reason != ReleaseNotified || rel.Notified != c.dtp {
-					t.Fatalf("%+v", rel)
-				}
-			case <-time.After(10 * time.Second):
-				t.Fatalf("not released: %+v", ps.sender.Counts())
-			}
-			if c := ps.sender.Counts(); c.UnknownNotifications+c.MalformedNotifications != 0 {
-				t.Fatalf("%+v", c)
-			}
-		})
+			})
+		}
 	}
 }
 
 // pythonRouter starts the Python vLLM prefill side channel of a version
 // serving spec for n requests and returns its port and a wait for "OK n".
-func pythonRouter(t *testing.T, spec map[string]peerPayload, n, version int) (int, func()) {
+func pythonRouter(t *testing.T, spec any, n, version int) (int, func()) {
 	specPath := filepath.Join(t.TempDir(), "spec.json")
 	b, _ := json.Marshal(spec)
 	if err := os.WriteFile(specPath, b, 0o600); err != nil {
@@ -202,12 +225,14 @@ func newPyPrefill(t *testing.T, g geom, engineID string, blocks []int32, seed ui
 	return pp
 }
 
-// TestInteropV6GoDecodeFromPythonPrefill: kvhost version-6 decode ranks
-// handshake with a Python version-6 vLLM prefill side channel (3-tuple
-// request, reply with the clock frame, version-6 metadata), read every
-// block, partial and full prefix hits, MHA and MLA, TP 1→1, 2→2 and 2→4,
-// and notify each prefill rank with "{id}:{decode TP}" (pull_worker.py).
-func TestInteropV6GoDecodeFromPythonPrefill(t *testing.T) {
+// TestInteropGoDecodeFromPythonPrefillV6V10: kvhost version-6 and -10
+// decode ranks handshake with a Python vLLM prefill side channel of their
+// version (3-tuple request, reply with the clock frame, the version's
+// metadata), read every block, partial and full prefix hits, MHA and MLA,
+// TP 1→1, 2→2 and 2→4, and notify each prefill rank as pull_worker.py of
+// the version does: "{id}:{decode TP}" (6), "{id}:{readers of the rank}"
+// (10).
+func TestInteropGoDecodeFromPythonPrefillV6V10(t *testing.T) {
 	needPython(t)
 	for _, c := range []struct {
 		name     string
@@ -218,47 +243,100 @@ func TestInteropV6GoDecodeFromPythonPrefill(t *testing.T) {
 		{"mha-1-1", false, 1, 1, 0}, {"mha-2-2-partial", false, 2, 2, 1}, {"mha-2-4", false, 2, 4, 0},
 		{"mha-2-4-full-hit", false, 2, 4, 3}, {"mla-2-4-partial", true, 2, 4, 2},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 32}
-			blocks := []int32{9, 4, 17}
-			pp := newPyPrefill(t, g, "py-engine", blocks, 77, 20)
-			dg := g
-			dg.tp = c.dtp
-			ds := newDecodeSide(t, dg, func(cfg *ReceiverConfig) { cfg.Gen = gen6(t) })
-			port, done := pythonRouter(t, pp.spec, c.dtp, 6)
-			params := KVTransferParams{DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine",
-				RemoteRequestID: "py-req", RemoteHost: "127.0.0.1", RemotePort: port, TPSize: c.ptp}
-			local := []int32{30, 1, 12}
-			for rank, rx := range ds.rx {
-				// The decode's own prefix cache holds the first hit blocks.
-				if err := ds.pools[rank].Fill(kvpool.Tokens{Request: 77, Pages: local, Count: min(c.hit*g.blockSize, 20)}); err != nil {
+		for _, version := range []int{6, 10} {
+			t.Run(fmt.Sprintf("v%d/%s", version, c.name), func(t *testing.T) {
+				gen, err := vllm.Lookup(version)
+				if err != nil {
 					t.Fatal(err)
 				}
-				res := wait(t, rx.Load(LoadRequest{RequestID: "d", LocalBlockIDs: local[c.hit:], Params: params}))
-				if res.Err != nil || res.NotifyOnly != (c.hit == len(local)) {
-					t.Fatalf("rank %d: %+v", rank, res)
+				g := geom{hnd: true, mla: c.mla, layers: 2, heads: 4, headBytes: 16, tp: c.ptp, blockSize: 8, blocks: 32}
+				blocks := []int32{9, 4, 17}
+				pp := newPyPrefill(t, g, "py-engine", blocks, 77, 20)
+				dg := g
+				dg.tp = c.dtp
+				ds := newDecodeSide(t, dg, func(cfg *ReceiverConfig) { cfg.Gen = gen })
+				port, done := pythonRouter(t, pp.spec, c.dtp, version)
+				params := KVTransferParams{DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine",
+					RemoteRequestID: "py-req", RemoteHost: "127.0.0.1", RemotePort: port, TPSize: c.ptp}
+				local := []int32{30, 1, 12}
+				for rank, rx := range ds.rx {
+					// The decode's own prefix cache holds the first hit blocks.
+					if err := ds.pools[rank].Fill(kvpool.Tokens{Request: 77, Pages: local, Count: min(c.hit*g.blockSize, 20)}); err != nil {
+						t.Fatal(err)
+					}
+					res := wait(t, rx.Load(LoadRequest{RequestID: "d", LocalBlockIDs: local[c.hit:], Params: params}))
+					if res.Err != nil || res.NotifyOnly != (c.hit == len(local)) {
+						t.Fatalf("rank %d: %+v", rank, res)
+					}
+					if err := ds.pools[rank].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err != nil {
+						t.Fatalf("rank %d: %v", rank, err)
+					}
 				}
-				if err := ds.pools[rank].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err != nil {
-					t.Fatalf("rank %d: %v", rank, err)
+				done()
+				// MLA with a larger decode reads one prefill rank per decode
+				// rank, as MHA does here: each prefill rank hears from
+				// decode TP / prefill TP readers.
+				want := make([]string, c.dtp/c.ptp)
+				for i := range want {
+					want[i] = fmt.Sprintf("py-req:%d", map[int]int{6: c.dtp, 10: c.dtp / c.ptp}[version])
 				}
+				for rank := range c.ptp {
+					var got []string
+					eventually(t, "notifications", 5*time.Second, func() bool {
+						got = append(got, pp.notifs[rank]()...)
+						return len(got) >= len(want)
+					})
+					if !reflect.DeepEqual(got, want) {
+						t.Fatalf("prefill rank %d notified %q, want %q", rank, got, want)
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestInteropV10Refusals: a version-10 Python prefill whose metadata says
+// what kvhost cannot read (blocks not back to back, a context parallel
+// engine) fails the kvhost decode's read naming the field, and the decode
+// reads nothing.
+func TestInteropV10Refusals(t *testing.T) {
+	needPython(t)
+	gen, err := vllm.Lookup(10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := geom{hnd: true, layers: 2, heads: 4, headBytes: 16, tp: 1, blockSize: 8, blocks: 32}
+	blocks := []int32{9, 4, 17}
+	pp := newPyPrefill(t, g, "py-engine", blocks, 77, 20)
+	for _, c := range []struct {
+		name, want string
+		edit       func(*peerMetadata6)
+	}{
+		{"strides", "block_strides", func(m *peerMetadata6) {
+			for _, l := range m.BlockLens {
+				m.BlockStrides = append(m.BlockStrides, 2*l)
 			}
+		}},
+		{"dcp", "dcp_size 2", func(m *peerMetadata6) { m.DCPSize = 2 }},
+		{"pcp", "pcp_size 2", func(m *peerMetadata6) { m.PCPSize = 2 }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			md := peerMetadata6{peerMetadata: pp.spec["0"].Metadata, SSMSizes: []int{0, 0}, AttnBackendName: "FLASH_ATTN",
+				PhysicalBlocksPerLogical: 1}
+			c.edit(&md)
+			spec := map[string]peerPayload6{"0": {CompatibilityHash: testHash, Metadata: md}}
+			ds := newDecodeSide(t, g, func(cfg *ReceiverConfig) { cfg.Gen = gen })
+			port, done := pythonRouter(t, spec, 1, 10)
+			local := []int32{30, 1, 12}
+			res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d", LocalBlockIDs: local, Params: KVTransferParams{
+				DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine", RemoteRequestID: "r",
+				RemoteHost: "127.0.0.1", RemotePort: port, TPSize: 1}}))
 			done()
-			// MLA with a larger decode reads one prefill rank per decode
-			// rank, as MHA does here: each prefill rank hears from
-			// decode TP / prefill TP readers.
-			want := make([]string, c.dtp/c.ptp)
-			for i := range want {
-				want[i] = fmt.Sprintf("py-req:%d", c.dtp)
+			if res.Err == nil || !strings.Contains(res.Err.Error(), c.want) || !strings.Contains(res.Err.Error(), "kvhost reads") {
+				t.Fatalf("want a refusal naming %q, got %+v", c.want, res)
 			}
-			for rank := range c.ptp {
-				var got []string
-				eventually(t, "notifications", 5*time.Second, func() bool {
-					got = append(got, pp.notifs[rank]()...)
-					return len(got) >= len(want)
-				})
-				if !reflect.DeepEqual(got, want) {
-					t.Fatalf("prefill rank %d notified %q, want %q", rank, got, want)
-				}
+			if err := ds.pools[0].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err == nil {
+				t.Fatal("the refused read wrote the decode's blocks")
 			}
 		})
 	}
@@ -284,7 +362,7 @@ func TestInteropCrossGeneration(t *testing.T) {
 		done()
 		msg := fmt.Sprint(res.Err)
 		if !errors.Is(res.Err, ErrHandshake) || !errors.Is(res.Err, vllm.ErrGeneration) ||
-			!strings.Contains(msg, fmt.Sprintf("as version %d sends", c.prefill)) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
+			!strings.Contains(msg, map[int]string{2: "as version 2 sends", 6: "as versions 6, 10 send"}[c.prefill]) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
 			t.Fatalf("decode v%d, prefill v%d: %v", c.decode, c.prefill, res.Err)
 		}
 	}

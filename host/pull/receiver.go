@@ -617,6 +617,15 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 			return fmt.Errorf("physical_blocks_per_logical_kv_block is %d: kvhost reads logical blocks only (1)", md.PhysicalBlocksPerLogical)
 		}
 	}
+	// What version 10's adds: block strides other than the block length
+	// (blocks not back to back) and context parallel engines, whose ranks
+	// each hold a slice of a block's tokens.
+	if slices.Contains(r.gen.MetadataFields, "block_strides") && !slices.Equal(md.BlockStrides, md.BlockLens) {
+		return fmt.Errorf("block_strides %v are not block_lens %v: kvhost reads back-to-back blocks only", md.BlockStrides, md.BlockLens)
+	}
+	if slices.Contains(r.gen.MetadataDefaults, "dcp_size") && (md.DCPSize != 1 || md.PCPSize != 1) {
+		return fmt.Errorf("the prefill is context parallel (dcp_size %d, pcp_size %d): kvhost reads engines without context parallelism only (1, 1)", md.DCPSize, md.PCPSize)
+	}
 	remote, err := remoteAgent(md, r.cfg.Cache.Kind)
 	if err != nil {
 		return err

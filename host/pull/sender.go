@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -398,11 +399,14 @@ func metadataOf(engineID string, blob []byte, c *Cache) *vllm.AgentMetadata {
 		KVCacheLayout:            c.Layout,
 		BlockSize:                c.BlockSize,
 		PhysicalBlocksPerLogical: 1,
+		DCPSize:                  1,
+		PCPSize:                  1,
 	}
 	for i, l := range c.blockLens() {
 		md.KVCachesBaseAddr = append(md.KVCachesBaseAddr, c.Regions[i].Addr)
 		md.BlockLens = append(md.BlockLens, int(l))
 	}
+	md.BlockStrides = slices.Clone(md.BlockLens) // blocks back to back
 	return md
 }
 

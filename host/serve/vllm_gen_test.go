@@ -27,6 +27,17 @@ func vsModel6() client.VLLMCompat {
 
 func vsGen6(r *client.VLLMRank) { r.Compat = vsModel6() }
 
+// vsModel10 is vsModel in version 10 (nixl/metadata.py @ 0316d25):
+// transfer_mode instead of cross_layers_blocks.
+func vsModel10() client.VLLMCompat {
+	c := vsModel
+	c.NixlConnectorVersion = 10
+	c.Extra = client.Fields{{K: "is_hma_enabled", V: true}, {K: "speculative_config", V: nil}, {K: "transfer_mode", V: "pull"}}
+	return c
+}
+
+func vsGen10(r *client.VLLMRank) { r.Compat = vsModel10() }
+
 // TestServeVLLMGeneration6: engines whose compat says
 // nixl_connector_version 6 speak version 6 through the sidecars: hold
 // returns version 6's kv_transfer_params (remote_block_ids one list per
@@ -35,9 +46,35 @@ func vsGen6(r *client.VLLMRank) { r.Compat = vsModel6() }
 // hit on one rank and a full one on the other) and the prefill releases
 // the request once both decode ranks notified "{id}:2".
 func TestServeVLLMGeneration6(t *testing.T) {
+	vsGenerationRoundTrip(t, vsGen6, []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+		"remote_request_id", "remote_host", "remote_port", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time"})
+}
+
+// TestServeVLLMGeneration10: the same in version 10, whose
+// kv_transfer_params add dcp_size and pp_size (1) and transfer_mode
+// ("pull") (pull_scheduler.py's request_finished), and whose decode ranks
+// notify "{id}:2" as the count of readers of the prefill rank.
+func TestServeVLLMGeneration10(t *testing.T) {
+	params := vsGenerationRoundTrip(t, vsGen10, []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids",
+		"remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+		"remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"})
+	for _, k := range []string{"dcp_size", "pp_size"} {
+		if v, _ := params.Get(k); func() bool { n, ok := v.Int(); return !ok || n != 1 }() {
+			t.Fatalf("%s is a %s, want 1", k, v.Kind)
+		}
+	}
+	if v, _ := params.Get("transfer_mode"); func() bool { m, ok := v.Str(); return !ok || m != "pull" }() {
+		t.Fatalf("transfer_mode is a %s, want \"pull\"", v.Kind)
+	}
+}
+
+// vsGenerationRoundTrip holds a request on a TP-1 prefill of the
+// generation gen sets, checks its kv_transfer_params' keys, reads it on
+// two decode ranks and returns the params.
+func vsGenerationRoundTrip(t *testing.T, gen func(*client.VLLMRank), wantKeys []string) msgpack.Value {
 	ctx := testCtx(t)
 	ps, ds := newTestServer(t), newTestServer(t)
-	w := vsMust(vsOpenT(t, ps, "prefill", "P6", 1, 0, 64, 4, vsGen6))
+	w := vsMust(vsOpenT(t, ps, "prefill", "P6", 1, 0, 64, 4, gen))
 	if id, _, ok := vsEvent(t, w.c).AsEngineReady(); !ok || id != "P6" {
 		t.Fatal("no engine_ready")
 	}
@@ -56,9 +93,8 @@ func TestServeVLLMGeneration6(t *testing.T) {
 		k, _ := p[0].Str()
 		keys = append(keys, k)
 	}
-	if want := []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-		"remote_host", "remote_port", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time"}; !slices.Equal(keys, want) {
-		t.Fatalf("kv_transfer_params keys %v, want %v", keys, want)
+	if !slices.Equal(keys, wantKeys) {
+		t.Fatalf("kv_transfer_params keys %v, want %v", keys, wantKeys)
 	}
 	rb, _ := params.Get("remote_block_ids")
 	if g0, _ := rb.Index(0); rb.Kind != msgpack.Array || rb.Len() != 1 || g0.Kind != msgpack.Array || g0.Len() != len(blocks) {
@@ -74,7 +110,7 @@ func TestServeVLLMGeneration6(t *testing.T) {
 	hits := []int{2, len(local)}
 	var dec []*vsRank
 	for rank := 0; rank < 2; rank++ {
-		d := vsMust(vsOpenT(t, ds, "decode", "D6", 2, rank, 32, 4, vsGen6))
+		d := vsMust(vsOpenT(t, ds, "decode", "D6", 2, rank, 32, 4, gen))
 		if err := d.pool.Fill(kvpool.Tokens{Request: 11, Pages: local, Count: min(hits[rank]*4, tokens)}); err != nil {
 			t.Fatal(err)
 		}
@@ -94,6 +130,58 @@ func TestServeVLLMGeneration6(t *testing.T) {
 	}
 	vsReleased(t, w.c, "P6", "req-6", "notified")
 	vsReleased(t, sched, "P6", "req-6", "notified")
+	return params
+}
+
+// TestServeVLLMGeneration10Refusals: version 10 without transfer_mode is
+// bad_request; a version-10 decode fails the read of params saying a
+// context parallel or a push prefill, naming the field.
+func TestServeVLLMGeneration10Refusals(t *testing.T) {
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) {
+		r.Compat = vsModel10()
+		r.Compat.Extra = r.Compat.Extra[:2]
+	})
+	if !isCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "transfer_mode") {
+		t.Fatalf("version 10 without transfer_mode: %v", err)
+	}
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "P10", 1, 0, 64, 4, vsGen10))
+	vsEvent(t, w.c)
+	params, err := dial(t, ps).Hold(ctx, "P10", "r", []int32{1, 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := vsMust(vsOpenT(t, srv, "decode", "D10", 1, 0, 32, 4, vsGen10))
+	for _, c := range []struct {
+		key string
+		v   any
+	}{{"dcp_size", 2}, {"transfer_mode", "push"}} {
+		bad := vsSetParam(params, c.key, c.v)
+		if err := d.c.Read(ctx, d.rank.ID, "x-"+c.key, bad, []int32{3, 4}); err != nil {
+			t.Fatal(err)
+		}
+		r, _ := vsEvent(t, d.c).AsRead()
+		if r.OK || !strings.Contains(r.Reason, c.key) || len(r.InvalidBlocks) != 2 {
+			t.Fatalf("%s %v: %+v", c.key, c.v, r)
+		}
+	}
+	// Versions 6 and 10 share the handshake's shape: the compatibility
+	// hash (nixl_connector_version is a factor) refuses the other.
+	ps6 := newTestServer(t)
+	w6 := vsMust(vsOpenT(t, ps6, "prefill", "P6", 1, 0, 64, 4, vsGen6))
+	vsEvent(t, w6.c)
+	params6, err := dial(t, ps6).Hold(ctx, "P6", "r6", []int32{1, 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.c.Read(ctx, d.rank.ID, "x-v6", params6, []int32{3, 4}); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := vsEvent(t, d.c).AsRead(); r.OK || !strings.Contains(r.Reason, "hash") || len(r.InvalidBlocks) != 2 {
+		t.Fatalf("a version-10 decode of a version-6 prefill: %+v", r)
+	}
 }
 
 // TestServeVLLMGenerationRefusals: a version kvhost does not speak is
@@ -106,7 +194,7 @@ func TestServeVLLMGenerationRefusals(t *testing.T) {
 	ctx := testCtx(t)
 	srv := newTestServer(t)
 	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 5 })
-	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6") {
+	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10") {
 		t.Fatalf("version 5: %v", err)
 	}
 	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 6 })

@@ -72,6 +72,19 @@ func vllmParamsOf(v msgpack.Value, gen *vllm.Generation) (pull.KVTransferParams,
 	intField("remote_num_tokens", &p.RemoteNumTokens)
 	intField("remote_block_size", &p.RemoteBlockSize)
 	intField("pp_size", &p.PPSize)
+	// Version 10's: a context parallel prefill splits each block's tokens
+	// over its ranks and a push prefill writes instead of being read;
+	// kvhost reads whole blocks.
+	var dcp int
+	var mode string
+	intField("dcp_size", &dcp)
+	strField("transfer_mode", &mode)
+	if err == nil && dcp > 1 {
+		err = fmt.Errorf("kv_transfer_params.dcp_size: %d: kvhost reads prefills without context parallelism only (1)", dcp)
+	}
+	if err == nil && mode != "" && mode != "pull" {
+		err = fmt.Errorf("kv_transfer_params.transfer_mode: %q: kvhost reads (\"pull\") only", mode)
+	}
 	if f, ok := field("remote_blocks_expiry_time"); ok && err == nil {
 		// The decode's own blocks' deadline (bidirectional transfers);
 		// a prefill's is None. Checked, not used.
@@ -170,7 +183,8 @@ func vllmPackBlocks(ids []int32) []byte {
 // remote_engine_id, remote_request_id, remote_host, remote_port, tp_size;
 // version 6 has remote_block_ids one list per KV cache group ([[...]]) and
 // adds remote_num_tokens and remote_blocks_expiry_time (None: a prefill's
-// blocks have no deadline the decode needs).
+// blocks have no deadline the decode needs); version 10 adds dcp_size and
+// pp_size (1) and transfer_mode ("pull").
 func encodeVLLMParams(e *msgpack.Encoder, p pull.KVTransferParams, gen *vllm.Generation) {
 	gen = vllm.Or(gen)
 	e.MapHeader(len(gen.ParamsFields))
@@ -203,6 +217,10 @@ func encodeVLLMParams(e *msgpack.Encoder, p pull.KVTransferParams, gen *vllm.Gen
 			e.Int(int64(p.RemoteNumTokens))
 		case "remote_blocks_expiry_time":
 			e.Nil()
+		case "dcp_size", "pp_size":
+			e.Int(1)
+		case "transfer_mode":
+			e.Str("pull")
 		default:
 			panic("serve: no encoder for kv_transfer_params field " + f) // a table entry without code
 		}

@@ -32,6 +32,23 @@ func FuzzVLLMParams(f *testing.F) {
 		f.Add(e.Bytes())
 	}
 	f.Add([]byte{0x81, 0xb0, 'r', 'e', 'm', 'o', 't', 'e', '_', 'b', 'l', 'o', 'c', 'k', '_', 'i', 'd', 's', 0x92, 0x90, 0x90})
+	// Version 10's keys, refused values among them.
+	for _, kv := range [][2]any{{"dcp_size", 2}, {"transfer_mode", "push"}, {"transfer_mode", 1}, {"pp_size", "x"}} {
+		var e msgpack.Encoder
+		e.MapHeader(2)
+		e.Str("remote_block_ids")
+		e.ArrayHeader(1)
+		e.ArrayHeader(1)
+		e.Int(3)
+		e.Str(kv[0].(string))
+		switch v := kv[1].(type) {
+		case int:
+			e.Int(int64(v))
+		case string:
+			e.Str(v)
+		}
+		f.Add(e.Bytes())
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		v, err := msgpack.Decode(b)
 		if err != nil {
@@ -66,6 +83,13 @@ func FuzzVLLMCompat(f *testing.F) {
 	e.Int(6)
 	e.Str("speculative_config")
 	e.Nil()
+	f.Add(e.Bytes())
+	e.Reset()
+	e.MapHeader(2)
+	e.Str("nixl_connector_version")
+	e.Int(10)
+	e.Str("transfer_mode")
+	e.Str("pull")
 	f.Add(e.Bytes())
 	f.Add([]byte{0x80})
 	f.Fuzz(func(t *testing.T, b []byte) {

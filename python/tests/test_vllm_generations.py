@@ -42,6 +42,7 @@ def test_generation_2_is_vllm_0_13s_nine_factors():
 
 @pytest.mark.parametrize("gen,extra", [
     (6, {"cross_layers_blocks": False, "is_hma_enabled": True, "speculative_config": None}),
+    (10, {"is_hma_enabled": True, "speculative_config": None, "transfer_mode": "pull"}),
     (12, {"is_hma_enabled": True, "speculative_config": None, "transfer_mode": "pull"}),
 ])
 def test_later_generations_add_vllms_factors(gen, extra):

@@ -9,12 +9,12 @@ connector that reports a request vLLM already freed fails the test as it
 would kill vLLM's engine core.
 
 Wire generations: the sidecar speaks NIXL connector generations 2 (vLLM
-0.13) and 6 (host/wire/vllm/generation.go); both replay end to end. A
-later one kvhost's table knows (12) is refused by the sidecar when the
+0.13), 6 and 10 (host/wire/vllm/generation.go); each replays end to end.
+A later one kvhost's table knows (12) is refused by the sidecar when the
 worker opens its rank, at start-up, with a message naming the version and
-the versions it speaks. Generation 6 has leases: the decode renews the
-prefill's lease from the request's arrival (``watch``), so a request
-waiting in the decode's queue longer than the lease is still read.
+the versions it speaks. Generations 6 and 10 have leases: the decode
+renews the prefill's lease from the request's arrival (``watch``), so a
+request waiting in the decode's queue longer than the lease is still read.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MLA_SHAPE = pat.Shape(layers=2, kv_heads=1, head_bytes=64, page_size=4)
 NUM_BLOCKS = 32
 
 # What the sidecar speaks (host/wire/vllm/generation.go).
-SIDECAR_GENERATIONS = (2, 6)
+SIDECAR_GENERATIONS = (2, 6, 10)
 # Known to kvhost's table, not to the sidecar: refused at start-up.
 REFUSED_GENERATIONS = tuple(g for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS)
 
@@ -161,21 +161,26 @@ def test_replay_refused_generation_at_startup(engines, gen):
         engines("newest", gen=gen)
     msg = str(ei.value)
     assert "NIXL connector version %d" % gen in msg, msg
-    assert "unsupported" in msg and "kvhost speaks versions 2, 6" in msg, msg
+    assert "unsupported" in msg and "kvhost speaks versions 2, 6, 10" in msg, msg
 
 
-def test_gen6_factors_are_what_the_sidecar_requires(engines):
-    """open_rank at generation 6 against a live sidecar succeeds (the
-    sidecar refuses a factor set missing one it requires), and the set
-    sent is exactly generation 6's: vLLM's nine base factors plus
-    cross_layers_blocks, is_hma_enabled and speculative_config."""
-    p, d = engines("newest", gen=6)
-    want = sorted(generations.BASE_FACTORS + ("cross_layers_blocks", "is_hma_enabled", "speculative_config"))
+@pytest.mark.parametrize("gen,extra", [
+    (6, ("cross_layers_blocks", "is_hma_enabled", "speculative_config")),
+    (10, ("is_hma_enabled", "speculative_config", "transfer_mode")),
+])
+def test_leased_generation_factors_are_what_the_sidecar_requires(engines, gen, extra):
+    """open_rank at generation 6 or 10 against a live sidecar succeeds
+    (the sidecar refuses a factor set missing one it requires), and the set
+    sent is exactly the generation's: vLLM's nine base factors plus those
+    its compute_nixl_compatibility_hash adds (metadata.py at version 6;
+    at 0316d25, version 10)."""
+    p, d = engines("newest", gen=gen)
+    want = sorted(generations.BASE_FACTORS + extra)
     for w in p.workers + d.workers:
         cw = w.connector_worker
         assert cw.rank is not None or cw.prefill_rank is not None
         assert sorted(cw.compat) == want
-        assert cw.compat["nixl_connector_version"] == 6 and cw.leases
+        assert cw.compat["nixl_connector_version"] == gen and cw.leases
 
 
 def test_gen6_factor_missing_is_refused_at_startup(engines, monkeypatch):

@@ -10,9 +10,15 @@ array):
   - NIXL_CONNECTOR_VERSION 6, vllm-project/vllm's kv_connector/v1/nixl/
     package (metadata.py at version 6; base_scheduler.py's
     _nixl_handshake_listener; base_worker.py's _nixl_handshake and
-    _send_heartbeats; pull_worker.py's READ notification).
+    _send_heartbeats; pull_worker.py's READ notification);
+  - NIXL_CONNECTOR_VERSION 10, the same package @ 0316d25ab528
+    (metadata.py: block_strides after block_lens, dcp_size and pcp_size
+    last, default 1; base_scheduler.py: the version-6 handshake;
+    pull_worker.py _read_blocks: the READ notification
+    "{remote_request_id}:{expected_consumers}", the decode ranks reading
+    that prefill rank).
 
-  req ENDPOINT RANK [VERSION [DECODE_TP REQ_ID]]
+  req ENDPOINT RANK [VERSION [DECODE_TP REQ_ID [PREFILL_TP]]]
                       as _nixl_handshake: REQ, RCVTIMEO 5 s, send
                       (GET_META_MSG, RANK) (version 6: (GET_META_MSG, 0,
                       RANK), and the reply has a second frame, the prefill's
@@ -20,7 +26,8 @@ array):
                       NixlAgentMetadata with msgspec's type rules; print
                       JSON. Version 6 with DECODE_TP and REQ_ID also prints
                       the READ notification and the heartbeat such a decode
-                      rank sends for REQ_ID.
+                      rank sends for REQ_ID (version 10 also needs
+                      PREFILL_TP: its notification counts readers).
   router SPEC N [VERSION]
                       as _nixl_handshake_listener: bind a ROUTER on a random
                       loopback port, print "PORT <n>", answer N requests
@@ -59,8 +66,17 @@ METADATA_V6 = [
 PAYLOAD = [("compatibility_hash", str), ("agent_metadata_bytes", bytes)]
 
 
+# Version 10 (metadata.py @ 0316d25): block_strides (version 9) after
+# block_lens, and dcp_size, pcp_size (version 8; defaults 1) at the end.
+METADATA_V10_DEFAULTS = [("dcp_size", int), ("pcp_size", int)]
+
+
 def metadata_fields(version):
-    return METADATA + (METADATA_V6 if version >= 6 else [])
+    fields = METADATA + (METADATA_V6 if version >= 6 else [])
+    if version >= 10:
+        at = [n for n, _ in fields].index("block_lens") + 1
+        fields = fields[:at] + [("block_strides", list)] + fields[at:] + METADATA_V10_DEFAULTS
+    return fields
 
 
 def check(obj, fields, what):
@@ -84,7 +100,7 @@ def encode_payload(compat_hash, md_bytes):
     return msgpack.packb({"compatibility_hash": compat_hash, "agent_metadata_bytes": md_bytes}, use_bin_type=True)
 
 
-def req(endpoint, rank, version=2, decode_tp=None, req_id=None):
+def req(endpoint, rank, version=2, decode_tp=None, req_id=None, prefill_tp=None):
     ctx = zmq.Context()
     s = ctx.socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
@@ -111,7 +127,8 @@ def req(endpoint, rank, version=2, decode_tp=None, req_id=None):
     md = msgpack.unpackb(payload["agent_metadata_bytes"], raw=False)
     fields = metadata_fields(version)
     check(md, fields, "NixlAgentMetadata")
-    ints = ["kv_caches_base_addr", "block_lens"] + (["ssm_sizes"] if version >= 6 else [])
+    ints = ["kv_caches_base_addr", "block_lens"] + (["ssm_sizes"] if version >= 6 else []) + (
+        ["block_strides"] if version >= 10 else [])
     for name in ints:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in md[name]):
             sys.exit(f"NixlAgentMetadata.{name}: not a list of int")
@@ -123,9 +140,14 @@ def req(endpoint, rank, version=2, decode_tp=None, req_id=None):
     meta["agent_metadata"] = md["agent_metadata"].hex()
     out.update({"compatibility_hash": payload["compatibility_hash"], "metadata": meta, "byte_exact": byte_exact})
     if version >= 6 and decode_tp is not None:
-        # pull_worker.py: f"{remote_request_id}:{self.world_size}";
+        # pull_worker.py: f"{remote_request_id}:{self.world_size}" (version
+        # 6), f"{remote_request_id}:{expected_consumers}" (version 10: the
+        # decode ranks reading one prefill rank);
         # base_worker.py _send_heartbeats: "HB:" + ",".join(req_ids).
-        out["notif"] = f"{req_id}:{decode_tp}"
+        if version >= 10:
+            out["notif"] = f"{req_id}:{max(decode_tp // prefill_tp, 1)}"
+        else:
+            out["notif"] = f"{req_id}:{decode_tp}"
         out["heartbeat"] = "HB:" + ",".join([req_id])
     print(json.dumps(out), flush=True)
     s.close()
@@ -142,6 +164,9 @@ def router(spec_path, n, version=2):
         md.setdefault("ssm_sizes", (0, 0))
         md.setdefault("attn_backend_name", "FLASH_ATTN")
         md.setdefault("physical_blocks_per_logical_kv_block", 1)
+        md.setdefault("block_strides", md["block_lens"])
+        md.setdefault("dcp_size", 1)
+        md.setdefault("pcp_size", 1)
         payloads[int(rank)] = encode_payload(p["compatibility_hash"], encode_metadata(md, version))
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
@@ -171,7 +196,10 @@ def main():
         version = int(sys.argv[4]) if len(sys.argv) > 4 else 2
         decode_tp = int(sys.argv[5]) if len(sys.argv) > 5 else None
         req_id = sys.argv[6] if len(sys.argv) > 6 else None
-        req(sys.argv[2], int(sys.argv[3]), version, decode_tp, req_id)
+        prefill_tp = int(sys.argv[7]) if len(sys.argv) > 7 else None
+        if version >= 10 and decode_tp is not None and prefill_tp is None:
+            sys.exit("version 10's READ notification needs PREFILL_TP")
+        req(sys.argv[2], int(sys.argv[3]), version, decode_tp, req_id, prefill_tp)
     elif mode == "router":
         router(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 2)
     else:

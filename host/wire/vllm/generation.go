@@ -34,6 +34,23 @@ import (
 //     extends known leases to now + lease*2//3) and pull_worker.py (the READ
 //     notification "{remote_request_id}:{world_size}", counted by the
 //     prefill as decode_tp // prefill_tp when the decode is larger, else 1).
+//   - 10: metadata.py @ 0316d25ab5286b130d7663b57959cc8a740b3864
+//     (NIXL_CONNECTOR_VERSION = 10; 7 added transfer_mode to the hash and
+//     dropped cross_layers_blocks, 8 added dcp_size and pcp_size, 9
+//     block_strides, 10 dense virtual pages for compressed MLA caches,
+//     which change no field), base_scheduler.py at the same commit (the
+//     handshake of version 6, unchanged; transfer_mode, dcp_size and
+//     pp_size in kv_transfer_params) and pull_worker.py at the same commit
+//     (_read_blocks' READ notification
+//     "{remote_request_id}:{expected_consumers}", the decode ranks reading
+//     that prefill rank, as in version 2; _get_new_notifs, which waits for
+//     that many and extends leases on "HB:" notifications). The order of
+//     kv_transfer_params is pull_scheduler.py's request_finished @
+//     0050936b22adda2ef0197fa3bb2551fe6c5437dc and the heartbeat
+//     base_worker.py's _send_heartbeats @
+//     00bd51312724dc9984e7eaa16fa741863db25c97 (neither file is stored at
+//     0316d25). base_worker.py there reads block_strides as the byte
+//     stride from one block to the next (cache.stride(0)).
 type Generation struct {
 	// Version is NIXL_CONNECTOR_VERSION, also the nixl_connector_version
 	// hash factor.
@@ -48,6 +65,10 @@ type Generation struct {
 	// MetadataFields are NixlAgentMetadata's fields without a default, in
 	// declaration order: what an encoder writes and a decoder requires.
 	MetadataFields []string
+	// MetadataDefaults are NixlAgentMetadata's fields with a default (all
+	// 1), after MetadataFields: msgspec encodes them, a decoder takes the
+	// default when one is absent.
+	MetadataDefaults []string
 	// Factors are the compatibility hash factors every engine of the
 	// generation hashes (by vLLM's names). Other known factors (allFactors)
 	// are hashed when the engine gives them.
@@ -93,6 +114,10 @@ var metadataV2 = []string{"engine_id", "agent_metadata", "kv_caches_base_addr", 
 var factorsV2 = []string{"vllm_version", "nixl_connector_version", "model", "dtype", "num_kv_heads", "head_size",
 	"num_hidden_layers", "attn_backend_name", "cache_dtype"}
 
+var factorsV6 = append(slices.Clone(factorsV2), "cross_layers_blocks", "is_hma_enabled", "speculative_config")
+
+var metadataV6 = append(slices.Clone(metadataV2), "ssm_sizes", "attn_backend_name", "physical_blocks_per_logical_kv_block")
+
 var paramsV2 = []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
 	"remote_request_id", "remote_host", "remote_port", "tp_size"}
 
@@ -109,11 +134,26 @@ var generations = map[int]*Generation{
 		Version:         6,
 		RequestPPRank:   true,
 		ReplyClock:      true,
-		MetadataFields:  append(slices.Clone(metadataV2), "ssm_sizes", "attn_backend_name", "physical_blocks_per_logical_kv_block"),
-		Factors:         append(slices.Clone(factorsV2), "cross_layers_blocks", "is_hma_enabled", "speculative_config"),
+		MetadataFields:  metadataV6,
+		Factors:         factorsV6,
 		ParamsFields:    append(slices.Clone(paramsV2), "remote_num_tokens", "remote_blocks_expiry_time"),
 		GroupedBlockIDs: true,
 		NotifCount:      NotifDecodeTP,
+		Lease:           true,
+	},
+	10: {
+		Version:       10,
+		RequestPPRank: true,
+		ReplyClock:    true,
+		// block_strides follows block_lens (version 9).
+		MetadataFields: slices.Insert(slices.Clone(metadataV6), slices.Index(metadataV6, "block_lens")+1, "block_strides"),
+		// Version 8.
+		MetadataDefaults: []string{"dcp_size", "pcp_size"},
+		// Version 7: transfer_mode in, cross_layers_blocks out.
+		Factors:         append(slices.Clone(factorsV2), "is_hma_enabled", "speculative_config", "transfer_mode"),
+		ParamsFields:    append(slices.Clone(paramsV2), "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"),
+		GroupedBlockIDs: true,
+		NotifCount:      NotifReaders,
 		Lease:           true,
 	},
 }

@@ -25,15 +25,24 @@ func sampleMetadata6() *AgentMetadata {
 	return md
 }
 
+var g10 = generations[10]
+
+func sampleMetadata10() *AgentMetadata {
+	md := sampleMetadata6()
+	md.BlockStrides = []int{8192, 4096, 2048}
+	md.DCPSize, md.PCPSize = 1, 1
+	return md
+}
+
 func TestLookup(t *testing.T) {
-	for _, v := range []int{2, 6} {
+	for _, v := range []int{2, 6, 10} {
 		g, err := Lookup(v)
 		if err != nil || g.Version != v {
 			t.Fatalf("version %d: %v %v", v, g, err)
 		}
 	}
 	_, err := Lookup(5)
-	if !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "version 5") || !strings.Contains(err.Error(), "2, 6") {
+	if !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "version 5") || !strings.Contains(err.Error(), "2, 6, 10") {
 		t.Fatalf("version 5: %v", err)
 	}
 	if Or(nil).Version != DefaultVersion || Or(g6) != g6 {
@@ -43,10 +52,13 @@ func TestLookup(t *testing.T) {
 	// decoding a metadata of every generation round-trips.
 	for _, v := range Versions() {
 		g := generations[v]
-		md := sampleMetadata6()
+		md := sampleMetadata10()
 		got, err := g.DecodeAgentMetadata(md.EncodeFor(g))
 		if err != nil {
 			t.Fatalf("version %d: %v", v, err)
+		}
+		if v < 10 {
+			md.BlockStrides, md.DCPSize, md.PCPSize = nil, 0, 0
 		}
 		if v == 2 {
 			md.SSMSizes, md.AttnBackendName, md.PhysicalBlocksPerLogical = [2]int{}, "", 0
@@ -104,7 +116,7 @@ func TestGeneration6MatchesPython(t *testing.T) {
 // never misread: the request's arity and the reply's frame count differ.
 func TestCrossGenerationRefused(t *testing.T) {
 	_, _, err := G2.DecodeMetaRequest(g6.EncodeMetaRequest(0, 1))
-	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "as version 6 sends") || !strings.Contains(err.Error(), "speaks NIXL connector version 2") {
+	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "as versions 6, 10 send") || !strings.Contains(err.Error(), "speaks NIXL connector version 2") {
 		t.Fatalf("v6 request to v2: %v", err)
 	}
 	_, _, err = g6.DecodeMetaRequest(G2.EncodeMetaRequest(0, 1))
@@ -116,7 +128,7 @@ func TestCrossGenerationRefused(t *testing.T) {
 		t.Fatalf("v2 reply to v6: %v", err)
 	}
 	_, _, err = G2.SplitReply(g6.ReplyFrames([]byte("p"), 1))
-	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "2 frames, as version 6") {
+	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "2 frames, as versions 6, 10 send") {
 		t.Fatalf("v6 reply to v2: %v", err)
 	}
 	// A version-2 decoder skips the version-6 fields (msgspec ignores
@@ -141,12 +153,14 @@ func TestConsumers(t *testing.T) {
 	}{
 		{G2, 2, 2, 2}, {G2, 1, 4, 1}, {G2, 0, 1, 0},
 		{g6, 4, 2, 2}, {g6, 2, 2, 1}, {g6, 1, 4, 1}, {g6, 8, 1, 8}, {g6, 0, 1, 0},
+		// Version 10 counts readers again (pull_worker.py's expected_consumers).
+		{g10, 4, 2, 4}, {g10, 2, 2, 2}, {g10, 1, 4, 1}, {g10, 0, 1, 0},
 	} {
 		if got := c.g.Consumers(c.n, c.prefill); got != c.wt {
 			t.Errorf("%s: %d notified by decode, prefill TP %d: %d, want %d", c.g, c.n, c.prefill, got, c.wt)
 		}
 	}
-	if G2.NotifNumber(2, 4) != 2 || g6.NotifNumber(2, 4) != 4 {
+	if G2.NotifNumber(2, 4) != 2 || g6.NotifNumber(2, 4) != 4 || g10.NotifNumber(2, 4) != 2 {
 		t.Fatal("NotifNumber")
 	}
 	iv, ext := LeaseTimes(30 * time.Second)
@@ -331,9 +345,10 @@ func TestCompatHashRefusals(t *testing.T) {
 func FuzzDecodeMetaRequestGenerations(f *testing.F) {
 	f.Add(G2.EncodeMetaRequest(0, 3))
 	f.Add(g6.EncodeMetaRequest(1, 2))
+	f.Add(g10.EncodeMetaRequest(0, 7))
 	f.Add([]byte{0x93, 0xa0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		for _, g := range []*Generation{G2, g6} {
+		for _, g := range []*Generation{G2, g6, g10} {
 			pp, tp, err := g.DecodeMetaRequest(b)
 			if err != nil {
 				continue
@@ -356,7 +371,7 @@ func FuzzSplitReply(f *testing.F) {
 		if two {
 			frames = append(frames, clock)
 		}
-		for _, g := range []*Generation{G2, g6} {
+		for _, g := range []*Generation{G2, g6, g10} {
 			p, c, err := g.SplitReply(frames)
 			if err == nil && (string(p) != string(payload) || c != c) {
 				t.Fatalf("%s: %q %v", g, p, c)
@@ -414,5 +429,122 @@ func FuzzCompatHash(f *testing.F) {
 		fs := factorsOf(t, factors6)
 		fs["speculative_config"] = v
 		g6.CompatHash(fs) // must not panic; refusals are errors
+	})
+}
+
+// Version 10's metadata is byte for byte Python's msgpack.packb of the
+// dataclass's fields in declaration order (block_strides after block_lens,
+// dcp_size and pcp_size, which have defaults, last: msgspec encodes them).
+func TestGeneration10MatchesPython(t *testing.T) {
+	zmqtest.RequirePython(t, "zmq", "msgpack")
+	md := sampleMetadata10()
+	md.DCPSize, md.PCPSize = 2, 3 // distinct, to catch a swap
+	spec := map[string]any{"pp_rank": 0, "tp_rank": 5, "metadata": map[string]any{
+		"engine_id": md.EngineID, "agent_metadata": hex.EncodeToString(md.AgentMetadata), "kv_caches_base_addr": md.KVCachesBaseAddr,
+		"device_id": md.DeviceID, "num_blocks": md.NumBlocks, "block_lens": md.BlockLens, "block_strides": md.BlockStrides,
+		"kv_cache_layout": md.KVCacheLayout, "block_size": md.BlockSize, "ssm_sizes": md.SSMSizes[:],
+		"attn_backend_name": md.AttnBackendName, "physical_blocks_per_logical_kv_block": md.PhysicalBlocksPerLogical,
+		"dcp_size": md.DCPSize, "pcp_size": md.PCPSize}}
+	path := filepath.Join(t.TempDir(), "spec.json")
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	peer := zmqtest.Start(t, peerScript, "encode10", path)
+	var py map[string]string
+	if err := json.Unmarshal([]byte(peer.Line(30*time.Second)), &py); err != nil {
+		t.Fatal(err)
+	}
+	peer.Wait(10 * time.Second)
+	if got := hex.EncodeToString(g10.EncodeMetaRequest(0, 5)); got != py["request"] {
+		t.Errorf("request: go %s, python %s", got, py["request"])
+	}
+	if got := hex.EncodeToString(md.EncodeFor(g10)); got != py["metadata"] {
+		t.Errorf("metadata:\n go     %s\n python %s", got, py["metadata"])
+	}
+	raw, _ := hex.DecodeString(py["metadata"])
+	got, err := g10.DecodeAgentMetadata(raw)
+	if err != nil || !reflect.DeepEqual(got, md) {
+		t.Fatalf("decoded python's: %+v %v", got, err)
+	}
+}
+
+// metadataWithout is md's version-10 encoding with the named fields left
+// out, or replaced by the given value.
+func metadataWithout(t *testing.T, md *AgentMetadata, drop string, with *msgpack.Value) []byte {
+	t.Helper()
+	v, err := msgpack.Decode(md.EncodeFor(g10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e msgpack.Encoder
+	var pairs [][2]msgpack.Value
+	for _, p := range v.Pairs {
+		if k, _ := p[0].Str(); k == drop {
+			if with == nil {
+				continue
+			}
+			p[1] = *with
+		}
+		pairs = append(pairs, p)
+	}
+	e.MapHeader(len(pairs))
+	for _, p := range pairs {
+		e.Value(p[0])
+		e.Value(p[1])
+	}
+	return e.Bytes()
+}
+
+// Version 10 requires block_strides; dcp_size and pcp_size have vLLM's
+// default 1 when absent and msgspec's type rules when present. A
+// version-6 encoding (no block_strides) is refused by a version-10
+// decoder, and a version-6 decoder ignores the version-10 fields.
+func TestGeneration10Metadata(t *testing.T) {
+	md := sampleMetadata10()
+	if _, err := g10.DecodeAgentMetadata(metadataWithout(t, md, "block_strides", nil)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "block_strides") {
+		t.Fatalf("without block_strides: %v", err)
+	}
+	if _, err := g10.DecodeAgentMetadata(md.EncodeFor(g6)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "block_strides") {
+		t.Fatalf("version 6 metadata to version 10: %v", err)
+	}
+	if got, err := g6.DecodeAgentMetadata(md.EncodeFor(g10)); err != nil || got.BlockStrides != nil || got.DCPSize != 0 {
+		t.Fatalf("version 10 metadata to version 6: %+v %v", got, err)
+	}
+	md.DCPSize, md.PCPSize = 4, 2
+	for _, f := range []string{"dcp_size", "pcp_size"} {
+		got, err := g10.DecodeAgentMetadata(metadataWithout(t, md, f, nil))
+		if err != nil {
+			t.Fatalf("without %s: %v", f, err)
+		}
+		if (f == "dcp_size" && (got.DCPSize != 1 || got.PCPSize != 2)) || (f == "pcp_size" && (got.DCPSize != 4 || got.PCPSize != 1)) {
+			t.Fatalf("without %s: dcp %d pcp %d, want the default 1 for it only", f, got.DCPSize, got.PCPSize)
+		}
+		str, _ := msgpack.Decode([]byte("\xa11"))
+		if _, err := g10.DecodeAgentMetadata(metadataWithout(t, md, f, &str)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), f) {
+			t.Fatalf("%s a str: %v", f, err)
+		}
+	}
+	bad, _ := msgpack.Decode([]byte{0x92, 0x01, 0xa1, 'x'})
+	if _, err := g10.DecodeAgentMetadata(metadataWithout(t, md, "block_strides", &bad)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "block_strides[1]") {
+		t.Fatalf("block_strides with a str: %v", err)
+	}
+}
+
+func FuzzDecodeAgentMetadata10(f *testing.F) {
+	f.Add(sampleMetadata10().EncodeFor(g10))
+	f.Add(sampleMetadata10().EncodeFor(g6))
+	md := sampleMetadata10()
+	md.DCPSize, md.PCPSize = 8, 1<<40
+	f.Add(md.EncodeFor(g10))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		md, err := g10.DecodeAgentMetadata(b)
+		if err != nil {
+			return
+		}
+		again, err := g10.DecodeAgentMetadata(md.EncodeFor(g10))
+		if err != nil || !reflect.DeepEqual(again, md) {
+			t.Fatalf("re-encoded: %+v %v", again, err)
+		}
 	})
 }

@@ -21,6 +21,9 @@
 //	           "kv_cache_layout": str, "block_size": int}
 //	          version 6 adds "ssm_sizes": [int, int], "attn_backend_name": str,
 //	          "physical_blocks_per_logical_kv_block": int
+//	          version 10 adds "block_strides": [int] after "block_lens", and
+//	          "dcp_size": int, "pcp_size": int at the end (defaults 1: a
+//	          decoder takes 1 when absent)
 //
 // Decoding follows msgspec's rules for these types: a map is required,
 // unknown keys are ignored, a missing field, a value of the wrong type or a
@@ -31,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -129,8 +133,8 @@ func (g *Generation) DecodeMetaRequest(b []byte) (ppRank, tpRank int, err error)
 		return 0, 0, malformed("request tag is %s %q, want %q", tag.Kind, truncate(tag.Raw()), GetMetaMsg)
 	}
 	if len(v.Items) != want {
-		return 0, 0, fmt.Errorf("%w: a request of %d items, as %s sends; this engine speaks %s", ErrGeneration,
-			len(v.Items), versionsWhere(func(o *Generation) bool { return o.RequestPPRank == (len(v.Items) == 3) }), g)
+		return 0, 0, fmt.Errorf("%w: a request of %d items, as %s; this engine speaks %s", ErrGeneration,
+			len(v.Items), sentBy(func(o *Generation) bool { return o.RequestPPRank == (len(v.Items) == 3) }), g)
 	}
 	ranks := make([]int, 0, 2)
 	for _, it := range v.Items[1:] {
@@ -146,9 +150,10 @@ func (g *Generation) DecodeMetaRequest(b []byte) (ppRank, tpRank int, err error)
 	return 0, ranks[0], nil
 }
 
-// versionsWhere names the supported generations that match: "version 2"
-// or "versions 2, 6"; "an unknown version" when none does.
-func versionsWhere(match func(*Generation) bool) string {
+// sentBy names the supported generations that match as senders:
+// "version 2 sends" or "versions 6, 10 send"; "an unknown version sends"
+// when none does.
+func sentBy(match func(*Generation) bool) string {
 	var vs []string
 	for _, v := range Versions() {
 		if match(generations[v]) {
@@ -157,11 +162,11 @@ func versionsWhere(match func(*Generation) bool) string {
 	}
 	switch len(vs) {
 	case 0:
-		return "an unknown version"
+		return "an unknown version sends"
 	case 1:
-		return "version " + vs[0]
+		return "version " + vs[0] + " sends"
 	}
-	return "versions " + strings.Join(vs, ", ")
+	return "versions " + strings.Join(vs, ", ") + " send"
 }
 
 // ReplyFrames are the frames of a handshake reply after the REQ
@@ -186,8 +191,8 @@ func (g *Generation) SplitReply(frames [][]byte) (payload []byte, clock float64,
 	}
 	if len(frames) != want {
 		if len(frames) == 1 || len(frames) == 2 {
-			return nil, 0, fmt.Errorf("%w: a reply of %d frames, as %s sends; this engine speaks %s", ErrGeneration,
-				len(frames), versionsWhere(func(o *Generation) bool { return o.ReplyClock == (len(frames) == 2) }), g)
+			return nil, 0, fmt.Errorf("%w: a reply of %d frames, as %s; this engine speaks %s", ErrGeneration,
+				len(frames), sentBy(func(o *Generation) bool { return o.ReplyClock == (len(frames) == 2) }), g)
 		}
 		return nil, 0, malformed("reply has %d frames, want %d", len(frames), want)
 	}
@@ -237,6 +242,11 @@ type AgentMetadata struct {
 	SSMSizes                 [2]int // Mamba (conv, ssm) state sizes; (0, 0) without Mamba
 	AttnBackendName          string // the prefill's attention backend
 	PhysicalBlocksPerLogical int    // kernel blocks per logical block; 1 when they are the same
+
+	// Since version 10.
+	BlockStrides []int // bytes from one block to the next, per region; BlockLens when blocks are contiguous
+	DCPSize      int   // decode context parallel size of the engine (1: none)
+	PCPSize      int   // prefill context parallel size of the engine (1: none)
 }
 
 // Encode is msgspec.msgpack.encode(NixlAgentMetadata(...)) of generation 2.
@@ -246,8 +256,8 @@ func (m *AgentMetadata) Encode() []byte { return m.EncodeFor(G2) }
 // generation g: its fields, in declaration order.
 func (m *AgentMetadata) EncodeFor(g *Generation) []byte {
 	var e msgpack.Encoder
-	e.MapHeader(len(g.MetadataFields))
-	for _, f := range g.MetadataFields {
+	e.MapHeader(len(g.MetadataFields) + len(g.MetadataDefaults))
+	for _, f := range append(slices.Clone(g.MetadataFields), g.MetadataDefaults...) {
 		e.Str(f)
 		switch f {
 		case "engine_id":
@@ -280,6 +290,15 @@ func (m *AgentMetadata) EncodeFor(g *Generation) []byte {
 			e.Str(m.AttnBackendName)
 		case "physical_blocks_per_logical_kv_block":
 			e.Int(int64(m.PhysicalBlocksPerLogical))
+		case "block_strides":
+			e.ArrayHeader(len(m.BlockStrides))
+			for _, l := range m.BlockStrides {
+				e.Int(int64(l))
+			}
+		case "dcp_size":
+			e.Int(int64(m.DCPSize))
+		case "pcp_size":
+			e.Int(int64(m.PCPSize))
 		default:
 			panic("vllm: no encoder for NixlAgentMetadata field " + f) // a table entry without code
 		}
@@ -329,6 +348,22 @@ func (g *Generation) DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 			m.AttnBackendName = s.str(f)
 		case "physical_blocks_per_logical_kv_block":
 			m.PhysicalBlocksPerLogical = s.int(f)
+		case "block_strides":
+			m.BlockStrides = s.ints(f)
+		default:
+			panic("vllm: no decoder for NixlAgentMetadata field " + f)
+		}
+	}
+	for _, f := range g.MetadataDefaults {
+		n := 1 // the dataclass default
+		if s.has(f) {
+			n = s.int(f)
+		}
+		switch f {
+		case "dcp_size":
+			m.DCPSize = n
+		case "pcp_size":
+			m.PCPSize = n
 		default:
 			panic("vllm: no decoder for NixlAgentMetadata field " + f)
 		}
@@ -455,6 +490,17 @@ func (s *structReader) field(key string) (msgpack.Value, bool) {
 		s.err = malformed("%s is missing required field %q", s.name, key)
 	}
 	return v, found
+}
+
+// has says whether the struct has key (a field with a default may be
+// absent).
+func (s *structReader) has(key string) bool {
+	for _, p := range s.m.Pairs {
+		if k, ok := p[0].Str(); ok && k == key {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *structReader) typeErr(key, want string, v msgpack.Value) {

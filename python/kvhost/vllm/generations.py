@@ -90,6 +90,15 @@ GENERATIONS = {
             leases=True,
         ),
         Generation(
+            # 7 put transfer_mode in the hash and took cross_layers_blocks
+            # out; 8-10 changed NixlAgentMetadata and kv_transfer_params,
+            # not the factors.
+            10, ("is_hma_enabled", "speculative_config", "transfer_mode"), True,
+            "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py "
+            "@ 0316d25ab5286b130d7663b57959cc8a740b3864",
+            leases=True,
+        ),
+        Generation(
             12, ("is_hma_enabled", "speculative_config", "transfer_mode"), True,
             "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py "
             "@ 02cfb534df5674737558730b10f23d1b7aef9b7c",

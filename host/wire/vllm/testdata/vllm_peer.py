@@ -19,6 +19,9 @@ what this peer uses (Debian has python3-msgpack, not msgspec).
                           (GET_META_MSG, pp_rank, tp_rank), its
                           NixlAgentMetadata (version 6 fields in
                           declaration order) and its clock (a float)
+  encode10 SPEC           the same for version 10 (vllm-project/vllm
+                          nixl/metadata.py @ 0316d25): block_strides after
+                          block_lens, dcp_size and pcp_size at the end
   notif SPEC              parse each notification of SPEC (hex strings) as
                           _get_new_notifs does; print [[id, tp_ratio] or
                           null, ...] (tp_ratio as a decimal string)
@@ -153,6 +156,19 @@ def main():
             "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
             "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
             "clock": msgpack.packb(float(spec["clock"]), use_bin_type=True).hex(),
+        }), flush=True)
+    elif mode == "encode10":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        md = dict(spec["metadata"])
+        md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
+        md["ssm_sizes"] = tuple(md["ssm_sizes"])
+        order = ["engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks", "block_lens",
+                 "block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
+                 "physical_blocks_per_logical_kv_block", "dcp_size", "pcp_size"]
+        print(json.dumps({
+            "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
+            "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
         }), flush=True)
     elif mode == "notif":
         with open(sys.argv[2]) as f:
