@@ -264,17 +264,18 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		return nil, err
 	}
 	s := &Sender{
-		cfg:      cfg,
-		gen:      vllm.Or(cfg.Gen),
-		clock:    cfg.Clock,
-		log:      cfg.Logger,
-		obs:      cfg.Observer,
-		held:     make(map[string]*heldReq),
-		early:    make(map[string]*earlyReq),
-		earlyMax: MaxEarlyRequests, earlyMaxBytes: maxEarlyBytes,
-		stop:    make(chan struct{}),
-		done:    make(chan struct{}),
-		runWake: make(chan struct{}, 1),
+		cfg:           cfg,
+		gen:           vllm.Or(cfg.Gen),
+		clock:         cfg.Clock,
+		log:           cfg.Logger,
+		obs:           cfg.Observer,
+		held:          make(map[string]*heldReq),
+		early:         make(map[string]*earlyReq),
+		earlyMax:      MaxEarlyRequests,
+		earlyMaxBytes: maxEarlyBytes,
+		stop:          make(chan struct{}),
+		done:          make(chan struct{}),
+		runWake:       make(chan struct{}, 1),
 	}
 	if s.log == nil {
 		s.log = slog.Default()
