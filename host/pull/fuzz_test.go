@@ -14,7 +14,9 @@ import (
 
 // FuzzSenderNotification feeds arbitrary notification bytes (from any
 // peer, on any rank) to the prefill's bookkeeping: no panic, every
-// notification counted exactly once, a release only for a held request.
+// notification counted exactly once, a release only for a held request;
+// what is kept for requests not held yet is accounted to the byte, and a
+// hold of such a request takes all of it.
 func FuzzSenderNotification(f *testing.F) {
 	for _, s := range []string{"a:2", "a:1", "b:c:1", "b:c:2", "zzz:3", ":1", "a:", "a:0", "a:-1", "a:99999999999",
 		"\xff:1", "", "a:2:2", "a:02", "HB:a,b:c", "HB:", "HB:\xff", "a:4"} {
@@ -27,7 +29,7 @@ func FuzzSenderNotification(f *testing.F) {
 			gen, _ = vllm.Lookup(6)
 		}
 		s := &Sender{log: slog.New(slog.NewTextHandler(discard{}, nil)), obs: NopObserver{}, held: map[string]*heldReq{},
-			ranks: []senderRank{{tpRank: 0}, {tpRank: 1}}, gen: gen, cfg: SenderConfig{TPSize: 2}, extend: time.Second}
+			early: map[string]*earlyReq{}, earlyMax: 4, earlyMaxBytes: 4 << 10, ranks: []senderRank{{tpRank: 0}, {tpRank: 1}}, gen: gen, cfg: SenderConfig{TPSize: 2}, extend: time.Second}
 		hold := func(id string) {
 			s.seq++
 			s.held[id] = newHeldReq(s.seq, []int32{1}, time.Now(), 2)
@@ -57,6 +59,34 @@ func FuzzSenderNotification(f *testing.F) {
 			if c.Heartbeats != before.Heartbeats && (!v6 || ok || bad != 0) {
 				t.Fatalf("a heartbeat in version %d: counts %+v -> %+v", gen.Version, before, c)
 			}
+			if kept := c.EarlyKept - before.EarlyKept; kept != 0 && (kept != 1 || wasHeld || c.UnknownNotifications != before.UnknownNotifications+1) {
+				t.Fatalf("kept early %d, held %v: counts %+v -> %+v", kept, wasHeld, before, c)
+			}
+		}
+		bytes, kept := 0, 0
+		for id, e := range s.early {
+			sum := len(id)
+			for _, n := range e.notifs {
+				sum += len(n.from) + earlyNotifOverhead
+			}
+			if sum != e.bytes || len(e.notifs) > 2 {
+				t.Fatalf("early %q: %d bytes counted, %d kept; %d notifications from one peer", id, e.bytes, sum, len(e.notifs))
+			}
+			bytes += e.bytes
+			kept += len(e.notifs)
+		}
+		if bytes != s.earlyBytes || kept != s.counts.EarlyKept {
+			t.Fatalf("early bytes %d, counted %d; kept %d, counted %d", bytes, s.earlyBytes, kept, s.counts.EarlyKept)
+		}
+		for id := range s.early {
+			h := newHeldReq(99, []int32{1}, now, 2)
+			s.takeEarlyLocked(id, h)
+			if h.notified == 0 {
+				t.Fatalf("a hold of %q took none of its early notifications", id)
+			}
+		}
+		if len(s.early) != 0 || s.earlyBytes != 0 || s.counts.EarlyApplied != kept {
+			t.Fatalf("after the holds: %d early, %d bytes, %d applied of %d", len(s.early), s.earlyBytes, s.counts.EarlyApplied, kept)
 		}
 	})
 }

@@ -32,6 +32,8 @@ type BadNotifReason string
 const (
 	// NotifUnknown names a request the prefill does not hold: never held,
 	// already released (for example expired), or a surplus notification.
+	// One kept for a hold to come (early.go) counts when it expires
+	// unused, or at once when the bounds refuse to keep it.
 	NotifUnknown BadNotifReason = "unknown_request"
 	// NotifMalformed is not "{request_id}:{count}".
 	NotifMalformed BadNotifReason = "malformed"

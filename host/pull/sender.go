@@ -138,6 +138,12 @@ type SenderCounts struct {
 	Notifications int `json:"notifications"`
 	// UnknownNotifications named no held request (or were surplus).
 	UnknownNotifications int `json:"unknown_notifications"`
+	// Of those naming no held request, EarlyKept were kept for a hold to
+	// come (see early.go), EarlyApplied then counted by their hold and
+	// EarlyExpired dropped unused when their time passed.
+	EarlyKept    int `json:"early_kept"`
+	EarlyApplied int `json:"early_applied"`
+	EarlyExpired int `json:"early_expired"`
 	// MalformedNotifications were not "{request_id}:{count}" (nor a
 	// heartbeat, in a generation with leases).
 	MalformedNotifications int `json:"malformed_notifications"`
@@ -172,6 +178,13 @@ type Sender struct {
 	counts   SenderCounts
 	closed   bool
 
+	// Notifications for requests not held yet (early.go).
+	early         map[string]*earlyReq
+	earlyExpiries expiryHeap // one entry per early request
+	earlyBytes    int
+	earlyMax      int // MaxEarlyRequests (tests lower the bounds)
+	earlyMaxBytes int // maxEarlyBytes
+
 	stop    chan struct{}
 	done    chan struct{}
 	runWake chan struct{} // a request was held: run watches expiries
@@ -192,6 +205,10 @@ type heldReq struct {
 	perRank   []rankReaders // by hosted rank (index into Sender.ranks)
 	ranksDone int
 	notified  int
+	// done: every rank was notified before the hold (early.go); the
+	// Sender's goroutine releases it, as Hold's caller may hold locks
+	// OnRelease takes.
+	done bool
 }
 
 // rankReaders are the agents that notified one hosted rank of one request,
@@ -248,15 +265,18 @@ func NewSender(cfg SenderConfig) (_ *Sender, err error) {
 		return nil, err
 	}
 	s := &Sender{
-		cfg:     cfg,
-		gen:     vllm.Or(cfg.Gen),
-		clock:   cfg.Clock,
-		log:     cfg.Logger,
-		obs:     cfg.Observer,
-		held:    make(map[string]*heldReq),
-		stop:    make(chan struct{}),
-		done:    make(chan struct{}),
-		runWake: make(chan struct{}, 1),
+		cfg:           cfg,
+		gen:           vllm.Or(cfg.Gen),
+		clock:         cfg.Clock,
+		log:           cfg.Logger,
+		obs:           cfg.Observer,
+		held:          make(map[string]*heldReq),
+		early:         make(map[string]*earlyReq),
+		earlyMax:      MaxEarlyRequests,
+		earlyMaxBytes: maxEarlyBytes,
+		stop:          make(chan struct{}),
+		done:          make(chan struct{}),
+		runWake:       make(chan struct{}, 1),
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -454,13 +474,25 @@ func (s *Sender) Hold(requestID string, blockIDs []int32) (KVTransferParams, err
 	h := newHeldReq(s.seq, p.RemoteBlockIDs, now, len(s.ranks))
 	h.deadline = now.Add(s.hold)
 	s.held[requestID] = h
-	heap.Push(&s.expiries, expiry{id: requestID, seq: s.seq, at: h.deadline})
+	at := h.deadline
+	if s.takeEarlyLocked(requestID, h) {
+		// Every reader notified before the hold: release it now, from
+		// the Sender's goroutine (expire).
+		h.done = true
+		at = now
+	}
+	heap.Push(&s.expiries, expiry{id: requestID, seq: s.seq, at: at})
 	s.counts.Held++
+	s.wakeLocked()
+	return p, nil
+}
+
+// wakeLocked tells run that there are deadlines to watch.
+func (s *Sender) wakeLocked() {
 	select {
 	case s.runWake <- struct{}{}:
 	default:
 	}
-	return p, nil
 }
 
 // Params returns the kv_transfer_params of a request held now.
@@ -543,10 +575,11 @@ func (s *Sender) run() {
 		s.expire(s.now())
 		s.mu.Lock()
 		held := len(s.held) > 0
+		early := len(s.early) > 0
 		s.mu.Unlock()
 		expect(held)
 		var tick <-chan time.Time
-		if held {
+		if held || early {
 			t.Reset(senderExpiryPeriod)
 			tick = t.C()
 		}
@@ -600,35 +633,46 @@ func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, boo
 		return Release{}, false
 	}
 	h, ok := s.held[id]
-	var rr *rankReaders
-	why := ""
-	if ok {
-		rr = &h.perRank[i]
-		switch _, dup := rr.claims[n.From]; {
-		case rr.done:
-			why = "rank already notified by its readers"
-		case dup:
-			why = "agent already notified this request"
-		case len(rr.claims) >= MaxNotifiers:
-			why = "too many notifying agents"
-		}
-	}
-	if !ok || why != "" {
+	if !ok {
 		s.counts.UnknownNotifications++
-		if ok {
-			s.log.Warn("surplus notification for a held request", "request_id", id, "tp_rank", s.ranks[i].tpRank,
-				"from", n.From, "consumers", consumers, "why", why)
-		} else {
+		if kept, why := s.keepEarlyLocked(i, n, id, consumers, now); !kept {
 			s.log.Error("potentially invalid KV blocks for an unrecognized request were read by a decode worker; they may have expired",
-				"request_id", id, "tp_rank", s.ranks[i].tpRank, "from", n.From)
+				"request_id", id, "tp_rank", s.ranks[i].tpRank, "from", n.From, "not_kept", why)
+			s.obs.BadNotification(NotifUnknown)
 		}
+		return Release{}, false
+	}
+	why, done := s.countLocked(i, n.From, consumers, h)
+	if why != "" {
+		s.counts.UnknownNotifications++
+		s.log.Warn("surplus notification for a held request", "request_id", id, "tp_rank", s.ranks[i].tpRank,
+			"from", n.From, "consumers", consumers, "why", why)
 		s.obs.BadNotification(NotifUnknown)
 		return Release{}, false
+	}
+	if !done {
+		return Release{}, false
+	}
+	return s.releaseLocked(id, h, ReleaseNotified, now), true
+}
+
+// countLocked counts a notification of hosted rank i from agent from,
+// claiming consumers readers, for held request h. why says why it did
+// not count (surplus); done reports whether every hosted rank is now done.
+func (s *Sender) countLocked(i int, from string, consumers int, h *heldReq) (why string, done bool) {
+	rr := &h.perRank[i]
+	switch _, dup := rr.claims[from]; {
+	case rr.done:
+		return "rank already notified by its readers", false
+	case dup:
+		return "agent already notified this request", false
+	case len(rr.claims) >= MaxNotifiers:
+		return "too many notifying agents", false
 	}
 	if rr.claims == nil {
 		rr.claims = make(map[string]int, consumers)
 	}
-	rr.claims[n.From] = consumers
+	rr.claims[from] = consumers
 	h.notified++
 	same := 0
 	for _, c := range rr.claims {
@@ -637,15 +681,12 @@ func (s *Sender) applyLocked(i int, n plugin.Notif, now time.Time) (Release, boo
 		}
 	}
 	if same < consumers {
-		return Release{}, false
+		return "", false
 	}
 	rr.done = true
 	rr.claims = nil
 	h.ranksDone++
-	if h.ranksDone < len(s.ranks) {
-		return Release{}, false
-	}
-	return s.releaseLocked(id, h, ReleaseNotified, now), true
+	return "", h.ranksDone == len(s.ranks)
 }
 
 // heartbeatLocked applies a heartbeat hosted rank i received (vLLM's
@@ -679,12 +720,15 @@ func (s *Sender) expire(now time.Time) {
 		h, ok := s.held[e.id]
 		switch {
 		case !ok || h.seq != e.seq:
+		case h.done:
+			rels = append(rels, s.releaseLocked(e.id, h, ReleaseNotified, now))
 		case now.Before(h.deadline):
 			heap.Push(&s.expiries, expiry{id: e.id, seq: e.seq, at: h.deadline})
 		default:
 			rels = append(rels, s.releaseLocked(e.id, h, ReleaseExpired, now))
 		}
 	}
+	s.expireEarlyLocked(now)
 	s.mu.Unlock()
 	s.deliver(rels)
 }

@@ -1361,6 +1361,19 @@ class Client:
             fields["num_tokens"] = int(num_tokens)
         return dict(self.call("hold", **fields)["kv_transfer_params"])
 
+    def hold_nowait(self, engine_id: str, request_id: str, block_ids: Any, num_tokens: Optional[int],
+                    on_error: Callable[[KVHostError], None],
+                    on_reply: Optional[Callable[[dict], None]] = None) -> None:
+        """:meth:`hold` without waiting (:meth:`send_nowait`): a refusal
+        calls ``on_error(error)``, the reply ``on_reply(kv_transfer_params)``,
+        both on the I/O thread."""
+        fields = dict(engine_id=engine_id, request_id=request_id, block_ids=pack_pages(block_ids, "block_ids"))
+        if num_tokens is not None:
+            fields["num_tokens"] = int(num_tokens)
+        self.send_nowait("hold", on_error=on_error,
+                         on_reply=(lambda r: on_reply(dict(r.get("kv_transfer_params") or {}))) if on_reply else None,
+                         **fields)
+
     def release(self, engine_id: str, request_id: str) -> None:
         self.call("release", engine_id=engine_id, request_id=request_id)
 

@@ -523,3 +523,55 @@ def test_refused_read_fails_the_load_without_waiting(pair):
     assert d.workers[0].connector_worker.read_results["d-ok"]["ok"]
     check_all(d, [4, 5], 4)
     assert "read" not in waited, waited
+
+
+def _scheduler_of(engine):
+    return engine.sched.connector_scheduler
+
+
+def test_holds_after_the_first_do_not_wait(pair):
+    """request_finished waits for the first hold only (issue 24): later
+    params are made from its reply and are exactly what the sidecar
+    answers (every reply is compared), and the pulls move every byte."""
+    p, d, _, _ = pair(prefill_tp=1, decode_tp=2)
+    sched = _scheduler_of(p)
+    seeds = {"h%d" % i: 30 + i for i in range(4)}
+    pids = {"h0": [0, 1], "h1": [2, 3], "h2": [4, 5], "h3": [6, 7]}
+    params = {rid: prefill(p, rid, 8, seeds[rid], pids[rid]) for rid in seeds}
+    assert (sched.holds_waited, sched.holds_pipelined) == (1, 3)
+    for i, (rid, pr) in enumerate(params.items()):
+        assert list(pr["remote_block_ids"]) == pids[rid] and pr["remote_request_id"] == rid
+        load(d, "d-" + rid, 8, pr, [8 + 2 * i, 9 + 2 * i])
+    d.until(lambda: all(d.recving.get("d-" + r) == d.tp for r in seeds), "decode finished_recving")
+    assert not d.errors, [w.connector_worker.read_results for w in d.workers]
+    for i, rid in enumerate(seeds):
+        check_all(d, [8 + 2 * i, 9 + 2 * i], seeds[rid])
+    p.until(lambda: all(p.sending.get(r) == p.tp for r in seeds), "prefill finished_sending")
+    assert sched.template_mismatches == 0
+
+
+def test_refused_pipelined_hold_frees_the_blocks(pair):
+    """A hold sent without waiting that the sidecar refuses (a block id
+    outside the rank's blocks) reaches the workers through the next
+    metadata, and they report the request finished_sending, so vLLM frees
+    its blocks instead of keeping them for a hold that never was; the
+    next request is held as usual."""
+    p, d, _, _ = pair(prefill_tp=2, decode_tp=2)
+    sched = _scheduler_of(p)
+    prefill(p, "first", 8, 1, [0, 1])  # the round trip that gives the template
+    req = vs.Request("bad", list(range(8)), {"do_remote_decode": True})
+    p.sched.update_state_after_alloc(req, vs.kv_cache_blocks([2, 3]), 0)
+    p.step()
+    req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p.sched.request_finished(req, [2, NUM_BLOCKS + 5])
+    assert delay is True and params["remote_request_id"] == "bad"
+    assert sched.holds_pipelined == 1
+    p.until(lambda: p.sending.get("bad") == p.tp, "refused hold reported finished_sending")
+    for w in p.workers:
+        reason = w.connector_worker.release_reasons["bad"]
+        assert "hold refused" in reason and "bad_request" in reason, reason
+    good = prefill(p, "after", 8, 2, [4, 5])
+    load(d, "d-after", 8, good, [6, 7])
+    d.until(lambda: d.recving.get("d-after") == d.tp, "decode finished_recving")
+    assert not d.errors
+    check_all(d, [6, 7], 2)

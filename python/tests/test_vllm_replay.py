@@ -136,7 +136,8 @@ def _drain(p, d):
 def test_replay_every_byte(engines, profile, gen):
     """Prefill TP 1 -> decode TP 2: three requests, one a partial local
     prefix hit on the decode, one ended by EOS (FINISHED_STOPPED) at the
-    prefill, which current vLLM's NIXL connector hands off too."""
+    prefill, which current vLLM's NIXL connector hands off too. Holds after
+    the first are pipelined."""
     loaded = []
     p, d = engines(profile, gen=gen, loaded=loaded)
     reqs = [("a", 9, 11, False, 0), ("b", 16, 22, True, 0), ("c", 13, 33, False, 2)]
@@ -149,6 +150,11 @@ def test_replay_every_byte(engines, profile, gen):
     assert sorted(loaded) == ["d-a", "d-b", "d-c"]
     for w in p.workers:
         assert {k: w.connector_worker.release_reasons[k] for k in "abc"} == dict.fromkeys("abc", "notified")
+    # The first hold waited for the sidecar's params, the next two were
+    # made here and sent without waiting (issue 24), in this generation's
+    # shape: every reply matched them.
+    sched = p.scheduler.connector.connector_scheduler
+    assert (sched.holds_waited, sched.holds_pipelined, sched.template_mismatches) == (1, 2, 0)
 
 
 @pytest.mark.parametrize("gen", REFUSED_GENERATIONS)

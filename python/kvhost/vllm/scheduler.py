@@ -4,23 +4,39 @@ NixlPullConnectorScheduler in v1/nixl/pull_scheduler.py @ 0050936b),
 with request_finished asking the sidecar to hold the blocks (``hold``)
 and returning the kv_transfer_params the sidecar made.
 
-``hold`` stays a round trip on vLLM's scheduler thread (issue 24 asked):
-the params could be made here (they are the engine's side channel, id
-and TP size, learnt from an earlier reply, plus the request's blocks and
-id), but the reply is what proves the sidecar holds the request before
-the params leave the engine. A decode that reads and notifies before the
-sidecar processed a pipelined hold finds the request unknown (the
-sidecar logs "unrecognized request") and the hold then waits for a
-notification that already came, until ``abort_timeout``: measured in
-``kvhost.bench_engine``, where the decode reads at once. vLLM's NIXL
-worker avoids this by knowing the request from the step it was scheduled
-in (reqs_in_batch) and counting early notifications; the sidecar would
-need the same (remember notifications of requests it does not hold yet)
-before holds can be pipelined.
+request_finished runs on vLLM's scheduler thread, so after the first
+hold it does not wait for the sidecar (issue 24): the params are the
+engine's part of the last reply the sidecar gave (``remote_engine_id``,
+the side channel's ``remote_host`` and ``remote_port``, ``tp_size``, and
+whatever else of its generation's keys is not the request's own;
+docs/engine-api.md says which keys and in which order) with the
+request's own ``remote_block_ids``, ``remote_request_id`` and (version 6)
+``remote_num_tokens``, and the hold is sent without waiting. They cannot
+come from anywhere else: this connection opens no rank, so only a hold's
+reply tells it the side channel's address; a reply with a key this
+module does not know keeps hold a round trip. A decode handed these
+params may read and notify before the sidecar processed the hold: the
+sidecar keeps such notifications and applies them when the hold comes
+(as vLLM's NIXL worker counts notifications of requests it does not
+know yet). Two things can then go differently than request_finished
+said:
+
+- the sidecar refuses the hold (the engine's ranks closed, a block id out
+  of range, the held-request limit): vLLM was told to keep the blocks and
+  nothing holds them, so the refusal (seen on the client's I/O thread)
+  goes to the workers in the next metadata (``reqs_hold_refused``) and
+  they report the request finished_sending with the sidecar's reason:
+  vLLM frees the blocks, the decode's read fails and it recomputes, as
+  after a hold that expired;
+- the sidecar's params differ (the side channel reopened on another
+  port): the next requests use the new ones; the decode of this one
+  fails its read (the sidecar checks the engine id at the handshake) and
+  recomputes.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from kvhost.vllm import settings
@@ -83,6 +99,53 @@ class KvhostConnectorMetadata(_metadata_base()):
         # scheduler hands NIXL's workers heartbeat_by_engine.
         self.reqs_to_watch: dict[str, dict] = {}
         self.reqs_to_unwatch: set[str] = set()
+        # Requests request_finished answered with params made here whose
+        # hold the sidecar then refused (see KvhostConnectorScheduler):
+        # request id -> reason. Nothing holds their blocks, so the workers
+        # report them finished_sending (vLLM frees them).
+        self.reqs_hold_refused: dict[str, str] = {}
+
+
+# The keys of a hold's kv_transfer_params that are the engine's, the same
+# for every request (docs/engine-api.md, "vLLM pull requests"; vLLM's
+# NixlConnectorScheduler.request_finished dict, generations 2 and 6), and
+# those that are the request's own. A reply with any other key keeps hold
+# a round trip: its value could not be made here.
+_ENGINE_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host",
+                          "remote_port", "tp_size", "remote_blocks_expiry_time"))
+_PER_REQUEST = frozenset(("remote_block_ids", "remote_request_id", "remote_num_tokens"))
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The engine's part of a hold's kv_transfer_params: the keys in the
+    sidecar's order, the engine's values, and whether remote_block_ids is
+    one list per KV cache group (version 6) or flat (version 2)."""
+
+    keys: tuple
+    engine: dict
+    grouped: bool
+
+
+def _template_of(params):
+    """The template of a hold's kv_transfer_params, or None when they are
+    not of a shape this module can reproduce."""
+    keys = tuple(params)
+    if not set(keys) <= _ENGINE_KEYS | _PER_REQUEST:
+        return None
+    if not set(REMOTE_KEYS + ("remote_block_ids", "tp_size")) <= set(keys):
+        return None
+    if params.get("do_remote_prefill") is not True or params.get("do_remote_decode", False) is not False:
+        return None
+    if params.get("remote_blocks_expiry_time") is not None:
+        return None
+    blocks = params["remote_block_ids"]
+    if not isinstance(blocks, list):
+        return None
+    grouped = len(blocks) == 1 and isinstance(blocks[0], list)
+    if not grouped and not all(isinstance(b, int) for b in blocks):
+        return None
+    return _Template(keys, {k: v for k, v in params.items() if k in _ENGINE_KEYS}, grouped)
 
 
 def _status_name(status) -> str:
@@ -123,6 +186,18 @@ class KvhostConnectorScheduler:
         self._watched: set[str] = set()
         self._reqs_to_watch: dict[str, dict] = {}
         self._reqs_to_unwatch: set[str] = set()
+        # Pipelined holds (issue 24): the template of the last
+        # kv_transfer_params the sidecar answered, with the connection
+        # generation it came on. While it is known, request_finished makes
+        # the params itself and does not wait for the hold's reply; the
+        # reply is compared and refreshes the template, a refusal lands in
+        # _hold_refused (filled on the client's I/O thread).
+        self._template = None
+        self._template_gen = 0
+        self._hold_refused = collections.deque()
+        self.holds_waited = 0
+        self.holds_pipelined = 0
+        self.template_mismatches = 0
 
     def shutdown(self):
         if self._client is not None:
@@ -220,7 +295,65 @@ class KvhostConnectorScheduler:
         self._reqs_need_send = {}
         self._reqs_in_batch = set()
         self._reqs_not_processed = set()
+        while self._hold_refused:
+            req_id, reason = self._hold_refused.popleft()
+            meta.reqs_hold_refused[req_id] = reason
         return meta
+
+    def _params_for(self, request_id, block_ids, num_tokens):
+        """kv_transfer_params made from the template: the dict the sidecar's
+        hold answers (the same keys in the same order), the request's block
+        ids, id and token count filled in."""
+        t = self._template
+        out = {}
+        for k in t.keys:
+            if k == "remote_block_ids":
+                blocks = [int(b) for b in block_ids]
+                out[k] = [blocks] if t.grouped else blocks
+            elif k == "remote_request_id":
+                out[k] = request_id
+            elif k == "remote_num_tokens":
+                out[k] = num_tokens
+            else:
+                out[k] = t.engine[k]
+        return out
+
+    def _learn(self, params, gen):
+        t = _template_of(params)
+        if t is not None:
+            self._template, self._template_gen = t, gen
+
+    def _hold_pipelined(self, request, block_ids, num_tokens):
+        """request_finished's hold without waiting for the reply, or None
+        when there is no template to make the params from."""
+        c = self._client
+        gen = c.generation
+        if self._template is None or self._template_gen != gen:
+            return None
+        req_id = request.request_id
+        params = self._params_for(req_id, block_ids, num_tokens)
+
+        def refused(e):
+            # On the client's I/O thread. vLLM was told to keep the blocks
+            # (request_finished returned True) and nothing holds them: the
+            # workers report the request finished_sending so vLLM frees
+            # them; the decode's read fails and it recomputes.
+            logger.error("kvhost: hold of request %s refused: %s", req_id, e)
+            self._hold_refused.append((req_id, "hold refused: %s" % e))
+
+        def answered(real):
+            # On the client's I/O thread: the sidecar's own params. They
+            # differ from the template's only when the engine's side
+            # channel moved (a rank reopened); the next requests use them.
+            if real != params:
+                self.template_mismatches += 1
+                logger.warning("kvhost: request %s: kv_transfer_params %s, the sidecar's are %s",
+                               req_id, params, real)
+                self._learn(real, gen)
+
+        c.hold_nowait(self.engine_id, req_id, block_ids, num_tokens, on_error=refused, on_reply=answered)
+        self.holds_pipelined += 1
+        return params
 
     def request_finished(self, request, block_ids):
         params = request.kv_transfer_params
@@ -249,12 +382,15 @@ class KvhostConnectorScheduler:
             # blocks, which the decode then loads nothing from).
             self._reqs_not_processed.add(request.request_id)
             return False, None
+        num_tokens = int(getattr(request, "num_computed_tokens", 0) or 0)
         try:
             self._next_reconnect = settings.reconnect(self._client, self._next_reconnect, "scheduler")[1]
-            kv_params = self._client.hold(
-                self.engine_id, request.request_id, block_ids,
-                num_tokens=int(getattr(request, "num_computed_tokens", 0) or 0),
-            )
+            kv_params = self._hold_pipelined(request, block_ids, num_tokens)
+            if kv_params is None:
+                gen = self._client.generation
+                kv_params = self._client.hold(self.engine_id, request.request_id, block_ids, num_tokens=num_tokens)
+                self.holds_waited += 1
+                self._learn(kv_params, gen)
         except settings.client_error_types() as e:
             # Not held (the sidecar refused, or is gone): the blocks are
             # freed now and the response carries no params, so no decode

@@ -241,6 +241,15 @@ class KvhostConnectorWorker:
         for req_id in metadata.reqs_to_send:
             if req_id in self._reqs_to_process:
                 self._reqs_to_send.add(req_id)
+        for req_id, reason in getattr(metadata, "reqs_hold_refused", {}).items():
+            # The scheduler answered request_finished with params it made
+            # and the sidecar then refused the hold: nothing holds the
+            # blocks, so the request is finished sending now.
+            if req_id in self._reqs_to_process:
+                self._reqs_to_process.discard(req_id)
+                self._reqs_to_send.discard(req_id)
+                self._done_sending.add(req_id)
+                self.release_reasons[req_id] = reason
         if self._client.lost is not None:
             self._release_all_held()
 
