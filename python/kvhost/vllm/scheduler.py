@@ -108,11 +108,13 @@ class KvhostConnectorMetadata(_metadata_base()):
 
 # The keys of a hold's kv_transfer_params that are the engine's, the same
 # for every request (docs/engine-api.md, "vLLM pull requests"; vLLM's
-# NixlConnectorScheduler.request_finished dict, generations 2 and 6), and
-# those that are the request's own. A reply with any other key keeps hold
-# a round trip: its value could not be made here.
+# NixlConnectorScheduler.request_finished dict, generations 2, 6 and 10:
+# 10 adds the engine's dcp_size, pp_size and transfer_mode), and those that
+# are the request's own. A reply with any other key keeps hold a round
+# trip: its value could not be made here.
 _ENGINE_KEYS = frozenset(("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host",
-                          "remote_port", "tp_size", "remote_blocks_expiry_time"))
+                          "remote_port", "tp_size", "remote_blocks_expiry_time",
+                          "dcp_size", "pp_size", "transfer_mode"))
 _PER_REQUEST = frozenset(("remote_block_ids", "remote_request_id", "remote_num_tokens"))
 
 
@@ -120,7 +122,7 @@ _PER_REQUEST = frozenset(("remote_block_ids", "remote_request_id", "remote_num_t
 class _Template:
     """The engine's part of a hold's kv_transfer_params: the keys in the
     sidecar's order, the engine's values, and whether remote_block_ids is
-    one list per KV cache group (version 6) or flat (version 2)."""
+    one list per KV cache group (versions 6 and 10) or flat (version 2)."""
 
     keys: tuple
     engine: dict
