@@ -51,7 +51,15 @@ func TestIdleWorkersCPU(t *testing.T) {
 			})
 			newDecodeSide(t, g, nil, c.params...)
 			time.Sleep(100 * time.Millisecond)
+			// Whatever else the machine (or this process: the race
+			// detector, other tests' goroutines winding down) does can
+			// only add CPU time, never take it away, so the least of a few
+			// samples is the workers' own cost; a worker that really spins
+			// costs more than 1% in every sample.
 			got := cpuShare(t, d)
+			for i := 1; i < 5 && got-base > 0.01; i++ {
+				got = min(got, cpuShare(t, d))
+			}
 			t.Logf("%s: idle prefill and decode cost %.3f%% of a core (process before them %.3f%%)", c.name, 100*got, 100*base)
 			if got-base > 0.01 {
 				t.Errorf("idle workers cost %.2f%% of a core, want at most 1%%", 100*(got-base))
