@@ -3,33 +3,14 @@ package push_test
 import (
 	"os"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
-)
 
-// shmMem maps n bytes of a fresh file in /dev/shm MAP_SHARED, as the
-// sidecar maps an engine's memory, and returns the file.
-func shmMem(t *testing.T, n int) (*os.File, []byte) {
-	t.Helper()
-	f, err := os.CreateTemp("/dev/shm", "kvhost-push-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close(); os.Remove(f.Name()) })
-	if err := f.Truncate(int64(n)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { syscall.Munmap(mem) })
-	return f, mem
-}
+	"github.com/kvhost/kvhost/host/internal/memfault/memfaulttest"
+)
 
 // TestMORIAuxInShrunkMemory (issue 25.3): MORI moves aux bytes over ZeroMQ,
 // read from the prefill's aux buffer and written into the decode's by Go
@@ -47,7 +28,7 @@ func TestMORIAuxInShrunkMemory(t *testing.T) {
 					s = d
 				}
 				var mem []byte
-				f, mem = shmMem(t, len(s.args.Aux[0].Mem))
+				f, mem = memfaulttest.SharedMem(t, len(s.args.Aux[0].Mem))
 				s.args.Aux[0].Mem = mem
 			}})
 			ctx := ctxT(t, 20*time.Second)

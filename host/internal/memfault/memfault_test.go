@@ -2,40 +2,20 @@ package memfault
 
 import (
 	"errors"
-	"os"
 	"runtime/debug"
 	"strings"
-	"syscall"
 	"testing"
 	"unsafe"
-)
 
-// sharedFile maps n bytes of a fresh file in /dev/shm, MAP_SHARED, as the
-// sidecar maps an engine's memory.
-func sharedFile(t *testing.T, n int) (*os.File, []byte) {
-	t.Helper()
-	f, err := os.CreateTemp("/dev/shm", "memfault-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close(); os.Remove(f.Name()) })
-	if err := f.Truncate(int64(n)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { syscall.Munmap(mem) })
-	return f, mem
-}
+	"github.com/kvhost/kvhost/host/internal/memfault/memfaulttest"
+)
 
 // A copy into or out of memory whose file was truncated under it fails
 // with an Error naming the memory and the address (it took SIGBUS and
 // killed the process), and the goroutine's fault setting is restored.
 func TestCopyFromShrunkMemory(t *testing.T) {
 	const n = 1 << 16
-	f, mem := sharedFile(t, n)
+	f, mem := memfaulttest.SharedMem(t, n)
 	buf := make([]byte, n)
 	if got, err := Copy("KV region 1", buf, mem); err != nil || got != n {
 		t.Fatalf("before the shrink: %d, %v", got, err)
