@@ -366,13 +366,23 @@ func opVLLMRelease(s *session, r *request) (Fields, error) {
 	return Fields{}, nil
 }
 
-// opVLLMRead is the decode worker's start_load_kv for one request.
-func opVLLMRead(s *session, r *request) (Fields, error) {
-	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
-	if rerr != nil {
-		return nil, rerr
+// decodeRequest reads what every decode request op names first: a vLLM
+// decode rank of this connection and the request_id.
+func decodeRequest(s *session, r *request) (*vllmDecodeImpl, string, error) {
+	_, d, err := rankAs[*vllmDecodeImpl](s, r)
+	if err != nil {
+		return nil, "", err
 	}
 	requestID, err := vllmID(r, "request_id")
+	if err != nil {
+		return nil, "", err
+	}
+	return d, requestID, nil
+}
+
+// opVLLMRead is the decode worker's start_load_kv for one request.
+func opVLLMRead(s *session, r *request) (Fields, error) {
+	d, requestID, err := decodeRequest(s, r)
 	if err != nil {
 		return nil, err
 	}
@@ -404,11 +414,7 @@ func opVLLMRead(s *session, r *request) (Fields, error) {
 // leases): renew the prefill's lease of a request queued for a later
 // read (pull.Receiver.Watch).
 func opVLLMWatch(s *session, r *request) (Fields, error) {
-	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
-	if rerr != nil {
-		return nil, rerr
-	}
-	requestID, err := vllmID(r, "request_id")
+	d, requestID, err := decodeRequest(s, r)
 	if err != nil {
 		return nil, err
 	}
@@ -434,11 +440,7 @@ func opVLLMWatch(s *session, r *request) (Fields, error) {
 // opVLLMUnwatch is vLLM's _stop_heartbeat: the request finished or was
 // aborted before its read.
 func opVLLMUnwatch(s *session, r *request) (Fields, error) {
-	_, d, rerr := rankAs[*vllmDecodeImpl](s, r)
-	if rerr != nil {
-		return nil, rerr
-	}
-	requestID, err := vllmID(r, "request_id")
+	d, requestID, err := decodeRequest(s, r)
 	if err != nil {
 		return nil, err
 	}
