@@ -362,7 +362,7 @@ func TestInteropCrossGeneration(t *testing.T) {
 		done()
 		msg := fmt.Sprint(res.Err)
 		if !errors.Is(res.Err, ErrHandshake) || !errors.Is(res.Err, vllm.ErrGeneration) ||
-			!strings.Contains(msg, map[int]string{2: "as version 2 sends", 6: "as versions 6, 10 send"}[c.prefill]) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
+			!strings.Contains(msg, map[int]string{2: "as version 2 sends", 6: "as versions 6, 10, 11, 12 send"}[c.prefill]) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
 			t.Fatalf("decode v%d, prefill v%d: %v", c.decode, c.prefill, res.Err)
 		}
 	}

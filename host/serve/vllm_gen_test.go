@@ -194,7 +194,7 @@ func TestServeVLLMGenerationRefusals(t *testing.T) {
 	ctx := testCtx(t)
 	srv := newTestServer(t)
 	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 5 })
-	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10") {
+	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10, 11, 12") {
 		t.Fatalf("version 5: %v", err)
 	}
 	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 6 })
