@@ -58,15 +58,15 @@ func (m *AgentMetadata) checkRegions() error {
 			return malformed("NixlAgentMetadata region_group_ids[%d] is %d, want 0..%d (a group per region at most)", i, g, n-1)
 		}
 	}
-	if err := names("region_names", m.RegionNames, maxRegionName); err != nil {
+	if err := checkNames("region_names", m.RegionNames, maxRegionName); err != nil {
 		return err
 	}
-	if err := names("region_mem_types", m.RegionMemTypes, maxMemTypeName); err != nil {
+	if err := checkNames("region_mem_types", m.RegionMemTypes, maxMemTypeName); err != nil {
 		return err
 	}
 	seen := make(map[string]int)
 	for i, layers := range m.RegionMembers {
-		if err := names(fmt.Sprintf("region_members[%d]", i), layers, maxRegionName); err != nil {
+		if err := checkNames(fmt.Sprintf("region_members[%d]", i), layers, maxRegionName); err != nil {
 			return err
 		}
 		for _, l := range layers {
@@ -79,9 +79,9 @@ func (m *AgentMetadata) checkRegions() error {
 	return nil
 }
 
-// names checks each entry of a list of names is non-empty and at most max
+// checkNames checks each entry of a list of names is non-empty and at most max
 // bytes.
-func names(field string, v []string, max int) error {
+func checkNames(field string, v []string, max int) error {
 	for i, s := range v {
 		if s == "" || len(s) > max {
 			return malformed("NixlAgentMetadata %s[%d] is %d bytes, want 1..%d", field, i, len(s), max)
