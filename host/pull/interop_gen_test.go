@@ -20,10 +20,11 @@ import (
 	"github.com/kvhost/kvhost/host/wire/vllm"
 )
 
-// peerMetadata6 is what the Python peer decodes of a version-6 or -10
-// NixlAgentMetadata, and what its side channel serves (the version-10
-// fields, when unset, as kvhost sends them: strides the block lengths,
-// context parallel sizes 1).
+// peerMetadata6 is what the Python peer decodes of a version-6, -10, -11
+// or -12 NixlAgentMetadata, and what its side channel serves (the later
+// fields, when unset, as a one-group vLLM worker sends them: strides the
+// block lengths, context parallel sizes 1, per region num_blocks, group 0,
+// a layer name and DRAM, no region members).
 type peerMetadata6 struct {
 	peerMetadata
 	SSMSizes                 []int  `json:"ssm_sizes"`
@@ -33,9 +34,56 @@ type peerMetadata6 struct {
 	BlockStrides []int `json:"block_strides,omitempty"`
 	DCPSize      int   `json:"dcp_size,omitempty"`
 	PCPSize      int   `json:"pcp_size,omitempty"`
+	// Versions 11 and 12.
+	RegionNumBlocks []int      `json:"region_num_blocks,omitempty"`
+	RegionGroupIDs  []int      `json:"region_group_ids,omitempty"`
+	RegionNames     []string   `json:"region_names,omitempty"`
+	RegionMemTypes  []string   `json:"region_mem_types,omitempty"`
+	RegionMembers   [][]string `json:"region_members,omitempty"`
+}
+
+// wantRegions is what a kvhost prefill of version 11 or 12 advertises per
+// region of a cache of n regions of blocks blocks in host memory, as a
+// one-group vLLM worker does (version 12 adds region_members, empty).
+func wantRegions(version, n, blocks int) peerMetadata6 {
+	var w peerMetadata6
+	if version < 11 {
+		return w
+	}
+	for i := range n {
+		w.RegionNumBlocks = append(w.RegionNumBlocks, blocks)
+		w.RegionGroupIDs = append(w.RegionGroupIDs, 0)
+		w.RegionNames = append(w.RegionNames, fmt.Sprintf("kvhost.region.%d", i))
+		w.RegionMemTypes = append(w.RegionMemTypes, "DRAM")
+	}
+	if version >= 12 {
+		w.RegionMembers = [][]string{}
+	}
+	return w
+}
+
+// regionsOf is the region part of m.
+func regionsOf(m peerMetadata6) peerMetadata6 {
+	return peerMetadata6{RegionNumBlocks: m.RegionNumBlocks, RegionGroupIDs: m.RegionGroupIDs, RegionNames: m.RegionNames,
+		RegionMemTypes: m.RegionMemTypes, RegionMembers: m.RegionMembers}
+}
+
+// versionsAfter6 are the leased generations the interop tests run.
+var versionsAfter6 = []int{6, 10, 11, 12}
+
+// notifNumber is what a decode rank of the version puts after the ':' of
+// its READ notification: its TP size (6) or the readers of each prefill
+// rank (10 on).
+func notifNumber(version, ptp, dtp int) int {
+	if version == 6 {
+		return dtp
+	}
+	return max(dtp/ptp, 1)
 }
 
 type peerPayload6 struct {
+	// None names the fields the Python side channel sends as None.
+	None              []string      `json:"none,omitempty"`
 	CompatibilityHash string        `json:"compatibility_hash"`
 	Metadata          peerMetadata6 `json:"metadata"`
 	ByteExact         bool          `json:"byte_exact"`
@@ -44,23 +92,24 @@ type peerPayload6 struct {
 	Heartbeat         string        `json:"heartbeat"`
 }
 
-// TestInteropPythonDecodePeerV6V10: vLLM version-6 and version-10 decode
-// ranks (Python, written from base_worker.py's _nixl_handshake and
+// TestInteropPythonDecodePeerV6ToV12: vLLM version-6, -10, -11 and -12
+// decode ranks (Python, written from base_worker.py's _nixl_handshake and
 // pull_worker.py) fetch a kvhost prefill's metadata of their version, byte
 // for byte as msgspec encodes it, then send what such a rank sends: its
 // heartbeat and its READ notification, "{id}:{decode TP}" (6) or
-// "{id}:{readers of the rank}" (10). The prefill extends the lease and
+// "{id}:{readers of the rank}" (10 on); 11 and 12 also decode the region
+// fields a one-group worker fills. The prefill extends the lease and
 // releases each request once every decode rank reading each of its ranks
 // notified (decode TP / prefill TP of them), for MHA and MLA and TP 1→1,
 // 2→2 and 2→4.
-func TestInteropPythonDecodePeerV6V10(t *testing.T) {
+func TestInteropPythonDecodePeerV6ToV12(t *testing.T) {
 	needPython(t)
 	for _, c := range []struct {
 		name     string
 		mla      bool
 		ptp, dtp int
 	}{{"mha-1-1", false, 1, 1}, {"mha-2-2", false, 2, 2}, {"mha-2-4", false, 2, 4}, {"mla-2-4", true, 2, 4}} {
-		for _, version := range []int{6, 10} {
+		for _, version := range versionsAfter6 {
 			t.Run(fmt.Sprintf("v%d/%s", version, c.name), func(t *testing.T) {
 				gen, err := vllm.Lookup(version)
 				if err != nil {
@@ -102,7 +151,10 @@ func TestInteropPythonDecodePeerV6V10(t *testing.T) {
 					if !reflect.DeepEqual(got.Metadata.BlockStrides, v10.BlockStrides) || got.Metadata.DCPSize != v10.DCPSize || got.Metadata.PCPSize != v10.PCPSize {
 						t.Fatalf("decode rank %d: version %d fields %+v", drank, version, got.Metadata)
 					}
-					if wantNotif := map[int]string{6: fmt.Sprintf("req-6:%d", c.dtp), 10: fmt.Sprintf("req-6:%d", c.dtp/c.ptp)}[version]; got.Notif != wantNotif {
+					if w := wantRegions(version, len(want.KVCachesBaseAddr), g.blocks); !reflect.DeepEqual(regionsOf(got.Metadata), w) {
+						t.Fatalf("decode rank %d: version %d region fields %+v, want %+v", drank, version, regionsOf(got.Metadata), w)
+					}
+					if wantNotif := fmt.Sprintf("req-6:%d", notifNumber(version, c.ptp, c.dtp)); got.Notif != wantNotif {
 						t.Fatalf("decode rank %d: notification %q, want %q", drank, got.Notif, wantNotif)
 					}
 					peers = append(peers, got)
@@ -225,14 +277,15 @@ func newPyPrefill(t *testing.T, g geom, engineID string, blocks []int32, seed ui
 	return pp
 }
 
-// TestInteropGoDecodeFromPythonPrefillV6V10: kvhost version-6 and -10
-// decode ranks handshake with a Python vLLM prefill side channel of their
+// TestInteropGoDecodeFromPythonPrefillV6ToV12: kvhost version-6, -10, -11
+// and -12 decode ranks handshake with a Python vLLM prefill side channel of their
 // version (3-tuple request, reply with the clock frame, the version's
 // metadata), read every block, partial and full prefix hits, MHA and MLA,
 // TP 1→1, 2→2 and 2→4, and notify each prefill rank as pull_worker.py of
 // the version does: "{id}:{decode TP}" (6), "{id}:{readers of the rank}"
-// (10).
-func TestInteropGoDecodeFromPythonPrefillV6V10(t *testing.T) {
+// (10 on). The version-11 and -12 prefills advertise their regions as a
+// one-group vLLM worker does.
+func TestInteropGoDecodeFromPythonPrefillV6ToV12(t *testing.T) {
 	needPython(t)
 	for _, c := range []struct {
 		name     string
@@ -243,7 +296,7 @@ func TestInteropGoDecodeFromPythonPrefillV6V10(t *testing.T) {
 		{"mha-1-1", false, 1, 1, 0}, {"mha-2-2-partial", false, 2, 2, 1}, {"mha-2-4", false, 2, 4, 0},
 		{"mha-2-4-full-hit", false, 2, 4, 3}, {"mla-2-4-partial", true, 2, 4, 2},
 	} {
-		for _, version := range []int{6, 10} {
+		for _, version := range versionsAfter6 {
 			t.Run(fmt.Sprintf("v%d/%s", version, c.name), func(t *testing.T) {
 				gen, err := vllm.Lookup(version)
 				if err != nil {
@@ -278,7 +331,7 @@ func TestInteropGoDecodeFromPythonPrefillV6V10(t *testing.T) {
 				// decode TP / prefill TP readers.
 				want := make([]string, c.dtp/c.ptp)
 				for i := range want {
-					want[i] = fmt.Sprintf("py-req:%d", map[int]int{6: c.dtp, 10: c.dtp / c.ptp}[version])
+					want[i] = fmt.Sprintf("py-req:%d", notifNumber(version, c.ptp, c.dtp))
 				}
 				for rank := range c.ptp {
 					var got []string
@@ -362,7 +415,7 @@ func TestInteropCrossGeneration(t *testing.T) {
 		done()
 		msg := fmt.Sprint(res.Err)
 		if !errors.Is(res.Err, ErrHandshake) || !errors.Is(res.Err, vllm.ErrGeneration) ||
-			!strings.Contains(msg, map[int]string{2: "as version 2 sends", 6: "as versions 6, 10 send"}[c.prefill]) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
+			!strings.Contains(msg, map[int]string{2: "as version 2 sends", 6: "as versions 6, 10, 11, 12 send"}[c.prefill]) || !strings.Contains(msg, fmt.Sprintf("version %d", c.decode)) {
 			t.Fatalf("decode v%d, prefill v%d: %v", c.decode, c.prefill, res.Err)
 		}
 	}
@@ -381,5 +434,104 @@ func TestInteropCrossGeneration(t *testing.T) {
 		if err != nil || !strings.Contains(string(out), `"byte_exact": true`) {
 			t.Fatalf("version %d after the refusal: %v %s", c.prefill, err, out)
 		}
+	}
+}
+
+// TestInteropV12Refusals: a version-11 or -12 Python prefill whose region
+// fields describe what kvhost cannot map (regions of another size, a
+// hybrid model's several groups, another memory type, layers pooled in a
+// region), or that disagree with its regions, fails the kvhost decode's read
+// naming the field, and the decode reads nothing. A prefill that says
+// nothing (None) is read.
+func TestInteropV12Refusals(t *testing.T) {
+	needPython(t)
+	g := geom{hnd: true, layers: 2, heads: 4, headBytes: 16, tp: 1, blockSize: 8, blocks: 32}
+	blocks := []int32{9, 4, 17}
+	pp := newPyPrefill(t, g, "py-engine", blocks, 77, 20)
+	regions := len(pp.spec["0"].Metadata.KVCachesBaseAddr)
+	for _, c := range []struct {
+		name, want string
+		version    int
+		edit       func(*peerMetadata6)
+	}{
+		{"blocks", "region_num_blocks[1] is 16", 12, func(m *peerMetadata6) {
+			m.RegionNumBlocks = make([]int, regions)
+			for i := range m.RegionNumBlocks {
+				m.RegionNumBlocks[i] = m.NumBlocks
+			}
+			m.RegionNumBlocks[1] = m.NumBlocks / 2
+		}},
+		{"groups", "region_group_ids[1] is 1", 11, func(m *peerMetadata6) {
+			m.RegionGroupIDs = make([]int, regions)
+			for i := range m.RegionGroupIDs {
+				m.RegionGroupIDs[i] = i % 2
+			}
+		}},
+		{"vram", `region_mem_types[0] is "VRAM"`, 12, func(m *peerMetadata6) {
+			m.RegionMemTypes = make([]string, regions)
+			for i := range m.RegionMemTypes {
+				m.RegionMemTypes[i] = "VRAM"
+			}
+		}},
+		{"pooled", "region_members[0] pools 2 layers", 12, func(m *peerMetadata6) {
+			m.RegionMembers = make([][]string, regions)
+			for i := range m.RegionMembers {
+				m.RegionMembers[i] = []string{fmt.Sprintf("l%d", i)}
+			}
+			m.RegionMembers[0] = append(m.RegionMembers[0], "l0.swa")
+		}},
+		{"short", `"region_names" has 1 entries for 4 regions`, 11, func(m *peerMetadata6) { m.RegionNames = []string{"a"} }},
+		{"group-range", "region_group_ids[0] is 4", 12, func(m *peerMetadata6) {
+			m.RegionGroupIDs = make([]int, regions)
+			m.RegionGroupIDs[0] = regions
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			gen, err := vllm.Lookup(c.version)
+			if err != nil {
+				t.Fatal(err)
+			}
+			md := peerMetadata6{peerMetadata: pp.spec["0"].Metadata, SSMSizes: []int{0, 0}, AttnBackendName: "FLASH_ATTN",
+				PhysicalBlocksPerLogical: 1}
+			c.edit(&md)
+			spec := map[string]peerPayload6{"0": {CompatibilityHash: testHash, Metadata: md}}
+			ds := newDecodeSide(t, g, func(cfg *ReceiverConfig) { cfg.Gen = gen })
+			port, done := pythonRouter(t, spec, 1, c.version)
+			local := []int32{30, 1, 12}
+			res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d", LocalBlockIDs: local, Params: KVTransferParams{
+				DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine", RemoteRequestID: "r",
+				RemoteHost: "127.0.0.1", RemotePort: port, TPSize: 1}}))
+			done()
+			if res.Err == nil || !strings.Contains(res.Err.Error(), c.want) {
+				t.Fatalf("want a refusal naming %q, got %+v", c.want, res)
+			}
+			if err := ds.pools[0].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err == nil {
+				t.Fatal("the refused read wrote the decode's blocks")
+			}
+		})
+	}
+	if regions != 4 {
+		t.Fatalf("the cases assume 4 regions, the cache has %d", regions)
+	}
+	// None in every region list: read as one uniform group.
+	md := peerMetadata6{peerMetadata: pp.spec["0"].Metadata, SSMSizes: []int{0, 0}, AttnBackendName: "FLASH_ATTN", PhysicalBlocksPerLogical: 1}
+	spec := map[string]peerPayload6{"0": {CompatibilityHash: testHash, Metadata: md,
+		None: []string{"region_num_blocks", "region_group_ids", "region_names", "region_mem_types"}}}
+	g12, err := vllm.Lookup(12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds := newDecodeSide(t, g, func(cfg *ReceiverConfig) { cfg.Gen = g12 })
+	port, done := pythonRouter(t, spec, 1, 12)
+	local := []int32{30, 1, 12}
+	res := wait(t, ds.rx[0].Load(LoadRequest{RequestID: "d", LocalBlockIDs: local, Params: KVTransferParams{
+		DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: "py-engine", RemoteRequestID: "r",
+		RemoteHost: "127.0.0.1", RemotePort: port, TPSize: 1}}))
+	done()
+	if res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	if err := ds.pools[0].Verify(kvpool.Tokens{Request: 77, Pages: local, Count: 20}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -2,6 +2,7 @@ package pull
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -27,14 +28,25 @@ func expireNow(ps *prefillSide, fk *clock.Fake) SenderCounts {
 	return ps.sender.Counts()
 }
 
-// TestLeaseKeptAliveByHeartbeats: a version-6 decode whose READ is still
-// running sends a heartbeat every lease//6 (5 s of a 30 s lease) to the
-// prefill, which extends the hold to now + 20 s each time: the hold
-// outlives its first lease. Once the decode stops (its READ aborted, no
-// notification), the lease lapses 20 s after the last heartbeat. All on a
-// fake clock: ticked, not slept.
+// TestLeaseKeptAliveByHeartbeats: a version-6 (and -12, the newest)
+// decode whose READ is still running sends a heartbeat every lease//6 (5 s
+// of a 30 s lease) to the prefill, which extends the hold to now + 20 s
+// each time: the hold outlives its first lease. Once the decode stops (its
+// READ aborted, no notification), the lease lapses 20 s after the last
+// heartbeat. All on a fake clock: ticked, not slept.
 func TestLeaseKeptAliveByHeartbeats(t *testing.T) {
-	g := gen6(t)
+	for _, v := range []int{6, 12} {
+		t.Run(fmt.Sprintf("v%d", v), func(t *testing.T) {
+			g, err := vllm.Lookup(v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			leaseKeptAlive(t, g)
+		})
+	}
+}
+
+func leaseKeptAlive(t *testing.T, g *vllm.Generation) {
 	fk := clock.NewFake(time.Time{})
 	tr := memTransport{memtransport.New(fk)}
 	ps := newPrefillSide(t, smallGeom, "prefill", func(c *SenderConfig) { c.Gen, c.Transport, c.Clock = g, tr, fk })

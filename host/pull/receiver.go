@@ -626,6 +626,11 @@ func (r *Receiver) connect(pr *peer, remoteRank int, deadline time.Time) error {
 	if slices.Contains(r.gen.MetadataDefaults, "dcp_size") && (md.DCPSize != 1 || md.PCPSize != 1) {
 		return fmt.Errorf("the prefill is context parallel (dcp_size %d, pcp_size %d): kvhost reads engines without context parallelism only (1, 1)", md.DCPSize, md.PCPSize)
 	}
+	// What version 11's and 12's add: region layouts of several groups,
+	// sizes or memory types, pooled layers.
+	if err := md.CheckMappable(r.cfg.Cache.Kind.String()); err != nil {
+		return err
+	}
 	remote, err := remoteAgent(md, r.cfg.Cache.Kind)
 	if err != nil {
 		return err

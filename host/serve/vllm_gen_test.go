@@ -38,6 +38,18 @@ func vsModel10() client.VLLMCompat {
 
 func vsGen10(r *client.VLLMRank) { r.Compat = vsModel10() }
 
+// vsModelAt is vsModel10 at version v (11 and 12 hash 10's factors:
+// nixl/metadata.py @ 02cfb534).
+func vsModelAt(v int) client.VLLMCompat {
+	c := vsModel10()
+	c.NixlConnectorVersion = v
+	return c
+}
+
+func vsGenAt(v int) func(*client.VLLMRank) {
+	return func(r *client.VLLMRank) { r.Compat = vsModelAt(v) }
+}
+
 // TestServeVLLMGeneration6: engines whose compat says
 // nixl_connector_version 6 speak version 6 through the sidecars: hold
 // returns version 6's kv_transfer_params (remote_block_ids one list per
@@ -65,6 +77,40 @@ func TestServeVLLMGeneration10(t *testing.T) {
 	}
 	if v, _ := params.Get("transfer_mode"); func() bool { m, ok := v.Str(); return !ok || m != "pull" }() {
 		t.Fatalf("transfer_mode is a %s, want \"pull\"", v.Kind)
+	}
+}
+
+// TestServeVLLMGeneration11And12: versions 11 and 12 through the sidecars
+// as version 10 (the same kv_transfer_params, handshake and
+// notification; their metadata adds the region fields), every byte
+// arriving; a version-12 decode refuses a version-10 or -11 prefill by its
+// compatibility hash (nixl_connector_version is a factor).
+func TestServeVLLMGeneration11And12(t *testing.T) {
+	for _, v := range []int{11, 12} {
+		params := vsGenerationRoundTrip(t, vsGenAt(v), []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids",
+			"remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+			"remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"})
+		if m, _ := params.Get("transfer_mode"); func() bool { s, ok := m.Str(); return !ok || s != "pull" }() {
+			t.Fatalf("version %d: transfer_mode is a %s", v, m.Kind)
+		}
+	}
+	ctx := testCtx(t)
+	srv := newTestServer(t)
+	d := vsMust(vsOpenT(t, srv, "decode", "D12", 1, 0, 32, 4, vsGenAt(12)))
+	for _, v := range []int{10, 11} {
+		ps := newTestServer(t)
+		w := vsMust(vsOpenT(t, ps, "prefill", "P", 1, 0, 64, 4, vsGenAt(v)))
+		vsEvent(t, w.c)
+		params, err := dial(t, ps).Hold(ctx, "P", "r", []int32{1, 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.c.Read(ctx, d.rank.ID, "x", params, []int32{3, 4}); err != nil {
+			t.Fatal(err)
+		}
+		if r, _ := vsEvent(t, d.c).AsRead(); r.OK || !strings.Contains(r.Reason, "hash") || len(r.InvalidBlocks) != 2 {
+			t.Fatalf("a version-12 decode of a version-%d prefill: %+v", v, r)
+		}
 	}
 }
 
@@ -194,7 +240,7 @@ func TestServeVLLMGenerationRefusals(t *testing.T) {
 	ctx := testCtx(t)
 	srv := newTestServer(t)
 	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 5 })
-	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10") {
+	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10, 11, 12") {
 		t.Fatalf("version 5: %v", err)
 	}
 	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 6 })
@@ -346,5 +392,50 @@ func TestServeVLLMWatch(t *testing.T) {
 	d2 := vsMust(vsOpenT(t, ds, "decode", "DW2", 1, 0, 16, 4, nil))
 	if err := d2.c.Watch(ctx, d2.rank.ID, "dq", vsSetParam(params, "remote_block_ids", []int{1})); !isCode(err, CodeUnsupported) {
 		t.Fatalf("version 2: %v", err)
+	}
+}
+
+// TestServeVLLMGeneration12PythonPeer: a vLLM version-12 decode rank
+// (host/pull's Python peer, metadata.py @ 02cfb534) fetches a version-12
+// sidecar prefill's handshake: msgspec's bytes, the region fields a
+// one-group worker fills (num_blocks, group 0, a name and the memory type
+// per region, no members), the hash of version 10's factors at 12.
+func TestServeVLLMGeneration12PythonPeer(t *testing.T) {
+	const python = "/usr/bin/python3"
+	if out, err := exec.Command(python, "-c", "import zmq, msgpack").CombinedOutput(); err != nil {
+		t.Fatalf("%s with python3-zmq and python3-msgpack is needed: %v\n%s", python, err, out)
+	}
+	ps := newTestServer(t)
+	w := vsMust(vsOpenT(t, ps, "prefill", "PY12", 1, 0, 16, 4, vsGenAt(12)))
+	_, ep, _ := vsEvent(t, w.c).AsEngineReady()
+	out, err := exec.Command(python, "../pull/testdata/vllm_nixl_peer.py", "req", ep, "0", "12").Output()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	var got struct {
+		ByteExact bool `json:"byte_exact"`
+		Metadata  struct {
+			Addrs     []uint64   `json:"kv_caches_base_addr"`
+			NumBlocks int        `json:"num_blocks"`
+			Blocks    []int      `json:"region_num_blocks"`
+			Groups    []int      `json:"region_group_ids"`
+			Names     []string   `json:"region_names"`
+			MemTypes  []string   `json:"region_mem_types"`
+			Members   [][]string `json:"region_members"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	m := got.Metadata
+	n := len(m.Addrs)
+	if !got.ByteExact || n == 0 || m.NumBlocks != 16 || len(m.Blocks) != n || len(m.Groups) != n || len(m.Names) != n ||
+		len(m.MemTypes) != n || m.Members == nil || len(m.Members) != 0 {
+		t.Fatalf("python peer: %s", out)
+	}
+	for i := range n {
+		if m.Blocks[i] != 16 || m.Groups[i] != 0 || m.Names[i] == "" || m.MemTypes[i] != "DRAM" {
+			t.Fatalf("region %d: %s", i, out)
+		}
 	}
 }

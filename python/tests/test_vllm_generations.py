@@ -43,6 +43,9 @@ def test_generation_2_is_vllm_0_13s_nine_factors():
 @pytest.mark.parametrize("gen,extra", [
     (6, {"cross_layers_blocks": False, "is_hma_enabled": True, "speculative_config": None}),
     (10, {"is_hma_enabled": True, "speculative_config": None, "transfer_mode": "pull"}),
+    # 11 and 12: vllm-project/vllm nixl/metadata.py @ 02cfb534 hashes 10's
+    # factors (11 and 12 changed NixlAgentMetadata only).
+    (11, {"is_hma_enabled": True, "speculative_config": None, "transfer_mode": "pull"}),
     (12, {"is_hma_enabled": True, "speculative_config": None, "transfer_mode": "pull"}),
 ])
 def test_later_generations_add_vllms_factors(gen, extra):
@@ -83,9 +86,12 @@ def test_unknown_release_is_refused_with_what_to_set(version):
         settings.compat_factors(cfg(kvhost_vllm_version=version), "X")
 
 
-def test_unknown_generation_is_refused():
-    with pytest.raises(generations.UnknownGeneration, match="generation 7"):
-        settings.compat_factors(cfg(kvhost_nixl_connector_version=7), "X")
+@pytest.mark.parametrize("gen", [7, 13])
+def test_unknown_generation_is_refused(gen):
+    with pytest.raises(generations.UnknownGeneration) as ei:
+        settings.compat_factors(cfg(kvhost_nixl_connector_version=gen), "X")
+    msg = str(ei.value)
+    assert "generation %d" % gen in msg and "known: [2, 6, 10, 11, 12]" in msg, msg
 
 
 def test_compatibility_hash_is_vllms_hash_factors():

@@ -9,12 +9,13 @@ connector that reports a request vLLM already freed fails the test as it
 would kill vLLM's engine core.
 
 Wire generations: the sidecar speaks NIXL connector generations 2 (vLLM
-0.13), 6 and 10 (host/wire/vllm/generation.go); each replays end to end.
-A later one kvhost's table knows (12) is refused by the sidecar when the
-worker opens its rank, at start-up, with a message naming the version and
-the versions it speaks. Generations 6 and 10 have leases: the decode
-renews the prefill's lease from the request's arrival (``watch``), so a
-request waiting in the decode's queue longer than the lease is still read.
+0.13), 6, 10, 11 and 12 (host/wire/vllm/generation.go; 12 is
+nixl/metadata.py @ 02cfb534, the newest); each replays end to end. A
+generation the sidecar does not speak is refused when the worker opens its
+rank, at start-up, with a message naming the version and the versions it
+speaks. Generations 6 on have leases: the decode renews the prefill's
+lease from the request's arrival (``watch``), so a request waiting in the
+decode's queue longer than the lease is still read.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ MLA_SHAPE = pat.Shape(layers=2, kv_heads=1, head_bytes=64, page_size=4)
 NUM_BLOCKS = 32
 
 # What the sidecar speaks (host/wire/vllm/generation.go).
-SIDECAR_GENERATIONS = (2, 6, 10)
-# Known to kvhost's table, not to the sidecar: refused at start-up.
-REFUSED_GENERATIONS = tuple(g for g in sorted(generations.GENERATIONS) if g not in SIDECAR_GENERATIONS)
+SIDECAR_GENERATIONS = (2, 6, 10, 11, 12)
+# The leased generations the lease tests run: the first and the newest.
+LEASED_GENERATIONS = (6, 12)
 
 
 class WrongGeneration(AssertionError):
@@ -157,29 +158,38 @@ def test_replay_every_byte(engines, profile, gen):
     assert (sched.holds_waited, sched.holds_pipelined, sched.template_mismatches) == (1, 2, 0)
 
 
-@pytest.mark.parametrize("gen", REFUSED_GENERATIONS)
-def test_replay_refused_generation_at_startup(engines, gen):
-    """A generation the sidecar does not speak fails the engine's start
-    (the worker's register_kv_caches), naming the version and the ones the
-    sidecar speaks; no request ever runs."""
-    assert REFUSED_GENERATIONS, "kvhost's table knows no generation the sidecar refuses: drop this test"
+def test_every_table_generation_is_spoken_by_the_sidecar():
+    """kvhost's Python table and the sidecar speak the same generations:
+    one the table knows and the sidecar does not would only fail at start-up."""
+    assert tuple(sorted(generations.GENERATIONS)) == SIDECAR_GENERATIONS
+
+
+def test_replay_refused_generation_at_startup(engines, monkeypatch):
+    """A generation the sidecar does not speak (13, put in the Python
+    table with 12's factors, as a later vLLM's would be) fails the engine's
+    start (the worker's register_kv_caches), naming the version and the
+    ones the sidecar speaks; no request ever runs."""
+    monkeypatch.setitem(generations.GENERATIONS, 13, dataclasses.replace(generations.GENERATIONS[12], version=13))
     with pytest.raises(RuntimeError) as ei:
-        engines("newest", gen=gen)
+        engines("newest", gen=13)
     msg = str(ei.value)
-    assert "NIXL connector version %d" % gen in msg, msg
-    assert "unsupported" in msg and "kvhost speaks versions 2, 6, 10" in msg, msg
+    assert "NIXL connector version 13" in msg, msg
+    assert "unsupported" in msg and "kvhost speaks versions 2, 6, 10, 11, 12" in msg, msg
 
 
 @pytest.mark.parametrize("gen,extra", [
     (6, ("cross_layers_blocks", "is_hma_enabled", "speculative_config")),
     (10, ("is_hma_enabled", "speculative_config", "transfer_mode")),
+    (11, ("is_hma_enabled", "speculative_config", "transfer_mode")),
+    (12, ("is_hma_enabled", "speculative_config", "transfer_mode")),
 ])
 def test_leased_generation_factors_are_what_the_sidecar_requires(engines, gen, extra):
-    """open_rank at generation 6 or 10 against a live sidecar succeeds
-    (the sidecar refuses a factor set missing one it requires), and the set
-    sent is exactly the generation's: vLLM's nine base factors plus those
-    its compute_nixl_compatibility_hash adds (metadata.py at version 6;
-    at 0316d25, version 10)."""
+    """open_rank at generation 6, 10, 11 or 12 against a live sidecar
+    succeeds (the sidecar refuses a factor set missing one it requires), and
+    the set sent is exactly the generation's: vLLM's nine base factors plus
+    those its compute_nixl_compatibility_hash adds (metadata.py at version
+    6; at 0316d25, version 10; at 02cfb534, version 12, whose factors are
+    10's)."""
     p, d = engines("newest", gen=gen)
     want = sorted(generations.BASE_FACTORS + extra)
     for w in p.workers + d.workers:
@@ -217,14 +227,15 @@ def _wait_queued(p, d, rid, seconds):
     assert d.scheduler.requests[rid].status.name == "WAITING", d.scheduler.requests[rid].status
 
 
-def test_replay_lease_renewed_while_queued(engines):
-    """Generation 6, lease LEASE s: a decode request waits in the decode's
+@pytest.mark.parametrize("gen", LEASED_GENERATIONS)
+def test_replay_lease_renewed_while_queued(engines, gen):
+    """Generations 6 and 12, lease LEASE s: a decode request waits in the decode's
     queue for 4 leases (no free blocks) before it is scheduled; the
     decode renews the prefill's lease from its arrival (watch), so its
     read still gets every byte and the prefill releases it as read."""
     loaded = []
-    p, d = engines("newest", gen=6, loaded=loaded, extra={"kv_lease_duration": LEASE})
-    params = _prefill(p, d, "q", 12, 8, gen=6)
+    p, d = engines("newest", gen=gen, loaded=loaded, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "q", 12, 8, gen=gen)
     hog = _hog(d)
     d.scheduler.add_request(ReplayRequest("d-q", 12, dict(params), 8, max_tokens=2))
     _wait_queued(p, d, "d-q", 4 * LEASE)
@@ -256,12 +267,13 @@ def test_replay_lease_lapses_without_watch(engines, monkeypatch):
     _drain(p, d)
 
 
-def test_replay_lease_lapses_when_heartbeats_stop(engines):
-    """Generation 6: a queued decode request is renewed until its decode
+@pytest.mark.parametrize("gen", LEASED_GENERATIONS)
+def test_replay_lease_lapses_when_heartbeats_stop(engines, gen):
+    """Generations 6 and 12: a queued decode request is renewed until its decode
     stops heartbeating (its engine goes away without a word: the workers'
     ranks close); then the prefill's lease lapses, released ``timeout``."""
-    p, d = engines("newest", gen=6, extra={"kv_lease_duration": LEASE})
-    params = _prefill(p, d, "h", 12, 8, gen=6)
+    p, d = engines("newest", gen=gen, extra={"kv_lease_duration": LEASE})
+    params = _prefill(p, d, "h", 12, 8, gen=gen)
     _hog(d)
     d.scheduler.add_request(ReplayRequest("d-h", 12, dict(params), 8, max_tokens=2))
     _wait_queued(p, d, "d-h", 3 * LEASE)

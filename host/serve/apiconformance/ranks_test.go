@@ -84,7 +84,7 @@ func TestOpenRankVLLM(t *testing.T) {
 	}
 	// nixl_connector_version selects the wire generation (absent: 2); one
 	// kvhost does not speak is unsupported, naming it and those it speaks.
-	c.fail("open_rank", d.with("compat", compat().with("nixl_connector_version", 7)), "unsupported", "7", "2, 6, 10")
+	c.fail("open_rank", d.with("compat", compat().with("nixl_connector_version", 7)), "unsupported", "7", "2, 6, 10, 11, 12")
 	c.fail("open_rank", d.with("compat", compat().with("num_kv_heads", "2")), "bad_request", "compat.num_kv_heads")
 	c.fail("open_rank", d.with("compat", compat().with("model", 3)), "bad_request", "compat.model")
 	c.fail("open_rank", d.with("engine_id", ""), "bad_request", "engine_id")

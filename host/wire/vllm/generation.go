@@ -51,6 +51,26 @@ import (
 //     00bd51312724dc9984e7eaa16fa741863db25c97 (neither file is stored at
 //     0316d25). base_worker.py there reads block_strides as the byte
 //     stride from one block to the next (cache.stride(0)).
+//   - 11 and 12: metadata.py @ 02cfb534df5674737558730b10f23d1b7aef9b7c
+//     (NIXL_CONNECTOR_VERSION = 12; 11 added region_num_blocks,
+//     region_group_ids, region_names and region_mem_types, each
+//     "list | None = None", after physical_blocks_per_logical_kv_block and
+//     before dcp_size; 12 added region_members, "list[list[str]]", default
+//     empty, last; compute_nixl_compatibility_hash hashes version 10's
+//     factors; NixlConnectorMetadata reads version 10's kv_transfer_params).
+//     What a worker puts in the region fields and how a decode checks them
+//     were read where the search index has them without a commit of their
+//     own (vllm-project/vllm PR #53780, "[2/N][KV Connector][NIXL] Support
+//     per-region transfer geometry", merged 2026-09): nixl/utils.py
+//     (_REGION_FIELDS: per-region lists index-aligned with
+//     kv_caches_base_addr, None or of its length; region_members: no layer
+//     in two regions), pull_worker.py of version 12 (the READ notification
+//     "{remote_request_id}:{expected_consumers}" as in 10; a pull peer's
+//     region_group_ids are the local ones, region_members [] on a plain pull
+//     worker, region_mem_types "VRAM"), and vllm-gaudi's copy of
+//     base_worker.py's register_kv_caches after #53780 (per region:
+//     num_blocks, the layer's transfer group index, the layer name, the
+//     NIXL memory type).
 type Generation struct {
 	// Version is NIXL_CONNECTOR_VERSION, also the nixl_connector_version
 	// hash factor.
@@ -65,9 +85,10 @@ type Generation struct {
 	// MetadataFields are NixlAgentMetadata's fields without a default, in
 	// declaration order: what an encoder writes and a decoder requires.
 	MetadataFields []string
-	// MetadataDefaults are NixlAgentMetadata's fields with a default (all
-	// 1), after MetadataFields: msgspec encodes them, a decoder takes the
-	// default when one is absent.
+	// MetadataDefaults are NixlAgentMetadata's fields with a default, in
+	// declaration order, after MetadataFields: msgspec encodes them, a
+	// decoder takes the dataclass's default when one is absent (dcp_size and
+	// pcp_size 1, the region lists None, region_members empty).
 	MetadataDefaults []string
 	// Factors are the compatibility hash factors every engine of the
 	// generation hashes (by vLLM's names). Other known factors (allFactors)
@@ -118,6 +139,17 @@ var factorsV6 = append(slices.Clone(factorsV2), "cross_layers_blocks", "is_hma_e
 
 var metadataV6 = append(slices.Clone(metadataV2), "ssm_sizes", "attn_backend_name", "physical_blocks_per_logical_kv_block")
 
+// metadataV10: block_strides follows block_lens (version 9).
+var metadataV10 = slices.Insert(slices.Clone(metadataV6), slices.Index(metadataV6, "block_lens")+1, "block_strides")
+
+// factorsV10: version 7 put transfer_mode in and took cross_layers_blocks
+// out.
+var factorsV10 = append(slices.Clone(factorsV2), "is_hma_enabled", "speculative_config", "transfer_mode")
+
+// regionFields are version 11's per-region lists, declared between
+// physical_blocks_per_logical_kv_block and dcp_size.
+var regionFields = []string{"region_num_blocks", "region_group_ids", "region_names", "region_mem_types"}
+
 var paramsV2 = []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
 	"remote_request_id", "remote_host", "remote_port", "tp_size"}
 
@@ -142,21 +174,45 @@ var generations = map[int]*Generation{
 		Lease:           true,
 	},
 	10: {
-		Version:       10,
-		RequestPPRank: true,
-		ReplyClock:    true,
-		// block_strides follows block_lens (version 9).
-		MetadataFields: slices.Insert(slices.Clone(metadataV6), slices.Index(metadataV6, "block_lens")+1, "block_strides"),
+		Version:        10,
+		RequestPPRank:  true,
+		ReplyClock:     true,
+		MetadataFields: metadataV10,
 		// Version 8.
 		MetadataDefaults: []string{"dcp_size", "pcp_size"},
-		// Version 7: transfer_mode in, cross_layers_blocks out.
-		Factors:         append(slices.Clone(factorsV2), "is_hma_enabled", "speculative_config", "transfer_mode"),
-		ParamsFields:    append(slices.Clone(paramsV2), "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"),
-		GroupedBlockIDs: true,
-		NotifCount:      NotifReaders,
-		Lease:           true,
+		Factors:          factorsV10,
+		ParamsFields:     paramsV10,
+		GroupedBlockIDs:  true,
+		NotifCount:       NotifReaders,
+		Lease:            true,
+	},
+	11: {
+		Version:          11,
+		RequestPPRank:    true,
+		ReplyClock:       true,
+		MetadataFields:   metadataV10,
+		MetadataDefaults: append(slices.Clone(regionFields), "dcp_size", "pcp_size"),
+		Factors:          factorsV10,
+		ParamsFields:     paramsV10,
+		GroupedBlockIDs:  true,
+		NotifCount:       NotifReaders,
+		Lease:            true,
+	},
+	12: {
+		Version:          12,
+		RequestPPRank:    true,
+		ReplyClock:       true,
+		MetadataFields:   metadataV10,
+		MetadataDefaults: append(slices.Clone(regionFields), "dcp_size", "pcp_size", "region_members"),
+		Factors:          factorsV10,
+		ParamsFields:     paramsV10,
+		GroupedBlockIDs:  true,
+		NotifCount:       NotifReaders,
+		Lease:            true,
 	},
 }
+
+var paramsV10 = append(slices.Clone(paramsV2), "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode")
 
 // DefaultVersion is the generation of an engine that names none.
 const DefaultVersion = 2
@@ -174,7 +230,7 @@ func Versions() []int {
 	return vs
 }
 
-// VersionList is Versions as text: "2, 6".
+// VersionList is Versions as text: "2, 6, 10".
 func VersionList() string {
 	var s []string
 	for _, v := range Versions() {

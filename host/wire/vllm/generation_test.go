@@ -35,14 +35,14 @@ func sampleMetadata10() *AgentMetadata {
 }
 
 func TestLookup(t *testing.T) {
-	for _, v := range []int{2, 6, 10} {
+	for _, v := range []int{2, 6, 10, 11, 12} {
 		g, err := Lookup(v)
 		if err != nil || g.Version != v {
 			t.Fatalf("version %d: %v %v", v, g, err)
 		}
 	}
 	_, err := Lookup(5)
-	if !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "version 5") || !strings.Contains(err.Error(), "2, 6, 10") {
+	if !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "version 5") || !strings.Contains(err.Error(), "2, 6, 10, 11, 12") {
 		t.Fatalf("version 5: %v", err)
 	}
 	if Or(nil).Version != DefaultVersion || Or(g6) != g6 {
@@ -116,7 +116,7 @@ func TestGeneration6MatchesPython(t *testing.T) {
 // never misread: the request's arity and the reply's frame count differ.
 func TestCrossGenerationRefused(t *testing.T) {
 	_, _, err := G2.DecodeMetaRequest(g6.EncodeMetaRequest(0, 1))
-	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "as versions 6, 10 send") || !strings.Contains(err.Error(), "speaks NIXL connector version 2") {
+	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "as versions 6, 10, 11, 12 send") || !strings.Contains(err.Error(), "speaks NIXL connector version 2") {
 		t.Fatalf("v6 request to v2: %v", err)
 	}
 	_, _, err = g6.DecodeMetaRequest(G2.EncodeMetaRequest(0, 1))
@@ -128,7 +128,7 @@ func TestCrossGenerationRefused(t *testing.T) {
 		t.Fatalf("v2 reply to v6: %v", err)
 	}
 	_, _, err = G2.SplitReply(g6.ReplyFrames([]byte("p"), 1))
-	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "2 frames, as versions 6, 10 send") {
+	if !errors.Is(err, ErrGeneration) || !strings.Contains(err.Error(), "2 frames, as versions 6, 10, 11, 12 send") {
 		t.Fatalf("v6 reply to v2: %v", err)
 	}
 	// A version-2 decoder skips the version-6 fields (msgspec ignores

@@ -24,6 +24,10 @@
 //	          version 10 adds "block_strides": [int] after "block_lens", and
 //	          "dcp_size": int, "pcp_size": int at the end (defaults 1: a
 //	          decoder takes 1 when absent)
+//	          version 11 adds "region_num_blocks": [int] | nil,
+//	          "region_group_ids": [int] | nil, "region_names": [str] | nil,
+//	          "region_mem_types": [str] | nil before "dcp_size" (default nil)
+//	          version 12 adds "region_members": [[str]] last (default [])
 //
 // Decoding follows msgspec's rules for these types: a map is required,
 // unknown keys are ignored, a missing field, a value of the wrong type or a
@@ -247,6 +251,19 @@ type AgentMetadata struct {
 	BlockStrides []int // bytes from one block to the next, per region; BlockLens when blocks are contiguous
 	DCPSize      int   // decode context parallel size of the engine (1: none)
 	PCPSize      int   // prefill context parallel size of the engine (1: none)
+
+	// Since version 11: per-region transfer geometry, index-aligned with
+	// KVCachesBaseAddr. nil is None (the peer gives none: every region has
+	// num_blocks blocks, is in group 0 and of the decode's memory type); a
+	// decoded list is never nil, even when empty.
+	RegionNumBlocks []int    // blocks of each region
+	RegionGroupIDs  []int    // the KV cache (transfer) group of each region
+	RegionNames     []string // the layer each region belongs to
+	RegionMemTypes  []string // NIXL memory type of each region: "VRAM", "DRAM"
+
+	// Since version 12: the layer names sharing each region, in region
+	// order; empty (nil) when the worker does not say (a pull worker).
+	RegionMembers [][]string
 }
 
 // Encode is msgspec.msgpack.encode(NixlAgentMetadata(...)) of generation 2.
@@ -299,6 +316,22 @@ func (m *AgentMetadata) EncodeFor(g *Generation) []byte {
 			e.Int(int64(m.DCPSize))
 		case "pcp_size":
 			e.Int(int64(m.PCPSize))
+		case "region_num_blocks":
+			intsOrNil(&e, m.RegionNumBlocks)
+		case "region_group_ids":
+			intsOrNil(&e, m.RegionGroupIDs)
+		case "region_names":
+			strsOrNil(&e, m.RegionNames)
+		case "region_mem_types":
+			strsOrNil(&e, m.RegionMemTypes)
+		case "region_members":
+			e.ArrayHeader(len(m.RegionMembers))
+			for _, names := range m.RegionMembers {
+				e.ArrayHeader(len(names))
+				for _, n := range names {
+					e.Str(n)
+				}
+			}
 		default:
 			panic("vllm: no encoder for NixlAgentMetadata field " + f) // a table entry without code
 		}
@@ -355,21 +388,55 @@ func (g *Generation) DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 		}
 	}
 	for _, f := range g.MetadataDefaults {
-		n := 1 // the dataclass default
-		if s.has(f) {
-			n = s.int(f)
-		}
 		switch f {
-		case "dcp_size":
-			m.DCPSize = n
-		case "pcp_size":
-			m.PCPSize = n
+		case "dcp_size", "pcp_size":
+			n := 1 // the dataclass default
+			if s.has(f) {
+				n = s.int(f)
+			}
+			if f == "dcp_size" {
+				m.DCPSize = n
+			} else {
+				m.PCPSize = n
+			}
+		// The region lists default to None; msgspec takes nil for None.
+		case "region_num_blocks":
+			if !s.isNil(f) {
+				m.RegionNumBlocks = s.ints(f)
+			}
+		case "region_group_ids":
+			if !s.isNil(f) {
+				m.RegionGroupIDs = s.ints(f)
+			}
+		case "region_names":
+			if !s.isNil(f) {
+				m.RegionNames = s.strs(f)
+			}
+		case "region_mem_types":
+			if !s.isNil(f) {
+				m.RegionMemTypes = s.strs(f)
+			}
+		case "region_members":
+			// list[list[str]], default empty: None is a type error.
+			if s.has(f) {
+				for i, it := range s.list(f) {
+					names, ok := strsOf(it)
+					if !ok {
+						s.typeErr(fmt.Sprintf("%s[%d]", f, i), "array of str", it)
+						break
+					}
+					m.RegionMembers = append(m.RegionMembers, names)
+				}
+			}
 		default:
 			panic("vllm: no decoder for NixlAgentMetadata field " + f)
 		}
 	}
 	if s.err != nil {
 		return nil, s.err
+	}
+	if err := m.checkRegions(); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
@@ -558,6 +625,73 @@ func (s *structReader) list(key string) []msgpack.Value {
 		return nil
 	}
 	return v.Items
+}
+
+// isNil says whether the struct has key with the value nil (None); an
+// absent key is None too, the region lists' default.
+func (s *structReader) isNil(key string) bool {
+	if !s.has(key) {
+		return true
+	}
+	v, ok := s.field(key)
+	return ok && v.Kind == msgpack.Nil
+}
+
+// strs reads a list of str, each valid UTF-8 (msgspec's str); never nil
+// when the field is a list.
+func (s *structReader) strs(key string) []string {
+	items := s.list(key)
+	if s.err != nil {
+		return nil
+	}
+	out := make([]string, len(items))
+	for i, it := range items {
+		str, ok := it.Str()
+		if !ok || !utf8.ValidString(str) {
+			s.typeErr(fmt.Sprintf("%s[%d]", key, i), "str", it)
+			return nil
+		}
+		out[i] = str
+	}
+	return out
+}
+
+// strsOf is v as a list of UTF-8 str.
+func strsOf(v msgpack.Value) ([]string, bool) {
+	if v.Kind != msgpack.Array {
+		return nil, false
+	}
+	out := make([]string, len(v.Items))
+	for i, it := range v.Items {
+		str, ok := it.Str()
+		if !ok || !utf8.ValidString(str) {
+			return nil, false
+		}
+		out[i] = str
+	}
+	return out, true
+}
+
+func intsOrNil(e *msgpack.Encoder, v []int) {
+	if v == nil {
+		e.Nil()
+		return
+	}
+	e.ArrayHeader(len(v))
+	for _, x := range v {
+		e.Int(int64(x))
+	}
+}
+
+func strsOrNil(e *msgpack.Encoder, v []string) {
+	if v == nil {
+		e.Nil()
+		return
+	}
+	e.ArrayHeader(len(v))
+	for _, x := range v {
+		e.Str(x)
+	}
 }
 
 func (s *structReader) uints(key string) []uint64 {

@@ -99,6 +99,15 @@ GENERATIONS = {
             leases=True,
         ),
         Generation(
+            # 11 added per-region geometry and memory types to
+            # NixlAgentMetadata, 12 region members: the sidecar's business
+            # (host/wire/vllm); the factors are 10's.
+            11, ("is_hma_enabled", "speculative_config", "transfer_mode"), True,
+            "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py "
+            "@ 02cfb534df5674737558730b10f23d1b7aef9b7c (version history: 11)",
+            leases=True,
+        ),
+        Generation(
             12, ("is_hma_enabled", "speculative_config", "transfer_mode"), True,
             "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py "
             "@ 02cfb534df5674737558730b10f23d1b7aef9b7c",

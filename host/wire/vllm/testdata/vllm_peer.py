@@ -22,6 +22,11 @@ what this peer uses (Debian has python3-msgpack, not msgspec).
   encode10 SPEC           the same for version 10 (vllm-project/vllm
                           nixl/metadata.py @ 0316d25): block_strides after
                           block_lens, dcp_size and pcp_size at the end
+  encode12 SPEC           the same for version 12 (nixl/metadata.py @
+                          02cfb534): region_num_blocks, region_group_ids,
+                          region_names, region_mem_types (list or None)
+                          before dcp_size, region_members last; version 11
+                          without region_members when SPEC has "version": 11
   notif SPEC              parse each notification of SPEC (hex strings) as
                           _get_new_notifs does; print [[id, tp_ratio] or
                           null, ...] (tp_ratio as a decimal string)
@@ -166,6 +171,22 @@ def main():
         order = ["engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks", "block_lens",
                  "block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
                  "physical_blocks_per_logical_kv_block", "dcp_size", "pcp_size"]
+        print(json.dumps({
+            "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
+            "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
+        }), flush=True)
+    elif mode == "encode12":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        md = dict(spec["metadata"])
+        md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
+        md["ssm_sizes"] = tuple(md["ssm_sizes"])
+        order = ["engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks", "block_lens",
+                 "block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
+                 "physical_blocks_per_logical_kv_block", "region_num_blocks", "region_group_ids", "region_names",
+                 "region_mem_types", "dcp_size", "pcp_size"]
+        if spec.get("version", 12) >= 12:
+            order.append("region_members")
         print(json.dumps({
             "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
             "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
