@@ -37,6 +37,10 @@ type Cache struct {
 	Layout   string
 	Kind     abi.MemKind
 	DeviceID uint64
+	// Names, when set, are the regions' layer names (vLLM's kv_caches
+	// keys), which version 11's region_names advertise; otherwise each
+	// region is named by its index.
+	Names []string
 	// Host, when set, is Regions as byte slices of this process (host
 	// memory). A Receiver needs it only to reorder blocks received from a
 	// prefill with a smaller block size; it never retains more than the

@@ -428,11 +428,14 @@ func metadataOf(engineID string, blob []byte, c *Cache) *vllm.AgentMetadata {
 	}
 	md.BlockStrides = slices.Clone(md.BlockLens) // blocks back to back
 	// Version 11's per-region fields, as register_kv_caches fills them for
-	// one KV cache group; kvhost does not know the engine's layer names,
-	// so each region is named by its index.
-	names := make([]string, len(md.KVCachesBaseAddr))
-	for i := range names {
-		names[i] = fmt.Sprintf("kvhost.region.%d", i)
+	// one KV cache group: the engine's layer names where it gave them,
+	// else each region named by its index.
+	names := c.Names
+	if len(names) != len(md.KVCachesBaseAddr) {
+		names = make([]string, len(md.KVCachesBaseAddr))
+		for i := range names {
+			names[i] = fmt.Sprintf("kvhost.region.%d", i)
+		}
 	}
 	md.UniformRegions(names, c.Kind.String())
 	return md

@@ -3,6 +3,7 @@ package serve
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -230,7 +231,8 @@ func TestServeVLLMGeneration10Refusals(t *testing.T) {
 	}
 }
 
-// TestServeVLLMGenerationRefusals: a version kvhost does not speak is
+// TestServeVLLMGenerationRefusals: region_names that do not name each
+// region in bounds are refused; a version kvhost does not speak is
 // unsupported, naming it and the supported ones; version 6 without its
 // factors, or with a factor of the wrong type, is bad_request; a version-6
 // decode fails a read of version-2 params (a flat remote_block_ids) and of
@@ -242,6 +244,19 @@ func TestServeVLLMGenerationRefusals(t *testing.T) {
 	_, err := vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 5 })
 	if !isCode(err, CodeUnsupported) || !strings.Contains(err.Error(), "5") || !strings.Contains(err.Error(), "2, 6, 10, 11, 12") {
 		t.Fatalf("version 5: %v", err)
+	}
+	for name, names := range map[string]func(n int) []string{
+		"one name short": func(n int) []string { return slices.Repeat([]string{"layer"}, n-1) },
+		"an empty name":  func(n int) []string { return append(slices.Repeat([]string{"layer"}, n-1), "") },
+		"a long name":    func(n int) []string { return slices.Repeat([]string{strings.Repeat("l", 513)}, n) },
+	} {
+		_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) {
+			vsGenAt(12)(r)
+			r.RegionNames = names(len(r.KVCachesBaseAddr))
+		})
+		if !isCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "region_names") {
+			t.Fatalf("region_names, %s: %v", name, err)
+		}
 	}
 	_, err = vsOpen(t, srv, "decode", "D", 1, 0, 32, 4, func(r *client.VLLMRank) { r.Compat.NixlConnectorVersion = 6 })
 	if !isCode(err, CodeBadRequest) || !strings.Contains(err.Error(), "cross_layers_blocks") {
@@ -398,15 +413,24 @@ func TestServeVLLMWatch(t *testing.T) {
 // TestServeVLLMGeneration12PythonPeer: a vLLM version-12 decode rank
 // (host/pull's Python peer, metadata.py @ 02cfb534) fetches a version-12
 // sidecar prefill's handshake: msgspec's bytes, the region fields a
-// one-group worker fills (num_blocks, group 0, a name and the memory type
-// per region, no members), the hash of version 10's factors at 12.
+// one-group worker fills (num_blocks, group 0, the engine's layer name and
+// the memory type per region, no members), the hash of version 10's
+// factors at 12.
 func TestServeVLLMGeneration12PythonPeer(t *testing.T) {
 	const python = "/usr/bin/python3"
 	if out, err := exec.Command(python, "-c", "import zmq, msgpack").CombinedOutput(); err != nil {
 		t.Fatalf("%s with python3-zmq and python3-msgpack is needed: %v\n%s", python, err, out)
 	}
 	ps := newTestServer(t)
-	w := vsMust(vsOpenT(t, ps, "prefill", "PY12", 1, 0, 16, 4, vsGenAt(12)))
+	// The engine names its regions' layers (K and V of a layer share one).
+	var names []string
+	w := vsMust(vsOpenT(t, ps, "prefill", "PY12", 1, 0, 16, 4, func(r *client.VLLMRank) {
+		vsGenAt(12)(r)
+		for i := range r.KVCachesBaseAddr {
+			names = append(names, fmt.Sprintf("model.layers.%d.self_attn.attn", i/2))
+		}
+		r.RegionNames = names
+	}))
 	_, ep, _ := vsEvent(t, w.c).AsEngineReady()
 	out, err := exec.Command(python, "../pull/testdata/vllm_nixl_peer.py", "req", ep, "0", "12").Output()
 	if err != nil {
@@ -434,7 +458,7 @@ func TestServeVLLMGeneration12PythonPeer(t *testing.T) {
 		t.Fatalf("python peer: %s", out)
 	}
 	for i := range n {
-		if m.Blocks[i] != 16 || m.Groups[i] != 0 || m.Names[i] == "" || m.MemTypes[i] != "DRAM" {
+		if m.Blocks[i] != 16 || m.Groups[i] != 0 || m.Names[i] != names[i] || m.MemTypes[i] != "DRAM" {
 			t.Fatalf("region %d: %s", i, out)
 		}
 	}

@@ -268,6 +268,19 @@ func vllmCacheOf(s *session, r *request, rk *rankEntry) (pull.Cache, error) {
 	case regionLen == 0 || regionLen%uint64(c.NumBlocks) != 0:
 		return c, errorf(CodeGeometry, "region_len %d is not a positive multiple of num_blocks %d", regionLen, c.NumBlocks)
 	}
+	if r.has("region_names") {
+		if c.Names, err = r.strs("region_names"); err != nil {
+			return c, err
+		}
+		if len(c.Names) != len(addrs) {
+			return c, badValue("region_names", "%d names for %d regions of kv_caches_base_addr", len(c.Names), len(addrs))
+		}
+		for i, n := range c.Names {
+			if n == "" || len(n) > vllm.MaxRegionName {
+				return c, badValue("region_names", "[%d] is %d bytes, want 1 to %d", i, len(n), vllm.MaxRegionName)
+			}
+		}
+	}
 	for i, a := range addrs {
 		what := fmt.Sprintf("kv_caches_base_addr[%d]", i)
 		local, reg, err := s.useRegion(rk, what, a, regionLen)

@@ -12,6 +12,7 @@ kvhost.demo_pattern.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -575,3 +576,24 @@ def test_refused_pipelined_hold_frees_the_blocks(pair):
     d.until(lambda: d.recving.get("d-after") == d.tp, "decode finished_recving")
     assert not d.errors
     check_all(d, [6, 7], 2)
+
+
+def test_region_names_are_the_layer_names(sidecars):
+    """From NIXL connector version 11 a prefill advertises each region's
+    layer (region_names): the worker hands the sidecar vLLM's kv_caches
+    keys, K and V of a layer sharing one, and a version-12 decode (the
+    handshake-only vLLM peer of host/pull's tests) reads them back."""
+    s = sidecars("region-names")
+    e = Engine("engine-p12", "kv_producer", s.control, 1,
+               {"kvhost_nixl_connector_version": 12, "kvhost_vllm_version": "0.21.0"})
+    try:
+        w = e.workers[0].connector_worker
+        assert w.endpoint
+        peer = os.path.join(os.path.dirname(__file__), "..", "..", "host", "pull", "testdata", "vllm_nixl_peer.py")
+        out = subprocess.run(["/usr/bin/python3", peer, "req", w.endpoint, "0", "12"], check=True,
+                             capture_output=True, timeout=60).stdout
+        md = json.loads(out)["metadata"]
+        want = ["model.layers.%d.self_attn" % (i // 2) for i in range(2 * SHAPE.layers)]
+        assert md["region_names"] == want, md
+    finally:
+        e.close()

@@ -43,7 +43,10 @@ type VLLMRank struct {
 	IsMLA            bool
 	TotalKVHeads     int
 	BlockWindows     []int
-	Compat           VLLMCompat
+	// RegionNames, optional, are the layer of each region of
+	// KVCachesBaseAddr (vLLM's kv_caches keys), advertised from version 11.
+	RegionNames []string
+	Compat      VLLMCompat
 	// Prefill: the handshake side channel (host "" : the sidecar's
 	// default host; port 0 picks one) and the hold timeout (0: the
 	// sidecar's, VLLM_NIXL_ABORT_REQUEST_TIMEOUT or 480 s).
@@ -83,6 +86,9 @@ func (c *Client) OpenVLLM(ctx context.Context, r VLLMRank) (Rank, error) {
 	}
 	if r.BlockWindows != nil {
 		f = append(f, Field{"block_windows", r.BlockWindows})
+	}
+	if r.RegionNames != nil {
+		f = append(f, Field{"region_names", r.RegionNames})
 	}
 	if r.SideChannelHost != "" {
 		f = append(f, Field{"side_channel_host", r.SideChannelHost})

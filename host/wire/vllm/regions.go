@@ -6,11 +6,12 @@ import (
 	"strings"
 )
 
-// Bounds of version 11's and 12's per-region metadata. vLLM's region
+// Bounds of version 11's and 12's per-region metadata (MaxRegionName also
+// bounds the names an engine gives the sidecar). vLLM's region
 // names are layer names ("model.layers.61.self_attn.attn") and its memory
 // types NIXL's ("VRAM", "DRAM", "BLK", "OBJ", "FILE").
 const (
-	maxRegionName    = 512
+	MaxRegionName    = 512
 	maxMemTypeName   = 16
 	maxRegionBlocks  = 1 << 40
 	regionFieldsNote = "index-aligned with kv_caches_base_addr"
@@ -58,7 +59,7 @@ func (m *AgentMetadata) checkRegions() error {
 			return malformed("NixlAgentMetadata region_group_ids[%d] is %d, want 0..%d (a group per region at most)", i, g, n-1)
 		}
 	}
-	if err := checkNames("region_names", m.RegionNames, maxRegionName); err != nil {
+	if err := checkNames("region_names", m.RegionNames, MaxRegionName); err != nil {
 		return err
 	}
 	if err := checkNames("region_mem_types", m.RegionMemTypes, maxMemTypeName); err != nil {
@@ -66,7 +67,7 @@ func (m *AgentMetadata) checkRegions() error {
 	}
 	seen := make(map[string]int)
 	for i, layers := range m.RegionMembers {
-		if err := checkNames(fmt.Sprintf("region_members[%d]", i), layers, maxRegionName); err != nil {
+		if err := checkNames(fmt.Sprintf("region_members[%d]", i), layers, MaxRegionName); err != nil {
 			return err
 		}
 		for _, l := range layers {

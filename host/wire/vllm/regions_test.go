@@ -204,7 +204,7 @@ func TestGeneration12RegionFields(t *testing.T) {
 	}
 	long := &AgentMetadata{}
 	*long = *sampleMetadata12()
-	long.RegionNames = []string{"a", strings.Repeat("n", maxRegionName+1), "c"}
+	long.RegionNames = []string{"a", strings.Repeat("n", MaxRegionName+1), "c"}
 	if _, err := g12.DecodeAgentMetadata(long.EncodeFor(g12)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "region_names[1]") {
 		t.Fatalf("a long name: %v", err)
 	}

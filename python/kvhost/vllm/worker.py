@@ -79,15 +79,16 @@ class KvhostConnectorWorker:
         CUDA tensors are shared by CUDA IPC handle."""
         blocks_first = bool(settings.extra(self.vllm_config, "kvhost_blocks_first", False))
         split = not self.use_mla and not blocks_first
-        tensors = []
+        tensors, names = [], []
         seen = set()
-        for _name, cache in kv_caches.items():
+        for name, cache in kv_caches.items():
             for t in ([cache[0], cache[1]] if split else [cache]):
                 ptr, _ = memory.ptr_len(t)
                 if ptr in seen:  # layers sharing one tensor (hybrid allocator)
                     continue
                 seen.add(ptr)
                 tensors.append(t)
+                names.append(str(name))
         if not tensors:
             raise ValueError("KvhostConnector: no KV caches to register")
         sizes = {memory.ptr_len(t)[1] for t in tensors}
@@ -118,6 +119,9 @@ class KvhostConnectorWorker:
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             kv_caches_base_addr=[memory.ptr_len(t)[0] for t in tensors],
+            # The layer of each region: NIXL connector versions 11 and later
+            # advertise them (region_names).
+            region_names=names,
             region_len=region_len,
             num_blocks=num_blocks,
             block_size=self.block_size,
