@@ -28,12 +28,15 @@ from kvhost import demo_pattern as pat
 from conftest import BACKEND
 from vllm_engine import PROFILES, Engine, ReplayRequest, stub_transfer_results
 from vllm_peer import nixl_api
-from vllm_peer.peer import PeerEngine
+from vllm_peer.peer import HandshakeError, PeerEngine
+from vllm_peer.wire import WIRES
 
 SHAPE = pat.Shape(layers=2, kv_heads=4, head_bytes=32, page_size=4)
 MLA_SHAPE = pat.Shape(layers=2, kv_heads=1, head_bytes=64, page_size=4)
 NUM_BLOCKS = 32
-GENERATIONS = (2, 6, 10)
+# Every generation the peer speaks (a new one is a line in vllm_peer/wire.py).
+GENERATIONS = tuple(sorted(WIRES))
+LEASED = tuple(g for g in GENERATIONS if WIRES[g].leases)
 LEASE = 2.0  # seconds (kv_lease_duration; short, with room for a loaded machine's first handshake)
 # (request, tokens, seed, decode prefix-cache hit in pages): none,
 # partial, full (every page of the request already in the decode's cache).
@@ -49,9 +52,11 @@ def _profile(gen):
 class Pair:
     """One kvhost engine beside its sidecar and one vLLM peer engine."""
 
-    def __init__(self, sidecar_factory, direction, gen, tps, mla, extra=None, lease=30.0, abort_timeout=480.0):
+    def __init__(self, sidecar_factory, direction, gen, tps, mla, extra=None, lease=30.0, abort_timeout=480.0,
+                 peer_gen=None, shape=None):
         self.gen, self.mla, self.direction = gen, mla, direction
-        self.shape = MLA_SHAPE if mla else SHAPE
+        self.shape = shape or (MLA_SHAPE if mla else SHAPE)
+        peer_gen = gen if peer_gen is None else peer_gen
         prof = _profile(gen)
         ex = dict(extra or {}, kvhost_nixl_connector_version=gen)
         self.loaded = []
@@ -59,13 +64,13 @@ class Pair:
         self.api = nixl_api(BACKEND)
         sc = sidecar_factory("kvhost")
         if direction == "peer-to-kvhost":
-            self.peer = PeerEngine(self.api, "peer-p", gen, tps[0], self.shape, NUM_BLOCKS, prof.vllm_version,
+            self.peer = PeerEngine(self.api, "peer-p", peer_gen, tps[0], self.shape, NUM_BLOCKS, prof.vllm_version,
                                    mla=mla, lease=lease, abort_timeout=abort_timeout)
             self.peer.listen()
             self.kv = Engine("engine-d", "kv_consumer", sc.endpoint, tps[1], self.shape, NUM_BLOCKS, prof, ex, mla=mla)
         else:
             self.kv = Engine("engine-p", "kv_producer", sc.endpoint, tps[0], self.shape, NUM_BLOCKS, prof, ex, mla=mla)
-            self.peer = PeerEngine(self.api, "peer-d", gen, tps[1], self.shape, NUM_BLOCKS, prof.vllm_version,
+            self.peer = PeerEngine(self.api, "peer-d", peer_gen, tps[1], self.shape, NUM_BLOCKS, prof.vllm_version,
                                    mla=mla, lease=lease, abort_timeout=abort_timeout)
         # The plugin moving the sidecar's bytes is the one asked for, and
         # so is the peer's nixl._api.
@@ -259,7 +264,7 @@ def _wait(pr, seconds, what):
     pr.run(lambda: time.monotonic() - t0 >= seconds, what, timeout=seconds + 60)
 
 
-@pytest.mark.parametrize("gen", [6, 10])
+@pytest.mark.parametrize("gen", LEASED)
 def test_peer_prefill_lease_kept_by_kvhost_heartbeats(pair, gen):
     """The peer prefill holds for a lease of LEASE s; the kvhost decode's
     request waits in its queue for 3 leases; the kvhost decode's
@@ -300,7 +305,7 @@ def test_peer_prefill_hold_lapses(pair, gen, monkeypatch):
     pr.drain()
 
 
-@pytest.mark.parametrize("gen", [6, 10])
+@pytest.mark.parametrize("gen", LEASED)
 def test_kvhost_prefill_lease_kept_by_peer_heartbeats(pair, gen):
     """The kvhost prefill holds for a lease of LEASE s; the peer decode's
     request waits 3 leases in its queue while the peer heartbeats the
@@ -330,4 +335,72 @@ def test_kvhost_prefill_hold_lapses(pair, gen):
     pr.run(lambda: pr.kv_release_reasons("n") == ["timeout"], "the kvhost prefill's hold to lapse")
     assert pr.peer.heartbeats_sent == 0
     pr.peer.abort("d-n")
+    pr.drain()
+
+
+# A model large enough that a request is megabytes: 4 layers, 8 KV heads
+# of 256 bytes, 16-token pages (256 KiB a page).
+BIG = pat.Shape(layers=4, kv_heads=8, head_bytes=256, page_size=16)
+
+
+@pytest.mark.parametrize("direction", ["peer-to-kvhost", "kvhost-to-peer"])
+def test_large_requests(pair, direction):
+    """Generation 10, MHA, TP 2 -> 4, two requests of 30 pages (7.5 MiB
+    each over the decode ranks), the second a partial prefix hit: every
+    byte checked where it landed."""
+    gen, tps = GENERATIONS[-1], (2, 4)
+    pr = pair(direction, gen, tps, False, shape=BIG)
+    reqs = [("a", 30 * 16, 7, 0), ("b", 30 * 16 - 5, 8, 6)]
+    for rid, ntok, seed, hit in reqs:
+        if direction == "peer-to-kvhost":
+            params = pr.peer.prefill(rid, ntok, seed)
+            cached = pr.cached(ntok, seed, hit) if hit else ()
+            pr.kv.scheduler.add_request(ReplayRequest("d-" + rid, ntok, dict(params), seed, max_tokens=2,
+                                                      cached_blocks=cached))
+        else:
+            params = pr.kv_prefill(rid, ntok, seed)
+            pr.peer.load("d-" + rid, params, seed, hit=hit)
+        pr.drain()  # one at a time: each takes most of the 32 blocks
+    read = 0
+    for rid, ntok, _, hit in reqs:
+        want = _want_read(BIG, False, tps[1], BIG.pages(ntok) - hit)
+        if direction == "peer-to-kvhost":
+            got = [w.connector_worker.read_results["d-" + rid]["bytes"] for w in pr.kv.workers]
+        else:
+            got = pr.peer.bytes_read("d-" + rid)
+        assert got == [want] * tps[1], (rid, got, want)
+        read += sum(got)
+    if direction == "peer-to-kvhost":
+        assert sorted(pr.loaded) == ["d-a", "d-b"]
+        assert pr.peer.release_reasons == dict.fromkeys("ab", "notified")
+        verified = pr.verified
+    else:
+        assert pr.peer.loaded == {"d-a": True, "d-b": True}
+        verified = pr.peer.bytes_verified
+    assert verified == sum(BIG.bytes_per_page() * BIG.pages(n) for _, n, _, _ in reqs)
+    _report(pr, tps, read, verified)
+
+
+def test_generation_mismatch_is_refused(pair):
+    """A kvhost decode of generation 6 and a peer prefill of generation
+    10 hash different factors: the sidecar refuses the handshake (the
+    read fails, vLLM recomputes), and the peer's lease lapses."""
+    pr = pair("peer-to-kvhost", 6, (1, 1), False, peer_gen=10, lease=LEASE)
+    params = pr.peer.prefill("m", 9, 4)
+    pr.kv.scheduler.add_request(ReplayRequest("d-m", 9, dict(params), 4, max_tokens=2))
+    pr.drain()
+    res = pr.kv.workers[0].connector_worker.read_results["d-m"]
+    assert not res["ok"] and "hash" in res["reason"], res
+    assert pr.loaded == [] and pr.peer.release_reasons == {"m": "timeout"}
+
+
+def test_generation_mismatch_is_refused_by_the_peer(pair):
+    """... and the other way: a peer decode of generation 6 refuses a
+    kvhost prefill of generation 10 at the hash, as vLLM's
+    _nixl_handshake does, before it decodes the metadata."""
+    pr = pair("kvhost-to-peer", 10, (1, 1), False, peer_gen=6, extra={"kv_lease_duration": LEASE})
+    params = pr.kv_prefill("m", 9, 4)
+    with pytest.raises(HandshakeError, match="compatibility hash mismatch"):
+        pr.peer.load("d-m", params, 4)
+    pr.run(lambda: pr.kv_release_reasons("m") == ["timeout"], "the kvhost prefill's hold to lapse")
     pr.drain()

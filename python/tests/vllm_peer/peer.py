@@ -221,9 +221,15 @@ class Worker:
             raise HandshakeError("NIXL compatibility hash mismatch: local %s, remote %s"
                                  % (eng.compat_hash, payload.get("compatibility_hash")))
         md = msgpack.unpackb(payload["agent_metadata_bytes"], raw=False)
-        missing = [f for f in w.metadata_fields if f not in md and f not in ("dcp_size", "pcp_size")]
+        # msgspec's decoder: every field without a default (dcp_size and
+        # pcp_size have one), and, as msgspec writes them, in declaration
+        # order.
+        required = [f for f in w.metadata_fields if f not in ("dcp_size", "pcp_size")]
+        missing = [f for f in required if f not in md]
         if missing:
             raise HandshakeError("NixlAgentMetadata of version %d without %s" % (w.version, missing))
+        if [k for k in md if k in w.metadata_fields][: len(required)] != required:
+            raise HandshakeError("NixlAgentMetadata fields out of declaration order: %s" % list(md))
         if md["engine_id"] != engine_id:
             raise HandshakeError("remote engine id %r, expected %r" % (md["engine_id"], engine_id))
         if md["block_size"] != eng.shape.page_size:
@@ -439,10 +445,21 @@ class PeerEngine:
         ids = params["remote_block_ids"]
         n = len(ids[0] if self.wire.grouped_block_ids else ids)
         blocks = [self.free.pop() for _ in range(n)]
-        for w in self.workers:
-            if hit:  # the request's first pages (the pattern depends on its length)
-                w.pool[:, :, blocks[:hit]] = pat.expected(seed, self.shape, n, *w.heads)[:, :, :hit]
-            w.read(req_id, params, blocks, hit, seed)
+        try:
+            for w in self.workers:
+                if hit:  # the request's first pages (the pattern depends on its length)
+                    w.pool[:, :, blocks[:hit]] = pat.expected(seed, self.shape, n, *w.heads)[:, :, :hit]
+                w.read(req_id, params, blocks, hit, seed)
+        except Exception:
+            # A failed handshake or read set-up: vLLM recomputes; the
+            # blocks go back (a read already started on another worker
+            # is released with its handle).
+            for w in self.workers:
+                ld = w.loads.pop(req_id, None)
+                for h in ld.handles if ld else ():
+                    w.agent.release_xfer_handle(h)
+            self.free.extend(blocks)
+            raise
 
     def _heartbeat(self, now):
         if not self.wire.leases or not self.queued or now < self._next_heartbeat:
