@@ -38,6 +38,10 @@ NUM_BLOCKS = 32
 GENERATIONS = tuple(sorted(WIRES))
 LEASED = tuple(g for g in GENERATIONS if WIRES[g].leases)
 LEASE = 2.0  # seconds (kv_lease_duration; short, with room for a loaded machine's first handshake)
+# The lease of the kept-alive cases: heartbeats every 0.5 s, each
+# extending by 2 s (vLLM's lease // 6 and lease * 2 // 3), so a stall of
+# well over a second on a loaded machine does not lapse it.
+KEEP_LEASE = 3.0
 # (request, tokens, seed, decode prefix-cache hit in pages): none,
 # partial, full (every page of the request already in the decode's cache).
 REQUESTS = [("a", 9, 41, 0), ("b", 16, 42, 2), ("c", 8, 43, 2)]
@@ -266,15 +270,15 @@ def _wait(pr, seconds, what):
 
 @pytest.mark.parametrize("gen", LEASED)
 def test_peer_prefill_lease_kept_by_kvhost_heartbeats(pair, gen):
-    """The peer prefill holds for a lease of LEASE s; the kvhost decode's
-    request waits in its queue for 3 leases; the kvhost decode's
+    """The peer prefill holds for a lease of KEEP_LEASE s; the kvhost
+    decode's request waits in its queue for 2 leases; the kvhost decode's
     heartbeats ("HB:" notifications over NIXL) renew the peer's lease, so
     the late read still gets every byte and the peer frees as read."""
-    pr = pair("peer-to-kvhost", gen, (1, 1), False, extra={"kv_lease_duration": LEASE}, lease=LEASE)
+    pr = pair("peer-to-kvhost", gen, (1, 1), False, extra={"kv_lease_duration": KEEP_LEASE}, lease=KEEP_LEASE)
     params = pr.peer.prefill("q", 12, 8)
     hog = _hog(pr.kv)
     pr.kv.scheduler.add_request(ReplayRequest("d-q", 12, dict(params), 8, max_tokens=2))
-    _wait(pr, 3 * LEASE, "three leases")
+    _wait(pr, 2 * KEEP_LEASE, "two leases")
     assert pr.kv.scheduler.requests["d-q"].status.name == "WAITING"
     assert "q" not in pr.peer.release_reasons, pr.peer.release_reasons  # still held
     assert pr.peer.heartbeats_seen > 0
@@ -307,14 +311,14 @@ def test_peer_prefill_hold_lapses(pair, gen, monkeypatch):
 
 @pytest.mark.parametrize("gen", LEASED)
 def test_kvhost_prefill_lease_kept_by_peer_heartbeats(pair, gen):
-    """The kvhost prefill holds for a lease of LEASE s; the peer decode's
-    request waits 3 leases in its queue while the peer heartbeats the
+    """The kvhost prefill holds for a lease of KEEP_LEASE s; the peer
+    decode's request waits 2 leases in its queue while the peer heartbeats the
     prefill's agents, as vLLM's worker does; then it reads every byte and
     the kvhost prefill releases as read."""
-    pr = pair("kvhost-to-peer", gen, (2, 2), False, extra={"kv_lease_duration": LEASE}, lease=LEASE)
+    pr = pair("kvhost-to-peer", gen, (2, 2), False, extra={"kv_lease_duration": KEEP_LEASE}, lease=KEEP_LEASE)
     params = pr.kv_prefill("q", 12, 8)
     pr.peer.queue("d-q", params)
-    _wait(pr, 3 * LEASE, "three leases")
+    _wait(pr, 2 * KEEP_LEASE, "two leases")
     assert pr.kv_release_reasons("q") == [None, None]  # still held
     assert pr.peer.heartbeats_sent > 0
     pr.peer.load("d-q", params, 8)

@@ -96,7 +96,6 @@ class Load:
     """A decode request on one worker."""
 
     local_blocks: list
-    read_blocks: list
     seed: int
     handles: list = field(default_factory=list)
     done: bool = False
@@ -260,7 +259,7 @@ class Worker:
             (ids,) = ids
         notif = ("%s:%d" % (params["remote_request_id"], w.notif_number(eng.tp, remote_tp))).encode()
         read_local = local_blocks[hit:]
-        ld = Load(local_blocks, read_local, seed)
+        ld = Load(local_blocks, seed)
         self.loads[req_id] = ld
         if not read_local:  # full prefix hit: only tell the prefill
             self.agent.send_notif(remote.agent_name, notif)
