@@ -1,5 +1,9 @@
 """The wire of each vLLM NIXL connector generation the peer speaks, as a
-table: adding a generation is one entry in WIRES.
+table: adding a generation is one entry in WIRES (and the tests, which
+take their generations from WIRES, then run it both ways). Generation 12,
+say, once the sidecar speaks it and its wire is read from vLLM's code:
+``Wire(12, True, True, <its metadata fields>, <its params>, <what its
+notification counts>)``, the fields built as _MD10 and _P10 are.
 
 What kvhost's own tables already hold is read from them, not restated:
 kvhost.vllm.generations.GENERATIONS gives the hash factors (through
