@@ -29,7 +29,7 @@ import pytest
 from kvhost import demo_pattern as pat
 from kvhost.vllm import generations
 from conftest import BACKEND
-from vllm_engine import PROFILES, EngineCoreDied, Engine, ReplayRequest
+from vllm_engine import PROFILES, EngineCoreDied, Engine, ReplayRequest, stub_transfer_results
 
 SHAPE = pat.Shape(layers=2, kv_heads=4, head_bytes=32, page_size=4)
 # An MLA model's latent: one head, replicated on every TP rank.
@@ -69,16 +69,7 @@ def _checker(e, loaded):
 
 @pytest.fixture
 def engines(sidecar_factory, monkeypatch):
-    import sys
-    import types
-
-    from kvhost import vllm_standins as vs
-
-    # Current vLLM's KVConnectorTransferResults, where KvhostConnector's
-    # get_transfer_results imports it from.
-    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    base.KVConnectorTransferResults = vs.KVConnectorTransferResults
-    monkeypatch.setitem(sys.modules, base.__name__, base)
+    stub_transfer_results(monkeypatch)
     made = []
 
     def make(profile, prefill_tp=1, decode_tp=2, prefill_role="kv_producer", decode_role="kv_consumer",

@@ -392,6 +392,33 @@ class Executor:
                                     invalid_block_ids=invalid)
 
 
+def stub_transfer_results(monkeypatch):
+    """Current vLLM's KVConnectorTransferResults where KvhostConnector's
+    get_transfer_results imports it from (the "newest" profile), for the
+    test's duration."""
+    import sys
+    import types
+
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorTransferResults = vs.KVConnectorTransferResults
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+
+
+def check_pool(pool, block_ids, seed, shape, h0, h1, mla):
+    """None when a rank's pool (layers, 2, blocks, heads, page_size,
+    head_bytes) holds exactly the request's KV for heads [h0, h1) at
+    block_ids (MLA: the latent, plane 0, the one registered), else a
+    sentence naming what differs."""
+    if not mla:
+        return pat.check(pool, block_ids, seed, shape, h0, h1)
+    got = pool[:, 0][:, list(block_ids)]
+    want = pat.expected(seed, shape, len(block_ids), h0, h1)[:, 0]
+    if got.shape == want.shape and (got == want).all():
+        return None
+    bad = [tuple(int(i) for i in ix) for ix in zip(*(got != want).nonzero())][:1] if got.shape == want.shape else []
+    return "MLA latent differs (layer, page, head, token, byte) %s, shapes %s/%s" % (bad, got.shape, want.shape)
+
+
 class Engine:
     """One vLLM engine beside its sidecar: scheduler connector, TP workers
     with shared-memory KV pools in vLLM's HND layout.
@@ -442,14 +469,7 @@ class Engine:
         """None when rank's blocks hold exactly the request's KV (MLA: its
         latent, plane 0), else a sentence naming what differs."""
         h0, h1 = self.heads_of(rank)
-        if not self.mla:
-            return pat.check(self.pools[rank][1], block_ids, seed, self.shape, h0, h1)
-        got = self.pools[rank][1][:, 0][:, list(block_ids)]
-        want = pat.expected(seed, self.shape, len(block_ids), h0, h1)[:, 0]
-        if got.shape == want.shape and (got == want).all():
-            return None
-        bad = [tuple(int(i) for i in ix) for ix in zip(*(got != want).nonzero())][:1] if got.shape == want.shape else []
-        return "MLA latent differs (layer, page, head, token, byte) %s, shapes %s/%s" % (bad, got.shape, want.shape)
+        return check_pool(self.pools[rank][1], block_ids, seed, self.shape, h0, h1, self.mla)
 
     def _forward(self, out):
         def run(rank):
