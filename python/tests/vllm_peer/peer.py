@@ -49,9 +49,34 @@ from kvhost.vllm import generations, settings
 
 from vllm_engine import check_pool
 
-from .wire import GET_META_MSG, HEARTBEAT_PREFIX, wire
+from .wire import DEFAULTED, GET_META_MSG, HEARTBEAT_PREFIX, wire
 
 MEM = "DRAM"
+
+
+def _layer_name(layer: int) -> str:
+    """vLLM's kv_caches key of a layer (region_names' entries)."""
+    return "model.layers.%d.self_attn.attn" % layer
+
+
+def _check_regions(md: dict, mem: str):
+    """What a one-group vLLM decode of version 11 or later requires of a
+    prefill's per-region fields: each list None or one entry per region,
+    every region of num_blocks blocks, of group 0 and of this worker's
+    memory type, one layer each."""
+    n = len(md["kv_caches_base_addr"])
+    for f in ("region_num_blocks", "region_group_ids", "region_names", "region_mem_types"):
+        v = md.get(f)
+        if v is not None and len(v) != n:
+            raise HandshakeError("%s has %d entries for %d regions" % (f, len(v), n))
+    if any(b != md["num_blocks"] for b in md.get("region_num_blocks") or ()):
+        raise HandshakeError("region_num_blocks %s, num_blocks %d" % (md["region_num_blocks"], md["num_blocks"]))
+    if any(g != 0 for g in md.get("region_group_ids") or ()):
+        raise HandshakeError("region_group_ids %s: one KV cache group" % md["region_group_ids"])
+    if any(t != mem for t in md.get("region_mem_types") or ()):
+        raise HandshakeError("region_mem_types %s, this worker's %s" % (md["region_mem_types"], mem))
+    if any(len(m) > 1 for m in md.get("region_members") or ()):
+        raise HandshakeError("region_members %s: one layer per region" % md["region_members"])
 
 
 class HandshakeError(RuntimeError):
@@ -153,6 +178,14 @@ class Worker:
             "physical_blocks_per_logical_kv_block": 1,
             "dcp_size": 1,
             "pcp_size": 1,
+            # Versions 11 and 12, as register_kv_caches fills them for one
+            # KV cache group: per region its blocks, group 0, its layer
+            # (K and V of a layer share one) and memory type; no members.
+            "region_num_blocks": [eng.num_blocks] * len(self.base_addrs),
+            "region_group_ids": [0] * len(self.base_addrs),
+            "region_names": [_layer_name(i if eng.mla else i // 2) for i in range(len(self.base_addrs))],
+            "region_mem_types": [MEM] * len(self.base_addrs),
+            "region_members": [],
         }
         # msgspec encodes a Struct as a map in declaration order.
         md = msgpack.packb({k: values[k] for k in w.metadata_fields}, use_bin_type=True)
@@ -220,10 +253,9 @@ class Worker:
             raise HandshakeError("NIXL compatibility hash mismatch: local %s, remote %s"
                                  % (eng.compat_hash, payload.get("compatibility_hash")))
         md = msgpack.unpackb(payload["agent_metadata_bytes"], raw=False)
-        # msgspec's decoder: every field without a default (dcp_size and
-        # pcp_size have one), and, as msgspec writes them, in declaration
-        # order.
-        required = [f for f in w.metadata_fields if f not in ("dcp_size", "pcp_size")]
+        # msgspec's decoder: every field without a default, and, as
+        # msgspec writes them, in declaration order.
+        required = [f for f in w.metadata_fields if f not in DEFAULTED]
         missing = [f for f in required if f not in md]
         if missing:
             raise HandshakeError("NixlAgentMetadata of version %d without %s" % (w.version, missing))
@@ -233,6 +265,7 @@ class Worker:
             raise HandshakeError("remote engine id %r, expected %r" % (md["engine_id"], engine_id))
         if md["block_size"] != eng.shape.page_size:
             raise HandshakeError("remote block size %d, this engine's %d" % (md["block_size"], eng.shape.page_size))
+        _check_regions(md, MEM)
         name = self.agent.add_remote_agent(md["agent_metadata"])
         # add_remote_agent's descriptors: every block of every remote
         # region, this worker's heads of it (HND: a head slice of a block

@@ -1,9 +1,8 @@
 """The wire of each vLLM NIXL connector generation the peer speaks, as a
 table: adding a generation is one entry in WIRES (and the tests, which
-take their generations from WIRES, then run it both ways). Generation 12,
-say, once the sidecar speaks it and its wire is read from vLLM's code:
-``Wire(12, True, True, <its metadata fields>, <its params>, <what its
-notification counts>)``, the fields built as _MD10 and _P10 are.
+take their generations from WIRES, then run it both ways):
+``Wire(version, True, True, <its metadata fields>, <its params>, <what
+its notification counts>)``, the fields built as _MD10 and _P10 are.
 
 What kvhost's own tables already hold is read from them, not restated:
 kvhost.vllm.generations.GENERATIONS gives the hash factors (through
@@ -35,7 +34,13 @@ host/pull/testdata/vllm_nixl_peer.py speaks the same handshake):
     last), pull_worker.py _read_blocks ("{remote_request_id}:
     {expected_consumers}", the decode ranks reading that prefill rank),
     kv_transfer_params with dcp_size, pp_size and transfer_mode
-    (pull_scheduler.py request_finished @ 0050936b22adda2ef0197fa3bb2551fe6c5437dc).
+    (pull_scheduler.py request_finished @ 0050936b22adda2ef0197fa3bb2551fe6c5437dc);
+  - 11 and 12: metadata.py @ 02cfb534df5674737558730b10f23d1b7aef9b7c
+    (NIXL_CONNECTOR_VERSION = 12): 11 adds region_num_blocks,
+    region_group_ids, region_names and region_mem_types (default None)
+    before dcp_size, 12 region_members (default []) last; the handshake,
+    kv_transfer_params and notification are 10's (host/wire/vllm's
+    generation.go names the files read for them).
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ _MD2 = ("engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_
 _MD6 = _MD2 + ("ssm_sizes", "attn_backend_name", "physical_blocks_per_logical_kv_block")
 _MD10 = _MD6[: _MD6.index("block_lens") + 1] + ("block_strides",) + _MD6[_MD6.index("block_lens") + 1:] + (
     "dcp_size", "pcp_size")
+_REGIONS = ("region_num_blocks", "region_group_ids", "region_names", "region_mem_types")
+_MD11 = _MD10[: _MD10.index("dcp_size")] + _REGIONS + ("dcp_size", "pcp_size")
+_MD12 = _MD11 + ("region_members",)
+# The fields with a default, which msgspec's decoder does not require.
+DEFAULTED = frozenset(_REGIONS + ("dcp_size", "pcp_size", "region_members"))
 
 # request_finished's kv_transfer_params, in its order.
 _P2 = ("do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
@@ -107,6 +117,8 @@ WIRES = {
         Wire(2, False, False, _MD2, _P2, READERS),
         Wire(6, True, True, _MD6, _P6, DECODE_TP),
         Wire(10, True, True, _MD10, _P10, READERS),
+        Wire(11, True, True, _MD11, _P10, READERS),
+        Wire(12, True, True, _MD12, _P10, READERS),
     )
 }
 
