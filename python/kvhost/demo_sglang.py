@@ -120,14 +120,14 @@ def prefill_engine(args, control, requests, to_decode, results):
                     break
                 todo.pop(0)
                 room = int(rid.rsplit("-", 1)[1]) + 1
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     senders = [ksg.KVSender(mgr, boot.addr, room, None, 0) for mgr, _, _, _ in ranks]
                 live[room] = {"rid": rid, "seed": seed, "ids": ids, "aux": aux_free.pop(), "senders": senders,
                               "sent": 0, "inited": False}
                 to_decode.put((rid, ntok, seed, boot.addr, room))
                 busy = True
             for room, st in list(live.items()):
-                with ph.timed("control"):
+                with ph.timed("poll", len(st["senders"])):
                     polls = [s.poll() for s in st["senders"]]
                 if any(int(p) == int(ksg.KVPoll.Failed) for p in polls):
                     # SGLang's prefill: failure_exception() raises the
@@ -146,7 +146,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 if not st["inited"]:
                     if not _all(polls, ksg.KVPoll.WaitingForInput):
                         continue
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.init(len(st["ids"]), st["aux"])
                     # The forward pass: this request's KV and aux on every rank.
@@ -162,14 +162,14 @@ def prefill_engine(args, control, requests, to_decode, results):
                     if "t_send" not in st:
                         # In flight from the first chunk sent to Success.
                         st["t_send"] = time.monotonic()
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.send(np.asarray(part, dtype=np.int32))
                     st["sent"] += len(part)
                     busy = True
                 elif _all(polls, ksg.KVPoll.Success):
                     ph.spans.append((st["t_send"], time.monotonic()))
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.clear()
                     pages.give(st["ids"])
@@ -220,7 +220,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
             while waiting and len(live) < args["concurrency"]:
                 rid, ntok, seed, addr, room = waiting.pop(0)
                 recvs = []
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     for mgr, _, _, _ in ranks:
                         rv = ksg.KVReceiver(mgr, addr, room)
                         rv.init(0)  # prefill DP rank 0: starts the bootstrap
@@ -231,7 +231,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     t_first = time.monotonic()
                 busy = True
             for room, st in list(live.items()):
-                with ph.timed("control"):
+                with ph.timed("poll", len(st["recvs"])):
                     polls = [rv.poll() for rv in st["recvs"]]
                 failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
                 if st["ids"] is None and not failed:
@@ -241,7 +241,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     if ids is None:
                         continue
                     st["ids"], st["aux"] = ids, aux_free.pop()
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for rv in st["recvs"]:
                             rv.send_metadata(np.asarray(ids, dtype=np.int32), st["aux"])
                     busy = True
@@ -271,7 +271,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         if why:
                             err = "decode rank %d: %s" % (r, why)
                             break
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for rv in st["recvs"]:
                             rv.clear()
                 n = len(st["ids"]) if st["ids"] else 0
