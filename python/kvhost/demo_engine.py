@@ -275,6 +275,7 @@ def run_style(style, ns, workdir, reqs, progress):
     summary["phases"] = {}
     summary["counts"] = {}
     summary["cpu"] = {}
+    summary["waits"] = {}
     try:
         for s in sidecars:
             s.wait_ready()
@@ -323,6 +324,12 @@ def run_style(style, ns, workdir, reqs, progress):
                 summary["phases"][kind.split("_")[0]] = body.get("phases", {})
                 summary["counts"][kind.split("_")[0]] = body.get("counts", {})
                 summary["cpu"][kind.split("_")[0]] = body.get("cpu", {})
+                w = body.get("waits")
+                if w:
+                    summary["waits"][kind.split("_")[0]] = {
+                        "requests": len(w["kvhost_ms"]),
+                        "kvhost_p50_ms": _pct(w["kvhost_ms"], 0.5) * 1e3,
+                        "loop_p50_ms": _pct(w["loop_ms"], 0.5) * 1e3}
                 spans.extend(body.get("spans", ()))
                 finished.add(kind)
         for p in procs:
@@ -487,6 +494,13 @@ def text(s, ns):
                          s["procs_transfer_gb_per_s"], s["procs_transfer_ratio"], s["transfer_ratio_to_procs"]))
     lines.append("  engine's view %.2f GB/s: over the %.2f s requests were in flight from hand-off to seen done "
                  "(p50 %.2f ms a request)" % (s["engine_view_gb_per_s"], s["engine_view_seconds"], s["engine_view_p50_ms"]))
+    for role, since in (("prefill", "its last chunk handed to kvhost"),
+                        ("decode", "send_metadata (the prefill engine's fill and sends included)")):
+        w = s.get("waits", {}).get(role)
+        if w:
+            lines.append("  %-13s p50 %.2f ms from %s to the last rank's Success event in the engine process, "
+                         "then p50 %.2f ms until the engine's loop sees it" % (
+                             role + " waits", w["kvhost_p50_ms"], since, w["loop_p50_ms"]))
     polls = "poll() calls" if s["style"] == "sglang" else "per-step calls"
     for role in ("prefill", "decode"):
         p = s.get("phases", {}).get(role)

@@ -60,6 +60,12 @@ def test_demo_engine_every_byte(style):
         assert s["counts"][role]["poll"] == c["polls"] > 0, (s["counts"], c)
         assert abs(c["engine"] - p["adapter"] / 24 * 1e6) < 1e-6 and c["per_rank"] == c["engine"] / s[role + "_tp"], c
     assert s["phases"]["prefill"]["fill"] > 0 and s["phases"]["decode"]["verify"] > 0, s
+    if style == "sglang":
+        # Every request's wait split at its last rank's Success event, on
+        # both engines (the clients' listeners saw every Success).
+        for role in ("prefill", "decode"):
+            w = s["waits"][role]
+            assert w["requests"] == 24 and w["kvhost_p50_ms"] > 0 and w["loop_p50_ms"] >= 0, s["waits"]
     # Both pairs are prefill TP 2 -> decode TP 4 (issue 15); the sglang
     # pair's host-memory pools are registered as VRAM with the fake
     # plugin, since SGLang's NIXL connector pushes heterogeneous-TP MHA KV
