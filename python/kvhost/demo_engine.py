@@ -25,6 +25,33 @@ terminal) and a summary like ``kvhost demo``'s, with the throughput beside
 0 only when every byte of every request verified; otherwise non-zero with
 the request, page and byte that were wrong.
 
+Rates, and what each compares (issue 24):
+
+- throughput: bytes over the decode engine's wall time from its first
+  request to its last; ``kvhost demo``'s end-to-end rate is the same
+  (both include their engines' fill and verify);
+- transfer rate: the bytes kvhost's transfers moved over the time kvhost
+  had at least one in flight, the union of the transfers'
+  post-to-completion intervals as the completion engine saw them (the
+  sidecars' kvhost_transfer_busy_seconds_total and
+  kvhost_nixl_bytes_transferred_sum). ``kvhost demo`` computes its
+  transfer rate the same way (host/internal/span over the same events;
+  vLLM style: the union over every decode rank), so the ratio compares
+  one definition on the same shape, and fill and verify are outside both
+  windows. The pair's copies cross processes (the fake plugin's
+  process_vm_*) where ``--in-process`` copies with memcpy:
+  ``--baseline-procs`` adds ``kvhost demo`` with its Go workers in
+  separate processes, the same copies without Python engines or sidecars;
+- engine's view: the same bytes over the union of the intervals from an
+  engine handing a request to kvhost to the engine seeing it done (the
+  control path, notifications and the engine loop's cadence included);
+  SGLang's "waits" line splits a request's wait at the moment its Success
+  event reached the engine process;
+- adapter cost: time inside the adapter calls a request makes, per
+  request (and per rank), beside their thread CPU time; the calls the
+  engine's loop makes on every pass (poll(), vLLM's per-step calls) are
+  counted apart: this loop passes far more often than a scheduler steps.
+
     python3 -m kvhost.demo_engine [--styles vllm,sglang] [--requests 300] ...
 
 (``make demo-engine`` runs it with PYTHONPATH=python and bin/kvhost.)
