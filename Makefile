@@ -237,8 +237,12 @@ bench: all
 # beside its own `kvhost serve`, every byte verified in the engines' memory
 # (python/kvhost/demo_engine.py). PYTHON (see python-test) needs pyzmq,
 # msgpack and numpy (Debian: python3-zmq python3-msgpack python3-numpy), e.g.
-# make demo-engine DEMO_ENGINE_ARGS="--styles vllm --baseline".
-DEMO_ENGINE_ARGS ?=
+# make demo-engine DEMO_ENGINE_ARGS="--styles vllm --baseline" (the default
+# is --baseline). --baseline compares the pair's transfer rate with kvhost demo --in-process's on the
+# same shape and the same definition (the time kvhost had a transfer in
+# flight: the sidecars' kvhost_transfer_busy_seconds_total); --baseline-procs
+# adds kvhost demo with its workers in separate processes.
+DEMO_ENGINE_ARGS ?= --baseline
 
 demo-engine: all
 	PYTHONPATH=$(CURDIR)/python $(PYTHON) -m kvhost.demo_engine --kvhost $(BIN) $(DEMO_ENGINE_ARGS)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/demo/pushworker"
+	"github.com/kvhost/kvhost/host/internal/span"
 )
 
 // Summary is what a demo run reports. Rates are GB/s (1e9 bytes/s).
@@ -38,8 +39,8 @@ type Summary struct {
 	// filling and checking the synthetic KV.
 	GBps float64 `json:"gb_per_s"`
 	// TransferSeconds is the time transfers were in flight (the union of
-	// their post-to-completion intervals: sglang, the prefill's; vllm, the
-	// longest of the decode processes', which run at once) and
+	// their post-to-completion intervals: sglang, the prefill's, every
+	// rank's; vllm, every decode rank's, whichever process made them) and
 	// TransferGBps BytesMoved over it: the rate at which kvhost moved
 	// bytes, to compare with MemcpyGBps.
 	TransferSeconds float64 `json:"transfer_seconds"`
@@ -170,6 +171,18 @@ func (s *Summary) addPush(prefill *pushworker.Summary, decodes []*pushworker.Sum
 // addPull folds in the pull workers' summaries.
 func (s *Summary) addPull(prefill *pullworker.PrefillSummary, decodes []*pullworker.DecodeSummary) {
 	var descs float64
+	// The time any decode rank's READ was in flight: the union over the
+	// ranks, which run at once (a sidecar hosting every rank counts it so:
+	// kvhost_transfer_busy_seconds_total); the longest rank's own when a
+	// rank did not report its intervals.
+	var all span.Union
+	whole := true
+	for _, d := range decodes {
+		whole = whole && (len(d.InFlight) > 0 || d.TransferSeconds == 0)
+		for _, iv := range d.InFlight {
+			all.AddNs(iv[0], iv[1])
+		}
+	}
 	for _, d := range decodes {
 		s.BytesMoved += d.Bytes
 		s.BytesVerified += d.VerifiedBytes
@@ -184,6 +197,9 @@ func (s *Summary) addPull(prefill *pullworker.PrefillSummary, decodes []*pullwor
 		}
 	}
 	s.DescsPerRequest = descs / float64(s.Requests)
+	if whole {
+		s.TransferSeconds = all.Total().Seconds()
+	}
 	if prefill != nil && !prefill.Done {
 		s.addFailure(fmt.Sprintf("prefill: %d of %d requests released, %d still held, %d expired",
 			prefill.ReleasedNotified, prefill.ExpectedRequests, prefill.StillHeld, prefill.ReleasedExpired))

@@ -44,3 +44,19 @@ func TestSummaryTransferRate(t *testing.T) {
 		t.Fatalf("pull: end to end %v GB/s, transfer %v GB/s; want 0.4, 4", p.GBps, p.TransferGBps)
 	}
 }
+
+// vllm: decode ranks that report their in-flight intervals are measured
+// over the union of them all (the time any rank's READ was in flight), as
+// a sidecar hosting every rank measures it; not over the longest rank's.
+func TestSummaryPullInFlightUnion(t *testing.T) {
+	ms := func(n int64) int64 { return 1_000_000_000_000 + n*1_000_000 }
+	p := &Summary{Style: "vllm", Requests: 2}
+	p.addPull(nil, []*pullworker.DecodeSummary{
+		{Bytes: 1e9, Reads: 1, Seconds: 4, TransferSeconds: 0.25, InFlight: [][2]int64{{ms(0), ms(250)}}},
+		{Bytes: 1e9, Reads: 1, Seconds: 5, TransferSeconds: 0.5, InFlight: [][2]int64{{ms(100), ms(350)}, {ms(400), ms(650)}}},
+	})
+	p.finish()
+	if math.Abs(p.TransferSeconds-0.6) > 1e-9 || math.Abs(p.TransferGBps-2e9/0.6/1e9) > 1e-9 {
+		t.Fatalf("transfer %v s, %v GB/s; want the union 0.6 s", p.TransferSeconds, p.TransferGBps)
+	}
+}

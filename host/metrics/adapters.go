@@ -10,7 +10,8 @@ import (
 
 // Transfer is the one adapter of transfer events, push's and pull's alike
 // (the completion engine's plugin.TransferEvent): the planning time feeds
-// kvhost_plan_time_seconds; a completed transfer the NIXL histograms, a
+// kvhost_plan_time_seconds; a completed transfer the NIXL histograms and
+// kvhost_transfer_busy_seconds_total, a
 // failed one the failure counter and the plugin error counter.
 func (m *Metrics) Transfer(e plugin.TransferEvent) {
 	m.ObservePlan(e.Plan)
@@ -19,6 +20,7 @@ func (m *Metrics) Transfer(e plugin.TransferEvent) {
 		return
 	}
 	m.ObserveTransfer(e.Xfer, e.Post, e.Bytes, e.Descs)
+	m.ObserveInFlight(e.Posted, e.Xfer)
 }
 
 // PushObserver adapts m to the push runtime's observer (SGLang style):

@@ -30,6 +30,13 @@
 //	kvhost_requests_released_total{reason}       counter  pull prefill: held requests freed
 //	kvhost_bad_notifications_total{reason}       counter  pull prefill: unusable notifications
 //	kvhost_ready                                 gauge    1 once the worker serves
+//	kvhost_transfer_busy_seconds_total           counter  time at least one transfer was in
+//	                                                      flight: the union of the transfers'
+//	                                                      post-to-completion intervals, as
+//	                                                      kvhost demo's transfer rate counts it
+//	                                                      (host/internal/span); with
+//	                                                      kvhost_nixl_bytes_transferred_sum, the
+//	                                                      rate at which the worker moved bytes
 //
 // Every metric carries the constant labels given to New: a worker process
 // passes its role ("prefill" or "decode") and whatever identifies it (engine
@@ -60,6 +67,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/kvhost/kvhost/host/internal/span"
 	"github.com/kvhost/kvhost/host/plugin"
 )
 
@@ -87,6 +95,10 @@ type Metrics struct {
 	pluginErrors, released, badNotifs *prometheus.CounterVec
 	ready                             prometheus.Gauge
 	isReady                           atomic.Bool
+	busySeconds                       prometheus.Counter
+
+	busyMu sync.Mutex
+	busy   span.Running // feeds busySeconds
 
 	mu     sync.Mutex
 	source RoomSource // nil: kvhost_rooms is absent
@@ -148,7 +160,10 @@ func New(constLabels prometheus.Labels) *Metrics {
 		Name: Prefix + "ready", ConstLabels: constLabels,
 		Help: "1 once the worker is registered and serving, else 0.",
 	})
-	m.reg.MustRegister(m.xferTime, m.postTime, m.bytes, m.descs, m.planTime, m.failedXfers, m.failedNotifs,
+	m.busySeconds = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: Prefix + "transfer_busy_seconds_total", ConstLabels: constLabels,
+		Help: "Time at least one transfer was in flight: the union of completed transfers' post-to-completion intervals."})
+	m.reg.MustRegister(m.busySeconds, m.xferTime, m.postTime, m.bytes, m.descs, m.planTime, m.failedXfers, m.failedNotifs,
 		m.roomTransitions, m.roomFailures, m.handshake, m.bootstrap, m.pluginErrors, m.released,
 		m.badNotifs, m.ready, &roomCollector{m: m, desc: prometheus.NewDesc(Prefix+"rooms",
 			"Rooms (requests) the worker holds now, by KVPoll state.", []string{"state"}, constLabels)},
@@ -167,6 +182,18 @@ func (m *Metrics) ObserveTransfer(xfer, post time.Duration, bytes, descs uint64)
 	m.postTime.Observe(post.Seconds())
 	m.bytes.Observe(float64(bytes))
 	m.descs.Observe(float64(descs))
+}
+
+// ObserveInFlight adds a completed transfer's post-to-completion interval
+// to kvhost_transfer_busy_seconds_total (span.Running: call it as
+// transfers complete).
+func (m *Metrics) ObserveInFlight(posted time.Time, xfer time.Duration) {
+	m.busyMu.Lock()
+	grew := m.busy.Add(posted, posted.Add(xfer))
+	m.busyMu.Unlock()
+	if grew > 0 {
+		m.busySeconds.Add(grew.Seconds())
+	}
 }
 
 // ObservePlan records the time spent planning one transfer's descriptors.

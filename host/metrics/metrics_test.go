@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -280,5 +281,21 @@ func TestServe(t *testing.T) {
 	m2, s2, err := Start(context.Background(), "", nil)
 	if err != nil || m2 == nil || s2 != nil {
 		t.Errorf("Start without address: %v %v %v", m2, s2, err)
+	}
+}
+
+// kvhost_transfer_busy_seconds_total counts overlapping transfers' time
+// once, idle gaps and failed transfers not at all.
+func TestTransferBusySeconds(t *testing.T) {
+	m := New(nil)
+	o := m.PullObserver()
+	t0 := time.Unix(1000, 0)
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	o.Transfer(pull.TransferStat{Posted: t0, Xfer: ms(3), Bytes: 1})
+	o.Transfer(pull.TransferStat{Posted: t0.Add(ms(1)), Xfer: ms(3), Bytes: 1}) // overlaps: +1 ms
+	o.Transfer(pull.TransferStat{Posted: t0.Add(ms(10)), Xfer: ms(1), Bytes: 1})
+	o.Transfer(pull.TransferStat{Posted: t0.Add(ms(20)), Xfer: ms(5), Err: errors.New("failed")})
+	if v := value(t, m, "kvhost_transfer_busy_seconds_total", nil); math.Abs(v-0.005) > 1e-12 {
+		t.Fatalf("busy %v s, want 0.005", v)
 	}
 }

@@ -2598,6 +2598,53 @@ static void test_two_processes(void) {
   CHECK(memcmp(buf + (3u << 20), pat, 8192) == 0);
   free(pat);
   OK(xfer_del(ag, x));
+  /* Pieces that continue one another on one side go as one iovec there
+   * (copy_pvm): 3000 blocks of 500 bytes, contiguous here (one iovec) and
+   * 600 apart there (more than IOV_MAX iovecs, so several calls with one
+   * local iovec cut differently each time), WRITE then READ back to
+   * another place here; and the other way, 500 bytes 700 apart here into
+   * a packed run there. Every byte where it belongs. */
+  {
+    uint8_t *src = buf, *back = buf + (2u << 20);
+    fill(src, 3000 * 500, 33);
+    memset(back, 0, 3000 * 500);
+    kvp_xfer_desc lc = XD(src, 500, 500, 3000), lbc = XD(back, 500, 500, 3000);
+    kvp_xfer_desc rs = {caddr, 500, 600, 3000, 0};
+    uint64_t dl1, dl2, dl3;
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &lc, 1, &dl1));
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &lbc, 1, &dl2));
+    OK(dlist_new(ag, "child", KVP_MEM_DRAM, &rs, 1, &dl3));
+    OK(xfer_prepped(ag, KVP_OP_WRITE, dl1, &z, 1, dl3, &z, 1, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    OK(xfer_prepped(ag, KVP_OP_READ, dl2, &z, 1, dl3, &z, 1, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    CHECK(memcmp(back, src, 3000 * 500) == 0);
+    OK(dlist_del(ag, dl1));
+    OK(dlist_del(ag, dl2));
+    OK(dlist_del(ag, dl3));
+    /* Strided here (700 apart) into a packed run there, and back. */
+    fill(src, 1500 * 700, 34);
+    memset(back, 0, 1500 * 700);
+    kvp_xfer_desc ls = XD(src, 500, 700, 1500), lbs = XD(back, 500, 700, 1500);
+    kvp_xfer_desc rp = {caddr, 500, 500, 1500, 0};
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &ls, 1, &dl1));
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &lbs, 1, &dl2));
+    OK(dlist_new(ag, "child", KVP_MEM_DRAM, &rp, 1, &dl3));
+    OK(xfer_prepped(ag, KVP_OP_WRITE, dl1, &z, 1, dl3, &z, 1, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    OK(xfer_prepped(ag, KVP_OP_READ, dl2, &z, 1, dl3, &z, 1, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    int same = 1;
+    for (int k = 0; k < 1500; k++) same &= memcmp(back + (size_t)k * 700, src + (size_t)k * 700, 500) == 0;
+    CHECK(same);
+    OK(dlist_del(ag, dl1));
+    OK(dlist_del(ag, dl2));
+    OK(dlist_del(ag, dl3));
+  }
 
   /* The child exits: transfers and notifications report the disconnect;
    * a transfer that fails in the post (event mode) ends failed, signalled,

@@ -25,6 +25,33 @@ terminal) and a summary like ``kvhost demo``'s, with the throughput beside
 0 only when every byte of every request verified; otherwise non-zero with
 the request, page and byte that were wrong.
 
+Rates, and what each compares (issue 24):
+
+- throughput: bytes over the decode engine's wall time from its first
+  request to its last; ``kvhost demo``'s end-to-end rate is the same
+  (both include their engines' fill and verify);
+- transfer rate: the bytes kvhost's transfers moved over the time kvhost
+  had at least one in flight, the union of the transfers'
+  post-to-completion intervals as the completion engine saw them (the
+  sidecars' kvhost_transfer_busy_seconds_total and
+  kvhost_nixl_bytes_transferred_sum). ``kvhost demo`` computes its
+  transfer rate the same way (host/internal/span over the same events;
+  vLLM style: the union over every decode rank), so the ratio compares
+  one definition on the same shape, and fill and verify are outside both
+  windows. The pair's copies cross processes (the fake plugin's
+  process_vm_*) where ``--in-process`` copies with memcpy:
+  ``--baseline-procs`` adds ``kvhost demo`` with its Go workers in
+  separate processes, the same copies without Python engines or sidecars;
+- engine's view: the same bytes over the union of the intervals from an
+  engine handing a request to kvhost to the engine seeing it done (the
+  control path, notifications and the engine loop's cadence included);
+  SGLang's "waits" line splits a request's wait at the moment its Success
+  event reached the engine process;
+- adapter cost: time inside the adapter calls a request makes, per
+  request (and per rank), beside their thread CPU time; the calls the
+  engine's loop makes on every pass (poll(), vLLM's per-step calls) are
+  counted apart: this loop passes far more often than a scheduler steps.
+
     python3 -m kvhost.demo_engine [--styles vllm,sglang] [--requests 300] ...
 
 (``make demo-engine`` runs it with PYTHONPATH=python and bin/kvhost.)
@@ -37,12 +64,14 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 from kvhost import demo_pattern as pat
 
@@ -76,6 +105,9 @@ def _parse(argv):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--baseline", action="store_true",
                    help="also run `kvhost demo --in-process` on the same shape and print the ratio")
+    p.add_argument("--baseline-procs", action="store_true",
+                   help="with --baseline, also run `kvhost demo` with its workers in separate processes (Go "
+                        "engines, the plugin's cross-process copies the pair makes too) and print the ratio")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per style, each followed by its baseline (alternated, so a loaded machine's drift "
                         "hits both); the ratios' medians are printed")
@@ -104,19 +136,53 @@ class Sidecar:
         self.control = "ipc://" + self.sock
         self.log_path = os.path.join(workdir, name + ".log")
         self.name = name
-        cmd = [exe, "--backend", backend, "serve", "--control", self.control] + list(extra)
+        # Its Prometheus /metrics (a port it picks, named in its log):
+        # kvhost's own account of the transfers it made (metrics()).
+        cmd = [exe, "--backend", backend, "serve", "--control", self.control,
+               "--metrics-addr", "127.0.0.1:0"] + list(extra)
+        self.metrics_url = None
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_ready(self, timeout=30.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if os.path.exists(self.sock):
+            if self.metrics_url is None:
+                m = re.search(r'msg="serving metrics" addr=(127\.0\.0\.1:\d+)', self.tail(50))
+                if m:
+                    self.metrics_url = "http://%s/metrics" % m.group(1)
+            if os.path.exists(self.sock) and self.metrics_url:
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError("kvhost serve (%s) exited with %s:\n%s" % (self.name, self.proc.returncode, self.tail()))
             time.sleep(0.02)
         raise RuntimeError("kvhost serve (%s) did not create %s within %.0f s:\n%s" % (self.name, self.sock, timeout, self.tail()))
+
+    # The sidecar's metrics metrics() reads: kvhost's own account of its
+    # transfers (host/metrics).
+    METRICS = {
+        "kvhost_transfer_busy_seconds_total": "busy_seconds",
+        "kvhost_nixl_bytes_transferred_sum": "bytes",
+        "kvhost_nixl_xfer_time_seconds_sum": "xfer_seconds_sum",
+        "kvhost_nixl_xfer_time_seconds_count": "transfers",
+    }
+
+    def metrics(self):
+        """{busy_seconds, bytes, xfer_seconds_sum, transfers} from the
+        sidecar's /metrics: the union of its transfers' post-to-completion
+        intervals (the time it had a transfer in flight), the bytes they
+        moved, the sum of their durations and their count."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            body = r.read().decode()
+        out = {}
+        for line in body.splitlines():
+            name, _, rest = line.partition("{")
+            if name in self.METRICS:
+                out[self.METRICS[name]] = float(rest.rsplit("}", 1)[1].split()[0])
+        missing = set(self.METRICS.values()) - set(out)
+        if missing:
+            raise RuntimeError("kvhost serve (%s): %s lacks %s" % (self.name, self.metrics_url, sorted(missing)))
+        return out
 
     def tail(self, n=20):
         try:
@@ -232,7 +298,11 @@ def run_style(style, ns, workdir, reqs, progress):
                "register_as": "dram" if style == "vllm" else args["register_as"]}
     lat = []
     spans = []
+    kv = []
     summary["phases"] = {}
+    summary["counts"] = {}
+    summary["cpu"] = {}
+    summary["waits"] = {}
     try:
         for s in sidecars:
             s.wait_ready()
@@ -279,10 +349,22 @@ def run_style(style, ns, workdir, reqs, progress):
                 if kind == "decode_done":
                     summary["seconds"] = body["seconds"]
                 summary["phases"][kind.split("_")[0]] = body.get("phases", {})
+                summary["counts"][kind.split("_")[0]] = body.get("counts", {})
+                summary["cpu"][kind.split("_")[0]] = body.get("cpu", {})
+                w = body.get("waits")
+                if w:
+                    summary["waits"][kind.split("_")[0]] = {
+                        "requests": len(w["kvhost_ms"]),
+                        "kvhost_p50_ms": _pct(w["kvhost_ms"], 0.5) * 1e3,
+                        "loop_p50_ms": _pct(w["loop_ms"], 0.5) * 1e3}
                 spans.extend(body.get("spans", ()))
                 finished.add(kind)
         for p in procs:
             p.join(30)
+        # kvhost's own account, before the sidecars stop: only the side
+        # that makes the transfers has any (sglang: the prefill's pushes,
+        # vllm: the decode's reads).
+        kv = [s.metrics() for s in sidecars]
     except Exception as e:
         summary["failures"].append(str(e))
         summary["failed"] = summary["requests"] - summary["ok"]
@@ -304,18 +386,10 @@ def run_style(style, ns, workdir, reqs, progress):
                 summary["failures"].append("kvhost serve (%s) log (%s):\n%s" % (s.name, s.log_path, t))
     if summary["seconds"] > 0:
         summary["gb_per_s"] = summary["bytes_moved"] / summary["seconds"] / 1e9
-    summary["transfers_timed"] = len(spans)
-    summary["transfer_seconds"] = union_seconds(spans)
-    summary["transfer_gb_per_s"] = (
-        summary["bytes_moved"] / summary["transfer_seconds"] / 1e9 if summary["transfer_seconds"] > 0 else 0.0)
-    # The engines' time in adapter calls (their scheduler threads'
-    # "control" phase), per request and per rank (issue 24's budget).
-    ranks = {"prefill": ns.prefill_tp, "decode": decode_tp}
-    summary["control_us_per_request"] = {}
-    for role, ph in summary["phases"].items():
-        if "control" in ph and summary["requests"]:
-            per_req = ph["control"] / summary["requests"] * 1e6
-            summary["control_us_per_request"][role] = {"engine": per_req, "per_rank": per_req / ranks[role]}
+    summary.update(transfer_summary(kv, spans, summary["bytes_moved"]))
+    summary["control_us_per_request"] = adapter_costs(
+        style, summary["phases"], summary["cpu"], summary["counts"], summary["requests"],
+        {"prefill": ns.prefill_tp, "decode": decode_tp})
     # The pair's rate with the engines' own work (the prefill's fill, the
     # decode's verify: numpy in these Python engines) taken out of each
     # engine's wall time: what kvhost and the adapters leave to the slower
@@ -331,11 +405,74 @@ def run_style(style, ns, workdir, reqs, progress):
     return summary
 
 
-def baseline(ns, style, decode_tp):
-    """``kvhost demo --in-process`` on the same shape: its end-to-end GB/s
-    and its transfer rate (GB/s over the time its transfers were in
+def transfer_summary(kv, spans, bytes_moved):
+    """The pair's transfer rate, defined as ``kvhost demo --in-process``
+    defines its own: the bytes kvhost's transfers moved over the time at
+    least one of them was in flight (the union of their post-to-completion
+    intervals as kvhost's completion engine saw them: the sidecars'
+    kvhost_transfer_busy_seconds_total and kvhost_nixl_bytes_transferred_sum,
+    kv: their metrics()). The engines' fill and verify are outside it on
+    both sides, by definition.
+
+    Beside it, the engine's view (``engine_view_*``): the same bytes over
+    the union of the intervals from an engine handing a request's KV to
+    kvhost to the engine seeing it done (spans), which adds what the
+    control path, the notifications and the engine's own loop (its polling
+    cadence, and any fill or verify of other requests it runs before it
+    polls again) put around each transfer."""
+    out = {"transfer_seconds": 0.0, "transfer_bytes": 0, "transfers": 0, "transfer_gb_per_s": 0.0,
+           "xfer_mean_ms": 0.0}
+    if kv:
+        busy = sum(m["busy_seconds"] for m in kv)
+        nbytes = int(sum(m["bytes"] for m in kv))
+        n = int(sum(m["transfers"] for m in kv))
+        out.update(transfer_seconds=busy, transfer_bytes=nbytes, transfers=n,
+                   transfer_gb_per_s=nbytes / busy / 1e9 if busy > 0 else 0.0,
+                   xfer_mean_ms=sum(m["xfer_seconds_sum"] for m in kv) / n * 1e3 if n else 0.0)
+    view = union_seconds(spans)
+    out["requests_timed"] = len(spans)
+    out["engine_view_seconds"] = view
+    out["engine_view_gb_per_s"] = bytes_moved / view / 1e9 if view > 0 else 0.0
+    out["engine_view_p50_ms"] = _pct([e - s for s, e in spans], 0.5) * 1e3
+    return out
+
+
+def adapter_costs(style, phases, cpu, counts, requests, ranks):
+    """Per engine: time inside adapter calls on its scheduler thread.
+    "engine"/"per_rank": the calls each request makes (phase "adapter") per
+    request, and per request and rank. "poll_us": one call of the engine
+    loop's every-pass calls (phase "poll": sglang, one poll() of one rank's
+    room; vllm, one step's build_connector_meta plus every worker's step
+    calls), and "polls" how many the demo made: its loop passes far more
+    often than a scheduler steps, so their total is the demo's cadence,
+    not a cost per request. "with_polls_per_rank" (sglang): per request
+    and rank with the three poll() calls a scheduler needs (one per state
+    it waits for), the definition of ``make bench-engine``. "cpu_engine":
+    the thread CPU time of the request's calls per request (cpu: the
+    phases' CPU seconds): the wall time less the waits for a core."""
+    out = {}
+    for role, ph in phases.items():
+        if not requests or "adapter" not in ph:
+            continue
+        per_req = ph["adapter"] / requests * 1e6
+        n = counts.get(role, {}).get("poll", 0)
+        poll_us = ph.get("poll", 0.0) / n * 1e6 if n else 0.0
+        c = {"engine": per_req, "per_rank": per_req / ranks[role], "poll_us": poll_us, "polls": n,
+             "poll_seconds": ph.get("poll", 0.0),
+             "cpu_engine": cpu.get(role, {}).get("adapter", 0.0) / requests * 1e6}
+        if style == "sglang":
+            c["with_polls_per_rank"] = c["per_rank"] + 3 * poll_us
+        out[role] = c
+    return out
+
+
+def baseline(ns, style, decode_tp, in_process=True):
+    """``kvhost demo --in-process`` on the same shape (in_process False:
+    ``kvhost demo``, its workers in separate processes): its end-to-end
+    GB/s and its transfer rate (GB/s over the time its transfers were in
     flight; 0 when it does not report one)."""
-    cmd = [ns.kvhost, "--backend", ns.backend, "demo", "--in-process", "--json", "--style", style,
+    cmd = [ns.kvhost, "--backend", ns.backend, "demo"] + (["--in-process"] if in_process else []) + [
+           "--json", "--style", style,
            "--requests", str(ns.requests), "--seed", str(ns.seed), "--layers", str(ns.layers),
            "--kv-heads", str(ns.kv_heads), "--head-dim", str(ns.head_dim), "--dtype-bytes", str(ns.dtype_bytes),
            "--page-size", str(ns.page_size), "--min-tokens", str(ns.min_tokens), "--max-tokens", str(ns.max_tokens),
@@ -372,22 +509,43 @@ def text(s, ns):
     lines.append("  throughput    %.2f GB/s over %.2f s%s" % (s["gb_per_s"], s["seconds"], base))
     tbase = ""
     if s.get("baseline_transfer_gb_per_s"):
-        tbase = "   (kvhost demo --in-process: %.2f GB/s; ratio %.2f)" % (
+        tbase = "   (kvhost demo --in-process, same shape and definition: %.2f GB/s; ratio %.2f)" % (
             s["baseline_transfer_gb_per_s"], s.get("transfer_ratio", 0.0))
-    lines.append("  transfer rate %.2f GB/s: %s over the %.2f s %d transfers were in flight (engine's view)%s" % (
-        s["transfer_gb_per_s"], human(s["bytes_moved"]), s["transfer_seconds"], s["transfers_timed"], tbase))
+    lines.append("  transfer rate %.2f GB/s: %s over the %.3f s kvhost had transfers in flight "
+                 "(%d transfers, %.2f ms each on average)%s" % (
+                     s["transfer_gb_per_s"], human(s["transfer_bytes"]), s["transfer_seconds"], s["transfers"],
+                     s["xfer_mean_ms"], tbase))
+    if s.get("procs_transfer_gb_per_s"):
+        lines.append("  separate processes: kvhost demo (Go workers, the same cross-process copies) %.2f GB/s, "
+                     "%.2f of --in-process; the pair %.2f of it" % (
+                         s["procs_transfer_gb_per_s"], s["procs_transfer_ratio"], s["transfer_ratio_to_procs"]))
+    lines.append("  engine's view %.2f GB/s: over the %.2f s requests were in flight from hand-off to seen done "
+                 "(p50 %.2f ms a request)" % (s["engine_view_gb_per_s"], s["engine_view_seconds"], s["engine_view_p50_ms"]))
+    for role, since in (("prefill", "its last chunk handed to kvhost"),
+                        ("decode", "send_metadata (the prefill engine's fill and sends included)")):
+        w = s.get("waits", {}).get(role)
+        if w:
+            lines.append("  %-13s p50 %.2f ms from %s to the last rank's Success event in the engine process, "
+                         "then p50 %.2f ms until the engine's loop sees it" % (
+                             role + " waits", w["kvhost_p50_ms"], since, w["loop_p50_ms"]))
+    polls = "poll() calls" if s["style"] == "sglang" else "per-step calls"
     for role in ("prefill", "decode"):
         p = s.get("phases", {}).get(role)
         if p:
-            cost = s.get("control_us_per_request", {}).get(role)
+            c = s.get("control_us_per_request", {}).get(role)
+            cost = ""
+            if c:
+                cost = "; adapter calls %.0f µs per request (CPU %.0f; %.0f per rank%s); %s %.0f µs each, %d of them" % (
+                    c["engine"], c["cpu_engine"], c["per_rank"],
+                    ", %.0f with 3 poll() calls" % c["with_polls_per_rank"] if "with_polls_per_rank" in c else "",
+                    polls, c["poll_us"], c["polls"])
             lines.append("  %-13s %.2f s wall: %s%s" % (role + " engine", p.get("wall", 0.0), ", ".join(
-                "%s %.2f s" % (k, p[k]) for k in ("control", "fill", "verify", "idle", "other") if k in p),
-                "; adapter calls %.0f µs per request (%.0f per rank)" % (cost["engine"], cost["per_rank"])
-                if cost else ""))
+                "%s %.2f s" % (k, p[k]) for k in ("adapter", "poll", "fill", "verify", "idle", "other") if k in p), cost))
     if s.get("engine_work_excluded_seconds"):
         ebase = ""
         if s.get("baseline_gb_per_s"):
-            ebase = "   (ratio to --in-process end to end: %.2f)" % s["engine_work_excluded_ratio"]
+            ebase = "   (ratio to --in-process end to end, its own fill and verify included: %.2f)" % (
+                s["engine_work_excluded_ratio"])
         lines.append("  without fill/verify %.2f GB/s: the slower engine's wall less its own fill or verify, %.2f s%s" % (
             s["engine_work_excluded_gb_per_s"], s["engine_work_excluded_seconds"], ebase))
     lines.append("  latency       request load p50 %.2f ms, p99 %.2f ms" % (s["latency_p50_ms"], s["latency_p99_ms"]))
@@ -412,6 +570,12 @@ def run_with_baseline(style, ns, workdir, reqs):
                                    if s["baseline_transfer_gb_per_s"] else 0.0)
             s["engine_work_excluded_ratio"] = (s["engine_work_excluded_gb_per_s"] / s["baseline_gb_per_s"]
                                                if s["baseline_gb_per_s"] else 0.0)
+            if ns.baseline_procs:
+                _, s["procs_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"], in_process=False)
+                s["procs_transfer_ratio"] = (s["procs_transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
+                                             if s["baseline_transfer_gb_per_s"] else 0.0)
+                s["transfer_ratio_to_procs"] = (s["transfer_gb_per_s"] / s["procs_transfer_gb_per_s"]
+                                                if s["procs_transfer_gb_per_s"] else 0.0)
         except Exception as e:
             s["baseline_error"] = str(e)
     return s
@@ -431,11 +595,17 @@ def medians(style, runs):
     def cost(role):
         return _median([r.get("control_us_per_request", {}).get(role, {}).get("per_rank", 0.0) for r in runs])
 
+    procs = ""
+    if any(r.get("procs_transfer_gb_per_s") for r in runs):
+        procs = "; kvhost demo in separate processes: %.2f of --in-process, the pair %.2f of it" % (
+            _median([r.get("procs_transfer_ratio", 0.0) for r in runs]),
+            _median([r.get("transfer_ratio_to_procs", 0.0) for r in runs]))
     return ("%s: median of %d alternated runs: ratio to --in-process %.2f end to end, %.2f transfer rate, "
-            "%.2f without fill/verify; adapter calls per request per rank: prefill %.0f µs, decode %.0f µs" % (
+            "%.2f without fill/verify; adapter calls per request per rank: prefill %.0f µs, decode %.0f µs%s" % (
                 style, len(runs), _median([r.get("ratio", 0.0) for r in runs]),
                 _median([r.get("transfer_ratio", 0.0) for r in runs]),
-                _median([r.get("engine_work_excluded_ratio", 0.0) for r in runs]), cost("prefill"), cost("decode")))
+                _median([r.get("engine_work_excluded_ratio", 0.0) for r in runs]), cost("prefill"), cost("decode"),
+                procs))
 
 
 def main(argv=None):

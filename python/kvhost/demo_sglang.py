@@ -86,6 +86,44 @@ def _all(polls, state):
     return all(int(p) == int(state) for p in polls)
 
 
+class SuccessTimes:
+    """When each rank's client received its rooms' Success events (a
+    listener on every rank's client, kvhost.client's add_listener): with
+    the engine's own times it splits a request's wait into the part
+    before the last rank's Success event reached this process (prefill:
+    from its last chunk handed to kvhost, kvhost's part; decode: from
+    send_metadata, the prefill engine's fill and sends included) and the
+    engine loop's part (that event to the loop seeing it)."""
+
+    def __init__(self, ranks):
+        from kvhost import sglang as ksg
+
+        self.success = int(ksg.KVPoll.Success)
+        self.at = {}  # (rank index, room) -> time.monotonic()
+        self.kvhost, self.loop = [], []
+        for r, (mgr, _, _, _) in enumerate(ranks):
+            mgr.client.add_listener(self._listener(r))
+
+    def _listener(self, r):
+        def on_event(ev):  # on the client's receiving thread: quick
+            if ev.get("event") == "room" and ev.get("state") == self.success:
+                self.at[(r, ev.get("room"))] = time.monotonic()
+        return on_event
+
+    def seen(self, room, nranks, handed, now):
+        """Room done on every rank, seen at now; handed: when the engine
+        handed it to kvhost."""
+        got = [self.at.pop((r, room), None) for r in range(nranks)]
+        if None in got or handed is None:
+            return
+        last = max(got)
+        self.kvhost.append(last - handed)
+        self.loop.append(now - last)
+
+    def report(self):
+        return {"kvhost_ms": self.kvhost, "loop_ms": self.loop}
+
+
 def prefill_engine(args, control, requests, to_decode, results):
     """The prefill engine; it also plays the proxy: each request it admits
     goes to the decode with the bootstrap address and room."""
@@ -102,6 +140,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         sa = _server_args(control, tp, port, shape.page_size)
         slots = args["prefill_inflight"]
         ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa, args.get("register_as"))
+        waits = SuccessTimes(ranks)
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         ph = Phases()
@@ -120,14 +159,14 @@ def prefill_engine(args, control, requests, to_decode, results):
                     break
                 todo.pop(0)
                 room = int(rid.rsplit("-", 1)[1]) + 1
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     senders = [ksg.KVSender(mgr, boot.addr, room, None, 0) for mgr, _, _, _ in ranks]
                 live[room] = {"rid": rid, "seed": seed, "ids": ids, "aux": aux_free.pop(), "senders": senders,
                               "sent": 0, "inited": False}
                 to_decode.put((rid, ntok, seed, boot.addr, room))
                 busy = True
             for room, st in list(live.items()):
-                with ph.timed("control"):
+                with ph.timed("poll", len(st["senders"])):
                     polls = [s.poll() for s in st["senders"]]
                 if any(int(p) == int(ksg.KVPoll.Failed) for p in polls):
                     # SGLang's prefill: failure_exception() raises the
@@ -146,7 +185,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 if not st["inited"]:
                     if not _all(polls, ksg.KVPoll.WaitingForInput):
                         continue
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.init(len(st["ids"]), st["aux"])
                     # The forward pass: this request's KV and aux on every rank.
@@ -162,14 +201,18 @@ def prefill_engine(args, control, requests, to_decode, results):
                     if "t_send" not in st:
                         # In flight from the first chunk sent to Success.
                         st["t_send"] = time.monotonic()
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.send(np.asarray(part, dtype=np.int32))
                     st["sent"] += len(part)
+                    if st["sent"] >= len(st["ids"]):
+                        st["t_last"] = time.monotonic()  # every chunk handed to kvhost
                     busy = True
                 elif _all(polls, ksg.KVPoll.Success):
-                    ph.spans.append((st["t_send"], time.monotonic()))
-                    with ph.timed("control"):
+                    now = time.monotonic()
+                    ph.spans.append((st["t_send"], now))
+                    waits.seen(room, tp, st.get("t_last"), now)
+                    with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.clear()
                     pages.give(st["ids"])
@@ -179,7 +222,9 @@ def prefill_engine(args, control, requests, to_decode, results):
             if not busy:
                 with ph.timed("idle"):
                     time.sleep(0.001)
-        results.put(("prefill_done", ph.report()))
+        rep = ph.report()
+        rep["waits"] = waits.report()
+        results.put(("prefill_done", rep))
         boot.close()
     except Exception as e:
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
@@ -200,6 +245,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         slots = args["concurrency"]
         sa = _server_args(control, tp, 0, shape.page_size)
         ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa, args.get("register_as"))
+        waits = SuccessTimes(ranks)
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         waiting, live = [], {}
@@ -220,7 +266,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
             while waiting and len(live) < args["concurrency"]:
                 rid, ntok, seed, addr, room = waiting.pop(0)
                 recvs = []
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     for mgr, _, _, _ in ranks:
                         rv = ksg.KVReceiver(mgr, addr, room)
                         rv.init(0)  # prefill DP rank 0: starts the bootstrap
@@ -231,7 +277,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     t_first = time.monotonic()
                 busy = True
             for room, st in list(live.items()):
-                with ph.timed("control"):
+                with ph.timed("poll", len(st["recvs"])):
                     polls = [rv.poll() for rv in st["recvs"]]
                 failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
                 if st["ids"] is None and not failed:
@@ -241,13 +287,16 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     if ids is None:
                         continue
                     st["ids"], st["aux"] = ids, aux_free.pop()
-                    with ph.timed("control"):
+                    st["t_meta"] = time.monotonic()
+                    with ph.timed("adapter"):
                         for rv in st["recvs"]:
                             rv.send_metadata(np.asarray(ids, dtype=np.int32), st["aux"])
                     busy = True
                     continue
                 if not failed and not _all(polls, ksg.KVPoll.Success):
                     continue
+                if not failed:
+                    waits.seen(room, tp, st.get("t_meta"), time.monotonic())
                 err = None
                 if failed:
                     reasons = []
@@ -271,7 +320,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         if why:
                             err = "decode rank %d: %s" % (r, why)
                             break
-                    with ph.timed("control"):
+                    with ph.timed("adapter"):
                         for rv in st["recvs"]:
                             rv.clear()
                 n = len(st["ids"]) if st["ids"] else 0
@@ -291,6 +340,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 with ph.timed("idle"):
                     time.sleep(0.001)
         rep = ph.report()
+        rep["waits"] = waits.report()
         rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
         results.put(("decode_done", rep))
     except Exception as e:

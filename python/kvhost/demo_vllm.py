@@ -47,41 +47,62 @@ def exit_on_sigterm():
 
 class Phases:
     """Where an engine's wall time goes: seconds per phase ("fill",
-    "verify", "control" (adapter calls: the control round trips to its
-    kvhost serve), "idle" (sleeping for lack of work), the rest "other"),
-    and the intervals its transfers were in flight, for the demo's
-    transfer rate (kvhost's host/internal/span, from the engine's view)."""
+    "verify", "adapter" (the adapter calls a request makes once or once
+    per chunk: creating, initialising, sending, finishing), "poll" (the
+    calls the engine's loop makes every pass whatever it has to do:
+    SGLang's poll(), vLLM's per-step connector calls), "idle" (sleeping
+    for lack of work), the rest "other"), how many calls or passes each
+    counted phase took, and the intervals its requests' transfers were in
+    flight as the engine saw them (from handing a request's KV to kvhost
+    to seeing it done)."""
+
+    # Phases whose thread CPU time is measured beside their wall time:
+    # on a machine with more runnable threads than cores an engine's
+    # thread waits for a core inside a call as anywhere else, and the
+    # difference says how much of a call's wall time was that.
+    CPU_TIMED = ("adapter", "poll")
 
     def __init__(self):
         self.t0 = time.monotonic()
         self.secs = {}
+        self.cpu = {}
+        self.counts = {}
         self.spans = []
 
-    def timed(self, name):
-        return _Timed(self, name)
+    def timed(self, name, count=0):
+        """A context timing a phase; count adds to the phase's count (the
+        calls or passes it made)."""
+        if count:
+            self.counts[name] = self.counts.get(name, 0) + count
+        return _Timed(self, name, name in self.CPU_TIMED)
 
-    def add(self, name, dt):
+    def add(self, name, dt, cpu=None):
         self.secs[name] = self.secs.get(name, 0.0) + dt
+        if cpu is not None:
+            self.cpu[name] = self.cpu.get(name, 0.0) + cpu
 
     def report(self):
         wall = time.monotonic() - self.t0
         out = dict(self.secs)
         out["other"] = max(0.0, wall - sum(self.secs.values()))
         out["wall"] = wall
-        return {"phases": out, "spans": self.spans}
+        return {"phases": out, "cpu": dict(self.cpu), "counts": dict(self.counts), "spans": self.spans}
 
 
 class _Timed:
-    __slots__ = ("ph", "name", "t")
+    __slots__ = ("ph", "name", "cpu", "t", "c")
 
-    def __init__(self, ph, name):
-        self.ph, self.name = ph, name
+    def __init__(self, ph, name, cpu):
+        self.ph, self.name, self.cpu = ph, name, cpu
 
     def __enter__(self):
         self.t = time.monotonic()
+        if self.cpu:
+            self.c = time.thread_time()
 
     def __exit__(self, *_):
-        self.ph.add(self.name, time.monotonic() - self.t)
+        t = time.monotonic()
+        self.ph.add(self.name, t - self.t, time.thread_time() - self.c if self.cpu else None)
 
 
 class BlockPool:
@@ -139,13 +160,13 @@ def _step_workers(workers, meta, forward=None, ph=None):
     ph = ph or Phases()
     sending, recving, errors = {}, {}, set()
     for r, w in enumerate(workers):
-        with ph.timed("control"):
+        with ph.timed("poll"):
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
         if forward is not None:
             with ph.timed("fill"):
                 forward(r)
-        with ph.timed("control"):
+        with ph.timed("poll"):
             w.wait_for_save()
             s, v = w.get_finished(set())
             errors |= w.get_block_ids_with_load_errors()
@@ -186,17 +207,17 @@ def prefill_engine(args, control, requests, to_decode, results):
             while todo and len(held) + len(new) < args["prefill_inflight"]:
                 rid, ntok, seed = todo[0]
                 req = vs.Request(rid, list(range(ntok)), {"do_remote_decode": True})
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     n, is_async = sched.get_num_new_matched_tokens(req, 0)
                 assert (n, is_async) == (0, False)
                 ids = blocks.take(shape.pages(ntok))
                 if ids is None:
                     break
                 todo.pop(0)
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids), 0)
                 new.append((req, ids, seed))
-            with ph.timed("control"):
+            with ph.timed("poll", 1):
                 meta = sched.build_connector_meta(vs.SchedulerOutput())
 
             def forward(rank):
@@ -215,7 +236,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                     held[rid] = (ids, seen)
             for req, ids, seed in new:
                 req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     delay, params = sched.request_finished(req, ids)
                 assert delay and params is not None, (delay, params)
                 held[req.request_id] = (ids, 0)
@@ -267,21 +288,21 @@ def decode_engine(args, control, nreq, from_prefill, results):
             while waiting and len(loading) < args["concurrency"]:
                 prid, ntok, seed, params = waiting[0]
                 req = vs.Request("d-" + prid, list(range(ntok)), dict(params))
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     n, is_async = sched.get_num_new_matched_tokens(req, 0)
                 assert is_async and n == ntok, (n, is_async)
                 ids = blocks.take(shape.pages(ntok))
                 if ids is None:
                     break
                 waiting.pop(0)
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     sched.update_state_after_alloc(req, vs.kv_cache_blocks(ids), n)
                 # [req, ids, seed, workers done, t0, read issued]
                 loading[req.request_id] = [req, ids, seed, 0, time.monotonic(), None]
                 admitted += 1
                 if t_first is None:
                     t_first = time.monotonic()
-            with ph.timed("control"):
+            with ph.timed("poll", 1):
                 meta = sched.build_connector_meta(vs.SchedulerOutput())
             # The reads of this step's new requests are issued by the
             # workers' start_load_kv: their transfers are in flight from
@@ -329,7 +350,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     "bytes": nbytes, "verified": verified, "latency": lat, "pages": len(ids),
                 }))
                 req.status = vs.RequestStatus.FINISHED_LENGTH_CAPPED
-                with ph.timed("control"):
+                with ph.timed("adapter"):
                     delay, params = sched.request_finished(req, ids)
                 assert not delay and params is None
                 blocks.give(ids)

@@ -37,22 +37,66 @@ def test_demo_engine_every_byte(style):
     (s,) = json.loads(out.stdout)
     assert s["style"] == style and s["ok"] == 24 and s["failed"] == 0 and not s["failures"], s
     assert s["bytes_verified"] > 0 and s["gb_per_s"] > 0
-    # The transfer rate: the same bytes over the union of the intervals
-    # the pair's transfers were in flight, one interval per request, and
-    # the engines' time per phase.
+    # The transfer rate, defined as kvhost demo --in-process defines its
+    # own: the bytes the sidecars' transfers moved (their metrics: every
+    # byte the engines verified, plus sglang's aux slots) over the time
+    # the sidecars had a transfer in flight.
     assert s["bytes_verified"] == s["bytes_moved"], s
-    assert s["transfers_timed"] == 24 and 0 < s["transfer_seconds"] and s["transfer_gb_per_s"] > 0, s
-    assert abs(s["transfer_gb_per_s"] - s["bytes_moved"] / s["transfer_seconds"] / 1e9) < 1e-9, s
+    aux = 24 * 4 * 64 if style == "sglang" else 0  # each decode rank's aux slot, 64 bytes
+    assert s["transfer_bytes"] == s["bytes_moved"] + aux, s
+    assert s["transfers"] >= 24 and 0 < s["transfer_seconds"] and s["transfer_gb_per_s"] > 0, s
+    assert abs(s["transfer_gb_per_s"] - s["transfer_bytes"] / s["transfer_seconds"] / 1e9) < 1e-9, s
+    # The engine's view: from handing each request to kvhost to seeing it
+    # done, one interval per request; it holds the transfers' own time.
+    assert s["requests_timed"] == 24 and s["engine_view_seconds"] > 0, s
+    assert abs(s["engine_view_gb_per_s"] - s["bytes_moved"] / s["engine_view_seconds"] / 1e9) < 1e-9, s
     for role in ("prefill", "decode"):
         p = s["phases"][role]
-        assert p["wall"] > 0 and p["control"] > 0 and abs(sum(v for k, v in p.items() if k != "wall") - p["wall"]) < 1e-6, p
+        assert p["wall"] > 0 and p["adapter"] > 0 and p["poll"] > 0, p
+        assert abs(sum(v for k, v in p.items() if k != "wall") - p["wall"]) < 1e-6, p
+        # Thread CPU time inside the calls: never more than their wall time.
+        assert 0 < s["cpu"][role]["adapter"] <= p["adapter"] and s["cpu"][role]["poll"] <= p["poll"], s["cpu"]
+        c = s["control_us_per_request"][role]
+        assert s["counts"][role]["poll"] == c["polls"] > 0, (s["counts"], c)
+        assert abs(c["engine"] - p["adapter"] / 24 * 1e6) < 1e-6 and c["per_rank"] == c["engine"] / s[role + "_tp"], c
     assert s["phases"]["prefill"]["fill"] > 0 and s["phases"]["decode"]["verify"] > 0, s
+    if style == "sglang":
+        # Every request's wait split at its last rank's Success event, on
+        # both engines (the clients' listeners saw every Success).
+        for role in ("prefill", "decode"):
+            w = s["waits"][role]
+            assert w["requests"] == 24 and w["kvhost_p50_ms"] > 0 and w["loop_p50_ms"] >= 0, s["waits"]
     # Both pairs are prefill TP 2 -> decode TP 4 (issue 15); the sglang
     # pair's host-memory pools are registered as VRAM with the fake
     # plugin, since SGLang's NIXL connector pushes heterogeneous-TP MHA KV
     # only into GPU memory.
     assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
     assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+
+
+@pytest.mark.parametrize("style", ["vllm", "sglang"])
+def test_demo_engine_baselines(style):
+    """--baseline --baseline-procs: kvhost demo on the same shape, in one
+    process and in separate processes, each with its transfer rate; the
+    ratios are the pair's rate over theirs, and the text says which is
+    which."""
+    from kvhost import demo_engine as de
+
+    out = run_demo("--styles", style, "--json", "--baseline", "--baseline-procs")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (s,) = json.loads(out.stdout)
+    assert "baseline_error" not in s, s
+    for k in ("baseline_gb_per_s", "baseline_transfer_gb_per_s", "procs_transfer_gb_per_s"):
+        assert s[k] > 0, (k, s)
+    assert abs(s["transfer_ratio"] - s["transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]) < 1e-9, s
+    assert abs(s["procs_transfer_ratio"] - s["procs_transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]) < 1e-9, s
+    assert abs(s["transfer_ratio_to_procs"] - s["transfer_gb_per_s"] / s["procs_transfer_gb_per_s"]) < 1e-9, s
+    txt = de.text(s, de._parse(["--baseline", "--baseline-procs"]))
+    assert "(kvhost demo --in-process, same shape and definition: %.2f GB/s; ratio %.2f)" % (
+        s["baseline_transfer_gb_per_s"], s["transfer_ratio"]) in txt, txt
+    assert "separate processes: kvhost demo" in txt and "engine's view" in txt, txt
+    line = de.medians(style, [s])
+    assert "%.2f transfer rate" % s["transfer_ratio"] in line and "separate processes" in line, line
 
 
 def test_union_seconds():

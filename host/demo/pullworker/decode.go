@@ -121,6 +121,10 @@ type DecodeSummary struct {
 	// over it: the rate at which kvhost moved bytes.
 	TransferSeconds float64 `json:"transfer_seconds,omitempty"`
 	TransferGBps    float64 `json:"transfer_gbps,omitempty"`
+	// InFlight is that union as disjoint [start, end) intervals (Unix ns,
+	// span.Union.Merged), so that a demo running several decode processes
+	// at once measures the time any of their READs was in flight.
+	InFlight [][2]int64 `json:"in_flight_ns,omitempty"`
 	// TransferMs is the READs' post-to-completion time (telemetry);
 	// RequestMs each request's time from the prefill call to verified.
 	TransferMs Percentiles `json:"transfer_ms"`
@@ -422,6 +426,7 @@ func (d *decodeRun) collect(seconds float64) {
 		s.GBps = float64(s.Bytes) / seconds / 1e9
 	}
 	s.TransferMs = percentiles(d.xferMs)
+	s.InFlight = d.busy.Merged()
 	if s.TransferSeconds = d.busy.Total().Seconds(); s.TransferSeconds > 0 {
 		s.TransferGBps = float64(s.Bytes) / s.TransferSeconds / 1e9
 	}
