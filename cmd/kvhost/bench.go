@@ -47,7 +47,10 @@ func benchCommand() *cli.Command {
 			"--sweep runs every row once per combination of the swept initiator agent parameters, each\n" +
 			"with an initiator agent of its own, and the table and plot show each combination apart: pick\n" +
 			"NIXL's UCX worker threads (num_threads) for this machine with it. NIXL's UCX backend splits\n" +
-			"only transfers of at least 1024 descriptors over its threads (e.g. --blocks 32K --batches 4096).\n\n" +
+			"only transfers of at least 1024 descriptors over its threads, counted after NIXL merged\n" +
+			"neighbouring ones: contiguous blocks of a prepped row merge into one, so sweep threads with\n" +
+			"--scatter, which shuffles the descriptors as an engine's allocator scatters KV pages\n" +
+			"(e.g. --blocks 32K --batches 4096 --scatter: a 128 MiB request of 16-token pages).\n\n" +
 			"Sizes take K, M, G suffixes (binary); LO..HI is every power of two times LO up to HI.\n" +
 			"The progress bar (stderr) shows only on a terminal and never with --json or --csv.",
 		Flags: []cli.Flag{
@@ -66,6 +69,7 @@ func benchCommand() *cli.Command {
 			&cli.StringSliceFlag{Name: "sweep", EnvVars: env("BENCH_SWEEP"), Usage: "sweep an initiator agent parameter over `key=v1,v2,...` (repeatable: every combination), a fresh initiator agent per combination, e.g. num_threads=0,2,4,8 or num_workers=1,2 (nixl's UCX worker threads and workers)"},
 			&cli.BoolFlag{Name: "telemetry", EnvVars: env("BENCH_TELEMETRY"), Usage: "report the plugin's own post and transfer time from its telemetry, which the releasing poll returns (JSON, CSV)"},
 			&cli.BoolFlag{Name: "wait", EnvVars: env("BENCH_WAIT"), Usage: "complete transfers through the completion engine (as the workers do) instead of polling back to back (as nixlbench does)"},
+			&cli.BoolFlag{Name: "scatter", EnvVars: env("BENCH_SCATTER"), Usage: "post each thread's descriptors in a shuffled order (the same on both sides, every block to its own offset), so that NIXL cannot merge neighbours, as with KV pages an engine scattered"},
 			&cli.BoolFlag{Name: "json", EnvVars: env("BENCH_JSON"), Usage: "print the result as JSON (no table, no progress bar)"},
 			&cli.BoolFlag{Name: "csv", EnvVars: env("BENCH_CSV"), Usage: "print the rows as CSV (no table, no progress bar)"},
 			&cli.StringFlag{Name: "plot", EnvVars: env("BENCH_PLOT"), Usage: "draw bandwidth against block size, baselines dashed, into `FILE` (.png or .svg)"},
@@ -200,6 +204,7 @@ func benchConfig(c *cli.Context) (bench.Config, error) {
 	cfg.Time = c.Duration("time")
 	cfg.Telemetry = c.Bool("telemetry")
 	cfg.Wait = c.Bool("wait")
+	cfg.Scatter = c.Bool("scatter")
 	cfg.TargetCommand = func() (*exec.Cmd, error) {
 		exe, err := os.Executable()
 		if err != nil {

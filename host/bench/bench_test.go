@@ -6,9 +6,11 @@ import (
 	"encoding/csv"
 	"encoding/json"
 	"errors"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -423,5 +425,65 @@ func TestMemcpyRate(t *testing.T) {
 	}
 	if r, err := MemcpyRate(1<<20, 1, time.Millisecond); err != nil || r <= 0 {
 		t.Errorf("total below one block: %v, %v", r, err)
+	}
+}
+
+// Scattered rows shuffle every thread's descriptors, the same way on both
+// sides: almost no neighbours stay neighbours (NIXL would merge them), and
+// every block still lands at its own offset (the rows verify), in one and
+// two processes, on both paths; tables, CSV and plot say so.
+func TestScatter(t *testing.T) {
+	if got := blockOrder(8, 3, nil); !slices.Equal(got, []int32{8, 9, 10}) {
+		t.Errorf("blockOrder without scatter = %v", got)
+	}
+	idx := blockOrder(4096, 4096, rand.New(rand.NewPCG(1, 2)))
+	adjacent := 0
+	for i := 1; i < len(idx); i++ {
+		if idx[i] == idx[i-1]+1 {
+			adjacent++
+		}
+	}
+	sorted := slices.Clone(idx)
+	slices.Sort(sorted)
+	for i, v := range sorted {
+		if v != int32(4096+i) {
+			t.Fatalf("scatter lost or repeated index %d (found %d)", i, v)
+		}
+	}
+	// A shuffle keeps about one of 4095 pairs adjacent.
+	if adjacent > 8 {
+		t.Errorf("%d of 4095 neighbours still adjacent after scatter", adjacent)
+	}
+
+	c := quick(t)
+	c.Procs = []int{1, 2}
+	c.Paths = []Path{Prepped, Batch}
+	c.Batches = []int{16}
+	c.Threads = []int{1, 2}
+	c.Ops = []abi.Op{abi.Write, abi.Read}
+	c.Blocks = []uint64{4 << 10}
+	c.Scatter = true
+	res := run(t, c)
+	checkRows(t, res, 2*2*2*2)
+	var table, csvOut bytes.Buffer
+	tw := NewTableWriter(&table)
+	for _, r := range res.Rows {
+		if !r.Scattered || !strings.Contains(r.Label(), "scattered") {
+			t.Errorf("%s: not marked scattered", r.Label())
+		}
+		if err := tw.Row(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !strings.Contains(table.String(), "prepped scattered, 1 thread") {
+		t.Errorf("the table does not say the rows were scattered:\n%s", table.String())
+	}
+	if err := WriteCSV(&csvOut, res.Rows); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := csv.NewReader(&csvOut).ReadAll()
+	col := slices.Index(CSVHeader, "scattered")
+	if err != nil || col < 0 || recs[1][col] != "true" {
+		t.Errorf("CSV scattered column %d: %v %v", col, recs, err)
 	}
 }

@@ -59,6 +59,14 @@ type Config struct {
 	// (plugin.Engine.Finish: a moment of polling, then the engine, as the
 	// runtimes do) instead of polling back to back (as nixlbench does).
 	Wait bool
+	// Scatter posts each thread's descriptors in a shuffled order, the same
+	// on both sides: every block still moves to its own offset, but no two
+	// descriptors in a row are neighbours in memory, as the pages of a KV
+	// cache an engine's allocator scattered. NIXL merges runs of adjacent
+	// descriptors (makeXferReq), so without it a prepped row of contiguous
+	// blocks moves as one descriptor, which NIXL's UCX worker threads never
+	// split (split_batch_size counts merged descriptors).
+	Scatter bool
 
 	// Sweep varies the initiator agent's parameters: every combination of
 	// the values of its keys is a variant, and every row runs once per

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"golang.org/x/sys/unix"
+	"math/rand/v2"
 	"runtime"
 	"strings"
 	"sync"
@@ -25,6 +26,8 @@ type Row struct {
 	Threads int    `json:"threads"`
 	Block   uint64 `json:"block_size"`
 	Batch   int    `json:"batch_size"`
+	// Scattered: the descriptors went in a shuffled order (Config.Scatter).
+	Scattered bool `json:"scattered,omitempty"`
 	// Sweep names the variant of Config.Sweep the row ran with, e.g.
 	// "num_threads=4" (empty without a sweep); InitiatorParams are all the
 	// initiator agent's parameters, the host's defaults included.
@@ -79,13 +82,21 @@ type Round struct {
 // Label names the row's configuration (without the block size), e.g.
 // "1p WRITE prepped x1 t1", followed by its sweep variant if any.
 func (r *Row) Label() string {
-	return withSweep(fmt.Sprintf("%dp %s %s x%d t%d", r.Procs, r.Op, r.Path, r.Batch, r.Threads), r.Sweep)
+	return withSweep(fmt.Sprintf("%dp %s %s%s x%d t%d", r.Procs, r.Op, r.Path, r.scatterTag(), r.Batch, r.Threads), r.Sweep)
+}
+
+// scatterTag marks a row of shuffled descriptors in its label.
+func (r *Row) scatterTag() string {
+	if r.Scattered {
+		return " scattered"
+	}
+	return ""
 }
 
 // Group names the row's table section: its configuration without the block
 // and batch sizes, e.g. "1p WRITE prepped t1", and its sweep variant.
 func (r *Row) Group() string {
-	return withSweep(fmt.Sprintf("%dp %s %s t%d", r.Procs, r.Op, r.Path, r.Threads), r.Sweep)
+	return withSweep(fmt.Sprintf("%dp %s %s%s t%d", r.Procs, r.Op, r.Path, r.scatterTag(), r.Threads), r.Sweep)
 }
 
 func withSweep(label, sweep string) string {
@@ -613,18 +624,21 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	if op == abi.Read {
 		src, dst = dst, src
 	}
+	var orderRng *rand.Rand
+	if c.Scatter {
+		spec.Scattered = true
+		orderRng = rand.New(rand.NewPCG(uint64(block), uint64(batch)))
+	}
 	for t := range threads {
 		span := blockSpan{off: uint64(t*batch) * block, block: block, count: batch}
 		w := &worker{ag: e.ag, op: op, path: spec.Path, ldl: ldl, rdl: rdl, pairs: pairs, telemetry: c.Telemetry, wait: c.Wait}
+		order := blockOrder(t*batch, batch, orderRng)
 		if spec.Path == Prepped {
-			w.idx = make([]int32, batch)
-			for i := range w.idx {
-				w.idx[i] = int32(t*batch + i)
-			}
+			w.idx = order
 		} else {
 			w.entries = make([]abi.BatchEntry, batch)
-			for i := range w.entries {
-				o := span.off + uint64(i)*block
+			for i, b := range order {
+				o := uint64(b) * block
 				w.entries[i] = abi.BatchEntry{LocalOffset: o, RemoteOffset: o, Len: block, Count: 1}
 			}
 		}
@@ -767,6 +781,21 @@ func (e *engine) runRow(ctx context.Context, ps *peerSide, op abi.Op, spec Row) 
 	}
 	spec.Verified = true
 	return spec, nil
+}
+
+// blockOrder returns the indices of the n blocks from first on, in the
+// order a transfer lists them: ascending, or shuffled with rng (Scatter;
+// of n shuffled blocks about one pair stays adjacent on average, which
+// leaves NIXL next to nothing to merge).
+func blockOrder(first, n int, rng *rand.Rand) []int32 {
+	idx := make([]int32, n)
+	for i := range idx {
+		idx[i] = int32(first + i)
+	}
+	if rng != nil {
+		rng.Shuffle(n, func(i, j int) { idx[i], idx[j] = idx[j], idx[i] })
+	}
+	return idx
 }
 
 // threadCPU returns the CPU time the calling OS thread has used (the

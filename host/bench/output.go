@@ -27,7 +27,7 @@ func (t *TableWriter) Row(r Row) error {
 		if r.Sweep != "" {
 			sweep = ", " + r.Sweep
 		}
-		if _, err := fmt.Fprintf(t.w, "\n# %s, %s, %s, %s%s; baseline %s\n", where(r.Procs), r.Op, r.Path, threads(r.Threads), sweep, r.Baseline); err != nil {
+		if _, err := fmt.Fprintf(t.w, "\n# %s, %s, %s%s, %s%s; baseline %s\n", where(r.Procs), r.Op, r.Path, r.scatterTag(), threads(r.Threads), sweep, r.Baseline); err != nil {
 			return err
 		}
 		if _, err := fmt.Fprintf(t.w, tableFormat, "Block Size (B)", "Batch Size", "B/W (GB/Sec)", "Avg Lat. (us)",
@@ -76,7 +76,7 @@ func WriteFooter(w io.Writer, res *Result) error {
 // CSVHeader is the header line of WriteCSV, one column per Row field.
 var CSVHeader = []string{"procs", "op", "path", "threads", "block_size", "batch_size", "gb_per_s", "avg_lat_us",
 	"avg_prep_us", "p99_prep_us", "avg_post_us", "p99_post_us", "avg_tx_us", "p99_tx_us", "cpu_us_per_op", "iters",
-	"baseline", "baseline_gb_per_s", "efficiency", "verified", "plugin_post_us", "plugin_xfer_us", "sweep"}
+	"baseline", "baseline_gb_per_s", "efficiency", "verified", "plugin_post_us", "plugin_xfer_us", "sweep", "scattered"}
 
 // WriteCSV prints the rows as CSV with CSVHeader.
 func WriteCSV(w io.Writer, rows []Row) error {
@@ -90,7 +90,7 @@ func WriteCSV(w io.Writer, rows []Row) error {
 			strconv.FormatUint(r.Block, 10), strconv.Itoa(r.Batch), g(r.GBps), g(r.AvgLatUs),
 			g(r.AvgPrepUs), g(r.P99PrepUs), g(r.AvgPostUs), g(r.P99PostUs), g(r.AvgTxUs), g(r.P99TxUs),
 			g(r.CPUUs), strconv.Itoa(r.Iters), r.Baseline, g(r.BaselineGBps), g(r.Efficiency), strconv.FormatBool(r.Verified),
-			g(r.PluginPostUs), g(r.PluginXferUs), r.Sweep}
+			g(r.PluginPostUs), g(r.PluginXferUs), r.Sweep, strconv.FormatBool(r.Scattered)}
 		if err := cw.Write(rec); err != nil {
 			return err
 		}

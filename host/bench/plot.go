@@ -58,7 +58,7 @@ func Plot(res *Result, file string) error {
 		l := r.Label()
 		s := byConfig[l]
 		if s == nil {
-			label := fmt.Sprintf("%s %s %s, batch %d, %s", where(r.Procs), r.Op, r.Path, r.Batch, threads(r.Threads))
+			label := fmt.Sprintf("%s %s %s%s, batch %d, %s", where(r.Procs), r.Op, r.Path, r.scatterTag(), r.Batch, threads(r.Threads))
 			if r.Sweep != "" {
 				label += ", " + r.Sweep
 			}

@@ -544,7 +544,9 @@ const char kParamsDoc[] =
     "*=\tany other key is passed to the backend unchanged (UCX: device_list, num_workers, "
     "num_threads, ucx_error_handling_mode, engine_config, ...); for UCX the shim adds "
     "USE_MT_MUTEX=y to engine_config (a mutex, not a spinlock, guards the UCX worker its "
-    "threads share) unless engine_config sets USE_MT_MUTEX\n";
+    "threads share) unless engine_config sets USE_MT_MUTEX, and CMA_TX_QUOTA=16 (UCX's cma "
+    "transport copies up to 16 descriptors per progress call instead of 1) unless "
+    "engine_config or the environment sets it\n";
 
 // Defaults of the shim's own parameters.
 constexpr int kDefaultProgressThread = 1;
@@ -552,28 +554,6 @@ constexpr uint64_t kDefaultProgressDelayUs = 1000;
 constexpr uint64_t kDefaultReleaseWaitMs = 30000;
 constexpr uint64_t kDefaultEventNotifUs = 100;
 constexpr uint64_t kDefaultEventNotifMaxUs = 2000;
-
-// UCX guards a worker shared by threads with a spinlock unless told to use
-// a mutex (UCX_USE_MT_MUTEX). NIXL's worker is shared by the progress thread
-// and every host thread that posts or polls (the runtimes post from many
-// goroutines at once, one ucp_get/put_nbx per descriptor, each taking the
-// lock), and a spinning waiter burns the CPU its lock holder needs whenever
-// threads outnumber cores: measured on 2 cores, the vLLM-style demo spent
-// 36% of its CPU in pthread_spin_lock and moved 0.27 GB/s; with the mutex,
-// 0.90 GB/s. So the shim asks UCX for the mutex through NIXL's engine_config
-// (UCX config "KEY=value" pairs, comma separated) unless the caller's
-// engine_config says otherwise; UCX_USE_MT_MUTEX in the environment wins
-// over both (NIXL applies engine_config only where no UCX_ variable is set).
-// Returns whether it added it.
-bool ucx_prefer_mutex(nixl_b_params_t &bparams) {
-  std::string &ec = bparams["engine_config"];
-  std::string upper(ec);
-  std::transform(upper.begin(), upper.end(), upper.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  if (upper.find("USE_MT_MUTEX") != std::string::npos) return false;
-  ec += ec.empty() ? "USE_MT_MUTEX=y" : ",USE_MT_MUTEX=y";
-  return true;
-}
 
 // Upper-cases ASCII, for UCX setting names and values.
 std::string upper_ascii(std::string s) {
@@ -602,6 +582,55 @@ bool engine_config_find(const std::string &ec, const char *key, std::string *val
     pos = end + 1;
   }
   return found;
+}
+
+// UCX guards a worker shared by threads with a spinlock unless told to use
+// a mutex (UCX_USE_MT_MUTEX). NIXL's worker is shared by the progress thread
+// and every host thread that posts or polls (the runtimes post from many
+// goroutines at once, one ucp_get/put_nbx per descriptor, each taking the
+// lock), and a spinning waiter burns the CPU its lock holder needs whenever
+// threads outnumber cores: measured on 2 cores, the vLLM-style demo spent
+// 36% of its CPU in pthread_spin_lock and moved 0.27 GB/s; with the mutex,
+// 0.90 GB/s. So the shim asks UCX for the mutex through NIXL's engine_config
+// (UCX config "KEY=value" pairs, comma separated) unless the caller's
+// engine_config says otherwise; UCX_USE_MT_MUTEX in the environment wins
+// over both (NIXL applies engine_config only where no UCX_ variable is set).
+// Returns whether it added it.
+bool ucx_prefer_mutex(nixl_b_params_t &bparams) {
+  std::string &ec = bparams["engine_config"];
+  std::string upper(ec);
+  std::transform(upper.begin(), upper.end(), upper.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  if (upper.find("USE_MT_MUTEX") != std::string::npos) return false;
+  ec += ec.empty() ? "USE_MT_MUTEX=y" : ",USE_MT_MUTEX=y";
+  return true;
+}
+
+// UCX's cma transport (process_vm_writev/readv, which carries DRAM to DRAM
+// within a host) queues each descriptor and copies it when the worker is
+// progressed, CMA_TX_QUOTA (UCX's default: 1) descriptors per progress
+// call; every call also polls the worker's other transports. A KV request
+// of scattered 16-token pages is thousands of 32 KiB descriptors, so with 1
+// the progress overhead came to as much as the copies: measured on 2 cores
+// (kvhost bench --blocks 32K --batches 4096 --scatter, paired ratio to
+// memcpy, median of 8 rows over two repetitions, UCX_CMA_TX_QUOTA in the
+// environment) 0.20 with 1 and 0.32-0.33 with 16, 256 or 4096, READ and
+// WRITE alike. The shim adds CMA_TX_QUOTA=16 (up to 16 descriptors, at most
+// 8 MiB with UCX's 512 KiB segments, per progress call) to engine_config
+// unless engine_config or the environment (UCX_CMA_TX_QUOTA or
+// UCX_SCOPY_TX_QUOTA, which NIXL leaves in force) sets it. It changes
+// nothing where cma carries nothing (RDMA, GPU memory). Returns whether it
+// added it.
+constexpr const char *kDefaultCmaTxQuota = "16";
+
+bool ucx_cma_tx_quota(nixl_b_params_t &bparams) {
+  std::string &ec = bparams["engine_config"];
+  std::string v;
+  if (std::getenv("UCX_CMA_TX_QUOTA") || std::getenv("UCX_SCOPY_TX_QUOTA")) return false;
+  if (engine_config_find(ec, "CMA_TX_QUOTA", &v) || engine_config_find(ec, "SCOPY_TX_QUOTA", &v))
+    return false;
+  ec += std::string(ec.empty() ? "" : ",") + "CMA_TX_QUOTA=" + kDefaultCmaTxQuota;
+  return true;
 }
 
 // Whether a UCX transport list (UCX_TLS syntax: names separated by commas,
@@ -985,6 +1014,7 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   std::string keys;  // the backend parameters as given, for messages
   for (const auto &kv : bparams) keys += (keys.empty() ? "" : ", ") + kv.first;
   const bool mutex_added = backend == "UCX" && ucx_prefer_mutex(bparams);
+  const bool quota_added = backend == "UCX" && ucx_cma_tx_quota(bparams);
   std::string tcp_put_note;
   const bool tcp_put_added =
       backend == "UCX" && ucx_tcp_put_emulation(bparams, tcp_put, &tcp_put_note);
@@ -1016,6 +1046,8 @@ kvp_error *agent_create(kvp_agent_create_args *args) {
   if (s != NIXL_SUCCESS) {
     std::string added;
     if (mutex_added) added += "USE_MT_MUTEX=y";
+    if (quota_added)
+      added += std::string(added.empty() ? "" : ", ") + "CMA_TX_QUOTA=" + kDefaultCmaTxQuota;
     if (tcp_put_added) added += std::string(added.empty() ? "" : ", ") + "TCP_PUT_ENABLE=n";
     return nixl_err(s, fn, "createBackend(%s) with backend params {%s}%s%s%s", backend.c_str(),
                     keys.c_str(), added.empty() ? "" : " (and ", added.c_str(),

@@ -193,6 +193,44 @@ func TestAgentParameterErrors(t *testing.T) {
 	}
 }
 
+// The shim adds CMA_TX_QUOTA=16 to the UCX backend's engine_config unless
+// the caller's engine_config sets it (or UCX_CMA_TX_QUOTA /
+// UCX_SCOPY_TX_QUOTA in the environment, which this test leaves unset). A
+// backend that fails to start names what the shim added, which shows it.
+func TestCMATxQuota(t *testing.T) {
+	for _, env := range []string{"UCX_CMA_TX_QUOTA", "UCX_SCOPY_TX_QUOTA"} {
+		if v, ok := os.LookupEnv(env); ok {
+			t.Fatalf("%s=%s is set in the environment: unset it to run this test", env, v)
+		}
+	}
+	p := load(t)
+	bad := plugin.Param{Key: "ucx_error_handling_mode", Value: "bogus"}
+	for _, c := range []struct {
+		params []plugin.Param
+		added  bool
+	}{
+		{[]plugin.Param{bad}, true},
+		{[]plugin.Param{bad, {Key: "engine_config", Value: "USE_MT_MUTEX=y"}}, true},
+		{[]plugin.Param{bad, {Key: "engine_config", Value: "cma_tx_quota=4"}}, false},
+		{[]plugin.Param{bad, {Key: "engine_config", Value: "USE_MT_MUTEX=y,SCOPY_TX_QUOTA=2"}}, false},
+	} {
+		a, err := p.NewAgent(uniqueName(t, "quota"), c.params...)
+		if err == nil {
+			a.Close()
+			t.Fatalf("params %v: accepted a bogus error handling mode", c.params)
+		}
+		if got := strings.Contains(err.Error(), "CMA_TX_QUOTA=16"); got != c.added {
+			t.Errorf("params %v: %q; the shim added CMA_TX_QUOTA=16: %v, want %v", c.params, err, got, c.added)
+		}
+	}
+	// And a backend the shim gave the quota to moves bytes.
+	a, err := p.NewAgent(uniqueName(t, "quota"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.Close()
+}
+
 // tcpOnly makes UCX move data over TCP on loopback only: completion is then
 // asynchronous, so transfers are really in flight after post_xfer (with the
 // default transports, cma copies inside post_xfer).
