@@ -155,6 +155,17 @@ func childEngine(ep string) {
 	base, _ := strconv.ParseUint(os.Getenv("KVAC_CHILD_BASE"), 10, 64)
 	p := &sglPool{shm: &shm{name: os.Getenv("KVAC_CHILD_SHM")}, base: base, layers: 2, pages: 16, pageSize: 4, heads: 2, hb: 8, auxSlots: 8, auxItem: 64}
 	seq := uint64(0)
+	// The room's WaitingForInput event may come before sender_create's
+	// reply (the decode's receiver_init can reach the rank first, and
+	// the contract orders events among themselves, not against replies):
+	// every message read is checked for it.
+	var rank uint64
+	haveRank, waiting := false, false
+	watch := func(v msgpack.Value) {
+		if haveRank && roomEvent(rank, 9, stWaiting)(v) {
+			waiting = true
+		}
+	}
 	call := func(op string, f M) msgpack.Value {
 		seq++
 		if err := d.Send(ctx, encode(append(M{{"op", op}, {"seq", seq}}, f...))); err != nil {
@@ -166,6 +177,7 @@ func childEngine(ep string) {
 				fail("recv: %v", err)
 			}
 			v, _ := msgpack.Decode(fs[0])
+			watch(v)
 			if n, ok := uintOf(v, "seq"); ok && n == seq {
 				if ok, _ := boolOf(v, "ok"); !ok {
 					fail("%s: %s", op, show(v))
@@ -176,17 +188,15 @@ func childEngine(ep string) {
 	}
 	call("hello", m("version", []int{1, 0}))
 	call("register_memory", m("regions", []any{p.region()}))
-	rank, _ := uintOf(call("open_rank", p.fields("prefill").with("bootstrap_addr", os.Getenv("KVAC_CHILD_BOOT"))), "rank")
+	rank, haveRank = uintOf(call("open_rank", p.fields("prefill").with("bootstrap_addr", os.Getenv("KVAC_CHILD_BOOT"))), "rank")
 	call("sender_create", m("rank", rank, "room", uint64(9)))
-	for {
+	for !waiting {
 		fs, err := d.Recv(ctx)
 		if err != nil {
 			fail("recv: %v", err)
 		}
 		v, _ := msgpack.Decode(fs[0])
-		if roomEvent(rank, 9, stWaiting)(v) {
-			break
-		}
+		watch(v)
 	}
 	fmt.Println("READY")
 	time.Sleep(time.Hour)
