@@ -13,6 +13,9 @@
 #                           plugins) as variant "before"
 #        KVHOST_DEMO_FLAGS  extra flags for every kvhost run (default none)
 #        SIZES="64 1024" PROCS="1 2" STYLES="sglang vllm"
+#        REF_WARMUP=N       the reference's untimed first requests (default 0:
+#                           every request timed, as kvhost demo's rate counts
+#                           every request, the first peer connection included)
 set -u
 rounds=$1; out=$2
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,7 +49,7 @@ for r in $(seq 1 "$rounds"); do
           reference*)
             path=merged; [ "$v" = reference-prepped ] && path=prepped
             j=$($py "$ref" --style "$style" --sglang-path $path --tokens "$tokens" --procs "$procs" \
-              --requests "$reqs" "${shape[@]}" --json 2>/dev/null) ;;
+              --requests "$reqs" --warmup "${REF_WARMUP:-0}" "${shape[@]}" --json 2>/dev/null) ;;
           esac
           [ -n "$j" ] || j='{"error":true}'
           echo "{\"round\":$r,\"style\":\"$style\",\"tokens\":$tokens,\"procs\":$procs,\"variant\":\"$v\",\"run\":$j}" >>"$out"
