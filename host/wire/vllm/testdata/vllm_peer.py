@@ -46,6 +46,21 @@ METADATA_FIELDS = [
 ]
 
 
+# NixlAgentMetadata's field order per encode mode: 6 appends three fields
+# to 2's; 10 adds block_strides after block_lens and dcp_size/pcp_size
+# last; 11 the four region lists before dcp_size; 12 region_members last
+# (encode12 with "version": 11 in its spec writes 11's).
+_ORDER6 = [n for n, _ in METADATA_FIELDS] + ["ssm_sizes", "attn_backend_name", "physical_blocks_per_logical_kv_block"]
+_ORDER10 = (_ORDER6[:_ORDER6.index("block_lens") + 1] + ["block_strides"]
+            + _ORDER6[_ORDER6.index("block_lens") + 1:] + ["dcp_size", "pcp_size"])
+_ORDER11 = (_ORDER10[:_ORDER10.index("dcp_size")]
+            + ["region_num_blocks", "region_group_ids", "region_names", "region_mem_types", "dcp_size", "pcp_size"])
+ENCODE_ORDER = {
+    "encode6": lambda spec: _ORDER6,
+    "encode10": lambda spec: _ORDER10,
+    "encode12": lambda spec: _ORDER11 + (["region_members"] if spec.get("version", 12) >= 12 else []),
+}
+
 def hash_factors(items):
     # vllm.config.utils.hash_factors
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
@@ -149,48 +164,23 @@ def main():
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         print(json.dumps([hash_factors(items) for items in spec]), flush=True)
-    elif mode == "encode6":
+    elif mode in ENCODE_ORDER:
+        # msgspec's encoding of a spec'd NixlAgentMetadata (fields in
+        # declaration order) and the handshake request of that generation;
+        # version 6 also its clock frame.
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         md = dict(spec["metadata"])
         md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
         md["ssm_sizes"] = tuple(md["ssm_sizes"])
-        order = [n for n, _ in METADATA_FIELDS] + ["ssm_sizes", "attn_backend_name",
-                                                    "physical_blocks_per_logical_kv_block"]
-        print(json.dumps({
+        order = ENCODE_ORDER[mode](spec)
+        out = {
             "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
             "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
-            "clock": msgpack.packb(float(spec["clock"]), use_bin_type=True).hex(),
-        }), flush=True)
-    elif mode == "encode10":
-        with open(sys.argv[2]) as f:
-            spec = json.load(f)
-        md = dict(spec["metadata"])
-        md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
-        md["ssm_sizes"] = tuple(md["ssm_sizes"])
-        order = ["engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks", "block_lens",
-                 "block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
-                 "physical_blocks_per_logical_kv_block", "dcp_size", "pcp_size"]
-        print(json.dumps({
-            "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
-            "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
-        }), flush=True)
-    elif mode == "encode12":
-        with open(sys.argv[2]) as f:
-            spec = json.load(f)
-        md = dict(spec["metadata"])
-        md["agent_metadata"] = bytes.fromhex(md["agent_metadata"])
-        md["ssm_sizes"] = tuple(md["ssm_sizes"])
-        order = ["engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks", "block_lens",
-                 "block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
-                 "physical_blocks_per_logical_kv_block", "region_num_blocks", "region_group_ids", "region_names",
-                 "region_mem_types", "dcp_size", "pcp_size"]
-        if spec.get("version", 12) >= 12:
-            order.append("region_members")
-        print(json.dumps({
-            "request": msgpack.packb((GET_META_MSG, spec["pp_rank"], spec["tp_rank"]), use_bin_type=True).hex(),
-            "metadata": msgpack.packb({n: md[n] for n in order}, use_bin_type=True).hex(),
-        }), flush=True)
+        }
+        if mode == "encode6":
+            out["clock"] = msgpack.packb(float(spec["clock"]), use_bin_type=True).hex()
+        print(json.dumps(out), flush=True)
     elif mode == "notif":
         with open(sys.argv[2]) as f:
             spec = json.load(f)
