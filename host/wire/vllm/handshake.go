@@ -389,16 +389,10 @@ func (g *Generation) DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 	}
 	for _, f := range g.MetadataDefaults {
 		switch f {
-		case "dcp_size", "pcp_size":
-			n := 1 // the dataclass default
-			if s.has(f) {
-				n = s.int(f)
-			}
-			if f == "dcp_size" {
-				m.DCPSize = n
-			} else {
-				m.PCPSize = n
-			}
+		case "dcp_size":
+			m.DCPSize = s.intOr(f, 1) // the dataclass default
+		case "pcp_size":
+			m.PCPSize = s.intOr(f, 1)
 		// The region lists default to None; msgspec takes nil for None.
 		case "region_num_blocks":
 			if !s.isNil(f) {
@@ -613,6 +607,14 @@ func (s *structReader) int(key string) int {
 		s.typeErr(key, "int", v)
 	}
 	return int(i)
+}
+
+// intOr reads an optional int field, def when absent.
+func (s *structReader) intOr(key string, def int) int {
+	if !s.has(key) {
+		return def
+	}
+	return s.int(key)
 }
 
 func (s *structReader) list(key string) []msgpack.Value {
