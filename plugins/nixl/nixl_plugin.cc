@@ -544,7 +544,7 @@ const char kParamsDoc[] =
     "kernel (process_vm_writev from the region into a scratch buffer), so that the kernel's own "
     "first access to each page (UCX's cma copies out of or into this process's memory with "
     "process_vm_writev/readv) happens at registration and not inside the first transfers; on a "
-    "VM that shadows page tables that first access cost about 4.6 us per 4 KiB page (1.2 s per "
+    "VM that shadows page tables that first access cost about 4.6 us per 4 KiB page (about 1.3 s per "
     "GiB). Only reads: the memory's bytes are unchanged; pages never touched get mapped. false "
     "registers without it\n"
     "num_threads=0\tUCX backend worker threads, passed to the backend: a transfer of at least "
