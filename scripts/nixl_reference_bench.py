@@ -196,8 +196,12 @@ def compare_table(rows: Sequence[dict]) -> List[dict]:
     """nixl_compare.sh's runs reduced to one line per (style, tokens,
     procs, variant): the median rate over rounds, the median memcpy rate
     of the kvhost runs, and the medians over rounds of the paired ratios
-    (same round and row) against each reference variant and memcpy. A run
-    that failed makes the line's "errors" count and is left out."""
+    (same round and row) against each reference variant and memcpy. Lines
+    of a style other than sglang are also paired with SGLang's reference
+    path of the same round, tokens and processes ("vs_sglang_reference"):
+    issue 26's bar is the reference configured as SGLang configures it,
+    for pulls too. A run that failed makes the line's "errors" count and
+    is left out."""
     groups: dict = {}
     for r in rows:
         k = (r["style"], r["tokens"], r["procs"])
@@ -209,7 +213,7 @@ def compare_table(rows: Sequence[dict]) -> List[dict]:
         for v in variants:
             rates, errors = [], 0
             ratios: dict = {}
-            for rd in rounds.values():
+            for rnd, rd in rounds.items():
                 run = rd.get(v)
                 if run is None:
                     continue
@@ -221,6 +225,9 @@ def compare_table(rows: Sequence[dict]) -> List[dict]:
                 for w, other in rd.items():
                     if w != v and w.startswith("reference") and not other.get("error"):
                         ratios.setdefault(w, []).append(rate / run_rate(w, other))
+                sg = groups.get(("sglang", k[1], k[2]), {}).get(rnd, {}).get("reference")
+                if k[0] != "sglang" and sg is not None and not sg.get("error"):
+                    ratios.setdefault("sglang_reference", []).append(rate / run_rate("reference", sg))
                 mem = [o["memcpy_gb_per_s"] for o in rd.values() if not o.get("error") and "memcpy_gb_per_s" in o]
                 if mem:
                     ratios.setdefault("memcpy", []).append(rate / statistics.median(mem))

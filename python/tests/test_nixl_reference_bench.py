@@ -101,11 +101,11 @@ def test_summarize_counts_bytes_over_summed_time():
         rb.summarize(1, [], [])
 
 
-def row(rnd, variant, rate, memcpy=None, error=False):
+def row(rnd, variant, rate, memcpy=None, error=False, style="sglang", procs=1):
     run = {"error": True} if error else (
         {"path_gb_per_s": rate, "xfer_gb_per_s": -1} if variant.startswith("reference") else {"xfer_gb_per_s": rate, "memcpy_gb_per_s": memcpy}
     )
-    return {"round": rnd, "style": "sglang", "tokens": 1024, "procs": 1, "variant": variant, "run": run}
+    return {"round": rnd, "style": style, "tokens": 1024, "procs": procs, "variant": variant, "run": run}
 
 
 def test_compare_table_pairs_ratios_within_rounds():
@@ -129,3 +129,21 @@ def test_compare_table_pairs_ratios_within_rounds():
     rb.print_table(rb.compare_table(rows), out)
     assert "| sglang | 1024 | 1 | kvhost | 6.00 | 3 | 0.30x | 3.00x |" in out.getvalue()
     assert "| before | failed | 0 (1 failed) |" in out.getvalue()
+
+
+def test_compare_table_pairs_pulls_with_sglangs_reference():
+    rows = [
+        row(1, "reference", 2.0), row(1, "kvhost", 5.0, 20.0, style="vllm"), row(1, "reference", 4.0, style="vllm"),
+        row(2, "reference", 1.0), row(2, "kvhost", 4.0, 20.0, style="vllm"), row(2, "reference", 2.0, style="vllm"),
+        row(3, "reference", 5.0), row(3, "kvhost", 5.0, 20.0, style="vllm"),
+        # another process layout: never paired with procs 1
+        row(1, "reference", 100.0, procs=2),
+    ]
+    lines = {(l["style"], l["procs"], l["variant"]): l for l in rb.compare_table(rows)}
+    k = lines[("vllm", 1, "kvhost")]
+    # the same round's SGLang reference: 2.5, 4 and 1; vLLM's own: 1.25, 2
+    assert k["vs_sglang_reference"] == pytest.approx(2.5)
+    assert k["vs_reference"] == pytest.approx(1.625)
+    assert lines[("vllm", 1, "reference")]["vs_sglang_reference"] == pytest.approx(2.0)  # 2, 2
+    # sglang's own lines get no such column
+    assert "vs_sglang_reference" not in lines[("sglang", 1, "reference")]

@@ -3,7 +3,8 @@
 // NIXL's own parameter errors, transfers that are really in flight (UCX over
 // TCP only, so completion is asynchronous), cancellation by release_xfer and
 // by remove_remote, the progress-thread-off mode, a peer that restarts
-// under the same name, and which agents get UCX's TCP PUT zcopy turned off.
+// under the same name, which agents get UCX's TCP PUT zcopy turned off, and
+// the prefault of registered DRAM (prefault_test.go).
 // TestTwoNetnsTCP (netns_test.go, run only when asked) moves KV between
 // kvhost workers in two network namespaces over UCX TCP.
 //
