@@ -16,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                   */
@@ -903,4 +905,31 @@ size_t kvp_nq_len(kvp_notif_queue *q) {
   size_t n = q->nrec;
   pthread_mutex_unlock(&q->mu);
   return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Memory the kernel copies through                                         */
+/* ------------------------------------------------------------------------ */
+
+uint64_t kvp_prefault_for_kernel(uint64_t addr, uint64_t len) {
+  enum { BATCH = 1024 }; /* IOV_MAX */
+  long ps = sysconf(_SC_PAGESIZE);
+  const uint64_t page = ps > 0 ? (uint64_t)ps : 4096;
+  char scratch[BATCH];
+  struct iovec local[BATCH];
+  const uint64_t end = len > UINT64_MAX - addr ? UINT64_MAX : addr + len;
+  const pid_t self = getpid();
+  uint64_t at = addr; /* the next byte to read: addr, then page starts */
+  while (at < end) {
+    int n = 0;
+    for (uint64_t p = at; n < BATCH && p < end; n++, p = (p / page + 1) * page) {
+      local[n].iov_base = (void *)(uintptr_t)p;
+      local[n].iov_len = 1;
+    }
+    struct iovec remote = {scratch, (size_t)n};
+    ssize_t got = process_vm_writev(self, local, (unsigned long)n, &remote, 1, 0);
+    if (got < n) return (got <= 0 ? at : (uint64_t)(uintptr_t)local[got].iov_base) - addr;
+    at = ((uint64_t)(uintptr_t)local[n - 1].iov_base / page + 1) * page;
+  }
+  return end - addr;
 }

@@ -184,6 +184,27 @@ kvp_error *kvp_param_name_mask(const kvp_param *params, size_t n, const char *ke
                                const char *const *names, size_t nnames, uint64_t *mask);
 
 /* ------------------------------------------------------------------------ */
+/* Memory the kernel copies through                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Has the kernel read one byte of every page of [addr, addr + len) through
+ * this process's user addresses (process_vm_writev from the range into a
+ * scratch buffer, up to 1024 pages a call). Only reads: the bytes are
+ * unchanged; a page never touched gets mapped. Returns the bytes of the
+ * range it covered: len, or up to the first page it could not read
+ * (unmapped, PROT_NONE, process_vm_* refused), where it stops.
+ *
+ * Why: the plugins' in-host copies (the fake's process_vm_writev/readv,
+ * UCX's cma under NIXL) reach their local side through the process's user
+ * addresses, and on a VM that shadows page tables (a PVM guest with page
+ * table isolation) the kernel's first such access to each page costs about
+ * 4.6 us, even after MAP_POPULATE and user-space writes: ~1.2 s per GiB
+ * inside the first transfers that touch a pool. register_mem pays it
+ * once instead (plugins/nixl/README.md, "The first request to a peer");
+ * on bare metal the pass is about 0.07 us a page. */
+uint64_t kvp_prefault_for_kernel(uint64_t addr, uint64_t len);
+
+/* ------------------------------------------------------------------------ */
 /* Ranges                                                                   */
 /* ------------------------------------------------------------------------ */
 

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -823,6 +824,51 @@ static void test_notif_queue_concurrent(void) {
   kvp_nq_destroy(q);
 }
 
+/* Pages of [p, p + n * page) present in this process's page tables (bit 63
+ * of each /proc/self/pagemap entry); -1 if pagemap cannot be read. */
+static long pages_present(const uint8_t *p, size_t n, size_t page) {
+  FILE *f = fopen("/proc/self/pagemap", "rb");
+  if (!f) return -1;
+  long present = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t e = 0;
+    if (fseek(f, (long)(((uintptr_t)p / page + i) * sizeof e), SEEK_SET) != 0 ||
+        fread(&e, sizeof e, 1, f) != 1) {
+      present = -1;
+      break;
+    }
+    present += (long)(e >> 63);
+  }
+  fclose(f);
+  return present;
+}
+
+static void test_prefault(void) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), n = 3000; /* three batches */
+  /* A shared mapping nobody has touched: no page is mapped yet. */
+  uint8_t *m = (uint8_t *)mmap(NULL, (n + 1) * page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  CHECK(m != MAP_FAILED);
+  if (m == MAP_FAILED) return;
+  CHECK(pages_present(m, n + 1, page) == 0);
+  m[5 * page + 7] = 0xA5; /* one page with a byte the pass must keep */
+  /* From an unaligned start to an unaligned end: every page it spans. */
+  CHECK(kvp_prefault_for_kernel((uint64_t)(uintptr_t)(m + 100), n * page - 200) == n * page - 200);
+  CHECK(pages_present(m, n, page) == (long)n);
+  CHECK(pages_present(m + n * page, 1, page) == 0); /* nothing past the range */
+  CHECK(m[5 * page + 7] == 0xA5 && m[5 * page + 6] == 0);
+  /* A page it cannot read ends the pass there: PROT_NONE from page 2000. */
+  uint8_t *g = (uint8_t *)mmap(NULL, n * page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  CHECK(g != MAP_FAILED);
+  if (g != MAP_FAILED) {
+    CHECK(mprotect(g + 2000 * page, (n - 2000) * page, PROT_NONE) == 0);
+    CHECK(kvp_prefault_for_kernel((uint64_t)(uintptr_t)g, n * page) == 2000 * page);
+    CHECK(pages_present(g, 2000, page) == 2000);
+    munmap(g, n * page);
+  }
+  CHECK(kvp_prefault_for_kernel((uint64_t)(uintptr_t)m, 0) == 0);
+  munmap(m, (n + 1) * page);
+}
+
 int main(void) {
   test_errors();
   test_check_args();
@@ -835,6 +881,7 @@ int main(void) {
   test_out_and_reader();
   test_notif_queue();
   test_notif_queue_concurrent();
+  test_prefault();
   if (failures) {
     fprintf(stderr, "test_kvp_util: %d of %d checks FAILED\n", failures, checks);
     return 1;

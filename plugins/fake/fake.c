@@ -202,11 +202,16 @@ static const char PARAMS_DOC[] =
     "slice its post moves: raise it to run that many at once\n"
     "num_threads=0\tbackend worker threads (0..64), the nixl plugin's parameter that the host "
     "sets per side (plugin.ForSide); the fake checks the value and otherwise ignores it, so "
-    "tests can see the host's defaults reach a plugin\n";
+    "tests can see the host's defaults reach a plugin\n"
+    "prefault=true\tbefore registering memory, have the kernel read one byte of every page of it "
+    "(process_vm_writev from it into a scratch buffer), so that the kernel's first access to each "
+    "page, which a cross-process copy (process_vm_writev/readv) makes through this process's "
+    "addresses, happens at registration and not inside the first transfers; on a VM that shadows "
+    "page tables it cost about 4.6 us per 4 KiB page. Only reads. false registers without it\n";
 
 static const char *const PARAM_KEYS[] = {"caps_off", "fail_rate", "fail_seed",
                                          "delay_us", "drop_notif_rate", "workers",
-                                         "num_threads"};
+                                         "num_threads", "prefault"};
 #define NUM_PARAM_KEYS (sizeof PARAM_KEYS / sizeof PARAM_KEYS[0])
 
 /* Names of the KVP_CAP_* bits, bit i = names[i]. */
@@ -446,6 +451,7 @@ typedef struct agent {
   double fail_rate, drop_notif_rate;
   uint64_t delay_us;
   unsigned nworkers;
+  int prefault; /* register_mem has the kernel touch the memory first */
   uint64_t rng; /* xorshift64* state, under qlock */
 
   pthread_rwlock_t mem_lock;
@@ -2179,6 +2185,7 @@ static kvp_error *agent_parse_params(agent *ag, const kvp_agent_create_args *a) 
     e = kvp_param_double(a->params, a->num_params, "drop_notif_rate", 0, 0, 1, &ag->drop_notif_rate);
   if (!e) e = kvp_param_u64(a->params, a->num_params, "workers", 1, 1, 64, &workers);
   if (!e) e = kvp_param_u64(a->params, a->num_params, "num_threads", 0, 0, 64, &threads);
+  if (!e) e = kvp_param_bool(a->params, a->num_params, "prefault", 1, &ag->prefault);
   if (e) return kvp_err_wrap(e, "agent_create");
   ag->caps = FAKE_CAPS & ~off;
   if (!(ag->caps & (KVP_CAP_PREPPED | KVP_CAP_BATCH)))
@@ -2468,6 +2475,9 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
       goto out;
     }
   }
+  /* Outside every lock: on a VM the pass takes about a second per GiB. */
+  if (ag->prefault)
+    for (size_t i = 0; i < n; i++) kvp_prefault_for_kernel(a->descs[i].addr, a->descs[i].len);
   rs = (region **)calloc(n, sizeof *rs);
   if (!rs) {
     e = kvp_err_oom();

@@ -531,11 +531,12 @@ static void test_negotiation(void) {
   CHECK(pi.mem_kinds == (KVP_MEM_BIT(KVP_MEM_DRAM) | KVP_MEM_BIT(KVP_MEM_VRAM)));
   /* params_doc: one "key=default<TAB>description" line per parameter. */
   const char *keys[] = {"caps_off=", "fail_rate=0\t", "fail_seed=1\t", "delay_us=0\t",
-                        "drop_notif_rate=0\t", "workers=1\t", "num_threads=0\t"};
+                        "drop_notif_rate=0\t", "workers=1\t", "num_threads=0\t",
+                        "prefault=true\t"};
   int lines = 0;
   for (const char *p = pi.params_doc; *p; p++) lines += *p == '\n';
-  CHECK(lines == 7);
-  for (int i = 0; i < 7; i++) {
+  CHECK(lines == 8);
+  for (int i = 0; i < 8; i++) {
     const char *at = strstr(pi.params_doc, keys[i]);
     CHECK(at && (at == pi.params_doc || at[-1] == '\n'));
   }
@@ -597,6 +598,28 @@ static void test_agents_and_params(void) {
   EXPECT(agent_new("a", &ag, NULL, "num_threads", "65", NULL), KVP_ERR_INVALID_PARAM, "num_threads=\"65\"");
   OK(agent_new("a", &ag, NULL, "num_threads", "64", NULL));
   OK(agent_del(ag));
+
+  /* prefault (default true): register_mem has the kernel touch every page
+   * first (kvp_prefault_for_kernel), so an untouched shared mapping is
+   * resident after it; prefault=false leaves it alone. */
+  EXPECT(agent_new("a", &ag, NULL, "prefault", "maybe", NULL), KVP_ERR_INVALID_PARAM, "prefault");
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), npages = 64;
+  for (int on = 0; on < 2; on++) {
+    uint8_t *m = (uint8_t *)mmap(NULL, npages * page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    if (m == MAP_FAILED) break;
+    if (on) OK(agent_new("a", &ag, NULL, NULL));
+    else OK(agent_new("a", &ag, NULL, "prefault", "false", NULL));
+    unsigned char vec[64];
+    size_t resident = 0;
+    uint64_t rh = reg1(ag, m, npages * page, KVP_MEM_VRAM, 0);
+    CHECK(mincore(m, npages * page, vec) == 0);
+    for (size_t i = 0; i < npages; i++) resident += vec[i] & 1;
+    CHECK(resident == (on ? npages : 0));
+    OK(dereg_n(ag, &rh, 1));
+    OK(agent_del(ag));
+    munmap(m, npages * page);
+  }
   EXPECT(agent_new("a", &ag, NULL, "fail_rate", "1.5", NULL), KVP_ERR_INVALID_PARAM, "fail_rate=\"1.5\"");
   EXPECT(agent_new("a", &ag, NULL, "drop_notif_rate", "x", NULL), KVP_ERR_INVALID_PARAM, "drop_notif_rate");
   EXPECT(agent_new("a", &ag, NULL, "delay_us", "-1", NULL), KVP_ERR_INVALID_PARAM, "delay_us");

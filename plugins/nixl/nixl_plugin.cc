@@ -38,7 +38,6 @@
 
 #include <nixl.h>
 #include <sys/eventfd.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -244,7 +243,7 @@ struct Agent {
   // How long release_xfer, remove_remote and agent_destroy wait for an
   // active transfer to finish (NIXL cannot cancel one; see quiesce).
   std::chrono::milliseconds release_wait{0};
-  // Whether register_mem prefaults DRAM for the kernel (prefault_for_kernel).
+  // Whether register_mem prefaults DRAM for the kernel (kvp_prefault_for_kernel).
   bool prefault = true;
 
   // Serialises get_notifs' move from NIXL into notifs, so that two callers
@@ -1139,56 +1138,6 @@ kvp_error *agent_destroy(kvp_agent_destroy_args *args) {
 // Memory registration
 // ---------------------------------------------------------------------------
 
-// Reads one byte of every page of [addr, addr + len) in kernel mode: with
-// process_vm_writev from this process's pages (the local side, which the
-// kernel reads through this process's user addresses, copy_from_user) into
-// a scratch buffer, up to IOV_MAX pages per call. Returns the bytes of the
-// range it covered: all of it, or up to the first page it could not read
-// (unmapped, PROT_NONE; process_vm_* may also be forbidden), where it stops.
-//
-// Why: UCX's cma transport copies with process_vm_writev (WRITE: reads the
-// initiator's local pages through its user addresses) and process_vm_readv
-// (READ: writes them), and on a VM with shadow page tables (this
-// machine's PVM guest with page table isolation: the kernel's view of user
-// memory is a page table of its own) the kernel's first access to each
-// page faults into the hypervisor, even when user space has touched the
-// page and it is populated (MAP_POPULATE): measured 4.6 us per 4 KiB page,
-// 150-180 ms for 128 MiB, against 13-18 ms for the same process_vm_writev
-// the second time. A kvhost demo's first 128 MiB request to a peer spent
-// that inside its transfer (perf: the extra time is in _copy_from_iter,
-// the copy itself). A kernel-mode read makes the kernel's later writes fast
-// too (measured: process_vm_readv into pages read this way first ran at the
-// second-time speed). Where the first access costs nothing extra (bare
-// metal) the pass is one syscall per 1024 pages: measured here, a second
-// pass over 256 MiB took 5 ms (0.07 us per page).
-size_t prefault_for_kernel(uint64_t addr, uint64_t len) {
-  static const uint64_t page = [] {
-    long p = sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<uint64_t>(p) : 4096;
-  }();
-  constexpr int kBatch = 1024;  // IOV_MAX
-  char scratch[kBatch];
-  struct iovec local[kBatch];
-  const uint64_t end = addr + len;
-  uint64_t at = addr;  // the next byte to read: addr, then page starts
-  const pid_t self = getpid();
-  while (at < end) {
-    int n = 0;
-    for (uint64_t p = at; n < kBatch && p < end; n++, p = (p / page + 1) * page) {
-      local[n].iov_base = reinterpret_cast<void *>(p);
-      local[n].iov_len = 1;
-    }
-    struct iovec remote = {scratch, static_cast<size_t>(n)};
-    ssize_t got = process_vm_writev(self, local, n, &remote, 1, 0);
-    if (got < n) {
-      uint64_t stop = got <= 0 ? at : reinterpret_cast<uint64_t>(local[got].iov_base);
-      return stop - addr;
-    }
-    at = (reinterpret_cast<uint64_t>(local[n - 1].iov_base) / page + 1) * page;
-  }
-  return len;
-}
-
 kvp_error *register_mem(kvp_register_mem_args *args) {
   static const char fn[] = "register_mem";
   if (kvp_error *e = KVP_CHECK_ARGS(args, KVP_REGISTER_MEM_ARGS_STRUCT_SIZE)) return e;
@@ -1211,7 +1160,7 @@ kvp_error *register_mem(kvp_register_mem_args *args) {
   // Outside a->mu: on a VM this pass takes about a second per GiB.
   if (a->prefault)
     for (const RegionEntry &r : add)
-      if (r.kind == KVP_MEM_DRAM) prefault_for_kernel(r.addr, r.len);
+      if (r.kind == KVP_MEM_DRAM) kvp_prefault_for_kernel(r.addr, r.len);
 
   std::lock_guard<std::mutex> lk(a->mu);
   // Overlap check: among the new descriptors and against live registrations.
