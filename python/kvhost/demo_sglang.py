@@ -74,6 +74,7 @@ def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None)
     for r in range(tp):
         pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots,
                           register_as=register_as)
+        pool.pool.populate()  # allocated up front, as an engine's KV memory is
         kv = pool.pool.ndarray("uint8", (2, shape.layers, num_pages, shape.page_size, heads, shape.head_bytes))
         kv = kv.transpose(1, 0, 2, 3, 4, 5)
         args = ksg.KVArgs(

@@ -145,6 +145,7 @@ def _pools(shape, tp_size, num_blocks):
     out = []
     for _ in range(tp_size):
         sp = shm.SharedPool(size)
+        sp.populate()  # allocated up front, as an engine's KV memory is
         arr = sp.ndarray("uint8", dims)
         caches = {"model.layers.%d.self_attn" % i: arr[i] for i in range(shape.layers)}
         out.append((sp, arr, caches))
