@@ -26,9 +26,12 @@ The forward pass and the check are GPU work: each engine runs them on its
 device thread (kvhost.demo_device). The prefill's step launches every
 worker's forward pass and waits for the device before wait_for_save (vLLM's
 step returns the sampled tokens, a GPU sync, before the scheduler finishes
-the request); the decode's loop launches a request's check and keeps
-stepping, and finishes the request and frees its blocks once the device
-reports the check done.
+the request); the decode's step launches the check of the requests it
+finished loading as that step's forward pass and waits for the device
+likewise before it finishes them and frees their blocks. (A decode loop
+that kept stepping meanwhile measured worse here: it ran every worker's
+per-step calls a thousand times a second against the device thread for
+the GIL and the cores.)
 """
 
 from __future__ import annotations
@@ -310,7 +313,6 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     return "decode rank %d: %s" % (r, why)
             return None
 
-        checking = {}  # decode request id -> [req, ids, bytes read, latency, device job or error]
         waiting = []
         loading = {}  # decode request id -> [req, ids, seed, workers done, t0]
         done = 0
@@ -354,6 +356,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     ent[5] = t_issue
             _, recving, errors = _step_workers(workers, meta, ph=ph)
             t_step = time.monotonic()
+            loaded = []  # (req, ids, bytes read, latency, device job or what failed)
             for rid, k in recving.items():
                 ent = loading[rid]
                 ent[3] += k
@@ -378,17 +381,15 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         # The mutation check: one byte wrong in the decode's
                         # memory after the transfer must fail the run.
                         pools[0][1][0, 0, ids[0], 0, 0, 0] ^= 0xFF
-                    # The check, launched; the request finishes and its
-                    # blocks are freed once the device reports it done.
+                    # The check, launched as this step's forward pass.
                     err = dev.submit("verify", check, ids, seed)
-                checking[rid] = [req, ids, nbytes, lat, err]
-            finished = 0
-            for rid, (req, ids, nbytes, lat, err) in list(checking.items()):
+                loaded.append((req, ids, nbytes, lat, err))
+            # vLLM's step waits for its forward pass (the sampled tokens)
+            # before the scheduler finishes a request and frees its blocks.
+            dev.wait([e for *_, e in loaded if not isinstance(e, str)], ph)
+            for req, ids, nbytes, lat, err in loaded:
                 if not isinstance(err, str):
-                    if not err.done:
-                        continue
                     err = err.value()
-                del checking[rid]
                 verified = 0 if err else shape.layers * 2 * shape.kv_heads * len(ids) * shape.page_size * shape.head_bytes
                 results.put(("request", {
                     "request_id": req.request_id[2:], "ok": err is None, "error": err or "",
@@ -400,8 +401,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 assert not delay and params is None
                 blocks.give(ids)
                 done += 1
-                finished += 1
-            if not admitted and not recving and not finished:
+            if not admitted and not recving:
                 dev.idle(ph)
         rep = ph.report()
         rep["device"] = dev.report()
