@@ -23,9 +23,11 @@ Every decode rank checks every byte of every request in its own memory
 
 The engines' stand-in GPU work (the prefill's forward pass writing each
 request's KV, the decode's check of every byte) runs on a "device" thread
-per engine process (kvhost.demo_device: one CUDA stream), asynchronously
-to the engine's scheduler loop, which proceeds with a request (sends its
-KV; frees its pages) only once the device reports its job done. That
+per engine process (kvhost.demo_device: one CUDA stream), launched by
+the engine's scheduler loop, which proceeds with a request (sends its KV;
+frees its pages) only once the device reports its job done: SGLang's
+loops keep polling meanwhile (its overlap scheduler does), vLLM's step
+waits for it (its step waits for the sampled tokens). That
 thread runs at SCHED_IDLE (``--device-priority idle``, the default;
 nice 19 where SCHED_IDLE is refused): in a deployment this work runs on
 the GPU, not on the host cores the sidecars' copies and the scheduler
