@@ -241,7 +241,13 @@ bench: all
 # is --baseline). --baseline compares the pair's transfer rate with kvhost demo --in-process's on the
 # same shape and the same definition (the time kvhost had a transfer in
 # flight: the sidecars' kvhost_transfer_busy_seconds_total); --baseline-procs
-# adds kvhost demo with its workers in separate processes.
+# adds kvhost demo with its workers in separate processes. Each engine runs
+# its stand-in GPU work (the prefill's fill, the decode's verify) on a
+# "device" thread at SCHED_IDLE (--device-priority idle, the default): that
+# work is the GPU's in a deployment, and on a machine with fewer cores than
+# processes it would otherwise preempt the sidecars' copies, which real GPU
+# kernels do not; --device-priority normal keeps it at the engine's
+# priority, for comparison.
 DEMO_ENGINE_ARGS ?= --baseline
 
 demo-engine: all

@@ -8,14 +8,18 @@ beside its own ``kvhost serve``.
 
 prefill, per request and rank: KVSender(mgr, bootstrap_addr, room, ...);
 poll until WaitingForInput; init(num_pages, aux_index); the forward pass
-writes the request's KV and aux; send(chunk) per chunk of pages (chunked
-prefill), the last one also carrying aux; poll until Success; clear.
+writes the request's KV and aux (on the engine's device thread,
+kvhost.demo_device: the loop keeps polling and sends nothing of the
+request until the device reports it written); send(chunk) per chunk of
+pages (chunked prefill), the last one also carrying aux; poll until
+Success; clear.
 
 decode, per request and rank: KVReceiver(mgr, bootstrap_addr, room);
 init(prefill_dp_rank) (bootstrap); poll until WaitingForInput; allocate
 pages; send_metadata(pages, aux_index); poll until Success; then every
-byte of every rank's pages and aux slot is checked (kvhost.demo_pattern),
-and the pages are freed.
+byte of every rank's pages and aux slot is checked (kvhost.demo_pattern,
+on the device thread), and once the device reports the check done the
+verdict is recorded, the rooms cleared and the pages freed.
 
 A request moves on when every TP rank's room reached the state (SGLang's
 scheduler polls all ranks and reduces with all_reduce(min)).
@@ -32,6 +36,7 @@ import types
 import numpy as np
 
 from kvhost import demo_pattern as pat
+from kvhost.demo_device import Device
 from kvhost.demo_vllm import BlockPool, Phases, exit_on_sigterm
 
 AUX_LEN = 64  # bytes per aux slot (SGLang's metadata buffers: output ids, logprobs...)
@@ -69,6 +74,7 @@ def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None)
     for r in range(tp):
         pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots,
                           register_as=register_as)
+        pool.pool.populate()  # allocated up front, as an engine's KV memory is
         kv = pool.pool.ndarray("uint8", (2, shape.layers, num_pages, shape.page_size, heads, shape.head_bytes))
         kv = kv.transpose(1, 0, 2, 3, 4, 5)
         args = ksg.KVArgs(
@@ -131,6 +137,7 @@ def prefill_engine(args, control, requests, to_decode, results):
 
     exit_on_sigterm()
     ranks = []
+    dev = None
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["prefill_tp"]
@@ -144,6 +151,15 @@ def prefill_engine(args, control, requests, to_decode, results):
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
         ph = Phases()
+        dev = Device(args.get("device_priority", "idle"), delay=args.get("device_delay", 0.0))
+
+        def forward(ids, seed, aux_slot):
+            """The forward pass: the request's KV and aux on every rank."""
+            for r, (_, _, kv, aux) in enumerate(ranks):
+                h0, h1 = shape.heads_of(r, tp)
+                pat.fill(kv, ids, seed, shape, h0, h1, layout="NHD")
+                aux[aux_slot] = pat.aux_bytes(seed, AUX_LEN)
+
         todo = list(requests)
         live = {}  # room -> dict
         chunk = args["chunk_pages"]
@@ -188,14 +204,15 @@ def prefill_engine(args, control, requests, to_decode, results):
                     with ph.timed("adapter"):
                         for s in st["senders"]:
                             s.init(len(st["ids"]), st["aux"])
-                    # The forward pass: this request's KV and aux on every rank.
-                    with ph.timed("fill"):
-                        for r, (_, _, kv, aux) in enumerate(ranks):
-                            h0, h1 = shape.heads_of(r, tp)
-                            pat.fill(kv, st["ids"], st["seed"], shape, h0, h1, layout="NHD")
-                            aux[st["aux"]] = pat.aux_bytes(st["seed"], AUX_LEN)
+                    # The forward pass, launched: the KV is sent once the
+                    # device reports it written.
+                    st["fill"] = dev.submit("fill", forward, st["ids"], st["seed"], st["aux"])
                     st["inited"] = True
                     busy = True
+                if not st["fill"].done:
+                    continue
+                if st["sent"] == 0:
+                    st["fill"].value()  # raises what the forward pass raised
                 if st["sent"] < len(st["ids"]):
                     part = st["ids"][st["sent"]:st["sent"] + chunk]
                     if "t_send" not in st:
@@ -220,15 +237,17 @@ def prefill_engine(args, control, requests, to_decode, results):
                     del live[room]
                     busy = True
             if not busy:
-                with ph.timed("idle"):
-                    time.sleep(0.001)
+                dev.idle(ph)
         rep = ph.report()
         rep["waits"] = waits.report()
+        rep["device"] = dev.report()
         results.put(("prefill_done", rep))
         boot.close()
     except Exception as e:
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
     finally:
+        if dev is not None:
+            dev.close()
         for mgr, pool, _, _ in ranks:
             mgr.close()
 
@@ -238,6 +257,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
 
     exit_on_sigterm()
     ranks = []
+    dev = None
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["sglang_decode_tp"]
@@ -250,10 +270,43 @@ def decode_engine(args, control, nreq, from_prefill, results):
         aux_free = list(range(slots))
         waiting, live = [], {}
         ph = Phases()
+        dev = Device(args.get("device_priority", "idle"), delay=args.get("device_delay", 0.0))
+
+        def verify(ids, seed, aux_slot):
+            """Every byte of every rank's pages and aux slot: None, or what
+            is wrong."""
+            for r, (_, _, kv, aux) in enumerate(ranks):
+                h0, h1 = shape.heads_of(r, tp)
+                why = pat.check(kv, ids, seed, shape, h0, h1, layout="NHD")
+                want = pat.aux_bytes(seed, AUX_LEN)
+                if why is None and not np.array_equal(aux[aux_slot], want):
+                    bad = int(np.flatnonzero(aux[aux_slot] != want)[0])
+                    why = "aux slot %d byte %d wrong" % (aux_slot, bad)
+                if why:
+                    return "decode rank %d: %s" % (r, why)
+            return None
+
         done = 0
         corrupt = args.get("corrupt")
         deadline = time.monotonic() + args["timeout"]
         t_first = None
+
+        def finish(room, st, err, failed):
+            """The request's verdict, and its pages and aux slot freed."""
+            nonlocal done
+            n = len(st["ids"]) if st["ids"] else 0
+            nbytes = shape.layers * 2 * shape.kv_heads * n * shape.page_size * shape.head_bytes
+            results.put(("request", {
+                "request_id": st["rid"], "ok": err is None, "error": err or "",
+                "bytes": nbytes if not failed else 0, "verified": 0 if err else nbytes,
+                "latency": time.monotonic() - st["t0"], "pages": n,
+            }))
+            if st["ids"]:
+                pages.give(st["ids"])
+                aux_free.append(st["aux"])
+            del live[room]
+            done += 1
+
         while done < nreq:
             if time.monotonic() > deadline:
                 raise TimeoutError("decode: %d of %d requests done" % (done, nreq))
@@ -277,6 +330,17 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     t_first = time.monotonic()
                 busy = True
             for room, st in list(live.items()):
+                if "verify" in st:
+                    # Transferred; the device is checking it.
+                    if not st["verify"].done:
+                        continue
+                    err = st["verify"].value()
+                    with ph.timed("adapter"):
+                        for rv in st["recvs"]:
+                            rv.clear()
+                    finish(room, st, err, False)
+                    busy = True
+                    continue
                 with ph.timed("poll", len(st["recvs"])):
                     polls = [rv.poll() for rv in st["recvs"]]
                 failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
@@ -295,9 +359,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     continue
                 if not failed and not _all(polls, ksg.KVPoll.Success):
                     continue
-                if not failed:
-                    waits.seen(room, tp, st.get("t_meta"), time.monotonic())
-                err = None
+                busy = True
                 if failed:
                     reasons = []
                     for rv in st["recvs"]:
@@ -305,46 +367,26 @@ def decode_engine(args, control, nreq, from_prefill, results):
                             rv.failure_exception()
                         except Exception as e:
                             reasons.append(str(e))
-                    err = "transfer failed: " + "; ".join(reasons)
-                else:
-                    ids = st["ids"]
-                    if corrupt is not None and corrupt == st["rid"]:
-                        ranks[0][2][0, 0, ids[0], 0, 0, 0] ^= 0xFF  # the mutation check
-                    for r, (_, _, kv, aux) in enumerate(ranks):
-                        h0, h1 = shape.heads_of(r, tp)
-                        with ph.timed("verify"):
-                            why = pat.check(kv, ids, st["seed"], shape, h0, h1, layout="NHD")
-                        if why is None and not np.array_equal(aux[st["aux"]], pat.aux_bytes(st["seed"], AUX_LEN)):
-                            bad = int(np.flatnonzero(aux[st["aux"]] != pat.aux_bytes(st["seed"], AUX_LEN))[0])
-                            why = "aux slot %d byte %d wrong" % (st["aux"], bad)
-                        if why:
-                            err = "decode rank %d: %s" % (r, why)
-                            break
-                    with ph.timed("adapter"):
-                        for rv in st["recvs"]:
-                            rv.clear()
-                n = len(st["ids"]) if st["ids"] else 0
-                nbytes = shape.layers * 2 * shape.kv_heads * n * shape.page_size * shape.head_bytes
-                results.put(("request", {
-                    "request_id": st["rid"], "ok": err is None, "error": err or "",
-                    "bytes": nbytes if not failed else 0, "verified": 0 if err else nbytes,
-                    "latency": time.monotonic() - st["t0"], "pages": n,
-                }))
-                if st["ids"]:
-                    pages.give(st["ids"])
-                    aux_free.append(st["aux"])
-                del live[room]
-                done += 1
-                busy = True
+                    finish(room, st, "transfer failed: " + "; ".join(reasons), True)
+                    continue
+                waits.seen(room, tp, st.get("t_meta"), time.monotonic())
+                ids = st["ids"]
+                if corrupt is not None and corrupt == st["rid"]:
+                    ranks[0][2][0, 0, ids[0], 0, 0, 0] ^= 0xFF  # the mutation check
+                # The check, launched: the verdict is recorded, the rooms
+                # cleared and the pages freed once the device reports it.
+                st["verify"] = dev.submit("verify", verify, ids, st["seed"], st["aux"])
             if not busy:
-                with ph.timed("idle"):
-                    time.sleep(0.001)
+                dev.idle(ph)
         rep = ph.report()
         rep["waits"] = waits.report()
+        rep["device"] = dev.report()
         rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
         results.put(("decode_done", rep))
     except Exception as e:
         results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))
     finally:
+        if dev is not None:
+            dev.close()
         for mgr, pool, _, _ in ranks:
             mgr.close()

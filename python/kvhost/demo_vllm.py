@@ -21,6 +21,17 @@ KVOutputAggregator). The decode checks every byte of every rank's pages
 with kvhost.demo_pattern before freeing them; the prefill reuses freed
 blocks at once, so a release before the decode's read completed shows as
 wrong bytes.
+
+The forward pass and the check are GPU work: each engine runs them on its
+device thread (kvhost.demo_device). The prefill's step launches every
+worker's forward pass and waits for the device before wait_for_save (vLLM's
+step returns the sampled tokens, a GPU sync, before the scheduler finishes
+the request); the decode's step launches the check of the requests it
+finished loading as that step's forward pass and waits for the device
+likewise before it finishes them and frees their blocks. (A decode loop
+that kept stepping meanwhile measured worse here: it ran every worker's
+per-step calls a thousand times a second against the device thread for
+the GIL and the cores.)
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import numpy as np
 
 from kvhost import demo_pattern as pat
 from kvhost import vllm as kvllm
+from kvhost.demo_device import Device
 from kvhost import vllm_standins as vs
 
 
@@ -46,12 +58,14 @@ def exit_on_sigterm():
 
 
 class Phases:
-    """Where an engine's wall time goes: seconds per phase ("fill",
-    "verify", "adapter" (the adapter calls a request makes once or once
-    per chunk: creating, initialising, sending, finishing), "poll" (the
-    calls the engine's loop makes every pass whatever it has to do:
-    SGLang's poll(), vLLM's per-step connector calls), "idle" (sleeping
-    for lack of work), the rest "other"), how many calls or passes each
+    """Where an engine loop's wall time goes: seconds per phase
+    ("adapter" (the adapter calls a request makes once or once per chunk:
+    creating, initialising, sending, finishing), "poll" (the calls the
+    engine's loop makes every pass whatever it has to do: SGLang's poll(),
+    vLLM's per-step connector calls), "wait_device" (blocked until the
+    device thread (kvhost.demo_device) finishes a job, nothing else to
+    do), "idle" (sleeping for lack of work), "fill"/"verify" where they
+    run on the loop's thread (no device given), the rest "other"), how many calls or passes each
     counted phase took, and the intervals its requests' transfers were in
     flight as the engine saw them (from handing a request's KV to kvhost
     to seeing it done)."""
@@ -134,6 +148,7 @@ def _pools(shape, tp_size, num_blocks):
     out = []
     for _ in range(tp_size):
         sp = shm.SharedPool(size)
+        sp.populate()  # allocated up front, as an engine's KV memory is
         arr = sp.ndarray("uint8", dims)
         caches = {"model.layers.%d.self_attn" % i: arr[i] for i in range(shape.layers)}
         out.append((sp, arr, caches))
@@ -153,19 +168,29 @@ def _workers(engine_id, kv_role, control, shape, tp_size, pools, extra=None):
     return workers
 
 
-def _step_workers(workers, meta, forward=None, ph=None):
+def _step_workers(workers, meta, forward=None, ph=None, device=None):
     """One step of every worker; returns (sending counts, recving counts,
-    load-error blocks) of this step. The connector calls count as
-    "control" in ph (a Phases), the forward pass as "fill"."""
+    load-error blocks) of this step. The connector calls count as "poll"
+    in ph (a Phases). forward(rank), the forward pass, runs between every
+    worker's start_load_kv and its wait_for_save: on ``device`` (a
+    kvhost.demo_device.Device, the step waiting for it as vLLM's step
+    waits for its sampled tokens) or, without one, on this thread
+    ("fill"). The workers are separate processes in vLLM, so their calls
+    interleave here as they may there."""
     ph = ph or Phases()
     sending, recving, errors = {}, {}, set()
-    for r, w in enumerate(workers):
+    for w in workers:
         with ph.timed("poll"):
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-        if forward is not None:
-            with ph.timed("fill"):
-                forward(r)
+    if forward is not None:
+        if device is not None:
+            device.wait([device.submit("fill", forward, r) for r in range(len(workers))], ph)
+        else:
+            for r in range(len(workers)):
+                with ph.timed("fill"):
+                    forward(r)
+    for w in workers:
         with ph.timed("poll"):
             w.wait_for_save()
             s, v = w.get_finished(set())
@@ -184,6 +209,7 @@ def prefill_engine(args, control, requests, to_decode, results):
     kv_transfer_params of request_finished to the decode (the proxy's
     part)."""
     exit_on_sigterm()
+    dev = None
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["prefill_tp"]
@@ -197,6 +223,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         workers = _workers("prefill-engine", "kv_producer", control, shape, tp, pools)
         blocks = BlockPool(num_blocks)
         ph = Phases()
+        dev = Device(args.get("device_priority", "idle"), delay=args.get("device_delay", 0.0))
         todo = list(requests)  # (request id, tokens, seed)
         held = {}  # request id -> (block ids, workers reported)
         deadline = time.monotonic() + args["timeout"]
@@ -225,7 +252,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 for req, ids, seed in new:
                     pat.fill(pools[rank][1], ids, seed, shape, h0, h1)
 
-            sending, _, _ = _step_workers(workers, meta, forward, ph)
+            sending, _, _ = _step_workers(workers, meta, forward if new else None, ph, dev)
             for rid, k in sending.items():
                 ids, seen = held[rid]
                 seen += k
@@ -242,14 +269,18 @@ def prefill_engine(args, control, requests, to_decode, results):
                 held[req.request_id] = (ids, 0)
                 to_decode.put((req.request_id, len(req.prompt_token_ids), seed, params))
             if not new and not sending:
-                with ph.timed("idle"):
-                    time.sleep(0.001)
-        results.put(("prefill_done", ph.report()))
+                dev.idle(ph)
+        rep = ph.report()
+        rep["device"] = dev.report()
+        results.put(("prefill_done", rep))
         for w in workers:
             w.shutdown()
         sched.shutdown()
     except Exception as e:  # reported to the demo, which fails the run
         results.put(("error", "prefill engine: %s\n%s" % (e, traceback.format_exc())))
+    finally:
+        if dev is not None:
+            dev.close()
 
 
 def decode_engine(args, control, nreq, from_prefill, results):
@@ -257,6 +288,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
     kv_transfer_params, loads its KV through the connector, checks every
     byte on every rank, frees the blocks."""
     exit_on_sigterm()
+    dev = None
     try:
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["decode_tp"]
@@ -270,6 +302,17 @@ def decode_engine(args, control, nreq, from_prefill, results):
         workers = _workers("decode-engine", "kv_consumer", control, shape, tp, pools)
         blocks = BlockPool(num_blocks)
         ph = Phases()
+        dev = Device(args.get("device_priority", "idle"), delay=args.get("device_delay", 0.0))
+
+        def check(ids, seed):
+            """Every byte of every rank's blocks: None, or what is wrong."""
+            for r in range(tp):
+                h0, h1 = shape.heads_of(r, tp)
+                why = pat.check(pools[r][1], ids, seed, shape, h0, h1)
+                if why:
+                    return "decode rank %d: %s" % (r, why)
+            return None
+
         waiting = []
         loading = {}  # decode request id -> [req, ids, seed, workers done, t0]
         done = 0
@@ -313,6 +356,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     ent[5] = t_issue
             _, recving, errors = _step_workers(workers, meta, ph=ph)
             t_step = time.monotonic()
+            loaded = []  # (req, ids, bytes read, latency, device job or what failed)
             for rid, k in recving.items():
                 ent = loading[rid]
                 ent[3] += k
@@ -337,13 +381,15 @@ def decode_engine(args, control, nreq, from_prefill, results):
                         # The mutation check: one byte wrong in the decode's
                         # memory after the transfer must fail the run.
                         pools[0][1][0, 0, ids[0], 0, 0, 0] ^= 0xFF
-                    for r in range(tp):
-                        h0, h1 = shape.heads_of(r, tp)
-                        with ph.timed("verify"):
-                            why = pat.check(pools[r][1], ids, seed, shape, h0, h1)
-                        if why:
-                            err = "decode rank %d: %s" % (r, why)
-                            break
+                    # The check, launched as this step's forward pass.
+                    err = dev.submit("verify", check, ids, seed)
+                loaded.append((req, ids, nbytes, lat, err))
+            # vLLM's step waits for its forward pass (the sampled tokens)
+            # before the scheduler finishes a request and frees its blocks.
+            dev.wait([e for *_, e in loaded if not isinstance(e, str)], ph)
+            for req, ids, nbytes, lat, err in loaded:
+                if not isinstance(err, str):
+                    err = err.value()
                 verified = 0 if err else shape.layers * 2 * shape.kv_heads * len(ids) * shape.page_size * shape.head_bytes
                 results.put(("request", {
                     "request_id": req.request_id[2:], "ok": err is None, "error": err or "",
@@ -356,9 +402,9 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 blocks.give(ids)
                 done += 1
             if not admitted and not recving:
-                with ph.timed("idle"):
-                    time.sleep(0.001)
+                dev.idle(ph)
         rep = ph.report()
+        rep["device"] = dev.report()
         rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
         results.put(("decode_done", rep))
         for w in workers:
@@ -366,3 +412,6 @@ def decode_engine(args, control, nreq, from_prefill, results):
         sched.shutdown()
     except Exception as e:
         results.put(("error", "decode engine: %s\n%s" % (e, traceback.format_exc())))
+    finally:
+        if dev is not None:
+            dev.close()

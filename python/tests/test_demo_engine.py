@@ -59,7 +59,15 @@ def test_demo_engine_every_byte(style):
         c = s["control_us_per_request"][role]
         assert s["counts"][role]["poll"] == c["polls"] > 0, (s["counts"], c)
         assert abs(c["engine"] - p["adapter"] / 24 * 1e6) < 1e-6 and c["per_rank"] == c["engine"] / s[role + "_tp"], c
-    assert s["phases"]["prefill"]["fill"] > 0 and s["phases"]["decode"]["verify"] > 0, s
+    # The stand-in GPU work ran on each engine's device thread, at idle
+    # priority (the default), one fill job per request (sglang) or per
+    # step and rank (vllm), one verify job per request.
+    dev = s["device"]
+    assert dev["prefill"]["fill"] > 0 and dev["decode"]["verify"] > 0, dev
+    assert dev["prefill"]["policy"] == dev["decode"]["policy"] == "SCHED_IDLE", dev
+    assert dev["decode"]["jobs"] == {"verify": 24}, dev
+    assert dev["prefill"]["jobs"]["fill"] == (24 if style == "sglang" else dev["prefill"]["jobs"]["fill"]) > 0, dev
+    assert "fill" not in s["phases"]["prefill"] and "verify" not in s["phases"]["decode"], s["phases"]
     if style == "sglang":
         # Every request's wait split at its last rank's Success event, on
         # both engines (the clients' listeners saw every Success).
@@ -72,6 +80,62 @@ def test_demo_engine_every_byte(style):
     # only into GPU memory.
     assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
     assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+
+
+@pytest.mark.parametrize("style", ["vllm", "sglang"])
+def test_demo_engine_waits_for_a_slow_device(style):
+    """Each device job first waits 25 ms (a slower GPU): a loop that sent
+    a request's KV before its fill was done would move stale pages (the
+    check fails), one that freed pages before their check was done would
+    see them overwritten; every byte still verifies, and the loops spent
+    time blocked on the device. --device-priority normal: the thread keeps
+    the engine's policy."""
+    out = run_demo("--styles", style, "--json", "--device-delay-ms", "25", "--device-priority", "normal")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (s,) = json.loads(out.stdout)
+    assert s["ok"] == 24 and s["bytes_verified"] == s["bytes_moved"] > 0, s
+    dev = s["device"]
+    assert dev["prefill"]["policy"].startswith("normal") and dev["decode"]["policy"].startswith("normal"), dev
+    assert dev["decode"]["verify"] >= 24 * 0.025 and dev["prefill"]["fill"] >= dev["prefill"]["jobs"]["fill"] * 0.025, dev
+    assert s["phases"]["prefill"]["wait_device"] > 0 and s["phases"]["decode"]["wait_device"] > 0, s["phases"]
+
+
+def test_device_thread_idle_priority():
+    """The device thread runs its jobs, in order, at SCHED_IDLE (the
+    kernel's own account: /proc/self/task/<tid>/stat's policy field), named
+    "device"; "normal" keeps the caller's policy; a job's exception comes
+    back through value()."""
+    import threading
+
+    from kvhost import demo_device as dd
+
+    def policy(tid):
+        with open("/proc/self/task/%d/stat" % tid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[41 - 3])  # field 41 (1-based), after pid and (comm)
+
+    dev = dd.Device("idle")
+    normal = dd.Device("normal")
+    try:
+        assert dev.policy == "SCHED_IDLE" and os.sched_getscheduler(dev.tid) == os.SCHED_IDLE, dev.policy
+        assert policy(dev.tid) == os.SCHED_IDLE == 5
+        with open("/proc/self/task/%d/comm" % dev.tid) as f:
+            assert f.read().strip() == "device"
+        assert policy(threading.get_native_id()) == os.sched_getscheduler(0) != os.SCHED_IDLE
+        order = []
+        jobs = [dev.submit("fill", lambda i: (order.append(i), threading.get_native_id())[1], i) for i in range(5)]
+        assert dev.wait(jobs, timeout=60) == [dev.tid] * 5 and order == list(range(5))
+        assert dev.report()["jobs"] == {"fill": 5} and dev.pending() == 0
+        bad = dev.submit("verify", lambda: 1 // 0)
+        assert bad._ev.wait(60)
+        with pytest.raises(dd.DeviceError, match="ZeroDivisionError"):
+            bad.value()
+        assert normal.policy.startswith("normal") and policy(normal.tid) == os.sched_getscheduler(0)
+        with pytest.raises(ValueError):
+            dd.Device("realtime")
+    finally:
+        dev.close()
+        normal.close()
 
 
 @pytest.mark.parametrize("style", ["vllm", "sglang"])

@@ -51,3 +51,35 @@ def test_sidecar_takes_register_as_and_names_a_bad_value(sidecar):
             assert c.register_memory(pool.regions())  # nothing was registered by the refusal
     finally:
         pool.close()
+
+
+def _resident(pool):
+    """Bytes of ``pool``'s mapping resident in this process (its smaps
+    entry's Rss): pages allocated and mapped here."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        lo, _, rest = line.partition("-")
+        if rest and int(lo, 16) <= pool.addr < int(rest.split()[0], 16):
+            for field in lines[i + 1:]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError("no mapping holds %#x" % pool.addr)
+
+
+@pytest.mark.parametrize("madvise", [True, False])
+def test_populate_maps_every_page_and_keeps_contents(monkeypatch, madvise):
+    """populate(): every page of the pool resident in this process, what it
+    held unchanged; the fallback (a write per page) where MADV_POPULATE_WRITE
+    is refused does the same."""
+    if not madvise:
+        monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", -1)  # EINVAL: the fallback runs
+    size = 64 * 4096
+    with shm.SharedPool(size) as p:
+        buf = p.buffer
+        buf[5 * 4096 + 7] = 0x5A
+        assert _resident(p) < size
+        p.populate()
+        assert _resident(p) == size
+        assert buf[5 * 4096 + 7] == 0x5A and buf[0] == 0 and buf[size - 1] == 0
+        buf.release()
