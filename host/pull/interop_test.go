@@ -134,17 +134,19 @@ func TestInteropGoDecodeFromPythonRouter(t *testing.T) {
 	dg.tp = 4
 	ds := newDecodeSide(t, dg, nil)
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
 	cmd := exec.CommandContext(ctx, python, "testdata/vllm_nixl_peer.py", "router", specPath, strconv.Itoa(dg.tp))
 	cmd.Stderr = os.Stderr
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
+		cancel()
 		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
+		cancel()
 		t.Fatal(err)
 	}
-	defer cmd.Wait()
+	// The router keeps answering after its n replies: kill it, then reap it.
+	defer func() { cancel(); cmd.Wait() }()
 	lines := bufio.NewScanner(stdout)
 	if !lines.Scan() || !strings.HasPrefix(lines.Text(), "PORT ") {
 		t.Fatalf("python router did not start: %q", lines.Text())

@@ -228,7 +228,7 @@ def router(spec_path, n, version=2):
     s.setsockopt(zmq.RCVTIMEO, 20000)
     port = s.bind_to_random_port("tcp://127.0.0.1")
     print("PORT", port, flush=True)
-    for _ in range(n):
+    def serve_one():
         identity, _, msg = s.recv_multipart()
         parts = msgpack.unpackb(msg, raw=False)
         tag, rank = parts[0], parts[-1]
@@ -239,7 +239,20 @@ def router(spec_path, n, version=2):
             s.send_multipart((identity, b"", payloads[rank], ts))
         else:
             s.send_multipart((identity, b"", payloads[rank]))
+
+    for _ in range(n):
+        serve_one()
     print("OK", n, flush=True)
+    # Keep answering until the test kills this process (or 20 s of
+    # silence): a request from a stray client that reached this port
+    # (another test's ZMQ socket reconnecting to a port number the kernel
+    # handed out again) may have taken one of the n turns, and the last
+    # rank must still get its reply, not a closed socket.
+    try:
+        while True:
+            serve_one()
+    except zmq.Again:
+        pass
     s.close()
     ctx.term()
 
