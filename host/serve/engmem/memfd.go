@@ -50,6 +50,11 @@ const (
 // is not the memfd form (ok and e both false/nil): it is resolved as a
 // shm name or path.
 func procFDName(name string) (pid, fd int, ok bool, e *Error) {
+	// The longest valid name is 27 bytes: a longer one, or one elsewhere,
+	// is not split at all.
+	if len(name) > 64 || !strings.HasPrefix(name, "/proc/") {
+		return 0, 0, false, nil
+	}
 	parts := strings.Split(name, "/")
 	if len(parts) != 5 || parts[0] != "" || parts[1] != "proc" || parts[3] != "fd" {
 		return 0, 0, false, nil
