@@ -233,7 +233,8 @@ bench: all
 	$(BIN) bench $(BENCH_ARGS)
 
 # demo-engine is the real integration: Python engines (KV pools in shared
-# memory) driving the kvhost.vllm and kvhost.sglang adapters, each engine
+# memory: sealed memfds, or POSIX shm objects with --pool shm) driving the
+# kvhost.vllm and kvhost.sglang adapters, each engine
 # beside its own `kvhost serve`, every byte verified in the engines' memory
 # (python/kvhost/demo_engine.py). PYTHON (see python-test) needs pyzmq,
 # msgpack and numpy (Debian: python3-zmq python3-msgpack python3-numpy), e.g.

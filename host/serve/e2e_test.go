@@ -6,19 +6,23 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/serve/client"
 	"github.com/kvhost/kvhost/host/serve/internal/fakeengine"
+	"github.com/kvhost/kvhost/host/serve/internal/memfdtest"
 )
 
 // memMode is how a test engine registers its pool.
 type memMode uint8
 
 const (
-	memDRAM       memMode = iota // host memory, registered as DRAM
-	memVRAM                      // KV by CUDA IPC handle of the stand-in libcudart
-	memDRAMAsVRAM                // host memory with register_as "vram"
+	memDRAM        memMode = iota // host memory, registered as DRAM
+	memVRAM                       // KV by CUDA IPC handle of the stand-in libcudart
+	memDRAMAsVRAM                 // host memory with register_as "vram"
+	memMemfd                      // host memory in a sealed memfd another process holds
+	memMemfdAsVRAM                // memMemfd with register_as "vram"
 )
 
 // engine is one in-process engine: its ranks on one sidecar connection.
@@ -35,12 +39,18 @@ func newEngine(t *testing.T, s *Server, role, variant string, mem memMode, shape
 	c := dial(t, s)
 	e := &engine{srv: s, c: c, w: fakeengine.Watch(c)}
 	for tp := 0; tp < tpSize; tp++ {
-		r, err := fakeengine.NewRank(shmName(), role, shape, tpSize, tp)
+		var r *fakeengine.Rank
+		var err error
+		if mem == memMemfd || mem == memMemfdAsVRAM {
+			r, err = newMemfdRank(t, role, shape, tpSize, tp)
+		} else {
+			r, err = fakeengine.NewRank(shmName(), role, shape, tpSize, tp)
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
 		r.VRAM = mem == memVRAM
-		if mem == memDRAMAsVRAM {
+		if mem == memDRAMAsVRAM || mem == memMemfdAsVRAM {
 			r.RegisterAs = "vram"
 		}
 		t.Cleanup(r.Close)
@@ -50,6 +60,18 @@ func newEngine(t *testing.T, s *Server, role, variant string, mem memMode, shape
 		e.ranks = append(e.ranks, r)
 	}
 	return e
+}
+
+// newMemfdRank makes a rank whose pool is a memfd sealed against
+// shrinking, growing and further seals (as kvhost.shm's memfd pools are),
+// named by a holder process's descriptor (memfdtest.New).
+func newMemfdRank(t *testing.T, role string, shape fakeengine.Shape, tpSize, tp int) (*fakeengine.Rank, error) {
+	size, err := fakeengine.PoolSize(shape, tpSize, tp)
+	if err != nil {
+		return nil, err
+	}
+	m := memfdtest.New(t, int(size), memfdtest.MFD_ALLOW_SEALING, memfdtest.F_SEAL_SHRINK|memfdtest.F_SEAL_GROW|memfdtest.F_SEAL_SEAL)
+	return fakeengine.NewRankFD(m.SHM, m.FD, nil, role, shape, tpSize, tp)
 }
 
 var shmCount atomic.Int64
@@ -112,6 +134,60 @@ var smallShape = fakeengine.Shape{Layers: 2, KVHeads: 4, HeadBytes: 16, PageSize
 func TestSGLangPush1to1(t *testing.T) {
 	pre, dec, boot := pair(t, "nixl", memDRAM, smallShape, 1, 1)
 	run(t, pre, dec, boot, []fakeengine.Request{{Room: 1, Tokens: 30, Chunk: 2}, {Room: 2, Tokens: 7}})
+}
+
+// TestSGLangPushMemfd: engines whose pools are sealed memfds (the form
+// that cannot shrink under the sidecar) move KV as shm pools do, every
+// byte verified; each sidecar holds a descriptor of each memfd exactly
+// while it is registered.
+func TestSGLangPushMemfd(t *testing.T) {
+	pre, dec, boot := pair(t, "nixl", memMemfd, smallShape, 1, 1)
+	run(t, pre, dec, boot, []fakeengine.Request{{Room: 51, Tokens: 30, Chunk: 2}, {Room: 52, Tokens: 7}})
+	ctx := testCtx(t)
+	for _, e := range []*engine{pre, dec} {
+		r := e.ranks[0]
+		fd := memfdFD(t, r.SHM)
+		var st syscall.Stat_t
+		if err := syscall.Fstat(fd, &st); err != nil {
+			t.Fatal(err)
+		}
+		// The test process holds the memfd once (memfdtest's descriptor)
+		// and each sidecar, in this process too, once while registered.
+		if fds := memfdtest.FDsOfInode(t, st.Dev, st.Ino); len(fds) != 2 {
+			t.Fatalf("%s: descriptors %v on its memfd while registered, want the engine's and the sidecar's", r.Role, fds)
+		}
+		if err := e.c.CloseRank(ctx, r.ID); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.c.DeregisterMemory(ctx, r.Regions); err != nil {
+			t.Fatal(err)
+		}
+		if fds := memfdtest.FDsOfInode(t, st.Dev, st.Ino); len(fds) != 1 || fds[0] != fd {
+			t.Fatalf("%s: descriptors %v on its memfd after deregister_memory, want [%d]", r.Role, fds, fd)
+		}
+	}
+}
+
+// TestSGLangPush2to4MemfdAsVRAM: heterogeneous TP over memfd pools
+// registered as "vram" (the demo engines' SGLang setup).
+func TestSGLangPush2to4MemfdAsVRAM(t *testing.T) {
+	pre, dec, boot := pair(t, "nixl", memMemfdAsVRAM, smallShape, 2, 4)
+	run(t, pre, dec, boot, []fakeengine.Request{{Room: 61, Tokens: 33, Chunk: 3}, {Room: 62, Tokens: 5}})
+}
+
+// memfdFD is the test process's descriptor of the memfd a holder names
+// as shm ("/proc/<holder>/fd/3"): the one on the same file.
+func memfdFD(t *testing.T, shm string) int {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(shm, &st); err != nil {
+		t.Fatal(err)
+	}
+	fds := memfdtest.FDsOfInode(t, st.Dev, st.Ino)
+	if len(fds) == 0 {
+		t.Fatalf("no descriptor of %s in the test process", shm)
+	}
+	return fds[0]
 }
 
 // TestSGLangPush2to4 registers the KV as GPU memory (CUDA IPC handles of

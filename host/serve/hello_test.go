@@ -14,7 +14,7 @@ func TestHello(t *testing.T) {
 	if h.Session != s.Session() || h.Version != [2]int{1, 0} || h.Backend != "fake" || h.MaxMessage != DefaultMaxMessage {
 		t.Fatalf("hello %+v", h)
 	}
-	if !h.Has("dram_shm") || !h.Has("events") {
+	if !h.Has("dram_shm") || !h.Has("dram_memfd") || !h.Has("events") {
 		t.Fatalf("capabilities %v", h.Capabilities)
 	}
 	_, err := c.Call(testCtx(t), "hello", map[string]any{"version": []int{1, 0}})

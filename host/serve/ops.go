@@ -53,7 +53,7 @@ func capabilities() []string {
 		c = append(c, name)
 	}
 	sort.Strings(c)
-	return append(c, "dram_shm", "vram_cuda_ipc", "events", "poll")
+	return append(c, "dram_shm", "dram_memfd", "vram_cuda_ipc", "events", "poll")
 }
 
 func opHello(s *session, r *request) (Fields, error) {

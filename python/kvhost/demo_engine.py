@@ -1,9 +1,11 @@
 """``make demo-engine``: the real integration, end to end.
 
 Two Python "engines" per style, each a separate process that owns its KV
-pools (numpy arrays in POSIX shared memory, kvhost.shm) and runs beside its
-own ``kvhost serve`` (a separate process too), move the KV cache of a few
-hundred requests through the adapters an engine would load:
+pools (numpy arrays in shared memory, kvhost.shm: memfds sealed against
+shrinking, which the sidecars' fake plugin may map, or with ``--pool shm``
+POSIX shared-memory objects) and runs beside its own ``kvhost serve`` (a
+separate process too), move the KV cache of a few hundred requests
+through the adapters an engine would load:
 
 - vLLM style (kvhost.demo_vllm): prefill TP 2 and decode TP 4 engines
   driving kvhost.vllm.KvhostConnector in vLLM's scheduler/worker call
@@ -118,6 +120,10 @@ def _parse(argv):
                    help="what the sglang pair's host-memory KV pools are registered with the plugin as "
                         "(register_as; default auto: vram with the fake plugin, which models GPU memory "
                         "with host memory, else dram)")
+    p.add_argument("--pool", choices=("memfd", "shm"), default="memfd",
+                   help="what the engines' host-memory KV pools are (kvhost.shm's backing): memfd (default: "
+                        "memfds sealed against shrinking, which the sidecars' fake plugin may map) or shm "
+                        "(POSIX shared-memory objects in /dev/shm, which an engine could truncate under it)")
     p.add_argument("--concurrency", type=int, default=16, help="requests loading at once on decode")
     p.add_argument("--chunk-pages", type=int, default=8, help="sglang: pages per send (chunked prefill)")
     p.add_argument("--device-priority", choices=("idle", "normal"), default="idle",
@@ -309,6 +315,7 @@ def run_style(style, ns, workdir, reqs, progress):
         "corrupt": ns.corrupt, "chunk_pages": ns.chunk_pages,
         "sglang_decode_tp": sglang_decode_tp(ns), "register_as": sglang_register_as(ns),
         "device_priority": ns.device_priority, "device_delay": ns.device_delay_ms / 1e3,
+        "pool": ns.pool,
     }
     if style == "vllm":
         from kvhost import demo_vllm as mod
@@ -322,7 +329,7 @@ def run_style(style, ns, workdir, reqs, progress):
     decode_tp = ns.decode_tp if style == "vllm" else args["sglang_decode_tp"]
     summary = {"style": style, "requests": len(reqs), "ok": 0, "failed": 0, "bytes_moved": 0, "bytes_verified": 0,
                "seconds": 0.0, "gb_per_s": 0.0, "failures": [], "prefill_tp": ns.prefill_tp, "decode_tp": decode_tp,
-               "register_as": "dram" if style == "vllm" else args["register_as"]}
+               "register_as": "dram" if style == "vllm" else args["register_as"], "pool": ns.pool, "shm": {}}
     lat = []
     spans = []
     kv = []
@@ -380,6 +387,7 @@ def run_style(style, ns, workdir, reqs, progress):
                 summary["counts"][kind.split("_")[0]] = body.get("counts", {})
                 summary["cpu"][kind.split("_")[0]] = body.get("cpu", {})
                 summary["device"][kind.split("_")[0]] = body.get("device", {})
+                summary["shm"][kind.split("_")[0]] = body.get("shm", [])
                 w = body.get("waits")
                 if w:
                     summary["waits"][kind.split("_")[0]] = {
@@ -523,9 +531,10 @@ def human(n):
 
 def text(s, ns):
     ok = s["ok"] == s["requests"] and not s["failed"] and not s["failures"]
-    pools = "shared-memory pools"
+    kind = "sealed-memfd" if s.get("pool") == "memfd" else "shared-memory"
+    pools = "%s pools" % kind
     if s.get("register_as") == "vram":
-        pools = "shared-memory KV pools registered as VRAM (%s)" % (
+        pools = "%s KV pools registered as VRAM (%s)" % (kind,
             "the fake plugin models GPU memory with host memory" if ns.backend == "fake" else "--kv-register-as vram")
     lines = ["kvhost demo-engine (%s style, MHA, prefill TP %d -> decode TP %d, %s plugin, %s, "
              "%d processes + 2 kvhost serve): %s" % (

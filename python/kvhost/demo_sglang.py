@@ -59,12 +59,14 @@ def _server_args(control, tp, port, page_size):
     )
 
 
-def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None):
+def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None, backing="shm"):
     """Per rank: (KVManager, KVPool, KV view (layers, 2, pages, page_size,
     heads, head_bytes), aux view (slots, AUX_LEN)). ``register_as`` is the
     pools' (kvhost.shm.KVPool): "vram" has the sidecar register the host
     memory as GPU memory (for the fake plugin, which models GPU memory with
-    host memory), which heterogeneous-TP MHA KV needs."""
+    host memory), which heterogeneous-TP MHA KV needs. ``backing`` is the
+    pools' too: "memfd" (sealed memfds, which the fake plugin may map) or
+    "shm"."""
     from kvhost import shm
     from kvhost import sglang as ksg
 
@@ -73,7 +75,7 @@ def _ranks(shape, tp, num_pages, aux_slots, mode, server_args, register_as=None)
     out = []
     for r in range(tp):
         pool = shm.KVPool(shape.layers, num_pages, item, aux_item_lens=[AUX_LEN], aux_slots=aux_slots,
-                          register_as=register_as)
+                          register_as=register_as, backing=backing)
         pool.pool.populate()  # allocated up front, as an engine's KV memory is
         kv = pool.pool.ndarray("uint8", (2, shape.layers, num_pages, shape.page_size, heads, shape.head_bytes))
         kv = kv.transpose(1, 0, 2, 3, 4, 5)
@@ -146,7 +148,8 @@ def prefill_engine(args, control, requests, to_decode, results):
         boot = ksg.KVBootstrapServer("127.0.0.1", port, endpoint=control)
         sa = _server_args(control, tp, port, shape.page_size)
         slots = args["prefill_inflight"]
-        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa, args.get("register_as"))
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.PREFILL, sa, args.get("register_as"),
+                       args.get("pool", "shm"))
         waits = SuccessTimes(ranks)
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
@@ -241,6 +244,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         rep = ph.report()
         rep["waits"] = waits.report()
         rep["device"] = dev.report()
+        rep["shm"] = [r[1].pool.shm for r in ranks]
         results.put(("prefill_done", rep))
         boot.close()
     except Exception as e:
@@ -264,7 +268,8 @@ def decode_engine(args, control, nreq, from_prefill, results):
         num_pages = args["num_blocks"]
         slots = args["concurrency"]
         sa = _server_args(control, tp, 0, shape.page_size)
-        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa, args.get("register_as"))
+        ranks = _ranks(shape, tp, num_pages, slots, ksg.DisaggregationMode.DECODE, sa, args.get("register_as"),
+                       args.get("pool", "shm"))
         waits = SuccessTimes(ranks)
         pages = BlockPool(num_pages)
         aux_free = list(range(slots))
@@ -381,6 +386,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         rep = ph.report()
         rep["waits"] = waits.report()
         rep["device"] = dev.report()
+        rep["shm"] = [r[1].pool.shm for r in ranks]
         rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
         results.put(("decode_done", rep))
     except Exception as e:

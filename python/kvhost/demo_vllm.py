@@ -141,10 +141,12 @@ class BlockPool:
         self.free.extend(ids)
 
 
-def _pools(shape, tp_size, num_blocks):
+def _pools(shape, tp_size, num_blocks, backing="shm"):
     """One shared-memory pool per rank: (layers, 2, blocks, heads/TP,
     page_size, head_bytes) uint8, vLLM's HND per layer; and its
-    kv_caches dict {layer name: (2, blocks, ...) view}."""
+    kv_caches dict {layer name: (2, blocks, ...) view}. ``backing``:
+    kvhost.shm's, "memfd" (sealed memfds, which the fake plugin may map)
+    or "shm"."""
     from kvhost import shm
 
     heads = shape.kv_heads // tp_size
@@ -152,7 +154,7 @@ def _pools(shape, tp_size, num_blocks):
     size = int(np.prod(dims))
     out = []
     for _ in range(tp_size):
-        sp = shm.SharedPool(size)
+        sp = shm.SharedPool(size, backing=backing)
         sp.populate()  # allocated up front, as an engine's KV memory is
         arr = sp.ndarray("uint8", dims)
         caches = {"model.layers.%d.self_attn" % i: arr[i] for i in range(shape.layers)}
@@ -219,7 +221,7 @@ def prefill_engine(args, control, requests, to_decode, results):
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["prefill_tp"]
         num_blocks = args["num_blocks"]
-        pools = _pools(shape, tp, num_blocks)
+        pools = _pools(shape, tp, num_blocks, args.get("pool", "shm"))
         sched = kvllm.KvhostConnector(
             vs.make_config("prefill-engine", "kv_producer", control, tp_size=tp, layers=shape.layers,
                            kv_heads=shape.kv_heads, head_size=shape.head_bytes // 2, block_size=shape.page_size),
@@ -277,6 +279,7 @@ def prefill_engine(args, control, requests, to_decode, results):
                 dev.idle(ph)
         rep = ph.report()
         rep["device"] = dev.report()
+        rep["shm"] = [p[0].shm for p in pools]
         results.put(("prefill_done", rep))
         for w in workers:
             w.shutdown()
@@ -298,7 +301,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
         shape = pat.Shape(args["layers"], args["kv_heads"], args["head_bytes"], args["page_size"])
         tp = args["decode_tp"]
         num_blocks = args["num_blocks"]
-        pools = _pools(shape, tp, num_blocks)
+        pools = _pools(shape, tp, num_blocks, args.get("pool", "shm"))
         sched = kvllm.KvhostConnector(
             vs.make_config("decode-engine", "kv_consumer", control, tp_size=tp, layers=shape.layers,
                            kv_heads=shape.kv_heads, head_size=shape.head_bytes // 2, block_size=shape.page_size),
@@ -410,6 +413,7 @@ def decode_engine(args, control, nreq, from_prefill, results):
                 dev.idle(ph)
         rep = ph.report()
         rep["device"] = dev.report()
+        rep["shm"] = [p[0].shm for p in pools]
         rep["seconds"] = time.monotonic() - (t_first or time.monotonic())
         results.put(("decode_done", rep))
         for w in workers:

@@ -1,28 +1,46 @@
-"""Engine KV pools in POSIX shared memory, shared with ``kvhost serve`` by name.
+"""Engine KV pools in shared memory, shared with ``kvhost serve``.
 
 A host-memory (DRAM) pool that the sidecar must read or write is allocated
-here: a file under /dev/shm (the POSIX shared-memory object ``/NAME``),
-mapped MAP_SHARED into this process. The engine works on numpy views (or,
-when torch is importable, torch tensors) over the mapping; the sidecar maps
-the same object by name and writes the very bytes the engine reads, without
-a copy. :meth:`SharedPool.region` gives the region map ``register_memory``
-takes (docs/engine-api.md, "Memory"): ``addr`` is this process's pointer to
-the first byte, which is what the engine later names in ``kv_data_ptrs``.
+here, mapped MAP_SHARED into this process, with one of two backings
+(``backing=``):
+
+- ``"shm"`` (the default): a file under /dev/shm (the POSIX shared-memory
+  object ``/NAME``), which the sidecar opens by name;
+- ``"memfd"``: a memfd (``os.memfd_create``) sealed against shrinking,
+  growing and further seals once sized, which the sidecar opens through
+  this process's descriptor (``/proc/<pid>/fd/<n>``). The kernel refuses
+  any truncate of it, so the sidecar and its plugin may map it without
+  fearing the SIGBUS a shrunk shm object gives: the fake plugin copies
+  into and out of such memory of a peer with memcpy instead of a system
+  call per copy. Needs a sidecar whose ``hello`` offers ``dram_memfd``.
+
+The engine works on numpy views (or, when torch is importable, torch
+tensors) over the mapping; the sidecar maps the same object and writes the
+very bytes the engine reads, without a copy. :meth:`SharedPool.region`
+gives the region map ``register_memory`` takes (docs/engine-api.md,
+"Memory"): ``addr`` is this process's pointer to the first byte, which is
+what the engine later names in ``kv_data_ptrs``.
 
 Every pool this process allocates is recorded (:func:`find_region`), so an
 adapter handed only pointers (SGLang's KVArgs) finds the shared-memory
 object behind each one.
 
-Ownership: the pool that created the object unlinks it on :meth:`close`
-(and at interpreter exit, for pools never closed); the mapping stays valid
-while views of it are alive (Python keeps the mmap open until the last
-view is gone), so closing is safe at any time.
+Ownership: the pool that created a shm object unlinks it on :meth:`close`
+(and at interpreter exit, for pools never closed); a memfd pool closes its
+descriptor on :meth:`close` (the kernel frees the memory once nothing maps
+or holds it: a sidecar that registered it holds its own descriptor until
+the region is deregistered). The mapping stays valid while views of it
+are alive (Python keeps the mmap open until the last view is gone), so
+closing is safe at any time; a closed memfd pool cannot be registered
+any more (its descriptor number may name another file by then), so
+register before closing.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import itertools
 import mmap
 import os
@@ -43,6 +61,14 @@ _counter = itertools.count()
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
+# The seals of a memfd pool: its size is fixed once allocated (no shrink,
+# which would fault the sidecar's mapping; no growth, which a pool never
+# needs), and the seals cannot change (fcntl's names since Python 3.9).
+_MEMFD_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+BACKINGS = ("shm", "memfd")
+
+
 def _check_register_as(kind: Optional[str]) -> Optional[str]:
     if kind is not None and kind not in ("dram", "vram"):
         raise ValueError("register_as %r is neither 'dram' nor 'vram'" % (kind,))
@@ -59,49 +85,66 @@ def _shm_path(name: str) -> str:
 
 
 class SharedPool:
-    """``size`` bytes of POSIX shared memory, mapped MAP_SHARED.
+    """``size`` bytes of shared memory, mapped MAP_SHARED.
 
+    ``backing``: ``"shm"`` (a POSIX shared-memory object) or ``"memfd"``
+    (a memfd sealed against shrinking and growing; see the module's doc).
     ``name``: the shared-memory name (``/kvhost-<pid>-<n>-<random>`` when
-    None). ``create``: make a new object (O_EXCL) and own it (unlink on
-    close), else open an existing one. ``register_as``: the default
-    ``register_as`` of the pool's regions (:meth:`region`); None leaves it
-    out (the sidecar registers host memory as DRAM).
+    None); for a memfd, the name /proc shows it by (``memfd:NAME``).
+    ``create``: make a new object (O_EXCL) and own it (unlink on close),
+    else open an existing one (shm only: a memfd has no name to open).
+    ``register_as``: the default ``register_as`` of the pool's regions
+    (:meth:`region`); None leaves it out (the sidecar registers host
+    memory as DRAM).
+
+    ``shm`` is what the sidecar is told (``region()["shm"]``): the
+    shared-memory name, or ``/proc/<pid>/fd/<fd>`` of a memfd pool.
     """
 
     def __init__(self, size: int, name: Optional[str] = None, *, create: bool = True,
-                 register_as: Optional[str] = None):
+                 register_as: Optional[str] = None, backing: str = "shm"):
         size = int(size)
         if size <= 0:
             raise ValueError("size must be positive, got %d" % size)
+        if backing not in BACKINGS:
+            raise ValueError("backing %r is neither 'shm' nor 'memfd'" % (backing,))
         self.register_as = _check_register_as(register_as)
+        self.backing = backing
         if name is None:
             name = "/kvhost-%d-%d-%s" % (os.getpid(), next(_counter), secrets.token_hex(4))
         self.name = name if name.startswith("/") else "/" + name
-        self.path = _shm_path(name)
         self.size = size
-        self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise ValueError("%s holds %d bytes, fewer than %d" % (self.path, os.fstat(fd).st_size, size))
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            if create:
-                _unlink(self.path)
-            raise
-        os.close(fd)
+        self._fd = -1
+        self._closed = False
+        if backing == "memfd":
+            if not create:
+                raise ValueError("a memfd pool is always created: there is no memfd to open by name")
+            self.path = None
+            self.owner = False  # nothing to unlink
+            self._mmap, self._fd = _memfd_map(self.name[1:], size)
+        else:
+            self.path = _shm_path(name)
+            self.owner = create
+            self._mmap = _shm_map(self.path, size, create)
         # The address of the mapping: a ctypes array over the mmap (it holds
         # an export of the buffer, which keeps the mapping alive as long as
         # this pool).
         self._cbuf = (ctypes.c_char * size).from_buffer(self._mmap)
         self.addr = ctypes.addressof(self._cbuf)
-        self._closed = False
         with _lock:
             _pools[self.addr] = self
+
+    @property
+    def shm(self) -> str:
+        """``register_memory``'s ``shm`` of this pool: its shared-memory
+        name, or ``/proc/<pid>/fd/<fd>`` of a memfd pool (this process's
+        pid when called: a forked child names its own copy of the
+        descriptor)."""
+        if self.backing == "memfd":
+            if self._closed:
+                raise ValueError("memfd pool %s is closed: its descriptor is gone" % self.name)
+            return "/proc/%d/fd/%d" % (os.getpid(), self._fd)
+        return self.name
 
     # -- views -------------------------------------------------------------
 
@@ -189,7 +232,7 @@ class SharedPool:
         off = addr - self.addr
         if off < 0 or length < 0 or off + length > self.size:
             raise ValueError("range [%#x, +%d) is not inside pool %s" % (addr, length, self.name))
-        r = {"kind": "dram", "addr": int(addr), "length": int(length), "shm": self.name, "offset": int(off)}
+        r = {"kind": "dram", "addr": int(addr), "length": int(length), "shm": self.shm, "offset": int(off)}
         if register_as is not None:
             r["register_as"] = register_as
         return r
@@ -200,9 +243,9 @@ class SharedPool:
     # -- lifetime ------------------------------------------------------------
 
     def close(self) -> None:
-        """Unlinks the object (when this pool created it) and drops the
-        pool's own reference to the mapping; views keep it mapped until
-        they are gone."""
+        """Unlinks the object (when this pool created it) or closes the
+        memfd's descriptor, and drops the pool's own reference to the
+        mapping; views keep it mapped until they are gone."""
         if self._closed:
             return
         self._closed = True
@@ -211,6 +254,7 @@ class SharedPool:
                 del _pools[self.addr]
         if self.owner:
             _unlink(self.path)
+        self._close_fd()
         self._cbuf = None  # type: ignore[assignment]
         try:
             self._mmap.close()
@@ -223,15 +267,57 @@ class SharedPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def __del__(self):
         try:
-            if not self._closed and self.owner:
-                _unlink(self.path)
+            if not self._closed:
+                if self.owner:
+                    _unlink(self.path)
+                self._close_fd()
         except Exception:
             pass
 
     def __repr__(self) -> str:
         return "SharedPool(%s, %d bytes at %#x)" % (self.name, self.size, self.addr)
+
+
+def _shm_map(path: str, size: int, create: bool) -> mmap.mmap:
+    """Maps ``size`` bytes of the shm object at ``path``, created (O_EXCL)
+    or opened."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise ValueError("%s holds %d bytes, fewer than %d" % (path, os.fstat(fd).st_size, size))
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        if create:
+            _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _memfd_map(name: str, size: int) -> Tuple[mmap.mmap, int]:
+    """A new memfd of ``size`` bytes, sealed (_MEMFD_SEALS) and mapped:
+    (mapping, descriptor). The descriptor is close-on-exec (an engine's
+    child processes do not keep the memory) and stays open: the sidecar
+    opens the memfd through it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _MEMFD_SEALS)
+        return m, fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _unlink(path: str) -> None:
@@ -292,20 +378,22 @@ class KVPool:
     ``kv_data_ptrs``, ``kv_data_lens`` and ``kv_item_lens`` are in the order
     of SGLang's KVArgs (K of every layer, then V of every layer);
     ``kv[i]`` is a numpy (num_pages, item_len) uint8 view of buffer i.
-    ``register_as`` is the pool's (:class:`SharedPool`): ``"vram"`` has the
-    sidecar register its KV buffers with the plugin as GPU memory.
+    ``register_as`` and ``backing`` are the pool's (:class:`SharedPool`):
+    ``"vram"`` has the sidecar register its KV buffers with the plugin as
+    GPU memory; ``"memfd"`` allocates a sealed memfd.
     """
 
     def __init__(self, num_layers: int, num_pages: int, item_len: int, *, mla: bool = False,
                  aux_item_lens: Sequence[int] = (), aux_slots: int = 0, name: Optional[str] = None,
-                 register_as: Optional[str] = None):
+                 register_as: Optional[str] = None, backing: str = "shm"):
         self.num_layers = int(num_layers)
         self.num_pages = int(num_pages)
         self.item_len = int(item_len)
         nbuf = self.num_layers * (1 if mla else 2)
         buf_len = self.num_pages * self.item_len
         aux_lens = [int(x) * int(aux_slots) for x in aux_item_lens]
-        self.pool = SharedPool(nbuf * buf_len + sum(aux_lens) or 1, name, register_as=register_as)
+        self.pool = SharedPool(nbuf * buf_len + sum(aux_lens) or 1, name, register_as=register_as,
+                               backing=backing)
         base = self.pool.addr
         self.kv_data_ptrs = [base + i * buf_len for i in range(nbuf)]
         self.kv_data_lens = [buf_len] * nbuf

@@ -71,13 +71,13 @@ class VramPool:
 
 class Rank:
     def __init__(self, geo: Geometry, tp: int, tp_rank: int, role: str, pages: int, aux_slots: int,
-                 server_args, seed: int, vram: bool = False):
+                 server_args, seed: int, vram: bool = False, backing: str = "shm"):
         self.geo, self.tp, self.tp_rank, self.role = geo, tp, tp_rank, role
         if vram:
             self.pool = VramPool(geo.layers, pages, geo.item_len(tp), geo.mla, geo.aux_bytes, aux_slots)
         else:
             self.pool = shm.KVPool(geo.layers, pages, geo.item_len(tp), mla=geo.mla,
-                                   aux_item_lens=[geo.aux_bytes], aux_slots=aux_slots)
+                                   aux_item_lens=[geo.aux_bytes], aux_slots=aux_slots, backing=backing)
         self.rng = np.random.default_rng(seed)
         for buf in self.pool.kv:
             buf[:] = self.rng.integers(0, 256, buf.shape, dtype=np.uint8)

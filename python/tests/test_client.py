@@ -54,7 +54,7 @@ def test_hello(sidecar):
         assert h.version[0] == 1
         assert c.session
         assert h.backend == "fake"
-        for cap in ("sglang", "dram_shm", "events", "poll"):
+        for cap in ("sglang", "dram_shm", "dram_memfd", "events", "poll"):
             assert cap in h.capabilities, h.capabilities
         assert h.max_message > 0
         assert c.generation == 1

@@ -30,12 +30,22 @@ def run_demo(*args, timeout=300):
     )
 
 
-@pytest.mark.parametrize("style", ["vllm", "sglang"])
-def test_demo_engine_every_byte(style):
-    out = run_demo("--styles", style, "--json")
+@pytest.mark.parametrize("style,pool", [("vllm", "memfd"), ("sglang", "memfd"), ("vllm", "shm"), ("sglang", "shm")])
+def test_demo_engine_every_byte(style, pool):
+    args = ("--pool", pool) if pool != "memfd" else ()  # memfd: the default
+    out = run_demo("--styles", style, "--json", *args)
     assert out.returncode == 0, out.stdout + out.stderr
     (s,) = json.loads(out.stdout)
     assert s["style"] == style and s["ok"] == 24 and s["failed"] == 0 and not s["failures"], s
+    # Every rank's pool went to its sidecar as the pool kind names it:
+    # a memfd by the engine's descriptor, else a POSIX shm name.
+    assert s["pool"] == pool, s
+    tp = {"prefill": s["prefill_tp"], "decode": s["decode_tp"]}
+    for role, names in s["shm"].items():
+        assert len(names) == tp[role], s["shm"]
+        for n in names:
+            assert (n.startswith("/proc/") and "/fd/" in n) == (pool == "memfd"), s["shm"]
+    assert set(s["shm"]) == {"prefill", "decode"}, s["shm"]
     assert s["bytes_verified"] > 0 and s["gb_per_s"] > 0
     # The transfer rate, defined as kvhost demo --in-process defines its
     # own: the bytes the sidecars' transfers moved (their metrics: every
@@ -234,7 +244,7 @@ def test_engine_terminated_leaves_no_shared_memory(tmpdir_short, style):
         mod = __import__("kvhost.demo_" + style, fromlist=["decode_engine"])
         args = {"layers": 2, "kv_heads": 4, "head_bytes": 32, "page_size": 4, "prefill_tp": 2, "decode_tp": 2,
                 "sglang_decode_tp": 2, "concurrency": 2, "prefill_inflight": 4, "num_blocks": 8, "timeout": 60,
-                "corrupt": None, "chunk_pages": 2}
+                "corrupt": None, "chunk_pages": 2, "pool": "shm"}
         ctx = mp.get_context("spawn")
         inbox, results = ctx.Queue(), ctx.Queue()  # referenced until the child has them
         p = ctx.Process(target=mod.decode_engine, args=(args, side.control, 1, inbox, results))

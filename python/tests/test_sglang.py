@@ -14,20 +14,21 @@ from kvhost import sglang as ks
 from kvhost.sglang import KVPoll
 
 
-def engines(sidecar_factory, geo, p_tp, d_tp, pages=256, variant="nixl", cudart=None):
+def engines(sidecar_factory, geo, p_tp, d_tp, pages=256, variant="nixl", cudart=None, backing="shm"):
     """Two engines (prefill TP p_tp, decode TP d_tp), each beside its own
     sidecar. With ``cudart`` (the stand-in libcudart) the KV pools are
-    "GPU memory" registered by CUDA IPC handle."""
+    "GPU memory" registered by CUDA IPC handle; else host memory of
+    ``backing`` (kvhost.shm)."""
     extra = ["--cudart", cudart] if cudart else None
     a = sidecar_factory("prefill", extra)
     b = sidecar_factory("decode", extra)
     port = free_port()
     boot = ks.KVBootstrapServer("127.0.0.1", port, endpoint=a.endpoint)
     prefill = [se.Rank(geo, p_tp, r, "prefill", pages, 8, se.server_args(p_tp, port, a.endpoint, geo.page_size, variant), 100 + r,
-                       vram=cudart is not None)
+                       vram=cudart is not None, backing=backing)
                for r in range(p_tp)]
     decode = [se.Rank(geo, d_tp, r, "decode", pages, 8, se.server_args(d_tp, port, b.endpoint, geo.page_size, variant), 200 + r,
-                      vram=cudart is not None)
+                      vram=cudart is not None, backing=backing)
               for r in range(d_tp)]
     return a, b, boot, prefill, decode, "127.0.0.1:%d" % port
 
@@ -57,6 +58,28 @@ def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp,
     try:
         rng = np.random.default_rng(7)
         reqs = [se.Request(room=1000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
+                for i in range(12)]
+        se.run(geo, prefill, decode, reqs, addr)
+        total = 0
+        for r in reqs:
+            assert r.prefill_result == KVPoll.Success, (r.room, r.failure)
+            assert r.decode_result == KVPoll.Success, (r.room, r.failure)
+            total += se.verify(geo, prefill, decode, r)
+        assert total > 0
+    finally:
+        close_all(boot, prefill + decode)
+
+
+@pytest.mark.parametrize("p_tp,d_tp,mla", [(1, 1, False), (2, 2, False), (1, 1, True)])
+def test_two_engines_move_kv_memfd_pools(sidecar_factory, p_tp, d_tp, mla):
+    """Host-memory pools in sealed memfds (kvhost.shm backing="memfd"),
+    registered through the adapter's pointer lookup: every byte lands."""
+    geo = se.Geometry(layers=2, heads=1 if mla else 4, mla=mla)
+    a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, backing="memfd")
+    try:
+        assert all(r.pool.pool.shm.startswith("/proc/") for r in prefill + decode)
+        rng = np.random.default_rng(11)
+        reqs = [se.Request(room=3000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
                 for i in range(12)]
         se.run(geo, prefill, decode, reqs, addr)
         total = 0

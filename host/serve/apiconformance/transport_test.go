@@ -38,7 +38,7 @@ func TestHello(t *testing.T) {
 		s, _ := x.Str()
 		got = append(got, s)
 	}
-	for _, want := range []string{"sglang", "vllm", "dram_shm", "vram_cuda_ipc", "events", "poll"} {
+	for _, want := range []string{"sglang", "vllm", "dram_shm", "dram_memfd", "vram_cuda_ipc", "events", "poll"} {
 		if !slices.Contains(got, want) {
 			t.Fatalf("hello capabilities %v lack %q", got, want)
 		}

@@ -8,11 +8,15 @@
 //
 //   - Host memory (DRAM) is shared by name: a POSIX shared-memory object
 //     ("/kvhost-1234-kv", that is /dev/shm/kvhost-1234-kv) or an absolute
-//     path of a file under /dev/shm or /dev/hugepages, at an offset. The
+//     path of a file under /dev/shm or /dev/hugepages, at an offset; or
+//     a memfd sealed with F_SEAL_SHRINK that another process holds, by
+//     its descriptor ("/proc/<pid>/fd/<n>"; never one of the sidecar's
+//     own, not on hugetlbfs, not sealed against writing), whose
+//     descriptor the sidecar keeps open until the region is released. The
 //     sidecar maps it MAP_SHARED read-write; nothing else can be mapped
 //     (no other path, no symbolic link leading out of those folders, no
-//     file that is not regular), so a client cannot make the sidecar map an
-//     arbitrary file. Spec.AsVRAM (register_as "vram") changes only the
+//     file that is not regular, no unsealed descriptor), so a client
+//     cannot make the sidecar map an arbitrary file. Spec.AsVRAM (register_as "vram") changes only the
 //     kind the sidecar registers the region's buffers with the plugin as
 //     ([Spec.PluginKind]); the region is opened as host memory all the same.
 //   - GPU memory (VRAM) is shared by CUDA IPC handle (cudaIpcGetMemHandle's
@@ -38,7 +42,9 @@
 // shrink it after registering. A later access to the part cut off is a
 // SIGBUS in the sidecar, which no check at Open can prevent (POSIX shm
 // objects cannot be sealed against shrinking). Engines must keep their
-// shm objects at full size until they deregister the regions.
+// shm objects at full size until they deregister the regions. A memfd
+// sealed with F_SEAL_SHRINK cannot shrink: its mappings never fault,
+// which is what the memfd form is for.
 //
 // What was run on a GPU: see docs/engine-api.md, "What was run on a GPU".
 // The tests drive the VRAM path through a stand-in libcudart

@@ -118,9 +118,38 @@ var testHookBeforeOpen func(path string)
 // openDRAM maps s.Length bytes at s.Offset of s.SHM, MAP_SHARED
 // read-write. checkSpec has run.
 func openDRAM(s Spec) (*Region, error) {
-	path, e := resolveSHM(s.SHM)
+	pid, n, memfd, e := procFDName(s.SHM)
 	if e != nil {
 		return nil, e
+	}
+	if !memfd {
+		fd, e := openSHMFile(s)
+		if e != nil {
+			return nil, e
+		}
+		defer syscall.Close(fd) // the mapping outlives the descriptor
+		return mapDRAM(s, fd, nil)
+	}
+	fd, e := openMemfd(s.SHM, pid, n)
+	if e != nil {
+		return nil, e
+	}
+	// The descriptor stays open as long as the mapping (closed after
+	// munmap): a plugin that maps a peer's memory itself finds the memfd
+	// in this process's descriptors (see memfd.go).
+	r, err := mapDRAM(s, fd, func() { syscall.Close(fd) })
+	if err != nil {
+		syscall.Close(fd)
+	}
+	return r, err
+}
+
+// openSHMFile opens the file of a shm name or path under /dev/shm or
+// /dev/hugepages.
+func openSHMFile(s Spec) (int, *Error) {
+	path, e := resolveSHM(s.SHM)
+	if e != nil {
+		return -1, e
 	}
 	if testHookBeforeOpen != nil {
 		testHookBeforeOpen(path)
@@ -129,22 +158,29 @@ func openDRAM(s Spec) (*Region, error) {
 	if err != nil {
 		switch err {
 		case syscall.ENOENT:
-			return nil, errorf(CodeBadRegion, "shm %q: no such shared-memory object or file", s.SHM)
+			return -1, errorf(CodeBadRegion, "shm %q: no such shared-memory object or file", s.SHM)
 		case syscall.ELOOP:
-			return nil, errorf(CodeBadRegion, "shm %q is a symbolic link", s.SHM)
+			return -1, errorf(CodeBadRegion, "shm %q is a symbolic link", s.SHM)
 		}
-		return nil, errorf(CodeBadRegion, "shm %q: open: %v", s.SHM, err)
+		return -1, errorf(CodeBadRegion, "shm %q: open: %v", s.SHM, err)
 	}
-	defer syscall.Close(fd) // the mapping outlives the descriptor
 
 	// The file opened must lie under the allowed folders whatever was
 	// renamed or linked between resolveSHM and open: ask the kernel.
 	if real, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd)); err != nil {
-		return nil, errorf(CodeBadRegion, "shm %q: cannot tell where the file opened lies: %v", s.SHM, err)
+		syscall.Close(fd)
+		return -1, errorf(CodeBadRegion, "shm %q: cannot tell where the file opened lies: %v", s.SHM, err)
 	} else if !underRoot(real) {
-		return nil, errorf(CodeBadRegion, "shm %q opened %q, which is not under %s or %s", s.SHM, real, shmDir, hugepagesDir)
+		syscall.Close(fd)
+		return -1, errorf(CodeBadRegion, "shm %q opened %q, which is not under %s or %s", s.SHM, real, shmDir, hugepagesDir)
 	}
+	return fd, nil
+}
 
+// mapDRAM maps s.Length bytes at s.Offset of the file fd, MAP_SHARED
+// read-write, into a Region; closeFD, when not nil, runs after the munmap
+// of the Region's release (the caller closes fd on error).
+func mapDRAM(s Spec, fd int, closeFD func()) (*Region, error) {
 	var st syscall.Stat_t
 	if err := syscall.Fstat(fd, &st); err != nil {
 		return nil, errorf(CodeBadRegion, "shm %q: fstat: %v", s.SHM, err)
@@ -179,7 +215,11 @@ func openDRAM(s Spec) (*Region, error) {
 	b := m[delta : delta+s.Length : delta+s.Length]
 	r := &Region{Spec: s, Bytes: b, Local: uintptrOf(b)}
 	r.release = func() error {
-		if err := syscall.Munmap(m); err != nil {
+		err := syscall.Munmap(m)
+		if closeFD != nil {
+			closeFD()
+		}
+		if err != nil {
 			return errorf(CodeBadRegion, "shm %q: munmap: %v", s.SHM, err)
 		}
 		return nil

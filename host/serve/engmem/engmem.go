@@ -44,8 +44,9 @@ type Spec struct {
 	Addr   uint64 // the engine's pointer to the first byte
 	Length uint64 // bytes
 	// SHM (DRAM): a POSIX shared-memory name ("/kvhost-1-kv": one
-	// component, resolved under /dev/shm) or an absolute path of a file
-	// under /dev/shm or /dev/hugepages.
+	// component, resolved under /dev/shm), an absolute path of a file
+	// under /dev/shm or /dev/hugepages, or "/proc/<pid>/fd/<n>": a memfd
+	// of another process sealed against shrinking (memfd.go).
 	SHM string
 	// Offset is, for DRAM, the byte offset of the region in the SHM
 	// object; for VRAM, the byte offset of the region in the IPC

@@ -40,8 +40,9 @@ type Rank struct {
 	TP      int
 	TPSize  int
 	Pool    *kvpool.Pool
-	SHM     string // POSIX shared-memory name
+	SHM     string // register_memory's shm of the pool (a POSIX shared-memory name by NewRank)
 	mem     []byte
+	release func()   // after unmapping: unlinks the shm object
 	ID      uint64   // the sidecar's rank id (after Open)
 	Regions []uint64 // the registered regions' ids
 	// VRAM registers the pool as GPU memory by CUDA IPC handle, in the
@@ -55,10 +56,8 @@ type Rank struct {
 	RegisterAs string
 }
 
-// NewRank creates a rank's pool in a fresh shared-memory object named
-// name (a POSIX name: "/kvt-..."; at most 47 bytes without the slash for
-// VRAM, the stand-in handle's limit).
-func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
+// geometry is the pool layout of rank tp of tpSize.
+func geometry(s Shape, tpSize, tp int) (kvpool.Geometry, error) {
 	g := kvpool.Geometry{
 		Attention: kvpool.MHA, Order: kvpool.KThenV,
 		Layers: s.Layers, Pages: s.Pages, PageSize: s.PageSize,
@@ -68,10 +67,26 @@ func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
 	if s.MLA {
 		g.Attention, g.TotalHeads = kvpool.MLA, 1
 	}
-	if err := g.Validate(); err != nil {
+	return g, g.Validate()
+}
+
+// PoolSize is the bytes of rank tp's pool.
+func PoolSize(s Shape, tpSize, tp int) (uint64, error) {
+	g, err := geometry(s, tpSize, tp)
+	if err != nil {
+		return 0, err
+	}
+	return g.Size(), nil
+}
+
+// NewRank creates a rank's pool in a fresh shared-memory object named
+// name (a POSIX name: "/kvt-..."; at most 47 bytes without the slash for
+// VRAM, the stand-in handle's limit).
+func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
+	size, err := PoolSize(s, tpSize, tp)
+	if err != nil {
 		return nil, err
 	}
-	size := g.Size()
 	path := "/dev/shm" + name
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
@@ -82,24 +97,42 @@ func NewRank(name, role string, s Shape, tpSize, tp int) (*Rank, error) {
 		os.Remove(path)
 		return nil, err
 	}
-	mem, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED) // kvpool.Wrap unmaps with syscall.Munmap
+	r, err := NewRankFD(name, int(f.Fd()), func() { os.Remove(path) }, role, s, tpSize, tp)
 	if err != nil {
 		os.Remove(path)
+	}
+	return r, err
+}
+
+// NewRankFD makes a rank's pool of the file fd (at least PoolSize bytes;
+// the caller keeps fd), which the sidecar finds as shm (register_memory's
+// "shm" of the pool's region: a POSIX name, a path, or a memfd's
+// "/proc/<pid>/fd/<n>"). release, when not nil, runs after the pool is
+// unmapped in Close (it unlinks a shm object).
+func NewRankFD(shm string, fd int, release func(), role string, s Shape, tpSize, tp int) (*Rank, error) {
+	g, err := geometry(s, tpSize, tp)
+	if err != nil {
+		return nil, err
+	}
+	mem, err := syscall.Mmap(fd, 0, int(g.Size()), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED) // kvpool.Wrap unmaps with syscall.Munmap
+	if err != nil {
 		return nil, err
 	}
 	pool, err := kvpool.Wrap(g, mem) // the pool unmaps mem on Close
 	if err != nil {
 		syscall.Munmap(mem)
-		os.Remove(path)
 		return nil, err
 	}
-	return &Rank{Role: role, TP: tp, TPSize: tpSize, Pool: pool, SHM: name, mem: mem}, nil
+	return &Rank{Role: role, TP: tp, TPSize: tpSize, Pool: pool, SHM: shm, mem: mem, release: release}, nil
 }
 
-// Close unmaps and unlinks the pool. Calling it again does nothing.
+// Close unmaps the pool (and unlinks its shm object). Calling it again
+// does nothing.
 func (r *Rank) Close() {
 	r.Pool.Close()
-	os.Remove("/dev/shm" + r.SHM)
+	if r.release != nil {
+		r.release()
+	}
 }
 
 // Base is the engine's pointer to its pool.

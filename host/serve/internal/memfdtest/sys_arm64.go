@@ -1,0 +1,5 @@
+package memfdtest
+
+// sysMemfdCreate is memfd_create's system call number (package syscall
+// predates it).
+const sysMemfdCreate = 279
