@@ -7,6 +7,8 @@
  *                                                      run every test
  *   test_fake --bench [MIN_RATIO]                      timing only; fails
  *                      when 1 MiB plugin/memcpy is below MIN_RATIO
+ *   test_fake --bench-maps [ROUNDS]                    timing only: peer memory
+ *                      mapped (memcpy) vs process_vm_writev, 512-byte pieces
  *   test_fake --child                                  (internal) peer process
  *
  * --so / --so-abi2 also load the shared libraries the build produced and
@@ -2100,6 +2102,92 @@ static void test_reload_and_restart(void) {
 
 /* Metadata and blob parsers reject every truncation, random garbage and
  * (mostly) corrupted copies, without crashing: run under ASan. */
+/* Metadata v2 (an agent whose memory is a sealed memfd): every
+ * truncation, a trailing byte and every single-byte corruption are
+ * refused cleanly (by the parser, or because no agent vouches for the
+ * result); each malformed file table field is refused by the parser; the
+ * random inputs of test_parser_fuzz try version 2 a quarter of the time. */
+static void parser_fuzz_files(uint64_t a) {
+  int fd = memfd_create("kvt-fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (!CHECKV(fd >= 0 && ftruncate(fd, 1 << 16) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0)) return;
+  uint8_t *map = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  uint64_t b = agent_ok("target2");
+  kvp_mem_desc d[2] = {{(uint64_t)(uintptr_t)map, 8192, 0, KVP_MEM_DRAM, 0},
+                       {(uint64_t)(uintptr_t)map + 16384, 4096, 5, KVP_MEM_VRAM, 0}};
+  uint64_t hs[2];
+  OK(reg_n(b, d, 2, hs));
+  size_t len;
+  uint8_t *md = md_get(b, &len);
+  size_t regs_at = 56 + kvp_get_u16(md + 48) + kvp_get_u16(md + 50), files_at = regs_at + 2 * 32;
+  CHECK(kvp_get_u16(md + 4) == 2 && len == files_at + 8 + 2 * 32 && kvp_get_u32(md + files_at) == 2);
+  CHECK(kvp_get_u32(md + files_at + 8) == 0 && kvp_get_u32(md + files_at + 40) == 1); /* region indices */
+  CHECK(kvp_get_u64(md + files_at + 8 + 24) == 0 && kvp_get_u64(md + files_at + 40 + 24) == 16384); /* offsets */
+  OK(load_md(a, md, len, NULL, NULL)); /* same process: nothing mapped, but it parses */
+  OK(remove_peer(a, "target2"));
+  for (size_t cut = 0; cut < len; cut++)
+    if (!EXPECT(load_md(a, md, cut, NULL, NULL), KVP_ERR_INVALID_PARAM, "metadata")) fprintf(stderr, "v2 cut %zu\n", cut);
+  uint8_t *c = (uint8_t *)malloc(len + 1);
+  memcpy(c, md, len);
+  c[len] = 0;
+  EXPECT(load_md(a, c, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
+  int ok = 0, rej = 0, unvouched = 0;
+  for (size_t i = 0; i < len; i++) {
+    for (int v = 0; v < 3; v++) {
+      memcpy(c, md, len);
+      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
+      const char *nm;
+      size_t nl;
+      kvp_error *e = load_md(a, c, len, &nm, &nl);
+      if (e && (kvp_err_code(e) == KVP_ERR_NOT_ALLOWED || kvp_err_code(e) == KVP_ERR_REMOTE_DISCONNECT)) {
+        unvouched++;
+        kvp_err_free(e);
+      } else if (e) {
+        rej++;
+        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+      } else {
+        ok++;
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)nl, nm);
+        OK(remove_peer(a, name));
+      }
+    }
+  }
+  CHECK(ok == 0 && rej > 50 && unvouched > 50);
+  /* Each malformed field of the file table, alone. */
+  struct {
+    size_t off;
+    int width;
+    uint64_t val;
+  } bad[] = {
+      {files_at, 4, 0},                           /* no file */
+      {files_at, 4, 3},                           /* more files than regions (and than the length) */
+      {files_at + 4, 4, 1},                       /* reserved */
+      {files_at + 8, 4, 2},                       /* region index out of range */
+      {files_at + 40, 4, 0},                      /* region indices not increasing */
+      {files_at + 8 + 4, 4, 0x80000000u},         /* fd beyond int */
+      {files_at + 8 + 16, 8, 0},                  /* inode 0 */
+      {files_at + 8 + 24, 8, 1ull << 63},         /* offset beyond off_t */
+      {files_at + 8 + 24, 8, (1ull << 63) - 100}, /* offset + length beyond off_t */
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    memcpy(c, md, len);
+    if (bad[k].width == 4) kvp_put_u32(c + bad[k].off, (uint32_t)bad[k].val);
+    else kvp_put_u64(c + bad[k].off, bad[k].val);
+    if (!EXPECT(load_md(a, c, len, NULL, NULL), KVP_ERR_INVALID_PARAM, "file")) fprintf(stderr, "bad file field %zu\n", k);
+  }
+  /* v1 header over a v2 body, and v2 header over a v1 body: length mismatch. */
+  memcpy(c, md, len);
+  kvp_put_u16(c + 4, 1);
+  EXPECT(load_md(a, c, len, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
+  kvp_put_u16(c + 4, 2);
+  EXPECT(load_md(a, c, files_at, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
+  free(c);
+  free(md);
+  OK(agent_del(b));
+  munmap(map, 1 << 16);
+  close(fd);
+}
+
 static void test_parser_fuzz(void) {
   uint64_t a = agent_ok("fuzzer"), b = agent_ok("target");
   uint8_t *mem = (uint8_t *)malloc(1 << 16);
@@ -2133,10 +2221,14 @@ static void test_parser_fuzz(void) {
   EXPECT(load_md(a, longer, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
   free(longer);
   EXPECT(load_md(a, NULL, 100, NULL, NULL), KVP_ERR_INVALID_PARAM, NULL);
-  uint8_t v2[256];
-  memcpy(v2, md, len < sizeof v2 ? len : sizeof v2);
-  kvp_put_u16(v2 + 4, 2);
-  EXPECT(load_md(a, v2, len < sizeof v2 ? len : sizeof v2, NULL, NULL), KVP_ERR_INVALID_PARAM, "version 2");
+  uint8_t v3[256];
+  memcpy(v3, md, len < sizeof v3 ? len : sizeof v3);
+  kvp_put_u16(v3 + 4, 3);
+  EXPECT(load_md(a, v3, len < sizeof v3 ? len : sizeof v3, NULL, NULL), KVP_ERR_INVALID_PARAM, "version 3");
+  /* A v1 body under version 2: no file table. */
+  memcpy(v3, md, len < sizeof v3 ? len : sizeof v3);
+  kvp_put_u16(v3 + 4, 2);
+  EXPECT(load_md(a, v3, len < sizeof v3 ? len : sizeof v3, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
 
   uint32_t seed = 12345;
   int accepted = 0, rejected = 0;
@@ -2150,6 +2242,7 @@ static void test_parser_fuzz(void) {
     }
     if (it % 2 == 0 && n >= 4) memcpy(buf, "KVFM", 4); /* get past the magic half the time */
     if (it % 4 == 0 && n >= 6) kvp_put_u16(buf + 4, 1);
+    if (it % 4 == 2 && n >= 6) kvp_put_u16(buf + 4, 2);
     kvp_error *e = load_md(a, buf, n, NULL, NULL);
     if (e) {
       rejected++;
@@ -2189,6 +2282,7 @@ static void test_parser_fuzz(void) {
   }
   free(c);
   CHECK(corrupt_rej > 50 && corrupt_unvouched > 50 && corrupt_ok == 0);
+  parser_fuzz_files(a);
 
   /* Blobs. */
   uint8_t blob[48];
@@ -3840,6 +3934,99 @@ static void test_sealed_registration(void) {
   OK(agent_del(ag));
 }
 
+/* `test_fake --bench-maps [ROUNDS]`: what a cross-process WRITE of the
+ * SGLang heterogeneous-TP MHA shape costs through the peer's mapped
+ * sealed memfd (memcpy) and through process_vm_writev: 512-byte pieces
+ * 1 KiB apart here, gathered into packed remote runs of 8 KiB (a decode
+ * page at 16 tokens) and 64 KiB with a gap of one run between runs, 1 MiB
+ * a transfer, over a 32 MiB window of the peer's memory. Two agents load
+ * the same peer, one with pidfd_getfd refused (so process_vm_* only);
+ * after a warm-up pass of each over the window (pages faulted in on both
+ * sides) they alternate transfer by transfer, ROUNDS rounds (default 3)
+ * of 4 passes each. Each line gives wall and thread-CPU rates. Not a
+ * test: numbers only (measure under nice -n -10). */
+static int bench_maps(int rounds) {
+  enum { WIN = 32 << 20, XB = 1 << 20 };
+  int fd = memfd_sized("kvt-bench", 2 * (size_t)WIN, F_SEAL_SHRINK);
+  if (fd < 0) return 2;
+  uint8_t *view = (uint8_t *)mmap(NULL, 2 * (size_t)WIN, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (view == MAP_FAILED) return 2;
+  memset(view, 1, 2 * (size_t)WIN); /* the file's pages exist */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)getpid(), fd);
+  peer_proc pp;
+  if (!map_peer_start(&pp, "benchpeer", path, "keep")) return 2;
+  uint8_t *lbuf = (uint8_t *)malloc(2 * XB);
+  fill(lbuf, 2 * XB, 1);
+  uint64_t ag[2];
+  for (int m = 0; m < 2; m++) {
+    ag[m] = agent_ok(m ? "bench-pvm" : "bench-map");
+    reg1(ag[m], lbuf, 2 * XB, KVP_MEM_DRAM, 0);
+    fake_test_getfd_errno(m ? EPERM : 0);
+    OK(load_md(ag[m], pp.md, pp.md_len, NULL, NULL));
+    fake_test_getfd_errno(0);
+  }
+  const uint64_t runs[2] = {8192, 65536};
+  for (int round = 0; round < rounds; round++) {
+    for (int a = 0; a < 2; a++) {
+      uint64_t run = runs[a], nper = run / 512, ndesc = XB / run;
+      kvp_xfer_desc *l = (kvp_xfer_desc *)calloc(ndesc, sizeof *l), *r = (kvp_xfer_desc *)calloc(ndesc, sizeof *r);
+      int32_t *idx = (int32_t *)calloc(ndesc, sizeof *idx);
+      for (uint64_t i = 0; i < ndesc; i++) {
+        l[i] = XD(lbuf + i * nper * 1024, 512, 1024, nper);
+        idx[i] = (int32_t)i;
+      }
+      double wall[2] = {0, 0}, cpu[2] = {0, 0};
+      uint64_t bytes[2] = {0, 0}, mb0 = map_bytes(ag[0]), mb1 = map_bytes(ag[1]);
+      const int per_pass = WIN / (2 * XB);
+      for (int pass = 0; pass < 5; pass++) { /* pass 0: warm-up */
+        for (int t = 0; t < per_pass; t++) {
+          uint64_t base = pp.addr + (uint64_t)t * 2 * XB;
+          for (uint64_t i = 0; i < ndesc; i++) r[i] = (kvp_xfer_desc){base + i * 2 * run, 512, 512, nper, 0};
+          for (int k = 0; k < 2; k++) {
+            int m = (t + pass + k) & 1; /* alternate which goes first */
+            uint64_t ldl, rdl, x;
+            OK(dlist_new(ag[m], NULL, KVP_MEM_DRAM, l, ndesc, &ldl));
+            if (!OK(dlist_new(ag[m], "benchpeer", KVP_MEM_DRAM, r, ndesc, &rdl))) return 1;
+            OK(xfer_prepped(ag[m], KVP_OP_WRITE, ldl, idx, ndesc, rdl, idx, ndesc, NOTIF(NULL), &x));
+            struct timespec c0, c1;
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+            uint64_t t0 = now_ns();
+            if (!OK(run_xfer(ag[m], x))) return 1;
+            uint64_t t1 = now_ns();
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+            if (pass > 0) {
+              wall[m] += (double)(t1 - t0) / 1e9;
+              cpu[m] += (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) / 1e9;
+              bytes[m] += XB;
+            }
+            OK(xfer_del(ag[m], x));
+            OK(dlist_del(ag[m], ldl));
+            OK(dlist_del(ag[m], rdl));
+          }
+        }
+      }
+      /* Each agent took the path it is named for. */
+      CHECK(map_bytes(ag[0]) - mb0 == bytes[0] + (uint64_t)per_pass * XB && map_bytes(ag[1]) == mb1);
+      printf("round %d, runs of %6" PRIu64 " B: mapped memcpy %5.2f GB/s (CPU %5.2f) | process_vm_writev %5.2f GB/s "
+             "(CPU %5.2f) | ratio %.2f\n",
+             round, run, bytes[0] / wall[0] / 1e9, bytes[0] / cpu[0] / 1e9, bytes[1] / wall[1] / 1e9,
+             bytes[1] / cpu[1] / 1e9, (bytes[0] / wall[0]) / (bytes[1] / wall[1]));
+      fflush(stdout);
+      free(l);
+      free(r);
+      free(idx);
+    }
+  }
+  OK(agent_del(ag[0]));
+  OK(agent_del(ag[1]));
+  CHECK(peer_stop(&pp));
+  munmap(view, 2 * (size_t)WIN);
+  close(fd);
+  free(lbuf);
+  return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
   kvp_get_api_args g;
   memset(&g, 0, sizeof g);
@@ -3854,6 +4041,7 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
   if (argc > 2 && strcmp(argv[1], "--peer") == 0) return peer_main(argv[2]);
+  if (argc > 1 && strcmp(argv[1], "--bench-maps") == 0) return bench_maps(argc > 2 ? atoi(argv[2]) : 3);
   if (argc > 4 && strcmp(argv[1], "--map-peer") == 0) return map_peer_main(argv[2], argv[3], argv[4]);
   if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
     double min_ratio = argc > 2 ? atof(argv[2]) : 0;
