@@ -1404,6 +1404,10 @@ out:
 static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t base, int *timeout_ms) {
   uint64_t now = now_ns(), next = UINT64_MAX;
   size_t n = base;
+  /* Outbox references dropped after ob_lock (the last one of a removed
+   * peer unmaps its memory: see rmaps); beyond 8 at once, in place. */
+  peer *drop[8];
+  size_t ndrop = 0;
   pthread_mutex_lock(&ag->ob_lock);
   peer **pp = &ag->ob_peers;
   while (*pp) {
@@ -1440,7 +1444,10 @@ static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t bas
     if (!p->ob_head) {
       *pp = p->ob_next;
       p->ob_next = NULL;
-      peer_unref(p);
+      if (ndrop < sizeof drop / sizeof drop[0])
+        drop[ndrop++] = p;
+      else
+        peer_unref(p);
       continue;
     }
     if (n == *cap) {
@@ -1458,6 +1465,7 @@ static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t bas
     pp = &p->ob_next;
   }
   pthread_mutex_unlock(&ag->ob_lock);
+  for (size_t i = 0; i < ndrop; i++) peer_unref(drop[i]);
   *timeout_ms = next == UINT64_MAX ? -1 : (int)((next > now ? next - now : 0) / 1000000u) + 1;
   return n;
 }
@@ -2860,13 +2868,17 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
   ag->regs = merged;
   ag->nregs = ag->capregs = total;
   merged = NULL;
+  /* Counted before the table is visible to a slice (which reads the
+   * count under mem_lock): no copy may see the new regions and a count
+   * that misses them, and memcpy memory that may vanish. */
+  for (size_t i = 0; i < n; i++)
+    if (rs[i]->may_fault) atomic_fetch_add(&ag->may_fault_regs, 1);
   atomic_fetch_add(&ag->reg_gen, 1);
   pthread_rwlock_unlock(&ag->mem_lock);
   pthread_mutex_lock(&ag->own_lock);
   for (size_t i = 0; i < n; i++) {
     list_add(&ag->regions, &rs[i]->link);
     a->regions[i] = rs[i]->handle;
-    if (rs[i]->may_fault) atomic_fetch_add(&ag->may_fault_regs, 1);
   }
   pthread_mutex_unlock(&ag->own_lock);
   made = 0; /* owned by the agent now */
