@@ -2640,9 +2640,10 @@ static int u64_cmp(const void *a, const void *b) {
 /* Reports whether memory of [addr, addr + len) may vanish under a copy:
  * some of it lies in a shared or file-backed mapping (a POSIX shm object,
  * a hugetlbfs file, a CUDA IPC mapping: another process can shrink the
- * file, and a copy then takes SIGBUS) or is not mapped at all, as
- * /proc/self/maps says now. Private anonymous memory (malloc, a pool this
- * process made) stays. Anything unreadable counts as "may". */
+ * file, and a copy then takes SIGBUS), is not readable and writable, or
+ * is not mapped at all, as /proc/self/maps says now. Private anonymous
+ * read-write memory (malloc, a pool this process made) stays. Anything
+ * unreadable counts as "may". */
 static int range_may_fault(uint64_t addr, uint64_t len) {
   FILE *f = fopen("/proc/self/maps", "re");
   if (!f) return 1;
@@ -2662,7 +2663,8 @@ static int range_may_fault(uint64_t addr, uint64_t len) {
       may = 1;
       break;
     }
-    if (perms[3] == 's' || inode != 0) may = 1;
+    /* Not readable and writable: a copy out of or into it faults too. */
+    if (perms[3] == 's' || inode != 0 || perms[0] != 'r' || perms[1] != 'w') may = 1;
     covered = hi;
     /* A line longer than the buffer: skip its rest. */
     while (!strchr(line, '\n') && fgets(line, sizeof line, f)) {
@@ -2691,7 +2693,8 @@ static int sealed_file_is(int fd, uint64_t dev, uint64_t ino, uint64_t end, stru
 /* The file [addr, addr + len) maps, as /proc/self/maps says now: 1 and
  * *dev, *ino, *off (the file offset of addr) when the range lies in
  * MAP_SHARED mappings of one file, consecutive in address and in file
- * offset; 0 otherwise (a hole, private or anonymous memory, two files). */
+ * offset, readable and writable; 0 otherwise (a hole, private or
+ * anonymous memory, two files, read-only). */
 static int range_shared_file(uint64_t addr, uint64_t len, uint64_t *dev, uint64_t *ino, uint64_t *off) {
   FILE *f = fopen("/proc/self/maps", "re");
   if (!f) return 0;
@@ -2709,7 +2712,7 @@ static int range_shared_file(uint64_t addr, uint64_t len, uint64_t *dev, uint64_
     }
     if (hi <= covered) continue;
     uint64_t here = foff + (covered - lo); /* file offset of `covered` */
-    if (lo > covered || perms[3] != 's' || inode == 0) {
+    if (lo > covered || perms[3] != 's' || inode == 0 || perms[0] != 'r' || perms[1] != 'w') {
       ok = 0;
     } else if (covered == addr) {
       *dev = makedev(dmaj, dmin);
@@ -2729,7 +2732,7 @@ static int range_shared_file(uint64_t addr, uint64_t len, uint64_t *dev, uint64_
 /* Makes r->file_fd a descriptor of the sealed memfd r's memory maps, when
  * it maps one (range_shared_file, sealed_file_is): the host keeps a
  * descriptor of such a file open in this process while the memory is
- * registered (docs/engine-api.md), so one is found by a scan of
+ * registered (README, "Peer memory mapped"), so one is found by a scan of
  * /proc/self/fd (fstat of each: device and inode), and duplicated
  * (close-on-exec) for the region's life; a read-write one is preferred, a
  * peer can map only that. Returns 1 when found (the memory cannot

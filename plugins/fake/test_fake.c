@@ -3863,7 +3863,8 @@ done:
  * v2, one descriptor held per region, closed at deregistration); an
  * unsealed memfd, one sealed only against growth, one mapped beyond its
  * size, one whose descriptor was closed, and a /dev/shm file still count
- * and advertise nothing (metadata v1 byte for byte as before). */
+ * and advertise nothing (metadata v1 byte for byte as before); so does
+ * read-only memory. */
 static void test_sealed_registration(void) {
   uint64_t ag = agent_ok("sealer"), st[3];
   int fds0 = open_fds();
@@ -3925,6 +3926,22 @@ static void test_sealed_registration(void) {
     OK(dereg_n(ag, &r, 1));
     munmap(m, cases[i].map_len);
     if (!cases[i].close_fd) close(fd);
+  }
+  /* Read-only: a copy into it would fault (private anonymous memory, and
+   * a sealed memfd mapped read-only). */
+  {
+    uint8_t *ro = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int rfd = memfd_sized("kvt-ro", 1 << 16, F_SEAL_SHRINK);
+    uint8_t *rom = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ, MAP_SHARED, rfd, 0);
+    uint64_t r1 = reg1(ag, ro, 1 << 16, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 1 && st[2] == 0);
+    uint64_t r2 = reg1(ag, rom, 1 << 16, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 2 && st[2] == 0);
+    OK(dereg_n(ag, &r1, 1));
+    OK(dereg_n(ag, &r2, 1));
+    munmap(ro, 1 << 16);
+    munmap(rom, 1 << 16);
+    close(rfd);
   }
   /* Private anonymous memory: neither may vanish nor has a file. */
   uint8_t *pm = (uint8_t *)malloc(1 << 16);
