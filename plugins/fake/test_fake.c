@@ -2550,6 +2550,7 @@ typedef struct xp_ctx {
   uint64_t ag, caddr;
   uint8_t *buf;
   int id, bad;
+  const char *peer; /* NULL: "child" */
 } xp_ctx;
 
 static void *xp_conc_main(void *p) {
@@ -2562,7 +2563,7 @@ static void *xp_conc_main(void *p) {
   int32_t z = 0;
   kvp_error *e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl);
   if (!e) e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &lb, 1, &lbdl);
-  if (!e) e = dlist_new(c->ag, "child", KVP_MEM_DRAM, &r, 1, &rdl);
+  if (!e) e = dlist_new(c->ag, c->peer ? c->peer : "child", KVP_MEM_DRAM, &r, 1, &rdl);
   if (!e) e = xfer_prepped(c->ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xw);
   if (!e) e = xfer_prepped(c->ag, KVP_OP_READ, lbdl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xr);
   for (int round = 0; !e && round < 10; round++) {
@@ -2678,7 +2679,7 @@ static void test_two_processes(void) {
   xp_ctx xc[4];
   pthread_t xth[4];
   for (int i = 0; i < 4; i++) {
-    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0, NULL};
     CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
   }
   for (int i = 0; i < 4; i++) {
@@ -2693,7 +2694,7 @@ static void test_two_processes(void) {
   int efd;
   OK(event_fd(ag, &efd));
   for (int i = 0; i < 4; i++) {
-    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0, NULL};
     CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
   }
   for (int i = 0; i < 4; i++) {
@@ -3745,6 +3746,23 @@ static void test_peer_mapped(void) {
     CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 2);
     CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 57) == 0);
     OK(dereg_n(ag, &vr, 1));
+  }
+  /* 4 threads at once on the mapped path (xp_conc_main: 10 rounds of a
+   * 64-block WRITE and READ back each, over its own 256 KiB). */
+  {
+    pthread_t th[4];
+    xp_ctx xc[4];
+    uint64_t m0 = map_bytes(ag);
+    for (int i = 0; i < 4; i++) {
+      xc[i] = (xp_ctx){ag, pp.addr, lbuf, i, 0, "mappeer"};
+      CHECK(pthread_create(&th[i], NULL, xp_conc_main, &xc[i]) == 0);
+    }
+    int bad = 0;
+    for (int i = 0; i < 4; i++) {
+      pthread_join(th[i], NULL);
+      bad += xc[i].bad;
+    }
+    CHECK(bad == 0 && map_bytes(ag) - m0 == 4 * 10 * 2 * 64 * 4000);
   }
   /* pidfd_getfd refused (EPERM, ENOSYS): no mapping, the same bytes. */
   int errs[2] = {EPERM, ENOSYS};
