@@ -3,7 +3,9 @@
  *
  * Real byte movement without vendor libraries, for CI, laptops and tests:
  *   - agents of one process copy with memcpy; agents of different processes
- *     on one host copy with process_vm_writev / process_vm_readv;
+ *     on one host copy with process_vm_writev / process_vm_readv, or with
+ *     memcpy through a mapping of the peer's memory where it is a memfd
+ *     sealed against shrinking (see "Peer memory mapped" in the README);
  *   - transfers complete asynchronously, so poll_xfer really reports
  *     KVP_IN_PROG before KVP_SUCCESS: the caller's later polls move them
  *     in bounded slices, and per-agent worker threads take over what
