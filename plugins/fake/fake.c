@@ -3,7 +3,9 @@
  *
  * Real byte movement without vendor libraries, for CI, laptops and tests:
  *   - agents of one process copy with memcpy; agents of different processes
- *     on one host copy with process_vm_writev / process_vm_readv;
+ *     on one host copy with process_vm_writev / process_vm_readv, or with
+ *     memcpy through a mapping of the peer's memory where it is a memfd
+ *     sealed against shrinking (see "Peer memory mapped" in the README);
  *   - transfers complete asynchronously, so poll_xfer really reports
  *     KVP_IN_PROG before KVP_SUCCESS: the caller's later polls move them
  *     in bounded slices, and per-agent worker threads take over what
@@ -46,6 +48,7 @@
  * duration, so a concurrent destroy or release waits for it.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -58,11 +61,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
@@ -160,6 +166,15 @@
 #define FAKE_PINS_PER_PID 16
 /* process_vm_* moves at most MAX_RW_COUNT (~2 GiB) per call; stay below. */
 #define FAKE_PVM_MAX_BYTES (1ull << 30)
+/* Peer memory mapped into this process (see rmap), at most this much and
+ * this many mappings per process: an eighth of x86-64's 47-bit user
+ * address space, and a quarter of the kernel's default vm.max_map_count.
+ * Regions beyond either keep process_vm_*. */
+#define FAKE_MAP_MAX_BYTES (16ull << 40)
+#define FAKE_MAP_MAX_COUNT 16384u
+/* statfs f_type of hugetlbfs (linux/magic.h): its files can be sealed
+ * too, but a fault with no huge page left takes SIGBUS. */
+#define FAKE_HUGETLBFS_MAGIC 0x958458f6ul
 #ifdef IOV_MAX
 #define FAKE_IOV_MAX IOV_MAX
 #else
@@ -169,8 +184,11 @@
 /* Wire formats (all integers little endian). */
 #define MD_MAGIC "KVFM"
 #define MD_VERSION 1
+#define MD_VERSION_FILES 2 /* v1 and the regions' files (see md_decode) */
 #define MD_FIXED 56
 #define MD_REGION 32
+#define MD_FILES_HDR 8
+#define MD_FILE 32
 #define BLOB_MAGIC "KVFR"
 #define BLOB_VERSION 1
 #define BLOB_SIZE 48
@@ -249,7 +267,22 @@ typedef struct region {
   /* The memory may vanish under a copy (see range_may_fault): copies
    * touching the agent then go through copy_checked. */
   int may_fault;
+  /* A descriptor of the sealed memfd the region maps (see
+   * region_sealed_file), or -1: the memory cannot vanish, and its number,
+   * device, inode and the file offset of the region's start travel in the
+   * metadata (v2), so that a peer in another process can take the file
+   * (pidfd_getfd) and map it ("Peer memory mapped"). Closed with the
+   * region. */
+  int file_fd;
+  uint64_t file_dev, file_ino, file_off;
 } region;
+
+/* A region's file as metadata v2 advertises it (see md_decode). */
+typedef struct md_file {
+  uint32_t region; /* index into the regions */
+  uint32_t fd;     /* the descriptor number in the agent's process */
+  uint64_t dev, ino, off;
+} md_file;
 
 /* A peer's metadata, decoded. Immutable; replaced as a whole on reload. */
 typedef struct peer_md {
@@ -262,7 +295,31 @@ typedef struct peer_md {
   size_t sock_len;
   size_t nregions;
   mem_range *regions; /* sorted by addr, non-overlapping */
+  size_t nfiles;
+  md_file *files; /* sorted by region, at most one per region; v2 only */
 } peer_md;
+
+/* A peer region mapped into this process: remote [addr, addr + len) is
+ * local [base, base + len), inside the mapping [map, map + map_len) of a
+ * sealed memfd (dev, ino) that cannot shrink (see peer_maps_take). */
+typedef struct rmap {
+  uint64_t addr, len;
+  uint8_t *base;
+  void *map;
+  size_t map_len;
+  uint64_t dev, ino;
+} rmap;
+
+/* A peer's mapped regions, sorted by addr. Immutable; reference counted:
+ * the peer holds one reference, and so does each transfer posted against
+ * it (route.maps) until its next post or its retirement, so a reload,
+ * remove_remote or agent_destroy never unmaps memory under a running copy;
+ * the last reference unmaps. */
+typedef struct rmaps {
+  atomic_int refs;
+  size_t n;
+  rmap e[];
+} rmaps;
 
 /* A loaded peer. Reference counted: the agent's peer list holds one, and so
  * does every dlist, remote region and transfer that refers to it. name is
@@ -286,6 +343,9 @@ typedef struct peer {
    * process that proved the metadata its own (see md_verify), and a
    * datagram socket connected to its notification socket. */
   int pidfd, tx_fd;
+  /* The peer's regions this process mapped (or NULL); replaced with md,
+   * under peers_lock. */
+  rmaps *maps;
   /* Identity, fixed at the first load (a re-load with another identity is
    * refused): the copies the rx thread and the outbox read without
    * peers_lock. */
@@ -353,6 +413,7 @@ typedef struct route {
   uint32_t pid;
   int pidfd;
   uint64_t agent_handle, agent_id;
+  rmaps *maps; /* a reference to the peer's mappings (ROUTE_PVM), or NULL; see xfer_prepare */
 } route;
 
 typedef struct telem {
@@ -522,6 +583,7 @@ typedef struct agent {
   /* Counters (test hooks read them). */
   atomic_uint_fast64_t notif_forged;  /* datagrams dropped: sender is not who it says */
   atomic_uint_fast64_t notif_expired; /* send_notif notifications dropped from an outbox */
+  atomic_uint_fast64_t map_bytes;     /* bytes moved by memcpy through peer mappings */
 } agent;
 
 /* ------------------------------------------------------------------------ */
@@ -536,6 +598,9 @@ static uint64_t g_process_token;
 /* getpid(), cached (and set again in a forked child): glibc does not cache
  * it, and post_xfer needs it for every transfer. */
 static uint32_t g_pid;
+/* Peer memory this process maps now (bytes, mappings): see FAKE_MAP_MAX_*. */
+static atomic_uint_fast64_t g_map_bytes;
+static atomic_uint g_map_count;
 static uint64_t g_pidns;
 static int g_init_ok;
 
@@ -655,6 +720,9 @@ static void fake_init(void) {
  * judge: an object left in a global table is still reachable. */
 #ifdef KVP_FAKE_TEST_HOOKS
 static atomic_uint_fast64_t g_test_slice = FAKE_SLICE_BYTES, g_test_grace = FAKE_GRACE_NS;
+/* Non-zero: pidfd_getfd fails with this errno (tests of the fallback). */
+static atomic_int g_test_getfd_errno;
+void fake_test_getfd_errno(int err) { atomic_store(&g_test_getfd_errno, err); }
 static uint64_t slice_bytes(void) { return atomic_load_explicit(&g_test_slice, memory_order_relaxed); }
 static uint64_t grace_ns(void) { return atomic_load_explicit(&g_test_grace, memory_order_relaxed); }
 
@@ -804,12 +872,34 @@ static kvp_error *need_cap(const agent *ag, uint64_t cap, const char *fn) {
                  cap_name(cap), (int)ag->name_len, ag->name);
 }
 
+static void rmaps_unref(rmaps *m) {
+  if (!m || atomic_fetch_sub(&m->refs, 1) != 1) return;
+  for (size_t i = 0; i < m->n; i++) {
+    munmap(m->e[i].map, m->e[i].map_len);
+    atomic_fetch_sub(&g_map_bytes, m->e[i].map_len);
+    atomic_fetch_sub(&g_map_count, 1);
+  }
+  free(m);
+}
+
+static rmaps *rmaps_ref(rmaps *m) {
+  if (m) atomic_fetch_add(&m->refs, 1);
+  return m;
+}
+
+static void md_free(peer_md *md) {
+  if (!md) return;
+  free(md->regions);
+  free(md->files);
+  free(md);
+}
+
 static void peer_ref(peer *p) { atomic_fetch_add(&p->refs, 1); }
 
 static void peer_unref(peer *p) {
   if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
-  if (p->md) free(p->md->regions);
-  free(p->md);
+  md_free(p->md);
+  rmaps_unref(p->maps);
   if (p->pidfd >= 0) close(p->pidfd);
   if (p->tx_fd >= 0) close(p->tx_fd);
   free(p);
@@ -937,22 +1027,37 @@ static agent *route_agent(const route *rt) {
 /* Wire formats                                                             */
 /* ------------------------------------------------------------------------ */
 
-/* Metadata v1:
- *   0  "KVFM"            4  u16 version (1)    6  u16 flags (bit 0: the agent
+/* Metadata v1 and v2:
+ *   0  "KVFM"            4  u16 version (1, 2) 6  u16 flags (bit 0: the agent
  *                                                 takes no notifications)
  *   8  u64 process token 16 u64 pid namespace  24 u32 pid   28 u32 reserved
  *   32 u64 agent id      40 u64 agent handle (valid in its process only)
  *   48 u16 name_len      50 u16 sock_len       52 u32 num_regions
  *   56 name, sock (abstract unix socket name without its leading NUL), then
  *      num_regions x { u64 addr, u64 len, u64 dev_id, u32 kind, u32 0 }
- * sorted by addr. The length must match exactly. */
+ * sorted by addr. v2 (only when a region maps a sealed memfd, so that
+ * every other agent hands out v1 exactly as before) then has the regions'
+ * files:
+ *      u32 num_files, u32 0,
+ *      num_files x { u32 region index, u32 fd, u64 st_dev, u64 st_ino,
+ *                    u64 file offset of the region's start }
+ * at most one per region, by increasing region index. The length must
+ * match exactly. */
+static size_t md_nfiles(const agent *ag) {
+  size_t n = 0;
+  for (size_t i = 0; i < ag->nregs; i++) n += ag->regs[i].reg->file_fd >= 0;
+  return n;
+}
+
 static size_t md_size(const agent *ag) {
-  return MD_FIXED + ag->name_len + ag->sock_len + ag->nregs * MD_REGION;
+  size_t nf = md_nfiles(ag);
+  return MD_FIXED + ag->name_len + ag->sock_len + ag->nregs * MD_REGION + (nf ? MD_FILES_HDR + nf * MD_FILE : 0);
 }
 
 static void md_encode(const agent *ag, uint8_t *p) {
+  size_t nf = md_nfiles(ag);
   memcpy(p, MD_MAGIC, 4);
-  kvp_put_u16(p + 4, MD_VERSION);
+  kvp_put_u16(p + 4, nf ? MD_VERSION_FILES : MD_VERSION);
   kvp_put_u16(p + 6, (ag->caps & KVP_CAP_NOTIF) ? 0 : MD_FLAG_NO_NOTIF);
   kvp_put_u64(p + 8, g_process_token);
   kvp_put_u64(p + 16, g_pidns);
@@ -975,11 +1080,25 @@ static void md_encode(const agent *ag, uint8_t *p) {
     kvp_put_u32(q + 24, ag->regs[i].kind);
     kvp_put_u32(q + 28, 0);
   }
+  if (!nf) return;
+  kvp_put_u32(q, (uint32_t)nf);
+  kvp_put_u32(q + 4, 0);
+  q += MD_FILES_HDR;
+  for (size_t i = 0; i < ag->nregs; i++) {
+    const region *rg = ag->regs[i].reg;
+    if (rg->file_fd < 0) continue;
+    kvp_put_u32(q, (uint32_t)i);
+    kvp_put_u32(q + 4, (uint32_t)rg->file_fd);
+    kvp_put_u64(q + 8, rg->file_dev);
+    kvp_put_u64(q + 16, rg->file_ino);
+    kvp_put_u64(q + 24, rg->file_off);
+    q += MD_FILE;
+  }
 }
 
 static kvp_error *md_bad(const char *why) {
-  return kvp_err(KVP_ERR_INVALID_PARAM, "load_remote: metadata is not fake-plugin metadata v%d: %s",
-                 MD_VERSION, why);
+  return kvp_err(KVP_ERR_INVALID_PARAM, "load_remote: metadata is not fake-plugin metadata v%d or v%d: %s",
+                 MD_VERSION, MD_VERSION_FILES, why);
 }
 
 /* Decodes metadata into a new peer_md (owned by the caller). Never reads
@@ -996,10 +1115,10 @@ static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
   kvp_read_bytes(&r, 4, &magic);
   if (memcmp(magic, MD_MAGIC, 4) != 0) return md_bad("bad magic");
   kvp_read_u16(&r, &version);
-  if (version != MD_VERSION) {
+  if (version != MD_VERSION && version != MD_VERSION_FILES) {
     return kvp_err(KVP_ERR_INVALID_PARAM,
-                   "load_remote: metadata version %u, this fake plugin reads version %d", version,
-                   MD_VERSION);
+                   "load_remote: metadata version %u, this fake plugin reads versions %d and %d", version,
+                   MD_VERSION, MD_VERSION_FILES);
   }
   kvp_read_u16(&r, &flags);
   kvp_read_u64(&r, &m.process_token);
@@ -1016,8 +1135,13 @@ static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
   if (pid == 0 || m.agent_id == 0) return md_bad("zero pid or agent id");
   if (name_len == 0 || name_len > KVP_MAX_NAME_LEN) return md_bad("agent name length not in 1..255");
   if (sock_len == 0 || sock_len >= sizeof m.sock) return md_bad("socket name empty or too long");
-  size_t strs = (size_t)name_len + sock_len;
-  if (r.left < strs || (r.left - strs) % MD_REGION != 0 || (r.left - strs) / MD_REGION != nreg)
+  /* The sizes in 64 bits: nreg * MD_REGION cannot overflow them. */
+  uint64_t strs = (uint64_t)name_len + sock_len, regs = (uint64_t)nreg * MD_REGION;
+  uint64_t files_at = strs + regs; /* bytes after the header up to the file table (v2) */
+  if (version == MD_VERSION && (r.left < strs || (r.left - strs) % MD_REGION != 0 || (r.left - strs) / MD_REGION != nreg))
+    return md_bad("length does not match its region count (truncated or trailing bytes)");
+  if (version == MD_VERSION_FILES &&
+      (r.left < files_at + MD_FILES_HDR || (r.left - files_at - MD_FILES_HDR) % MD_FILE != 0))
     return md_bad("length does not match its region count (truncated or trailing bytes)");
   kvp_read_bytes(&r, name_len, &name);
   kvp_read_bytes(&r, sock_len, &sock);
@@ -1032,7 +1156,8 @@ static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
     m.regions = (mem_range *)calloc(nreg, sizeof(mem_range));
     if (!m.regions) return kvp_err_oom();
   }
-  for (uint32_t i = 0; i < nreg; i++) {
+  kvp_error *e = NULL;
+  for (uint32_t i = 0; i < nreg && !e; i++) {
     mem_range *g = &m.regions[i];
     uint32_t rres;
     kvp_read_u64(&r, &g->addr);
@@ -1040,19 +1165,42 @@ static kvp_error *md_decode(const uint8_t *buf, size_t len, peer_md **out) {
     kvp_read_u64(&r, &g->dev_id);
     kvp_read_u32(&r, &g->kind);
     kvp_read_u32(&r, &rres);
-    if (g->len == 0 || rres != 0 || !kind_ok(g->kind)) {
-      free(m.regions);
-      return md_bad("bad region (zero length, unknown memory kind or reserved bits)");
+    if (g->len == 0 || rres != 0 || !kind_ok(g->kind))
+      e = md_bad("bad region (zero length, unknown memory kind or reserved bits)");
+  }
+  if (!e && (!r.ok || kvp_ranges_check(m.regions, nreg, sizeof(mem_range)) >= 0))
+    e = md_bad("regions unsorted, overlapping or overflowing");
+  if (!e && version == MD_VERSION_FILES) {
+    uint32_t nf, fres;
+    kvp_read_u32(&r, &nf);
+    kvp_read_u32(&r, &fres);
+    if (!r.ok || fres != 0 || nf == 0 || nf > nreg || r.left != (uint64_t)nf * MD_FILE) {
+      e = md_bad("file table count (none, more than regions, reserved bits or not matching the length)");
+    } else {
+      m.files = (md_file *)calloc(nf, sizeof(md_file));
+      if (!m.files) e = kvp_err_oom();
+      m.nfiles = nf;
+    }
+    for (uint32_t i = 0; !e && i < nf; i++) {
+      md_file *f = &m.files[i];
+      kvp_read_u32(&r, &f->region);
+      kvp_read_u32(&r, &f->fd);
+      kvp_read_u64(&r, &f->dev);
+      kvp_read_u64(&r, &f->ino);
+      kvp_read_u64(&r, &f->off);
+      /* The file range [off, off + len) must be a valid off_t range. */
+      if (f->region >= nreg || (i && f->region <= m.files[i - 1].region) || f->fd > INT32_MAX || f->ino == 0 ||
+          f->off > (uint64_t)INT64_MAX || m.regions[f->region].len > (uint64_t)INT64_MAX - f->off)
+        e = md_bad("bad file entry (region out of range or out of order, fd, inode or offset)");
     }
   }
-  if (!r.ok || r.left != 0 || kvp_ranges_check(m.regions, nreg, sizeof(mem_range)) >= 0) {
+  if (!e && (!r.ok || r.left != 0)) e = md_bad("length does not match its region count (truncated or trailing bytes)");
+  peer_md *pm = e ? NULL : (peer_md *)malloc(sizeof *pm);
+  if (!e && !pm) e = kvp_err_oom();
+  if (e) {
     free(m.regions);
-    return md_bad("regions unsorted, overlapping or overflowing");
-  }
-  peer_md *pm = (peer_md *)malloc(sizeof *pm);
-  if (!pm) {
-    free(m.regions);
-    return kvp_err_oom();
+    free(m.files);
+    return e;
   }
   *pm = m;
   *out = pm;
@@ -1258,6 +1406,10 @@ out:
 static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t base, int *timeout_ms) {
   uint64_t now = now_ns(), next = UINT64_MAX;
   size_t n = base;
+  /* Outbox references dropped after ob_lock (the last one of a removed
+   * peer unmaps its memory: see rmaps); beyond 8 at once, in place. */
+  peer *drop[8];
+  size_t ndrop = 0;
   pthread_mutex_lock(&ag->ob_lock);
   peer **pp = &ag->ob_peers;
   while (*pp) {
@@ -1294,7 +1446,10 @@ static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t bas
     if (!p->ob_head) {
       *pp = p->ob_next;
       p->ob_next = NULL;
-      peer_unref(p);
+      if (ndrop < sizeof drop / sizeof drop[0])
+        drop[ndrop++] = p;
+      else
+        peer_unref(p);
       continue;
     }
     if (n == *cap) {
@@ -1312,6 +1467,7 @@ static size_t ob_service(agent *ag, struct pollfd **fds, size_t *cap, size_t bas
     pp = &p->ob_next;
   }
   pthread_mutex_unlock(&ag->ob_lock);
+  for (size_t i = 0; i < ndrop; i++) peer_unref(drop[i]);
   *timeout_ms = next == UINT64_MAX ? -1 : (int)((next > now ? next - now : 0) / 1000000u) + 1;
   return n;
 }
@@ -1753,37 +1909,99 @@ static void iov_add(struct iovec *v, int *cnt, uintptr_t base, uint64_t len) {
   (*cnt)++;
 }
 
+/* The mapped peer region holding all of remote [addr, addr + n), or
+ * NULL; *hint is the last one found (pieces mostly come in address
+ * order). */
+static const rmap *rmap_at(const rmaps *ms, uint64_t addr, uint64_t n, const rmap **hint) {
+  const rmap *m = *hint;
+  if (!m || addr - m->addr >= m->len) {
+    size_t lo = 0, hi = ms->n;
+    while (lo < hi) { /* the first entry starting above addr */
+      size_t mid = lo + (hi - lo) / 2;
+      if (ms->e[mid].addr <= addr) lo = mid + 1;
+      else hi = mid;
+    }
+    if (!lo || addr - ms->e[lo - 1].addr >= ms->e[lo - 1].len) return NULL;
+    m = *hint = &ms->e[lo - 1];
+  }
+  return n <= m->len - (addr - m->addr) ? m : NULL;
+}
+
 /* Cross-process copy from the cursor, up to budget bytes: up to
  * FAKE_IOV_MAX iovecs a side per system call, pieces that continue one
  * another on a side merged into one iovec. The kernel pins the remote
  * pages once per remote iovec: a layout that gathers small runs of one
  * side into contiguous memory on the other (heterogeneous-TP MHA pages:
  * a head range of each token, 512 bytes, into the decode's whole page)
- * moves several times faster as few remote iovecs than as one per run. */
-static kvp_error *copy_pvm(iovbuf *iov, xfer *x, uint64_t budget) {
+ * moves several times faster as few remote iovecs than as one per run.
+ * With maps (the peer's mapped regions, passed only when no local memory
+ * of the agent may vanish: see xfer_step) a piece whose remote range lies
+ * in one of them moves with memcpy through the mapping instead, at once,
+ * and the rest of the batch with process_vm_*; the peer's pidfd is
+ * checked once per batch first, so a peer that exited fails the transfer
+ * with KVP_ERR_REMOTE_DISCONNECT as on the process_vm_* path. A batch
+ * holds at most FAKE_IOV_MAX mapped pieces, so cancellation and the
+ * peer's exit are seen as often as there. */
+static kvp_error *copy_pvm(iovbuf *iov, xfer *x, uint64_t budget, const rmaps *maps) {
   uint64_t queued = 0;
   uint64_t room = x->limit - x->moved;
+  int write = x->op == KVP_OP_WRITE;
+  const rmap *hint = NULL;
   if (budget > room) budget = room;
   while (queued < budget && x->cur_pair < x->npairs) {
-    int nl = 0, nr = 0;
-    uint64_t batch = 0;
-    while (nl < FAKE_IOV_MAX && nr < FAKE_IOV_MAX && batch < FAKE_PVM_MAX_BYTES && queued < budget &&
-           x->cur_pair < x->npairs) {
+    int nl = 0, nr = 0, nm = 0;
+    uint64_t batch = 0, mapped = 0;
+    if (maps && pidfd_exited(x->rt.pidfd)) return pvm_error(ESRCH, &x->rt, write);
+    while (nl < FAKE_IOV_MAX && nr < FAKE_IOV_MAX && nm < FAKE_IOV_MAX && batch < FAKE_PVM_MAX_BYTES &&
+           queued < budget && x->cur_pair < x->npairs) {
       const xpair *p = &x->pairs[x->cur_pair];
       uint64_t piece = p->len - x->cur_off;
       if (piece > budget - queued) piece = budget - queued;
       if (piece > FAKE_PVM_MAX_BYTES - batch) piece = FAKE_PVM_MAX_BYTES - batch;
-      iov_add(iov->l, &nl, (uintptr_t)(p->laddr + x->cur_blk * p->lstride + x->cur_off), piece);
-      iov_add(iov->r, &nr, (uintptr_t)(p->raddr + x->cur_blk * p->rstride + x->cur_off), piece);
+      uint64_t la = p->laddr + x->cur_blk * p->lstride + x->cur_off;
+      uint64_t ra = p->raddr + x->cur_blk * p->rstride + x->cur_off;
+      const rmap *m = maps ? rmap_at(maps, ra, piece, &hint) : NULL;
+      if (m) {
+        uint8_t *mp = m->base + (ra - m->addr);
+        if (write)
+          memcpy(mp, (const void *)(uintptr_t)la, (size_t)piece);
+        else
+          memcpy((void *)(uintptr_t)la, mp, (size_t)piece);
+        x->moved += piece;
+        mapped += piece;
+        nm++;
+      } else {
+        iov_add(iov->l, &nl, (uintptr_t)la, piece);
+        iov_add(iov->r, &nr, (uintptr_t)ra, piece);
+      }
       queued += piece;
       batch += piece;
       cursor_advance(x, piece);
     }
+    if (mapped) atomic_fetch_add_explicit(&x->ag->map_bytes, mapped, memory_order_relaxed);
     if (canceled(x)) return canceled_err();
-    kvp_error *e = pvm_flush(iov, x, nl, nr);
+    kvp_error *e = nl ? pvm_flush(iov, x, nl, nr) : NULL;
     if (e) return e;
   }
   return NULL;
+}
+
+/* 1 when a local region of ag (mem_lock held) maps a file that one of
+ * the peer's mapped regions maps too: both processes registered one
+ * file. A copy between them through the mapping and the local memory
+ * could see the same pages under two addresses, where memmove cannot tell
+ * an overlap; such a transfer keeps process_vm_* (xfer_step). */
+static int maps_share_local_file(const agent *ag, const rmaps *maps) {
+  uint64_t last_dev = 0, last_ino = 0;
+  for (size_t i = 0; i < ag->nregs; i++) {
+    const region *rg = ag->regs[i].reg;
+    if (rg->file_fd < 0 || (rg->file_dev == last_dev && rg->file_ino == last_ino)) continue;
+    last_dev = rg->file_dev;
+    last_ino = rg->file_ino;
+    for (size_t k = 0; k < maps->n; k++)
+      if (maps->e[k].dev == rg->file_dev && maps->e[k].ino == rg->file_ino) return 1;
+  }
+  return 0;
 }
 
 /* Waits delay_us unless the transfer is cancelled first. */
@@ -1832,7 +2050,11 @@ static kvp_error *xfer_step(runner *r, xfer *x, uint64_t budget, int *done) {
       int checked = atomic_load(&ag->may_fault_regs) || atomic_load(&peer_ag->may_fault_regs);
       e = copy_local(x, budget, ag, peer_ag, checked);
     } else {
-      e = copy_pvm(r->iov, x, budget);
+      /* Peer mappings only while no local memory of the agent may vanish
+       * (a memcpy from or into it cannot fault; see "Peer memory mapped"). */
+      const rmaps *maps = x->rt.maps;
+      if (maps && (atomic_load(&ag->may_fault_regs) || maps_share_local_file(ag, maps))) maps = NULL;
+      e = copy_pvm(r->iov, x, budget, maps);
     }
   }
   mem_unlock2(ag, peer_ag);
@@ -2078,6 +2300,8 @@ static void xfer_free(xfer *x) {
  * out of its agent's list if `linked`, and keeps it in the agent's cache
  * for the next xfer_alloc, or frees it when the cache is full. */
 static void xfer_retire(agent *ag, xfer *x, int linked) {
+  rmaps_unref(x->rt.maps);
+  x->rt.maps = NULL;
   peer_unref(x->peer);
   x->peer = NULL;
   if (x->heap_cap > FAKE_KEEP_PAIRS) {
@@ -2173,6 +2397,7 @@ static kvp_error *fake_plugin_info(kvp_plugin_info_args *a) {
 }
 
 static void agent_free(agent *ag);
+static void region_free(region *r);
 
 static kvp_error *agent_parse_params(agent *ag, const kvp_agent_create_args *a) {
   kvp_error *e = kvp_params_check(a->params, a->num_params, PARAM_KEYS, NUM_PARAM_KEYS, 0);
@@ -2397,7 +2622,7 @@ static kvp_error *fake_agent_destroy(kvp_agent_destroy_args *a) {
     region *r = (region *)kvp_ht_remove(g_regions, hs[i]);
     if (r) {
       own_unlink(ag, &r->link);
-      free(r);
+      region_free(r);
     }
   }
   free(hs);
@@ -2417,9 +2642,10 @@ static int u64_cmp(const void *a, const void *b) {
 /* Reports whether memory of [addr, addr + len) may vanish under a copy:
  * some of it lies in a shared or file-backed mapping (a POSIX shm object,
  * a hugetlbfs file, a CUDA IPC mapping: another process can shrink the
- * file, and a copy then takes SIGBUS) or is not mapped at all, as
- * /proc/self/maps says now. Private anonymous memory (malloc, a pool this
- * process made) stays. Anything unreadable counts as "may". */
+ * file, and a copy then takes SIGBUS), is not readable and writable, or
+ * is not mapped at all, as /proc/self/maps says now. Private anonymous
+ * read-write memory (malloc, a pool this process made) stays. Anything
+ * unreadable counts as "may". */
 static int range_may_fault(uint64_t addr, uint64_t len) {
   FILE *f = fopen("/proc/self/maps", "re");
   if (!f) return 1;
@@ -2439,7 +2665,8 @@ static int range_may_fault(uint64_t addr, uint64_t len) {
       may = 1;
       break;
     }
-    if (perms[3] == 's' || inode != 0) may = 1;
+    /* Not readable and writable: a copy out of or into it faults too. */
+    if (perms[3] == 's' || inode != 0 || perms[0] != 'r' || perms[1] != 'w') may = 1;
     covered = hi;
     /* A line longer than the buffer: skip its rest. */
     while (!strchr(line, '\n') && fgets(line, sizeof line, f)) {
@@ -2448,6 +2675,113 @@ static int range_may_fault(uint64_t addr, uint64_t len) {
   if (covered < end) may = 1;
   fclose(f);
   return may;
+}
+
+/* 1 if fd is a regular file with device dev and inode ino that cannot
+ * shrink: sealed with F_SEAL_SHRINK (only memfds and other shmem files
+ * take seals; a seal, once set, stays for the file's life), not on
+ * hugetlbfs (a fault there with no huge page left takes SIGBUS), and at
+ * least end bytes long. Then no page of [0, end) of a MAP_SHARED mapping
+ * of it can vanish: the kernel refuses every truncation below its size
+ * (EPERM), so a copy through such a mapping cannot take SIGBUS. */
+static int sealed_file_is(int fd, uint64_t dev, uint64_t ino, uint64_t end, struct stat *st) {
+  struct statfs sfs;
+  int seals = fcntl(fd, F_GET_SEALS);
+  return fstat(fd, st) == 0 && S_ISREG(st->st_mode) && (uint64_t)st->st_dev == dev && (uint64_t)st->st_ino == ino &&
+         seals >= 0 && (seals & F_SEAL_SHRINK) && (uint64_t)st->st_size >= end && fstatfs(fd, &sfs) == 0 &&
+         (unsigned long)sfs.f_type != FAKE_HUGETLBFS_MAGIC;
+}
+
+/* The file [addr, addr + len) maps, as /proc/self/maps says now: 1 and
+ * *dev, *ino, *off (the file offset of addr) when the range lies in
+ * MAP_SHARED mappings of one file, consecutive in address and in file
+ * offset, readable and writable; 0 otherwise (a hole, private or
+ * anonymous memory, two files, read-only). */
+static int range_shared_file(uint64_t addr, uint64_t len, uint64_t *dev, uint64_t *ino, uint64_t *off) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return 0;
+  uint64_t end = addr + len, covered = addr, next_off = 0;
+  int ok = 1;
+  char *line = NULL;
+  size_t cap = 0;
+  while (ok && covered < end && getline(&line, &cap, f) > 0) {
+    unsigned long long lo, hi, foff, inode;
+    char perms[8];
+    unsigned dmaj, dmin;
+    if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &foff, &dmaj, &dmin, &inode) != 7) {
+      ok = 0;
+      break;
+    }
+    if (hi <= covered) continue;
+    uint64_t here = foff + (covered - lo); /* file offset of `covered` */
+    if (lo > covered || perms[3] != 's' || inode == 0 || perms[0] != 'r' || perms[1] != 'w') {
+      ok = 0;
+    } else if (covered == addr) {
+      *dev = makedev(dmaj, dmin);
+      *ino = inode;
+      *off = here;
+    } else if (makedev(dmaj, dmin) != *dev || inode != *ino || here != next_off) {
+      ok = 0; /* another file, or the same file at other offsets */
+    }
+    next_off = here + (hi - covered);
+    covered = hi;
+  }
+  free(line);
+  fclose(f);
+  return ok && covered >= end;
+}
+
+/* Makes r->file_fd a descriptor of the sealed memfd r's memory maps, when
+ * it maps one (range_shared_file, sealed_file_is): the host keeps a
+ * descriptor of such a file open in this process while the memory is
+ * registered (README, "Peer memory mapped"), so one is found by a scan of
+ * /proc/self/fd (fstat of each: device and inode), and duplicated
+ * (close-on-exec) for the region's life; a read-write one is preferred, a
+ * peer can map only that. Returns 1 when found (the memory cannot
+ * vanish), else 0 with file_fd -1: the memory is judged as before
+ * (range_may_fault). */
+static int region_sealed_file(region *r) {
+  uint64_t dev = 0, ino = 0, off = 0;
+  if (!range_shared_file(r->addr, r->len, &dev, &ino, &off) || off > (uint64_t)INT64_MAX ||
+      r->len > (uint64_t)INT64_MAX - off)
+    return 0;
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return 0;
+  int best = -1, best_rw = 0;
+  struct dirent *de;
+  while (!best_rw && (de = readdir(d)) != NULL) {
+    char *endp;
+    long n = strtol(de->d_name, &endp, 10);
+    if (*endp || endp == de->d_name || n < 0 || n > INT_MAX || n == dirfd(d)) continue;
+    struct stat st;
+    if (!sealed_file_is((int)n, dev, ino, off + r->len, &st)) continue;
+    int fl = fcntl((int)n, F_GETFL);
+    int rw = fl >= 0 && (fl & O_ACCMODE) == O_RDWR && !(fl & O_PATH);
+    if (best >= 0 && !rw) continue;
+    int fd = fcntl((int)n, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) continue;
+    /* Checked again on the duplicate: the number may have been reused in
+     * between by another thread. */
+    if (!sealed_file_is(fd, dev, ino, off + r->len, &st)) {
+      close(fd);
+      continue;
+    }
+    if (best >= 0) close(best);
+    best = fd;
+    best_rw = rw;
+  }
+  closedir(d);
+  if (best < 0) return 0;
+  r->file_fd = best;
+  r->file_dev = dev;
+  r->file_ino = ino;
+  r->file_off = off;
+  return 1;
+}
+
+static void region_free(region *r) {
+  if (r->file_fd >= 0) close(r->file_fd);
+  free(r);
 }
 
 static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
@@ -2494,7 +2828,8 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
     r->len = a->descs[i].len;
     r->dev_id = a->descs[i].dev_id;
     r->kind = a->descs[i].mem_kind;
-    r->may_fault = range_may_fault(r->addr, r->len);
+    r->file_fd = -1;
+    r->may_fault = !region_sealed_file(r) && range_may_fault(r->addr, r->len);
     list_init(&r->link);
     rs[made++] = r;
   }
@@ -2538,13 +2873,17 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
   ag->regs = merged;
   ag->nregs = ag->capregs = total;
   merged = NULL;
+  /* Counted before the table is visible to a slice (which reads the
+   * count under mem_lock): no copy may see the new regions and a count
+   * that misses them, and memcpy memory that may vanish. */
+  for (size_t i = 0; i < n; i++)
+    if (rs[i]->may_fault) atomic_fetch_add(&ag->may_fault_regs, 1);
   atomic_fetch_add(&ag->reg_gen, 1);
   pthread_rwlock_unlock(&ag->mem_lock);
   pthread_mutex_lock(&ag->own_lock);
   for (size_t i = 0; i < n; i++) {
     list_add(&ag->regions, &rs[i]->link);
     a->regions[i] = rs[i]->handle;
-    if (rs[i]->may_fault) atomic_fetch_add(&ag->may_fault_regs, 1);
   }
   pthread_mutex_unlock(&ag->own_lock);
   made = 0; /* owned by the agent now */
@@ -2552,7 +2891,7 @@ out:
   free(merged);
   for (size_t i = 0; i < made; i++) {
     if (rs[i]->handle) kvp_ht_remove(g_regions, rs[i]->handle);
-    free(rs[i]);
+    region_free(rs[i]);
   }
   free(rs);
   agent_put(ag);
@@ -2605,7 +2944,7 @@ static kvp_error *fake_deregister_mem(kvp_deregister_mem_args *a) {
       region *r = ag->regs[i].reg;
       own_unlink(ag, &r->link);
       if (r->may_fault) atomic_fetch_sub(&ag->may_fault_regs, 1);
-      free(r);
+      region_free(r);
     } else {
       ag->regs[k++] = ag->regs[i];
     }
@@ -2711,7 +3050,7 @@ static kvp_error *md_verify(const uint8_t *buf, size_t len, const peer_md *md, i
   sha256(buf, len, dig);
   *pidfd = *tx_fd = -1;
   if (md_same_process(md)) {
-    route rt = {ROUTE_LOCAL, md->pid, -1, md->agent_handle, md->agent_id};
+    route rt = {ROUTE_LOCAL, md->pid, -1, md->agent_handle, md->agent_id, NULL};
     agent *pa = route_agent(&rt);
     if (!pa) return verify_fail(md, "no such agent lives in this process");
     int yes = agent_vouches(pa, dig);
@@ -2840,6 +3179,111 @@ fail:
   return e;
 }
 
+/* pidfd_getfd (Linux 5.6): a duplicate of descriptor fd of the process
+ * of pidfd, or -1 with errno. The kernel allows it under the same ptrace
+ * check (PTRACE_MODE_ATTACH_REALCREDS) as process_vm_*; the duplicate is
+ * close-on-exec. */
+static int pidfd_getfd_of(int pidfd, int fd) {
+#ifdef KVP_FAKE_TEST_HOOKS
+  int err = atomic_load(&g_test_getfd_errno);
+  if (err) {
+    errno = err;
+    return -1;
+  }
+#endif
+#ifdef SYS_pidfd_getfd
+  return (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+#else
+  (void)pidfd;
+  (void)fd;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+/* Reserves room for one more peer mapping of n bytes in the process's
+ * budget (FAKE_MAP_MAX_*); 0 when there is none. */
+static int map_budget_take(uint64_t n) {
+  if (atomic_fetch_add(&g_map_count, 1) >= FAKE_MAP_MAX_COUNT) {
+    atomic_fetch_sub(&g_map_count, 1);
+    return 0;
+  }
+  uint64_t before = atomic_fetch_add(&g_map_bytes, n);
+  if (before + n > FAKE_MAP_MAX_BYTES || before + n < before) {
+    atomic_fetch_sub(&g_map_bytes, n);
+    atomic_fetch_sub(&g_map_count, 1);
+    return 0;
+  }
+  return 1;
+}
+
+/* Maps the regions of a cross-process peer that metadata v2 says are
+ * sealed memfds (see "Peer memory mapped"): each file is taken with
+ * pidfd_getfd on the pidfd of the process that proved the metadata its
+ * own (md_verify), so the descriptor numbers are read in that very
+ * process, and the peer's words are checked, never trusted: the file must
+ * be the one named (device, inode), regular, not hugetlbfs, sealed with
+ * F_SEAL_SHRINK and at least as long as the region's window
+ * (sealed_file_is). Each window is mapped MAP_SHARED read-write, with
+ * MAP_POPULATE when the file has at least that many bytes allocated (so
+ * that a sparse file's holes are not filled for nothing); the mapping
+ * keeps the file, and the descriptor is closed. A region that fails any
+ * step, or that the process's budget has no room for, keeps
+ * process_vm_*. Returns NULL when no region is mapped (or out of
+ * memory). */
+static rmaps *peer_maps_take(const peer_md *md, int pidfd) {
+  if (pidfd < 0 || md->nfiles == 0) return NULL;
+  rmaps *ms = (rmaps *)calloc(1, sizeof *ms + md->nfiles * sizeof(rmap));
+  int *fds = (int *)malloc(md->nfiles * sizeof *fds);
+  if (!ms || !fds) {
+    free(ms);
+    free(fds);
+    return NULL;
+  }
+  atomic_init(&ms->refs, 1);
+  const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+  for (size_t i = 0; i < md->nfiles; i++) {
+    const md_file *mf = &md->files[i];
+    const mem_range *g = &md->regions[mf->region];
+    uint64_t end = mf->off + g->len; /* no overflow: md_decode */
+    fds[i] = -1;
+    /* One file serves several regions: a descriptor taken for an earlier
+     * entry, and found to be this device and inode, is that file. */
+    int fd = -1;
+    struct stat st;
+    for (size_t j = 0; j < i && fd < 0; j++)
+      if (fds[j] >= 0 && md->files[j].dev == mf->dev && md->files[j].ino == mf->ino) fd = fds[j];
+    if (fd < 0) {
+      fd = pidfd_getfd_of(pidfd, (int)mf->fd);
+      if (fd >= 0 && !sealed_file_is(fd, mf->dev, mf->ino, 0, &st)) {
+        close(fd);
+        fd = -1;
+      }
+      fds[i] = fd;
+    }
+    if (fd < 0 || !sealed_file_is(fd, mf->dev, mf->ino, end, &st)) continue;
+    uint64_t moff = mf->off & ~(page - 1);
+    uint64_t mlen = ((end - moff) + page - 1) & ~(page - 1);
+    if (mlen > SIZE_MAX || !map_budget_take(mlen)) continue;
+    int populate = (uint64_t)st.st_blocks * 512u >= mlen ? MAP_POPULATE : 0;
+    void *map = mmap(NULL, (size_t)mlen, PROT_READ | PROT_WRITE, MAP_SHARED | populate, fd, (off_t)moff);
+    if (map == MAP_FAILED) {
+      atomic_fetch_sub(&g_map_bytes, mlen);
+      atomic_fetch_sub(&g_map_count, 1);
+      continue;
+    }
+    ms->e[ms->n++] = (rmap){g->addr, g->len, (uint8_t *)map + (mf->off - moff), map, (size_t)mlen, mf->dev, mf->ino};
+  }
+  for (size_t i = 0; i < md->nfiles; i++)
+    if (fds[i] >= 0) close(fds[i]);
+  free(fds);
+  if (ms->n == 0) {
+    free(ms);
+    return NULL;
+  }
+  return ms; /* files are sorted by region index, regions by addr */
+}
+
 static kvp_error *reload_refused(const peer *p) {
   return kvp_err(KVP_ERR_NOT_ALLOWED,
                  "load_remote: peer \"%.*s\" is loaded as another agent (other process, agent id or "
@@ -2853,6 +3297,7 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
   agent *ag = agent_get(a->agent, "load_remote", &e);
   if (!ag) return e;
   peer_md *md = NULL;
+  rmaps *maps = NULL, *old_maps = NULL;
   int pidfd = -1, tx_fd = -1;
   if ((e = md_decode(a->metadata, a->metadata_len, &md))) goto out;
   uint8_t dig[32];
@@ -2873,6 +3318,9 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
   if (e || same) goto out;
   /* Outside peers_lock: it may wait for the peer's answer. */
   if ((e = md_verify(a->metadata, a->metadata_len, md, &pidfd, &tx_fd))) goto out;
+  /* Outside peers_lock too (MAP_POPULATE takes a while); with the pidfd
+   * md_verify proved. A reload maps afresh: the files may be others. */
+  maps = peer_maps_take(md, pidfd);
   pthread_rwlock_wrlock(&ag->peers_lock);
   p = peer_find(ag, md->name, md->name_len);
   if (p && !md_same_identity(p->md, md)) {
@@ -2883,8 +3331,10 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
     md = NULL;
     p->gen++;
     memcpy(p->digest, dig, 32);
-    free(old->regions);
-    free(old);
+    md_free(old);
+    old_maps = p->maps;
+    p->maps = maps;
+    maps = NULL;
   } else {
     p = (peer *)calloc(1, sizeof *p);
     if (!p) {
@@ -2901,6 +3351,8 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
       p->no_notif = (md->flags & MD_FLAG_NO_NOTIF) != 0;
       p->pidfd = pidfd;
       p->tx_fd = tx_fd;
+      p->maps = maps;
+      maps = NULL;
       pidfd = tx_fd = -1;
       md = NULL;
       p->next = ag->peers;
@@ -2914,10 +3366,9 @@ static kvp_error *fake_load_remote(kvp_load_remote_args *a) {
   }
   pthread_rwlock_unlock(&ag->peers_lock);
 out:
-  if (md) {
-    free(md->regions);
-    free(md);
-  }
+  md_free(md);
+  rmaps_unref(maps);
+  rmaps_unref(old_maps);
   if (pidfd >= 0) close(pidfd);
   if (tx_fd >= 0) close(tx_fd);
   agent_put(ag);
@@ -3501,6 +3952,7 @@ out:
 static kvp_error *xfer_prepare(agent *ag, xfer *x) {
   const char *fn = "post_xfer";
   kvp_error *e = NULL;
+  rmaps *old_maps = NULL;
   x->rt.kind = ROUTE_NONE;
   x->rt.pidfd = -1;
   if (x->peer) {
@@ -3528,8 +3980,16 @@ static kvp_error *xfer_prepare(agent *ag, xfer *x) {
       x->rt.pidfd = p->pidfd; /* open while the transfer holds p */
       x->rt.agent_handle = md->agent_handle;
       x->rt.agent_id = md->agent_id;
+      /* The peer's mappings as of this post; the transfer keeps them until
+       * its next post or its retirement, so a reload or remove_remote
+       * cannot unmap them under a slice. */
+      if (x->rt.maps != p->maps) {
+        old_maps = x->rt.maps;
+        x->rt.maps = rmaps_ref(p->maps);
+      }
     }
     pthread_rwlock_unlock(&ag->peers_lock);
+    rmaps_unref(old_maps);
     if (e) return e;
   }
   if (atomic_load(&ag->reg_gen) != x->local_gen) {
@@ -3987,6 +4447,22 @@ static void test_agent_put(struct agent *ag) { agent_put(ag); }
 static void test_agent_counters(struct agent *ag, uint64_t out[2]) {
   out[0] = atomic_load(&ag->notif_forged);
   out[1] = atomic_load(&ag->notif_expired);
+}
+
+/* Mapped-memory state of an agent: [0] bytes its transfers moved by
+ * memcpy through peer mappings, [1] its registered regions whose memory
+ * may vanish (may_fault_regs), [2] its regions with a sealed file
+ * (advertised in metadata v2). 0 on an unknown handle. */
+int fake_test_map_state(uint64_t handle, uint64_t out[3]) {
+  agent *ag = test_agent_get(handle);
+  if (!ag) return 0;
+  out[0] = atomic_load(&ag->map_bytes);
+  out[1] = atomic_load(&ag->may_fault_regs);
+  pthread_rwlock_rdlock(&ag->mem_lock);
+  out[2] = md_nfiles(ag);
+  pthread_rwlock_unlock(&ag->mem_lock);
+  test_agent_put(ag);
+  return 1;
 }
 #endif
 

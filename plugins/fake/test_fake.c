@@ -7,6 +7,8 @@
  *                                                      run every test
  *   test_fake --bench [MIN_RATIO]                      timing only; fails
  *                      when 1 MiB plugin/memcpy is below MIN_RATIO
+ *   test_fake --bench-maps [ROUNDS]                    timing only: peer memory
+ *                      mapped (memcpy) vs process_vm_writev, 512-byte pieces
  *   test_fake --child                                  (internal) peer process
  *
  * --so / --so-abi2 also load the shared libraries the build produced and
@@ -16,6 +18,7 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
@@ -26,6 +29,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <inttypes.h>
@@ -50,6 +54,8 @@ static const char *g_role = "parent";
 void fake_test_tune(uint64_t slice, uint64_t grace);
 void fake_test_handle_counts(size_t out[5]);
 int fake_test_agent_counters(uint64_t agent, uint64_t out[2]);
+int fake_test_map_state(uint64_t agent, uint64_t out[3]);
+void fake_test_getfd_errno(int err);
 
 #define CHECK(cond)                                                                    \
   do {                                                                                 \
@@ -2096,6 +2102,92 @@ static void test_reload_and_restart(void) {
 
 /* Metadata and blob parsers reject every truncation, random garbage and
  * (mostly) corrupted copies, without crashing: run under ASan. */
+/* Metadata v2 (an agent whose memory is a sealed memfd): every
+ * truncation, a trailing byte and every single-byte corruption are
+ * refused cleanly (by the parser, or because no agent vouches for the
+ * result); each malformed file table field is refused by the parser; the
+ * random inputs of test_parser_fuzz try version 2 a quarter of the time. */
+static void parser_fuzz_files(uint64_t a) {
+  int fd = memfd_create("kvt-fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (!CHECKV(fd >= 0 && ftruncate(fd, 1 << 16) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0)) return;
+  uint8_t *map = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  uint64_t b = agent_ok("target2");
+  kvp_mem_desc d[2] = {{(uint64_t)(uintptr_t)map, 8192, 0, KVP_MEM_DRAM, 0},
+                       {(uint64_t)(uintptr_t)map + 16384, 4096, 5, KVP_MEM_VRAM, 0}};
+  uint64_t hs[2];
+  OK(reg_n(b, d, 2, hs));
+  size_t len;
+  uint8_t *md = md_get(b, &len);
+  size_t regs_at = 56 + kvp_get_u16(md + 48) + kvp_get_u16(md + 50), files_at = regs_at + 2 * 32;
+  CHECK(kvp_get_u16(md + 4) == 2 && len == files_at + 8 + 2 * 32 && kvp_get_u32(md + files_at) == 2);
+  CHECK(kvp_get_u32(md + files_at + 8) == 0 && kvp_get_u32(md + files_at + 40) == 1); /* region indices */
+  CHECK(kvp_get_u64(md + files_at + 8 + 24) == 0 && kvp_get_u64(md + files_at + 40 + 24) == 16384); /* offsets */
+  OK(load_md(a, md, len, NULL, NULL)); /* same process: nothing mapped, but it parses */
+  OK(remove_peer(a, "target2"));
+  for (size_t cut = 0; cut < len; cut++)
+    if (!EXPECT(load_md(a, md, cut, NULL, NULL), KVP_ERR_INVALID_PARAM, "metadata")) fprintf(stderr, "v2 cut %zu\n", cut);
+  uint8_t *c = (uint8_t *)malloc(len + 1);
+  memcpy(c, md, len);
+  c[len] = 0;
+  EXPECT(load_md(a, c, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
+  int ok = 0, rej = 0, unvouched = 0;
+  for (size_t i = 0; i < len; i++) {
+    for (int v = 0; v < 3; v++) {
+      memcpy(c, md, len);
+      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
+      const char *nm;
+      size_t nl;
+      kvp_error *e = load_md(a, c, len, &nm, &nl);
+      if (e && (kvp_err_code(e) == KVP_ERR_NOT_ALLOWED || kvp_err_code(e) == KVP_ERR_REMOTE_DISCONNECT)) {
+        unvouched++;
+        kvp_err_free(e);
+      } else if (e) {
+        rej++;
+        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+      } else {
+        ok++;
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)nl, nm);
+        OK(remove_peer(a, name));
+      }
+    }
+  }
+  CHECK(ok == 0 && rej > 50 && unvouched > 50);
+  /* Each malformed field of the file table, alone. */
+  struct {
+    size_t off;
+    int width;
+    uint64_t val;
+  } bad[] = {
+      {files_at, 4, 0},                           /* no file */
+      {files_at, 4, 3},                           /* more files than regions (and than the length) */
+      {files_at + 4, 4, 1},                       /* reserved */
+      {files_at + 8, 4, 2},                       /* region index out of range */
+      {files_at + 40, 4, 0},                      /* region indices not increasing */
+      {files_at + 8 + 4, 4, 0x80000000u},         /* fd beyond int */
+      {files_at + 8 + 16, 8, 0},                  /* inode 0 */
+      {files_at + 8 + 24, 8, 1ull << 63},         /* offset beyond off_t */
+      {files_at + 8 + 24, 8, (1ull << 63) - 100}, /* offset + length beyond off_t */
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    memcpy(c, md, len);
+    if (bad[k].width == 4) kvp_put_u32(c + bad[k].off, (uint32_t)bad[k].val);
+    else kvp_put_u64(c + bad[k].off, bad[k].val);
+    if (!EXPECT(load_md(a, c, len, NULL, NULL), KVP_ERR_INVALID_PARAM, "file")) fprintf(stderr, "bad file field %zu\n", k);
+  }
+  /* v1 header over a v2 body, and v2 header over a v1 body: length mismatch. */
+  memcpy(c, md, len);
+  kvp_put_u16(c + 4, 1);
+  EXPECT(load_md(a, c, len, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
+  kvp_put_u16(c + 4, 2);
+  EXPECT(load_md(a, c, files_at, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
+  free(c);
+  free(md);
+  OK(agent_del(b));
+  munmap(map, 1 << 16);
+  close(fd);
+}
+
 static void test_parser_fuzz(void) {
   uint64_t a = agent_ok("fuzzer"), b = agent_ok("target");
   uint8_t *mem = (uint8_t *)malloc(1 << 16);
@@ -2129,10 +2221,14 @@ static void test_parser_fuzz(void) {
   EXPECT(load_md(a, longer, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
   free(longer);
   EXPECT(load_md(a, NULL, 100, NULL, NULL), KVP_ERR_INVALID_PARAM, NULL);
-  uint8_t v2[256];
-  memcpy(v2, md, len < sizeof v2 ? len : sizeof v2);
-  kvp_put_u16(v2 + 4, 2);
-  EXPECT(load_md(a, v2, len < sizeof v2 ? len : sizeof v2, NULL, NULL), KVP_ERR_INVALID_PARAM, "version 2");
+  uint8_t v3[256];
+  memcpy(v3, md, len < sizeof v3 ? len : sizeof v3);
+  kvp_put_u16(v3 + 4, 3);
+  EXPECT(load_md(a, v3, len < sizeof v3 ? len : sizeof v3, NULL, NULL), KVP_ERR_INVALID_PARAM, "version 3");
+  /* A v1 body under version 2: no file table. */
+  memcpy(v3, md, len < sizeof v3 ? len : sizeof v3);
+  kvp_put_u16(v3 + 4, 2);
+  EXPECT(load_md(a, v3, len < sizeof v3 ? len : sizeof v3, NULL, NULL), KVP_ERR_INVALID_PARAM, "length");
 
   uint32_t seed = 12345;
   int accepted = 0, rejected = 0;
@@ -2146,6 +2242,7 @@ static void test_parser_fuzz(void) {
     }
     if (it % 2 == 0 && n >= 4) memcpy(buf, "KVFM", 4); /* get past the magic half the time */
     if (it % 4 == 0 && n >= 6) kvp_put_u16(buf + 4, 1);
+    if (it % 4 == 2 && n >= 6) kvp_put_u16(buf + 4, 2);
     kvp_error *e = load_md(a, buf, n, NULL, NULL);
     if (e) {
       rejected++;
@@ -2185,6 +2282,7 @@ static void test_parser_fuzz(void) {
   }
   free(c);
   CHECK(corrupt_rej > 50 && corrupt_unvouched > 50 && corrupt_ok == 0);
+  parser_fuzz_files(a);
 
   /* Blobs. */
   uint8_t blob[48];
@@ -2452,6 +2550,7 @@ typedef struct xp_ctx {
   uint64_t ag, caddr;
   uint8_t *buf;
   int id, bad;
+  const char *peer; /* NULL: "child" */
 } xp_ctx;
 
 static void *xp_conc_main(void *p) {
@@ -2464,7 +2563,7 @@ static void *xp_conc_main(void *p) {
   int32_t z = 0;
   kvp_error *e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl);
   if (!e) e = dlist_new(c->ag, NULL, KVP_MEM_DRAM, &lb, 1, &lbdl);
-  if (!e) e = dlist_new(c->ag, "child", KVP_MEM_DRAM, &r, 1, &rdl);
+  if (!e) e = dlist_new(c->ag, c->peer ? c->peer : "child", KVP_MEM_DRAM, &r, 1, &rdl);
   if (!e) e = xfer_prepped(c->ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xw);
   if (!e) e = xfer_prepped(c->ag, KVP_OP_READ, lbdl, &z, 1, rdl, &z, 1, NOTIF(NULL), &xr);
   for (int round = 0; !e && round < 10; round++) {
@@ -2580,7 +2679,7 @@ static void test_two_processes(void) {
   xp_ctx xc[4];
   pthread_t xth[4];
   for (int i = 0; i < 4; i++) {
-    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0, NULL};
     CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
   }
   for (int i = 0; i < 4; i++) {
@@ -2595,7 +2694,7 @@ static void test_two_processes(void) {
   int efd;
   OK(event_fd(ag, &efd));
   for (int i = 0; i < 4; i++) {
-    xc[i] = (xp_ctx){ag, caddr, buf, i, 0};
+    xc[i] = (xp_ctx){ag, caddr, buf, i, 0, NULL};
     CHECK(pthread_create(&xth[i], NULL, xp_conc_main, &xc[i]) == 0);
   }
   for (int i = 0; i < 4; i++) {
@@ -2767,6 +2866,7 @@ typedef struct peer_proc {
   uint8_t *md;
   uint32_t md_len;
   uint64_t addr;
+  uint64_t addr2; /* --map-peer: its private (malloc'd) region */
 } peer_proc;
 
 static int peer_start(peer_proc *p, const char *name) {
@@ -3364,6 +3464,605 @@ static void test_shrunk_memory(void) {
   free(abuf);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Peer memory mapped (issue 24)                                            */
+/* ------------------------------------------------------------------------ */
+
+enum { PM_LEN = 4 << 20 };
+
+/* A memfd of len bytes with the seals given (0: none, sealing still
+ * allowed), or -1. */
+static int memfd_sized(const char *name, size_t len, int seals) {
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, (off_t)len) != 0 || (seals && fcntl(fd, F_ADD_SEALS, seals) != 0)) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static uint64_t map_bytes(uint64_t ag) {
+  uint64_t st[3] = {0, 0, 0};
+  CHECK(fake_test_map_state(ag, st));
+  return st[0];
+}
+
+/* A peer process (`--map-peer NAME PATH MODE`): agent NAME maps the file
+ * PATH (all of it, MAP_SHARED; the parent's memfd as /proc/PID/fd/N, or a
+ * /dev/shm file) and registers its two halves as two regions. MODE
+ * "keep" keeps its descriptor of the file open (the host's side of the
+ * contract), "closed" closes it before registering (no descriptor to
+ * find: no file advertised), "swap" then puts another memfd under every
+ * descriptor number of the file (the plugin's included), as a peer whose
+ * metadata names numbers that now hold another file. It sends its
+ * metadata and the mapping's address, waits for its stdin to close,
+ * deregisters (checking that the plugin closes the descriptors it took,
+ * one per advertised region) and exits 0 when every check passed. */
+static int map_peer_main(const char *name, const char *path, const char *mode) {
+  g_role = name;
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  struct stat fst;
+  if (fd < 0 || fstat(fd, &fst) != 0) return 2;
+  const size_t plen = (size_t)fst.st_size;
+  uint8_t *map = (uint8_t *)mmap(NULL, plen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) return 2;
+  if (strcmp(mode, "closed") == 0) {
+    close(fd);
+    fd = -1;
+  }
+  uint64_t ag = agent_ok(name);
+  int fds0 = open_fds();
+  uint8_t *priv = (uint8_t *)malloc(1 << 20);
+  kvp_mem_desc d[3] = {{(uint64_t)(uintptr_t)map, plen / 2, 0, KVP_MEM_DRAM, 0},
+                       {(uint64_t)(uintptr_t)map + plen / 2, plen / 2, 0, KVP_MEM_DRAM, 0},
+                       {(uint64_t)(uintptr_t)priv, 1 << 20, 0, KVP_MEM_DRAM, 0}};
+  uint64_t regs[3], st[3] = {0, 0, 0};
+  OK(reg_n(ag, d, 3, regs));
+  CHECK(fake_test_map_state(ag, st));
+  CHECK(open_fds() == fds0 + (int)st[2]); /* one descriptor per region with a file */
+  if (strcmp(mode, "swap") == 0) {
+    /* Sealed and as long: only device and inode tell it apart. */
+    int ofd = memfd_sized("kvt-other", plen, F_SEAL_SHRINK);
+    CHECK(ofd >= 0);
+    for (int i = 3; i < 1024; i++) {
+      struct stat s2;
+      if (i != ofd && fstat(i, &s2) == 0 && s2.st_dev == fst.st_dev && s2.st_ino == fst.st_ino)
+        CHECK(dup3(ofd, i, O_CLOEXEC) == i);
+    }
+    close(ofd);
+  }
+  size_t len;
+  uint8_t *md = md_get(ag, &len);
+  uint8_t addr[8];
+  kvp_put_u64(addr, (uint64_t)(uintptr_t)map);
+  send_msg(1, md, (uint32_t)len);
+  send_msg(1, addr, 8);
+  kvp_put_u64(addr, (uint64_t)(uintptr_t)priv);
+  send_msg(1, addr, 8);
+  free(md);
+  uint8_t tmp;
+  while (read(0, &tmp, 1) > 0) {
+  }
+  OK(dereg_n(ag, regs, 3));
+  CHECK(open_fds() == fds0); /* deregistration closed them */
+  OK(agent_del(ag));
+  free(priv);
+  munmap(map, plen);
+  if (fd >= 0) close(fd);
+  return failures ? 1 : 0;
+}
+
+static int map_peer_start(peer_proc *p, const char *name, const char *path, const char *mode) {
+  memset(p, 0, sizeof *p);
+  int to_child[2], from_child[2];
+  if (pipe2(to_child, O_CLOEXEC) || pipe2(from_child, O_CLOEXEC)) return 0;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
+  char *argv[] = {(char *)"test_fake", (char *)"--map-peer", (char *)name, (char *)path, (char *)mode, NULL};
+  int rc = posix_spawn(&p->pid, "/proc/self/exe", &fa, NULL, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(to_child[0]);
+  close(from_child[1]);
+  p->out = to_child[1];
+  p->in = from_child[0];
+  if (rc) return 0;
+  uint32_t n;
+  p->md = recv_msg(p->in, &p->md_len);
+  uint8_t *a = recv_msg(p->in, &n);
+  if (!p->md || !a || n != 8) {
+    free(a);
+    return 0;
+  }
+  p->addr = kvp_get_u64(a);
+  free(a);
+  a = recv_msg(p->in, &n);
+  if (!a || n != 8) {
+    free(a);
+    return 0;
+  }
+  p->addr2 = kvp_get_u64(a);
+  free(a);
+  return 1;
+}
+
+/* Moves desc l to or from desc r of peer `peer` (prepped path) and waits. */
+static kvp_error *move1(uint64_t ag, const char *peer, uint32_t op, kvp_xfer_desc l, kvp_xfer_desc r) {
+  uint64_t ldl = 0, rdl = 0, x = 0;
+  int32_t z = 0;
+  kvp_error *e = dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl);
+  if (!e) e = dlist_new(ag, peer, KVP_MEM_DRAM, &r, 1, &rdl);
+  if (!e) e = xfer_prepped(ag, op, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x);
+  if (!e) e = run_xfer(ag, x);
+  if (x) kvp_err_free(xfer_del(ag, x));
+  if (ldl) kvp_err_free(dlist_del(ag, ldl));
+  if (rdl) kvp_err_free(dlist_del(ag, rdl));
+  return e;
+}
+
+/* The heterogeneous-TP shape, both ways, prepped path: WRITE 2048 pieces
+ * of 512 bytes, 1024 apart in local memory lbuf (2 MiB + 512 at least),
+ * into one packed remote range at remote offset roff of peer `peer`
+ * (whose memory the parent sees at view), then READ them back into other
+ * pieces (offset 100, 1536 apart); every byte checked through view.
+ * Returns the bytes the two moved through peer mappings. */
+static uint64_t gather_both_ways(uint64_t ag, const char *peer, uint64_t raddr, uint8_t *view, uint8_t *lbuf,
+                                 uint32_t seed) {
+  const uint64_t packed = 2048 * 512;
+  uint64_t m0 = map_bytes(ag);
+  fill(lbuf, 2048 * 1536 + 100, seed);
+  OK(move1(ag, peer, KVP_OP_WRITE, XD(lbuf, 512, 1024, 2048), (kvp_xfer_desc){raddr, 512, 512, 2048, 0}));
+  int ok = 1;
+  for (int k = 0; k < 2048; k++) ok &= memcmp(view + (size_t)k * 512, lbuf + (size_t)k * 1024, 512) == 0;
+  CHECK(ok);
+  fill(view, packed, seed + 1); /* the peer's bytes change; READ must bring these */
+  OK(move1(ag, peer, KVP_OP_READ, XD(lbuf + 100, 512, 1536, 2048), (kvp_xfer_desc){raddr, 512, 512, 2048, 0}));
+  ok = 1;
+  for (int k = 0; k < 2048; k++) ok &= memcmp(lbuf + 100 + (size_t)k * 1536, view + (size_t)k * 512, 512) == 0;
+  CHECK(ok);
+  return map_bytes(ag) - m0;
+}
+
+/* A peer whose memory is a sealed memfd, and an agent here whose memory
+ * cannot fault, move bytes by memcpy through the peer's mapped file
+ * (counted by the agent's map_bytes), READ and WRITE, prepped and batch,
+ * strided, a transfer mixing mapped runs with one that straddles the
+ * peer's two regions (process_vm_*); every byte checked through the
+ * parent's own mapping of the file. What keeps process_vm_* (map_bytes
+ * stays 0, the same bytes land): a peer memfd without F_SEAL_SHRINK, a
+ * /dev/shm file, a peer that closed its descriptor, another file under
+ * the descriptor numbers the metadata names, pidfd_getfd refused, local
+ * memory that may vanish on the initiator, and the same file registered
+ * on both sides. The owner cannot shrink a sealed file (EPERM): that is
+ * the kernel's promise the design stands on. A peer that exits in the
+ * middle of a transfer fails it with KVP_ERR_REMOTE_DISCONNECT, and the
+ * process lives on. */
+static void test_peer_mapped(void) {
+  int fd = memfd_sized("kvt-map", PM_LEN, F_SEAL_SHRINK);
+  if (!CHECKV(fd >= 0)) return;
+  CHECK(ftruncate(fd, PM_LEN / 2) == -1 && errno == EPERM);
+  CHECK(ftruncate(fd, 0) == -1 && errno == EPERM);
+  uint8_t *view = (uint8_t *)mmap(NULL, PM_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  CHECK(view != MAP_FAILED);
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)getpid(), fd);
+  uint8_t *lbuf = (uint8_t *)malloc(PM_LEN);
+  int lfd = memfd_sized("kvt-local", PM_LEN, F_SEAL_SHRINK | F_SEAL_GROW);
+  CHECK(lfd >= 0);
+  uint8_t *lmap = (uint8_t *)mmap(NULL, PM_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, lfd, 0);
+  CHECK(lmap != MAP_FAILED);
+  const uint64_t half = PM_LEN / 2, packed = 2048 * 512;
+  peer_proc pp;
+  if (!CHECKV(map_peer_start(&pp, "mappeer", path, "keep"))) goto done;
+  CHECK(kvp_get_u16(pp.md + 4) == 2); /* metadata v2: it has files */
+
+  /* Local memory: malloc'd and a sealed memfd; neither may vanish. */
+  uint64_t ag = agent_ok("host"), st[3];
+  uint64_t lr = reg1(ag, lbuf, PM_LEN, KVP_MEM_DRAM, 0), lmr = reg1(ag, lmap, PM_LEN, KVP_MEM_DRAM, 0);
+  CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 1);
+  int fds0 = open_fds();
+  OK(load_md(ag, pp.md, pp.md_len, NULL, NULL));
+  CHECK(open_fds() == fds0 + 2); /* pidfd, notification socket: the mappings keep the file */
+  CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 50) == 2 * packed);
+  CHECK(gather_both_ways(ag, "mappeer", pp.addr + half, view + half, lmap, 51) == 2 * packed);
+
+  /* One transfer, two descriptors: 40 blocks of 4000 bytes, 4096 apart
+   * here, packed in the mapped memory there, and 10 blocks of 3000 bytes
+   * into the peer's private memory (no file: process_vm_*). WRITE, then
+   * READ both back elsewhere. */
+  {
+    uint64_t m0 = map_bytes(ag);
+    kvp_xfer_desc l2[2] = {XD(lbuf, 4000, 4096, 40), XD(lbuf + 200000, 3000, 3000, 10)};
+    kvp_xfer_desc b2[2] = {XD(lbuf + (1 << 20), 4000, 4096, 40), XD(lbuf + (1 << 20) + 200000, 3000, 3000, 10)};
+    kvp_xfer_desc r2[2] = {{pp.addr + 4096, 4000, 4000, 40, 0}, {pp.addr2 + 512, 3000, 3000, 10, 0}};
+    fill(lbuf, PM_LEN, 52);
+    for (int op = 0; op < 2; op++) {
+      uint64_t ldl, rdl, x;
+      int32_t idx[2] = {0, 1};
+      OK(dlist_new(ag, NULL, KVP_MEM_DRAM, op ? b2 : l2, 2, &ldl));
+      OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, r2, 2, &rdl));
+      OK(xfer_prepped(ag, op ? KVP_OP_READ : KVP_OP_WRITE, ldl, idx, 2, rdl, idx, 2, NOTIF(NULL), &x));
+      OK(run_xfer(ag, x));
+      OK(xfer_del(ag, x));
+      OK(dlist_del(ag, ldl));
+      OK(dlist_del(ag, rdl));
+    }
+    int ok = 1;
+    for (int k = 0; k < 40; k++) {
+      ok &= memcmp(view + 4096 + (size_t)k * 4000, lbuf + (size_t)k * 4096, 4000) == 0;
+      ok &= memcmp(lbuf + (1 << 20) + (size_t)k * 4096, lbuf + (size_t)k * 4096, 4000) == 0;
+    }
+    ok &= memcmp(lbuf + (1 << 20) + 200000, lbuf + 200000, 30000) == 0;
+    CHECK(ok);
+    CHECK(map_bytes(ag) - m0 == 2 * 40 * 4000);
+  }
+
+  /* Batch path, against a remote region imported by address: strided
+   * entries both ways. */
+  {
+    uint64_t rr = 0, x = 0;
+    OK(import_rr(ag, "mappeer", NULL, 0, pp.addr + half, half, KVP_MEM_DRAM, &rr, NULL));
+    kvp_region_pair pr = {lr, rr};
+    kvp_batch_entry en[2] = {BE(0, 0, 4096, 3000, 3100, 3000, 100), BE(0, 1 << 20, 1 << 20, 65536, 0, 0, 1)};
+    uint64_t m0 = map_bytes(ag);
+    fill(lbuf, PM_LEN, 54);
+    OK(xfer_batch(ag, KVP_OP_WRITE, &pr, 1, en, 2, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    int ok = memcmp(view + half + (1 << 20), lbuf + (1 << 20), 65536) == 0;
+    for (int k = 0; k < 100; k++) ok &= memcmp(view + half + 4096 + (size_t)k * 3000, lbuf + (size_t)k * 3100, 3000) == 0;
+    CHECK(ok);
+    memset(lbuf, 0, PM_LEN);
+    OK(xfer_batch(ag, KVP_OP_READ, &pr, 1, en, 2, NOTIF(NULL), &x));
+    OK(run_xfer(ag, x));
+    OK(xfer_del(ag, x));
+    ok = memcmp(view + half + (1 << 20), lbuf + (1 << 20), 65536) == 0;
+    for (int k = 0; k < 100; k++) ok &= memcmp(view + half + 4096 + (size_t)k * 3000, lbuf + (size_t)k * 3100, 3000) == 0;
+    CHECK(ok);
+    CHECK(map_bytes(ag) - m0 == 2 * (100 * 3000 + 65536));
+    OK(rr_del(ag, rr));
+  }
+
+  /* The initiator registers memory that may vanish (an unsealed memfd):
+   * its copies keep process_vm_*, with the same bytes; once it is gone,
+   * the mapping again. */
+  {
+    int ufd = memfd_sized("kvt-unsealed", 1 << 16, 0);
+    uint8_t *um = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ | PROT_WRITE, MAP_SHARED, ufd, 0);
+    uint64_t ur = reg1(ag, um, 1 << 16, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 1);
+    CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 55) == 0);
+    OK(dereg_n(ag, &ur, 1));
+    CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 56) == 2 * packed);
+    munmap(um, 1 << 16);
+    close(ufd);
+  }
+  /* The same file registered here too (both sides share the pages): the
+   * transfer keeps process_vm_*. */
+  {
+    uint64_t vr = reg1(ag, view + half, half, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 2);
+    CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 57) == 0);
+    OK(dereg_n(ag, &vr, 1));
+  }
+  /* 4 threads at once on the mapped path (xp_conc_main: 10 rounds of a
+   * 64-block WRITE and READ back each, over its own 256 KiB). */
+  {
+    pthread_t th[4];
+    xp_ctx xc[4];
+    uint64_t m0 = map_bytes(ag);
+    for (int i = 0; i < 4; i++) {
+      xc[i] = (xp_ctx){ag, pp.addr, lbuf, i, 0, "mappeer"};
+      CHECK(pthread_create(&th[i], NULL, xp_conc_main, &xc[i]) == 0);
+    }
+    int bad = 0;
+    for (int i = 0; i < 4; i++) {
+      pthread_join(th[i], NULL);
+      bad += xc[i].bad;
+    }
+    CHECK(bad == 0 && map_bytes(ag) - m0 == 4 * 10 * 2 * 64 * 4000);
+  }
+  /* pidfd_getfd refused (EPERM, ENOSYS): no mapping, the same bytes. */
+  int errs[2] = {EPERM, ENOSYS};
+  for (int i = 0; i < 2; i++) {
+    fake_test_getfd_errno(errs[i]);
+    uint64_t ag2 = agent_ok("host2");
+    reg1(ag2, lbuf, PM_LEN, KVP_MEM_DRAM, 0);
+    OK(load_md(ag2, pp.md, pp.md_len, NULL, NULL));
+    fake_test_getfd_errno(0);
+    CHECK(gather_both_ways(ag2, "mappeer", pp.addr, view, lbuf, (uint32_t)(58 + i)) == 0);
+    OK(agent_del(ag2));
+  }
+
+  /* Remove the peer while a transfer holds its mappings: the transfer is
+   * cancelled; its mappings go with its release. */
+  fake_test_tune(64 << 10, 3600000000000ull); /* polls alone move it, one slice each */
+  {
+    uint64_t ldl, rdl, x;
+    int32_t z = 0;
+    kvp_xfer_desc l = XD(lbuf, 2 << 20, 0, 1), r = {pp.addr, 2 << 20, 0, 1, 0};
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+    OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, &r, 1, &rdl));
+    OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+    kvp_status s1;
+    uint64_t m0 = map_bytes(ag);
+    OK(post(ag, x, &s1));
+    OK(poll1(ag, x, &s1));
+    OK(poll1(ag, x, &s1));
+    CHECK(s1 == KVP_IN_PROG && map_bytes(ag) - m0 == 64 << 10); /* one slice moved, through the mapping */
+    OK(remove_peer(ag, "mappeer"));
+    EXPECT(poll1(ag, x, NULL), KVP_ERR_CANCELED, "was removed");
+    OK(xfer_del(ag, x));
+    OK(dlist_del(ag, ldl));
+    OK(dlist_del(ag, rdl));
+  }
+  /* Loaded again, then the peer exits in the middle of a transfer. */
+  OK(load_md(ag, pp.md, pp.md_len, NULL, NULL));
+  {
+    uint64_t ldl, rdl, x;
+    int32_t z = 0;
+    kvp_xfer_desc l = XD(lbuf, 2 << 20, 0, 1), r = {pp.addr, 2 << 20, 0, 1, 0};
+    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
+    OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, &r, 1, &rdl));
+    OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
+    kvp_status s1;
+    uint64_t m0 = map_bytes(ag);
+    OK(post(ag, x, &s1));
+    OK(poll1(ag, x, &s1));
+    OK(poll1(ag, x, &s1));
+    CHECK(s1 == KVP_IN_PROG && map_bytes(ag) - m0 == 64 << 10);
+    kill(pp.pid, SIGKILL);
+    CHECK(!peer_stop(&pp)); /* reaped: killed */
+    EXPECT(wait_xfer(ag, x, NULL), KVP_ERR_REMOTE_DISCONNECT, "is gone");
+    CHECK(map_bytes(ag) - m0 == 64 << 10);
+    OK(xfer_del(ag, x));
+    OK(dlist_del(ag, ldl));
+    OK(dlist_del(ag, rdl));
+  }
+  fake_test_tune(0, 0);
+  OK(dereg_n(ag, &lmr, 1));
+  OK(agent_del(ag));
+
+  /* Peers that keep process_vm_*: their memory lands all the same. */
+  {
+    struct {
+      const char *name, *mode;
+      int file; /* 0: the parent's sealed memfd, 1: unsealed memfd, 2: /dev/shm file */
+      int version;
+    } cases[] = {
+        {"closedpeer", "closed", 0, 1}, /* no descriptor of the file left: nothing advertised */
+        {"swappeer", "swap", 0, 2},     /* advertised, but another file under the numbers */
+        {"unsealedpeer", "keep", 1, 1}, /* a memfd that may shrink */
+        {"shmpeer", "keep", 2, 1},      /* POSIX shm: tmpfs files cannot be sealed */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+      int cfd = fd;
+      uint8_t *cview = view;
+      char cpath[128];
+      snprintf(cpath, sizeof cpath, "%s", path);
+      if (cases[i].file == 1) {
+        cfd = memfd_sized("kvt-unsealed-peer", PM_LEN, 0);
+        snprintf(cpath, sizeof cpath, "/proc/%d/fd/%d", (int)getpid(), cfd);
+      } else if (cases[i].file == 2) {
+        snprintf(cpath, sizeof cpath, "/dev/shm/kvt-map-%d-%llx", (int)getpid(), (unsigned long long)now_ns());
+        cfd = open(cpath, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        CHECK(cfd >= 0 && ftruncate(cfd, PM_LEN) == 0);
+        CHECK(fcntl(cfd, F_ADD_SEALS, F_SEAL_SHRINK) == -1); /* no sealing on tmpfs files */
+      }
+      if (cfd != fd) cview = (uint8_t *)mmap(NULL, PM_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0);
+      if (CHECKV(cview != MAP_FAILED && map_peer_start(&pp, cases[i].name, cpath, cases[i].mode))) {
+        if (cases[i].file == 2) unlink(cpath);
+        CHECK(kvp_get_u16(pp.md + 4) == cases[i].version);
+        uint64_t ag3 = agent_ok("host3");
+        reg1(ag3, lbuf, PM_LEN, KVP_MEM_DRAM, 0);
+        OK(load_md(ag3, pp.md, pp.md_len, NULL, NULL));
+        CHECK(gather_both_ways(ag3, cases[i].name, pp.addr + half, cview + half, lbuf, (uint32_t)(60 + i)) == 0);
+        OK(agent_del(ag3));
+        CHECK(peer_stop(&pp));
+      }
+      if (cfd != fd) {
+        munmap(cview, PM_LEN);
+        close(cfd);
+      }
+    }
+  }
+done:
+  munmap(view, PM_LEN);
+  munmap(lmap, PM_LEN);
+  close(fd);
+  close(lfd);
+  free(lbuf);
+}
+
+/* Same process: a region in a sealed memfd does not count as memory that
+ * may vanish (same-process copies keep memcpy) and is advertised (metadata
+ * v2, one descriptor held per region, closed at deregistration); an
+ * unsealed memfd, one sealed only against growth, one mapped beyond its
+ * size, one whose descriptor was closed, and a /dev/shm file still count
+ * and advertise nothing (metadata v1 byte for byte as before); so does
+ * read-only memory. */
+static void test_sealed_registration(void) {
+  uint64_t ag = agent_ok("sealer"), st[3];
+  int fds0 = open_fds();
+  int sfd = memfd_sized("kvt-sealed", 1 << 20, F_SEAL_SHRINK);
+  uint8_t *sm = (uint8_t *)mmap(NULL, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, sfd, 0);
+  /* Only the middle of the mapping: the file offset travels. */
+  uint64_t sr = reg1(ag, sm + 8192, 65536, KVP_MEM_DRAM, 0);
+  CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 1);
+  CHECK(open_fds() == fds0 + 2); /* ours, and the plugin's */
+  size_t len;
+  uint8_t *md = md_get(ag, &len);
+  size_t files_at = md_regions_at(md) + 32;
+  CHECK(kvp_get_u16(md + 4) == 2 && len == files_at + 8 + 32 && kvp_get_u32(md + files_at) == 1);
+  struct stat fst;
+  CHECK(fstat(sfd, &fst) == 0);
+  int adv = (int)kvp_get_u32(md + files_at + 12);
+  struct stat ast;
+  CHECK(adv != sfd && fstat(adv, &ast) == 0 && ast.st_ino == fst.st_ino); /* a descriptor of its own */
+  CHECK(kvp_get_u64(md + files_at + 16) == (uint64_t)fst.st_dev && kvp_get_u64(md + files_at + 24) == (uint64_t)fst.st_ino);
+  CHECK(kvp_get_u64(md + files_at + 32) == 8192);
+  free(md);
+  OK(dereg_n(ag, &sr, 1));
+  CHECK(open_fds() == fds0 + 1);
+  munmap(sm, 1 << 20);
+  close(sfd);
+
+  struct {
+    const char *what;
+    int seals;
+    size_t map_len; /* mapped and registered; the file has 64 KiB */
+    int close_fd, shm;
+  } cases[] = {
+      {"unsealed memfd", 0, 1 << 16, 0, 0},
+      {"memfd sealed against growth only", F_SEAL_GROW, 1 << 16, 0, 0},
+      {"sealed memfd mapped beyond its size", F_SEAL_SHRINK, 1 << 17, 0, 0},
+      {"sealed memfd without a descriptor", F_SEAL_SHRINK, 1 << 16, 1, 0},
+      {"/dev/shm file", 0, 1 << 16, 0, 1},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int fd;
+    if (cases[i].shm) {
+      char p[128];
+      snprintf(p, sizeof p, "/dev/shm/kvt-reg-%d-%llx", (int)getpid(), (unsigned long long)now_ns());
+      fd = open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      unlink(p);
+      CHECK(fd >= 0 && ftruncate(fd, 1 << 16) == 0);
+    } else {
+      fd = memfd_sized("kvt-case", 1 << 16, cases[i].seals);
+    }
+    uint8_t *m = (uint8_t *)mmap(NULL, cases[i].map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (cases[i].close_fd) close(fd);
+    int n0 = open_fds();
+    uint64_t r = reg1(ag, m, cases[i].map_len, KVP_MEM_DRAM, 0);
+    int ok = fake_test_map_state(ag, st) && st[1] == 1 && st[2] == 0 && open_fds() == n0;
+    md = md_get(ag, &len);
+    ok &= kvp_get_u16(md + 4) == 1 && len == md_regions_at(md) + 32;
+    free(md);
+    if (!CHECKV(ok)) fprintf(stderr, "case: %s\n", cases[i].what);
+    OK(dereg_n(ag, &r, 1));
+    munmap(m, cases[i].map_len);
+    if (!cases[i].close_fd) close(fd);
+  }
+  /* Read-only: a copy into it would fault (private anonymous memory, and
+   * a sealed memfd mapped read-only). */
+  {
+    uint8_t *ro = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int rfd = memfd_sized("kvt-ro", 1 << 16, F_SEAL_SHRINK);
+    uint8_t *rom = (uint8_t *)mmap(NULL, 1 << 16, PROT_READ, MAP_SHARED, rfd, 0);
+    uint64_t r1 = reg1(ag, ro, 1 << 16, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 1 && st[2] == 0);
+    uint64_t r2 = reg1(ag, rom, 1 << 16, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(ag, st) && st[1] == 2 && st[2] == 0);
+    OK(dereg_n(ag, &r1, 1));
+    OK(dereg_n(ag, &r2, 1));
+    munmap(ro, 1 << 16);
+    munmap(rom, 1 << 16);
+    close(rfd);
+  }
+  /* Private anonymous memory: neither may vanish nor has a file. */
+  uint8_t *pm = (uint8_t *)malloc(1 << 16);
+  uint64_t pr = reg1(ag, pm, 1 << 16, KVP_MEM_DRAM, 0);
+  CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 0);
+  OK(dereg_n(ag, &pr, 1));
+  free(pm);
+  OK(agent_del(ag));
+}
+
+/* `test_fake --bench-maps [ROUNDS]`: what a cross-process WRITE of the
+ * SGLang heterogeneous-TP MHA shape costs through the peer's mapped
+ * sealed memfd (memcpy) and through process_vm_writev: 512-byte pieces
+ * 1 KiB apart here, gathered into packed remote runs of 8 KiB (a decode
+ * page at 16 tokens) and 64 KiB with a gap of one run between runs, 1 MiB
+ * a transfer, over a 32 MiB window of the peer's memory. Two agents load
+ * the same peer, one with pidfd_getfd refused (so process_vm_* only);
+ * after a warm-up pass of each over the window (pages faulted in on both
+ * sides) they alternate transfer by transfer, ROUNDS rounds (default 3)
+ * of 4 passes each. Each line gives wall and thread-CPU rates. Not a
+ * test: numbers only (measure under nice -n -10). */
+static int bench_maps(int rounds) {
+  enum { WIN = 32 << 20, XB = 1 << 20 };
+  int fd = memfd_sized("kvt-bench", 2 * (size_t)WIN, F_SEAL_SHRINK);
+  if (fd < 0) return 2;
+  uint8_t *view = (uint8_t *)mmap(NULL, 2 * (size_t)WIN, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (view == MAP_FAILED) return 2;
+  memset(view, 1, 2 * (size_t)WIN); /* the file's pages exist */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)getpid(), fd);
+  peer_proc pp;
+  if (!map_peer_start(&pp, "benchpeer", path, "keep")) return 2;
+  uint8_t *lbuf = (uint8_t *)malloc(2 * XB);
+  fill(lbuf, 2 * XB, 1);
+  uint64_t ag[2];
+  for (int m = 0; m < 2; m++) {
+    ag[m] = agent_ok(m ? "bench-pvm" : "bench-map");
+    reg1(ag[m], lbuf, 2 * XB, KVP_MEM_DRAM, 0);
+    fake_test_getfd_errno(m ? EPERM : 0);
+    OK(load_md(ag[m], pp.md, pp.md_len, NULL, NULL));
+    fake_test_getfd_errno(0);
+  }
+  const uint64_t runs[2] = {8192, 65536};
+  for (int round = 0; round < rounds; round++) {
+    for (int a = 0; a < 2; a++) {
+      uint64_t run = runs[a], nper = run / 512, ndesc = XB / run;
+      kvp_xfer_desc *l = (kvp_xfer_desc *)calloc(ndesc, sizeof *l), *r = (kvp_xfer_desc *)calloc(ndesc, sizeof *r);
+      int32_t *idx = (int32_t *)calloc(ndesc, sizeof *idx);
+      for (uint64_t i = 0; i < ndesc; i++) {
+        l[i] = XD(lbuf + i * nper * 1024, 512, 1024, nper);
+        idx[i] = (int32_t)i;
+      }
+      double wall[2] = {0, 0}, cpu[2] = {0, 0};
+      uint64_t bytes[2] = {0, 0}, mb0 = map_bytes(ag[0]), mb1 = map_bytes(ag[1]);
+      const int per_pass = WIN / (2 * XB);
+      for (int pass = 0; pass < 5; pass++) { /* pass 0: warm-up */
+        for (int t = 0; t < per_pass; t++) {
+          uint64_t base = pp.addr + (uint64_t)t * 2 * XB;
+          for (uint64_t i = 0; i < ndesc; i++) r[i] = (kvp_xfer_desc){base + i * 2 * run, 512, 512, nper, 0};
+          for (int k = 0; k < 2; k++) {
+            int m = (t + pass + k) & 1; /* alternate which goes first */
+            uint64_t ldl, rdl, x;
+            OK(dlist_new(ag[m], NULL, KVP_MEM_DRAM, l, ndesc, &ldl));
+            if (!OK(dlist_new(ag[m], "benchpeer", KVP_MEM_DRAM, r, ndesc, &rdl))) return 1;
+            OK(xfer_prepped(ag[m], KVP_OP_WRITE, ldl, idx, ndesc, rdl, idx, ndesc, NOTIF(NULL), &x));
+            struct timespec c0, c1;
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+            uint64_t t0 = now_ns();
+            if (!OK(run_xfer(ag[m], x))) return 1;
+            uint64_t t1 = now_ns();
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+            if (pass > 0) {
+              wall[m] += (double)(t1 - t0) / 1e9;
+              cpu[m] += (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) / 1e9;
+              bytes[m] += XB;
+            }
+            OK(xfer_del(ag[m], x));
+            OK(dlist_del(ag[m], ldl));
+            OK(dlist_del(ag[m], rdl));
+          }
+        }
+      }
+      /* Each agent took the path it is named for. */
+      CHECK(map_bytes(ag[0]) - mb0 == bytes[0] + (uint64_t)per_pass * XB && map_bytes(ag[1]) == mb1);
+      printf("round %d, runs of %6" PRIu64 " B: mapped memcpy %5.2f GB/s (CPU %5.2f) | process_vm_writev %5.2f GB/s "
+             "(CPU %5.2f) | ratio %.2f\n",
+             round, run, bytes[0] / wall[0] / 1e9, bytes[0] / cpu[0] / 1e9, bytes[1] / wall[1] / 1e9,
+             bytes[1] / cpu[1] / 1e9, (bytes[0] / wall[0]) / (bytes[1] / wall[1]));
+      fflush(stdout);
+      free(l);
+      free(r);
+      free(idx);
+    }
+  }
+  OK(agent_del(ag[0]));
+  OK(agent_del(ag[1]));
+  CHECK(peer_stop(&pp));
+  munmap(view, 2 * (size_t)WIN);
+  close(fd);
+  free(lbuf);
+  return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
   kvp_get_api_args g;
   memset(&g, 0, sizeof g);
@@ -3378,6 +4077,8 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc > 1 && strcmp(argv[1], "--child") == 0) return child_main();
   if (argc > 2 && strcmp(argv[1], "--peer") == 0) return peer_main(argv[2]);
+  if (argc > 1 && strcmp(argv[1], "--bench-maps") == 0) return bench_maps(argc > 2 ? atoi(argv[2]) : 3);
+  if (argc > 4 && strcmp(argv[1], "--map-peer") == 0) return map_peer_main(argv[2], argv[3], argv[4]);
   if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
     double min_ratio = argc > 2 ? atof(argv[2]) : 0;
     double ratio = bench(0);
@@ -3427,6 +4128,8 @@ int main(int argc, char **argv) {
       {"forged_reload", test_forged_reload},
       {"stalled_peer", test_stalled_peer},
       {"shrunk_memory", test_shrunk_memory},
+      {"sealed_registration", test_sealed_registration},
+      {"peer_mapped", test_peer_mapped},
       {"abi11_submit_event_fd", test_abi11_submit_and_event_fd},
       {"abi11_failure_caps_off", test_abi11_failure_and_caps_off},
       {"abi11_concurrent", test_abi11_concurrent},
