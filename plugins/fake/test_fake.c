@@ -55,6 +55,7 @@ void fake_test_tune(uint64_t slice, uint64_t grace);
 void fake_test_handle_counts(size_t out[5]);
 int fake_test_agent_counters(uint64_t agent, uint64_t out[2]);
 int fake_test_map_state(uint64_t agent, uint64_t out[3]);
+uint64_t fake_test_warm_pages(uint64_t agent);
 void fake_test_getfd_errno(int err);
 
 #define CHECK(cond)                                                                    \
@@ -3662,8 +3663,17 @@ static void test_peer_mapped(void) {
   uint64_t ag = agent_ok("host"), st[3];
   uint64_t lr = reg1(ag, lbuf, PM_LEN, KVP_MEM_DRAM, 0), lmr = reg1(ag, lmap, PM_LEN, KVP_MEM_DRAM, 0);
   CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 1);
+  /* prefault touched the sealed memfd's pages from user space, not the
+   * malloc'd buffer's. */
+  const uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+  CHECK(fake_test_warm_pages(ag) == PM_LEN / pg);
   int fds0 = open_fds();
+  struct stat pst;
+  CHECK(fstat(fd, &pst) == 0);
+  int populated = (uint64_t)pst.st_blocks * 512u >= half; /* each window is half the file */
   OK(load_md(ag, pp.md, pp.md_len, NULL, NULL));
+  /* ... and load_remote the peer's windows, where their pages exist. */
+  CHECK(fake_test_warm_pages(ag) == PM_LEN / pg + (populated ? PM_LEN / pg : 0));
   CHECK(open_fds() == fds0 + 2); /* pidfd, notification socket: the mappings keep the file */
   CHECK(gather_both_ways(ag, "mappeer", pp.addr, view, lbuf, 50) == 2 * packed);
   CHECK(gather_both_ways(ag, "mappeer", pp.addr + half, view + half, lmap, 51) == 2 * packed);
@@ -3889,8 +3899,23 @@ static void test_sealed_registration(void) {
   int sfd = memfd_sized("kvt-sealed", 1 << 20, F_SEAL_SHRINK);
   uint8_t *sm = (uint8_t *)mmap(NULL, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, sfd, 0);
   /* Only the middle of the mapping: the file offset travels. */
+  for (size_t i = 0; i < 1 << 20; i++) sm[i] = (uint8_t)(i * 7 + 3);
   uint64_t sr = reg1(ag, sm + 8192, 65536, KVP_MEM_DRAM, 0);
   CHECK(fake_test_map_state(ag, st) && st[1] == 0 && st[2] == 1);
+  /* prefault: each of its 16 pages touched once from user space (an
+   * atomic add of zero: every byte as it was); none with prefault=false. */
+  CHECK(fake_test_warm_pages(ag) == 65536 / (uint64_t)sysconf(_SC_PAGESIZE));
+  int intact = 1;
+  for (size_t i = 0; i < 1 << 20; i++) intact &= sm[i] == (uint8_t)(i * 7 + 3);
+  CHECK(intact);
+  {
+    uint64_t cold;
+    OK(agent_new("cold", &cold, NULL, "prefault", "false", NULL));
+    uint64_t cr = reg1(cold, sm + 8192, 65536, KVP_MEM_DRAM, 0);
+    CHECK(fake_test_map_state(cold, st) && st[2] == 1 && fake_test_warm_pages(cold) == 0);
+    OK(dereg_n(cold, &cr, 1));
+    OK(agent_del(cold));
+  }
   CHECK(open_fds() == fds0 + 2); /* ours, and the plugin's */
   size_t len;
   uint8_t *md = md_get(ag, &len);
@@ -3921,6 +3946,7 @@ static void test_sealed_registration(void) {
       {"sealed memfd without a descriptor", F_SEAL_SHRINK, 1 << 16, 1, 0},
       {"/dev/shm file", 0, 1 << 16, 0, 1},
   };
+  const uint64_t warm0 = fake_test_warm_pages(ag);
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int fd;
     if (cases[i].shm) {
@@ -3940,6 +3966,7 @@ static void test_sealed_registration(void) {
     md = md_get(ag, &len);
     ok &= kvp_get_u16(md + 4) == 1 && len == md_regions_at(md) + 32;
     free(md);
+    ok &= fake_test_warm_pages(ag) == warm0; /* memory that may vanish is never touched */
     if (!CHECKV(ok)) fprintf(stderr, "case: %s\n", cases[i].what);
     OK(dereg_n(ag, &r, 1));
     munmap(m, cases[i].map_len);
