@@ -184,9 +184,19 @@ def prefill_engine(args, control, requests, to_decode, results):
                               "sent": 0, "inited": False}
                 to_decode.put((rid, ntok, seed, boot.addr, room))
                 busy = True
-            for room, st in list(live.items()):
-                with ph.timed("poll", len(st["senders"])):
-                    polls = [s.poll() for s in st["senders"]]
+            # SGLang's scheduler polls a request's senders while it
+            # bootstraps and once its batch ran (the inflight queue), all
+            # in one sweep (poll_and_all_reduce), not while the batch runs:
+            # rooms in the forward pass are left out, as the decode below
+            # leaves out rooms being checked. One timer for the sweep: a
+            # thread CPU clock read is a system call (about 2 us here),
+            # which per room cost more than the poll() it timed.
+            sweep = [(room, st) for room, st in live.items() if not (st["inited"] and not st["fill"].done)]
+            polled = []
+            if sweep:
+                with ph.timed("poll", sum(len(st["senders"]) for _, st in sweep)):
+                    polled = [(room, st, [s.poll() for s in st["senders"]]) for room, st in sweep]
+            for room, st, polls in polled:
                 if any(int(p) == int(ksg.KVPoll.Failed) for p in polls):
                     # SGLang's prefill: failure_exception() raises the
                     # reason (logged), the request is dropped; the decode
@@ -335,19 +345,21 @@ def decode_engine(args, control, nreq, from_prefill, results):
                     t_first = time.monotonic()
                 busy = True
             for room, st in list(live.items()):
-                if "verify" in st:
-                    # Transferred; the device is checking it.
-                    if not st["verify"].done:
-                        continue
+                # Transferred; the device is checking it.
+                if "verify" in st and st["verify"].done:
                     err = st["verify"].value()
                     with ph.timed("adapter"):
                         for rv in st["recvs"]:
                             rv.clear()
                     finish(room, st, err, False)
                     busy = True
-                    continue
-                with ph.timed("poll", len(st["recvs"])):
-                    polls = [rv.poll() for rv in st["recvs"]]
+            # The rest in one sweep, as the prefill's.
+            sweep = [(room, st) for room, st in live.items() if "verify" not in st]
+            polled = []
+            if sweep:
+                with ph.timed("poll", sum(len(st["recvs"]) for _, st in sweep)):
+                    polled = [(room, st, [rv.poll() for rv in st["recvs"]]) for room, st in sweep]
+            for room, st, polls in polled:
                 failed = any(int(p) == int(ksg.KVPoll.Failed) for p in polls)
                 if st["ids"] is None and not failed:
                     if not _all(polls, ksg.KVPoll.WaitingForInput) or not aux_free:
