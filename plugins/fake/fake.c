@@ -2643,6 +2643,25 @@ static int u64_cmp(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* One line of /proc/self/maps: the range [lo, hi), its permissions
+ * ("rw-s"), and the file offset, device and inode of what it maps (inode
+ * 0: anonymous memory). */
+typedef struct maps_entry {
+  uint64_t lo, hi, off, dev, ino;
+  char perms[8];
+} maps_entry;
+
+/* Parses a line of /proc/self/maps into *m; 0 when it does not parse. */
+static int maps_parse(const char *line, maps_entry *m) {
+  unsigned long long lo, hi, off, ino;
+  unsigned dmaj, dmin;
+  char perms[8];
+  if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &dmaj, &dmin, &ino) != 7) return 0;
+  *m = (maps_entry){lo, hi, off, makedev(dmaj, dmin), ino, {0}};
+  memcpy(m->perms, perms, sizeof perms);
+  return 1;
+}
+
 /* Reports whether memory of [addr, addr + len) may vanish under a copy:
  * some of it lies in a shared or file-backed mapping (a POSIX shm object,
  * a hugetlbfs file, a CUDA IPC mapping: another process can shrink the
@@ -2655,28 +2674,25 @@ static int range_may_fault(uint64_t addr, uint64_t len) {
   if (!f) return 1;
   uint64_t end = addr + len, covered = addr;
   int may = 0;
-  char line[512];
-  while (!may && covered < end && fgets(line, sizeof line, f)) {
-    unsigned long long lo, hi, off, inode;
-    char perms[8];
-    unsigned dmaj, dmin;
-    if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &dmaj, &dmin, &inode) != 7) {
+  char *line = NULL;
+  size_t cap = 0;
+  maps_entry m;
+  while (!may && covered < end && getline(&line, &cap, f) > 0) {
+    if (!maps_parse(line, &m)) {
       may = 1;
       break;
     }
-    if (hi <= covered) continue;
-    if (lo > covered) { /* a hole (lines are sorted by address) */
+    if (m.hi <= covered) continue;
+    if (m.lo > covered) { /* a hole (lines are sorted by address) */
       may = 1;
       break;
     }
     /* Not readable and writable: a copy out of or into it faults too. */
-    if (perms[3] == 's' || inode != 0 || perms[0] != 'r' || perms[1] != 'w') may = 1;
-    covered = hi;
-    /* A line longer than the buffer: skip its rest. */
-    while (!strchr(line, '\n') && fgets(line, sizeof line, f)) {
-    }
+    if (m.perms[3] == 's' || m.ino != 0 || m.perms[0] != 'r' || m.perms[1] != 'w') may = 1;
+    covered = m.hi;
   }
   if (covered < end) may = 1;
+  free(line);
   fclose(f);
   return may;
 }
@@ -2708,27 +2724,25 @@ static int range_shared_file(uint64_t addr, uint64_t len, uint64_t *dev, uint64_
   int ok = 1;
   char *line = NULL;
   size_t cap = 0;
+  maps_entry m;
   while (ok && covered < end && getline(&line, &cap, f) > 0) {
-    unsigned long long lo, hi, foff, inode;
-    char perms[8];
-    unsigned dmaj, dmin;
-    if (sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &foff, &dmaj, &dmin, &inode) != 7) {
+    if (!maps_parse(line, &m)) {
       ok = 0;
       break;
     }
-    if (hi <= covered) continue;
-    uint64_t here = foff + (covered - lo); /* file offset of `covered` */
-    if (lo > covered || perms[3] != 's' || inode == 0 || perms[0] != 'r' || perms[1] != 'w') {
+    if (m.hi <= covered) continue;
+    uint64_t here = m.off + (covered - m.lo); /* file offset of `covered` */
+    if (m.lo > covered || m.perms[3] != 's' || m.ino == 0 || m.perms[0] != 'r' || m.perms[1] != 'w') {
       ok = 0;
     } else if (covered == addr) {
-      *dev = makedev(dmaj, dmin);
-      *ino = inode;
+      *dev = m.dev;
+      *ino = m.ino;
       *off = here;
-    } else if (makedev(dmaj, dmin) != *dev || inode != *ino || here != next_off) {
+    } else if (m.dev != *dev || m.ino != *ino || here != next_off) {
       ok = 0; /* another file, or the same file at other offsets */
     }
-    next_off = here + (hi - covered);
-    covered = hi;
+    next_off = here + (m.hi - covered);
+    covered = m.hi;
   }
   free(line);
   fclose(f);

@@ -2103,6 +2103,37 @@ static void test_reload_and_restart(void) {
 
 /* Metadata and blob parsers reject every truncation, random garbage and
  * (mostly) corrupted copies, without crashing: run under ASan. */
+/* Loads every single-byte corruption (xor 0x01, 0x80, 0xff) of the
+ * metadata md (len bytes) into agent a, c being len bytes of scratch:
+ * each is cleanly rejected by the parser (INVALID_PARAM: *rej), refused
+ * because no agent vouches for it or the process it names is gone
+ * (*unvouched), or, still valid (a name, an address), loads a peer (*ok),
+ * which is removed again. */
+static void load_each_corruption(uint64_t a, const uint8_t *md, size_t len, uint8_t *c, int *ok, int *rej,
+                                 int *unvouched) {
+  for (size_t i = 0; i < len; i++) {
+    for (int v = 0; v < 3; v++) {
+      memcpy(c, md, len);
+      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
+      const char *nm;
+      size_t nl;
+      kvp_error *e = load_md(a, c, len, &nm, &nl);
+      if (e && (kvp_err_code(e) == KVP_ERR_NOT_ALLOWED || kvp_err_code(e) == KVP_ERR_REMOTE_DISCONNECT)) {
+        (*unvouched)++;
+        kvp_err_free(e);
+      } else if (e) {
+        (*rej)++;
+        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
+      } else {
+        (*ok)++;
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)nl, nm);
+        OK(remove_peer(a, name));
+      }
+    }
+  }
+}
+
 /* Metadata v2 (an agent whose memory is a sealed memfd): every
  * truncation, a trailing byte and every single-byte corruption are
  * refused cleanly (by the parser, or because no agent vouches for the
@@ -2132,27 +2163,7 @@ static void parser_fuzz_files(uint64_t a) {
   c[len] = 0;
   EXPECT(load_md(a, c, len + 1, NULL, NULL), KVP_ERR_INVALID_PARAM, "trailing");
   int ok = 0, rej = 0, unvouched = 0;
-  for (size_t i = 0; i < len; i++) {
-    for (int v = 0; v < 3; v++) {
-      memcpy(c, md, len);
-      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
-      const char *nm;
-      size_t nl;
-      kvp_error *e = load_md(a, c, len, &nm, &nl);
-      if (e && (kvp_err_code(e) == KVP_ERR_NOT_ALLOWED || kvp_err_code(e) == KVP_ERR_REMOTE_DISCONNECT)) {
-        unvouched++;
-        kvp_err_free(e);
-      } else if (e) {
-        rej++;
-        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
-      } else {
-        ok++;
-        char name[256];
-        snprintf(name, sizeof name, "%.*s", (int)nl, nm);
-        OK(remove_peer(a, name));
-      }
-    }
-  }
+  load_each_corruption(a, md, len, c, &ok, &rej, &unvouched);
   CHECK(ok == 0 && rej > 50 && unvouched > 50);
   /* Each malformed field of the file table, alone. */
   struct {
@@ -2258,29 +2269,7 @@ static void test_parser_fuzz(void) {
    * (NOT_ALLOWED) or the process they name is not there. */
   int corrupt_ok = 0, corrupt_rej = 0, corrupt_unvouched = 0;
   uint8_t *c = (uint8_t *)malloc(len);
-  for (size_t i = 0; i < len; i++) {
-    for (int v = 0; v < 3; v++) {
-      memcpy(c, md, len);
-      c[i] ^= (uint8_t)(v == 0 ? 0x01 : v == 1 ? 0x80 : 0xff);
-      const char *nm;
-      size_t nl;
-      kvp_error *e = load_md(a, c, len, &nm, &nl);
-      if (e && (kvp_err_code(e) == KVP_ERR_NOT_ALLOWED || kvp_err_code(e) == KVP_ERR_REMOTE_DISCONNECT)) {
-        corrupt_unvouched++;
-        kvp_err_free(e);
-      } else if (e) {
-        corrupt_rej++;
-        EXPECT(e, KVP_ERR_INVALID_PARAM, NULL);
-      } else {
-        corrupt_ok++;
-        /* Accepted corruptions (names, addresses...) load a peer; forget it. */
-        char name[256];
-        memcpy(name, nm, nl);
-        name[nl] = 0;
-        OK(remove_peer(a, name));
-      }
-    }
-  }
+  load_each_corruption(a, md, len, c, &corrupt_ok, &corrupt_rej, &corrupt_unvouched);
   free(c);
   CHECK(corrupt_rej > 50 && corrupt_unvouched > 50 && corrupt_ok == 0);
   parser_fuzz_files(a);
@@ -2870,17 +2859,17 @@ typedef struct peer_proc {
   uint64_t addr2; /* --map-peer: its private (malloc'd) region */
 } peer_proc;
 
-static int peer_start(peer_proc *p, const char *name) {
+/* Starts this binary with argv as a peer process on pipes (its stdin and
+ * stdout; close-on-exec here, so no other child inherits them) and reads
+ * what every peer mode sends first: its metadata and its region's address. */
+static int peer_spawn(peer_proc *p, char *const argv[]) {
   memset(p, 0, sizeof *p);
   int to_child[2], from_child[2];
-  if (pipe(to_child) || pipe(from_child)) return 0;
+  if (pipe2(to_child, O_CLOEXEC) || pipe2(from_child, O_CLOEXEC)) return 0;
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
   posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
-  posix_spawn_file_actions_addclose(&fa, to_child[1]);
-  posix_spawn_file_actions_addclose(&fa, from_child[0]);
-  char *argv[] = {(char *)"test_fake", (char *)"--peer", (char *)name, NULL};
   int rc = posix_spawn(&p->pid, "/proc/self/exe", &fa, NULL, argv, environ);
   posix_spawn_file_actions_destroy(&fa);
   close(to_child[0]);
@@ -2898,6 +2887,11 @@ static int peer_start(peer_proc *p, const char *name) {
   p->addr = kvp_get_u64(a);
   free(a);
   return 1;
+}
+
+static int peer_start(peer_proc *p, const char *name) {
+  char *argv[] = {(char *)"test_fake", (char *)"--peer", (char *)name, NULL};
+  return peer_spawn(p, argv);
 }
 
 /* Sends a command; returns the reply byte (0 on a broken pipe). */
@@ -3555,31 +3549,10 @@ static int map_peer_main(const char *name, const char *path, const char *mode) {
 }
 
 static int map_peer_start(peer_proc *p, const char *name, const char *path, const char *mode) {
-  memset(p, 0, sizeof *p);
-  int to_child[2], from_child[2];
-  if (pipe2(to_child, O_CLOEXEC) || pipe2(from_child, O_CLOEXEC)) return 0;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
   char *argv[] = {(char *)"test_fake", (char *)"--map-peer", (char *)name, (char *)path, (char *)mode, NULL};
-  int rc = posix_spawn(&p->pid, "/proc/self/exe", &fa, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  close(to_child[0]);
-  close(from_child[1]);
-  p->out = to_child[1];
-  p->in = from_child[0];
-  if (rc) return 0;
+  if (!peer_spawn(p, argv)) return 0;
   uint32_t n;
-  p->md = recv_msg(p->in, &p->md_len);
   uint8_t *a = recv_msg(p->in, &n);
-  if (!p->md || !a || n != 8) {
-    free(a);
-    return 0;
-  }
-  p->addr = kvp_get_u64(a);
-  free(a);
-  a = recv_msg(p->in, &n);
   if (!a || n != 8) {
     free(a);
     return 0;
@@ -3624,6 +3597,26 @@ static uint64_t gather_both_ways(uint64_t ag, const char *peer, uint64_t raddr, 
   for (int k = 0; k < 2048; k++) ok &= memcmp(lbuf + 100 + (size_t)k * 1536, view + (size_t)k * 512, 512) == 0;
   CHECK(ok);
   return map_bytes(ag) - m0;
+}
+
+/* Posts a 2 MiB WRITE from lbuf to peer "mappeer" at raddr and polls
+ * until one slice (the tuned 64 KiB) moved, through the peer's mapping;
+ * the transfer is left in progress. Returns the agent's bytes moved
+ * through mappings before the post. */
+static uint64_t start_mapped_write(uint64_t ag, uint8_t *lbuf, uint64_t raddr, uint64_t *ldl, uint64_t *rdl,
+                               uint64_t *x) {
+  int32_t z = 0;
+  kvp_xfer_desc l = XD(lbuf, 2 << 20, 0, 1), r = {raddr, 2 << 20, 0, 1, 0};
+  OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, ldl));
+  OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, &r, 1, rdl));
+  OK(xfer_prepped(ag, KVP_OP_WRITE, *ldl, &z, 1, *rdl, &z, 1, NOTIF(NULL), x));
+  kvp_status s1;
+  uint64_t m0 = map_bytes(ag);
+  OK(post(ag, *x, &s1));
+  OK(poll1(ag, *x, &s1));
+  OK(poll1(ag, *x, &s1));
+  CHECK(s1 == KVP_IN_PROG && map_bytes(ag) - m0 == 64 << 10); /* one slice moved, through the mapping */
+  return m0;
 }
 
 /* A peer whose memory is a sealed memfd, and an agent here whose memory
@@ -3791,17 +3784,7 @@ static void test_peer_mapped(void) {
   fake_test_tune(64 << 10, 3600000000000ull); /* polls alone move it, one slice each */
   {
     uint64_t ldl, rdl, x;
-    int32_t z = 0;
-    kvp_xfer_desc l = XD(lbuf, 2 << 20, 0, 1), r = {pp.addr, 2 << 20, 0, 1, 0};
-    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
-    OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, &r, 1, &rdl));
-    OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
-    kvp_status s1;
-    uint64_t m0 = map_bytes(ag);
-    OK(post(ag, x, &s1));
-    OK(poll1(ag, x, &s1));
-    OK(poll1(ag, x, &s1));
-    CHECK(s1 == KVP_IN_PROG && map_bytes(ag) - m0 == 64 << 10); /* one slice moved, through the mapping */
+    start_mapped_write(ag, lbuf, pp.addr, &ldl, &rdl, &x);
     OK(remove_peer(ag, "mappeer"));
     EXPECT(poll1(ag, x, NULL), KVP_ERR_CANCELED, "was removed");
     OK(xfer_del(ag, x));
@@ -3812,17 +3795,7 @@ static void test_peer_mapped(void) {
   OK(load_md(ag, pp.md, pp.md_len, NULL, NULL));
   {
     uint64_t ldl, rdl, x;
-    int32_t z = 0;
-    kvp_xfer_desc l = XD(lbuf, 2 << 20, 0, 1), r = {pp.addr, 2 << 20, 0, 1, 0};
-    OK(dlist_new(ag, NULL, KVP_MEM_DRAM, &l, 1, &ldl));
-    OK(dlist_new(ag, "mappeer", KVP_MEM_DRAM, &r, 1, &rdl));
-    OK(xfer_prepped(ag, KVP_OP_WRITE, ldl, &z, 1, rdl, &z, 1, NOTIF(NULL), &x));
-    kvp_status s1;
-    uint64_t m0 = map_bytes(ag);
-    OK(post(ag, x, &s1));
-    OK(poll1(ag, x, &s1));
-    OK(poll1(ag, x, &s1));
-    CHECK(s1 == KVP_IN_PROG && map_bytes(ag) - m0 == 64 << 10);
+    uint64_t m0 = start_mapped_write(ag, lbuf, pp.addr, &ldl, &rdl, &x);
     kill(pp.pid, SIGKILL);
     CHECK(!peer_stop(&pp)); /* reaped: killed */
     EXPECT(wait_xfer(ag, x, NULL), KVP_ERR_REMOTE_DISCONNECT, "is gone");

@@ -56,18 +56,24 @@ def test_two_engines_move_kv(sidecar_factory, standin_cudart, monkeypatch, p_tp,
     geo = se.Geometry(layers=2, heads=1 if mla else 4, mla=mla)
     a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, variant=variant, cudart=cudart)
     try:
-        rng = np.random.default_rng(7)
-        reqs = [se.Request(room=1000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
-                for i in range(12)]
-        se.run(geo, prefill, decode, reqs, addr)
-        total = 0
-        for r in reqs:
-            assert r.prefill_result == KVPoll.Success, (r.room, r.failure)
-            assert r.decode_result == KVPoll.Success, (r.room, r.failure)
-            total += se.verify(geo, prefill, decode, r)
-        assert total > 0
+        move_and_verify(geo, prefill, decode, addr, seed=7, room0=1000)
     finally:
         close_all(boot, prefill + decode)
+
+
+def move_and_verify(geo, prefill, decode, addr, seed, room0):
+    """Moves 12 requests of random length and chunking through the
+    engines; every room succeeds on both sides and every byte lands."""
+    rng = np.random.default_rng(seed)
+    reqs = [se.Request(room=room0 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
+            for i in range(12)]
+    se.run(geo, prefill, decode, reqs, addr)
+    total = 0
+    for r in reqs:
+        assert r.prefill_result == KVPoll.Success, (r.room, r.failure)
+        assert r.decode_result == KVPoll.Success, (r.room, r.failure)
+        total += se.verify(geo, prefill, decode, r)
+    assert total > 0
 
 
 @pytest.mark.parametrize("p_tp,d_tp,mla", [(1, 1, False), (2, 2, False), (1, 1, True)])
@@ -78,16 +84,7 @@ def test_two_engines_move_kv_memfd_pools(sidecar_factory, p_tp, d_tp, mla):
     a, b, boot, prefill, decode, addr = engines(sidecar_factory, geo, p_tp, d_tp, backing="memfd")
     try:
         assert all(r.pool.pool.shm.startswith("/proc/") for r in prefill + decode)
-        rng = np.random.default_rng(11)
-        reqs = [se.Request(room=3000 + i, tokens=int(rng.integers(1, 40)), chunk_pages=int(rng.integers(1, 4)))
-                for i in range(12)]
-        se.run(geo, prefill, decode, reqs, addr)
-        total = 0
-        for r in reqs:
-            assert r.prefill_result == KVPoll.Success, (r.room, r.failure)
-            assert r.decode_result == KVPoll.Success, (r.room, r.failure)
-            total += se.verify(geo, prefill, decode, r)
-        assert total > 0
+        move_and_verify(geo, prefill, decode, addr, seed=11, room0=3000)
     finally:
         close_all(boot, prefill + decode)
 
