@@ -79,6 +79,12 @@ type state struct {
 	burst    int
 	maxKinds int
 
+	// flushMu serialises flushes from collecting the counts to writing
+	// the last report, so that a Close that returns has every count
+	// written, including those of a window-end flush running on the
+	// timer's goroutine at the same time. Taken before mu, never under it.
+	flushMu sync.Mutex
+
 	mu    sync.Mutex
 	start time.Time // of the current window; zero when none is open
 	kinds map[kind]*count
@@ -153,6 +159,8 @@ func (s *state) flush() {
 		c *count
 	}
 	var reports []report
+	s.flushMu.Lock()
+	defer s.flushMu.Unlock()
 	s.mu.Lock()
 	if s.timer != nil {
 		s.timer.Stop()

@@ -2,6 +2,7 @@ package ratelog
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -106,5 +107,50 @@ func TestConcurrentUse(t *testing.T) {
 	}
 	if total != 8*2000 {
 		t.Fatalf("lines written plus suppressed = %d, want %d", total, 8*2000)
+	}
+}
+
+// blockingReports is a handler that holds each "suppressed" report until
+// release is closed, telling entered when the first one arrives.
+type blockingReports struct {
+	slog.Handler
+	entered chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (h *blockingReports) Handle(ctx context.Context, r slog.Record) error {
+	if strings.HasPrefix(r.Message, "suppressed ") {
+		h.once.Do(func() { close(h.entered) })
+		<-h.release
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// Close returns only once a window-end report that the timer's flush is
+// writing at that moment is written: a Close that returned earlier let
+// its owner read (or exit before) an incomplete log, the race that
+// TestConcurrentUse met on a loaded machine.
+func TestCloseWaitsForTimerFlush(t *testing.T) {
+	var out buf
+	h := &blockingReports{Handler: slog.NewTextHandler(&out, nil), entered: make(chan struct{}), release: make(chan struct{})}
+	l := newWith(slog.New(h), time.Millisecond, 1, 4)
+	l.Warn("again")
+	l.Warn("again") // suppressed: the window's timer will report it
+	<-h.entered     // the timer's flush is writing its report
+	closed := make(chan struct{})
+	go func() {
+		l.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while the timer's report was still being written")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(h.release)
+	<-closed
+	if got := strings.Join(out.lines(), "\n"); !strings.Contains(got, "suppressed 1 similar lines: again") {
+		t.Fatalf("after Close:\n%s", got)
 	}
 }
