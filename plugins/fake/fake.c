@@ -2777,12 +2777,31 @@ static uint64_t warm_for_user(uint64_t addr, uint64_t len) {
  * (close-on-exec) for the region's life; a read-write one is preferred, a
  * peer can map only that. Returns 1 when found (the memory cannot
  * vanish), else 0 with file_fd -1: the memory is judged as before
- * (range_may_fault). */
-static int region_sealed_file(region *r) {
+ * (range_may_fault). prev: the regions the same register_mem call made
+ * before r. */
+static int region_sealed_file(region *r, region *const *prev, size_t nprev) {
   uint64_t dev = 0, ino = 0, off = 0;
   if (!range_shared_file(r->addr, r->len, &dev, &ino, &off) || off > (uint64_t)INT64_MAX ||
       r->len > (uint64_t)INT64_MAX - off)
     return 0;
+  /* A host registers many regions of one pool at once (every layer's K
+   * and V): a region of this call that found the file already gives it,
+   * without another scan of every descriptor. */
+  for (size_t i = 0; i < nprev; i++) {
+    if (prev[i]->file_fd < 0 || prev[i]->file_dev != dev || prev[i]->file_ino != ino) continue;
+    struct stat st;
+    int fd = fcntl(prev[i]->file_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) break;
+    if (!sealed_file_is(fd, dev, ino, off + r->len, &st)) { /* too short for this region */
+      close(fd);
+      break;
+    }
+    r->file_fd = fd;
+    r->file_dev = dev;
+    r->file_ino = ino;
+    r->file_off = off;
+    return 1;
+  }
   DIR *d = opendir("/proc/self/fd");
   if (!d) return 0;
   int best = -1, best_rw = 0;
@@ -2867,7 +2886,7 @@ static kvp_error *fake_register_mem(kvp_register_mem_args *a) {
     r->dev_id = a->descs[i].dev_id;
     r->kind = a->descs[i].mem_kind;
     r->file_fd = -1;
-    r->may_fault = !region_sealed_file(r) && range_may_fault(r->addr, r->len);
+    r->may_fault = !region_sealed_file(r, rs, made) && range_may_fault(r->addr, r->len);
     /* Outside every lock, as the kernel's pass above. */
     if (ag->prefault && r->file_fd >= 0) atomic_fetch_add(&ag->warm_pages, warm_for_user(r->addr, r->len));
     list_init(&r->link);

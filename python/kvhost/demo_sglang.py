@@ -186,7 +186,9 @@ def prefill_engine(args, control, requests, to_decode, results):
                 busy = True
             # SGLang's scheduler polls a request's senders while it
             # bootstraps and once its batch ran (the inflight queue), all
-            # in one sweep (poll_and_all_reduce), not while the batch runs:
+            # in one sweep (poll_and_all_reduce in
+            # python/sglang/srt/disaggregation/prefill.py,
+            # process_disagg_prefill_inflight_queue), not while the batch runs:
             # rooms in the forward pass are left out, as the decode below
             # leaves out rooms being checked. One timer for the sweep: a
             # thread CPU clock read is a system call (about 2 us here),
