@@ -343,3 +343,42 @@ func TestLineTail(t *testing.T) {
 		}
 	}
 }
+
+// In one process the targets' agents keep the plugin's first-touch pass
+// (their initiator copies into their pages from here): the host's target
+// default prefault=false does not apply, and a user's value still wins.
+func TestInProcessKeepsPrefault(t *testing.T) {
+	small(t) // fails when the fake plugin is not built
+	path, err := plugin.Find("fake", plugin.SearchDirs(""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := plugin.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for _, c := range []struct {
+		given []string
+		want  string
+	}{{nil, "true"}, {[]string{"prefault=false"}, "false"}, {[]string{"workers=2"}, "true"}} {
+		params, err := inProcessParams(p, c.given)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, side := range []plugin.Side{plugin.Target, plugin.Initiator} {
+			got := ""
+			for _, kv := range p.ForSide(side, params) {
+				if kv.Key == plugin.PrefaultParam {
+					got += kv.Value + ";"
+				}
+			}
+			if got != c.want+";" {
+				t.Errorf("given %v, %v: prefault %q, want exactly %q", c.given, side, got, c.want)
+			}
+		}
+	}
+	if _, err := inProcessParams(p, []string{"nonsense"}); err == nil {
+		t.Error("a parameter without '=' was accepted")
+	}
+}

@@ -67,10 +67,22 @@ func (r *inProc) rankProgress() func(done int) {
 	}
 }
 
-func runInProcess(ctx context.Context, cfg *Config, p *plugin.Plugin, s *Summary) error {
-	params, err := plugin.ParseParams(cfg.AgentParams)
+// inProcessParams are the agent parameters of every in-process worker:
+// the user's, and, since both sides live in this process, the plugin's
+// first-touch pass kept for the targets too (plugin.WithLocalPeers): the
+// host's defaults drop it for targets whose initiators are elsewhere.
+func inProcessParams(p *plugin.Plugin, given []string) ([]plugin.Param, error) {
+	params, err := plugin.ParseParams(given)
 	if err != nil {
-		return fmt.Errorf("demo: agent parameters: %w", err)
+		return nil, fmt.Errorf("demo: agent parameters: %w", err)
+	}
+	return p.WithLocalPeers(params), nil
+}
+
+func runInProcess(ctx context.Context, cfg *Config, p *plugin.Plugin, s *Summary) error {
+	params, err := inProcessParams(p, cfg.AgentParams)
+	if err != nil {
+		return err
 	}
 	r := &inProc{cfg: cfg, p: p, params: params, logs: &lockedBuffer{}}
 	level, out := slog.LevelWarn, io.Writer(r.logs)

@@ -40,6 +40,26 @@ const ThreadsParam = "num_threads"
 // Mellanox NICs, which NVSHMEM and DeepEP need too), so no more than that.
 const InitiatorThreads = 4
 
+// PrefaultParam is the agent parameter that has a plugin touch the DRAM
+// it registers before any transfer does (the nixl and fake plugins: "The
+// first request to a peer" in plugins/nixl/README.md, "The kernel's first
+// touch" in plugins/fake/README.md). The pass pays, at registration, the
+// first access to each page through this process's own addresses, which a
+// copy made by this process otherwise pays inside its first transfers
+// (about 4.6 us a page on the PVM guests measured: 1.2-1.3 s per GiB).
+//
+// Only the side whose own process copies needs it: the initiator, whose
+// process_vm_* (UCX cma) or memcpy reaches its local pages through its
+// own addresses. A target's memory is reached from other processes, by
+// the kernel through the peer's process_vm_* (which costs the target's
+// addresses nothing) or through the peer's own mapping, which the peer
+// warms. So the host passes prefault=false to targets: a sidecar whose
+// ranks only receive registers its pool at once instead of at about a
+// second per GiB. Agents whose peers live in the same process (kvhost demo
+// --in-process, where the initiator's copies touch the target's pages
+// through this process's addresses) keep the pass: WithLocalPeers.
+const PrefaultParam = "prefault"
+
 // sideDefault is a host default for one agent parameter, per side; an
 // empty value passes nothing (the plugin's own default).
 type sideDefault struct {
@@ -49,6 +69,7 @@ type sideDefault struct {
 
 var sideDefaults = []sideDefault{
 	{key: ThreadsParam, initiator: strconv.Itoa(InitiatorThreads)},
+	{key: PrefaultParam, target: "false"},
 }
 
 // ForSide returns params completed with the host's defaults for an agent
@@ -67,6 +88,19 @@ func (p *Plugin) ForSide(side Side, params []Param) []Param {
 			continue
 		}
 		out = append(out, Param{Key: d.key, Value: v})
+	}
+	return out
+}
+
+// WithLocalPeers returns params completed for agents whose peers are in
+// this process: prefault=true where the plugin documents it and params
+// do not set it, so that ForSide's target default (see PrefaultParam)
+// does not apply to a target whose initiator copies into its pages from
+// this process. The caller's params come first and are not modified.
+func (p *Plugin) WithLocalPeers(params []Param) []Param {
+	out := append([]Param(nil), params...)
+	if p.info.HasParam(PrefaultParam) && !hasKey(params, PrefaultParam) {
+		out = append(out, Param{Key: PrefaultParam, Value: "true"})
 	}
 	return out
 }

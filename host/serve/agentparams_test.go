@@ -33,8 +33,8 @@ func openSGL(t *testing.T, srv *Server, role, boot string, over map[string]strin
 // Every open_rank reply carries the agent's parameters: the initiator
 // side (SGLang's prefill writes, vLLM's decode reads) gets the host's
 // num_threads default, which the fake plugin documents as nixl does; the
-// target side none; the sidecar's --agent-param and, over it, the rank's
-// agent_params win.
+// target side prefault=false (plugin.PrefaultParam); the sidecar's
+// --agent-param and, over it, the rank's agent_params win.
 func TestOpenRankAgentParams(t *testing.T) {
 	ctx := testCtx(t)
 	srv := newTestServer(t)
@@ -57,17 +57,20 @@ func TestOpenRankAgentParams(t *testing.T) {
 		}
 	}
 	threads := map[string]string{plugin.ThreadsParam: defaultThreads}
+	noPrefault := map[string]string{plugin.PrefaultParam: "false"}
 	rk, err := openSGL(t, srv, "prefill", boot, nil)
 	check("sglang prefill", rk, err, threads)
 	rk, err = openSGL(t, srv, "decode", "", nil)
-	check("sglang decode", rk, err, map[string]string{})
+	check("sglang decode", rk, err, noPrefault)
 	rk, err = openSGL(t, srv, "decode", "", map[string]string{plugin.ThreadsParam: "2"})
-	check("sglang decode with agent_params", rk, err, map[string]string{plugin.ThreadsParam: "2"})
+	check("sglang decode with agent_params", rk, err, map[string]string{plugin.ThreadsParam: "2", plugin.PrefaultParam: "false"})
+	rk, err = openSGL(t, srv, "decode", "", map[string]string{plugin.PrefaultParam: "true"})
+	check("sglang decode keeping prefault", rk, err, map[string]string{plugin.PrefaultParam: "true"})
 
 	w, err := vsOpen(t, srv, "decode", "D", 1, 0, 8, 4, nil)
 	check("vllm decode", w.rank, err, threads)
 	w, err = vsOpen(t, srv, "prefill", "P", 1, 0, 8, 4, nil)
-	check("vllm prefill", w.rank, err, map[string]string{})
+	check("vllm prefill", w.rank, err, noPrefault)
 	w, err = vsOpen(t, srv, "decode", "D2", 1, 0, 8, 4, func(r *client.VLLMRank) { r.AgentParams = map[string]string{plugin.ThreadsParam: "0"} })
 	check("vllm decode with agent_params", w.rank, err, map[string]string{plugin.ThreadsParam: "0"})
 
@@ -79,7 +82,7 @@ func TestOpenRankAgentParams(t *testing.T) {
 		t.Fatalf("num_threads=65 (the fake's range is 0..64) from --agent-param: %v", err)
 	}
 	rk, err = openSGL(t, side, "decode", "", map[string]string{plugin.ThreadsParam: "3"})
-	check("sidecar params overridden", rk, err, map[string]string{"workers": "2", plugin.ThreadsParam: "3"})
+	check("sidecar params overridden", rk, err, map[string]string{"workers": "2", plugin.ThreadsParam: "3", plugin.PrefaultParam: "false"})
 }
 
 // agent_params is bounded and typed; a refused one opens nothing.

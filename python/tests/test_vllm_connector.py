@@ -470,8 +470,9 @@ def test_get_transfer_results_for_current_vllm(pair, monkeypatch):
 def test_agent_params(sidecars):
     """The decode rank reads, so the sidecar gives its agent the host's
     num_threads default (the fake plugin documents the key, as nixl does);
-    the prefill none; vLLM's own num_threads knob, when set, goes to every
-    rank's agent."""
+    the prefill, whose memory the decode reads from its own process, the
+    target's prefault=false; vLLM's own num_threads knob, when set, goes to
+    every rank's agent."""
     s = sidecars("agent-params")
     engines = [Engine("engine-d", "kv_consumer", s.control, 1), Engine("engine-p", "kv_producer", s.control, 1),
                Engine("engine-d2", "kv_consumer", s.control, 1, {"num_threads": 2}),
@@ -479,7 +480,7 @@ def test_agent_params(sidecars):
     try:
         got = [e.workers[0].connector_worker.agent_params for e in engines]
         assert got[0] == {"num_threads": "4"}, got
-        assert "num_threads" not in got[1], got
+        assert got[1] == {"prefault": "false"}, got
         assert got[2]["num_threads"] == "2" and got[3]["num_threads"] == "2", got
     finally:
         for e in engines:

@@ -12,7 +12,8 @@ import (
 
 // The decode reads, so its agents get the host's initiator defaults
 // (num_threads, documented by the fake plugin as by nixl); the prefill is
-// read from and gets none; a value the caller gives wins.
+// read from and gets the target's (prefault=false); a value the caller
+// gives wins.
 func TestAgentSideDefaults(t *testing.T) {
 	threads := plugin.Param{Key: plugin.ThreadsParam, Value: strconv.Itoa(plugin.InitiatorThreads)}
 	pl := faketest.Plugin(t)
@@ -20,8 +21,9 @@ func TestAgentSideDefaults(t *testing.T) {
 		given           []plugin.Param
 		prefill, decode []plugin.Param
 	}{
-		{nil, nil, []plugin.Param{threads}},
-		{[]plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}}, []plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}}, []plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}}},
+		{nil, []plugin.Param{{Key: plugin.PrefaultParam, Value: "false"}}, []plugin.Param{threads}},
+		{[]plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}}, []plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}, {Key: plugin.PrefaultParam, Value: "false"}}, []plugin.Param{{Key: plugin.ThreadsParam, Value: "1"}}},
+		{[]plugin.Param{{Key: plugin.PrefaultParam, Value: "true"}}, []plugin.Param{{Key: plugin.PrefaultParam, Value: "true"}}, []plugin.Param{{Key: plugin.PrefaultParam, Value: "true"}, threads}},
 	} {
 		pf, err := StartPrefill(PrefillConfig{Plugin: pl, AgentParams: c.given, Model: smallModel, Engine: engine(1, 16, "HND"), EngineID: "p",
 			SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", AbortTimeout: time.Second,
@@ -29,7 +31,7 @@ func TestAgentSideDefaults(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := pf.agents[0].Params(); !reflect.DeepEqual(got, c.prefill) && len(got)+len(c.prefill) > 0 {
+		if got := pf.agents[0].Params(); !reflect.DeepEqual(got, c.prefill) {
 			t.Errorf("given %v: prefill agent params = %v, want %v", c.given, got, c.prefill)
 		}
 		pf.Close()
