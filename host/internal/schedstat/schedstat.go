@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -209,4 +210,21 @@ func (w *Window) End() (Usage, error) {
 		return Usage{}, err
 	}
 	return Delta(w.before, after), nil
+}
+
+// Measure is End for a report that may go without: nil for a nil window
+// (nothing was to be measured) or where End fails (logged on log, when
+// not nil, at warn level).
+func (w *Window) Measure(log *slog.Logger) *Usage {
+	if w == nil {
+		return nil
+	}
+	u, err := w.End()
+	if err != nil {
+		if log != nil {
+			log.Warn("not reporting the threads' CPU time", "err", err)
+		}
+		return nil
+	}
+	return &u
 }
