@@ -68,6 +68,16 @@ Rates, and what each compares (issue 24):
   control path, notifications and the engine loop's cadence included);
   SGLang's "waits" line splits a request's wait at the moment its Success
   event reached the engine process;
+- sidecar CPU: how long each ``kvhost serve``'s threads ran and waited,
+  runnable, for a core (the kernel's per-thread schedstat,
+  kvhost.schedstat) from the engines' start to both done, the window
+  holding every transfer, as seconds waited per second run, beside
+  ``kvhost demo --in-process``'s threads' own (its ``--json``
+  ``cpu_wait_per_run``). With the fake plugin a transfer's copy runs on
+  the sidecar thread that posts it: where the sidecars wait far longer
+  than the baseline (more busy processes than cores), the pair's
+  transfer rate is bounded by CPU availability, not by kvhost; on a
+  machine with a core per process the two should be near;
 - adapter cost: time inside the adapter calls a request makes, per
   request (and per rank), beside their thread CPU time; the calls the
   engine's loop makes on every pass (poll(), vLLM's per-step calls) are
