@@ -70,8 +70,9 @@ Rates, and what each compares (issue 24):
   event reached the engine process;
 - sidecar CPU: how long each ``kvhost serve``'s threads ran and waited,
   runnable, for a core (the kernel's per-thread schedstat,
-  kvhost.schedstat) from the engines' start to both done, the window
-  holding every transfer, as seconds waited per second run, beside
+  kvhost.schedstat) from the first request done to both engines done
+  (the steady state: the ranks' registration and peer loading are over),
+  as seconds waited per second run, beside
   ``kvhost demo --in-process``'s threads' own (its ``--json``
   ``cpu_wait_per_run``). With the fake plugin a transfer's copy runs on
   the sidecar thread that posts it: where the sidecars wait far longer
@@ -246,18 +247,27 @@ class Sidecar:
 
 
 class SidecarCPU:
-    """What the sidecars' threads did over the pair's run (kvhost.schedstat):
-    seconds on a CPU, and seconds runnable but waiting for one. Begun
-    before the engines start, ended once both reported done: the window
-    that holds every transfer. A kernel without per-thread schedstat (or a
-    sidecar gone) leaves an error in place of the numbers, not a failed
-    run."""
+    """What the sidecars' threads did over the pair's steady state
+    (kvhost.schedstat): seconds on a CPU, and seconds runnable but waiting
+    for one. Begun when the first request is done (begin(): by then every
+    rank registered its memory and loaded its peers, start-up work that
+    is not a transfer's), ended once both engines reported done: the
+    window of all but the first request's transfers, as ``kvhost demo``
+    measures from its workers ready to done. A kernel without per-thread
+    schedstat (or a sidecar gone) leaves an error in place of the numbers,
+    not a failed run."""
 
     def __init__(self, sidecars, roles):
         self.sidecars, self.roles = sidecars, roles
         self.error = None
+        self.before = None
+
+    def begin(self):
+        """Starts the window (once; later calls do nothing)."""
+        if self.before is not None or self.error is not None:
+            return
         try:
-            self.before = [schedstat.snapshot(s.proc.pid) for s in sidecars]
+            self.before = [schedstat.snapshot(s.proc.pid) for s in self.sidecars]
         except (schedstat.Unavailable, OSError, ValueError) as e:
             self.error = str(e)
 
@@ -265,6 +275,8 @@ class SidecarCPU:
         """{role: usage, ..., "total": usage}, each usage {run_seconds,
         wait_seconds, wait_per_run, timeslices, threads}; {"error": why}
         when not measured."""
+        if self.error is None and self.before is None:
+            self.error = "no request finished"
         if self.error is None:
             try:
                 after = [schedstat.snapshot(s.proc.pid) for s in self.sidecars]
@@ -427,6 +439,7 @@ def run_style(style, ns, workdir, reqs, progress):
             if kind == "error":
                 raise RuntimeError(body)
             if kind == "request":
+                cpu.begin()
                 if body["ok"]:
                     summary["ok"] += 1
                 else:

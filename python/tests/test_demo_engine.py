@@ -356,3 +356,36 @@ def test_pattern_fill_check_every_byte(layout, head_bytes):
         assert why is not None and "(1 wrong bytes)" in why and "block %d" % ids[at[2]] in why, (at, why)
     with pytest.raises(IndexError):
         pat.check(pool, [9], 11, shape, h0, h1, layout=layout)
+
+
+def test_sidecar_cpu_window_starts_at_first_request():
+    """SidecarCPU measures from begin() (the first request done: start-up
+    left out) to end(); begin() again keeps the first start; without any
+    begin() the numbers are refused, not taken from an empty window."""
+    import threading
+    import time
+
+    from kvhost import demo_engine as de
+
+    class Side:
+        class proc:
+            pid = os.getpid()
+
+    cpu = de.SidecarCPU([Side()], ("prefill",))
+    assert cpu.end() == {"error": "not measured: no request finished"}
+
+    stop = time.monotonic() + 0.2
+    cpu = de.SidecarCPU([Side()], ("prefill",))
+    spin = lambda: [None for _ in iter(lambda: time.monotonic() > stop, True)]
+    t = threading.Thread(target=spin)
+    t.start()  # before begin(): its run time until begin() is left out
+    time.sleep(0.1)
+    cpu.begin()
+    first = cpu.before
+    cpu.begin()
+    assert cpu.before is first
+    t.join()
+    got = cpu.end()
+    run = got["prefill"]["run_seconds"]
+    assert 0 < run < 0.19, got  # the spinning thread's last ~0.1 s, not its 0.2 s
+    assert got["total"]["run_seconds"] == run
