@@ -684,7 +684,7 @@ def cpu_lines(s):
     if "error" in c:
         return ["  sidecar CPU   %s" % c["error"]]
     t = c["total"]
-    line = ("  sidecar CPU   kvhost serve's threads ran %.2f s and waited %.2f s for a core over the pair's run: "
+    line = ("  sidecar CPU   kvhost serve's threads ran %.2f s and waited %.2f s for a core in the pair's steady state: "
             "%.2f s waited per 1 s run (%s)" % (
                 t["run_seconds"], t["wait_seconds"], t["wait_per_run"], "; ".join(
                     "%s %.2f: ran %.2f s, waited %.2f s" % (role, c[role]["wait_per_run"], c[role]["run_seconds"],
