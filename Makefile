@@ -248,7 +248,12 @@ bench: all
 # work is the GPU's in a deployment, and on a machine with fewer cores than
 # processes it would otherwise preempt the sidecars' copies, which real GPU
 # kernels do not; --device-priority normal keeps it at the engine's
-# priority, for comparison.
+# priority, for comparison. The "sidecar CPU" line gives how long each
+# kvhost serve's threads waited, runnable, for a core per second they ran
+# over the pair's steady state (/proc schedstat), beside kvhost demo
+# --in-process's own: where the sidecars' wait/run is well above the
+# baseline's (more busy processes than cores), the pair's transfer rate is
+# bounded by CPU availability, not by kvhost.
 DEMO_ENGINE_ARGS ?= --baseline
 
 demo-engine: all

@@ -113,7 +113,7 @@ func runDecodeVLLM(c *cli.Context) error {
 		HandshakeTimeout: c.Duration("handshake-timeout"), ReadTimeout: c.Duration("read-timeout"),
 		ConnectTimeout: c.Duration("connect-timeout"), SkipCompatCheck: !c.Bool("enforce-compat"),
 		MemKind: o.memKind, Logger: slog.Default(), Report: run.report,
-		Observer: run.metrics.PullObserver(), OnReady: run.ready,
+		Observer: run.metrics.PullObserver(), OnReady: run.ready, MeasureCPU: true,
 	})
 	if sum != nil {
 		if err := writeSummary(c, sum); err != nil {

@@ -32,8 +32,10 @@ func demoCommand() *cli.Command {
 			"decode rank checks every byte it received against a formula that knows nothing of transfer\n" +
 			"plans. A progress bar (stderr, on a terminal) counts requests verified; at the end a summary\n" +
 			"says: requests ok and failed, bytes moved and verified, GB/s, transfer latency p50/p99,\n" +
-			"descriptors per request, and this machine's raw memcpy rate measured in the same run (--json:\n" +
-			"the same as JSON, with every worker's own summary).\n\n" +
+			"descriptors per request, this machine's raw memcpy rate measured in the same run, and how long\n" +
+			"the workers' threads ran and waited, runnable, for a core over the requests phase (the kernel's\n" +
+			"per-thread schedstat; summed over the worker processes) (--json: the same as JSON, with every\n" +
+			"worker's own summary).\n\n" +
 			"The default is a small Llama-like MHA model (16 layers, 8 KV heads of 128 bf16 elements),\n" +
 			"prefill TP 2 -> decode TP 4, 16-token pages, 300 requests of 16..512 tokens with random page\n" +
 			"allocations, chunked prefill of 8 pages, on the fake plugin. --style sglang moves KV the SGLang\n" +

@@ -166,7 +166,7 @@ func runPrefillVLLM(c *cli.Context) error {
 		SideChannel:  "tcp://" + net.JoinHostPort(sideHost, strconv.Itoa(c.Int("side-channel-port"))),
 		APIAddr:      net.JoinHostPort(host, strconv.Itoa(c.Int("api-port"))),
 		AbortTimeout: abort, Workload: o.work, MemKind: o.memKind, Logger: slog.Default(), Report: run.report,
-		Observer: run.metrics.PullObserver(), OnReady: run.ready,
+		Observer: run.metrics.PullObserver(), OnReady: run.ready, MeasureCPU: true,
 	}
 	pf, err := pullworker.StartPrefill(cfg)
 	if err != nil {

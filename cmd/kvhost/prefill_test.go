@@ -76,6 +76,13 @@ func TestPrefillDecodeCLI(t *testing.T) {
 			if p.OK != 16 || d.OK != 16 || d.Bytes == 0 || len(d.Ranks) != 4 || len(p.Ranks) != 2 {
 				t.Fatalf("prefill %+v\ndecode %+v", p, d)
 			}
+			// A worker alone in its process reports its threads' CPU time
+			// over its requests phase (kvhost demo adds them up).
+			for _, s := range []*pushworker.Summary{&p, &d} {
+				if s.CPU == nil || s.CPU.RunSeconds <= 0 || s.CPU.WaitSeconds < 0 || s.CPU.Threads == 0 {
+					t.Errorf("%s CPU %+v", s.Role, s.CPU)
+				}
+			}
 		})
 	}
 }

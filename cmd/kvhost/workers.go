@@ -450,6 +450,7 @@ func (r *workerRun) wirePush(o *pushworker.Common) {
 		r.metrics.SetReady(true)
 	}
 	o.Report = r.report
+	o.MeasureCPU = true // this process runs one worker
 }
 
 // ready is the pull workers' readiness hook.

@@ -72,6 +72,14 @@ func TestVLLMStyleWorkers(t *testing.T) {
 	if !ps.Done || ps.ReleasedNotified != 12 {
 		t.Fatalf("prefill summary %+v", ps)
 	}
+	// A worker alone in its process reports its threads' CPU time over its
+	// requests phase (kvhost demo adds them up).
+	if c := ds.CPU; c == nil || c.RunSeconds <= 0 || c.WaitSeconds < 0 || c.Threads == 0 {
+		t.Errorf("decode CPU %+v", c)
+	}
+	if c := ps.CPU; c == nil || c.RunSeconds <= 0 || c.WaitSeconds < 0 || c.Threads == 0 {
+		t.Errorf("prefill CPU %+v", c)
+	}
 	for _, f := range []string{"requests.jsonl", "releases.jsonl"} {
 		b, err := os.ReadFile(filepath.Join(dir, f))
 		if err != nil {

@@ -3,6 +3,7 @@ package demo
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -56,6 +57,18 @@ func check(t *testing.T, s *Summary, err error) {
 	s.WriteText(&b)
 	if !strings.Contains(b.String(), "OK: every byte verified") || !strings.Contains(b.String(), "raw memcpy") {
 		t.Errorf("text summary:\n%s", b.String())
+	}
+	// The workers' threads ran (they moved and checked every byte) and
+	// the summary says how long they waited for a core.
+	if s.CPURunSeconds == nil || s.CPUWaitSeconds == nil || s.CPUWaitPerRun == nil {
+		t.Fatalf("CPU not measured: %s", s.CPUScope)
+	}
+	if *s.CPURunSeconds <= 0 || *s.CPUWaitSeconds < 0 || *s.CPUWaitPerRun != *s.CPUWaitSeconds / *s.CPURunSeconds {
+		t.Errorf("CPU ran %v s, waited %v s, wait/run %v", *s.CPURunSeconds, *s.CPUWaitSeconds, *s.CPUWaitPerRun)
+	}
+	line := fmt.Sprintf("threads ran %.2f s and waited %.2f s for a core (wait/run %.2f)", *s.CPURunSeconds, *s.CPUWaitSeconds, *s.CPUWaitPerRun)
+	if !strings.Contains(b.String(), line) {
+		t.Errorf("text summary lacks %q:\n%s", line, b.String())
 	}
 }
 

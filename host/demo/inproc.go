@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/host/bootstrap"
 	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/demo/pushworker"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 	"github.com/kvhost/kvhost/host/push"
@@ -47,6 +48,54 @@ type inProc struct {
 	logs    *lockedBuffer // the workers' logs when WorkerLog is nil
 	done    atomic.Int64  // requests finished over all decode ranks
 	reports []*lockedBuffer
+	cpu     *cpuPhase
+}
+
+// cpuPhase measures this process's threads over the requests phase: from
+// the moment the last of its workers is set up (ready) until the run
+// stops it, once every worker returned.
+type cpuPhase struct {
+	mu   sync.Mutex
+	left int // workers not ready yet
+	w    *schedstat.Window
+	used *schedstat.Usage
+	err  error
+}
+
+// ready is a worker's OnReady.
+func (c *cpuPhase) ready() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.left--; c.left == 0 {
+		c.w = schedstat.Begin(0)
+	}
+}
+
+// stop ends the phase: every worker returned.
+func (c *cpuPhase) stop() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.w != nil && c.used == nil && c.err == nil {
+		u, err := c.w.End()
+		c.used, c.err = &u, err
+		if err != nil {
+			c.used = nil
+		}
+	}
+}
+
+func (c *cpuPhase) report(s *Summary) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.err != nil:
+		s.setCPU(nil, "not measured: "+c.err.Error())
+	case c.used == nil:
+		s.setCPU(nil, "not measured: not every worker got ready")
+	default:
+		s.setCPU(c.used, "this process's threads (every worker, with the synthetic KV's fill and check), "+
+			"from every worker ready to the last one done")
+	}
 }
 
 // rankProgress turns one decode rank's "done so far" callbacks, which the
@@ -94,6 +143,7 @@ func runInProcess(ctx context.Context, cfg *Config, p *plugin.Plugin, s *Summary
 		r.reports = append(r.reports, &lockedBuffer{})
 	}
 	s.Processes = 1
+	r.cpu = &cpuPhase{left: 1 + cfg.DecodeTP}
 	if cfg.Style == "sglang" {
 		err = r.runPush(ctx, s)
 	} else {
@@ -102,6 +152,7 @@ func runInProcess(ctx context.Context, cfg *Config, p *plugin.Plugin, s *Summary
 	if err != nil {
 		return err
 	}
+	r.cpu.report(s)
 	t := newTally()
 	for rank, rep := range r.reports {
 		if err := t.addReport(rep.reader()); err != nil {
@@ -154,7 +205,7 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 			Workload: pushworker.Workload{Seed: cfg.Seed, Requests: cfg.Requests, MinTokens: cfg.MinTokens,
 				MaxTokens: cfg.MaxTokens, ChunkPages: cfg.ChunkPages},
 			TPSize: tp, TPRanks: ranks, PPSize: 1, Host: "127.0.0.1", Concurrency: cfg.Concurrency,
-			Observer: obs, Logger: r.log,
+			Observer: obs, Logger: r.log, OnReady: func(pushworker.RoomCounter) { r.cpu.ready() },
 		}
 	}
 	type result struct {
@@ -173,6 +224,7 @@ func (r *inProc) runPush(ctx context.Context, s *Summary) error {
 		return pushworker.RunDecode(ctx, o)
 	})
 	p := <-pch
+	r.cpu.stop()
 	if p.err != nil {
 		s.addFailure(fmt.Sprintf("prefill: %v", p.err))
 	}
@@ -246,7 +298,7 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	pf, err := pullworker.StartPrefill(pullworker.PrefillConfig{
 		Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.PrefillTP), EngineID: "demo-prefill",
 		SideChannel: "tcp://127.0.0.1:0", APIAddr: "127.0.0.1:0", MemKind: pullMemKind(cfg), Workload: work,
-		Logger: r.log, Observer: obs,
+		Logger: r.log, Observer: obs, OnReady: r.cpu.ready,
 	})
 	if err != nil {
 		return fmt.Errorf("demo: prefill: %w", err)
@@ -258,7 +310,7 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 			Plugin: r.p, AgentParams: r.params, Model: model, Engine: vllmEngine(cfg, cfg.DecodeTP), Ranks: []int{rank},
 			EngineID: "demo-decode", PrefillURL: "http://" + pf.APIAddr(), Workload: work, Concurrency: cfg.Concurrency,
 			MemKind: pullMemKind(cfg), Logger: r.log, Observer: obs, Report: r.reports[rank],
-			Progress: func(done, _ int) { progress(done) },
+			Progress: func(done, _ int) { progress(done) }, OnReady: r.cpu.ready,
 		})
 	})
 	// Every decode rank notified (or failed): the prefill releases the rest
@@ -266,6 +318,7 @@ func (r *inProc) runPull(ctx context.Context, s *Summary) error {
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	ps := pf.Wait(wctx)
 	cancel()
+	r.cpu.stop()
 	addRaw(s, ps)
 	for _, d := range decodes {
 		addRaw(s, d)

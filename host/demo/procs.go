@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/demo/pushworker"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 )
 
 // child is one worker process.
@@ -325,10 +326,29 @@ func (t *lineTail) close() {
 
 // collect reads the workers' summaries and request reports into s.
 func (r *procRun) collect(s *Summary, ranks int) error {
+	// Each worker process measured its own threads (MeasureCPU); one that
+	// wrote no summary counts as not reported.
+	cpus := make([]*schedstat.Usage, 1+ranks)
 	if r.cfg.Style == "sglang" {
-		s.addPush(readSummaries[pushworker.Summary, pushworker.Summary](r, s, ranks))
+		p, ds := readSummaries[pushworker.Summary, pushworker.Summary](r, s, ranks)
+		s.addPush(p, ds)
+		if p != nil {
+			cpus[0] = p.CPU
+		}
+		for i, d := range ds {
+			cpus[1+i] = d.CPU
+		}
+		s.sumWorkerCPU(cpus, " (the bootstrap server's not counted)")
 	} else {
-		s.addPull(readSummaries[pullworker.PrefillSummary, pullworker.DecodeSummary](r, s, ranks))
+		p, ds := readSummaries[pullworker.PrefillSummary, pullworker.DecodeSummary](r, s, ranks)
+		s.addPull(p, ds)
+		if p != nil {
+			cpus[0] = p.CPU
+		}
+		for i, d := range ds {
+			cpus[1+i] = d.CPU
+		}
+		s.sumWorkerCPU(cpus, "")
 	}
 	t := newTally()
 	for rank := range ranks {

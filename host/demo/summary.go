@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/demo/pushworker"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/internal/span"
 )
 
@@ -58,6 +59,17 @@ type Summary struct {
 	// MemcpyGBps is this machine's raw memcpy rate, measured in the same
 	// run with blocks of BytesPerTransfer.
 	MemcpyGBps float64 `json:"memcpy_gb_per_s"`
+
+	// CPURunSeconds and CPUWaitSeconds are what the demo's threads did over
+	// the requests phase (the kernel's schedstat, summed over threads):
+	// seconds on a CPU, and seconds runnable but waiting for one, which
+	// on a machine with fewer cores than busy threads bounds the rates
+	// above; CPUWaitPerRun is their ratio. CPUScope says whose threads and
+	// which window, or why they are null (not measured).
+	CPURunSeconds  *float64 `json:"cpu_run_seconds"`
+	CPUWaitSeconds *float64 `json:"cpu_wait_seconds"`
+	CPUWaitPerRun  *float64 `json:"cpu_wait_per_run"`
+	CPUScope       string   `json:"cpu_scope"`
 
 	Failures []string `json:"failures,omitempty"` // the first few, with reasons
 	// Workers are the workers' own JSON summaries.
@@ -206,6 +218,40 @@ func (s *Summary) addPull(prefill *pullworker.PrefillSummary, decodes []*pullwor
 	}
 }
 
+// setCPU reports u, what the threads of scope did; nil u: not measured,
+// scope says why.
+func (s *Summary) setCPU(u *schedstat.Usage, scope string) {
+	s.CPUScope = scope
+	s.CPURunSeconds, s.CPUWaitSeconds, s.CPUWaitPerRun = nil, nil, nil
+	if u != nil {
+		run, wait, ratio := u.RunSeconds, u.WaitSeconds, u.WaitPerRun()
+		s.CPURunSeconds, s.CPUWaitSeconds, s.CPUWaitPerRun = &run, &wait, &ratio
+	}
+}
+
+// sumWorkerCPU reports the sum of the worker processes' own measures
+// (each over its own requests phase); nil where a worker reported none,
+// and then the sum is not reported: a part would read as a whole.
+func (s *Summary) sumWorkerCPU(workers []*schedstat.Usage, others string) {
+	var sum schedstat.Usage
+	got := 0
+	for _, u := range workers {
+		if u != nil {
+			sum = sum.Add(*u)
+			got++
+		}
+	}
+	if got < len(workers) || got == 0 {
+		why := fmt.Sprintf("%d of %d worker processes reported theirs", got, len(workers))
+		if _, err := schedstat.Self(); err != nil {
+			why = err.Error()
+		}
+		s.setCPU(nil, "not measured: "+why)
+		return
+	}
+	s.setCPU(&sum, fmt.Sprintf("the %d worker processes' threads, each over its own requests phase%s", got, others))
+}
+
 func (s *Summary) finish() {
 	if s.Seconds > 0 {
 		s.GBps = float64(s.BytesMoved) / s.Seconds / 1e9
@@ -239,6 +285,12 @@ func (s *Summary) WriteText(w io.Writer) error {
 	fmt.Fprintf(&b, "  transfers     %d, %s each on average; latency p50 %s, p99 %s\n",
 		s.Transfers, human(s.BytesPerTransfer), micros(s.XferP50us), micros(s.XferP99us))
 	fmt.Fprintf(&b, "  descriptors   %.1f per request\n", s.DescsPerRequest)
+	if s.CPURunSeconds != nil && s.CPUWaitSeconds != nil && s.CPUWaitPerRun != nil {
+		fmt.Fprintf(&b, "  CPU           kvhost's threads ran %.2f s and waited %.2f s for a core (wait/run %.2f): %s\n",
+			*s.CPURunSeconds, *s.CPUWaitSeconds, *s.CPUWaitPerRun, s.CPUScope)
+	} else {
+		fmt.Fprintf(&b, "  CPU           %s\n", s.CPUScope)
+	}
 	if s.VerifyErrors > 0 {
 		fmt.Fprintf(&b, "  verify errors %d requests with wrong bytes\n", s.VerifyErrors)
 	}

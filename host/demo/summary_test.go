@@ -2,12 +2,14 @@ package demo
 
 import (
 	"bytes"
+	"encoding/json"
 	"math"
 	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/host/demo/pullworker"
 	"github.com/kvhost/kvhost/host/demo/pushworker"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 )
 
 // The summary reports the rate over the time transfers were in flight
@@ -58,5 +60,43 @@ func TestSummaryPullInFlightUnion(t *testing.T) {
 	p.finish()
 	if math.Abs(p.TransferSeconds-0.6) > 1e-9 || math.Abs(p.TransferGBps-2e9/0.6/1e9) > 1e-9 {
 		t.Fatalf("transfer %v s, %v GB/s; want the union 0.6 s", p.TransferSeconds, p.TransferGBps)
+	}
+}
+
+// Separate processes: the workers' own measures add up; one that reported
+// none leaves the whole unreported (null), saying why, not a part passed
+// off as the whole.
+func TestSummaryWorkerCPU(t *testing.T) {
+	a := &schedstat.Usage{RunSeconds: 1.5, WaitSeconds: 0.5, Timeslices: 10, Threads: 3}
+	b := &schedstat.Usage{RunSeconds: 0.5, WaitSeconds: 1.5, Timeslices: 20, Threads: 2}
+	s := &Summary{Style: "sglang", Requests: 1}
+	s.sumWorkerCPU([]*schedstat.Usage{a, b}, " (the bootstrap server's not counted)")
+	if s.CPURunSeconds == nil || *s.CPURunSeconds != 2 || *s.CPUWaitSeconds != 2 || *s.CPUWaitPerRun != 1 {
+		t.Fatalf("sum: %+v", s)
+	}
+	var out bytes.Buffer
+	s.WriteText(&out)
+	if want := "threads ran 2.00 s and waited 2.00 s for a core (wait/run 1.00): the 2 worker processes' threads"; !strings.Contains(out.String(), want) {
+		t.Errorf("text lacks %q:\n%s", want, out.String())
+	}
+	js, err := json.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(js), `"cpu_run_seconds":2,"cpu_wait_seconds":2,"cpu_wait_per_run":1`) {
+		t.Errorf("JSON: %s", js)
+	}
+
+	s.sumWorkerCPU([]*schedstat.Usage{a, nil}, "")
+	if s.CPURunSeconds != nil || s.CPUWaitSeconds != nil || s.CPUWaitPerRun != nil || !strings.Contains(s.CPUScope, "not measured") {
+		t.Fatalf("one worker unreported: %+v", s)
+	}
+	if js, _ := json.Marshal(s); !strings.Contains(string(js), `"cpu_run_seconds":null,"cpu_wait_seconds":null`) {
+		t.Errorf("JSON of an unmeasured run: %s", js)
+	}
+	out.Reset()
+	s.WriteText(&out)
+	if !strings.Contains(out.String(), "CPU           not measured: 1 of 2 worker processes reported theirs") {
+		t.Errorf("text of an unmeasured run:\n%s", out.String())
 	}
 }

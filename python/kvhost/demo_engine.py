@@ -68,6 +68,17 @@ Rates, and what each compares (issue 24):
   control path, notifications and the engine loop's cadence included);
   SGLang's "waits" line splits a request's wait at the moment its Success
   event reached the engine process;
+- sidecar CPU: how long each ``kvhost serve``'s threads ran and waited,
+  runnable, for a core (the kernel's per-thread schedstat,
+  kvhost.schedstat) from the first request done to both engines done
+  (the steady state: the ranks' registration and peer loading are over),
+  as seconds waited per second run, beside
+  ``kvhost demo --in-process``'s threads' own (its ``--json``
+  ``cpu_wait_per_run``). With the fake plugin a transfer's copy runs on
+  the sidecar thread that posts it: where the sidecars wait far longer
+  than the baseline (more busy processes than cores), the pair's
+  transfer rate is bounded by CPU availability, not by kvhost; on a
+  machine with a core per process the two should be near;
 - adapter cost: time inside the adapter calls a request makes, per
   request (and per rank), beside their thread CPU time; the calls the
   engine's loop makes on every pass (poll(), vLLM's per-step calls) are
@@ -95,6 +106,7 @@ import time
 import urllib.request
 
 from kvhost import demo_pattern as pat
+from kvhost import schedstat
 
 
 def _parse(argv):
@@ -234,6 +246,65 @@ class Sidecar:
         self.log.close()
 
 
+class SidecarCPU:
+    """What the sidecars' threads did over the pair's steady state
+    (kvhost.schedstat): seconds on a CPU, and seconds runnable but waiting
+    for one. Begun when the first request is done (begin(): by then every
+    rank registered its memory and loaded its peers, start-up work that
+    is not a transfer's), ended once both engines reported done: the
+    window of all but the first request's transfers, as ``kvhost demo``
+    measures from its workers ready to done. A kernel without per-thread
+    schedstat (or a sidecar gone) leaves an error in place of the numbers,
+    not a failed run."""
+
+    def __init__(self, sidecars, roles):
+        self.sidecars, self.roles = sidecars, roles
+        self.error = None
+        self.before = None
+
+    def begin(self):
+        """Starts the window (once; later calls do nothing)."""
+        if self.before is not None or self.error is not None:
+            return
+        try:
+            self.before = [schedstat.snapshot(s.proc.pid) for s in self.sidecars]
+        except (schedstat.Unavailable, OSError, ValueError) as e:
+            self.error = str(e)
+
+    def end(self):
+        """{role: usage, ..., "total": usage}, each usage {run_seconds,
+        wait_seconds, wait_per_run, timeslices, threads}; {"error": why}
+        when not measured."""
+        if self.error is None and self.before is None:
+            self.error = "no request finished"
+        if self.error is None:
+            try:
+                after = [schedstat.snapshot(s.proc.pid) for s in self.sidecars]
+            except (schedstat.Unavailable, OSError, ValueError) as e:
+                self.error = str(e)
+        if self.error is not None:
+            return {"error": "not measured: " + self.error}
+        out = {}
+        total = {"run_seconds": 0.0, "wait_seconds": 0.0, "timeslices": 0, "threads": 0}
+        for role, b, a in zip(self.roles, self.before, after):
+            u = schedstat.delta(b, a)
+            for k in total:
+                total[k] += u[k]
+            u["wait_per_run"] = schedstat.wait_per_run(u)
+            out[role] = u
+        total["wait_per_run"] = schedstat.wait_per_run(total)
+        out["total"] = total
+        return out
+
+
+def cpu_of_demo(got):
+    """The CPU fields of a ``kvhost demo --json`` summary: {run_seconds,
+    wait_seconds, wait_per_run, scope}, the numbers None where it did not
+    measure them (scope says why)."""
+    return {"run_seconds": got.get("cpu_run_seconds"), "wait_seconds": got.get("cpu_wait_seconds"),
+            "wait_per_run": got.get("cpu_wait_per_run"), "scope": got.get("cpu_scope", "not reported")}
+
+
 class Progress:
     """A one-line progress bar on stderr (only on a terminal)."""
 
@@ -346,6 +417,7 @@ def run_style(style, ns, workdir, reqs, progress):
             ctx.Process(target=mod.prefill_engine, args=(args, sidecars[0].control, reqs, to_decode, results), name=style + "-prefill"),
             ctx.Process(target=mod.decode_engine, args=(args, sidecars[1].control, len(reqs), to_decode, results), name=style + "-decode"),
         ]
+        cpu = SidecarCPU(sidecars, ("prefill", "decode"))
         for p in procs:
             p.start()
         deadline = time.monotonic() + ns.timeout + 30
@@ -367,6 +439,7 @@ def run_style(style, ns, workdir, reqs, progress):
             if kind == "error":
                 raise RuntimeError(body)
             if kind == "request":
+                cpu.begin()
                 if body["ok"]:
                     summary["ok"] += 1
                 else:
@@ -396,6 +469,7 @@ def run_style(style, ns, workdir, reqs, progress):
                         "loop_p50_ms": _pct(w["loop_ms"], 0.5) * 1e3}
                 spans.extend(body.get("spans", ()))
                 finished.add(kind)
+        summary["sidecar_cpu"] = cpu.end()
         for p in procs:
             p.join(30)
         # kvhost's own account, before the sidecars stop: only the side
@@ -508,7 +582,8 @@ def baseline(ns, style, decode_tp, in_process=True):
     """``kvhost demo --in-process`` on the same shape (in_process False:
     ``kvhost demo``, its workers in separate processes): its end-to-end
     GB/s and its transfer rate (GB/s over the time its transfers were in
-    flight; 0 when it does not report one)."""
+    flight; 0 when it does not report one) and its threads' CPU time over
+    its requests phase (cpu_of_demo)."""
     cmd = [ns.kvhost, "--backend", ns.backend, "demo"] + (["--in-process"] if in_process else []) + [
            "--json", "--style", style,
            "--requests", str(ns.requests), "--seed", str(ns.seed), "--layers", str(ns.layers),
@@ -519,7 +594,7 @@ def baseline(ns, style, decode_tp, in_process=True):
     if out.returncode != 0:
         raise RuntimeError("%s: exit %d: %s" % (" ".join(cmd), out.returncode, out.stderr.decode(errors="replace")[-2000:]))
     got = json.loads(out.stdout)
-    return float(got["gb_per_s"]), float(got.get("transfer_gb_per_s", 0) or 0)
+    return float(got["gb_per_s"]), float(got.get("transfer_gb_per_s", 0) or 0), cpu_of_demo(got)
 
 
 def human(n):
@@ -558,6 +633,7 @@ def text(s, ns):
         lines.append("  separate processes: kvhost demo (Go workers, the same cross-process copies) %.2f GB/s, "
                      "%.2f of --in-process; the pair %.2f of it" % (
                          s["procs_transfer_gb_per_s"], s["procs_transfer_ratio"], s["transfer_ratio_to_procs"]))
+    lines.extend(cpu_lines(s))
     lines.append("  engine's view %.2f GB/s: over the %.2f s requests were in flight from hand-off to seen done "
                  "(p50 %.2f ms a request)" % (s["engine_view_gb_per_s"], s["engine_view_seconds"], s["engine_view_p50_ms"]))
     for role, since in (("prefill", "its last chunk handed to kvhost"),
@@ -598,6 +674,34 @@ def text(s, ns):
     return "\n".join(lines)
 
 
+def cpu_lines(s):
+    """The text of the sidecars' CPU time (summary["sidecar_cpu"]) beside
+    the baselines' (--baseline: the threads of ``kvhost demo
+    --in-process``; --baseline-procs: of its worker processes)."""
+    c = s.get("sidecar_cpu")
+    if not c:
+        return []
+    if "error" in c:
+        return ["  sidecar CPU   %s" % c["error"]]
+    t = c["total"]
+    line = ("  sidecar CPU   kvhost serve's threads ran %.2f s and waited %.2f s for a core in the pair's steady state: "
+            "%.2f s waited per 1 s run (%s)" % (
+                t["run_seconds"], t["wait_seconds"], t["wait_per_run"], "; ".join(
+                    "%s %.2f: ran %.2f s, waited %.2f s" % (role, c[role]["wait_per_run"], c[role]["run_seconds"],
+                                                           c[role]["wait_seconds"])
+                    for role in ("prefill", "decode") if role in c)))
+    for key, name in (("baseline_cpu", "kvhost demo --in-process"), ("procs_cpu", "kvhost demo, separate processes")):
+        b = s.get(key)
+        if not b:
+            continue
+        if b.get("wait_per_run") is None:
+            line += "; %s: %s" % (name, b.get("scope"))
+        else:
+            line += "; %s: %.2f (ran %.2f s, waited %.2f s)" % (name, b["wait_per_run"], b["run_seconds"],
+                                                                b["wait_seconds"])
+    return [line]
+
+
 def run_with_baseline(style, ns, workdir, reqs):
     """One run of the pair, then (--baseline) ``kvhost demo --in-process``
     on the same shape, and the ratios."""
@@ -608,14 +712,14 @@ def run_with_baseline(style, ns, workdir, reqs):
         prog.close()
     if ns.baseline:
         try:
-            s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"])
+            s["baseline_gb_per_s"], s["baseline_transfer_gb_per_s"], s["baseline_cpu"] = baseline(ns, style, s["decode_tp"])
             s["ratio"] = s["gb_per_s"] / s["baseline_gb_per_s"] if s["baseline_gb_per_s"] else 0.0
             s["transfer_ratio"] = (s["transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
                                    if s["baseline_transfer_gb_per_s"] else 0.0)
             s["engine_work_excluded_ratio"] = (s["engine_work_excluded_gb_per_s"] / s["baseline_gb_per_s"]
                                                if s["baseline_gb_per_s"] else 0.0)
             if ns.baseline_procs:
-                _, s["procs_transfer_gb_per_s"] = baseline(ns, style, s["decode_tp"], in_process=False)
+                _, s["procs_transfer_gb_per_s"], s["procs_cpu"] = baseline(ns, style, s["decode_tp"], in_process=False)
                 s["procs_transfer_ratio"] = (s["procs_transfer_gb_per_s"] / s["baseline_transfer_gb_per_s"]
                                              if s["baseline_transfer_gb_per_s"] else 0.0)
                 s["transfer_ratio_to_procs"] = (s["transfer_gb_per_s"] / s["procs_transfer_gb_per_s"]
@@ -639,9 +743,16 @@ def medians(style, runs):
     def cost(role):
         return _median([r.get("control_us_per_request", {}).get(role, {}).get("per_rank", 0.0) for r in runs])
 
-    procs = ""
+    extra = ""
+    waits = [r["sidecar_cpu"]["total"]["wait_per_run"] for r in runs if "total" in r.get("sidecar_cpu", {})]
+    base = [r["baseline_cpu"]["wait_per_run"] for r in runs
+            if r.get("baseline_cpu", {}).get("wait_per_run") is not None]
+    if waits:
+        extra += "; CPU wait per run: sidecars %.2f" % _median(waits)
+        if base:
+            extra += ", kvhost demo --in-process %.2f" % _median(base)
     if any(r.get("procs_transfer_gb_per_s") for r in runs):
-        procs = "; kvhost demo in separate processes: %.2f of --in-process, the pair %.2f of it" % (
+        extra += "; kvhost demo in separate processes: %.2f of --in-process, the pair %.2f of it" % (
             _median([r.get("procs_transfer_ratio", 0.0) for r in runs]),
             _median([r.get("transfer_ratio_to_procs", 0.0) for r in runs]))
     return ("%s: median of %d alternated runs: ratio to --in-process %.2f end to end, %.2f transfer rate, "
@@ -649,7 +760,7 @@ def medians(style, runs):
                 style, len(runs), _median([r.get("ratio", 0.0) for r in runs]),
                 _median([r.get("transfer_ratio", 0.0) for r in runs]),
                 _median([r.get("engine_work_excluded_ratio", 0.0) for r in runs]), cost("prefill"), cost("decode"),
-                procs))
+                extra))
 
 
 def main(argv=None):

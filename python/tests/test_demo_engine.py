@@ -90,6 +90,15 @@ def test_demo_engine_every_byte(style, pool):
     # only into GPU memory.
     assert (s["prefill_tp"], s["decode_tp"]) == (2, 4), s
     assert s["register_as"] == ("vram" if style == "sglang" else "dram"), s
+    # Each sidecar's threads ran (they served the engines and moved the
+    # KV) and the summary says how long they waited for a core.
+    c = s["sidecar_cpu"]
+    assert "error" not in c, c
+    for role in ("prefill", "decode", "total"):
+        u = c[role]
+        assert u["run_seconds"] > 0 and u["wait_seconds"] >= 0 and u["threads"] > 0, c
+        assert u["wait_per_run"] == pytest.approx(u["wait_seconds"] / u["run_seconds"]), c
+    assert c["total"]["run_seconds"] == pytest.approx(c["prefill"]["run_seconds"] + c["decode"]["run_seconds"]), c
 
 
 @pytest.mark.parametrize("style", ["vllm", "sglang"])
@@ -169,8 +178,54 @@ def test_demo_engine_baselines(style):
     assert "(kvhost demo --in-process, same shape and definition: %.2f GB/s; ratio %.2f)" % (
         s["baseline_transfer_gb_per_s"], s["transfer_ratio"]) in txt, txt
     assert "separate processes: kvhost demo" in txt and "engine's view" in txt, txt
+    # The baselines' threads' CPU time, from their --json, beside the
+    # sidecars' (kvhost demo's workers ran: they moved every byte).
+    for key in ("baseline_cpu", "procs_cpu"):
+        b = s[key]
+        assert b["run_seconds"] > 0 and b["wait_seconds"] >= 0, (key, b)
+        assert b["wait_per_run"] == pytest.approx(b["wait_seconds"] / b["run_seconds"]), (key, b)
+    c = s["sidecar_cpu"]["total"]
+    assert "%.2f s waited per 1 s run" % c["wait_per_run"] in txt, txt
+    assert "kvhost demo --in-process: %.2f (ran %.2f s, waited %.2f s)" % (
+        s["baseline_cpu"]["wait_per_run"], s["baseline_cpu"]["run_seconds"], s["baseline_cpu"]["wait_seconds"]) in txt, txt
     line = de.medians(style, [s])
     assert "%.2f transfer rate" % s["transfer_ratio"] in line and "separate processes" in line, line
+    assert "CPU wait per run: sidecars %.2f, kvhost demo --in-process %.2f" % (
+        c["wait_per_run"], s["baseline_cpu"]["wait_per_run"]) in line, line
+
+
+def test_sidecar_cpu_text():
+    """The sidecar CPU line carries the summary's numbers, per sidecar and
+    for the baselines; what was not measured says why instead of printing
+    zeros; --repeat's line takes the medians."""
+    from kvhost import demo_engine as de
+
+    def usage(run, wait):
+        return {"run_seconds": run, "wait_seconds": wait, "wait_per_run": wait / run, "timeslices": 1, "threads": 1}
+
+    s = {"sidecar_cpu": {"prefill": usage(0.8, 1.2), "decode": usage(0.4, 0.2), "total": usage(1.2, 1.4)},
+         "baseline_cpu": {"run_seconds": 2.0, "wait_seconds": 0.1, "wait_per_run": 0.05, "scope": "x"},
+         "procs_cpu": {"run_seconds": None, "wait_seconds": None, "wait_per_run": None,
+                       "scope": "not measured: 1 of 5 worker processes reported theirs"}}
+    (line,) = de.cpu_lines(s)
+    for want in ("ran 1.20 s and waited 1.40 s for a core", "1.17 s waited per 1 s run",
+                 "prefill 1.50: ran 0.80 s, waited 1.20 s", "decode 0.50: ran 0.40 s, waited 0.20 s",
+                 "kvhost demo --in-process: 0.05 (ran 2.00 s, waited 0.10 s)",
+                 "kvhost demo, separate processes: not measured: 1 of 5 worker processes reported theirs"):
+        assert want in line, (want, line)
+    assert de.cpu_lines({"sidecar_cpu": {"error": "not measured: no schedstat"}}) == [
+        "  sidecar CPU   not measured: no schedstat"]
+    assert de.cpu_lines({}) == []
+    other = dict(s, sidecar_cpu=dict(s["sidecar_cpu"], total=usage(1.0, 3.0)),
+                 baseline_cpu=dict(s["baseline_cpu"], wait_per_run=0.25))
+    third = dict(s, sidecar_cpu=dict(s["sidecar_cpu"], total=usage(1.0, 2.0)),
+                 baseline_cpu=dict(s["baseline_cpu"], wait_per_run=0.15))
+    assert "CPU wait per run: sidecars 2.00, kvhost demo --in-process 0.15" in de.medians("sglang", [s, other, third])
+    # The CPU fields of kvhost demo --json, null where it did not measure.
+    assert de.cpu_of_demo({"cpu_run_seconds": 1.0, "cpu_wait_seconds": 0.5, "cpu_wait_per_run": 0.5,
+                           "cpu_scope": "this process"}) == {
+        "run_seconds": 1.0, "wait_seconds": 0.5, "wait_per_run": 0.5, "scope": "this process"}
+    assert de.cpu_of_demo({"cpu_run_seconds": None})["wait_per_run"] is None
 
 
 def test_union_seconds():
@@ -301,3 +356,36 @@ def test_pattern_fill_check_every_byte(layout, head_bytes):
         assert why is not None and "(1 wrong bytes)" in why and "block %d" % ids[at[2]] in why, (at, why)
     with pytest.raises(IndexError):
         pat.check(pool, [9], 11, shape, h0, h1, layout=layout)
+
+
+def test_sidecar_cpu_window_starts_at_first_request():
+    """SidecarCPU measures from begin() (the first request done: start-up
+    left out) to end(); begin() again keeps the first start; without any
+    begin() the numbers are refused, not taken from an empty window."""
+    import threading
+    import time
+
+    from kvhost import demo_engine as de
+
+    class Side:
+        class proc:
+            pid = os.getpid()
+
+    cpu = de.SidecarCPU([Side()], ("prefill",))
+    assert cpu.end() == {"error": "not measured: no request finished"}
+
+    stop = time.monotonic() + 0.2
+    cpu = de.SidecarCPU([Side()], ("prefill",))
+    spin = lambda: [None for _ in iter(lambda: time.monotonic() > stop, True)]
+    t = threading.Thread(target=spin)
+    t.start()  # before begin(): its run time until begin() is left out
+    time.sleep(0.1)
+    cpu.begin()
+    first = cpu.before
+    cpu.begin()
+    assert cpu.before is first
+    t.join()
+    got = cpu.end()
+    run = got["prefill"]["run_seconds"]
+    assert 0 < run < 0.19, got  # the spinning thread's last ~0.1 s, not its 0.2 s
+    assert got["total"]["run_seconds"] == run

@@ -14,6 +14,7 @@ import (
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/internal/quantile"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/internal/span"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
@@ -58,6 +59,10 @@ type DecodeConfig struct {
 	// registered cache, receiver), before the worker waits for the prefill
 	// and starts the workload.
 	OnReady func()
+	// MeasureCPU says the worker is alone in its process (the kvhost decode
+	// command): its summary's CPU then reports the process's threads over
+	// the workload (its requests' prefill calls, READs and checks).
+	MeasureCPU bool
 }
 
 // RequestReport is one line of DecodeConfig.Report.
@@ -139,6 +144,11 @@ type DecodeSummary struct {
 	InvalidBlockReports int          `json:"invalid_block_reports"`
 	Stats               pull.Summary `json:"stats"`
 	Peers               []RankPeers  `json:"peers"`
+	// CPU is what this process's threads did over the requests phase
+	// (schedstat: run time and time waiting for a core), set by the kvhost
+	// decode command, where the worker is alone in its process; nil when
+	// not measured.
+	CPU *schedstat.Usage `json:"cpu,omitempty"`
 }
 
 type decodeRank struct {
@@ -198,6 +208,10 @@ func RunDecode(ctx context.Context, cfg DecodeConfig) (*DecodeSummary, error) {
 	reqs := cfg.Workload.Generate()
 	d.sum = DecodeSummary{Role: "decode", Style: "vllm", EngineID: cfg.EngineID, TPSize: cfg.Engine.TPSize,
 		Ranks: slices.Clone(cfg.Ranks), Requests: len(reqs)}
+	var cpu *schedstat.Window
+	if cfg.MeasureCPU {
+		cpu = schedstat.Begin(0)
+	}
 	start := time.Now()
 	work := make(chan Request)
 	var wg sync.WaitGroup
@@ -221,7 +235,9 @@ feed:
 	close(work)
 	wg.Wait()
 	seconds := time.Since(start).Seconds()
+	cpuUsed := cpu.Measure(d.log)
 	d.collect(seconds)
+	d.sum.CPU = cpuUsed
 	if err := ctx.Err(); err != nil {
 		return &d.sum, fmt.Errorf("decode: stopped after %d of %d requests: %w", d.finished, len(reqs), err)
 	}

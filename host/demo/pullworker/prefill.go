@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/pull"
 )
@@ -57,6 +58,10 @@ type PrefillConfig struct {
 	// OnReady, when set, is called once, when the side channel and the API
 	// listen, before StartPrefill returns.
 	OnReady func()
+	// MeasureCPU says the worker is alone in its process (the kvhost prefill
+	// command): its summary's CPU then reports the process's threads over
+	// the requests phase (from ready until Wait returns).
+	MeasureCPU bool
 }
 
 // ReleaseReport is one line of PrefillConfig.Report.
@@ -92,6 +97,11 @@ type PrefillSummary struct {
 	SideChannelPort int     `json:"side_channel_port"`
 	// Done is true when every expected request was released.
 	Done bool `json:"done"`
+	// CPU is what this process's threads did over the requests phase
+	// (schedstat: run time and time waiting for a core), set by the kvhost
+	// prefill command, where the worker is alone in its process; nil when
+	// not measured.
+	CPU *schedstat.Usage `json:"cpu,omitempty"`
 }
 
 // Prefill is a running prefill worker.
@@ -106,6 +116,7 @@ type Prefill struct {
 	ln     net.Listener
 	srv    *http.Server
 	start  time.Time
+	cpu    *schedstat.Window // MeasureCPU's, from ready (nil: not measured)
 	// tokenBytes is KV bytes per token over all ranks.
 	tokenBytes uint64
 	expected   map[string]int // proxy id -> tokens; nil when serving anything
@@ -211,6 +222,9 @@ func StartPrefill(cfg PrefillConfig) (_ *Prefill, err error) {
 	p.log.Info("prefill worker ready", "api", p.ln.Addr().String(), "side_channel", p.sender.Endpoint(),
 		"tp_size", cfg.Engine.TPSize, "block_size", cfg.Engine.BlockSize, "num_blocks", cfg.Engine.NumBlocks,
 		"layout", cfg.Engine.Layout, "expected_requests", len(p.expected))
+	if cfg.MeasureCPU {
+		p.cpu = schedstat.Begin(0)
+	}
 	if cfg.OnReady != nil {
 		cfg.OnReady()
 	}
@@ -412,7 +426,8 @@ func (p *Prefill) Summary() PrefillSummary {
 }
 
 // Wait returns the summary once every expected request was released, or
-// when ctx ends (serving without a workload, only then).
+// when ctx ends (serving without a workload, only then); with MeasureCPU,
+// its CPU is the process's threads from ready until now.
 func (p *Prefill) Wait(ctx context.Context) PrefillSummary {
 	if p.expected != nil {
 		select {
@@ -422,7 +437,9 @@ func (p *Prefill) Wait(ctx context.Context) PrefillSummary {
 	} else {
 		<-ctx.Done()
 	}
-	return p.Summary()
+	s := p.Summary()
+	s.CPU = p.cpu.Measure(p.log)
+	return s
 }
 
 // Close stops the API and the Sender and releases agents and caches.

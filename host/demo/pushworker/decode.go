@@ -67,11 +67,13 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 	o.ready(live)
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
+	cpu := o.beginCPU()
 	start := time.Now()
 	runRanks(ctx, len(drs), reqs, o.Concurrency, o.finished(t), func(i int, req Request) {
 		drs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
+	cpuUsed := cpu.Measure(o.Logger)
 	s := &Summary{Role: "decode", Variant: o.Variant.String(), Completion: o.Completion.String(), Checked: !o.NoBytes}
 	for _, d := range drs {
 		s.Ranks = append(s.Ranks, d.String())
@@ -79,6 +81,7 @@ func RunDecode(ctx context.Context, o DecodeOptions) (*Summary, error) {
 		s.Leaked += d.m.Rooms()
 	}
 	t.finish(s, reqs, elapsed)
+	s.CPU = cpuUsed
 	s.Bytes = t.bytes
 	if elapsed > 0 {
 		s.GBps = float64(s.Bytes) / elapsed.Seconds() / 1e9

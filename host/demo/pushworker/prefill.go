@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/host/demo/kvpool"
 	"github.com/kvhost/kvhost/host/demo/synth"
 	"github.com/kvhost/kvhost/host/internal/quantile"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/plugin"
 	"github.com/kvhost/kvhost/host/push"
 	"github.com/kvhost/kvhost/host/wire/sglang"
@@ -56,6 +57,19 @@ type Common struct {
 	// holds at each call (for a metrics gauge); it may be called from any
 	// goroutine, also after the run (it then counts none).
 	OnReady func(rooms RoomCounter)
+	// MeasureCPU says the worker is alone in its process (the kvhost
+	// prefill and decode commands): its summary's CPU then reports the
+	// process's threads over the requests phase.
+	MeasureCPU bool
+}
+
+// beginCPU starts measuring this process's threads where MeasureCPU
+// says they are the worker's (nil otherwise: Measure gives nil).
+func (c *Common) beginCPU() *schedstat.Window {
+	if !c.MeasureCPU {
+		return nil
+	}
+	return schedstat.Begin(0)
 }
 
 // ready calls OnReady, if set.
@@ -188,11 +202,13 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 	o.ready(live)
 	reqs := o.Workload.List(o.Shape.PageSize)
 	t := newTally()
+	cpu := o.beginCPU()
 	start := time.Now()
 	runRanks(ctx, len(prs), reqs, o.Concurrency, o.finished(t), func(i int, req Request) {
 		prs[i].serve(ctx, &o, req, t, live)
 	})
 	elapsed := time.Since(start)
+	cpuUsed := cpu.Measure(o.Logger)
 
 	s := &Summary{Role: "prefill", Variant: o.Variant.String(), Completion: prs[0].m.Completion().String(), XferMode: prs[0].m.XferMode().String(), Checked: !o.NoBytes}
 	for _, p := range prs {
@@ -204,6 +220,7 @@ func RunPrefill(ctx context.Context, o PrefillOptions) (*Summary, error) {
 		s.Leaked += p.m.Rooms()
 	}
 	t.finish(s, reqs, elapsed)
+	s.CPU = cpuUsed
 	st.mu.Lock()
 	s.Bytes, s.Transfers, s.Descriptors, s.RefDescriptors = st.bytes, st.transfers, st.descs, st.refDescs
 	s.XferP50us, s.XferP99us, s.PostP50us = quantile.Percentile(st.xfer, 50), quantile.Percentile(st.xfer, 99), quantile.Percentile(st.post, 50)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/host/internal/quantile"
+	"github.com/kvhost/kvhost/host/internal/schedstat"
 	"github.com/kvhost/kvhost/host/internal/span"
 	"github.com/kvhost/kvhost/host/push"
 )
@@ -64,6 +65,11 @@ type Summary struct {
 	// held after every request was closed (must be 0). What peers sent for
 	// rooms the worker never opened does not count.
 	Leaked int `json:"leaked_rooms"`
+	// CPU is what this process's threads did over the requests phase
+	// (schedstat: run time and time waiting for a core), set by the kvhost
+	// prefill or decode command, where the worker is alone in its process; nil when
+	// not measured.
+	CPU *schedstat.Usage `json:"cpu,omitempty"`
 }
 
 // RequestFailure is one failed request on one rank.

@@ -1,0 +1,5 @@
+package schedstat
+
+import "syscall"
+
+func gettid() int { return syscall.Gettid() }
