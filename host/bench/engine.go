@@ -114,16 +114,20 @@ type Result struct {
 	Caps          []string `json:"caps"`     // native on the initiator agent
 	Emulated      []string `json:"emulated"` // provided by the host
 	Params        []string `json:"params,omitempty"`
-	// TargetParams are the target agent's parameters, the host's
-	// defaults included (each row has the initiator's).
-	TargetParams []string  `json:"target_params,omitempty"`
-	GOMAXPROCS   int       `json:"gomaxprocs"`
-	CPUs         int       `json:"cpus"`
-	Rounds       int       `json:"rounds"`
-	Started      time.Time `json:"started"`
-	Rows         []Row     `json:"rows"`
-	Skipped      []string  `json:"skipped,omitempty"`
-	Err          string    `json:"error,omitempty"`
+	// TargetParams are the parameters of a target agent in another
+	// process (--procs 2), the host's defaults included (each row has the
+	// initiator's); LocalTargetParams those of one in this process
+	// (--procs 1), which keeps the first-touch pass its initiator's copies
+	// need (plugin.WithLocalPeers).
+	TargetParams      []string  `json:"target_params,omitempty"`
+	LocalTargetParams []string  `json:"local_target_params,omitempty"`
+	GOMAXPROCS        int       `json:"gomaxprocs"`
+	CPUs              int       `json:"cpus"`
+	Rounds            int       `json:"rounds"`
+	Started           time.Time `json:"started"`
+	Rows              []Row     `json:"rows"`
+	Skipped           []string  `json:"skipped,omitempty"`
+	Err               string    `json:"error,omitempty"`
 }
 
 // OnRow, when set on the Runner, sees each row as soon as it is measured.
@@ -161,7 +165,9 @@ func (r *Runner) Run(ctx context.Context) (*Result, error) {
 	}
 	e.res = res
 	e.targetParams = p.ForSide(plugin.Target, cfg.Params)
+	e.localTargetParams = p.ForSide(plugin.Target, p.WithLocalPeers(cfg.Params))
 	res.TargetParams = paramStrings(e.targetParams)
+	res.LocalTargetParams = paramStrings(e.localTargetParams)
 	vars := variants(cfg.Sweep)
 	e.total = e.countRows() * cfg.Rounds * len(vars)
 	for _, v := range vars {
@@ -212,13 +218,14 @@ type engine struct {
 	res    *Result
 
 	ag *plugin.Agent // initiator
-	// The running variant (runVariant) and the target's parameters.
-	sweep        string
-	initParams   []string
-	targetParams []plugin.Param
-	buf          buffer
-	reg          *plugin.Region
-	seed         uint64
+	// The running variant (runVariant) and the targets' parameters (in
+	// another process, in this one).
+	sweep                           string
+	initParams                      []string
+	targetParams, localTargetParams []plugin.Param
+	buf                             buffer
+	reg                             *plugin.Region
+	seed                            uint64
 
 	done, total int
 }
@@ -291,7 +298,7 @@ type peerSide struct {
 func (e *engine) runProcs(ctx context.Context, procs int, size uint64) (err error) {
 	var t *target
 	if procs == 1 {
-		t, err = newLocalTarget(e.p, e.targetParams, size)
+		t, err = newLocalTarget(e.p, e.localTargetParams, size)
 	} else {
 		t, err = startProcTarget(e.cfg, e.targetParams, size)
 	}

@@ -78,8 +78,13 @@ func TestSweepRuns(t *testing.T) {
 			t.Errorf("row %d: label %q, group %q lack %q", i, r.Label(), r.Group(), w)
 		}
 	}
-	if len(res.TargetParams) != 0 {
-		t.Errorf("target params %v, want none", res.TargetParams)
+	// The fake documents prefault: a target in another process gets the
+	// host's prefault=false, one in this process keeps the pass.
+	if want := []string{plugin.PrefaultParam + "=false"}; !reflect.DeepEqual(res.TargetParams, want) {
+		t.Errorf("target params %v, want %v", res.TargetParams, want)
+	}
+	if want := []string{plugin.PrefaultParam + "=true"}; !reflect.DeepEqual(res.LocalTargetParams, want) {
+		t.Errorf("local target params %v, want %v", res.LocalTargetParams, want)
 	}
 	var tab bytes.Buffer
 	if err := WriteTable(&tab, res); err != nil {
