@@ -14,7 +14,7 @@ import (
 
 // The host gives an initiator agent UCX worker threads by default (the
 // plugin documents num_threads, so plugin.ForSide adds it), the target
-// none; NIXL's UCX backend splits a transfer of at least split_batch_size
+// none but prefault=false (plugin.PrefaultParam); NIXL's UCX backend splits a transfer of at least split_batch_size
 // (1024) descriptors over those threads, and such a transfer, WRITE and
 // READ, moves every byte of every descriptor, nothing else, and delivers
 // its notification once.
@@ -25,8 +25,8 @@ func TestWorkerThreads(t *testing.T) {
 	if !p.Info().HasParam(plugin.ThreadsParam) || !slices.Contains(ip, want) {
 		t.Fatalf("initiator params %v, want %v (params_doc %+v)", ip, want, p.Info().ParamsDoc)
 	}
-	if tp := p.ForSide(plugin.Target, nil); len(tp) != 0 {
-		t.Fatalf("target params %v, want none", tp)
+	if tp, want := p.ForSide(plugin.Target, nil), []plugin.Param{{Key: plugin.PrefaultParam, Value: "false"}}; !slices.Equal(tp, want) {
+		t.Fatalf("target params %v, want %v", tp, want)
 	}
 	const n, block = 2048, 4 << 10
 	const size = 2 * n * block
