@@ -95,6 +95,9 @@ type options struct {
 	socketMode       os.FileMode
 	onDisconnect     func(peer []byte)
 	discardOversize  bool // see WithDiscardOversize
+	// enqueueHook, when set (tests), learns what Router.Enqueue did
+	// with each message it accepted.
+	enqueueHook func(enqueuePath)
 }
 
 func buildOptions(opts []Option) options {

@@ -1,0 +1,24 @@
+//go:build !linux
+
+package zmq
+
+import (
+	"errors"
+	"net"
+	"syscall"
+)
+
+// nowWriter: without Linux's writev, writeNow never writes and every
+// message takes Router.Enqueue's queue.
+type nowWriter struct {
+	raw     syscall.RawConn // always nil
+	hdrs    [9 * inlineFrames]byte
+	bufs    [2 * inlineFrames][]byte
+	pending int
+}
+
+func (w *nowWriter) init(net.Conn) {}
+
+func (w *nowWriter) writev(net.Buffers) (int, syscall.Errno, error) {
+	return 0, 0, errors.New("zmq: no non-blocking write")
+}
