@@ -66,7 +66,6 @@ func (c *conn) writeNow(frames [][]byte) (rest net.Buffers, restBytes int, err e
 		w.clear(len(bufs))
 		return nil, 0, nil
 	}
-	w.pending = len(bufs)
 	for rest, left := bufs, n; ; {
 		if left < len(rest[0]) {
 			rest[0] = rest[0][left:]
@@ -84,8 +83,7 @@ func (c *conn) writeRest(ctx context.Context, rest net.Buffers) error {
 	defer c.wmu.Unlock()
 	deadline, _ := ctx.Deadline()
 	err := c.writeLocked(ctx, rest, deadline)
-	c.now.clear(c.now.pending)
-	c.now.pending = 0
+	c.now.clear(len(c.now.bufs))
 	return err
 }
 

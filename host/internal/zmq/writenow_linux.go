@@ -11,9 +11,6 @@ type nowWriter struct {
 	raw  syscall.RawConn // nil: not a socket, writeNow never writes
 	hdrs [9 * inlineFrames]byte
 	bufs [2 * inlineFrames][]byte
-	// pending is how many of bufs a partly written message still
-	// references (see writeRest).
-	pending int
 
 	// The arguments and results of one writev: fields rather than a
 	// closure's variables, and fn made once, so that a write allocates

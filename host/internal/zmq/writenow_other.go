@@ -11,10 +11,9 @@ import (
 // nowWriter: without Linux's writev, writeNow never writes and every
 // message takes Router.Enqueue's queue.
 type nowWriter struct {
-	raw     syscall.RawConn // always nil
-	hdrs    [9 * inlineFrames]byte
-	bufs    [2 * inlineFrames][]byte
-	pending int
+	raw  syscall.RawConn // always nil
+	hdrs [9 * inlineFrames]byte
+	bufs [2 * inlineFrames][]byte
 }
 
 func (w *nowWriter) init(net.Conn) {}
