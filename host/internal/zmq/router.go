@@ -39,7 +39,8 @@ type RouterMsg struct {
 // concurrent use.
 //
 // A slow or stuck peer only delays messages to itself: Send blocks only
-// its caller, and Enqueue never blocks, so one loop can receive requests
+// its caller, and Enqueue never blocks (it writes what the peer's socket
+// takes at once and queues the rest), so one loop can receive requests
 // and answer them without a peer that stopped reading holding up the
 // others.
 type Router struct {
