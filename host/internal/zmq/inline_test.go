@@ -24,6 +24,10 @@ func (c *pathCounts) String() string {
 	return fmt.Sprintf("%d written inline, %d in part inline, %d queued", c[pathInline].Load(), c[pathPartial].Load(), c[pathQueued].Load())
 }
 
+func withBurstGap(d time.Duration) Option {
+	return func(o *options) { o.burstGap = d }
+}
+
 func withEnqueueHook(c *pathCounts) Option {
 	return func(o *options) { o.enqueueHook = func(p enqueuePath) { c[p].Add(1) } }
 }
@@ -77,24 +81,33 @@ func inlineMsg(i, size int) [][]byte {
 // nothing and returns the PONG commands it met on the way.
 func readInOrder(t *testing.T, br *bufio.Reader, from, to int, sizes func(int) int) (pongs []string) {
 	t.Helper()
+	pongs, err := readMsgs(br, from, to, sizes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pongs
+}
+
+// readMsgs is readInOrder for a goroutine other than the test's.
+func readMsgs(br *bufio.Reader, from, to int, sizes func(int) int) (pongs []string, err error) {
 	for i := from; i < to; {
 		frames, cmd, err := readMessage(br, limits{maxMessageSize: 1 << 30, maxFrames: 4})
 		if err != nil {
-			t.Fatalf("message %d: %v (the stream is corrupt)", i, err)
+			return pongs, fmt.Errorf("message %d: %w (the stream is corrupt)", i, err)
 		}
 		if cmd != nil {
 			if cmd.name != "PONG" {
-				t.Fatalf("command %q before message %d", cmd.name, i)
+				return pongs, fmt.Errorf("command %q before message %d", cmd.name, i)
 			}
 			pongs = append(pongs, string(cmd.body))
 			continue
 		}
 		if !equalFrames(frames, inlineMsg(i, sizes(i))) {
-			t.Fatalf("message %d arrived changed: %d frames, first %.20q", i, len(frames), frames[0])
+			return pongs, fmt.Errorf("message %d arrived changed: %d frames, first %.20q", i, len(frames), frames[0])
 		}
 		i++
 	}
-	return pongs
+	return pongs, nil
 }
 
 // mixedSize cycles through tiny to well above any socket buffer; bigSize
@@ -165,43 +178,132 @@ func TestRouterEnqueueInlinePartialQueued(t *testing.T) {
 }
 
 // Many messages of mixed sizes, sent in bursts to a peer that reads
-// slowly, pausing every few messages: each burst finds the peer idle
-// (the last one written), its first messages are written inline, one
-// that does not fit in part, the rest queued; so all three paths happen
-// again and again, mixed, and every message arrives whole, in order.
+// slowly, pausing every few messages so that its socket (64 KiB of
+// buffers) fills. Each burst starts when the peer has read everything
+// before it (the socket is empty) and the peer waits after its first
+// message until its third was enqueued: the first (small) is written
+// inline, the second (larger than the socket) in part, the third
+// queued behind its rest; the others take whichever path the socket
+// allows. Every message arrives whole, in order. (No burst gap: every
+// message may go inline; TestRouterEnqueueBurstsAreBatched tests it.)
 func TestRouterEnqueueMixedSizesSlowReader(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(tr, func(t *testing.T) {
 			var paths pathCounts
-			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20))
-			_, br, peer := rawDealer(t, r)
+			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20), withBurstGap(0))
+			c, br, peer := rawDealer(t, r)
+			shrinkBuffers(t, r, peer, c, 64<<10)
 			const n, burst = 540, 45
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				for from := 0; from < n; from += 10 {
-					readInOrder(t, br, from, from+10, mixedSize)
-					time.Sleep(2 * time.Millisecond) // the socket fills meanwhile
+			size := func(i int) int {
+				if i%burst == 1 {
+					return 1 << 20
 				}
+				return mixedSize(i)
+			}
+			var read atomic.Int64
+			resume := make(chan struct{})
+			done := make(chan error, 1)
+			go func() {
+				for i := range n {
+					if _, err := readMsgs(br, i, i+1, size); err != nil {
+						done <- err
+						return
+					}
+					read.Store(int64(i + 1))
+					if i%burst == 0 {
+						<-resume
+					}
+					if i%10 == 9 {
+						time.Sleep(2 * time.Millisecond) // the socket fills meanwhile
+					}
+				}
+				done <- nil
 			}()
-			ctx := testCtx(t, time.Minute)
 			for i := range n {
-				if err := r.Enqueue(peer, inlineMsg(i, mixedSize(i))...); err != nil {
+				if i%burst == 0 {
+					waitFor(t, "the peer to read the burst before", func() bool { return read.Load() == int64(i) })
+				}
+				if err := r.Enqueue(peer, inlineMsg(i, size(i))...); err != nil {
 					t.Fatal(i, err)
 				}
-				if i%burst == burst-1 {
-					r.Flush(ctx) // all written: the next burst finds the peer idle
+				if i%burst == 2 {
+					resume <- struct{}{}
 				}
 			}
-			<-done
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
 			t.Logf("%v", &paths)
-			if ctx.Err() != nil {
-				t.Fatal("the peer did not get every message in time")
-			}
 			for p, what := range []string{"inline", "partial", "queued"} {
-				if paths[p].Load() < n/burst/2 {
-					t.Fatalf("%v: the %s path taken less than once every other burst", &paths, what)
+				if paths[p].Load() < n/burst {
+					t.Fatalf("%v: the %s path taken less than once a burst", &paths, what)
 				}
+			}
+		})
+	}
+}
+
+// shrinkBuffers sets the kernel buffers between r and its raw peer c
+// (the router's send buffer and the peer's receive buffer) to about
+// size, so that what fills them is known: TCP's would grow to megabytes.
+func shrinkBuffers(t *testing.T, r *Router, peer []byte, c net.Conn, size int) {
+	t.Helper()
+	r.mu.RLock()
+	p := r.peers[string(peer)]
+	r.mu.RUnlock()
+	type buffered interface {
+		SetWriteBuffer(int) error
+		SetReadBuffer(int) error
+	}
+	if err := p.c.nc.(buffered).SetWriteBuffer(size); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.(buffered).SetReadBuffer(size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A long burst of messages, each within the burst gap of the one
+// before, is written inline only for its first burstInline messages; the
+// rest are queued, and drain writes them in batches. Messages farther
+// apart go inline, however many.
+func TestRouterEnqueueBurstsAreBatched(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		gap       time.Duration // the router's burst gap
+		pause     time.Duration // between two Enqueues
+		n         int
+		inline    int64
+		queuedMin int64
+	}{
+		{"burst", time.Hour, 0, 300, burstInline, 300 - burstInline},
+		{"apart", time.Millisecond, 2 * time.Millisecond, 20, 20, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var paths pathCounts
+			r := listenRouterOn(t, "ipc", withEnqueueHook(&paths), WithSendQueue(1<<20), withBurstGap(tc.gap))
+			_, br, peer := rawDealer(t, r)
+			done := make(chan error, 1)
+			go func() {
+				_, err := readMsgs(br, 0, tc.n, func(int) int { return 100 })
+				done <- err
+			}()
+			for i := range tc.n {
+				if tc.pause > 0 {
+					// Written and read before the next: the peer is idle.
+					r.Flush(testCtx(t, 10*time.Second))
+					time.Sleep(tc.pause)
+				}
+				if err := r.Enqueue(peer, inlineMsg(i, 100)...); err != nil {
+					t.Fatal(i, err)
+				}
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("%v", &paths)
+			if paths[pathInline].Load() != tc.inline || paths[pathQueued].Load() < tc.queuedMin || paths[pathPartial].Load() != 0 {
+				t.Fatalf("%v; want %d inline, at least %d queued", &paths, tc.inline, tc.queuedMin)
 			}
 		})
 	}
