@@ -134,8 +134,9 @@
 //     that has nothing waiting: it writes the message itself with one
 //     non-blocking writev (a goroutine per reply cost a scheduler wakeup
 //     of another thread, more CPU than the write). What the socket does
-//     not take, and every message behind it, is written in order by a
-//     goroutine of that peer, each write within the send timeout; the
+//     not take, every message behind it, and a burst's messages after
+//     its first two (they batch), are written in order by a goroutine
+//     of that peer, each write within the send timeout; the
 //     connection's writer lock stays held from a message's first part
 //     to its last, so nothing (Send, a PONG, the next message) comes
 //     between them. A peer that does not read is refused (ErrPeerBusy)

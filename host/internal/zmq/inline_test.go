@@ -124,11 +124,12 @@ func mixedSize(i int) int {
 // and its rest by the drain goroutine, the later ones are queued; when
 // the peer reads again, every message arrives whole, in order; and once
 // the peer has caught up, Enqueue writes inline again. Over ipc and tcp.
+// (No burst gap: every message may go inline.)
 func TestRouterEnqueueInlinePartialQueued(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(tr, func(t *testing.T) {
 			var paths pathCounts
-			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20))
+			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20), withBurstGap(0))
 			_, br, peer := rawDealer(t, r)
 			sizes := func(i int) int {
 				switch {
@@ -318,7 +319,7 @@ func TestRouterEnqueuePartialThenHeartbeats(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(tr, func(t *testing.T) {
 			var paths pathCounts
-			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20))
+			r := listenRouterOn(t, tr, withEnqueueHook(&paths), WithSendQueue(1<<20), withBurstGap(0))
 			c, br, peer := rawDealer(t, r)
 			sizes := func(i int) int {
 				if i%20 == 1 {

@@ -312,13 +312,17 @@ func (r *Router) Enqueue(peer []byte, frames ...[]byte) error {
 // before, is written inline only for its first burstInline messages;
 // the rest are queued, and drain writes what accumulates while it
 // writes in one writev. A write costs a system call (2 µs on a small
-// VM), so a long burst written message by message costs twice the CPU
-// of one written in batches (BenchmarkRouterEnqueue), while messages
-// that come farther apart than a write takes would not batch anyway:
-// they, and short bursts (a reply and an event or two), go inline.
+// VM) and a wakeup of the peer, so a long burst written message by
+// message cost twice the CPU of one written in batches
+// (BenchmarkRouterEnqueue), while messages that come farther apart than
+// a write takes would not batch anyway: they, and the start of a burst,
+// go inline. Where a sender waits whenever 16 messages are queued (so
+// every 16 start a burst: BenchmarkRouterEnqueue/queue=16) that still
+// costs CPU: 1.25×, 1.3× and 1.4× that of queueing everything with 1,
+// 2 and 4 inline; a request's reply costs 0.7× (BenchmarkRouterReply).
 const (
 	burstGap    = 5 * time.Microsecond
-	burstInline = 4
+	burstInline = 2
 )
 
 // writeInline writes frames to p's idle connection (p.mu held, nothing
