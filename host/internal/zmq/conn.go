@@ -67,9 +67,9 @@ type conn struct {
 	// purpose for the drain goroutine that writes the rest of a partly
 	// written message (see Router.writeInline).
 	wmu sync.Mutex
-	// now is the state of the non-blocking write (writeNow); wmu guards
-	// it.
-	now nowWriter
+	// now is the state of the non-blocking write (writeNow), made by
+	// its first use; wmu guards it.
+	now *nowWriter
 
 	closeOnce sync.Once
 	done      chan struct{} // closed by close()
@@ -116,7 +116,6 @@ func handshakeConn(nc net.Conn, local string, o *options, peerFirst bool) (*conn
 		peer: remoteName(nc),
 		done: make(chan struct{}),
 	}
-	c.now.init(nc)
 	if !peerFirst {
 		if err := c.sendReady(local); err != nil {
 			return nil, err

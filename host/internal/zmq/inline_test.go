@@ -528,7 +528,6 @@ func TestWriteNow(t *testing.T) {
 				t.Fatal(err)
 			}
 			c := &conn{nc: nc, peer: "test", done: make(chan struct{})}
-			c.now.init(nc)
 			defer c.close()
 			pr := bufio.NewReader(peer)
 			peer.SetDeadline(time.Now().Add(time.Minute))

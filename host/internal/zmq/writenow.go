@@ -39,7 +39,10 @@ var errNotNow = errors.New("zmq: not written at once")
 //   - another error: the write failed and the connection is closed, as
 //     writeLocked does.
 func (c *conn) writeNow(frames [][]byte) (rest net.Buffers, restBytes int, err error) {
-	w := &c.now
+	if c.now == nil {
+		c.now = newNowWriter(c.nc)
+	}
+	w := c.now
 	if w.raw == nil || len(frames) > inlineFrames {
 		return nil, 0, errNotNow
 	}
@@ -83,7 +86,7 @@ func (c *conn) writeRest(ctx context.Context, rest net.Buffers) error {
 	defer c.wmu.Unlock()
 	deadline, _ := ctx.Deadline()
 	err := c.writeLocked(ctx, rest, deadline)
-	c.now.clear(len(c.now.bufs))
+	c.now.clear(len(c.now.bufs)) // writeNow made it
 	return err
 }
 

@@ -16,7 +16,7 @@ type nowWriter struct {
 	bufs [2 * inlineFrames][]byte
 }
 
-func (w *nowWriter) init(net.Conn) {}
+func newNowWriter(net.Conn) *nowWriter { return &nowWriter{} }
 
 func (w *nowWriter) writev(net.Buffers) (int, syscall.Errno, error) {
 	return 0, 0, errors.New("zmq: no non-blocking write")
