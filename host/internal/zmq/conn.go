@@ -62,7 +62,14 @@ type conn struct {
 	contendBy time.Time
 	contended atomic.Bool
 
+	// wmu serializes writes: whoever holds it owns the byte stream to
+	// the peer. Router.Enqueue's inline write may leave it held on
+	// purpose for the drain goroutine that writes the rest of a partly
+	// written message (see Router.writeInline).
 	wmu sync.Mutex
+	// now is the state of the non-blocking write (writeNow), made by
+	// its first use; wmu guards it.
+	now *nowWriter
 
 	closeOnce sync.Once
 	done      chan struct{} // closed by close()
@@ -304,14 +311,24 @@ func (c *conn) send(ctx context.Context, frames [][]byte) error {
 func (c *conn) sendBatch(ctx context.Context, msgs [][][]byte) error {
 	nf := 0
 	for _, frames := range msgs {
-		if len(frames) == 0 {
-			return errors.New("zmq: a message needs at least one frame")
-		}
 		nf += len(frames)
 	}
-	hdrs := make([]byte, 9*nf)
-	bufs := make(net.Buffers, 0, 2*nf)
+	bufs, err := appendFrames(make(net.Buffers, 0, 2*nf), make([]byte, 9*nf), msgs)
+	if err != nil {
+		return err
+	}
+	deadline, _ := ctx.Deadline()
+	return c.writeRaw(ctx, bufs, deadline)
+}
+
+// appendFrames appends to bufs the ZMTP frames of msgs, in order, ready
+// for one writev: each frame's header, encoded into hdrs (9 bytes a frame
+// at most), then its body, not copied.
+func appendFrames(bufs net.Buffers, hdrs []byte, msgs [][][]byte) (net.Buffers, error) {
 	for _, frames := range msgs {
+		if len(frames) == 0 {
+			return nil, errors.New("zmq: a message needs at least one frame")
+		}
 		for i, f := range frames {
 			var flags byte
 			if i < len(frames)-1 {
@@ -326,13 +343,20 @@ func (c *conn) sendBatch(ctx context.Context, msgs [][][]byte) error {
 			}
 		}
 	}
-	deadline, _ := ctx.Deadline()
-	return c.writeRaw(ctx, bufs, deadline)
+	return bufs, nil
 }
 
+// writeRaw writes bufs under the writer lock; see writeLocked.
 func (c *conn) writeRaw(ctx context.Context, bufs net.Buffers, deadline time.Time) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	return c.writeLocked(ctx, bufs, deadline)
+}
+
+// writeLocked writes bufs, blocking until the kernel took them all, ctx
+// ends or deadline passes; on any error the connection is closed. The
+// caller holds c.wmu.
+func (c *conn) writeLocked(ctx context.Context, bufs net.Buffers, deadline time.Time) error {
 	select {
 	case <-c.done:
 		return ErrClosed

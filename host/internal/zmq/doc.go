@@ -130,6 +130,17 @@
 //     each write Send checks, without consuming data, whether the peer has
 //     already closed the connection, so a peer that went away is noticed
 //     before a message is written into a dead socket.
+//   - Router.Enqueue never blocks and starts no goroutine for a peer
+//     that has nothing waiting: it writes the message itself with one
+//     non-blocking writev (a goroutine per reply cost a scheduler wakeup
+//     of another thread, more CPU than the write). What the socket does
+//     not take, every message behind it, and a burst's messages after
+//     its first two (they batch), are written in order by a goroutine
+//     of that peer, each write within the send timeout; the
+//     connection's writer lock stays held from a message's first part
+//     to its last, so nothing (Send, a PONG, the next message) comes
+//     between them. A peer that does not read is refused (ErrPeerBusy)
+//     at WithSendQueue messages or WithSendQueueBytes bytes waiting.
 //   - As with libzmq, a message written just before the peer dies (or
 //     sitting unread in the dead peer's buffers) is lost; the control plane
 //     covers that with timeouts and heartbeats, as SGLang's disaggregation/{nixl,mori}/conn.py does.

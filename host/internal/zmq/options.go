@@ -95,6 +95,10 @@ type options struct {
 	socketMode       os.FileMode
 	onDisconnect     func(peer []byte)
 	discardOversize  bool // see WithDiscardOversize
+	// enqueueHook, when set (tests), learns what Router.Enqueue did
+	// with each message it accepted.
+	enqueueHook func(enqueuePath)
+	burstGap    time.Duration // see burstGap; tests change it
 }
 
 func buildOptions(opts []Option) options {
@@ -116,6 +120,7 @@ func buildOptions(opts []Option) options {
 		evictIdle:        evictIdle,
 		contendedTimeout: contendedTimeout,
 		socketMode:       DefaultSocketMode,
+		burstGap:         burstGap,
 	}
 	for _, opt := range opts {
 		opt(&o)
