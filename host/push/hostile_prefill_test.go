@@ -3,6 +3,7 @@ package push_test
 import (
 	"context"
 	"fmt"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -190,8 +191,9 @@ func TestPendingInfoBudget(t *testing.T) {
 // TestPendingInfoFlood: 200 transfer infos of 4 MiB of page indices each
 // (30 under the race detector), for rooms the prefill never had, from
 // several agent names (one of them the registered decode's), must not
-// grow the process by more than 256 MB (issue 12: it grew from 20 MB to
-// 1.25 GB), with the default limits.
+// make the process keep more than 128 MB once their garbage is collected,
+// nor grow it by more than 512 MB meanwhile (issue 12: it grew from 20 MB
+// to 1.25 GB and stayed), with the default limits.
 func TestPendingInfoFlood(t *testing.T) {
 	r := newRig(t, rigOpts{})
 	ctx := ctxT(t, 120*time.Second)
@@ -230,9 +232,20 @@ func TestPendingInfoFlood(t *testing.T) {
 		t.Errorf("live heap grew by %d MB", (heap-heap0)>>20)
 	}
 	// The race detector's shadow memory scales RSS; the byte and heap
-	// bounds above hold with it too.
-	if !raceEnabled && rss-rss0 > 256<<20 {
-		t.Errorf("RSS grew by %d MB under the flood (bound 256 MB)", (rss-rss0)>>20)
+	// bounds above hold with it too. The peak depends on when the GC ran:
+	// parsed infos are garbage at once, and on a loaded machine the GC's
+	// pacing (GOGC=100) let them pile up to +307 MB before it caught up
+	// (here alone: +80 to +160 MB). So the peak's bound is loose, and what
+	// the prefill keeps (issue 12's 1.25 GB stayed) is bounded once the
+	// garbage is collected and returned.
+	if !raceEnabled && rss-rss0 > 512<<20 {
+		t.Errorf("RSS grew by %d MB under the flood (bound 512 MB)", (rss-rss0)>>20)
+	}
+	debug.FreeOSMemory()
+	if kept := int64(rssBytes(t)); !raceEnabled && kept-rss0 > 128<<20 {
+		t.Errorf("RSS kept %d MB more after the flood, its garbage collected (bound 128 MB)", (kept-rss0)>>20)
+	} else {
+		t.Logf("RSS after the garbage is collected: +%d MB", (kept-rss0)>>20)
 	}
 	// The decode still works.
 	q = r.prepare(7, 9, 0)
