@@ -65,6 +65,8 @@ def snapshot(pid="self", root="/proc"):
             continue  # the thread ended after the listing
         except ProcessLookupError:
             continue  # the thread ended while being read
+        if not b:
+            continue  # the thread ended between the open and the read
         if len(b) > _MAX_BYTES:
             raise ValueError("schedstat: %s: longer than %d bytes" % (path, _MAX_BYTES))
         try:

@@ -44,6 +44,30 @@ def test_snapshot_synthetic(tmp_path):
     assert schedstat.snapshot(42, root) == {42: (10**9, 5 * 10**8, 10), 43: (2000, 3000, 4)}
 
 
+def test_snapshot_skips_a_thread_being_reaped(tmp_path):
+    """A thread being reaped reads empty: it is left out, not an error
+    that drops the snapshot."""
+    root = write_proc(tmp_path, 5, {5: "1 1 1\n", 6: ""})
+    assert schedstat.snapshot(5, root) == {5: (1, 1, 1)}
+
+
+def test_snapshot_while_threads_end():
+    """Threads of this process that end while it is read never fail it."""
+    import threading
+    import time
+    stop = time.monotonic() + 1.0
+    reads = 0
+    while time.monotonic() < stop:
+        ts = [threading.Thread(target=lambda: None) for _ in range(4)]
+        for t in ts:
+            t.start()
+        schedstat.snapshot()
+        reads += 1
+        for t in ts:
+            t.join()
+    assert reads > 0
+
+
 def test_snapshot_unavailable(tmp_path):
     # A kernel without CONFIG_SCHED_INFO: the task is there, its file not.
     root = write_proc(tmp_path, 7, {7: None})

@@ -15,12 +15,14 @@ package schedstat
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -67,6 +69,11 @@ func Read(root, pid string) (Snapshot, error) {
 		}
 		name := filepath.Join(dir, e.Name(), "schedstat")
 		b, err := readBounded(name)
+		if errors.Is(err, syscall.ESRCH) || (err == nil && len(b) == 0) {
+			// The thread ended between the open and the read: the kernel
+			// answers ESRCH (or nothing) for a thread being reaped.
+			continue
+		}
 		if errors.Is(err, fs.ErrNotExist) {
 			if _, serr := os.Stat(filepath.Join(dir, e.Name())); serr == nil {
 				// The thread is there, its schedstat is not.
@@ -97,8 +104,11 @@ func readBounded(name string) ([]byte, error) {
 	for n < len(b) {
 		m, err := f.Read(b[n:])
 		n += m
-		if err != nil || m == 0 {
+		if err == io.EOF || (err == nil && m == 0) {
 			break
+		}
+		if err != nil {
+			return nil, err
 		}
 	}
 	if n > maxFileBytes {

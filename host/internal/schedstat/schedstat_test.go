@@ -196,3 +196,52 @@ func TestSelfSpinningThread(t *testing.T) {
 		t.Fatalf("window over the spinning thread: %+v, want at least 0.05 s run", u)
 	}
 }
+
+// A thread being reaped reads empty (or ESRCH): it is left out, not an
+// error that drops the whole snapshot.
+func TestReadEmptyIsAnEndedThread(t *testing.T) {
+	root := writeProc(t, "5", map[string]string{"5": "1 1 1\n", "6": "x"})
+	if err := os.WriteFile(filepath.Join(root, "5", "task", "6", "schedstat"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := Read(root, "5")
+	if err != nil || len(snap) != 1 || snap[5] != (Thread{Run: 1, Wait: 1, Slices: 1}) {
+		t.Fatalf("Read with an empty schedstat: %+v, %v; want only thread 5", snap, err)
+	}
+}
+
+// Threads that end while this process's are read never fail the read
+// (a goroutine that locks its OS thread and returns ends that thread).
+func TestSelfWhileThreadsEnd(t *testing.T) {
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			ended := make(chan struct{})
+			go func() {
+				runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
+				close(ended)
+			}()
+			<-ended
+		}
+	}()
+	deadline := time.Now().Add(2 * time.Second)
+	reads := 0
+	for time.Now().Before(deadline) {
+		if _, err := Self(); err != nil {
+			close(stop)
+			<-done
+			t.Fatalf("read %d of /proc/self while threads end: %v", reads, err)
+		}
+		reads++
+	}
+	close(stop)
+	<-done
+	t.Logf("%d reads", reads)
+}
